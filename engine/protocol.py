@@ -31,10 +31,11 @@ class SamplingOptions(msgspec.Struct, frozen=True, omit_defaults=True):
 
 
 class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
-    """The chosen token's log-probability and the top-N alternatives as (token_id, logprob)."""
+    """A sampled token, with its log-probability and the top-N alternatives as
+    (token_id, logprob) when the request asked for logprobs (logprob None otherwise)."""
 
     token_id: int
-    logprob: float
+    logprob: float | None = None
     top: list[tuple[int, float]] = []
 
 

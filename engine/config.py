@@ -1,0 +1,174 @@
+"""Engine configuration: one frozen dataclass per concern, composed by EngineConfig."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+ROLES = ("both", "prefill", "decode")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The model's shape, read from a Hugging Face checkpoint's config.json."""
+
+    model_dir: str
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    max_model_len: int
+    tie_word_embeddings: bool
+    has_qkv_bias: bool
+    has_o_bias: bool
+    dtype: torch.dtype
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"architecture {self.architecture!r} is not supported; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+        if not 0 < self.max_model_len <= self.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len must be in (0, {self.max_position_embeddings}], got {self.max_model_len}"
+            )
+
+    @property
+    def name(self) -> str:
+        return Path(self.model_dir).name
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+    @classmethod
+    def from_pretrained(
+        cls, model_dir: str | Path, dtype: str = "float32", max_model_len: int | None = None
+    ) -> "ModelConfig":
+        """Read config.json (and generation_config.json for eos ids). Raises ValueError for an
+        unsupported architecture or dtype, FileNotFoundError for a missing config."""
+        model_dir = Path(model_dir)
+        hf = json.loads((model_dir / "config.json").read_text())
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        architecture = (hf.get("architectures") or ["LlamaForCausalLM"])[0]
+        num_heads = hf["num_attention_heads"]
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
+        rope = _rope_parameters(hf)
+        max_pos = hf.get("max_position_embeddings", 2048)
+        max_pos = _capped_by_sliding_window(hf, max_pos)
+        is_qwen2 = architecture == "Qwen2ForCausalLM"
+        attention_bias = bool(hf.get("attention_bias", False))
+        return cls(
+            model_dir=str(model_dir),
+            architecture=architecture,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            intermediate_size=hf["intermediate_size"],
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=rope.pop("rope_theta"),
+            rope_scaling=rope if rope.get("rope_type", "default") != "default" else None,
+            max_position_embeddings=max_pos,
+            max_model_len=max_model_len or max_pos,
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            has_qkv_bias=is_qwen2 or attention_bias,
+            has_o_bias=attention_bias and not is_qwen2,
+            dtype=DTYPES[dtype],
+            eos_token_ids=_eos_token_ids(model_dir, hf),
+            bos_token_id=hf.get("bos_token_id"),
+        )
+
+
+def _rope_parameters(hf: dict) -> dict:
+    """transformers 5 writes rope_parameters; older checkpoints rope_theta + rope_scaling."""
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    if "type" in rope and "rope_type" not in rope:
+        rope["rope_type"] = rope.pop("type")
+    rope.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
+    rope.setdefault("rope_type", "default")
+    return rope
+
+
+def _capped_by_sliding_window(hf: dict, max_pos: int) -> int:
+    # NOTE: no sliding-window attention here; capping the context at the window keeps Mistral
+    # and Qwen2 checkpoints that use one exact instead of silently wrong past the window.
+    window = hf.get("sliding_window")
+    if window and hf.get("use_sliding_window", True):
+        return min(max_pos, window)
+    return max_pos
+
+
+def _eos_token_ids(model_dir: Path, hf: dict) -> tuple[int, ...]:
+    eos = hf.get("eos_token_id")
+    gen_path = model_dir / "generation_config.json"
+    if gen_path.exists():
+        eos = json.loads(gen_path.read_text()).get("eos_token_id", eos)
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, list) else (eos,)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    num_blocks: int | None = None  # None: sized from kv_cache_memory_bytes or free memory
+    kv_cache_memory_bytes: int | None = None
+    enable_prefix_caching: bool = False
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    role: str = "both"  # both: plain engine; prefill: stop after the first token; decode
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device: str = "cpu"
+    seed: int = 0
