@@ -1,0 +1,185 @@
+"""LLMEngine: requests in, one scheduled and sampled step at a time, token deltas out.
+
+Not thread-safe: one caller drives add_request/abort/step (a node's loop or the offline LLM).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from engine.block_pool import BlockPool
+from engine.config import EngineConfig
+from engine.kv_cache import allocate_kv_cache, num_blocks_for
+from engine.model import CausalLM
+from engine.protocol import TokenLogprob
+from engine.request import FinishReason, Request
+from engine.runner import ModelRunner
+from engine.sampler import Sampler
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.weights import load_weights
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepOutput:
+    """New tokens of one request from one step. block_ids is set only for a PREFILLED finish:
+    the caller then owns those blocks and must pass them to LLMEngine.free_blocks."""
+
+    request_id: str
+    new_tokens: list[TokenLogprob]
+    finish_reason: FinishReason | None = None
+    num_prompt_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        torch.manual_seed(config.seed)
+        model_cfg = config.model
+        num_blocks = num_blocks_for(model_cfg, config.cache, config.device)
+        self.config = replace(config, cache=replace(config.cache, num_blocks=num_blocks))
+        self.block_size = config.cache.block_size
+        weights = load_weights(model_cfg, config.device)
+        self.model = CausalLM(model_cfg, weights, config.device)
+        self.kv_cache = allocate_kv_cache(model_cfg, num_blocks, self.block_size, config.device)
+        self.block_pool = BlockPool(num_blocks)
+        self.scheduler = Scheduler(config.scheduler, self.block_pool, self.block_size)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.block_size, config.device)
+        self.sampler = Sampler(model_cfg.vocab_size, model_cfg.eos_token_ids, config.seed)
+        # A lone request must always fit, or it would preempt itself forever.
+        self.max_total_tokens = min(model_cfg.max_model_len, num_blocks * self.block_size)
+        self._requests: dict[str, Request] = {}
+        self.num_steps = 0
+        logger.info("engine ready: %s, %d blocks of %d tokens", model_cfg.name, num_blocks, self.block_size)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.num_free_blocks
+
+    @property
+    def num_unfinished(self) -> int:
+        return self.scheduler.num_unfinished
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+        output_token_ids: list[int] | None = None,
+    ) -> None:
+        """Queue a request to be prefilled here. output_token_ids continues a request whose
+        first tokens were sampled elsewhere (recomputed here with the prompt). Raises
+        ValueError naming the parameter for bad input; the engine keeps serving."""
+        request = self._new_request(request_id, prompt_token_ids, params, output_token_ids)
+        self._requests[request_id] = request
+        self.scheduler.add_waiting(request)
+
+    def add_prefilled_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+        first_token: TokenLogprob, block_ids: list[int],
+    ) -> None:
+        """Join a request whose prompt KV already sits in block_ids (decode role, after a
+        pull); the engine owns block_ids from here on and frees them when it finishes."""
+        request = self._new_request(request_id, prompt_token_ids, params, [first_token.token_id])
+        needed = -(-len(prompt_token_ids) // self.block_size)
+        if len(block_ids) != needed:
+            raise ValueError(f"request {request_id}: {len(block_ids)} blocks for a prompt needing {needed}")
+        request.output_logprobs.append(first_token)
+        request.block_ids = list(block_ids)
+        request.num_computed_tokens = len(prompt_token_ids)
+        self._requests[request_id] = request
+        self.scheduler.add_running(request)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request at any point and free its blocks; False if it is not here."""
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return False
+        self.scheduler.finish(request, FinishReason.ABORT)
+        return True
+
+    def free_blocks(self, block_ids: list[int]) -> None:
+        """Return blocks the caller owns (a PREFILLED request's, or ones it allocated)."""
+        self.block_pool.free(block_ids)
+
+    def step(self) -> list[StepOutput]:
+        """Schedule, run and sample one step; returns the requests that got tokens or ended."""
+        scheduled = self.scheduler.schedule()
+        if scheduled.is_empty:
+            return []
+        self.num_steps += 1
+        logits, sampled_requests = self.runner.execute(scheduled)
+        for request, num_new in scheduled.scheduled():
+            request.num_computed_tokens += num_new
+        if not sampled_requests:
+            return []
+        tokens = self.sampler.sample(logits, sampled_requests)
+        return [self._append_token(r, t) for r, t in zip(sampled_requests, tokens)]
+
+    def _append_token(self, request: Request, token: TokenLogprob) -> StepOutput:
+        request.output_token_ids.append(token.token_id)
+        request.output_logprobs.append(token)
+        output = StepOutput(request.request_id, [token], num_prompt_tokens=request.num_prompt_tokens)
+        reason = self._finish_reason(request, token.token_id)
+        if reason is not None:
+            self._requests.pop(request.request_id, None)
+            self.scheduler.finish(request, reason)
+            output.finish_reason = reason
+            if reason is FinishReason.PREFILLED:
+                output.block_ids = request.block_ids
+        return output
+
+    def _finish_reason(self, request: Request, token_id: int) -> FinishReason | None:
+        params = request.params
+        if token_id in params.stop_token_ids:
+            return FinishReason.STOP
+        if token_id in self.config.model.eos_token_ids and not params.ignore_eos:
+            return FinishReason.STOP
+        if request.num_output_tokens >= params.max_tokens:
+            return FinishReason.LENGTH
+        if request.num_tokens >= request.max_total_tokens:
+            return FinishReason.LENGTH
+        if self.config.scheduler.role == "prefill":
+            return FinishReason.PREFILLED
+        return None
+
+    def _new_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+        output_token_ids: list[int] | None,
+    ) -> Request:
+        if request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        self._check_token_ids(request_id, prompt_token_ids, output_token_ids or [])
+        request = Request(request_id, list(prompt_token_ids), params, self.max_total_tokens)
+        request.output_token_ids = list(output_token_ids or [])
+        return request
+
+    def _check_token_ids(self, request_id: str, prompt: list[int], outputs: list[int]) -> None:
+        if not prompt:
+            raise ValueError(f"request {request_id}: prompt must not be empty")
+        limit = self.max_total_tokens
+        if len(prompt) + len(outputs) >= limit:
+            raise ValueError(
+                f"request {request_id}: prompt has {len(prompt) + len(outputs)} tokens; the "
+                f"limit is {limit - 1} (max_model_len {limit} leaves room for one output token)"
+            )
+        vocab = self.config.model.vocab_size
+        bad = [t for t in (*prompt, *outputs) if not (isinstance(t, int) and 0 <= t < vocab)]
+        if bad:
+            raise ValueError(f"request {request_id}: token ids {bad[:5]} are outside [0, {vocab})")
+
+    def check_leaks(self) -> None:
+        """Assert that an idle engine holds no blocks (tests and shutdown call it)."""
+        assert not self.has_unfinished(), f"{self.num_unfinished} requests left"
+        assert self.num_free_blocks == self.block_pool.num_blocks, (
+            f"{self.block_pool.num_blocks - self.num_free_blocks} blocks still allocated"
+        )

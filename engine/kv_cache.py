@@ -1,0 +1,58 @@
+"""The paged KV cache tensor: its block-major layout and its size from a memory budget.
+
+Layout: [num_blocks, num_layers, 2 (K, V), block_size, num_kv_heads, head_dim]. Block-major,
+so one block (all layers' K and V of block_size tokens) is one contiguous region: one NIXL
+descriptor per block instead of num_layers x 2, and a block copy is one memcpy.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from engine.config import CacheConfig, ModelConfig
+
+# NOTE: with no explicit budget, the CPU cache takes this share of the memory that is free at
+# start-up (capped), leaving room for the weights' working set and other processes.
+_CPU_MEMORY_FRACTION = 0.25
+_CPU_MAX_BYTES = 8 << 30
+_GPU_MEMORY_FRACTION = 0.85
+
+
+def block_shape(model: ModelConfig, block_size: int) -> tuple[int, ...]:
+    return (model.num_layers, 2, block_size, model.num_kv_heads, model.head_dim)
+
+
+def block_size_bytes(model: ModelConfig, block_size: int) -> int:
+    numel = 1
+    for dim in block_shape(model, block_size):
+        numel *= dim
+    return numel * model.dtype.itemsize
+
+
+def num_blocks_for(model: ModelConfig, cache: CacheConfig, device: str) -> int:
+    """The block count: cache.num_blocks if set, else the memory budget over the block size."""
+    if cache.num_blocks is not None:
+        return cache.num_blocks
+    budget = cache.kv_cache_memory_bytes or _default_budget_bytes(device)
+    num_blocks = budget // block_size_bytes(model, cache.block_size)
+    if num_blocks < 1:
+        raise ValueError(
+            f"kv cache budget {budget} bytes is smaller than one block "
+            f"({block_size_bytes(model, cache.block_size)} bytes)"
+        )
+    return int(num_blocks)
+
+
+def allocate_kv_cache(model: ModelConfig, num_blocks: int, block_size: int, device: str) -> torch.Tensor:
+    shape = (num_blocks, *block_shape(model, block_size))
+    return torch.zeros(shape, dtype=model.dtype, device=device)
+
+
+def _default_budget_bytes(device: str) -> int:
+    if device.startswith("cuda"):
+        free_bytes, _ = torch.cuda.mem_get_info(torch.device(device))
+        return int(free_bytes * _GPU_MEMORY_FRACTION)
+    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return int(min(available * _CPU_MEMORY_FRACTION, _CPU_MAX_BYTES))

@@ -1,0 +1,110 @@
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2) over a flattened varlen batch.
+
+All scheduled tokens of all requests form one [num_tokens, hidden] tensor, decodes first, then
+prefill chunks. Every op but the matmuls goes through kernels/ (Triton on CUDA, torch else).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.config import ModelConfig
+from engine.weights import LayerWeights, ModelWeights
+from kernels.activation import silu_and_mul
+from kernels.decode_attention import decode_attention
+from kernels.prefill_attention import prefill_attention
+from kernels.rms_norm import add_rms_norm, rms_norm
+from kernels.rotary import apply_rotary, rotary_cos_sin_cache
+from kernels.write_kv import write_kv
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each token's K/V goes and what each sequence attends to, for one step.
+
+    The first num_decode_tokens tokens are decodes (one per sequence); the rest are prefill
+    chunks delimited by prefill_cu_query_lens.
+    """
+
+    positions: torch.Tensor  # [num_tokens] int64
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    num_decode_tokens: int
+    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] int32
+    decode_seq_lens: torch.Tensor  # [num_decodes] int32
+    prefill_block_tables: torch.Tensor  # [num_prefills, max_blocks] int32
+    prefill_cu_query_lens: torch.Tensor  # [num_prefills + 1] int32
+    prefill_seq_lens: torch.Tensor  # [num_prefills] int32
+
+
+class CausalLM:
+    def __init__(self, config: ModelConfig, weights: ModelWeights, device: str) -> None:
+        self.config = config
+        self.weights = weights
+        self.scale = config.head_dim**-0.5
+        self.cos_sin_cache = rotary_cos_sin_cache(
+            config.head_dim, config.max_position_embeddings, config.rope_theta,
+            config.rope_scaling, torch.float32,
+        ).to(device=device, dtype=config.dtype)
+        self._q_size = config.num_heads * config.head_dim
+        self._kv_size = config.num_kv_heads * config.head_dim
+
+    @torch.inference_mode()
+    def forward(
+        self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """Run the batch, writing its K/V into kv_cache; returns float32 logits
+        [len(logits_indices), vocab] for the tokens at logits_indices."""
+        hidden = self.weights.embed_tokens[input_ids]
+        residual = None
+        for layer_idx, layer in enumerate(self.weights.layers):
+            if residual is None:
+                residual = hidden
+                normed = rms_norm(hidden, layer.input_norm, self.config.rms_norm_eps)
+            else:
+                normed, residual = add_rms_norm(
+                    hidden, residual, layer.input_norm, self.config.rms_norm_eps
+                )
+            hidden = self._attention(layer, normed, meta, kv_cache[:, layer_idx])
+            normed, residual = add_rms_norm(hidden, residual, layer.post_norm, self.config.rms_norm_eps)
+            hidden = F.linear(silu_and_mul(F.linear(normed, layer.gate_up)), layer.down)
+        hidden = hidden[logits_indices]
+        residual = residual[logits_indices]
+        normed, _ = add_rms_norm(hidden, residual, self.weights.norm, self.config.rms_norm_eps)
+        return F.linear(normed, self.weights.lm_head).float()
+
+    def _attention(
+        self, layer: LayerWeights, x: torch.Tensor, meta: AttentionMetadata,
+        kv_cache_layer: torch.Tensor,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        cfg = self.config
+        qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+        query, key, value = qkv.split([self._q_size, self._kv_size, self._kv_size], dim=-1)
+        query = query.reshape(num_tokens, cfg.num_heads, cfg.head_dim)
+        key = key.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        value = value.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        apply_rotary(query, key, meta.positions, self.cos_sin_cache)
+        write_kv(key, value, kv_cache_layer, meta.slot_mapping)
+        out = self._paged_attention(query, meta, kv_cache_layer)
+        return F.linear(out.reshape(num_tokens, self._q_size), layer.o, layer.o_bias)
+
+    def _paged_attention(
+        self, query: torch.Tensor, meta: AttentionMetadata, kv_cache_layer: torch.Tensor
+    ) -> torch.Tensor:
+        num_decodes = meta.num_decode_tokens
+        parts = []
+        if num_decodes:
+            parts.append(decode_attention(
+                query[:num_decodes], kv_cache_layer, meta.decode_block_tables,
+                meta.decode_seq_lens, self.scale,
+            ))
+        if num_decodes < query.shape[0]:
+            parts.append(prefill_attention(
+                query[num_decodes:], kv_cache_layer, meta.prefill_block_tables,
+                meta.prefill_cu_query_lens, meta.prefill_seq_lens, self.scale,
+            ))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)

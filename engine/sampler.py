@@ -1,0 +1,175 @@
+"""Sampler: picks each request's next token from its logits row, per-request settings in one batch.
+
+Random draws use the exponential race (argmax of p / E with E ~ Exp(1)), which samples from p
+exactly. A seeded request's noise comes from a generator seeded by (seed, output index), so
+its tokens depend neither on the batch it runs in nor on the node that samples them (prefill
+node for the first token, decode node after).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.protocol import TokenLogprob
+from engine.request import Request
+
+_SEED_STRIDE = 1_000_003
+
+
+@dataclass
+class _Rows:
+    """Per-row sampling settings of one batch, as tensors."""
+
+    temperature: torch.Tensor  # [num_rows, 1]
+    top_k: torch.Tensor  # [num_rows], vocab size where off
+    top_p: torch.Tensor  # [num_rows]
+    min_p: torch.Tensor  # [num_rows]
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, eos_token_ids: tuple[int, ...], seed: int = 0) -> None:
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self._generator = torch.Generator().manual_seed(seed)
+        self._row_generator = torch.Generator()
+
+    def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[TokenLogprob]:
+        """logits: [num_requests, vocab] (any dtype); returns one token per request, in order."""
+        logits = logits.float()
+        raw_logprobs = self._raw_logprobs(logits, requests)
+        logits = self._apply_penalties(logits, requests)
+        logits = self._mask_early_stops(logits, requests)
+        token_ids = torch.empty(len(requests), dtype=torch.long)
+        greedy_idx = [i for i, r in enumerate(requests) if r.params.is_greedy]
+        random_idx = [i for i, r in enumerate(requests) if not r.params.is_greedy]
+        if greedy_idx:
+            token_ids[greedy_idx] = logits[greedy_idx].argmax(dim=-1)
+        if random_idx:
+            chosen = [requests[i] for i in random_idx]
+            token_ids[random_idx] = self._sample_random(logits[random_idx], chosen)
+        return _with_logprobs(token_ids, raw_logprobs, requests)
+
+    def _raw_logprobs(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor | None:
+        # NOTE: logprobs are those of the model's distribution (before temperature, penalties
+        # and truncation), as OpenAI and vLLM report them.
+        if all(r.params.logprobs is None for r in requests):
+            return None
+        return torch.log_softmax(logits, dim=-1)
+
+    def _apply_penalties(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        rows = [i for i, r in enumerate(requests) if r.params.has_penalties]
+        if not rows:
+            return logits
+        logits = logits.clone()
+        picked = [requests[i] for i in rows]
+        output_counts = self._token_counts([r.output_token_ids for r in picked])
+        seen = self._token_counts([r.prompt_token_ids for r in picked]) + output_counts > 0
+        rep = torch.tensor([r.params.repetition_penalty for r in picked]).unsqueeze(1)
+        freq = torch.tensor([r.params.frequency_penalty for r in picked]).unsqueeze(1)
+        presence = torch.tensor([r.params.presence_penalty for r in picked]).unsqueeze(1)
+        sub = logits[rows]
+        # Repetition penalty as in transformers: shrink positive logits, grow negative ones.
+        penalized = torch.where(sub > 0, sub / rep, sub * rep)
+        sub = torch.where(seen, penalized, sub)
+        sub = sub - freq * output_counts - presence * (output_counts > 0).float()
+        logits[rows] = sub
+        return logits
+
+    def _token_counts(self, token_lists: list[list[int]]) -> torch.Tensor:
+        """[len(token_lists), vocab] float counts; padded with an extra column that is dropped."""
+        width = max((len(t) for t in token_lists), default=0)
+        padded = torch.full((len(token_lists), max(width, 1)), self.vocab_size, dtype=torch.long)
+        for row, tokens in enumerate(token_lists):
+            if tokens:
+                padded[row, : len(tokens)] = torch.tensor(tokens)
+        counts = torch.zeros(len(token_lists), self.vocab_size + 1)
+        counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float))
+        return counts[:, : self.vocab_size]
+
+    def _mask_early_stops(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """min_tokens: no stop token (eos or stop_token_ids) before that many outputs."""
+        rows = [i for i, r in enumerate(requests) if r.num_output_tokens < r.params.min_tokens]
+        if not rows:
+            return logits
+        logits = logits.clone()
+        for i in rows:
+            params = requests[i].params
+            stop_ids = list(params.stop_token_ids)
+            if not params.ignore_eos:
+                stop_ids += list(self.eos_token_ids)
+            stop_ids = [t for t in stop_ids if t < self.vocab_size]
+            if stop_ids:
+                logits[i, stop_ids] = float("-inf")
+        return logits
+
+    def _sample_random(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        rows = _row_settings(requests, self.vocab_size)
+        probs = torch.softmax(logits / rows.temperature, dim=-1)
+        noise = self._exponential_noise(requests)
+        if bool((rows.top_k < self.vocab_size).any()) or bool((rows.top_p < 1.0).any()):
+            return self._sample_truncated(probs, noise, rows)
+        probs = _apply_min_p(probs, rows.min_p)
+        return (probs / noise).argmax(dim=-1)
+
+    def _sample_truncated(self, probs: torch.Tensor, noise: torch.Tensor, rows: _Rows) -> torch.Tensor:
+        sorted_probs, sorted_ids = probs.sort(dim=-1, descending=True)
+        rank = torch.arange(probs.shape[-1]).unsqueeze(0)
+        outside_k = rank >= rows.top_k.unsqueeze(1)
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        outside_p = mass_before >= rows.top_p.unsqueeze(1)
+        sorted_probs = sorted_probs.masked_fill(outside_k | outside_p, 0.0)
+        sorted_probs = _apply_min_p(sorted_probs, rows.min_p)
+        sorted_noise = noise.gather(1, sorted_ids)
+        chosen_rank = (sorted_probs / sorted_noise).argmax(dim=-1, keepdim=True)
+        return sorted_ids.gather(1, chosen_rank).squeeze(1)
+
+    def _exponential_noise(self, requests: list[Request]) -> torch.Tensor:
+        noise = torch.empty(len(requests), self.vocab_size)
+        noise.exponential_(generator=self._generator)
+        for row, request in enumerate(requests):
+            if request.params.seed is not None:
+                seed = request.params.seed * _SEED_STRIDE + request.num_output_tokens
+                self._row_generator.manual_seed(seed % (2**63))
+                noise[row].exponential_(generator=self._row_generator)
+        return noise
+
+
+def _row_settings(requests: list[Request], vocab_size: int) -> _Rows:
+    return _Rows(
+        temperature=torch.tensor([r.params.temperature for r in requests]).unsqueeze(1),
+        top_k=torch.tensor([r.params.top_k or vocab_size for r in requests]),
+        top_p=torch.tensor([r.params.top_p for r in requests]),
+        min_p=torch.tensor([r.params.min_p for r in requests]),
+    )
+
+
+def _apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    if not bool((min_p > 0).any()):
+        return probs
+    threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
+    return probs.masked_fill(probs < threshold, 0.0)
+
+
+def _with_logprobs(
+    token_ids: torch.Tensor, raw_logprobs: torch.Tensor | None, requests: list[Request]
+) -> list[TokenLogprob]:
+    ids = token_ids.tolist()
+    if raw_logprobs is None:
+        return [TokenLogprob(token_id) for token_id in ids]
+    chosen = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1).tolist()
+    max_top = max(r.params.logprobs or 0 for r in requests)
+    top_values, top_ids = raw_logprobs.topk(max_top, dim=-1) if max_top else (None, None)
+    results = []
+    for row, request in enumerate(requests):
+        num_top = request.params.logprobs
+        if num_top is None:
+            results.append(TokenLogprob(ids[row]))
+            continue
+        top = []
+        if num_top:
+            top = list(zip(top_ids[row, :num_top].tolist(), top_values[row, :num_top].tolist()))
+        results.append(TokenLogprob(ids[row], chosen[row], top))
+    return results

@@ -1,0 +1,88 @@
+"""Loading a Hugging Face Llama-family checkpoint (safetensors) into the engine's fused layout."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from engine.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor  # [hidden]
+    qkv: torch.Tensor  # [(num_heads + 2 * num_kv_heads) * head_dim, hidden]
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor  # [hidden, num_heads * head_dim]
+    o_bias: torch.Tensor | None
+    post_norm: torch.Tensor  # [hidden]
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    down: torch.Tensor  # [hidden, intermediate]
+
+
+@dataclass
+class ModelWeights:
+    embed_tokens: torch.Tensor  # [vocab, hidden]
+    layers: list[LayerWeights]
+    norm: torch.Tensor  # [hidden]
+    lm_head: torch.Tensor  # [vocab, hidden]; the embedding itself when tied
+
+
+def load_weights(config: ModelConfig, device: str = "cpu") -> ModelWeights:
+    """Read every *.safetensors file of config.model_dir. Raises FileNotFoundError when there
+    is none and KeyError naming a missing tensor."""
+    tensors = _read_safetensors(Path(config.model_dir))
+
+    def take(name: str) -> torch.Tensor:
+        if name not in tensors:
+            raise KeyError(f"checkpoint {config.model_dir} has no tensor {name!r}")
+        return tensors.pop(name).to(device=device, dtype=config.dtype)
+
+    def take_optional(name: str) -> torch.Tensor | None:
+        return take(name) if name in tensors else None
+
+    layers = [_load_layer(config, i, take, take_optional) for i in range(config.num_layers)]
+    embed = take("model.embed_tokens.weight")
+    lm_head = embed if config.tie_word_embeddings else take_optional("lm_head.weight")
+    if lm_head is None:
+        logger.warning("no lm_head.weight in %s: tying it to the embedding", config.model_dir)
+        lm_head = embed
+    return ModelWeights(embed, layers, take("model.norm.weight"), lm_head)
+
+
+def _load_layer(config: ModelConfig, idx: int, take, take_optional) -> LayerWeights:
+    prefix = f"model.layers.{idx}."
+    attn = prefix + "self_attn."
+    qkv = torch.cat([take(attn + f"{p}_proj.weight") for p in "qkv"])
+    qkv_bias = None
+    if config.has_qkv_bias:
+        qkv_bias = torch.cat([take(attn + f"{p}_proj.bias") for p in "qkv"])
+    mlp = prefix + "mlp."
+    return LayerWeights(
+        input_norm=take(prefix + "input_layernorm.weight"),
+        qkv=qkv,
+        qkv_bias=qkv_bias,
+        o=take(attn + "o_proj.weight"),
+        o_bias=take_optional(attn + "o_proj.bias") if config.has_o_bias else None,
+        post_norm=take(prefix + "post_attention_layernorm.weight"),
+        gate_up=torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")]),
+        down=take(mlp + "down_proj.weight"),
+    )
+
+
+def _read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors file in {model_dir}")
+    tensors: dict[str, torch.Tensor] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                tensors[name] = f.get_tensor(name)
+    return tensors
