@@ -1,0 +1,39 @@
+"""`pdserve generate --model DIR "prompt" ...`: offline completions printed to stdout."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("prompts", nargs="+", help="prompt texts")
+    parser.add_argument("--model", default=None, help="checkpoint directory (default: the tiny default model)")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--chat", action="store_true", help="wrap each prompt as a user message")
+
+
+def main(args: argparse.Namespace) -> int:
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+    from pdserve.default_model import ensure_default_model
+
+    model_dir = args.model or str(ensure_default_model())
+    llm = LLM(model_dir, dtype=args.dtype)
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+        top_k=args.top_k, seed=args.seed,
+    )
+    if args.chat:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params)
+    else:
+        outputs = llm.generate(args.prompts, params)
+    for prompt, output in zip(args.prompts, outputs):
+        completion = output.outputs[0]
+        print(f"--- {prompt!r} ({completion.finish_reason}, {len(completion.token_ids)} tokens)")
+        print(completion.text)
+    return 0

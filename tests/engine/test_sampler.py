@@ -1,0 +1,156 @@
+"""Sampler: seeded repeatability, truncation never leaks, temperature 0 is greedy, penalties."""
+
+import random
+
+import pytest
+import torch
+
+from engine.request import Request
+from engine.sampler import Sampler
+from engine.sampling_params import SamplingParams
+
+VOCAB = 50
+
+
+def req(params: SamplingParams, outputs=(), prompt=(1, 2, 3)) -> Request:
+    r = Request("x", list(prompt), params, max_total_tokens=1000)
+    r.output_token_ids = list(outputs)
+    return r
+
+
+def random_logits(rows: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def test_temperature_zero_equals_argmax():
+    logits = random_logits(8)
+    sampler = Sampler(VOCAB, eos_token_ids=(0,))
+    tokens = sampler.sample(logits, [req(SamplingParams(temperature=0.0))] * 8)
+    assert [t.token_id for t in tokens] == logits.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize(
+    "params_kwargs",
+    [dict(top_k=5), dict(top_p=0.3), dict(min_p=0.2), dict(top_k=8, top_p=0.5, min_p=0.05)],
+)
+def test_truncation_never_emits_a_token_outside_the_allowed_set(params_kwargs):
+    logits = random_logits(1, seed=3)[0]
+    params = SamplingParams(temperature=1.0, **params_kwargs)
+    probs = torch.softmax(logits, -1)
+    allowed = allowed_set(probs, params)
+    sampler = Sampler(VOCAB, eos_token_ids=(0,), seed=1)
+    batch = 64
+    seen = set()
+    for _ in range(40):
+        tokens = sampler.sample(logits.expand(batch, VOCAB).clone(), [req(params)] * batch)
+        seen |= {t.token_id for t in tokens}
+    assert seen <= allowed, f"emitted {seen - allowed} outside {sorted(allowed)}"
+    assert len(seen) >= min(2, len(allowed))  # it does sample, not always the top token
+
+
+def allowed_set(probs: torch.Tensor, params: SamplingParams) -> set[int]:
+    order = probs.argsort(descending=True).tolist()
+    keep, mass = [], 0.0
+    for rank, token in enumerate(order):
+        if params.top_k and rank >= params.top_k:
+            break
+        if mass >= params.top_p:
+            break
+        keep.append(token)
+        mass += probs[token].item()
+    top = probs.max().item()
+    return {t for t in keep if probs[t].item() >= params.min_p * top}
+
+
+def test_sampling_follows_the_distribution():
+    logits = torch.tensor([[2.0, 1.0, 0.0] + [-30.0] * (VOCAB - 3)])
+    sampler = Sampler(VOCAB, eos_token_ids=(), seed=0)
+    tokens = sampler.sample(logits.expand(20000, VOCAB).clone(), [req(SamplingParams())] * 20000)
+    counts = torch.bincount(torch.tensor([t.token_id for t in tokens]), minlength=3)[:3].float()
+    want = torch.softmax(logits[0, :3], -1)
+    assert torch.allclose(counts / counts.sum(), want, atol=0.02)
+
+
+def test_seeded_rows_repeat_regardless_of_batch_neighbours():
+    logits = random_logits(1, seed=5)
+    params = SamplingParams(temperature=1.0, seed=1234)
+    sampler = Sampler(VOCAB, eos_token_ids=(0,), seed=0)
+    alone = sampler.sample(logits, [req(params)])[0].token_id
+    for neighbours in (1, 5, 17):
+        batch = torch.cat([random_logits(neighbours, seed=neighbours), logits])
+        others = [req(SamplingParams(temperature=1.0))] * neighbours
+        assert sampler.sample(batch, others + [req(params)])[-1].token_id == alone
+
+
+def test_penalties_change_the_greedy_choice():
+    logits = torch.full((1, VOCAB), -1.0)
+    logits[0, 4] = 2.0
+    logits[0, 5] = 1.5
+    sampler = Sampler(VOCAB, eos_token_ids=())
+    plain = sampler.sample(logits, [req(SamplingParams(temperature=0.0), outputs=[4])])
+    assert plain[0].token_id == 4
+    for kwargs in (dict(frequency_penalty=1.0), dict(presence_penalty=1.0), dict(repetition_penalty=2.0)):
+        r = req(SamplingParams(temperature=0.0, **kwargs), outputs=[4])
+        assert sampler.sample(logits, [r])[0].token_id == 5, kwargs
+
+
+def test_min_tokens_blocks_eos_until_reached():
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 0] = 10.0  # eos is by far the most likely
+    sampler = Sampler(VOCAB, eos_token_ids=(0,))
+    params = SamplingParams(temperature=0.0, min_tokens=2, max_tokens=5)
+    assert sampler.sample(logits, [req(params, outputs=[3])])[0].token_id != 0
+    assert sampler.sample(logits, [req(params, outputs=[3, 3])])[0].token_id == 0
+
+
+def test_logprobs_are_log_softmax_with_top_n():
+    logits = random_logits(2, seed=9)
+    sampler = Sampler(VOCAB, eos_token_ids=())
+    tokens = sampler.sample(logits, [req(SamplingParams(temperature=0.0, logprobs=3))] * 2)
+    want = torch.log_softmax(logits, -1)
+    for row, token in enumerate(tokens):
+        assert token.logprob == pytest.approx(want[row, token.token_id].item(), abs=1e-6)
+        assert [t for t, _ in token.top] == want[row].topk(3).indices.tolist()
+
+
+@pytest.mark.parametrize(
+    "bad", [dict(max_tokens=0), dict(temperature=-0.1), dict(top_p=0.0), dict(top_p=1.5),
+            dict(top_k=-2), dict(min_p=1.5), dict(logprobs=21), dict(repetition_penalty=0.0)],
+)
+def test_bad_sampling_params_raise_value_error_naming_the_parameter(bad):
+    name = next(iter(bad))
+    with pytest.raises(ValueError, match=name):
+        SamplingParams(**bad)
+
+
+def test_seeded_requests_repeat_alone_and_in_any_batch(tiny_model_dir):
+    from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from engine.engine import LLMEngine
+
+    config = EngineConfig(
+        model=ModelConfig.from_pretrained(tiny_model_dir),
+        cache=CacheConfig(num_blocks=256),
+        scheduler=SchedulerConfig(max_num_batched_tokens=512),
+    )
+    engine = LLMEngine(config)
+    rng = random.Random(0)
+    prompt = [rng.randrange(8, 1000) for _ in range(40)]
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=77, max_tokens=16, ignore_eos=True)
+
+    def run(extra_prompts):
+        engine.add_request("seeded", prompt, params)
+        for i, p in enumerate(extra_prompts):
+            engine.add_request(f"other{i}", p, SamplingParams(temperature=1.0, max_tokens=20))
+        tokens = []
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.request_id == "seeded":
+                    tokens += [t.token_id for t in out.new_tokens]
+        return tokens
+
+    alone = run([])
+    assert run([]) == alone
+    others = [[rng.randrange(8, 1000) for _ in range(rng.randint(1, 90))] for _ in range(7)]
+    assert run(others) == alone
+    assert run(others[:3]) == alone
+    engine.check_leaks()
