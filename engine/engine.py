@@ -69,6 +69,9 @@ class LLMEngine:
     def num_unfinished(self) -> int:
         return self.scheduler.num_unfinished
 
+    def request_ids(self) -> list[str]:
+        return list(self._requests)
+
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
 

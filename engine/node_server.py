@@ -1,0 +1,303 @@
+"""EngineServer: an LLMEngine behind a ZMQ ROUTER control socket (the loop both node kinds run).
+
+Proxies connect DEALER sockets and send engine.protocol messages; the server answers each
+request on the socket identity it came from and sends every known proxy a LoadReport
+periodically (the heartbeat). Role-specific KV handling (leases, pulls) lives in the node
+packages, which subclass this and override the hooks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import msgspec
+import torch
+import zmq
+
+from engine import protocol
+from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine.engine import LLMEngine, StepOutput
+from engine.protocol import ErrorReply, RequestDelta, TokenBatch
+from engine.request import FinishReason
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_IDLE_POLL_MS = 50
+_BUSY_POLL_MS = 2
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    node_id: str
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: pick a free port
+    load_report_interval_s: float = 0.25
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65536), got {self.port}")
+        if self.load_report_interval_s <= 0:
+            raise ValueError(f"load_report_interval_s must be > 0, got {self.load_report_interval_s}")
+
+
+class EngineServer:
+    """Runs until stop() (or SIGTERM via the node's main). Not thread-safe apart from stop()."""
+
+    role = "both"
+
+    def __init__(self, engine: LLMEngine, config: ServerConfig) -> None:
+        self.engine = engine
+        self.config = config
+        self._context = zmq.Context.instance()
+        self.socket = self._context.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        if config.port:
+            self.socket.bind(f"tcp://{config.host}:{config.port}")
+            self.port = config.port
+        else:
+            self.port = self.socket.bind_to_random_port(f"tcp://{config.host}")
+        self._owners: dict[str, bytes] = {}  # request_id -> proxy socket identity
+        self._proxies: set[bytes] = set()
+        self._last_report = 0.0
+        self._is_stopping = False
+        self.num_kv_fallbacks = 0
+
+    @property
+    def address(self) -> str:
+        return f"{self.config.host}:{self.port}"
+
+    def stop(self) -> None:
+        self._is_stopping = True
+
+    def run(self) -> None:
+        logger.info("%s node %s serving on %s", self.role, self.config.node_id, self.address)
+        try:
+            while not self._is_stopping:
+                self.run_once()
+        finally:
+            self.close()
+
+    def run_once(self) -> None:
+        busy = self.engine.has_unfinished() or self.has_pending_work()
+        self._receive_all(timeout_ms=0 if self.engine.has_unfinished() else (_BUSY_POLL_MS if busy else _IDLE_POLL_MS))
+        self.poll_transfers()
+        if self.engine.has_unfinished():
+            self._step()
+        self._maybe_report_load()
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
+
+    # ---- hooks for the node packages ----------------------------------------------------------
+
+    def has_pending_work(self) -> bool:
+        """True while transfers are in flight (the loop then polls them without idling)."""
+        return False
+
+    def poll_transfers(self) -> None:
+        """Drive KV transfers and lease expiry; called every loop iteration."""
+
+    def handle_decode_request(self, message: protocol.DecodeRequest) -> None:
+        if message.kv_handle is not None:
+            raise ValueError(f"request {message.request_id}: this node does not pull KV (role {self.role})")
+        self.add_local_request(message.request_id, message.prompt_token_ids, message.sampling, message.first_token)
+
+    def handle_prefill_request(self, message: protocol.PrefillRequest) -> None:
+        raise ValueError(f"request {message.request_id}: this node does not take prefill requests (role {self.role})")
+
+    def handle_abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+
+    def handle_release(self, request_id: str) -> None:
+        """ReleaseKV from the proxy: only a prefill node holds leases."""
+
+    def send_step_outputs(self, outputs: list[StepOutput]) -> None:
+        by_owner: dict[bytes, list[RequestDelta]] = {}
+        for out in outputs:
+            owner = self._owner_of(out)
+            if owner is not None:
+                by_owner.setdefault(owner, []).append(_delta(out))
+        for owner, deltas in by_owner.items():
+            self.send(owner, TokenBatch(deltas))
+
+    def load_extras(self) -> dict:
+        return {}
+
+    # ---- shared helpers -----------------------------------------------------------------------
+
+    def add_local_request(
+        self, request_id: str, prompt: list[int], sampling: protocol.SamplingOptions,
+        first_token: protocol.TokenLogprob | None,
+    ) -> None:
+        params = SamplingParams.from_options(sampling)
+        outputs = [first_token.token_id] if first_token else None
+        self.engine.add_request(request_id, prompt, params, output_token_ids=outputs)
+
+    def send(self, identity: bytes, message) -> None:
+        try:
+            self.socket.send_multipart([identity, protocol.encode(message)], flags=zmq.NOBLOCK)
+        except zmq.Again:
+            logger.warning("dropped a %s to a proxy that is not reading", type(message).__name__)
+
+    def send_to_owner(self, request_id: str, message) -> None:
+        owner = self._owners.get(request_id)
+        if owner is not None:
+            self.send(owner, message)
+
+    def forget(self, request_id: str) -> bytes | None:
+        return self._owners.pop(request_id, None)
+
+    def reply_error(self, request_id: str, exc: Exception, is_client_error: bool) -> None:
+        owner = self._owners.pop(request_id, None)
+        if owner is not None:
+            self.send(owner, ErrorReply(request_id, type(exc).__name__, str(exc), is_client_error))
+
+    # ---- the loop's parts ---------------------------------------------------------------------
+
+    def _receive_all(self, timeout_ms: int) -> None:
+        if not self.socket.poll(timeout_ms):
+            return
+        while True:
+            try:
+                identity, payload = self.socket.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except ValueError:
+                logger.warning("dropped a frame set of the wrong shape")
+                continue
+            self._proxies.add(identity)
+            self._dispatch(identity, payload)
+
+    def _dispatch(self, identity: bytes, payload: bytes) -> None:
+        try:
+            message = protocol.decode_to_node(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            logger.warning("undecodable message from a proxy: %s", exc)
+            return
+        if isinstance(message, protocol.Ping):
+            self._send_load_report(identity)
+        elif isinstance(message, protocol.Abort):
+            for request_id in message.request_ids:
+                self._owners.pop(request_id, None)
+                self.handle_abort(request_id)
+        elif isinstance(message, protocol.ReleaseKV):
+            for request_id in message.request_ids:
+                self.handle_release(request_id)
+        else:
+            self._owners[message.request_id] = identity
+            self._admit(message)
+
+    def _admit(self, message) -> None:
+        try:
+            if isinstance(message, protocol.PrefillRequest):
+                self.handle_prefill_request(message)
+            else:
+                self.handle_decode_request(message)
+        except ValueError as exc:
+            self.reply_error(message.request_id, exc, is_client_error=True)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:  # noqa: BLE001 - process edge: fail the batch, keep serving
+            logger.exception("engine step failed; failing its requests")
+            self._fail_all(exc)
+            return
+        self.send_step_outputs(outputs)
+
+    def _fail_all(self, exc: Exception) -> None:
+        for request_id in self.engine.request_ids():
+            self.engine.abort(request_id)
+            self.reply_error(request_id, exc, is_client_error=False)
+
+    def _owner_of(self, out: StepOutput) -> bytes | None:
+        if out.is_finished:
+            return self._owners.pop(out.request_id, None)
+        return self._owners.get(out.request_id)
+
+    def _maybe_report_load(self) -> None:
+        now = time.monotonic()
+        if now - self._last_report < self.config.load_report_interval_s:
+            return
+        self._last_report = now
+        for identity in self._proxies:
+            self._send_load_report(identity)
+
+    def _send_load_report(self, identity: bytes) -> None:
+        engine = self.engine
+        scheduler = engine.scheduler
+        report = protocol.LoadReport(
+            node_id=self.config.node_id,
+            role=self.role,
+            protocol_version=protocol.PROTOCOL_VERSION,
+            model_name=engine.config.model.name,
+            max_model_len=engine.max_total_tokens,
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            num_queued_prompt_tokens=scheduler.num_queued_prompt_tokens,
+            num_free_blocks=engine.num_free_blocks,
+            num_total_blocks=engine.block_pool.num_blocks,
+            num_kv_fallbacks=self.num_kv_fallbacks,
+            sent_at=time.time(),
+            **self.load_extras(),
+        )
+        self.send(identity, report)
+
+
+def _delta(out: StepOutput) -> RequestDelta:
+    reason = out.finish_reason.value if out.finish_reason is not None else None
+    return RequestDelta(out.request_id, out.new_tokens, reason, out.num_prompt_tokens)
+
+
+def is_prefilled(out: StepOutput) -> bool:
+    return out.finish_reason is FinishReason.PREFILLED
+
+
+# ---- command-line plumbing shared by `pdserve prefill` and `pdserve decode` -------------------
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="checkpoint directory")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0, help="control socket port (0: pick one)")
+    parser.add_argument("--node-id", default=None)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--num-blocks", type=int, default=None)
+    parser.add_argument("--kv-cache-memory-gb", type=float, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=128)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cpus", default=None, help="CPU cores for this node, e.g. 0,1 (also sets torch threads)")
+    parser.add_argument("--log-level", default="INFO")
+
+
+def engine_config_from_args(args: argparse.Namespace, role: str) -> EngineConfig:
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    memory = int(args.kv_cache_memory_gb * (1 << 30)) if args.kv_cache_memory_gb else None
+    return EngineConfig(
+        model=ModelConfig.from_pretrained(args.model, dtype=args.dtype, max_model_len=args.max_model_len),
+        cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks, kv_cache_memory_bytes=memory),
+        scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, role=role),
+        device=device,
+        seed=args.seed,
+    )
+
+
+def pin_cpus(cpus: str | None) -> None:
+    """Run this process on the given cores with one torch thread per core."""
+    if not cpus:
+        return
+    cores = {int(c) for c in cpus.split(",") if c.strip()}
+    os.sched_setaffinity(0, cores)
+    torch.set_num_threads(len(cores))
