@@ -161,12 +161,12 @@ class LLMEngine:
     ) -> Request:
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        self._check_token_ids(request_id, prompt_token_ids, output_token_ids or [])
+        self.check_token_ids(request_id, prompt_token_ids, output_token_ids or [])
         request = Request(request_id, list(prompt_token_ids), params, self.max_total_tokens)
         request.output_token_ids = list(output_token_ids or [])
         return request
 
-    def _check_token_ids(self, request_id: str, prompt: list[int], outputs: list[int]) -> None:
+    def check_token_ids(self, request_id: str, prompt: list[int], outputs: list[int]) -> None:
         if not prompt:
             raise ValueError(f"request {request_id}: prompt must not be empty")
         limit = self.max_total_tokens

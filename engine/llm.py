@@ -69,7 +69,7 @@ class LLM:
         params_list = _as_params_list(sampling_params, len(prompt_list))
         outputs = [self._make_output(p) for p in prompt_list]
         for output, params in zip(outputs, params_list):
-            self.engine._check_token_ids(output.request_id, output.prompt_token_ids, [])
+            self.engine.check_token_ids(output.request_id, output.prompt_token_ids, [])
         for output, params in zip(outputs, params_list):
             self.engine.add_request(output.request_id, output.prompt_token_ids, params)
         self._run(outputs, params_list, use_tqdm)
