@@ -82,51 +82,104 @@ def main(args: argparse.Namespace) -> int:
     log_dir = Path(args.log_dir) if args.log_dir else None
     if log_dir:
         log_dir.mkdir(parents=True, exist_ok=True)
-    cluster = Cluster()
     stop = _install_signal_handlers()
+    node_args = ["--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs),
+                 "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    if args.kv_cache_memory_gb:
+        node_args += ["--kv-cache-memory-gb", str(args.kv_cache_memory_gb)]
+    proxy_args = ["--served-model-name", args.served_model_name] if args.served_model_name else []
+    print(f"pdserve up: starting {args.prefill} prefill + {args.decode} decode nodes and the proxy ...", flush=True)
+    deployment = start_local(model_dir, num_prefill=args.prefill, num_decode=args.decode, host=args.host,
+                             port=args.port, node_args=node_args, proxy_args=proxy_args,
+                             transfer_backend=args.transfer_backend, log_dir=log_dir)
     try:
-        _start_all(cluster, args, model_dir, log_dir)
-        if not _wait_ready(cluster, args, stop):
-            return 1
-        print(f"pdserve is ready: http://{args.host}:{args.port}/v1 (model {model_dir}); Ctrl-C stops it", flush=True)
-        while not stop.is_set and not cluster.dead():
+        wait_healthy(deployment, args.ready_timeout_s, stop)
+        print(f"pdserve is ready: {deployment.base_url}/v1 (model {model_dir}); Ctrl-C stops it", flush=True)
+        while not stop.is_set and not deployment.cluster.dead():
             time.sleep(0.2)
-        if cluster.dead():
-            print(f"pdserve up: process ended: {', '.join(cluster.dead())}", file=sys.stderr)
+        if deployment.cluster.dead():
+            print(f"pdserve up: process ended: {', '.join(deployment.cluster.dead())}", file=sys.stderr)
             return 1
         return 0
+    except (RuntimeError, TimeoutError) as exc:
+        print(f"pdserve up: {exc}", file=sys.stderr)
+        return 1
+    except InterruptedError:
+        return 0
     finally:
-        cluster.stop()
+        deployment.stop()
 
 
-def _start_all(cluster: Cluster, args: argparse.Namespace, model_dir: Path, log_dir: Path | None) -> None:
-    cpus = _cpu_plan(args.prefill + args.decode)
-    common = ["--model", str(model_dir), "--host", args.host, "--dtype", args.dtype,
-              "--max-num-seqs", str(args.max_num_seqs),
-              "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-              "--transfer-backend", args.transfer_backend]
-    if args.kv_cache_memory_gb:
-        common += ["--kv-cache-memory-gb", str(args.kv_cache_memory_gb)]
+@dataclass
+class Deployment:
+    """A running proxy with its nodes; base_url is the OpenAI endpoint (without /v1)."""
+
+    cluster: Cluster
+    base_url: str
+    node_addresses: dict[str, str] = field(default_factory=dict)
+    log_dir: Path | None = None
+
+    def logs(self, tail_chars: int = 3000) -> str:
+        if not self.log_dir:
+            return ""
+        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-tail_chars:]}"
+                         for p in sorted(self.log_dir.glob("*.log")))
+
+    def stop(self) -> None:
+        self.cluster.stop()
+
+
+def start_local(
+    model_dir: Path, *, num_prefill: int = 1, num_decode: int = 1, host: str = "127.0.0.1",
+    port: int | None = None, node_args: list[str] | tuple[str, ...] = (),
+    proxy_args: list[str] | tuple[str, ...] = (), transfer_backend: str = "nixl",
+    log_dir: Path | None = None, pin_cpus: bool = True,
+) -> Deployment:
+    """Start nodes and proxy as separate processes (not waiting for health: see wait_healthy).
+    On any failure the caller must stop() the returned deployment's cluster."""
+    cluster = Cluster()
+    cpus = _cpu_plan(num_prefill + num_decode) if pin_cpus else []
     pdserve = [sys.executable, "-m", "pdserve.cli"]
-    prefill_addrs, decode_addrs = [], []
-    for i in range(args.prefill):
-        port = free_port(args.host)
-        prefill_addrs.append(f"{args.host}:{port}")
-        cluster.start(f"prefill{i}", pdserve + ["prefill", *common, "--port", str(port),
-                      "--node-id", f"prefill{i}", "--cpus", cpus[i]], log_dir)
-    for i in range(args.decode):
-        port = free_port(args.host)
-        decode_addrs.append(f"{args.host}:{port}")
-        role = "decode" if args.prefill else "both"
-        cluster.start(f"decode{i}", pdserve + ["decode", *common, "--port", str(port), "--role", role,
-                      "--node-id", f"decode{i}", "--cpus", cpus[args.prefill + i]], log_dir)
-    proxy_argv = pdserve + ["proxy", "--model", str(model_dir), "--host", args.host, "--port", str(args.port),
-                            "--decode", ",".join(decode_addrs)]
-    if prefill_addrs:
-        proxy_argv += ["--prefill", ",".join(prefill_addrs)]
-    if args.served_model_name:
-        proxy_argv += ["--served-model-name", args.served_model_name]
+    common = ["--model", str(model_dir), "--host", host, "--transfer-backend", transfer_backend, *node_args]
+    addresses: dict[str, str] = {}
+    for i in range(num_prefill + num_decode):
+        kind = "prefill" if i < num_prefill else "decode"
+        name = f"{kind}{i if kind == 'prefill' else i - num_prefill}"
+        addresses[name] = f"{host}:{free_port(host)}"
+        argv = pdserve + [kind, *common, "--port", addresses[name].rsplit(":", 1)[1], "--node-id", name]
+        if kind == "decode":
+            argv += ["--role", "decode" if num_prefill else "both"]
+        if cpus:
+            argv += ["--cpus", cpus[i]]
+        cluster.start(name, argv, log_dir)
+    http_port = port or free_port(host)
+    proxy_argv = pdserve + ["proxy", "--model", str(model_dir), "--host", host, "--port", str(http_port),
+                            "--decode", _joined(addresses, "decode"), *proxy_args]
+    if num_prefill:
+        proxy_argv += ["--prefill", _joined(addresses, "prefill")]
     cluster.start("proxy", proxy_argv, log_dir)
+    return Deployment(cluster, f"http://{host}:{http_port}", addresses, log_dir)
+
+
+def _joined(addresses: dict[str, str], kind: str) -> str:
+    return ",".join(a for name, a in addresses.items() if name.startswith(kind))
+
+
+def wait_healthy(deployment: Deployment, timeout_s: float, stop: "_StopFlag | None" = None) -> None:
+    """Poll /health until 200. Raises RuntimeError if a process ends, TimeoutError past the
+    deadline, InterruptedError when stop is set."""
+    url = deployment.base_url + "/health"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if stop is not None and stop.is_set:
+            raise InterruptedError("stopped while starting")
+        dead = deployment.cluster.dead()
+        if dead:
+            raise RuntimeError(f"process ended during start-up: {', '.join(dead)}\n{deployment.logs()}")
+        if health_ok(url):
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"not healthy after {timeout_s:.0f} s ({url})\n{deployment.logs()}")
 
 
 def _cpu_plan(num_nodes: int) -> list[str]:
@@ -138,22 +191,6 @@ def _cpu_plan(num_nodes: int) -> list[str]:
         return [",".join(map(str, cores))] * num_nodes
     per_node = len(cores) // num_nodes
     return [",".join(map(str, cores[i * per_node:(i + 1) * per_node])) for i in range(num_nodes)]
-
-
-def _wait_ready(cluster: Cluster, args: argparse.Namespace, stop: "_StopFlag") -> bool:
-    url = f"http://{args.host}:{args.port}/health"
-    deadline = time.monotonic() + args.ready_timeout_s
-    print(f"pdserve up: starting {args.prefill} prefill + {args.decode} decode nodes and the proxy ...", flush=True)
-    while time.monotonic() < deadline and not stop.is_set:
-        if cluster.dead():
-            print(f"pdserve up: process ended during start-up: {', '.join(cluster.dead())}", file=sys.stderr)
-            return False
-        if health_ok(url):
-            return True
-        time.sleep(0.25)
-    if not stop.is_set:
-        print(f"pdserve up: not healthy after {args.ready_timeout_s:.0f} s ({url})", file=sys.stderr)
-    return False
 
 
 def health_ok(url: str, timeout_s: float = 1.0) -> bool:
