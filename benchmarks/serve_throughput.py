@@ -1,0 +1,112 @@
+"""Serving throughput: the disaggregated pipeline beside transformers one prompt at a time.
+
+For each preset: start 1 prefill + 1 decode node (one core each) and the proxy, send N
+requests of P prompt tokens / O output tokens all at once through the OpenAI endpoint
+(streaming, greedy), record output tokens/s and TTFT/TPOT percentiles; then stop the servers
+and time transformers `generate` one prompt at a time on the same prompts, on this machine.
+Optionally also a colocated (--prefill 0) single server for comparison. Ends with `RESULT {json}`.
+
+    .venv/bin/python benchmarks/serve_throughput.py --presets small,tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from pdserve.bench import BenchConfig, make_prompts, run_load, summarize  # noqa: E402
+from pdserve.launcher import start_local, wait_healthy  # noqa: E402
+from pdserve.make_model import make_model  # noqa: E402
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--presets", default="small,tiny")
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--transfer-backend", default="nixl")
+    parser.add_argument("--colocated", action="store_true", help="also measure one colocated server")
+    parser.add_argument("--reference-prompts", type=int, default=None,
+                        help="time transformers on this many prompts (default: all); tok/s is per prompt anyway")
+    parser.add_argument("--node-args", default="", help="extra node arguments, e.g. '--max-num-batched-tokens 4096'")
+    parser.add_argument("--log-dir", default=str(REPO / "benchmarks" / "out" / "serve_logs"))
+    return parser.parse_args()
+
+
+def model_dir_for(preset: str) -> Path:
+    path = REPO / ".cache" / "models" / f"{preset}-seed0"
+    if not (path / "config.json").exists():
+        make_model(path, preset)
+    return path
+
+
+def serve(model_dir: Path, args: argparse.Namespace, num_prefill: int, vocab: int, log_dir: Path) -> dict:
+    log_dir.mkdir(parents=True, exist_ok=True)
+    deployment = start_local(model_dir, num_prefill=num_prefill, num_decode=1, transfer_backend=args.transfer_backend,
+                             node_args=args.node_args.split(), log_dir=log_dir)
+    try:
+        wait_healthy(deployment, 300)
+        config = BenchConfig(base_url=deployment.base_url, model=model_dir.name, num_requests=args.num_requests,
+                             prompt_len=args.prompt_len, output_len=args.output_len, vocab_high=vocab)
+        warm = BenchConfig(**{**config.__dict__, "num_requests": 2, "output_len": 2})
+        asyncio.run(run_load(warm))
+        records, wall_s = asyncio.run(run_load(config))
+        return summarize(records, wall_s, config)
+    finally:
+        deployment.stop()
+
+
+def transformers_single(model_dir: Path, prompts: list[list[int]], output_len: int) -> float:
+    """Output tokens/s of transformers generate, one prompt at a time."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for idx, prompt in enumerate(prompts):
+            ids = torch.tensor([prompt])
+            model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                           max_new_tokens=output_len, min_new_tokens=output_len)
+            if idx % 8 == 7:
+                print(f"  transformers one-at-a-time: {idx + 1}/{len(prompts)}", flush=True)
+    return len(prompts) * output_len / (time.perf_counter() - start)
+
+
+def bench_preset(preset: str, args: argparse.Namespace) -> dict:
+    print(f"== {preset}", flush=True)
+    model_dir = model_dir_for(preset)
+    vocab = min(json.loads((model_dir / "config.json").read_text())["vocab_size"], 2000)
+    result = {"preset": preset}
+    result["disaggregated"] = serve(model_dir, args, 1, vocab, Path(args.log_dir) / f"{preset}-pd")
+    print(f"  disaggregated: {result['disaggregated']['output_tok_s']:.1f} tok/s", flush=True)
+    if args.colocated:
+        result["colocated"] = serve(model_dir, args, 0, vocab, Path(args.log_dir) / f"{preset}-colocated")
+        print(f"  colocated: {result['colocated']['output_tok_s']:.1f} tok/s", flush=True)
+    config = BenchConfig(base_url="", model="", num_requests=args.num_requests, prompt_len=args.prompt_len,
+                         output_len=args.output_len, vocab_high=vocab)
+    prompts = make_prompts(config)[: args.reference_prompts or args.num_requests]
+    result["hf_single_tok_s"] = transformers_single(model_dir, prompts, args.output_len)
+    for mode in ("disaggregated", "colocated"):
+        if mode in result:
+            result[f"{mode}_over_single"] = result[mode]["output_tok_s"] / result["hf_single_tok_s"]
+    print(json.dumps(result, indent=1), flush=True)
+    return result
+
+
+def main() -> None:
+    args = parse_args()
+    results = [bench_preset(p, args) for p in args.presets.split(",")]
+    print("RESULT " + json.dumps({"device": "cpu", "results": results}))
+
+
+if __name__ == "__main__":
+    main()
