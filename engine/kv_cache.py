@@ -56,3 +56,16 @@ def _default_budget_bytes(device: str) -> int:
         return int(free_bytes * _GPU_MEMORY_FRACTION)
     available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     return int(min(available * _CPU_MEMORY_FRACTION, _CPU_MAX_BYTES))
+
+
+def kv_layout_fields(model: ModelConfig, block_size: int, num_blocks: int, fingerprint: str) -> dict:
+    """What a KV transfer peer must agree on, as plain fields (kv_transfer.layout.KVLayout)."""
+    return {
+        "num_layers": model.num_layers,
+        "num_kv_heads": model.num_kv_heads,
+        "head_dim": model.head_dim,
+        "block_size": block_size,
+        "dtype": model.dtype_name,
+        "num_blocks": num_blocks,
+        "model_fingerprint": fingerprint,
+    }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,3 +87,18 @@ def _read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
             for name in f.keys():
                 tensors[name] = f.get_tensor(name)
     return tensors
+
+
+def model_fingerprint(model_dir: str | Path) -> str:
+    """A short hash naming the checkpoint: config.json plus each weight file's name, size and
+    first and last MiB (hashing whole multi-GB files would slow every start)."""
+    model_dir = Path(model_dir)
+    digest = hashlib.sha256((model_dir / "config.json").read_bytes())
+    for path in sorted(model_dir.glob("*.safetensors")):
+        size = path.stat().st_size
+        digest.update(f"{path.name}:{size}".encode())
+        with path.open("rb") as f:
+            digest.update(f.read(1 << 20))
+            f.seek(max(0, size - (1 << 20)))
+            digest.update(f.read(1 << 20))
+    return digest.hexdigest()[:16]

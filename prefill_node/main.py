@@ -1,0 +1,32 @@
+"""`pdserve prefill`: start one prefill node (engine in the prefill role + KV connector)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+
+from engine.node_server import ServerConfig, add_engine_arguments, engine_config_from_args, pin_cpus
+from kv_transfer.cli import add_transfer_arguments, create_connector, transfer_config_from_args
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_engine_arguments(parser)
+    add_transfer_arguments(parser)
+
+
+def main(args: argparse.Namespace) -> int:
+    from engine.engine import LLMEngine
+    from prefill_node.server import PrefillNode
+
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    pin_cpus(args.cpus)
+    node_id = args.node_id or f"prefill-{args.port}"
+    engine = LLMEngine(engine_config_from_args(args, role="prefill"))
+    transfer = transfer_config_from_args(args)
+    connector = create_connector(transfer, engine, node_id)
+    server = PrefillNode(engine, ServerConfig(node_id, args.host, args.port), connector, transfer.lease_timeout_s)
+    signal.signal(signal.SIGTERM, lambda *_: server.stop())
+    signal.signal(signal.SIGINT, lambda *_: server.stop())
+    server.run()
+    return 0
