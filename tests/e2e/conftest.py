@@ -2,27 +2,93 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
+import msgspec
 import pytest
+import zmq
 
+from engine import protocol
 from pdserve.launcher import Deployment, start_local, wait_healthy
+
+# Small enough that a long prompt is split across prefill steps (chunked prefill).
+NODE_ARGS = ("--max-num-batched-tokens", "256", "--num-blocks", "512", "--max-num-seqs", "32")
+
+
+def _start(model_dir: Path, log_dir: Path, timeout_s: float = 120.0, **kwargs) -> Deployment:
+    log_dir.mkdir(parents=True, exist_ok=True)
+    kwargs.setdefault("node_args", NODE_ARGS)
+    deployment = start_local(model_dir, log_dir=log_dir, pin_cpus=False, **kwargs)
+    try:
+        wait_healthy(deployment, timeout_s)
+    except BaseException:
+        deployment.stop()
+        raise
+    return deployment
+
+
+@pytest.fixture(scope="module")
+def disaggregated(tiny_model_dir, tmp_path_factory):
+    """1 prefill + 1 decode node (NIXL) and the proxy, shared by a module's tests."""
+    deployment = _start(tiny_model_dir, tmp_path_factory.mktemp("pd-logs"), num_prefill=1, num_decode=1)
+    yield deployment
+    deployment.stop()
+
+
+@pytest.fixture(scope="module")
+def colocated(tiny_model_dir, tmp_path_factory):
+    """One colocated node (prefill and decode in one engine) and the proxy."""
+    deployment = _start(tiny_model_dir, tmp_path_factory.mktemp("colo-logs"), num_prefill=0, num_decode=1)
+    yield deployment
+    deployment.stop()
 
 
 @pytest.fixture
 def deployment_factory(tmp_path):
-    """start(model_dir, **start_local kwargs) -> a healthy Deployment; every one started is
-    stopped when the test ends, also when it fails."""
+    """start(model_dir, **start_local kwargs) -> a healthy Deployment; each is stopped when the
+    test ends, also when it fails."""
     started: list[Deployment] = []
 
-    def start(model_dir: Path, timeout_s: float = 120.0, **kwargs) -> Deployment:
-        log_dir = tmp_path / f"logs{len(started)}"
-        log_dir.mkdir()
-        deployment = start_local(model_dir, log_dir=log_dir, pin_cpus=False, **kwargs)
+    def start(model_dir: Path, **kwargs) -> Deployment:
+        deployment = _start(model_dir, tmp_path / f"logs{len(started)}", **kwargs)
         started.append(deployment)
-        wait_healthy(deployment, timeout_s)
         return deployment
 
     yield start
     for deployment in started:
         deployment.stop()
+
+
+def node_load(address: str, timeout_s: float = 5.0) -> protocol.LoadReport:
+    """Ask a node for its LoadReport directly over its control socket."""
+    socket = zmq.Context.instance().socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.connect(f"tcp://{address}")
+    try:
+        socket.send(protocol.encode(protocol.Ping()))
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if socket.poll(100):
+                try:
+                    message = protocol.decode_from_node(socket.recv())
+                except msgspec.DecodeError:
+                    continue
+                if isinstance(message, protocol.LoadReport):
+                    return message
+        raise TimeoutError(f"no load report from {address} within {timeout_s} s")
+    finally:
+        socket.close(linger=0)
+
+
+def wait_blocks_free(address: str, timeout_s: float = 5.0) -> protocol.LoadReport:
+    """Poll a node until every block is free and nothing runs; returns the last report."""
+    deadline = time.monotonic() + timeout_s
+    report = node_load(address)
+    while time.monotonic() < deadline:
+        report = node_load(address)
+        idle = report.num_running == 0 and report.num_waiting == 0 and report.num_leases == 0
+        if idle and report.num_free_blocks == report.num_total_blocks and report.num_pending_pulls == 0:
+            return report
+        time.sleep(0.05)
+    return report

@@ -1,0 +1,180 @@
+"""The disaggregated pipeline end to end: real processes, the official openai client, and
+transformers on the same checkpoint as the oracle."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+import transformers
+
+from tests.e2e.conftest import node_load, wait_blocks_free
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_model_dir):
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
+    return model, tokenizer
+
+
+def hf_greedy(hf, prompt_ids: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
+    model, _ = hf
+    with torch.inference_mode():
+        ids = torch.tensor([prompt_ids])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True)
+    tokens = out.sequences[0, len(prompt_ids):].tolist()
+    logprobs = [torch.log_softmax(l[0].float(), -1)[t].item() for l, t in zip(out.logits, tokens)]
+    return tokens, logprobs
+
+
+def client_for(deployment) -> openai.OpenAI:
+    return openai.OpenAI(base_url=deployment.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def model_name(client: openai.OpenAI) -> str:
+    return client.models.list().data[0].id
+
+
+def random_prompts(n: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(8, 1500) for _ in range(lengths[i % len(lengths)])] for i in range(n)]
+
+
+PROMPT = "def fibonacci(n):\n    "
+
+
+def test_completion_greedy_equals_transformers_streaming_and_not(disaggregated, hf):
+    client = client_for(disaggregated)
+    _, tokenizer = hf
+    prompt_ids = tokenizer.encode(PROMPT)
+    want_ids, want_logprobs = hf_greedy(hf, prompt_ids, 20)
+    want_text = tokenizer.decode(want_ids, skip_special_tokens=True)
+    name = model_name(client)
+
+    full = client.completions.create(model=name, prompt=PROMPT, max_tokens=20, temperature=0, logprobs=2)
+    assert full.choices[0].text == want_text
+    assert full.usage.prompt_tokens == len(prompt_ids)
+    assert full.usage.completion_tokens == len(want_ids)
+    assert full.usage.total_tokens == len(prompt_ids) + len(want_ids)
+    got_logprobs = full.choices[0].logprobs.token_logprobs
+    assert len(got_logprobs) == len(want_logprobs)
+    assert max(abs(a - b) for a, b in zip(got_logprobs, want_logprobs)) < 1e-4
+
+    stream = client.completions.create(model=name, prompt=PROMPT, max_tokens=20, temperature=0, stream=True,
+                                       stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == want_text
+    assert chunks[-1].usage.completion_tokens == len(want_ids)
+
+
+def test_chat_greedy_equals_transformers(disaggregated, hf):
+    client = client_for(disaggregated)
+    _, tokenizer = hf
+    messages = [{"role": "user", "content": "Write a loop in Python."}]
+    prompt_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    prompt_ids = list(prompt_ids["input_ids"] if hasattr(prompt_ids, "keys") else prompt_ids)
+    want_ids, want_logprobs = hf_greedy(hf, prompt_ids, 16)
+    want_text = tokenizer.decode(want_ids, skip_special_tokens=True)
+    name = model_name(client)
+
+    reply = client.chat.completions.create(model=name, messages=messages, max_tokens=16, temperature=0,
+                                           logprobs=True, top_logprobs=2)
+    assert reply.choices[0].message.content == want_text
+    assert reply.usage.prompt_tokens == len(prompt_ids)
+    got = [c.logprob for c in reply.choices[0].logprobs.content]
+    assert max(abs(a - b) for a, b in zip(got, want_logprobs)) < 1e-4
+
+    stream = client.chat.completions.create(model=name, messages=messages, max_tokens=16, temperature=0, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == want_text
+
+
+def test_disaggregated_and_colocated_agree_greedy_and_seeded(disaggregated, colocated):
+    prompts = random_prompts(4, [3, 40, 130, 300], seed=3)
+    outputs = {}
+    for mode, deployment in (("pd", disaggregated), ("colo", colocated)):
+        client = client_for(deployment)
+        name = model_name(client)
+        greedy = [client.completions.create(model=name, prompt=p, max_tokens=12, temperature=0).choices[0].text
+                  for p in prompts]
+        seeded = [client.completions.create(model=name, prompt=p, max_tokens=12, temperature=1.0, top_p=0.9,
+                                            seed=1234).choices[0].text for p in prompts]
+        outputs[mode] = (greedy, seeded)
+    assert outputs["pd"][0] == outputs["colo"][0]
+    assert outputs["pd"][1] == outputs["colo"][1]
+
+
+def test_32_concurrent_mixed_requests_complete_and_free_every_block(disaggregated, hf):
+    # Some prompts are longer than the prefill token budget (256), so they are chunked.
+    prompts = random_prompts(32, [1, 7, 16, 17, 60, 200, 300, 520], seed=5)
+    max_tokens = 8
+    expected = [hf_greedy(hf, p, max_tokens)[0] for p in prompts]
+    _, tokenizer = hf
+    before = {name: node_load(addr) for name, addr in disaggregated.node_addresses.items()}
+
+    async def run_all():
+        client = openai.AsyncOpenAI(base_url=disaggregated.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        name = (await client.models.list()).data[0].id
+        calls = [client.completions.create(model=name, prompt=p, max_tokens=max_tokens, temperature=0) for p in prompts]
+        return await asyncio.gather(*calls)
+
+    results = asyncio.run(run_all())
+    for i, (result, want) in enumerate(zip(results, expected)):
+        assert result.choices[0].text == tokenizer.decode(want, skip_special_tokens=True), f"prompt {i}"
+        assert result.usage.completion_tokens == len(want)
+    for name, address in disaggregated.node_addresses.items():
+        after = wait_blocks_free(address)
+        assert after.num_free_blocks == before[name].num_free_blocks == after.num_total_blocks, name
+
+
+def test_client_disconnect_mid_stream_frees_blocks_on_both_nodes(disaggregated):
+    name = model_name(client_for(disaggregated))
+    body = {"model": name, "prompt": random_prompts(1, [200], seed=9)[0], "max_tokens": 400,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", disaggregated.base_url + "/v1/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        num_chunks = 0
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                num_chunks += 1
+            if num_chunks >= 5:
+                break
+    disconnected_at = time.monotonic()
+    for node, address in disaggregated.node_addresses.items():
+        report = wait_blocks_free(address, timeout_s=1.0)
+        assert report.num_free_blocks == report.num_total_blocks, f"{node} still holds blocks"
+        assert report.num_running == 0, node
+    assert time.monotonic() - disconnected_at < 2.0
+
+
+@pytest.mark.parametrize(
+    "body, status",
+    [
+        ("{not json", 400),
+        (json.dumps({"prompt": "hi"}), 400),  # missing model
+        (json.dumps({"model": "MODEL", "prompt": "hi", "max_tokens": "ten"}), 400),
+        (json.dumps({"model": "MODEL", "prompt": "hi", "temperature": -1}), 400),
+        (json.dumps({"model": "MODEL", "prompt": "hi", "top_p": 0}), 400),
+        (json.dumps({"model": "MODEL", "prompt": "hi", "max_tokens": 0}), 400),
+        (json.dumps({"model": "no-such-model", "prompt": "hi"}), 404),
+        (json.dumps({"model": "MODEL", "prompt": [5] * 5000}), 400),  # longer than the context
+        (json.dumps({"model": "MODEL", "prompt": [10**7]}), 400),  # unknown token id
+    ],
+)
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(disaggregated, body, status):
+    name = model_name(client_for(disaggregated))
+    response = httpx.post(disaggregated.base_url + "/v1/completions", content=body.replace("MODEL", name),
+                          headers={"Content-Type": "application/json"}, timeout=30)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["message"] and error["type"]
+    ok = client_for(disaggregated).completions.create(model=name, prompt="x = 1", max_tokens=2, temperature=0)
+    assert ok.usage.completion_tokens >= 1
