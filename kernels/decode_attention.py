@@ -1,0 +1,160 @@
+"""Paged decode attention: one query token per sequence over its block table (GQA, split-K).
+
+The torch reference is the CPU path: it gathers K and V separately (one index each) and folds
+the GQA group into SDPA's query-length dimension, which measured 1.9x faster on CPU than
+gathering whole blocks and letting SDPA expand the KV heads.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels._triton import tl, triton, use_triton
+
+# NOTE: split-K partitions of at least this many tokens keep each program's loop long enough
+# to hide latency while still filling the GPU when only a few long sequences decode.
+_MIN_TOKENS_PER_SPLIT = 256
+_MAX_SPLITS = 16
+
+
+def decode_attention_ref(query, kv_cache_layer, block_tables, seq_lens, scale) -> torch.Tensor:
+    num_seqs, num_heads, head_dim = query.shape
+    num_kv_heads = kv_cache_layer.shape[3]
+    group = num_heads // num_kv_heads
+    if num_seqs == 0:
+        return torch.empty_like(query)
+    width = int(seq_lens.max())
+    num_blocks = -(-max(width, 1) // kv_cache_layer.shape[2])
+    block_ids = block_tables[:, :num_blocks].long()
+    key = kv_cache_layer[:, 0][block_ids].view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+    value = kv_cache_layer[:, 1][block_ids].view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+    lens = seq_lens.long().unsqueeze(1)
+    mask = torch.arange(key.shape[2], device=query.device).unsqueeze(0) < lens.clamp(min=1)
+    q = query.view(num_seqs, num_kv_heads, group, head_dim)
+    out = F.scaled_dot_product_attention(q, key, value, attn_mask=mask[:, None, None, :], scale=scale)
+    out = out.reshape(num_seqs, num_heads, head_dim)
+    if bool((seq_lens == 0).any()):
+        out = out.masked_fill((seq_lens == 0).view(-1, 1, 1), 0.0)
+    return out
+
+
+def decode_attention(query: torch.Tensor, kv_cache_layer: torch.Tensor, block_tables: torch.Tensor,
+                     seq_lens: torch.Tensor, scale: float, force_triton: bool = False) -> torch.Tensor:
+    """query: [num_seqs, num_heads, head_dim]; kv_cache_layer: [num_blocks, 2, block_size,
+    num_kv_heads, head_dim] (strided view); block_tables: [num_seqs, max_blocks] int32;
+    seq_lens: [num_seqs] int32 (the query's own K/V already written). Returns [num_seqs,
+    num_heads, head_dim]; a sequence of length 0 gets zeros. Softmax in float32."""
+    _check(query, kv_cache_layer, block_tables, seq_lens)
+    if not use_triton(query, force_triton):
+        return decode_attention_ref(query, kv_cache_layer, block_tables, seq_lens, scale)
+    return _decode_triton(query, kv_cache_layer, block_tables, seq_lens, scale)
+
+
+def _check(query, kv_cache_layer, block_tables, seq_lens) -> None:
+    if query.dim() != 3 or kv_cache_layer.dim() != 5 or query.shape[-1] != kv_cache_layer.shape[-1]:
+        raise ValueError(f"decode_attention: query {tuple(query.shape)}, cache {tuple(kv_cache_layer.shape)}")
+    if query.shape[1] % kv_cache_layer.shape[3]:
+        raise ValueError(f"decode_attention: {query.shape[1]} heads not a multiple of {kv_cache_layer.shape[3]} KV heads")
+    if block_tables.shape[0] != query.shape[0] or seq_lens.shape != query.shape[:1]:
+        raise ValueError(f"decode_attention: {query.shape[0]} seqs, block tables {tuple(block_tables.shape)}, seq_lens {tuple(seq_lens.shape)}")
+
+
+def _decode_triton(query, kv_cache_layer, block_tables, seq_lens, scale):
+    num_seqs, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = kv_cache_layer.shape[2], kv_cache_layer.shape[3]
+    group = num_heads // num_kv_heads
+    max_len = block_tables.shape[1] * block_size
+    num_splits = max(1, min(_MAX_SPLITS, triton.cdiv(max_len, _MIN_TOKENS_PER_SPLIT)))
+    blocks_per_split = triton.cdiv(block_tables.shape[1], num_splits)
+    out = torch.empty_like(query)
+    if num_seqs == 0:
+        return out
+    partial_acc = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=query.device)
+    partial_max = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
+    partial_sum = torch.empty_like(partial_max)
+    block_group = max(16, triton.next_power_of_2(group))
+    block_d = triton.next_power_of_2(head_dim)
+    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+        query, kv_cache_layer, block_tables, seq_lens, partial_acc, partial_max, partial_sum, scale,
+        query.stride(0), query.stride(1), *kv_cache_layer.stride()[:4], block_tables.stride(0),
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCKS_PER_SPLIT=blocks_per_split,
+        NUM_SPLITS=num_splits, BLOCK_GROUP=block_group, BLOCK_D=block_d,
+    )
+    _decode_reduce_kernel[(num_seqs, num_heads)](
+        partial_acc, partial_max, partial_sum, out, out.stride(0), out.stride(1),
+        NUM_SPLITS=num_splits, BLOCK_SPLITS=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim, BLOCK_D=block_d,
+    )
+    return out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _decode_split_kernel(
+        query_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, acc_ptr, max_ptr, sum_ptr, scale,
+        stride_query_seq, stride_query_head, stride_cache_block, stride_cache_kv, stride_cache_offset,
+        stride_cache_head, stride_table_seq,
+        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr,
+        NUM_SPLITS: tl.constexpr, BLOCK_GROUP: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):
+        seq = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        split = tl.program_id(2)
+        seq_len = tl.load(seq_lens_ptr + seq)
+        offs_g = tl.arange(0, BLOCK_GROUP)
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_t = tl.arange(0, BLOCK_SIZE)
+        mask_g = offs_g < GROUP
+        mask_d = offs_d < HEAD_DIM
+        heads = kv_head * GROUP + offs_g
+        q = tl.load(query_ptr + seq * stride_query_seq + heads[:, None] * stride_query_head + offs_d[None, :],
+                    mask=mask_g[:, None] & mask_d[None, :], other=0.0)
+        m_i = tl.full([BLOCK_GROUP], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_GROUP], tl.float32)
+        acc = tl.zeros([BLOCK_GROUP, BLOCK_D], tl.float32)
+        first_block = split * BLOCKS_PER_SPLIT
+        for i in range(BLOCKS_PER_SPLIT):
+            block_idx = first_block + i
+            start = block_idx * BLOCK_SIZE
+            if start < seq_len:
+                block = tl.load(block_tables_ptr + seq * stride_table_seq + block_idx).to(tl.int64)
+                base = cache_ptr + block * stride_cache_block + kv_head * stride_cache_head
+                mask_t = (start + offs_t) < seq_len
+                kv_offs = offs_t[:, None] * stride_cache_offset + offs_d[None, :]
+                k = tl.load(base + kv_offs, mask=mask_t[:, None] & mask_d[None, :], other=0.0)
+                v = tl.load(base + stride_cache_kv + kv_offs, mask=mask_t[:, None] & mask_d[None, :], other=0.0)
+                scores = tl.dot(q, tl.trans(k), input_precision="ieee").to(tl.float32) * scale
+                scores = tl.where(mask_t[None, :], scores, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+                alpha = tl.exp(m_i - m_new)
+                p = tl.exp(scores - m_new[:, None])
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee").to(tl.float32)
+                m_i = m_new
+        out_offs = (seq * GROUP * tl.num_programs(1) + heads) * NUM_SPLITS + split
+        tl.store(max_ptr + out_offs, m_i, mask=mask_g)
+        tl.store(sum_ptr + out_offs, l_i, mask=mask_g)
+        tl.store(acc_ptr + out_offs[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=mask_g[:, None] & mask_d[None, :])
+
+    @triton.jit
+    def _decode_reduce_kernel(acc_ptr, max_ptr, sum_ptr, out_ptr, stride_out_seq, stride_out_head,
+                              NUM_SPLITS: tl.constexpr, BLOCK_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                              BLOCK_D: tl.constexpr):
+        seq = tl.program_id(0)
+        head = tl.program_id(1)
+        offs_s = tl.arange(0, BLOCK_SPLITS)
+        offs_d = tl.arange(0, BLOCK_D)
+        mask_s = offs_s < NUM_SPLITS
+        mask_d = offs_d < HEAD_DIM
+        row = (seq * tl.num_programs(1) + head) * NUM_SPLITS
+        m = tl.load(max_ptr + row + offs_s, mask=mask_s, other=float("-inf"))
+        l = tl.load(sum_ptr + row + offs_s, mask=mask_s, other=0.0)
+        m_all = tl.max(m, axis=0)
+        weight = tl.where(m > float("-inf"), tl.exp(m - m_all), 0.0)
+        total = tl.sum(l * weight, axis=0)
+        acc = tl.load(acc_ptr + (row + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+                      mask=mask_s[:, None] & mask_d[None, :], other=0.0)
+        result = tl.sum(acc * weight[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+        tl.store(out_ptr + seq * stride_out_seq + head * stride_out_head + offs_d,
+                 result.to(out_ptr.dtype.element_ty), mask=mask_d)

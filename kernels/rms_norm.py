@@ -1,0 +1,82 @@
+"""RMSNorm, alone and with the residual add fused in: Triton on CUDA, torch reference elsewhere.
+
+The reference follows transformers' LlamaRMSNorm exactly: normalize in float32, cast back to
+the input dtype, then scale by the weight.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels._triton import tl, triton, use_triton
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    hidden = x.float()
+    hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * hidden.to(x.dtype)
+
+
+def add_rms_norm_ref(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    new_residual = x + residual
+    return rms_norm_ref(new_residual, weight, eps), new_residual
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, force_triton: bool = False) -> torch.Tensor:
+    """x: [num_tokens, hidden], weight: [hidden] -> [num_tokens, hidden] in x.dtype."""
+    _check(x, weight)
+    if not use_triton(x, force_triton):
+        return rms_norm_ref(x, weight, eps)
+    return _launch(x, None, weight, eps)[0]
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, force_triton: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (rms_norm(x + residual), x + residual); the inputs are not modified."""
+    _check(x, weight)
+    if residual.shape != x.shape:
+        raise ValueError(f"add_rms_norm: residual {tuple(residual.shape)} != x {tuple(x.shape)}")
+    if not use_triton(x, force_triton):
+        return add_rms_norm_ref(x, residual, weight, eps)
+    return _launch(x, residual, weight, eps)
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
+    if x.dim() != 2 or weight.shape != x.shape[-1:]:
+        raise ValueError(f"rms_norm: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not match")
+
+
+def _launch(x, residual, weight, eps):
+    x = x.contiguous()
+    num_tokens, hidden = x.shape
+    out = torch.empty_like(x)
+    new_residual = torch.empty_like(x) if residual is not None else out
+    if num_tokens:
+        residual_in = residual.contiguous() if residual is not None else x
+        _rms_norm_kernel[(num_tokens,)](
+            x, residual_in, weight, out, new_residual, hidden, eps,
+            HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(hidden),
+        )
+    return out, new_residual
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, new_residual_ptr, hidden, eps,
+                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        offs = tl.arange(0, BLOCK)
+        mask = offs < hidden
+        x = tl.load(x_ptr + row * hidden + offs, mask=mask, other=0.0)
+        if HAS_RESIDUAL:
+            x = x + tl.load(residual_ptr + row * hidden + offs, mask=mask, other=0.0)
+            tl.store(new_residual_ptr + row * hidden + offs, x, mask=mask)
+        xf = x.to(tl.float32)
+        variance = tl.sum(xf * xf, axis=0) / hidden
+        normed = (xf * tl.rsqrt(variance + eps)).to(x.dtype)
+        weight = tl.load(weight_ptr + offs, mask=mask, other=0.0)
+        tl.store(out_ptr + row * hidden + offs, (normed * weight).to(out_ptr.dtype.element_ty), mask=mask)

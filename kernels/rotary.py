@@ -1,0 +1,91 @@
+"""Rotary position embedding (neox style, llama3 scaling), applied in place to query and key."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kernels._triton import tl, triton, use_triton
+
+
+def rotary_cos_sin_cache(
+    head_dim: int, max_position: int, base: float, rope_scaling: dict | None, dtype: torch.dtype
+) -> torch.Tensor:
+    """[max_position, head_dim]: cos of the head_dim/2 frequencies, then their sin. Computed in
+    float32 as transformers does, then cast. Raises ValueError for an unknown rope type."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    rope_type = (rope_scaling or {}).get("rope_type", "default")
+    if rope_type == "llama3":
+        inv_freq = _llama3_inv_freq(inv_freq, rope_scaling)
+    elif rope_type != "default":
+        raise ValueError(f"rope_type {rope_type!r} is not supported (default, llama3)")
+    freqs = torch.outer(torch.arange(max_position, dtype=torch.int64).float(), inv_freq)
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(dtype)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    factor = scaling["factor"]
+    low_freq_factor = scaling["low_freq_factor"]
+    high_freq_factor = scaling["high_freq_factor"]
+    old_context = scaling["original_max_position_embeddings"]
+    low_freq_wavelen = old_context / low_freq_factor
+    high_freq_wavelen = old_context / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def apply_rotary_ref(query, key, positions, cos_sin_cache) -> None:
+    half = cos_sin_cache.shape[-1] // 2
+    cos_sin = cos_sin_cache[positions]
+    cos = cos_sin[:, :half].repeat(1, 2).unsqueeze(1)
+    sin = cos_sin[:, half:].repeat(1, 2).unsqueeze(1)
+    for x in (query, key):
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        x.copy_(x * cos + rotated * sin)
+
+
+def apply_rotary(query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor,
+                 cos_sin_cache: torch.Tensor, force_triton: bool = False) -> None:
+    """In place. query: [num_tokens, num_heads, head_dim], key: [num_tokens, num_kv_heads,
+    head_dim] (views with a unit last stride are fine), positions: [num_tokens] int64."""
+    if query.dim() != 3 or key.dim() != 3 or query.shape[0] != key.shape[0] != positions.shape[0]:
+        raise ValueError(f"apply_rotary: query {tuple(query.shape)}, key {tuple(key.shape)}, positions {tuple(positions.shape)}")
+    if query.shape[-1] != cos_sin_cache.shape[-1]:
+        raise ValueError(f"apply_rotary: head_dim {query.shape[-1]} != cache width {cos_sin_cache.shape[-1]}")
+    if not use_triton(query, force_triton):
+        return apply_rotary_ref(query, key, positions, cos_sin_cache)
+    num_tokens, num_heads, head_dim = query.shape
+    if num_tokens == 0:
+        return None
+    for x, heads in ((query, num_heads), (key, key.shape[1])):
+        _rotary_kernel[(num_tokens, heads)](
+            x, positions, cos_sin_cache, x.stride(0), x.stride(1), cos_sin_cache.stride(0),
+            HALF=head_dim // 2, BLOCK=triton.next_power_of_2(head_dim // 2),
+        )
+    return None
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rotary_kernel(x_ptr, positions_ptr, cache_ptr, stride_x_token, stride_x_head, stride_cache_pos,
+                       HALF: tl.constexpr, BLOCK: tl.constexpr):
+        token = tl.program_id(0)
+        head = tl.program_id(1)
+        offs = tl.arange(0, BLOCK)
+        mask = offs < HALF
+        pos = tl.load(positions_ptr + token)
+        cos = tl.load(cache_ptr + pos * stride_cache_pos + offs, mask=mask, other=0.0).to(tl.float32)
+        sin = tl.load(cache_ptr + pos * stride_cache_pos + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+        base = x_ptr + token * stride_x_token + head * stride_x_head
+        x1 = tl.load(base + offs, mask=mask, other=0.0)
+        x2 = tl.load(base + HALF + offs, mask=mask, other=0.0)
+        x1f = x1.to(tl.float32)
+        x2f = x2.to(tl.float32)
+        tl.store(base + offs, (x1f * cos - x2f * sin).to(x1.dtype), mask=mask)
+        tl.store(base + HALF + offs, (x2f * cos + x1f * sin).to(x1.dtype), mask=mask)
