@@ -15,16 +15,20 @@ from engine.config import ModelConfig
 logger = logging.getLogger(__name__)
 
 
+# NOTE: projection weights are stored transposed ([in, out], contiguous): `x @ w_t` measured
+# 1.1-1.4x faster than F.linear(x, w) on the CPU's BLAS for this model's shapes.
+
+
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor  # [hidden]
-    qkv: torch.Tensor  # [(num_heads + 2 * num_kv_heads) * head_dim, hidden]
+    qkv_t: torch.Tensor  # [hidden, (num_heads + 2 * num_kv_heads) * head_dim]
     qkv_bias: torch.Tensor | None
-    o: torch.Tensor  # [hidden, num_heads * head_dim]
+    o_t: torch.Tensor  # [num_heads * head_dim, hidden]
     o_bias: torch.Tensor | None
     post_norm: torch.Tensor  # [hidden]
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    down: torch.Tensor  # [hidden, intermediate]
+    gate_up_t: torch.Tensor  # [hidden, 2 * intermediate]
+    down_t: torch.Tensor  # [intermediate, hidden]
 
 
 @dataclass
@@ -32,7 +36,7 @@ class ModelWeights:
     embed_tokens: torch.Tensor  # [vocab, hidden]
     layers: list[LayerWeights]
     norm: torch.Tensor  # [hidden]
-    lm_head: torch.Tensor  # [vocab, hidden]; the embedding itself when tied
+    lm_head_t: torch.Tensor  # [hidden, vocab]
 
 
 def load_weights(config: ModelConfig, device: str = "cpu") -> ModelWeights:
@@ -54,7 +58,11 @@ def load_weights(config: ModelConfig, device: str = "cpu") -> ModelWeights:
     if lm_head is None:
         logger.warning("no lm_head.weight in %s: tying it to the embedding", config.model_dir)
         lm_head = embed
-    return ModelWeights(embed, layers, take("model.norm.weight"), lm_head)
+    return ModelWeights(embed, layers, take("model.norm.weight"), _t(lm_head))
+
+
+def _t(weight: torch.Tensor) -> torch.Tensor:
+    return weight.t().contiguous()
 
 
 def _load_layer(config: ModelConfig, idx: int, take, take_optional) -> LayerWeights:
@@ -67,13 +75,13 @@ def _load_layer(config: ModelConfig, idx: int, take, take_optional) -> LayerWeig
     mlp = prefix + "mlp."
     return LayerWeights(
         input_norm=take(prefix + "input_layernorm.weight"),
-        qkv=qkv,
+        qkv_t=_t(qkv),
         qkv_bias=qkv_bias,
-        o=take(attn + "o_proj.weight"),
+        o_t=_t(take(attn + "o_proj.weight")),
         o_bias=take_optional(attn + "o_proj.bias") if config.has_o_bias else None,
         post_norm=take(prefix + "post_attention_layernorm.weight"),
-        gate_up=torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")]),
-        down=take(mlp + "down_proj.weight"),
+        gate_up_t=_t(torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")])),
+        down_t=_t(take(mlp + "down_proj.weight")),
     )
 
 

@@ -41,12 +41,15 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 
 def apply_rotary_ref(query, key, positions, cos_sin_cache) -> None:
     half = cos_sin_cache.shape[-1] // 2
-    cos_sin = cos_sin_cache[positions]
-    cos = cos_sin[:, :half].repeat(1, 2).unsqueeze(1)
-    sin = cos_sin[:, half:].repeat(1, 2).unsqueeze(1)
+    cos_sin = cos_sin_cache[positions].unsqueeze(1)
+    cos, sin = cos_sin[..., :half], cos_sin[..., half:]
     for x in (query, key):
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        x.copy_(x * cos + rotated * sin)
+        # Same products and sums as transformers' x * cos + rotate_half(x) * sin, without
+        # building the rotated copy.
+        x1, x2 = x[..., :half], x[..., half:]
+        first = x1 * cos - x2 * sin
+        x2.mul_(cos).add_(x1 * sin)
+        x1.copy_(first)
 
 
 def apply_rotary(query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor,
