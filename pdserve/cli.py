@@ -1,0 +1,53 @@
+"""The `pdserve` command: subcommands backed by modules imported only when chosen, so
+`pdserve proxy` never loads torch."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# (name, module with add_arguments(parser) and main(args), help)
+COMMANDS = [
+    ("up", "pdserve.launcher", "start proxy + prefill + decode nodes on this machine"),
+    ("proxy", "proxy.main", "start the OpenAI-compatible proxy alone"),
+    ("prefill", "prefill_node.main", "start one prefill node"),
+    ("decode", "decode_node.main", "start one decode (or colocated) node"),
+    ("generate", "pdserve.generate", "offline completions for prompts"),
+    ("make-model", "pdserve.make_model", "write a random-weight checkpoint with a local tokenizer"),
+    ("bench", "pdserve.bench", "drive an OpenAI endpoint and report latency/throughput"),
+]
+
+
+def _parser(chosen: str | None) -> tuple[argparse.ArgumentParser, dict[str, object]]:
+    parser = argparse.ArgumentParser(prog="pdserve", description="disaggregated prefill/decode LLM serving")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    modules: dict[str, object] = {}
+    for name, module_name, help_text in COMMANDS:
+        sub = subparsers.add_parser(name, help=help_text, description=help_text)
+        if name == chosen:
+            try:
+                module = importlib.import_module(module_name)
+            except ModuleNotFoundError as exc:
+                if exc.name and module_name.startswith(exc.name):
+                    print(f"pdserve {name}: not available: {module_name} missing", file=sys.stderr)
+                    sys.exit(2)
+                raise
+            module.add_arguments(sub)
+            modules[name] = module
+    return parser, modules
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    parser, modules = _parser(chosen if chosen in {c[0] for c in COMMANDS} else None)
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    return int(modules[args.command].main(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

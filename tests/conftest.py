@@ -1,0 +1,47 @@
+"""Shared fixtures: the tiny random-weight models (made once, cached across runs) and ports."""
+
+from __future__ import annotations
+
+import hashlib
+import socket
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+CACHE = REPO / ".cache" / "models"
+
+
+def _cached_model(preset: str) -> Path:
+    """Make the preset into .cache/models/<preset>-seed0 unless a copy made by the same
+    make_model code is already there (a stamp holds that code's hash)."""
+    from pdserve.make_model import make_model
+
+    code_hash = hashlib.sha256((REPO / "pdserve" / "make_model.py").read_bytes()).hexdigest()
+    path = CACHE / f"{preset}-seed0"
+    stamp = path / ".stamp"
+    if not (stamp.exists() and stamp.read_text() == code_hash and (path / "model.safetensors").exists()):
+        make_model(path, preset, seed=0, show_progress=False)
+        stamp.write_text(code_hash)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir() -> Path:
+    return _cached_model("tiny")
+
+
+@pytest.fixture(scope="session")
+def qwen2_tiny_model_dir() -> Path:
+    return _cached_model("qwen2-tiny")
+
+
+def find_free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture
+def free_port() -> int:
+    return find_free_port()
