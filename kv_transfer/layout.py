@@ -1,0 +1,33 @@
+"""KVLayout: what two engines must agree on before blocks move between them."""
+
+from __future__ import annotations
+
+import msgspec
+
+from kv_transfer.errors import LayoutMismatch
+
+# Fields that must match; num_blocks may differ (each side sizes its own cache).
+_MUST_MATCH = ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype", "model_fingerprint", "code_version")
+
+
+class KVLayout(msgspec.Struct, frozen=True):
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str
+    num_blocks: int
+    model_fingerprint: str
+    code_version: str
+
+    @property
+    def block_numel(self) -> int:
+        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim
+
+
+def check_compatible(local: KVLayout, remote: KVLayout) -> None:
+    """Raises LayoutMismatch naming every differing field with both sides' values."""
+    diffs = [f"{name}: local {getattr(local, name)!r}, remote {getattr(remote, name)!r}"
+             for name in _MUST_MATCH if getattr(local, name) != getattr(remote, name)]
+    if diffs:
+        raise LayoutMismatch("KV layouts differ: " + "; ".join(diffs))

@@ -1,0 +1,135 @@
+"""NIXL connector (UCX backend): the reader pulls blocks with one READ per request.
+
+The whole cache is registered once. Descriptor lists of one entry per block are prepared
+once per side (local at start, the peer's at handshake); a read names block indices into both,
+and NIXL merges runs of adjacent blocks into single descriptors. The READ carries the request
+id as its notification, which the holder receives on completion and frees the blocks.
+
+No progress thread: NIXL's optional one busy-spins a core per agent. Progress is driven from
+poll() (transfer state checks and notification reads), so an idle node costs no CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from kv_transfer.base import KVConnector, PendingRead, Peer, ReadResult
+from kv_transfer.config import TransferConfig
+from kv_transfer.errors import TransferFailed
+from kv_transfer.layout import KVLayout
+
+logger = logging.getLogger(__name__)
+
+
+def set_ucx_defaults(host: str) -> None:
+    """Process-wide UCX settings for a node about to create its agent (call before the first
+    connector). On loopback, restrict UCX to the lo device: measured to work, whereas
+    UCX_TLS=sm,self fails to create the agent. An operator's own UCX_* settings win."""
+    if host.startswith("127.") or host == "localhost":
+        os.environ.setdefault("UCX_NET_DEVICES", "lo")
+
+
+class NixlConnector(KVConnector):
+    backend = "nixl"
+
+    def __init__(self, config: TransferConfig, kv_cache: torch.Tensor, layout: KVLayout, engine_id: str) -> None:
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        self._mem_type = "VRAM" if kv_cache.is_cuda else "DRAM"
+        self._device_id = kv_cache.device.index or 0
+        self._agent = nixl_agent(engine_id, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+        self._reg = self._agent.register_memory(self._agent.get_reg_descs(kv_cache), mem_type=self._mem_type)
+        self._local_dlist = self._agent.prep_xfer_dlist("", self._block_descs(kv_cache.data_ptr(), layout.num_blocks, kv_cache),
+                                                        self._mem_type)
+        self.num_descriptors_last_read = 0
+        super().__init__(config, kv_cache, layout, engine_id)
+
+    def _block_descs(self, base: int, num_blocks: int, kv_cache: torch.Tensor) -> list[tuple[int, int, int]]:
+        size = kv_cache[0].numel() * kv_cache.element_size()
+        return [(base + i * size, size, self._device_id) for i in range(num_blocks)]
+
+    def _hello_extra(self) -> dict:
+        return {
+            "metadata": self._agent.get_agent_metadata(),
+            "base_address": self.kv_cache.data_ptr(),
+            "block_bytes": self.block_bytes,
+            "num_blocks": self.layout.num_blocks,
+            "device_id": self._device_id,
+            "mem_type": self._mem_type,
+        }
+
+    def _connect_peer(self, peer: Peer) -> None:
+        extra = peer.extra
+        agent_name = self._agent.add_remote_agent(extra["metadata"])
+        size = extra["block_bytes"]
+        descs = [(extra["base_address"] + i * size, size, extra["device_id"]) for i in range(extra["num_blocks"])]
+        peer.state = (agent_name, self._agent.prep_xfer_dlist(agent_name, descs, extra["mem_type"]))
+
+    def _start_transfer(self, read: PendingRead, peer: Peer) -> None:
+        _, remote_dlist = peer.state
+        try:
+            handle = self._agent.make_prepped_xfer("READ", self._local_dlist, read.local_block_ids, remote_dlist,
+                                                   read.remote_block_ids, read.request_id.encode())
+            state = self._agent.transfer(handle)
+        except Exception as exc:  # noqa: BLE001 - nixl raises its own types; surface as ours
+            raise TransferFailed(f"request {read.request_id}: NIXL READ could not start: {exc}") from exc
+        read.state = handle
+        self.num_descriptors_last_read = _count_runs(read.local_block_ids, read.remote_block_ids)
+        if state == "ERR":
+            raise TransferFailed(f"request {read.request_id}: NIXL READ failed to post")
+
+    def _poll_backend(self) -> list[ReadResult]:
+        results = []
+        for read in list(self._reads.values()):
+            if read.state is None:
+                continue
+            try:
+                state = self._agent.check_xfer_state(read.state)
+            except Exception as exc:  # noqa: BLE001
+                state = f"ERR ({exc})"
+            if state == "DONE":
+                self._agent.release_xfer_handle(read.state)
+                read.state = None
+                results.append(self._succeed(read))
+            elif state != "PROC":
+                results.append(self._fail(read, f"NIXL READ ended in state {state}"))
+        return results
+
+    def _cancel(self, read: PendingRead) -> None:
+        try:
+            self._agent.release_xfer_handle(read.state)
+        except Exception as exc:  # noqa: BLE001 - best effort on an already broken transfer
+            logger.warning("releasing NIXL handle of %s: %s", read.request_id, exc)
+        read.state = None
+
+    def _forget_peer(self, peer: Peer) -> None:
+        agent_name, remote_dlist = peer.state
+        try:
+            self._agent.release_dlist_handle(remote_dlist)
+            self._agent.remove_remote_agent(agent_name)
+        except Exception as exc:  # noqa: BLE001 - the peer is gone; best effort
+            logger.warning("forgetting NIXL peer %s: %s", agent_name, exc)
+
+    def _drain_backend_notices(self) -> list[str]:
+        notices = self._agent.get_new_notifs()
+        return [message.decode() for messages in notices.values() for message in messages]
+
+    def close(self) -> None:
+        super().close()
+        try:
+            self._agent.release_dlist_handle(self._local_dlist)
+            self._agent.deregister_memory(self._reg)
+        except Exception as exc:  # noqa: BLE001 - shutting down
+            logger.warning("NIXL deregistration: %s", exc)
+
+
+def _count_runs(local_ids: list[int], remote_ids: list[int]) -> int:
+    """Descriptors after merging: runs where both sides' block ids advance by one."""
+    runs = 0
+    for i in range(len(local_ids)):
+        if i == 0 or local_ids[i] != local_ids[i - 1] + 1 or remote_ids[i] != remote_ids[i - 1] + 1:
+            runs += 1
+    return runs

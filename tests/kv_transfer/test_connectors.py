@@ -1,0 +1,166 @@
+"""Real connectors between two processes: blocks arrive bit-identical, layouts are checked,
+a dead holder fails reads within the timeout and leaves nothing allocated on the live side."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+
+from kv_transfer.cli import create_connector
+from kv_transfer.config import TransferConfig
+from kv_transfer.layout import KVLayout
+
+PEER = Path(__file__).with_name("peer.py")
+REPO = Path(__file__).resolve().parents[2]
+LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=16, block_size=16, dtype="float32", num_blocks=48,
+                  model_fingerprint="abc", code_version="1")
+
+
+class Holder:
+    """A peer.py process started on its own (no shared Python parent state), killed by pid."""
+
+    def __init__(self, backend: str, seed: int, layout: KVLayout = LAYOUT) -> None:
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        self.proc = subprocess.Popen([sys.executable, str(PEER), backend, str(seed), msgspec.json.encode(layout).decode()],
+                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
+                                     start_new_session=True)
+        hello = self._read_line(timeout_s=60)
+        self.address, self.engine_id = hello["address"], hello["engine_id"]
+        shape = (layout.num_blocks, layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
+        self.cache = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+    def _read_line(self, timeout_s: float) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if line.startswith("{"):
+                return json.loads(line)
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"holder exited with {self.proc.returncode}")
+        raise TimeoutError("holder did not start")
+
+    def released(self, count: int, timeout_s: float = 10.0) -> set[str]:
+        ids = set()
+        deadline = time.monotonic() + timeout_s
+        while len(ids) < count and time.monotonic() < deadline:
+            ids.add(self._read_line(timeout_s=deadline - time.monotonic())["released"])
+        return ids
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+@pytest.fixture
+def holders():
+    started: list[Holder] = []
+
+    def start(*args, **kwargs) -> Holder:
+        holder = Holder(*args, **kwargs)
+        started.append(holder)
+        return holder
+
+    yield start
+    for holder in started:
+        holder.kill()
+
+
+def reader(backend: str, layout: KVLayout = LAYOUT, **config):
+    shape = (layout.num_blocks, layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
+    cache = torch.full(shape, float("nan"))
+    connector = create_connector(TransferConfig(backend=backend, **config), cache, layout, "reader")
+    return connector, cache
+
+
+def poll_until(connector, request_ids: set[str], timeout_s: float) -> dict:
+    results = {}
+    deadline = time.monotonic() + timeout_s
+    while set(results) != request_ids and time.monotonic() < deadline:
+        for result in connector.poll():
+            results[result.request_id] = result
+        time.sleep(0.001)
+    return results
+
+
+@pytest.mark.parametrize("backend", ["nixl", "gloo"])
+def test_many_reads_into_non_contiguous_blocks_arrive_bit_identical(backend, holders):
+    holder = holders(backend, seed=1)
+    connector, cache = reader(backend)
+    try:
+        rng = random.Random(0)
+        free = list(range(LAYOUT.num_blocks))
+        rng.shuffle(free)
+        plans = {}
+        for i in range(8):  # 8 requests in flight at once, 1 to 5 blocks each
+            n = rng.randint(1, 5)
+            remote = rng.sample(range(LAYOUT.num_blocks), n)
+            local = [free.pop() for _ in range(n)]
+            plans[f"req-{i}"] = (remote, local)
+            connector.start_read(f"req-{i}", holder.engine_id, holder.address, remote, local)
+        results = poll_until(connector, set(plans), timeout_s=30)
+        assert all(r.is_ok for r in results.values()), [r.error for r in results.values()]
+        for request_id, (remote, local) in plans.items():
+            assert torch.equal(cache[local], holder.cache[remote]), request_id
+        assert holder.released(len(plans)) == set(plans)
+    finally:
+        connector.close()
+
+
+@pytest.mark.parametrize("backend", ["nixl", "gloo"])
+def test_mismatched_layout_is_refused_naming_both_values(backend, holders):
+    holder = holders(backend, seed=2)
+    other = msgspec.structs.replace(LAYOUT, block_size=32, dtype="bfloat16")
+    connector, _ = reader(backend, layout=other)
+    try:
+        connector.start_read("r", holder.engine_id, holder.address, [0], [0])
+        [result] = poll_until(connector, {"r"}, timeout_s=10).values()
+        assert not result.is_ok
+        assert "block_size: local 16, remote 32" in result.error or "block_size: local 32, remote 16" in result.error
+        assert "bfloat16" in result.error and "float32" in result.error
+    finally:
+        connector.close()
+
+
+@pytest.mark.parametrize("backend", ["nixl", "gloo"])
+def test_killed_holder_fails_reads_within_timeout_and_blocks_come_back(backend, holders):
+    holder = holders(backend, seed=3)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    reader_proc = subprocess.Popen(
+        [sys.executable, str(PEER.with_name("reader.py")), backend, msgspec.json.encode(LAYOUT).decode(),
+         holder.address, holder.engine_id],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
+        start_new_session=True,
+    )
+    try:
+        assert _json_line(reader_proc) == {"warm": True}
+        holder.kill()
+        reader_proc.stdin.write("go\n")
+        reader_proc.stdin.flush()
+        report = _json_line(reader_proc)
+        assert report["failed"] == [f"dead-{i}" for i in range(4)], report
+        assert report["seconds"] < 3.0 + 2.0  # transfer_timeout_s plus slack
+        assert report["still_allocated"] == {} and report["in_flight"] == 0
+    finally:
+        if reader_proc.poll() is None:
+            reader_proc.kill()
+        reader_proc.wait()
+
+
+def _json_line(proc: subprocess.Popen) -> dict:
+    """The next JSON line of a child's stdout (NIXL logs its own lines there too)."""
+    while True:
+        line = proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"child ended (exit {proc.poll()}) before printing a result")
+        if line.startswith("{"):
+            return json.loads(line)
