@@ -6,8 +6,9 @@ import argparse
 import logging
 import signal
 
-from engine.node_server import ServerConfig, add_engine_arguments, engine_config_from_args, pin_cpus
+from engine.node_server import ServerConfig, add_engine_arguments, engine_config_from_args, exit_now, kv_layout_fields, pin_cpus
 from kv_transfer.cli import add_transfer_arguments, create_connector, transfer_config_from_args
+from kv_transfer.layout import KVLayout
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,9 +30,14 @@ def main(args: argparse.Namespace) -> int:
     engine = LLMEngine(engine_config_from_args(args, role="both"))
     connector = None
     if args.role == "decode":
-        connector = create_connector(transfer_config_from_args(args), engine, node_id)
+        connector = create_connector(transfer_config_from_args(args), engine.kv_cache, kv_layout(engine), node_id)
     server = DecodeNode(engine, ServerConfig(node_id, args.host, args.port), connector, role=args.role)
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     signal.signal(signal.SIGINT, lambda *_: server.stop())
     server.run()
+    exit_now()  # NOTE: skips UCX's teardown, which aborts when a peer died first
     return 0
+
+
+def kv_layout(engine) -> KVLayout:
+    return KVLayout(**kv_layout_fields(engine))

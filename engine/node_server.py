@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 import time
 from dataclasses import dataclass
 
@@ -292,6 +293,25 @@ def engine_config_from_args(args: argparse.Namespace, role: str) -> EngineConfig
         device=device,
         seed=args.seed,
     )
+
+
+def kv_layout_fields(engine: LLMEngine) -> dict:
+    """The engine's KV layout as plain fields for kv_transfer.layout.KVLayout."""
+    from engine.kv_cache import kv_layout_fields as layout_fields
+    from engine.weights import model_fingerprint
+
+    fields = layout_fields(engine.config.model, engine.block_size, engine.block_pool.num_blocks,
+                           model_fingerprint(engine.config.model.model_dir))
+    fields["code_version"] = f"pdserve-{protocol.PROTOCOL_VERSION}"
+    return fields
+
+
+def exit_now(code: int = 0) -> None:
+    """Leave the process at once after a clean shutdown (flushing logs and streams first)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def pin_cpus(cpus: str | None) -> None:

@@ -6,8 +6,9 @@ import argparse
 import logging
 import signal
 
-from engine.node_server import ServerConfig, add_engine_arguments, engine_config_from_args, pin_cpus
+from engine.node_server import ServerConfig, add_engine_arguments, engine_config_from_args, exit_now, kv_layout_fields, pin_cpus
 from kv_transfer.cli import add_transfer_arguments, create_connector, transfer_config_from_args
+from kv_transfer.layout import KVLayout
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,9 +25,14 @@ def main(args: argparse.Namespace) -> int:
     node_id = args.node_id or f"prefill-{args.port}"
     engine = LLMEngine(engine_config_from_args(args, role="prefill"))
     transfer = transfer_config_from_args(args)
-    connector = create_connector(transfer, engine, node_id)
+    connector = create_connector(transfer, engine.kv_cache, kv_layout(engine), node_id)
     server = PrefillNode(engine, ServerConfig(node_id, args.host, args.port), connector, transfer.lease_timeout_s)
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     signal.signal(signal.SIGINT, lambda *_: server.stop())
     server.run()
+    exit_now()  # NOTE: skips UCX's teardown, which aborts when a peer died first
     return 0
+
+
+def kv_layout(engine) -> KVLayout:
+    return KVLayout(**kv_layout_fields(engine))

@@ -1,0 +1,75 @@
+"""One choice of a completion: tokens in, text deltas (stop strings applied) and logprobs out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine import protocol
+from proxy.tokenizer import IncrementalDetokenizer, ModelTokenizer, StopChecker
+
+
+@dataclass
+class Delta:
+    text: str
+    tokens: list[protocol.TokenLogprob]
+    finish_reason: str | None = None
+
+
+@dataclass
+class ChoiceState:
+    index: int
+    tokenizer: ModelTokenizer
+    stops: list[str]
+    detokenizer: IncrementalDetokenizer = field(init=False)
+    stop_checker: StopChecker = field(init=False)
+    text: str = ""
+    num_tokens: int = 0
+    tokens: list[protocol.TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    def __post_init__(self) -> None:
+        self.detokenizer = IncrementalDetokenizer(self.tokenizer)
+        self.stop_checker = StopChecker(self.stops)
+
+    def add(self, tokens: list[protocol.TokenLogprob], finish_reason: str | None) -> Delta:
+        """Absorb a step's tokens; finish_reason becomes "stop" at a stop string."""
+        self.num_tokens += len(tokens)
+        self.tokens.extend(tokens)
+        text = self.stop_checker.feed(self.detokenizer.add([t.token_id for t in tokens]))
+        if self.stop_checker.is_stopped:
+            finish_reason = "stop"
+        elif finish_reason is not None:
+            text += self.stop_checker.feed(self.detokenizer.flush())
+            text += "" if self.stop_checker.is_stopped else self.stop_checker.flush()
+            if self.stop_checker.is_stopped:
+                finish_reason = "stop"
+        if finish_reason == "abort":
+            finish_reason = "stop"
+        self.finish_reason = finish_reason
+        self.text += text
+        return Delta(text, tokens, finish_reason)
+
+    def completion_logprobs(self, tokens: list[protocol.TokenLogprob], text_offset: int) -> dict:
+        """The legacy /v1/completions logprobs object for these tokens."""
+        texts = [self.tokenizer.token_text(t.token_id) for t in tokens]
+        offsets = []
+        for text in texts:
+            offsets.append(text_offset)
+            text_offset += len(text)
+        return {
+            "tokens": texts,
+            "token_logprobs": [t.logprob for t in tokens],
+            "top_logprobs": [{self.tokenizer.token_text(i): lp for i, lp in t.top} for t in tokens],
+            "text_offset": offsets,
+        }
+
+    def chat_logprobs(self, tokens: list[protocol.TokenLogprob]) -> dict:
+        return {"content": [self._chat_entry(t) for t in tokens]}
+
+    def _chat_entry(self, token: protocol.TokenLogprob) -> dict:
+        text = self.tokenizer.token_text(token.token_id)
+        return {
+            "token": text, "logprob": token.logprob, "bytes": list(text.encode()),
+            "top_logprobs": [{"token": self.tokenizer.token_text(i), "logprob": lp,
+                              "bytes": list(self.tokenizer.token_text(i).encode())} for i, lp in token.top],
+        }

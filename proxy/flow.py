@@ -1,0 +1,117 @@
+"""The life of one request across the nodes, as an async stream of token batches.
+
+Disaggregated: PrefillRequest to a prefill node -> the first token (yielded at once) and a KV
+handle -> DecodeRequest to a decode node, which pulls the KV -> token batches. Colocated (no
+prefill nodes): one DecodeRequest without a handle. If the consumer stops early (client gone,
+stop string) or anything fails, the node(s) holding the request are told to abort it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from engine import protocol
+from proxy.nodes import NodeClient, NodeDied, NodePool
+
+logger = logging.getLogger(__name__)
+
+
+class NoNodeAvailable(Exception):
+    """No healthy node of a needed kind."""
+
+
+class NodeRejected(Exception):
+    """A node answered with an ErrorReply."""
+
+    def __init__(self, reply: protocol.ErrorReply) -> None:
+        super().__init__(reply.message)
+        self.reply = reply
+
+
+@dataclass
+class Step:
+    tokens: list[protocol.TokenLogprob]
+    finish_reason: str | None = None
+
+
+async def run_request(pool: NodePool, request_id: str, prompt_ids: list[int], sampling: protocol.SamplingOptions,
+                      first_token_timeout_s: float, token_timeout_s: float) -> AsyncIterator[Step]:
+    """Yields the request's tokens; raises NoNodeAvailable, NodeRejected, NodeDied or
+    TimeoutError. Always leaves no request behind on any node."""
+    holder: NodeClient | None = None  # the node that must be told to abort
+    finished = False
+    try:
+        first = None
+        handle = None
+        prefill = pool.pick_prefill() if pool.prefill else None
+        if pool.prefill:
+            if prefill is None:
+                raise NoNodeAvailable("no healthy prefill node")
+            holder = prefill
+            result = await _prefill(prefill, request_id, prompt_ids, sampling, first_token_timeout_s)
+            first, handle = result.first_token, result.kv_handle
+            if result.finish_reason is not None:
+                finished = True
+                yield Step([first], result.finish_reason)
+                return
+        decode = pool.pick_decode()
+        if decode is None:
+            raise NoNodeAvailable("no healthy decode node")
+        queue = decode.open(request_id)
+        decode.send(protocol.DecodeRequest(request_id, prompt_ids, sampling, first, handle, time.time()))
+        holder = decode
+        if first is not None:
+            yield Step([first])
+        timeout_s = token_timeout_s if first is not None else first_token_timeout_s
+        while True:
+            message = await _next(queue, timeout_s, decode, request_id)
+            timeout_s = token_timeout_s
+            if isinstance(message, protocol.ErrorReply):
+                finished = True  # the node has dropped it already
+                raise NodeRejected(message)
+            yield Step(list(message.tokens), message.finish_reason)
+            if message.finish_reason is not None:
+                finished = True
+                return
+    finally:
+        if holder is not None:
+            holder.close(request_id)
+            if not finished:
+                _abort(holder, request_id)
+
+
+async def _prefill(node: NodeClient, request_id: str, prompt_ids: list[int], sampling: protocol.SamplingOptions,
+                   timeout_s: float) -> protocol.PrefillResult:
+    queue = node.open(request_id)
+    node.num_in_flight_tokens += len(prompt_ids)
+    try:
+        node.send(protocol.PrefillRequest(request_id, prompt_ids, sampling, time.time()))
+        message = await _next(queue, timeout_s, node, request_id)
+    finally:
+        node.num_in_flight_tokens -= len(prompt_ids)
+        node.close(request_id)
+    if isinstance(message, protocol.ErrorReply):
+        raise NodeRejected(message)
+    return message
+
+
+async def _next(queue: asyncio.Queue, timeout_s: float, node: NodeClient, request_id: str):
+    try:
+        message = await asyncio.wait_for(queue.get(), timeout_s)
+    except asyncio.TimeoutError as exc:
+        raise TimeoutError(f"request {request_id}: no answer from {node.kind} node {node.address} "
+                           f"within {timeout_s:.0f} s") from exc
+    if isinstance(message, NodeDied):
+        raise message
+    return message
+
+
+def _abort(node: NodeClient, request_id: str) -> None:
+    try:
+        node.send(protocol.Abort([request_id]))
+    except NodeDied:
+        logger.warning("could not abort %s on %s: node not accepting", request_id, node.address)

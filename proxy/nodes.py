@@ -1,0 +1,150 @@
+"""The proxy's view of its nodes: one DEALER socket per node, per-request message queues, load
+reports (the heartbeat), death detection and routing."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from engine import protocol
+
+logger = logging.getLogger(__name__)
+
+_PING_INTERVAL_S = 1.0
+
+
+class NodeDied(Exception):
+    """The node holding a request stopped reporting."""
+
+
+@dataclass
+class NodeClient:
+    address: str
+    kind: str  # "prefill" | "decode"
+    heartbeat_timeout_s: float
+    socket: zmq.asyncio.Socket | None = None
+    last_report: protocol.LoadReport | None = None
+    last_seen: float = 0.0
+    num_in_flight_tokens: int = 0  # prompt tokens this proxy has sent and not seen finish
+    queues: dict[str, asyncio.Queue] = field(default_factory=dict)
+
+    @property
+    def is_healthy(self) -> bool:
+        return self.last_report is not None and time.monotonic() - self.last_seen < self.heartbeat_timeout_s
+
+    def open(self, request_id: str) -> asyncio.Queue:
+        """A queue receiving this node's messages for request_id (until close())."""
+        queue: asyncio.Queue = asyncio.Queue()
+        self.queues[request_id] = queue
+        return queue
+
+    def close(self, request_id: str) -> None:
+        self.queues.pop(request_id, None)
+
+    def send(self, message) -> None:
+        try:
+            self.socket.send(protocol.encode(message), flags=zmq.NOBLOCK)
+        except zmq.Again as exc:
+            raise NodeDied(f"{self.kind} node {self.address} is not accepting messages") from exc
+
+    def fail_all(self, error: Exception) -> None:
+        for queue in self.queues.values():
+            queue.put_nowait(error)
+
+
+class NodePool:
+    """All nodes of both kinds; start() begins receiving, stop() closes every socket."""
+
+    def __init__(self, prefill_addresses, decode_addresses, heartbeat_timeout_s: float) -> None:
+        self.context = zmq.asyncio.Context()
+        self.prefill = [NodeClient(a, "prefill", heartbeat_timeout_s) for a in prefill_addresses]
+        self.decode = [NodeClient(a, "decode", heartbeat_timeout_s) for a in decode_addresses]
+        self._tasks: list[asyncio.Task] = []
+
+    @property
+    def all(self) -> list[NodeClient]:
+        return self.prefill + self.decode
+
+    def start(self) -> None:
+        for node in self.all:
+            node.socket = self.context.socket(zmq.DEALER)
+            node.socket.setsockopt(zmq.LINGER, 0)
+            node.socket.setsockopt(zmq.SNDHWM, 100_000)
+            node.socket.connect(f"tcp://{node.address}")
+            self._tasks.append(asyncio.create_task(self._receive(node)))
+        self._tasks.append(asyncio.create_task(self._watch()))
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for node in self.all:
+            if node.socket is not None:
+                node.socket.close(linger=0)
+        self.context.term()
+
+    def max_model_len(self) -> int | None:
+        lengths = [n.last_report.max_model_len for n in self.all if n.last_report]
+        return min(lengths) if lengths else None
+
+    def pick_prefill(self) -> NodeClient | None:
+        """Least queued prompt tokens (as reported plus what this proxy has in flight)."""
+        healthy = [n for n in self.prefill if n.is_healthy]
+        if not healthy:
+            return None
+        return min(healthy, key=lambda n: n.last_report.num_queued_prompt_tokens + n.num_in_flight_tokens)
+
+    def pick_decode(self) -> NodeClient | None:
+        """Most free blocks, then fewest running requests."""
+        healthy = [n for n in self.decode if n.is_healthy]
+        if not healthy:
+            return None
+        return max(healthy, key=lambda n: (n.last_report.num_free_blocks - n.num_in_flight_tokens // 16,
+                                           -n.last_report.num_running))
+
+    def down(self) -> list[str]:
+        return [f"{n.kind} {n.address}" for n in self.all if not n.is_healthy]
+
+    async def _receive(self, node: NodeClient) -> None:
+        node.send(protocol.Ping())
+        while True:
+            try:
+                data = await node.socket.recv()
+                message = protocol.decode_from_node(data)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                logger.warning("bad message from %s: %s", node.address, exc)
+                continue
+            if isinstance(message, protocol.LoadReport):
+                node.last_report = message
+                node.last_seen = time.monotonic()
+            elif isinstance(message, protocol.TokenBatch):
+                for delta in message.deltas:
+                    _deliver(node, delta.request_id, delta)
+            else:
+                _deliver(node, message.request_id, message)
+
+    async def _watch(self) -> None:
+        """Ping silent nodes (they learn this proxy's identity) and fail requests on dead ones."""
+        was_healthy = {id(n): False for n in self.all}
+        while True:
+            await asyncio.sleep(_PING_INTERVAL_S / 2)
+            for node in self.all:
+                healthy = node.is_healthy
+                if not healthy:
+                    node.send(protocol.Ping())
+                    if was_healthy[id(node)] or node.queues:
+                        logger.warning("%s node %s stopped reporting", node.kind, node.address)
+                        node.fail_all(NodeDied(f"{node.kind} node {node.address} stopped responding"))
+                was_healthy[id(node)] = healthy
+
+
+def _deliver(node: NodeClient, request_id: str, message) -> None:
+    queue = node.queues.get(request_id)
+    if queue is not None:
+        queue.put_nowait(message)

@@ -1,0 +1,143 @@
+"""Text <-> token ids for the proxy (tokenizers + jinja2, no torch): chat templates, incremental
+detokenizing that never splits a multi-byte character, and stop strings."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import jinja2
+from tokenizers import Tokenizer
+
+_REPLACEMENT = "\ufffd"
+
+
+@dataclass
+class ModelTokenizer:
+    tokenizer: Tokenizer
+    chat_template: str | None
+    bos_token: str | None
+    eos_token: str | None
+    eos_token_ids: tuple[int, ...]
+    vocab_size: int
+    max_position_embeddings: int
+    _template: jinja2.Template | None = field(default=None, repr=False)
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> "ModelTokenizer":
+        model_dir = Path(model_dir)
+        tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        tok_config = _read_json(model_dir / "tokenizer_config.json")
+        config = _read_json(model_dir / "config.json")
+        gen_config = _read_json(model_dir / "generation_config.json")
+        eos = gen_config.get("eos_token_id", config.get("eos_token_id"))
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        result = cls(
+            tokenizer=tokenizer,
+            chat_template=tok_config.get("chat_template"),
+            bos_token=_token_text(tok_config.get("bos_token")),
+            eos_token=_token_text(tok_config.get("eos_token")),
+            eos_token_ids=eos_ids,
+            vocab_size=config.get("vocab_size", tokenizer.get_vocab_size()),
+            max_position_embeddings=config.get("max_position_embeddings", 2048),
+        )
+        if result.chat_template:
+            env = jinja2.Environment(undefined=jinja2.StrictUndefined, trim_blocks=False, autoescape=False)
+            env.globals["raise_exception"] = _raise_template_error
+            result._template = env.from_string(result.chat_template)
+        return result
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text as it appears in logprobs (bytes that are not whole characters
+        stay visible as their replacement)."""
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Raises ValueError when the model has no template or the template rejects the input."""
+        if self._template is None:
+            raise ValueError("this model has no chat template; use /v1/completions")
+        try:
+            text = self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        except jinja2.TemplateError as exc:
+            raise ValueError(f"chat template failed: {exc}") from exc
+        return self.encode(text)
+
+
+def _raise_template_error(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _token_text(value) -> str | None:
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas. A byte-level BPE token can end in
+    the middle of a UTF-8 character; such text is held back until the character completes."""
+
+    def __init__(self, tokenizer: ModelTokenizer) -> None:
+        self._tokenizer = tokenizer
+        self.token_ids: list[int] = []
+        self._prefix_offset = 0
+        self._read_offset = 0
+
+    def add(self, token_ids: list[int]) -> str:
+        self.token_ids.extend(token_ids)
+        prefix_text = self._tokenizer.decode(self.token_ids[self._prefix_offset:self._read_offset])
+        full_text = self._tokenizer.decode(self.token_ids[self._prefix_offset:])
+        if full_text.endswith(_REPLACEMENT) or len(full_text) <= len(prefix_text):
+            return ""  # an incomplete character (or nothing visible yet): wait for more
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self.token_ids)
+        return full_text[len(prefix_text):]
+
+    def flush(self) -> str:
+        """At the end: whatever is still held back (a truly broken character shows as U+FFFD)."""
+        prefix_text = self._tokenizer.decode(self.token_ids[self._prefix_offset:self._read_offset])
+        full_text = self._tokenizer.decode(self.token_ids[self._prefix_offset:])
+        self._prefix_offset = self._read_offset = len(self.token_ids)
+        return full_text[len(prefix_text):]
+
+
+class StopChecker:
+    """Finds stop strings in streamed text; holds back a possible stop string's beginning."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self._hold = max((len(s) for s in self.stops), default=1) - 1
+        self._pending = ""
+        self.is_stopped = False
+
+    def feed(self, text: str) -> str:
+        """Text safe to emit now; sets is_stopped (and drops the rest) at a stop string."""
+        if not self.stops:
+            return text
+        self._pending += text
+        cut = min((i for i in (self._pending.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self.is_stopped = True
+            out, self._pending = self._pending[:cut], ""
+            return out
+        if len(self._pending) <= self._hold:
+            return ""
+        out = self._pending[: len(self._pending) - self._hold]
+        self._pending = self._pending[len(out):]
+        return out
+
+    def flush(self) -> str:
+        out, self._pending = self._pending, ""
+        return out
