@@ -60,6 +60,13 @@ def _check(query, kv_cache_layer, block_tables, seq_lens) -> None:
         raise ValueError(f"decode_attention: {query.shape[0]} seqs, block tables {tuple(block_tables.shape)}, seq_lens {tuple(seq_lens.shape)}")
 
 
+def _dot_fp32(query: torch.Tensor) -> bool:
+    """Whether the kernels' dot products run in float32: for float32 inputs, and for CPU
+    tensors (Triton's interpreter emulates half-precision dots incorrectly); half precision
+    on CUDA uses the tensor cores."""
+    return query.dtype == torch.float32 or not query.is_cuda
+
+
 def _decode_triton(query, kv_cache_layer, block_tables, seq_lens, scale):
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = kv_cache_layer.shape[2], kv_cache_layer.shape[3]
@@ -79,7 +86,7 @@ def _decode_triton(query, kv_cache_layer, block_tables, seq_lens, scale):
         query, kv_cache_layer, block_tables, seq_lens, partial_acc, partial_max, partial_sum, scale,
         query.stride(0), query.stride(1), *kv_cache_layer.stride()[:4], block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCKS_PER_SPLIT=blocks_per_split,
-        NUM_SPLITS=num_splits, BLOCK_GROUP=block_group, BLOCK_D=block_d,
+        NUM_SPLITS=num_splits, BLOCK_GROUP=block_group, BLOCK_D=block_d, DOT_FP32=_dot_fp32(query),
     )
     _decode_reduce_kernel[(num_seqs, num_heads)](
         partial_acc, partial_max, partial_sum, out, out.stride(0), out.stride(1),
@@ -96,7 +103,7 @@ if triton is not None:
         stride_query_seq, stride_query_head, stride_cache_block, stride_cache_kv, stride_cache_offset,
         stride_cache_head, stride_table_seq,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr,
-        NUM_SPLITS: tl.constexpr, BLOCK_GROUP: tl.constexpr, BLOCK_D: tl.constexpr,
+        NUM_SPLITS: tl.constexpr, BLOCK_GROUP: tl.constexpr, BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr,
     ):
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -110,6 +117,8 @@ if triton is not None:
         heads = kv_head * GROUP + offs_g
         q = tl.load(query_ptr + seq * stride_query_seq + heads[:, None] * stride_query_head + offs_d[None, :],
                     mask=mask_g[:, None] & mask_d[None, :], other=0.0)
+        if DOT_FP32:
+            q = q.to(tl.float32)
         m_i = tl.full([BLOCK_GROUP], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_GROUP], tl.float32)
         acc = tl.zeros([BLOCK_GROUP, BLOCK_D], tl.float32)
@@ -124,6 +133,9 @@ if triton is not None:
                 kv_offs = offs_t[:, None] * stride_cache_offset + offs_d[None, :]
                 k = tl.load(base + kv_offs, mask=mask_t[:, None] & mask_d[None, :], other=0.0)
                 v = tl.load(base + stride_cache_kv + kv_offs, mask=mask_t[:, None] & mask_d[None, :], other=0.0)
+                if DOT_FP32:
+                    k = k.to(tl.float32)
+                    v = v.to(tl.float32)
                 scores = tl.dot(q, tl.trans(k), input_precision="ieee").to(tl.float32) * scale
                 scores = tl.where(mask_t[None, :], scores, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(scores, axis=1))

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels._triton import tl, triton, use_triton
+from kernels.decode_attention import _dot_fp32
 
 
 def prefill_attention_ref(query, kv_cache_layer, block_tables, cu_query_lens, seq_lens, scale) -> torch.Tensor:
@@ -76,7 +77,7 @@ def _prefill_triton(query, kv_cache_layer, block_tables, cu_query_lens, seq_lens
         query.stride(0), query.stride(1), *kv_cache_layer.stride()[:4], block_tables.stride(0),
         out.stride(0), out.stride(1),
         GROUP=num_heads // kv_cache_layer.shape[3], HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_M=block_m, BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_M=block_m, BLOCK_D=triton.next_power_of_2(head_dim), DOT_FP32=_dot_fp32(query),
     )
     return out
 
@@ -89,7 +90,7 @@ if triton is not None:
         stride_query_token, stride_query_head, stride_cache_block, stride_cache_kv, stride_cache_offset,
         stride_cache_head, stride_table_seq, stride_out_token, stride_out_head,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_D: tl.constexpr,
+        BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr,
     ):
         seq = tl.program_id(0)
         head = tl.program_id(1)
@@ -106,6 +107,8 @@ if triton is not None:
             mask_d = offs_d < HEAD_DIM
             q = tl.load(query_ptr + (q_start + offs_m)[:, None] * stride_query_token + head * stride_query_head
                         + offs_d[None, :], mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+            if DOT_FP32:
+                q = q.to(tl.float32)
             positions = prefix_len + offs_m
             kv_head = head // GROUP
             m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -121,6 +124,9 @@ if triton is not None:
                 kv_offs = offs_t[:, None] * stride_cache_offset + offs_d[None, :]
                 k = tl.load(base + kv_offs, mask=mask_t[:, None] & mask_d[None, :], other=0.0)
                 v = tl.load(base + stride_cache_kv + kv_offs, mask=mask_t[:, None] & mask_d[None, :], other=0.0)
+                if DOT_FP32:
+                    k = k.to(tl.float32)
+                    v = v.to(tl.float32)
                 scores = tl.dot(q, tl.trans(k), input_precision="ieee").to(tl.float32) * scale
                 allowed = (key_pos[None, :] <= positions[:, None]) & mask_t[None, :]
                 scores = tl.where(allowed, scores, float("-inf"))

@@ -73,10 +73,13 @@ if triton is not None:
         mask = offs < hidden
         x = tl.load(x_ptr + row * hidden + offs, mask=mask, other=0.0)
         if HAS_RESIDUAL:
-            x = x + tl.load(residual_ptr + row * hidden + offs, mask=mask, other=0.0)
+            # Add in float32 and round once: what torch's half-precision add does.
+            residual = tl.load(residual_ptr + row * hidden + offs, mask=mask, other=0.0)
+            x = (x.to(tl.float32) + residual.to(tl.float32)).to(x.dtype)
             tl.store(new_residual_ptr + row * hidden + offs, x, mask=mask)
         xf = x.to(tl.float32)
         variance = tl.sum(xf * xf, axis=0) / hidden
         normed = (xf * tl.rsqrt(variance + eps)).to(x.dtype)
-        weight = tl.load(weight_ptr + offs, mask=mask, other=0.0)
-        tl.store(out_ptr + row * hidden + offs, (normed * weight).to(out_ptr.dtype.element_ty), mask=mask)
+        weight = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        # Multiply in float32 and round once (torch rounds its half-precision product the same way).
+        tl.store(out_ptr + row * hidden + offs, (normed.to(tl.float32) * weight).to(out_ptr.dtype.element_ty), mask=mask)

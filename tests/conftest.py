@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import socket
 from pathlib import Path
 
 import pytest
+import torch
+
+# NOTE: Triton decides at kernel definition whether to interpret, so this must run before any
+# kernels module is imported. Without CUDA, the kernel tests then run Triton on CPU tensors.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 REPO = Path(__file__).resolve().parent.parent
 CACHE = REPO / ".cache" / "models"
