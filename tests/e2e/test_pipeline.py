@@ -178,3 +178,51 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(disaggregat
     assert error["message"] and error["type"]
     ok = client_for(disaggregated).completions.create(model=name, prompt="x = 1", max_tokens=2, temperature=0)
     assert ok.usage.completion_tokens >= 1
+
+
+def test_n_stop_strings_and_include_usage(disaggregated):
+    client = client_for(disaggregated)
+    name = model_name(client)
+    prompt = random_prompts(1, [30], seed=11)[0]
+    plain = client.completions.create(model=name, prompt=prompt, max_tokens=16, temperature=0).choices[0].text
+    stop = plain[len(plain) // 2: len(plain) // 2 + 3]
+    cut = client.completions.create(model=name, prompt=prompt, max_tokens=16, temperature=0, stop=[stop])
+    assert cut.choices[0].text == plain[: plain.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+
+    many = client.completions.create(model=name, prompt=prompt, max_tokens=8, temperature=1.0, seed=5, n=3)
+    assert sorted(c.index for c in many.choices) == [0, 1, 2]
+    assert many.usage.prompt_tokens == len(prompt)
+    assert many.usage.completion_tokens == 24
+
+    stream = client.chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}], max_tokens=5,
+                                            temperature=0, stream=True, stream_options={"include_usage": True}, n=2)
+    chunks = list(stream)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+    assert {c.choices[0].index for c in chunks if c.choices} == {0, 1}
+
+
+def test_metrics_and_health(disaggregated):
+    assert httpx.get(disaggregated.base_url + "/health", timeout=5).status_code == 200
+    text = httpx.get(disaggregated.base_url + "/metrics", timeout=5).text
+    for metric in ("pdserve_time_to_first_token_seconds_bucket", "pdserve_inter_token_latency_seconds_bucket",
+                   "pdserve_node_free_blocks", "pdserve_requests_total", "pdserve_node_kv_fallbacks"):
+        assert metric in text, metric
+
+
+def test_killed_prefill_node_fails_requests_with_5xx_and_health_says_so(deployment_factory, tiny_model_dir):
+    deployment = deployment_factory(tiny_model_dir, num_prefill=1, num_decode=1)
+    client = client_for(deployment)
+    name = model_name(client)
+    assert client.completions.create(model=name, prompt="x", max_tokens=2, temperature=0).usage.completion_tokens >= 1
+    [(_, prefill)] = [(n, p) for n, p in deployment.cluster.procs if n == "prefill0"]
+    prefill.kill()
+    prefill.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and httpx.get(deployment.base_url + "/health", timeout=5).status_code == 200:
+        time.sleep(0.2)
+    health = httpx.get(deployment.base_url + "/health", timeout=5)
+    assert health.status_code == 503 and "prefill" in health.text
+    response = httpx.post(deployment.base_url + "/v1/completions", json={"model": name, "prompt": "x", "max_tokens": 2},
+                          timeout=30)
+    assert 500 <= response.status_code < 600 and response.json()["error"]["message"]
