@@ -1,0 +1,113 @@
+"""A prefill node's leases: the blocks of a finished prompt are freed on the reader's read-done
+notice, on abort, and when the lease expires. Real engine, real NIXL connector, real sockets."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+import zmq
+
+from engine import protocol
+from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine.engine import LLMEngine
+from engine.node_server import ServerConfig, kv_layout_fields
+from kv_transfer.cli import create_connector
+from kv_transfer.config import TransferConfig
+from kv_transfer.layout import KVLayout
+from kv_transfer.lease import LeaseTable
+from prefill_node.server import PrefillNode
+
+LEASE_S = 1.0
+
+
+def test_lease_table_release_expiry_and_double_add():
+    now = [100.0]
+    table = LeaseTable(5.0, clock=lambda: now[0])
+    table.add("a", [1, 2])
+    table.add("b", [3])
+    with pytest.raises(ValueError, match="already"):
+        table.add("a", [9])
+    assert table.release("a") == [1, 2] and table.release("a") is None
+    now[0] += 4.9
+    assert table.pop_expired() == []
+    now[0] += 0.2
+    assert table.pop_expired() == [("b", [3])] and len(table) == 0
+
+
+@pytest.fixture
+def prefill_node(tiny_model_dir):
+    engine = LLMEngine(EngineConfig(ModelConfig.from_pretrained(tiny_model_dir), CacheConfig(num_blocks=64),
+                                    SchedulerConfig(role="prefill")))
+    layout = KVLayout(**kv_layout_fields(engine))
+    connector = create_connector(TransferConfig(lease_timeout_s=LEASE_S), engine.kv_cache, layout, "prefill-test")
+    node = PrefillNode(engine, ServerConfig("prefill-test"), connector, lease_timeout_s=LEASE_S)
+    thread = threading.Thread(target=node.run, daemon=True)
+    thread.start()
+    socket = zmq.Context.instance().socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.connect(f"tcp://{node.address}")
+    yield node, socket, layout
+    socket.close(linger=0)
+    node.stop()
+    thread.join(timeout=10)
+
+
+def prefill(socket, request_id: str, num_tokens: int) -> protocol.PrefillResult:
+    options = protocol.SamplingOptions(max_tokens=8, temperature=0.0)
+    socket.send(protocol.encode(protocol.PrefillRequest(request_id, list(range(10, 10 + num_tokens)), options)))
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if socket.poll(100):
+            message = protocol.decode_from_node(socket.recv())
+            if isinstance(message, protocol.PrefillResult):
+                return message
+    raise TimeoutError("no prefill result")
+
+
+def wait_free(node, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if node.engine.num_free_blocks == node.engine.block_pool.num_blocks and len(node.leases) == 0:
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_read_done_notice_frees_the_lease(prefill_node):
+    node, socket, layout = prefill_node
+    result = prefill(socket, "r1", 40)
+    assert len(result.kv_handle.block_ids) == 3 and len(node.leases) == 1
+    shape = (layout.num_blocks, layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
+    reader = create_connector(TransferConfig(), torch.zeros(shape), layout, "reader")
+    try:
+        handle = result.kv_handle
+        reader.start_read("r1", handle.engine_id, handle.agent_address, handle.block_ids, [5, 6, 7])
+        deadline = time.monotonic() + 20
+        results = []
+        while not results and time.monotonic() < deadline:
+            results = reader.poll()
+        assert results and results[0].is_ok
+        assert wait_free(node, timeout_s=LEASE_S / 2)  # well before expiry: the notice did it
+        assert node.num_expired_leases == 0
+    finally:
+        reader.close()
+
+
+def test_abort_frees_the_lease(prefill_node):
+    node, socket, _ = prefill_node
+    prefill(socket, "r2", 20)
+    assert len(node.leases) == 1
+    socket.send(protocol.encode(protocol.Abort(["r2"])))
+    assert wait_free(node, timeout_s=LEASE_S / 2)
+    assert node.num_expired_leases == 0
+
+
+def test_unread_lease_expires_and_frees_its_blocks(prefill_node):
+    node, socket, _ = prefill_node
+    prefill(socket, "r3", 33)
+    assert node.engine.num_free_blocks < node.engine.block_pool.num_blocks
+    assert wait_free(node, timeout_s=LEASE_S * 3)
+    assert node.num_expired_leases == 1
