@@ -1,59 +1,32 @@
-"""KVConnector: the interface both nodes use to move paged KV blocks, and its shared machinery.
+"""KVConnector: the interface both nodes use to move paged KV blocks between engines.
 
-Decode side (the reader): start_read() queues a read of remote blocks into local blocks;
-poll() drives handshakes and transfers and returns finished or failed reads. Prefill side (the
-holder): poll_released() returns request ids whose blocks a reader has read or given up, so
-the node can free them. The connector never allocates or frees engine blocks itself.
-
-Handshakes run in a worker thread (a dead peer costs the node loop nothing); everything that
-touches the backend runs on the caller's thread inside poll().
+Decode side (the reader): start_read() queues a pull of remote blocks into local blocks;
+poll() drives it and returns finished or failed reads. Prefill side (the holder):
+poll_released() returns request ids whose blocks a reader has read or given up, so the node
+can free them. A connector never allocates or frees engine blocks: the node does, on what
+these calls return. Nothing here blocks the caller for longer than a bounded local step.
 """
 
 from __future__ import annotations
 
-import logging
-import queue
-import time
 import uuid
 from abc import ABC, abstractmethod
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from kv_transfer import side_channel
 from kv_transfer.config import TransferConfig
-from kv_transfer.errors import HandshakeFailed, KVTransferError, LayoutMismatch
-from kv_transfer.layout import KVLayout, check_compatible
-
-logger = logging.getLogger(__name__)
+from kv_transfer.layout import KVLayout
 
 
 @dataclass(frozen=True)
 class ReadResult:
+    """One read's outcome. When is_ok is False, error names the request and the cause and the
+    local blocks hold nothing the caller may rely on (the caller frees them)."""
+
     request_id: str
     is_ok: bool
     error: str | None = None
-
-
-@dataclass
-class Peer:
-    engine_id: str
-    address: str
-    layout: KVLayout
-    extra: dict
-    state: object = None  # the backend's per-peer handle
-
-
-@dataclass
-class PendingRead:
-    request_id: str
-    remote_engine_id: str
-    remote_address: str
-    remote_block_ids: list[int]
-    local_block_ids: list[int]
-    started_at: float = field(default_factory=time.monotonic)
-    state: object = None  # the backend's transfer handle once started
 
 
 def new_engine_id(node_id: str) -> str:
@@ -61,194 +34,67 @@ def new_engine_id(node_id: str) -> str:
     return f"{node_id}-{uuid.uuid4().hex[:8]}"
 
 
+def check_cache(kv_cache: torch.Tensor, layout: KVLayout) -> None:
+    """Raises ValueError unless kv_cache is the contiguous block-major cache layout describes."""
+    if not kv_cache.is_contiguous() or kv_cache.shape[0] != layout.num_blocks:
+        raise ValueError(f"kv_cache must be contiguous with {layout.num_blocks} blocks, got {tuple(kv_cache.shape)}")
+    if kv_cache[0].numel() != layout.block_numel:
+        raise ValueError(f"kv_cache blocks hold {kv_cache[0].numel()} elements, layout says {layout.block_numel}")
+    if str(kv_cache.dtype).removeprefix("torch.") != layout.dtype:
+        raise ValueError(f"kv_cache dtype is {kv_cache.dtype}, layout says {layout.dtype}")
+
+
 class KVConnector(ABC):
-    backend = "none"
+    """One per engine: registers kv_cache [num_blocks, num_layers, 2, block_size, heads, dim]
+    once, serves peers at agent_address ("host:port"), and is driven by its owner's loop
+    (not thread-safe: call it from one thread)."""
 
-    def __init__(self, config: TransferConfig, kv_cache: torch.Tensor, layout: KVLayout, engine_id: str) -> None:
-        if not kv_cache.is_contiguous() or kv_cache.shape[0] != layout.num_blocks:
-            raise ValueError(f"kv_cache must be contiguous with {layout.num_blocks} blocks, got {tuple(kv_cache.shape)}")
-        if kv_cache[0].numel() != layout.block_numel:
-            raise ValueError(f"kv_cache blocks hold {kv_cache[0].numel()} elements, layout says {layout.block_numel}")
-        self.config = config
-        self.kv_cache = kv_cache
-        self.layout = layout
-        self.engine_id = engine_id
-        self.block_bytes = kv_cache[0].numel() * kv_cache.element_size()
-        self._released: queue.SimpleQueue[str] = queue.SimpleQueue()
-        self._peers: dict[str, Peer] = {}
-        self._handshakes: dict[str, Future] = {}
-        self._reads: dict[str, PendingRead] = {}
-        self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-handshake")
-        self._notifier = side_channel.Notifier()
-        self._server = side_channel.SideChannelServer(config.host, config.side_channel_port, self._on_side_message)
-        self.agent_address = self._server.address
+    config: TransferConfig
+    layout: KVLayout
+    engine_id: str
+    agent_address: str
 
-    # ---- reader side --------------------------------------------------------------------------
+    # ---- reader side (decode node) ------------------------------------------------------------
 
+    @abstractmethod
     def start_read(self, request_id: str, remote_engine_id: str, remote_address: str,
                    remote_block_ids: list[int], local_block_ids: list[int]) -> None:
-        """Queue a read of remote blocks into local blocks (same count). Never blocks; the
-        result comes from poll(). On success the remote is told it may free its blocks."""
-        if len(remote_block_ids) != len(local_block_ids):
-            raise ValueError(f"request {request_id}: {len(remote_block_ids)} remote vs {len(local_block_ids)} local blocks")
-        if request_id in self._reads:
-            raise ValueError(f"request {request_id} already has a read in flight")
-        self._reads[request_id] = PendingRead(request_id, remote_engine_id, remote_address,
-                                              list(remote_block_ids), list(local_block_ids))
-        if remote_engine_id not in self._peers and remote_engine_id not in self._handshakes:
-            self._handshakes[remote_engine_id] = self._executor.submit(self._handshake, remote_address)
+        """Queue a read of remote blocks into local blocks, pairwise (same count). Never blocks
+        (the first read from a peer handshakes in the background); the outcome comes from
+        poll(). The local blocks stay the caller's, who must not free them before that outcome
+        or abort_read(). Raises ValueError on unequal counts or a request id already in flight."""
 
+    @abstractmethod
     def poll(self) -> list[ReadResult]:
-        """Drive handshakes and transfers; returns reads that finished or failed since the
-        last call. A failed read's local blocks are the caller's to free (nothing was
-        written there that the caller may rely on)."""
-        results = self._finish_handshakes()
-        now = time.monotonic()
-        for read in list(self._reads.values()):
-            if read.state is None and read.remote_engine_id in self._peers:
-                results += self._start(read)
-            elif now - read.started_at > self.config.transfer_timeout_s:
-                results.append(self._fail(read, f"no completion within {self.config.transfer_timeout_s} s"))
-        results += self._poll_backend()
-        return results
+        """Drive handshakes and transfers; return the reads that finished, failed, or passed
+        transfer_timeout_s (failed and cancelled) since the last call, each once. On success
+        the holder has been told it may free its blocks; on failure the caller frees its local
+        blocks and, if it wants, tells the holder with release_remote()."""
 
+    @abstractmethod
     def abort_read(self, request_id: str) -> None:
-        """Cancel a read; its local blocks are the caller's again. The remote is not told:
-        call release_remote for that."""
-        read = self._reads.pop(request_id, None)
-        if read is not None and read.state is not None:
-            self._cancel(read)
+        """Cancel a read (no-op if unknown or finished). When this returns nothing writes into
+        its local blocks any more, and poll() never reports it: the blocks are the caller's.
+        The holder is not told: call release_remote() for that."""
 
+    @abstractmethod
     def release_remote(self, request_id: str, remote_engine_id: str, remote_address: str) -> None:
-        """Tell the holder it may free the request's blocks (they will not be read)."""
-        self._notifier.send(remote_address, side_channel.Release([request_id]))
+        """Tell the holder it may free the request's blocks: they will not be read (request
+        rejected, aborted, or its read failed). Fire and forget; never blocks."""
 
     @property
+    @abstractmethod
     def num_reads_in_flight(self) -> int:
-        return len(self._reads)
+        """Reads started and not yet reported or aborted."""
 
-    # ---- holder side --------------------------------------------------------------------------
+    # ---- holder side (prefill node) -----------------------------------------------------------
 
+    @abstractmethod
     def poll_released(self) -> list[str]:
-        """Request ids whose blocks readers have read or released since the last call."""
-        released = self._drain_backend_notices()
-        while True:
-            try:
-                released.append(self._released.get_nowait())
-            except queue.Empty:
-                return released
+        """Request ids whose blocks a reader has read or released since the last call: the
+        caller frees those blocks (a request id the caller no longer leases is to be ignored)."""
 
+    @abstractmethod
     def close(self) -> None:
-        for read in list(self._reads.values()):
-            self.abort_read(read.request_id)
-        self._server.close()
-        self._notifier.close()
-        self._executor.shutdown(wait=False, cancel_futures=True)
-
-    # ---- backend hooks ------------------------------------------------------------------------
-
-    @abstractmethod
-    def _hello_extra(self) -> dict:
-        """What a peer needs to read from (or send to) this side, sent in the handshake."""
-
-    @abstractmethod
-    def _connect_peer(self, peer: Peer) -> None:
-        """Make the backend ready to read from peer (called on the caller's thread)."""
-
-    @abstractmethod
-    def _start_transfer(self, read: PendingRead, peer: Peer) -> None:
-        """Start the read; store the backend's handle in read.state. Raises KVTransferError."""
-
-    @abstractmethod
-    def _poll_backend(self) -> list[ReadResult]:
-        """Finished and failed transfers (pop them from self._reads)."""
-
-    @abstractmethod
-    def _cancel(self, read: PendingRead) -> None:
-        """Release a started transfer's backend resources."""
-
-    def _drain_backend_notices(self) -> list[str]:
-        return []
-
-    def _forget_peer(self, peer: Peer) -> None:
-        """Drop the backend's state for a peer that failed."""
-
-    def _on_backend_message(self, message) -> side_channel.SideMessage | None:
-        return side_channel.Ack(error=f"unexpected message {type(message).__name__}")
-
-    # ---- shared internals ---------------------------------------------------------------------
-
-    def _handshake(self, address: str) -> side_channel.HelloReply:
-        """Runs in a worker thread: exchange layouts and backend details with the holder."""
-        hello = side_channel.Hello(self.engine_id, self.layout, self.backend, self._hello_extra())
-        reply = side_channel.request(address, hello, self.config.handshake_timeout_s)
-        if not isinstance(reply, side_channel.HelloReply):
-            raise HandshakeFailed(f"KV side channel {address} answered {type(reply).__name__}: {getattr(reply, 'error', '')}")
-        if reply.error:
-            raise LayoutMismatch(reply.error) if "layouts differ" in reply.error else HandshakeFailed(reply.error)
-        check_compatible(self.layout, reply.layout)
-        return reply
-
-    def _on_side_message(self, message):
-        """Runs on the side-channel thread."""
-        if isinstance(message, side_channel.Hello):
-            return self._answer_hello(message)
-        if isinstance(message, side_channel.Release):
-            for request_id in message.request_ids:
-                self._released.put(request_id)
-            return None
-        return self._on_backend_message(message)
-
-    def _answer_hello(self, hello: side_channel.Hello) -> side_channel.HelloReply:
-        error = None
-        if hello.backend != self.backend:
-            error = f"backend mismatch: local {self.backend!r}, remote {hello.backend!r}"
-        else:
-            try:
-                check_compatible(self.layout, hello.layout)
-            except LayoutMismatch as exc:
-                error = str(exc)
-        extra = {} if error else self._hello_extra_for(hello)
-        return side_channel.HelloReply(self.engine_id, self.layout, self.backend, error, extra)
-
-    def _hello_extra_for(self, hello: side_channel.Hello) -> dict:
-        return self._hello_extra()
-
-    def _finish_handshakes(self) -> list[ReadResult]:
-        results = []
-        for engine_id, future in list(self._handshakes.items()):
-            if not future.done():
-                continue
-            del self._handshakes[engine_id]
-            try:
-                reply = future.result()
-                peer = Peer(reply.engine_id, "", reply.layout, reply.extra)
-                self._connect_peer(peer)
-                self._peers[engine_id] = peer
-            except (KVTransferError, OSError) as exc:
-                logger.warning("KV handshake with %s failed: %s", engine_id, exc)
-                results += [self._fail(r, f"handshake failed: {exc}") for r in list(self._reads.values())
-                            if r.remote_engine_id == engine_id]
-        return results
-
-    def _start(self, read: PendingRead) -> list[ReadResult]:
-        try:
-            self._start_transfer(read, self._peers[read.remote_engine_id])
-            return []
-        except KVTransferError as exc:
-            return [self._fail(read, str(exc))]
-
-    def _fail(self, read: PendingRead, error: str) -> ReadResult:
-        self._reads.pop(read.request_id, None)
-        if read.state is not None:
-            self._cancel(read)
-        # NOTE: a failed transfer may mean the peer died or restarted: forget it, so the next
-        # read handshakes again.
-        peer = self._peers.pop(read.remote_engine_id, None)
-        if peer is not None:
-            self._forget_peer(peer)
-        return ReadResult(read.request_id, False, f"request {read.request_id}: {error}")
-
-    def _succeed(self, read: PendingRead) -> ReadResult:
-        self._reads.pop(read.request_id, None)
-        return ReadResult(read.request_id, True)
+        """Abort reads in flight, deregister the cache, stop serving. Idempotent enough to call
+        from a finalizer; the cache tensor is the caller's again afterwards."""

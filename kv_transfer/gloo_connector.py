@@ -21,10 +21,11 @@ import torch
 import torch.distributed as dist
 
 from kv_transfer import side_channel
-from kv_transfer.base import KVConnector, PendingRead, Peer, ReadResult
+from kv_transfer.base import ReadResult
+from kv_transfer.peered import PendingRead, Peer, SideChannelConnector
 from kv_transfer.config import TransferConfig
-from kv_transfer.errors import HandshakeFailed, TransferFailed
-from kv_transfer.layout import KVLayout
+from kv_transfer.errors import HandshakeFailed, LayoutMismatch, TransferFailed
+from kv_transfer.layout import KVLayout, check_compatible
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +41,7 @@ def _free_port(host: str) -> int:
         return sock.getsockname()[1]
 
 
-class GlooConnector(KVConnector):
+class GlooConnector(SideChannelConnector):
     backend = "gloo"
 
     def __init__(self, config: TransferConfig, kv_cache: torch.Tensor, layout: KVLayout, engine_id: str) -> None:
@@ -50,7 +51,6 @@ class GlooConnector(KVConnector):
         self._sends: queue.SimpleQueue = queue.SimpleQueue()
         self._tags = itertools.count(1)
         self._staging: dict[str, torch.Tensor] = {}
-        self._addresses: dict[str, str] = {}
         self._waiters = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kv-gloo-recv")
         super().__init__(config, kv_cache, layout, engine_id)
         self._sender = threading.Thread(target=self._send_loop, name="kv-gloo-sender", daemon=True)
@@ -72,15 +72,13 @@ class GlooConnector(KVConnector):
         if not isinstance(reply, side_channel.HelloReply):
             raise HandshakeFailed(f"KV side channel {address} answered {type(reply).__name__}")
         if reply.error:
-            from kv_transfer.errors import LayoutMismatch
-
             raise LayoutMismatch(reply.error) if "layouts differ" in reply.error else HandshakeFailed(reply.error)
+        check_compatible(self.layout, reply.layout)
         try:
             group = dist.ProcessGroupGloo(store, _READER_RANK, 2, self._timeout)
         except RuntimeError as exc:
             raise HandshakeFailed(f"gloo group with {address} could not form: {exc}") from exc
         self._ready_groups[reply.engine_id] = (group, store)
-        self._addresses[reply.engine_id] = address
         return reply
 
     def _handshake_timeout(self) -> datetime.timedelta:
@@ -88,7 +86,6 @@ class GlooConnector(KVConnector):
 
     def _connect_peer(self, peer: Peer) -> None:
         peer.state = self._ready_groups.pop(peer.engine_id)
-        peer.address = self._addresses[peer.engine_id]
 
     def _start_transfer(self, read: PendingRead, peer: Peer) -> None:
         group, _ = peer.state

@@ -18,10 +18,12 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 
 import torch
 
-from kv_transfer.base import KVConnector, PendingRead, Peer, ReadResult
+from kv_transfer.base import ReadResult, check_cache
+from kv_transfer.peered import PendingRead, Peer, SideChannelConnector
 from kv_transfer.config import TransferConfig
 from kv_transfer.errors import TransferFailed
 from kv_transfer.layout import KVLayout
@@ -39,12 +41,13 @@ def set_ucx_defaults(host: str) -> None:
         os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
 
-class NixlConnector(KVConnector):
+class NixlConnector(SideChannelConnector):
     backend = "nixl"
 
     def __init__(self, config: TransferConfig, kv_cache: torch.Tensor, layout: KVLayout, engine_id: str) -> None:
         from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
+        check_cache(kv_cache, layout)  # before the agent exists, so a refusal leaks nothing
         self._mem_type = "VRAM" if kv_cache.is_cuda else "DRAM"
         self._device_id = kv_cache.device.index or 0
         agent_config = nixl_agent_config(enable_prog_thread=False, backends=["UCX"], 
@@ -109,10 +112,7 @@ class NixlConnector(KVConnector):
         for read in list(self._reads.values()):
             if read.state is None:
                 continue
-            try:
-                state = self._agent.check_xfer_state(read.state)
-            except Exception as exc:  # noqa: BLE001
-                state = f"ERR ({exc})"
+            state = self._state(read.state)
             if state == "DONE":
                 self._agent.release_xfer_handle(read.state)
                 read.state = None
@@ -121,11 +121,27 @@ class NixlConnector(KVConnector):
                 results.append(self._fail(read, f"NIXL READ ended in state {state}"))
         return results
 
-    def _cancel(self, read: PendingRead) -> None:
+    def _state(self, handle) -> str:
+        """"DONE", "PROC", or "ERR ..." for a transfer handle."""
         try:
-            self._agent.release_xfer_handle(read.state)
-        except Exception as exc:  # noqa: BLE001 - best effort on an already broken transfer
-            logger.warning("releasing NIXL handle of %s: %s", read.request_id, exc)
+            return self._agent.check_xfer_state(handle)
+        except Exception as exc:  # noqa: BLE001 - nixl raises its own types
+            return f"ERR ({exc})"
+
+    def _cancel(self, read: PendingRead) -> None:
+        # NOTE: a READ in flight writes into blocks the caller gets back when abort_read()
+        # returns. Releasing the handle cancels it; where the backend refuses (the READ is
+        # being carried out), wait it out, bounded by transfer_timeout_s.
+        deadline = time.monotonic() + self.config.transfer_timeout_s
+        while True:
+            try:
+                self._agent.release_xfer_handle(read.state)
+                break
+            except Exception as exc:  # noqa: BLE001 - nixl raises its own types
+                if self._state(read.state) != "PROC" or time.monotonic() > deadline:
+                    logger.warning("NIXL READ of %s could not be cancelled: %s", read.request_id, exc)
+                    break
+                time.sleep(0.001)
         read.state = None
 
     def _forget_peer(self, peer: Peer) -> None:

@@ -77,7 +77,7 @@ def holders():
 
 def reader(backend: str, layout: KVLayout = LAYOUT, **config):
     shape = (layout.num_blocks, layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
-    cache = torch.full(shape, float("nan"))
+    cache = torch.full(shape, float("nan"), dtype=getattr(torch, layout.dtype))
     connector = create_connector(TransferConfig(backend=backend, **config), cache, layout, "reader")
     return connector, cache
 
