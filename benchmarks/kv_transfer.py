@@ -2,9 +2,10 @@
 processes by NIXL and by gloo, beside an in-process copy of the same bytes, in one run.
 
 For 512, 2,048 and 8,192 tokens: GB/s, latency (median of repeats), the ratio to the in-process
-copy (this machine's limit), and NIXL descriptors per transfer (after merging adjacent blocks).
-The reader's blocks are scattered (every other block id) as in a busy cache; the holder's are
-contiguous, as a fresh prefill allocates them. Ends with `RESULT {json}`.
+copy (memcpy of the gathered blocks: this machine's limit), and NIXL descriptors per transfer.
+The reader's blocks are scattered (every other block id, one descriptor per block) as in a busy
+cache; NIXL is also timed into contiguous blocks (NIXL merges the run into one descriptor). The
+holder's blocks are contiguous, as a fresh prefill allocates them. Ends with `RESULT {json}`.
 
     .venv/bin/python benchmarks/kv_transfer.py
 """
@@ -76,21 +77,23 @@ def read_once(connector, hello, request_id: str, remote: list[int], local: list[
 
 
 def bench_backend(backend: str) -> dict:
+    """Per token count: the reader's blocks scattered (one descriptor per block) and, for NIXL,
+    contiguous (NIXL merges the run into one descriptor), to decide the descriptor scheme."""
     print(f"== {backend}", flush=True)
     proc, hello = start_holder(backend)
-    connector = create_connector(TransferConfig(backend=backend), torch.zeros(cache_shape()), LAYOUT, "reader")
+    connector = create_connector(TransferConfig(backend=backend), torch.full(cache_shape(), 0.5), LAYOUT, "reader")
     try:
         read_once(connector, hello, "warm", [0], [0])
         out = {}
         for tokens in TOKENS:
             num_blocks = tokens // BLOCK_SIZE
             remote = list(range(num_blocks))
-            local = list(range(1, 2 * num_blocks, 2))
-            times = [read_once(connector, hello, f"{tokens}-{i}", remote, local) for i in range(REPEATS)]
-            seconds = statistics.median(times)
-            out[tokens] = {"latency_ms": seconds * 1000, "gb_s": num_blocks * block_bytes() / seconds / 1e9,
-                           "descriptors": getattr(connector, "num_descriptors_last_read", None)}
-            print(f"  {tokens:>5} tokens: {out[tokens]['latency_ms']:8.2f} ms  {out[tokens]['gb_s']:6.2f} GB/s", flush=True)
+            out[tokens] = {"scattered": time_reads(connector, hello, f"{tokens}-s", remote, list(range(1, 2 * num_blocks, 2)))}
+            if backend == "nixl":
+                out[tokens]["contiguous"] = time_reads(connector, hello, f"{tokens}-c", remote, list(range(num_blocks)))
+            for kind, row in out[tokens].items():
+                print(f"  {tokens:>5} tokens, {kind:>10}: {row['latency_ms']:8.2f} ms  {row['gb_s']:6.2f} GB/s  "
+                      f"{row['descriptors']} descriptors", flush=True)
         return out
     finally:
         connector.close()
@@ -98,47 +101,73 @@ def bench_backend(backend: str) -> dict:
         proc.wait()
 
 
+def time_reads(connector, hello, prefix: str, remote: list[int], local: list[int]) -> dict:
+    times = [read_once(connector, hello, f"{prefix}-{i}", remote, local) for i in range(REPEATS)]
+    seconds = statistics.median(times)
+    descriptors = getattr(connector, "num_descriptors_last_read", None)
+    return {"latency_ms": seconds * 1000, "gb_s": len(remote) * block_bytes() / seconds / 1e9, "descriptors": descriptors}
+
+
 def block_bytes() -> int:
     return LAYOUT.block_numel * 4
 
 
 def bench_copy() -> dict:
-    """The same bytes copied in-process, gathered from and scattered into scattered blocks."""
+    """The same bytes in-process: memcpy of the gathered blocks into a preallocated buffer (the
+    machine's copy bandwidth, the baseline of the ratios), and block-to-block gather-scatter."""
     print("== in-process copy", flush=True)
-    src, dst = torch.randn(cache_shape()), torch.zeros(cache_shape())
+    src, dst = torch.randn(cache_shape()), torch.full(cache_shape(), 0.5)
     out = {}
     for tokens in TOKENS:
         num_blocks = tokens // BLOCK_SIZE
-        remote = torch.arange(num_blocks)
-        local = torch.arange(1, 2 * num_blocks, 2)
-        dst[local] = src[remote]
-        times = []
-        for _ in range(REPEATS):
-            start = time.perf_counter()
-            dst[local] = src[remote]
-            times.append(time.perf_counter() - start)
-        seconds = statistics.median(times)
-        out[tokens] = {"latency_ms": seconds * 1000, "gb_s": num_blocks * block_bytes() / seconds / 1e9}
-        print(f"  {tokens:>5} tokens: {out[tokens]['latency_ms']:8.2f} ms  {out[tokens]['gb_s']:6.2f} GB/s", flush=True)
+        remote, local = torch.arange(num_blocks), torch.arange(1, 2 * num_blocks, 2)
+        gathered, staging = src[remote], torch.empty_like(src[remote])
+        memcpy = median_seconds(lambda: staging.copy_(gathered))
+        scatter = median_seconds(lambda: dst.index_copy_(0, local, torch.index_select(src, 0, remote, out=staging)))
+        out[tokens] = {"latency_ms": memcpy * 1000, "gb_s": gathered.nbytes / memcpy / 1e9,
+                       "gather_scatter_gb_s": gathered.nbytes / scatter / 1e9}
+        print(f"  {tokens:>5} tokens: memcpy {out[tokens]['latency_ms']:8.2f} ms  {out[tokens]['gb_s']:6.2f} GB/s; "
+              f"gather+scatter {out[tokens]['gather_scatter_gb_s']:6.2f} GB/s", flush=True)
     return out
 
 
+def median_seconds(fn) -> float:
+    fn()
+    times = []
+    for _ in range(REPEATS):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def main() -> None:
+    torch.set_num_threads(1)  # one core per process, as for the two transfer processes
     copy = bench_copy()
     results = {"copy": copy, "nixl": bench_backend("nixl"), "gloo": bench_backend("gloo")}
-    print(f"\n{'tokens':>6} {'MB':>7} | {'copy GB/s':>9} | {'NIXL GB/s':>9} {'ratio':>6} {'desc':>5} | {'gloo GB/s':>9} {'ratio':>6}")
+    print(f"\n{'tokens':>6} {'MB':>6} | {'copy':>5} {'g+s':>5} | {'NIXL':>5} {'ratio':>5} {'ms':>6} {'desc':>4} "
+          f"| {'NIXL1':>5} {'ratio':>5} {'desc':>4} | {'gloo':>5} {'ratio':>5} {'ms':>6}   (GB/s; ratio to copy)")
     summary = []
     for tokens in TOKENS:
-        mb = tokens // BLOCK_SIZE * block_bytes() / 1e6
-        nixl, gloo, base = results["nixl"][tokens], results["gloo"][tokens], copy[tokens]["gb_s"]
-        row = {"tokens": tokens, "megabytes": mb, "copy_gb_s": base, "nixl_gb_s": nixl["gb_s"],
-               "nixl_ratio": nixl["gb_s"] / base, "nixl_latency_ms": nixl["latency_ms"],
-               "nixl_descriptors": nixl["descriptors"], "gloo_gb_s": gloo["gb_s"], "gloo_ratio": gloo["gb_s"] / base,
-               "gloo_latency_ms": gloo["latency_ms"]}
-        summary.append(row)
-        print(f"{tokens:>6} {mb:7.1f} | {base:9.2f} | {nixl['gb_s']:9.2f} {row['nixl_ratio']:6.2f} "
-              f"{nixl['descriptors']:>5} | {gloo['gb_s']:9.2f} {row['gloo_ratio']:6.2f}")
+        summary.append(summary_row(tokens, copy[tokens], results["nixl"][tokens], results["gloo"][tokens]["scattered"]))
+        r = summary[-1]
+        print(f"{tokens:>6} {r['megabytes']:6.1f} | {r['copy_gb_s']:5.2f} {r['gather_scatter_gb_s']:5.2f} | "
+              f"{r['nixl_gb_s']:5.2f} {r['nixl_ratio']:5.2f} {r['nixl_latency_ms']:6.1f} {r['nixl_descriptors']:>4} | "
+              f"{r['nixl_contiguous_gb_s']:5.2f} {r['nixl_contiguous_ratio']:5.2f} {r['nixl_contiguous_descriptors']:>4} | "
+              f"{r['gloo_gb_s']:5.2f} {r['gloo_ratio']:5.2f} {r['gloo_latency_ms']:6.1f}")
     print("RESULT " + json.dumps({"block_bytes": block_bytes(), "rows": summary}))
+
+
+def summary_row(tokens: int, copy: dict, nixl: dict, gloo: dict) -> dict:
+    base = copy["gb_s"]
+    scattered, contiguous = nixl["scattered"], nixl["contiguous"]
+    return {"tokens": tokens, "megabytes": tokens // BLOCK_SIZE * block_bytes() / 1e6, "copy_gb_s": base,
+            "copy_latency_ms": copy["latency_ms"], "gather_scatter_gb_s": copy["gather_scatter_gb_s"],
+            "nixl_gb_s": scattered["gb_s"], "nixl_ratio": scattered["gb_s"] / base,
+            "nixl_latency_ms": scattered["latency_ms"], "nixl_descriptors": scattered["descriptors"],
+            "nixl_contiguous_gb_s": contiguous["gb_s"], "nixl_contiguous_ratio": contiguous["gb_s"] / base,
+            "nixl_contiguous_latency_ms": contiguous["latency_ms"], "nixl_contiguous_descriptors": contiguous["descriptors"],
+            "gloo_gb_s": gloo["gb_s"], "gloo_ratio": gloo["gb_s"] / base, "gloo_latency_ms": gloo["latency_ms"]}
 
 
 if __name__ == "__main__":

@@ -101,11 +101,11 @@ class NixlConnector(SideChannelConnector):
                                                    read.remote_block_ids, read.request_id.encode())
             state = self._agent.transfer(handle)
         except Exception as exc:  # noqa: BLE001 - nixl raises its own types; surface as ours
-            raise TransferFailed(f"request {read.request_id}: NIXL READ could not start: {exc}") from exc
+            raise TransferFailed(f"NIXL READ could not start: {exc}") from exc
         read.state = handle
         self.num_descriptors_last_read = _count_runs(read.local_block_ids, read.remote_block_ids)
         if state == "ERR":
-            raise TransferFailed(f"request {read.request_id}: NIXL READ failed to post")
+            raise TransferFailed("NIXL READ failed to post")
 
     def _poll_backend(self) -> list[ReadResult]:
         results = []

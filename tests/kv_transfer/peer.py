@@ -1,4 +1,4 @@
-"""A stand-alone KV holder process for tests: python peer.py BACKEND NUM_BLOCKS SEED LAYOUT_JSON.
+"""A stand-alone KV holder process for tests: python peer.py BACKEND SEED LAYOUT_JSON [PORT].
 
 Fills an engine-shaped cache with seeded random floats, serves it, prints its address and
 engine id as one JSON line, then prints each released request id until stdin closes.
@@ -21,7 +21,8 @@ def main() -> None:
     layout = msgspec.json.decode(sys.argv[3], type=KVLayout)
     shape = (layout.num_blocks, layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
     cache = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
-    connector = create_connector(TransferConfig(backend=backend), cache, layout, "holder")
+    port = int(sys.argv[4]) if len(sys.argv) > 4 else 0
+    connector = create_connector(TransferConfig(backend=backend, side_channel_port=port), cache, layout, "holder")
     print(json.dumps({"address": connector.agent_address, "engine_id": connector.engine_id}), flush=True)
     try:
         while True:

@@ -28,9 +28,10 @@ LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=16, block_size=16, dtyp
 class Holder:
     """A peer.py process started on its own (no shared Python parent state), killed by pid."""
 
-    def __init__(self, backend: str, seed: int, layout: KVLayout = LAYOUT) -> None:
+    def __init__(self, backend: str, seed: int, layout: KVLayout = LAYOUT, port: int = 0) -> None:
         env = {**os.environ, "PYTHONPATH": str(REPO)}
-        self.proc = subprocess.Popen([sys.executable, str(PEER), backend, str(seed), msgspec.json.encode(layout).decode()],
+        self.proc = subprocess.Popen([sys.executable, str(PEER), backend, str(seed), msgspec.json.encode(layout).decode(),
+                                      str(port)],
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
                                      start_new_session=True)
         hello = self._read_line(timeout_s=60)
@@ -164,3 +165,55 @@ def _json_line(proc: subprocess.Popen) -> dict:
             raise RuntimeError(f"child ended (exit {proc.poll()}) before printing a result")
         if line.startswith("{"):
             return json.loads(line)
+
+
+def test_holder_restarted_on_the_same_port_is_handshaken_again(holders):
+    first = holders("nixl", seed=5)
+    connector, cache = reader("nixl")
+    try:
+        connector.start_read("before", first.engine_id, first.address, [3], [4])
+        assert poll_until(connector, {"before"}, timeout_s=20)["before"].is_ok
+        first.kill()
+        port = int(first.address.rsplit(":", 1)[1])
+        second = holders("nixl", seed=6, port=port)
+        assert second.address == first.address and second.engine_id != first.engine_id
+        connector.start_read("after", second.engine_id, second.address, [3, 7], [4, 9])
+        result = poll_until(connector, {"after"}, timeout_s=20)["after"]
+        assert result.is_ok, result.error
+        assert torch.equal(cache[[4, 9]], second.cache[[3, 7]])
+        connector.start_read("stale", first.engine_id, first.address, [3], [5])  # the old peer was dropped
+        result = poll_until(connector, {"stale"}, timeout_s=20)["stale"]
+        assert not result.is_ok and "restarted" in result.error and second.engine_id in result.error
+    finally:
+        connector.close()
+
+
+@pytest.mark.parametrize("backend", ["nixl", "gloo"])
+def test_aborted_reads_never_write_their_blocks_and_holder_is_told(backend, holders):
+    # 256 blocks of 768 KiB: a 200 MB read. NOTE: on one host UCX carries a NIXL READ out
+    # inside the poll() that posts it, so NIXL reads can be aborted only before that poll
+    # (during the handshake); a gloo read is still under way after it.
+    layout = msgspec.structs.replace(LAYOUT, num_layers=24, num_kv_heads=8, head_dim=64, num_blocks=256)
+    holder = holders(backend, seed=7, layout=layout)
+    connector, cache = reader(backend, layout=layout)
+    try:
+        blocks = list(range(1, 256))
+        connector.start_read("early", holder.engine_id, holder.address, blocks, blocks)
+        connector.abort_read("early")  # while the handshake is under way
+        connector.start_read("warm", holder.engine_id, holder.address, [0], [0])
+        assert poll_until(connector, {"warm"}, timeout_s=20)["warm"].is_ok
+        assert cache[blocks].isnan().all()
+        connector.start_read("big", holder.engine_id, holder.address, blocks, blocks)
+        finished = connector.poll()
+        assert backend == "nixl" or (finished == [] and connector.num_reads_in_flight == 1)
+        connector.abort_read("big")
+        cache[blocks] = 0.0  # the node reuses the blocks at once
+        for request_id in ("early", "big"):
+            connector.release_remote(request_id, holder.engine_id, holder.address)
+        assert holder.released(3) == {"warm", "early", "big"}
+        deadline = time.monotonic() + 0.5
+        while time.monotonic() < deadline:  # nothing reports an aborted read or writes its blocks later
+            assert [r.request_id for r in connector.poll()] == []
+        assert (cache[blocks] == 0).all() and connector.num_reads_in_flight == 0
+    finally:
+        connector.close()
