@@ -4,7 +4,8 @@ Decode side (the reader): start_read() queues a pull of remote blocks into local
 poll() drives it and returns finished or failed reads. Prefill side (the holder):
 poll_released() returns request ids whose blocks a reader has read or given up, so the node
 can free them. A connector never allocates or frees engine blocks: the node does, on what
-these calls return. Nothing here blocks the caller for longer than a bounded local step.
+these calls return. No call waits on the network; poll() may copy bytes (a NIXL READ within
+one host is carried out while it is posted, about 30 ms per 94 MB).
 """
 
 from __future__ import annotations
