@@ -217,3 +217,22 @@ def test_aborted_reads_never_write_their_blocks_and_holder_is_told(backend, hold
         assert (cache[blocks] == 0).all() and connector.num_reads_in_flight == 0
     finally:
         connector.close()
+
+
+@pytest.mark.parametrize("backend", ["nixl", "gloo"])
+def test_read_from_an_address_nobody_serves_fails_within_the_handshake_timeout(backend):
+    import socket
+
+    with socket.socket() as sock:  # a free port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{sock.getsockname()[1]}"
+    connector, cache = reader(backend, handshake_timeout_s=1.0)
+    try:
+        started = time.monotonic()
+        connector.start_read("r", "nobody-1", address, [0], [0])
+        result = poll_until(connector, {"r"}, timeout_s=10).get("r")
+        assert result is not None and not result.is_ok and "no answer" in result.error and address in result.error
+        assert time.monotonic() - started < 1.0 + 1.0
+        assert connector.num_reads_in_flight == 0 and cache[0].isnan().all()
+    finally:
+        connector.close()
