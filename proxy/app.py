@@ -142,12 +142,12 @@ class _Service:
         return self.config.max_model_len or self.pool.max_model_len() or self.tokenizer.max_position_embeddings
 
     async def complete(self, body, chat: bool):
+        arrived_at = time.monotonic()
         endpoint = "chat" if chat else "completions"
         if body.model != self.config.served_model_name:
             self.metrics.requests.labels(endpoint, "404").inc()
             raise ApiError(404, f"model {body.model!r} does not exist; this server serves "
-                                f"{self.config.served_model_name!r}", "model", kind="NotFoundError",
-                           code="model_not_found")
+                                f"{self.config.served_model_name!r}", "model", code="model_not_found")
         try:
             subs = self._sub_requests(body, chat)
         except ApiError:
@@ -155,8 +155,8 @@ class _Service:
             raise
         if body.stream:
             self.metrics.requests.labels(endpoint, "stream").inc()
-            return StreamingResponse(self._stream(body, subs, chat), media_type="text/event-stream")
-        return await self._complete_all(body, subs, chat, endpoint)
+            return StreamingResponse(self._stream(body, subs, chat, arrived_at), media_type="text/event-stream")
+        return await self._complete_all(body, subs, chat, endpoint, arrived_at)
 
     def _sub_requests(self, body, chat: bool) -> list[SubRequest]:
         if chat:
@@ -194,9 +194,9 @@ class _Service:
         if bad:
             raise ApiError(400, f"token ids {bad[:5]} are outside the vocabulary [0, {self.tokenizer.vocab_size})", "prompt")
 
-    async def _run_choice(self, sub: SubRequest, state: ChoiceState, out: asyncio.Queue) -> None:
+    async def _run_choice(self, sub: SubRequest, state: ChoiceState, out: asyncio.Queue, arrived_at: float) -> None:
         """Feed one choice's deltas into out; ends with (index, None) or (index, exception)."""
-        start = time.monotonic()
+        start = arrived_at
         last = None
         try:
             stream = run_request(self.pool, sub.request_id, sub.prompt_ids, sub.sampling,
@@ -224,14 +224,15 @@ class _Service:
             self.metrics.aborts.labels(type(exc).__name__).inc()
             await out.put((sub.index, exc))
 
-    def _start(self, subs: list[SubRequest], stops: list[str]):
-        states = {s.index: ChoiceState(s.index, self.tokenizer, stops) for s in subs}
+    def _start(self, subs: list[SubRequest], stops: list[str], arrived_at: float):
+        states = {s.index: ChoiceState(s.index, self.tokenizer, stops, s.sampling.logprobs is not None)
+                  for s in subs}
         out: asyncio.Queue = asyncio.Queue()
-        tasks = [asyncio.create_task(self._run_choice(s, states[s.index], out)) for s in subs]
+        tasks = [asyncio.create_task(self._run_choice(s, states[s.index], out, arrived_at)) for s in subs]
         return states, out, tasks
 
-    async def _complete_all(self, body, subs: list[SubRequest], chat: bool, endpoint: str):
-        states, out, tasks = self._start(subs, body.stop_strings)
+    async def _complete_all(self, body, subs: list[SubRequest], chat: bool, endpoint: str, arrived_at: float):
+        states, out, tasks = self._start(subs, body.stop_strings, arrived_at)
         try:
             remaining = len(subs)
             while remaining:
@@ -249,8 +250,8 @@ class _Service:
         self.metrics.requests.labels(endpoint, "200").inc()
         return _final_body(body, subs, states, chat, self.config.served_model_name)
 
-    async def _stream(self, body, subs: list[SubRequest], chat: bool):
-        states, out, tasks = self._start(subs, body.stop_strings)
+    async def _stream(self, body, subs: list[SubRequest], chat: bool, arrived_at: float):
+        states, out, tasks = self._start(subs, body.stop_strings, arrived_at)
         base = _chunk_base(subs[0].request_id.rsplit("-", 1)[0], chat, self.config.served_model_name)
         try:
             if chat:
@@ -260,6 +261,7 @@ class _Service:
             elif body.echo:
                 for sub in subs:
                     echo = sub.prompt_text if sub.prompt_text is not None else self.tokenizer.decode(sub.prompt_ids)
+                    states[sub.index].text_offset = len(echo)
                     yield _sse({**base, "choices": [{"index": sub.index, "text": echo, "logprobs": None,
                                                      "finish_reason": None}]})
             remaining = len(subs)
@@ -271,7 +273,9 @@ class _Service:
                 if isinstance(item, Exception):
                     yield _sse(_api_error_of(item).body())
                     break
-                yield _sse({**base, "choices": [_stream_choice(states[index], item, chat)]})
+                choice = _stream_choice(states[index], item, chat)
+                if choice["logprobs"] is not None or choice["finish_reason"] is not None or item.text:
+                    yield _sse({**base, "choices": [choice]})
             if body.include_usage:
                 yield _sse({**base, "choices": [], "usage": _usage(subs, states)})
             yield "data: [DONE]\n\n"
@@ -302,14 +306,10 @@ def _chunk_base(request_id: str, chat: bool, model: str) -> dict:
 
 
 def _stream_choice(state: ChoiceState, delta, chat: bool) -> dict:
-    wants_logprobs = any(t.logprob is not None for t in delta.tokens)
     if chat:
         return {"index": state.index, "delta": {"content": delta.text},
-                "logprobs": state.chat_logprobs(delta.tokens) if wants_logprobs else None,
-                "finish_reason": delta.finish_reason}
-    offset = len(state.text) - len(delta.text)
-    return {"index": state.index, "text": delta.text,
-            "logprobs": state.completion_logprobs(delta.tokens, offset) if wants_logprobs else None,
+                "logprobs": state.chat_logprobs(delta.tokens), "finish_reason": delta.finish_reason}
+    return {"index": state.index, "text": delta.text, "logprobs": state.completion_logprobs(delta.tokens),
             "finish_reason": delta.finish_reason}
 
 
@@ -332,17 +332,15 @@ def _final_body(body, subs: list[SubRequest], states: dict[int, ChoiceState], ch
     choices = []
     for sub in subs:
         state = states[sub.index]
-        wants_logprobs = any(t.logprob is not None for t in state.tokens)
         if chat:
             choices.append({"index": sub.index, "message": {"role": "assistant", "content": state.text},
-                            "logprobs": state.chat_logprobs(state.tokens) if wants_logprobs else None,
-                            "finish_reason": state.finish_reason})
+                            "logprobs": state.chat_logprobs(state.tokens), "finish_reason": state.finish_reason})
             continue
         echo = ""
         if body.echo:
             echo = sub.prompt_text if sub.prompt_text is not None else state.tokenizer.decode(sub.prompt_ids)
-        choices.append({"index": sub.index, "text": echo + state.text,
-                        "logprobs": state.completion_logprobs(state.tokens, len(echo)) if wants_logprobs else None,
+        state.text_offset = len(echo)
+        choices.append({"index": sub.index, "text": echo + state.text, "logprobs": state.completion_logprobs(state.tokens),
                         "finish_reason": state.finish_reason})
     return {"id": request_id, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
             "model": model, "choices": choices, "usage": _usage(subs, states)}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 from dataclasses import dataclass, field
 
 from engine import protocol
@@ -20,7 +21,10 @@ class ChoiceState:
     index: int
     tokenizer: ModelTokenizer
     stops: list[str]
+    wants_logprobs: bool = False
+    text_offset: int = 0  # legacy logprobs: where the next token's text starts (after any echo)
     detokenizer: IncrementalDetokenizer = field(init=False)
+    _offset_decoder: codecs.IncrementalDecoder = field(init=False)
     stop_checker: StopChecker = field(init=False)
     text: str = ""
     num_tokens: int = 0
@@ -30,6 +34,7 @@ class ChoiceState:
     def __post_init__(self) -> None:
         self.detokenizer = IncrementalDetokenizer(self.tokenizer)
         self.stop_checker = StopChecker(self.stops)
+        self._offset_decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def add(self, tokens: list[protocol.TokenLogprob], finish_reason: str | None) -> Delta:
         """Absorb a step's tokens; finish_reason becomes "stop" at a stop string."""
@@ -49,13 +54,17 @@ class ChoiceState:
         self.text += text
         return Delta(text, tokens, finish_reason)
 
-    def completion_logprobs(self, tokens: list[protocol.TokenLogprob], text_offset: int) -> dict:
-        """The legacy /v1/completions logprobs object for these tokens."""
+    def completion_logprobs(self, tokens: list[protocol.TokenLogprob]) -> dict | None:
+        """The legacy /v1/completions logprobs object for these tokens (None if not asked for).
+        Call once per token, in order: it advances text_offset."""
+        if not self.wants_logprobs:
+            return None
         texts = [self.tokenizer.token_text(t.token_id) for t in tokens]
         offsets = []
-        for text in texts:
-            offsets.append(text_offset)
-            text_offset += len(text)
+        for token in tokens:
+            offsets.append(self.text_offset)
+            # A token ending inside a character adds nothing until the character completes.
+            self.text_offset += len(self._offset_decoder.decode(self.tokenizer.token_bytes(token.token_id)))
         return {
             "tokens": texts,
             "token_logprobs": [t.logprob for t in tokens],
@@ -63,13 +72,17 @@ class ChoiceState:
             "text_offset": offsets,
         }
 
-    def chat_logprobs(self, tokens: list[protocol.TokenLogprob]) -> dict:
+    def chat_logprobs(self, tokens: list[protocol.TokenLogprob]) -> dict | None:
+        """The chat logprobs object for these tokens (None if not asked for)."""
+        if not self.wants_logprobs:
+            return None
         return {"content": [self._chat_entry(t) for t in tokens]}
 
     def _chat_entry(self, token: protocol.TokenLogprob) -> dict:
-        text = self.tokenizer.token_text(token.token_id)
-        return {
-            "token": text, "logprob": token.logprob, "bytes": list(text.encode()),
-            "top_logprobs": [{"token": self.tokenizer.token_text(i), "logprob": lp,
-                              "bytes": list(self.tokenizer.token_text(i).encode())} for i, lp in token.top],
-        }
+        entry = self._chat_top(token.token_id, token.logprob)
+        entry["top_logprobs"] = [self._chat_top(i, logprob) for i, logprob in token.top]
+        return entry
+
+    def _chat_top(self, token_id: int, logprob: float | None) -> dict:
+        return {"token": self.tokenizer.token_text(token_id), "logprob": logprob,
+                "bytes": list(self.tokenizer.token_bytes(token_id))}

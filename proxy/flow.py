@@ -41,47 +41,66 @@ class Step:
 async def run_request(pool: NodePool, request_id: str, prompt_ids: list[int], sampling: protocol.SamplingOptions,
                       first_token_timeout_s: float, token_timeout_s: float) -> AsyncIterator[Step]:
     """Yields the request's tokens; raises NoNodeAvailable, NodeRejected, NodeDied or
-    TimeoutError. Always leaves no request behind on any node."""
+    TimeoutError. Always leaves no request behind on any node: on an early exit the node
+    holding it gets Abort, and a prefill lease the decode side never saw gets ReleaseKV."""
     holder: NodeClient | None = None  # the node that must be told to abort
+    lease_holder: NodeClient | None = None  # a prefill node holding KV nobody will pull
     finished = False
     try:
-        first = None
-        handle = None
-        prefill = pool.pick_prefill() if pool.prefill else None
+        first = handle = None
         if pool.prefill:
+            prefill = pool.pick_prefill()
             if prefill is None:
                 raise NoNodeAvailable("no healthy prefill node")
             holder = prefill
             result = await _prefill(prefill, request_id, prompt_ids, sampling, first_token_timeout_s)
+            holder = None  # the prefill is done; from here on the node only holds the lease
             first, handle = result.first_token, result.kv_handle
             if result.finish_reason is not None:
                 finished = True
                 yield Step([first], result.finish_reason)
                 return
+            lease_holder = prefill if handle is not None else None
         decode = pool.pick_decode()
         if decode is None:
             raise NoNodeAvailable("no healthy decode node")
         queue = decode.open(request_id)
-        decode.send(protocol.DecodeRequest(request_id, prompt_ids, sampling, first, handle, time.time()))
         holder = decode
+        decode.send(protocol.DecodeRequest(request_id, prompt_ids, sampling, first, handle, time.time()))
+        lease_holder = None  # NOTE: the decode node releases the lease from here on, pulled or not
         if first is not None:
             yield Step([first])
-        timeout_s = token_timeout_s if first is not None else first_token_timeout_s
-        while True:
-            message = await _next(queue, timeout_s, decode, request_id)
-            timeout_s = token_timeout_s
-            if isinstance(message, protocol.ErrorReply):
-                finished = True  # the node has dropped it already
-                raise NodeRejected(message)
-            yield Step(list(message.tokens), message.finish_reason)
-            if message.finish_reason is not None:
-                finished = True
-                return
+        async for step in _decode_steps(queue, decode, request_id, first is None, first_token_timeout_s,
+                                        token_timeout_s):
+            finished = step.finish_reason is not None
+            yield step
+    except NodeRejected:
+        finished = True  # the node has dropped the request already
+        raise
     finally:
-        if holder is not None:
-            holder.close(request_id)
-            if not finished:
-                _abort(holder, request_id)
+        _clean_up(request_id, holder, lease_holder, finished)
+
+
+async def _decode_steps(queue: asyncio.Queue, decode: NodeClient, request_id: str, is_colocated: bool,
+                        first_token_timeout_s: float, token_timeout_s: float) -> AsyncIterator[Step]:
+    timeout_s = first_token_timeout_s if is_colocated else token_timeout_s
+    while True:
+        message = await _next(queue, timeout_s, decode, request_id)
+        timeout_s = token_timeout_s
+        if isinstance(message, protocol.ErrorReply):
+            raise NodeRejected(message)
+        yield Step(list(message.tokens), message.finish_reason)
+        if message.finish_reason is not None:
+            return
+
+
+def _clean_up(request_id: str, holder: NodeClient | None, lease_holder: NodeClient | None, finished: bool) -> None:
+    if holder is not None:
+        holder.close(request_id)
+        if not finished:
+            _send_quietly(holder, protocol.Abort([request_id]), request_id)
+    if lease_holder is not None:
+        _send_quietly(lease_holder, protocol.ReleaseKV([request_id]), request_id)
 
 
 async def _prefill(node: NodeClient, request_id: str, prompt_ids: list[int], sampling: protocol.SamplingOptions,
@@ -110,8 +129,9 @@ async def _next(queue: asyncio.Queue, timeout_s: float, node: NodeClient, reques
     return message
 
 
-def _abort(node: NodeClient, request_id: str) -> None:
+def _send_quietly(node: NodeClient, message: protocol.Abort | protocol.ReleaseKV, request_id: str) -> None:
     try:
-        node.send(protocol.Abort([request_id]))
+        node.send(message)
     except NodeDied:
-        logger.warning("could not abort %s on %s: node not accepting", request_id, node.address)
+        logger.warning("could not send %s for %s to %s: node not accepting", type(message).__name__, request_id,
+                       node.address)

@@ -121,8 +121,7 @@ class NodePool:
                 logger.warning("bad message from %s: %s", node.address, exc)
                 continue
             if isinstance(message, protocol.LoadReport):
-                node.last_report = message
-                node.last_seen = time.monotonic()
+                _take_report(node, message)
             elif isinstance(message, protocol.TokenBatch):
                 for delta in message.deltas:
                     _deliver(node, delta.request_id, delta)
@@ -142,6 +141,19 @@ class NodePool:
                         logger.warning("%s node %s stopped reporting", node.kind, node.address)
                         node.fail_all(NodeDied(f"{node.kind} node {node.address} stopped responding"))
                 was_healthy[id(node)] = healthy
+
+
+def _take_report(node: NodeClient, report: protocol.LoadReport) -> None:
+    """A report refreshes the heartbeat, unless the node speaks another protocol version (it
+    then stays unhealthy and gets no requests)."""
+    if report.protocol_version != protocol.PROTOCOL_VERSION:
+        if node.last_report is None or node.last_report.protocol_version != report.protocol_version:
+            logger.error("%s node %s speaks protocol %d, this proxy %d: not using it", node.kind, node.address,
+                         report.protocol_version, protocol.PROTOCOL_VERSION)
+        node.last_report = report
+        return
+    node.last_report = report
+    node.last_seen = time.monotonic()
 
 
 def _deliver(node: NodeClient, request_id: str, message) -> None:

@@ -4,13 +4,15 @@ detokenizing that never splits a multi-byte character, and stop strings."""
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import jinja2
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, decoders
 
 _REPLACEMENT = "\ufffd"
+_BYTE_FALLBACK_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 @dataclass
@@ -54,10 +56,26 @@ class ModelTokenizer:
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes one token stands for (a byte-level token may hold part of a character)."""
+        piece = self.tokenizer.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if isinstance(self.tokenizer.decoder, decoders.ByteLevel) and all(c in _UNICODE_TO_BYTE for c in piece):
+            return bytes(_UNICODE_TO_BYTE[c] for c in piece)
+        match = _BYTE_FALLBACK_TOKEN.fullmatch(piece)
+        if match:
+            return bytes([int(match.group(1), 16)])
+        return self.tokenizer.decode([token_id], skip_special_tokens=False).encode()
+
     def token_text(self, token_id: int) -> str:
-        """One token's text as it appears in logprobs (bytes that are not whole characters
-        stay visible as their replacement)."""
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+        """One token's text as logprobs show it: the text when its bytes are whole characters,
+        else OpenAI's "bytes:\\xNN..." form (so distinct partial tokens stay distinct)."""
+        raw = self.token_bytes(token_id)
+        try:
+            return raw.decode()
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         """Raises ValueError when the model has no template or the template rejects the input."""
@@ -69,6 +87,23 @@ class ModelTokenizer:
         except jinja2.TemplateError as exc:
             raise ValueError(f"chat template failed: {exc}") from exc
         return self.encode(text)
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's printable stand-in for each byte, inverted (character -> byte)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    chars = list(printable)
+    num_extra = 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            chars.append(256 + num_extra)
+            num_extra += 1
+    return {chr(c): b for b, c in zip(printable, chars)}
+
+
+_UNICODE_TO_BYTE = _byte_level_alphabet()
 
 
 def _raise_template_error(message: str) -> None:

@@ -1,0 +1,148 @@
+"""Proxy test fixtures: a tiny byte-level BPE model directory (no weights), fake nodes, and a
+real uvicorn server on a free 127.0.0.1 port, always shut down."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from proxy.app import create_app
+from proxy.config import ProxyConfig
+from tests.proxy.fake_node import FakeNode, FakeNodeConfig
+
+MODEL_NAME = "tiny-test"
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] "
+    "+ '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+_CORPUS = [
+    "hello world, the quick brown fox jumps over the lazy dog.",
+    "def add(a, b):\n    return a + b\n",
+    "Hello there! How are you today? I am fine, thank you.",
+    "caf\u00e9 na\u00efve r\u00e9sum\u00e9",
+] * 20
+
+
+def _write_model_dir(path: Path) -> Path:
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(_CORPUS, trainer)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(path / "tokenizer.json"))
+    eos_id = tokenizer.token_to_id("<|endoftext|>")
+    files = {
+        "tokenizer_config.json": {"bos_token": "<|endoftext|>", "eos_token": {"content": "<|im_end|>"},
+                                  "chat_template": CHAT_TEMPLATE},
+        "config.json": {"vocab_size": tokenizer.get_vocab_size(), "max_position_embeddings": 256,
+                        "eos_token_id": eos_id},
+        "generation_config.json": {"eos_token_id": [eos_id, tokenizer.token_to_id("<|im_end|>")]},
+    }
+    for name, content in files.items():
+        (path / name).write_text(json.dumps(content))
+    return path
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory) -> Path:
+    return _write_model_dir(tmp_path_factory.mktemp("proxy-model"))
+
+
+@pytest.fixture(scope="session")
+def vocab_size(model_dir) -> int:
+    return json.loads((model_dir / "config.json").read_text())["vocab_size"]
+
+
+@dataclass
+class RunningProxy:
+    base_url: str
+    config: ProxyConfig
+    prefill: list[FakeNode] = field(default_factory=list)
+    decode: list[FakeNode] = field(default_factory=list)
+
+    def client(self, **kwargs) -> openai.OpenAI:
+        kwargs.setdefault("api_key", self.config.api_key or "none")
+        return openai.OpenAI(base_url=self.base_url + "/v1", max_retries=0, timeout=20, **kwargs)
+
+
+class _Server:
+    """uvicorn in a thread, serving on an already-bound socket (no port race)."""
+
+    def __init__(self, app) -> None:
+        self.socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.socket.bind(("127.0.0.1", 0))
+        self.port = self.socket.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on",
+                                                    timeout_graceful_shutdown=2))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]}, daemon=True)
+
+    def start(self, timeout_s: float = 10.0) -> None:
+        self.thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        self.socket.close()
+
+
+def wait_healthy(base_url: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if httpx.get(base_url + "/health", timeout=2).status_code == 200:
+            return
+        time.sleep(0.02)
+    raise TimeoutError(f"proxy at {base_url} not healthy within {timeout_s} s")
+
+
+@pytest.fixture
+def start_proxy(model_dir, vocab_size) -> Iterator:
+    """start_proxy(num_prefill=1, num_decode=1, node=dict(FakeNodeConfig fields), wait=True,
+    **ProxyConfig fields) -> a healthy RunningProxy; nodes and server stop at teardown."""
+    started: list = []
+
+    def start(num_prefill: int = 1, num_decode: int = 1, node: dict | None = None, wait: bool = True,
+              **config_fields) -> RunningProxy:
+        node_fields = {"vocab_size": vocab_size, **(node or {})}
+        prefill = [FakeNode(FakeNodeConfig(role="prefill", **node_fields)).start() for _ in range(num_prefill)]
+        decode = [FakeNode(FakeNodeConfig(role="decode", **node_fields)).start() for _ in range(num_decode)]
+        started.extend(prefill + decode)
+        config_fields.setdefault("heartbeat_timeout_s", 1.0)
+        config = ProxyConfig(model_dir=str(model_dir), served_model_name=MODEL_NAME,
+                             prefill_addresses=tuple(n.address for n in prefill),
+                             decode_addresses=tuple(n.address for n in decode), **config_fields)
+        server = _Server(create_app(config))
+        started.append(server)
+        server.start()
+        running = RunningProxy(f"http://127.0.0.1:{server.port}", config, prefill, decode)
+        if wait:
+            wait_healthy(running.base_url)
+        return running
+
+    yield start
+    for thing in reversed(started):
+        thing.stop()
+
+
+@pytest.fixture
+def proxy(start_proxy) -> RunningProxy:
+    """One fake prefill node, one fake decode node and the proxy in front of them."""
+    return start_proxy()

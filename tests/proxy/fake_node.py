@@ -1,0 +1,231 @@
+"""A fake prefill/decode node for proxy tests: the engine.protocol over a ZMQ ROUTER on
+127.0.0.1, a deterministic fake model, periodic LoadReports, Abort/ReleaseKV bookkeeping, and
+a die() that makes it vanish mid-request. Runs in a thread of the test process."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import msgspec
+import zmq
+
+from engine import protocol
+
+_POLL_MS = 5
+
+
+def next_token(prompt_ids: list[int], output_ids: list[int], vocab_size: int) -> int:
+    """The fake model: a function of the prompt and the tokens so far (same colocated or split)."""
+    return (sum(prompt_ids) * 31 + len(output_ids) * 17 + (output_ids[-1] if output_ids else 0)) % vocab_size
+
+
+@dataclass
+class _Running:
+    request_id: str
+    identity: bytes
+    prompt_ids: list[int]
+    sampling: protocol.SamplingOptions
+    output_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class FakeNodeConfig:
+    role: str  # "prefill" | "decode" (decode without a KV handle prefills locally)
+    vocab_size: int
+    eos_token_id: int | None = None
+    script: list[int] | None = None  # emit these ids in order (cycling) instead of the fake model
+    step_s: float = 0.01  # time per decode step (one token for every running request)
+    prefill_s: float = 0.01
+    report_interval_s: float = 0.05
+    max_model_len: int = 256
+    model_name: str = "fake"
+    fail_token_id: int | None = None  # a prompt holding this id gets an ErrorReply
+    fail_is_client_error: bool = True
+
+
+class FakeNode:
+    """start() binds and serves; die() stops answering and closes the socket; stop() as die()."""
+
+    def __init__(self, config: FakeNodeConfig) -> None:
+        self.config = config
+        self._context = zmq.Context()
+        self._socket = self._context.socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self.port = self._socket.bind_to_random_port("tcp://127.0.0.1")
+        self.received: list[protocol.ToNode] = []  # every message, in order of arrival
+        self.leases: dict[str, protocol.KVHandle] = {}
+        self._running: dict[str, _Running] = {}
+        self._prefills: list[tuple[float, _Running]] = []
+        self._lock = threading.Lock()
+        self._is_stopping = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name=f"fake-{config.role}-{self.port}", daemon=True)
+        self._proxies: set[bytes] = set()
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> "FakeNode":
+        self._thread.start()
+        return self
+
+    def die(self) -> None:
+        """Stop at once: no more reports or tokens, socket closed (as a killed process)."""
+        self._is_stopping.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+        self._socket.close(linger=0)
+        self._context.term()
+
+    stop = die
+
+    def messages(self, kind: type) -> list:
+        with self._lock:
+            return [m for m in self.received if isinstance(m, kind)]
+
+    def wait_for(self, predicate: Callable[[], bool], timeout_s: float = 5.0) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if predicate():
+                return True
+            time.sleep(0.005)
+        return predicate()
+
+    def num_running(self) -> int:
+        with self._lock:
+            return len(self._running) + len(self._prefills)
+
+    # ---- the loop -----------------------------------------------------------------------------
+
+    def _serve(self) -> None:
+        last_report = 0.0
+        last_step = time.monotonic()
+        while not self._is_stopping.is_set():
+            if self._socket.poll(_POLL_MS):
+                self._receive_all()
+            now = time.monotonic()
+            self._finish_prefills(now)
+            if now - last_step >= self.config.step_s:
+                last_step = now
+                self._step()
+            if now - last_report >= self.config.report_interval_s:
+                last_report = now
+                for identity in list(self._proxies):
+                    self._send(identity, self._report())
+
+    def _receive_all(self) -> None:
+        while True:
+            try:
+                identity, payload = self._socket.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                message = protocol.decode_to_node(payload)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                continue
+            self._proxies.add(identity)
+            with self._lock:
+                self.received.append(message)
+                self._dispatch(identity, message)
+
+    def _dispatch(self, identity: bytes, message) -> None:
+        if isinstance(message, protocol.Ping):
+            self._send(identity, self._report())
+        elif isinstance(message, protocol.Abort):
+            for request_id in message.request_ids:
+                self._running.pop(request_id, None)
+                self._prefills = [(t, r) for t, r in self._prefills if r.request_id != request_id]
+                self.leases.pop(request_id, None)
+        elif isinstance(message, protocol.ReleaseKV):
+            for request_id in message.request_ids:
+                self.leases.pop(request_id, None)
+        elif self._is_failing(message):
+            self._send(identity, protocol.ErrorReply(message.request_id, "ValueError", "fake failure",
+                                                     self.config.fail_is_client_error))
+        elif isinstance(message, protocol.PrefillRequest):
+            running = _Running(message.request_id, identity, list(message.prompt_token_ids), message.sampling)
+            self._prefills.append((time.monotonic() + self.config.prefill_s, running))
+        else:
+            self._admit_decode(identity, message)
+
+    def _is_failing(self, message) -> bool:
+        fail_id = self.config.fail_token_id
+        return hasattr(message, "prompt_token_ids") and fail_id is not None and fail_id in message.prompt_token_ids
+
+    def _admit_decode(self, identity: bytes, message: protocol.DecodeRequest) -> None:
+        running = _Running(message.request_id, identity, list(message.prompt_token_ids), message.sampling)
+        if message.first_token is not None:
+            running.output_ids.append(message.first_token.token_id)
+        self._running[message.request_id] = running
+
+    def _finish_prefills(self, now: float) -> None:
+        with self._lock:
+            ready = [r for t, r in self._prefills if t <= now]
+            self._prefills = [(t, r) for t, r in self._prefills if t > now]
+            for running in ready:
+                token = self._sample(running)
+                reason = self._finish_reason(running)
+                handle = None
+                if reason is None:
+                    handle = protocol.KVHandle("fake-engine", self.address, [0], len(running.prompt_ids))
+                    self.leases[running.request_id] = handle
+                self._send(running.identity, protocol.PrefillResult(
+                    running.request_id, token, len(running.prompt_ids), handle, reason))
+
+    def _step(self) -> None:
+        with self._lock:
+            by_owner: dict[bytes, list[protocol.RequestDelta]] = {}
+            for running in list(self._running.values()):
+                token = self._sample(running)
+                reason = self._finish_reason(running)
+                if reason is not None:
+                    del self._running[running.request_id]
+                delta = protocol.RequestDelta(running.request_id, [token], reason, len(running.prompt_ids))
+                by_owner.setdefault(running.identity, []).append(delta)
+            for identity, deltas in by_owner.items():
+                self._send(identity, protocol.TokenBatch(deltas))
+
+    def _sample(self, running: _Running) -> protocol.TokenLogprob:
+        script = self.config.script
+        if script:
+            token_id = script[len(running.output_ids) % len(script)]
+        else:
+            token_id = next_token(running.prompt_ids, running.output_ids, self.config.vocab_size)
+        running.output_ids.append(token_id)
+        num_top = running.sampling.logprobs
+        if num_top is None:
+            return protocol.TokenLogprob(token_id)
+        top = [((token_id + i) % self.config.vocab_size, -0.5 - i) for i in range(num_top)]
+        return protocol.TokenLogprob(token_id, -0.5, top)
+
+    def _finish_reason(self, running: _Running) -> str | None:
+        sampling = running.sampling
+        num_out = len(running.output_ids)
+        last = running.output_ids[-1]
+        stops = set(sampling.stop_token_ids)
+        if not sampling.ignore_eos and self.config.eos_token_id is not None:
+            stops.add(self.config.eos_token_id)
+        if num_out >= sampling.min_tokens and last in stops:
+            return "stop"
+        if num_out >= sampling.max_tokens:
+            return "length"
+        return None
+
+    def _report(self) -> protocol.LoadReport:
+        queued = sum(len(r.prompt_ids) for _, r in self._prefills)
+        return protocol.LoadReport(
+            node_id=f"fake-{self.port}", role=self.config.role, protocol_version=protocol.PROTOCOL_VERSION,
+            model_name=self.config.model_name, max_model_len=self.config.max_model_len,
+            num_running=len(self._running), num_waiting=len(self._prefills), num_queued_prompt_tokens=queued,
+            num_free_blocks=1000 - len(self._running), num_total_blocks=1000, num_leases=len(self.leases),
+            num_kv_fallbacks=0, sent_at=time.time(),
+        )
+
+    def _send(self, identity: bytes, message) -> None:
+        try:
+            self._socket.send_multipart([identity, protocol.encode(message)], flags=zmq.NOBLOCK)
+        except zmq.Again:
+            pass
