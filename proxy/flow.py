@@ -67,6 +67,7 @@ async def run_request(pool: NodePool, request_id: str, prompt_ids: list[int], sa
         queue = decode.open(request_id)
         holder = decode
         decode.send(protocol.DecodeRequest(request_id, prompt_ids, sampling, first, handle, time.time()))
+        decode.note_sent(len(prompt_ids))
         lease_holder = None  # NOTE: the decode node releases the lease from here on, pulled or not
         if first is not None:
             yield Step([first])
@@ -106,12 +107,11 @@ def _clean_up(request_id: str, holder: NodeClient | None, lease_holder: NodeClie
 async def _prefill(node: NodeClient, request_id: str, prompt_ids: list[int], sampling: protocol.SamplingOptions,
                    timeout_s: float) -> protocol.PrefillResult:
     queue = node.open(request_id)
-    node.num_in_flight_tokens += len(prompt_ids)
     try:
         node.send(protocol.PrefillRequest(request_id, prompt_ids, sampling, time.time()))
+        node.note_sent(len(prompt_ids))
         message = await _next(queue, timeout_s, node, request_id)
     finally:
-        node.num_in_flight_tokens -= len(prompt_ids)
         node.close(request_id)
     if isinstance(message, protocol.ErrorReply):
         raise NodeRejected(message)

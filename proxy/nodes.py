@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -17,6 +18,9 @@ from engine import protocol
 logger = logging.getLogger(__name__)
 
 _PING_INTERVAL_S = 1.0
+# NOTE: only to estimate the blocks a request takes before the node reports again; a wrong
+# guess skews routing slightly until the next report, never correctness.
+_ASSUMED_BLOCK_SIZE = 16
 
 
 class NodeDied(Exception):
@@ -31,12 +35,19 @@ class NodeClient:
     socket: zmq.asyncio.Socket | None = None
     last_report: protocol.LoadReport | None = None
     last_seen: float = 0.0
-    num_in_flight_tokens: int = 0  # prompt tokens this proxy has sent and not seen finish
+    # Sent by this proxy since the node's last report (which does not count them yet).
+    num_tokens_since_report: int = 0
+    num_requests_since_report: int = 0
     queues: dict[str, asyncio.Queue] = field(default_factory=dict)
 
     @property
     def is_healthy(self) -> bool:
         return self.last_report is not None and time.monotonic() - self.last_seen < self.heartbeat_timeout_s
+
+    def note_sent(self, num_prompt_tokens: int) -> None:
+        """Count a request just sent, for routing until the node's next report includes it."""
+        self.num_tokens_since_report += num_prompt_tokens
+        self.num_requests_since_report += 1
 
     def open(self, request_id: str) -> asyncio.Queue:
         """A queue receiving this node's messages for request_id (until close())."""
@@ -98,15 +109,14 @@ class NodePool:
         healthy = [n for n in self.prefill if n.is_healthy]
         if not healthy:
             return None
-        return min(healthy, key=lambda n: n.last_report.num_queued_prompt_tokens + n.num_in_flight_tokens)
+        return min(healthy, key=lambda n: n.last_report.num_queued_prompt_tokens + n.num_tokens_since_report)
 
     def pick_decode(self) -> NodeClient | None:
         """Most free blocks, then fewest running requests."""
         healthy = [n for n in self.decode if n.is_healthy]
         if not healthy:
             return None
-        return max(healthy, key=lambda n: (n.last_report.num_free_blocks - n.num_in_flight_tokens // 16,
-                                           -n.last_report.num_running))
+        return max(healthy, key=_decode_score)
 
     def down(self) -> list[str]:
         return [f"{n.kind} {n.address}" for n in self.all if not n.is_healthy]
@@ -143,6 +153,12 @@ class NodePool:
                 was_healthy[id(node)] = healthy
 
 
+def _decode_score(node: NodeClient) -> tuple[int, int]:
+    report = node.last_report
+    num_free_blocks = report.num_free_blocks - math.ceil(node.num_tokens_since_report / _ASSUMED_BLOCK_SIZE)
+    return num_free_blocks, -(report.num_running + report.num_waiting + node.num_requests_since_report)
+
+
 def _take_report(node: NodeClient, report: protocol.LoadReport) -> None:
     """A report refreshes the heartbeat, unless the node speaks another protocol version (it
     then stays unhealthy and gets no requests)."""
@@ -154,6 +170,7 @@ def _take_report(node: NodeClient, report: protocol.LoadReport) -> None:
         return
     node.last_report = report
     node.last_seen = time.monotonic()
+    node.num_tokens_since_report = node.num_requests_since_report = 0
 
 
 def _deliver(node: NodeClient, request_id: str, message) -> None:

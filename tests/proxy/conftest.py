@@ -104,6 +104,12 @@ class _Server:
         self.socket.close()
 
 
+def find_free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def wait_healthy(base_url: str, timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -116,11 +122,11 @@ def wait_healthy(base_url: str, timeout_s: float = 10.0) -> None:
 @pytest.fixture
 def start_proxy(model_dir, vocab_size) -> Iterator:
     """start_proxy(num_prefill=1, num_decode=1, node=dict(FakeNodeConfig fields), wait=True,
-    **ProxyConfig fields) -> a healthy RunningProxy; nodes and server stop at teardown."""
+    extra_decode_addresses=(), **ProxyConfig fields) -> a healthy RunningProxy; nodes and server stop at teardown."""
     started: list = []
 
     def start(num_prefill: int = 1, num_decode: int = 1, node: dict | None = None, wait: bool = True,
-              **config_fields) -> RunningProxy:
+              extra_decode_addresses: tuple[str, ...] = (), **config_fields) -> RunningProxy:
         node_fields = {"vocab_size": vocab_size, **(node or {})}
         prefill = [FakeNode(FakeNodeConfig(role="prefill", **node_fields)).start() for _ in range(num_prefill)]
         decode = [FakeNode(FakeNodeConfig(role="decode", **node_fields)).start() for _ in range(num_decode)]
@@ -128,7 +134,8 @@ def start_proxy(model_dir, vocab_size) -> Iterator:
         config_fields.setdefault("heartbeat_timeout_s", 1.0)
         config = ProxyConfig(model_dir=str(model_dir), served_model_name=MODEL_NAME,
                              prefill_addresses=tuple(n.address for n in prefill),
-                             decode_addresses=tuple(n.address for n in decode), **config_fields)
+                             decode_addresses=(*(n.address for n in decode), *extra_decode_addresses),
+                             **config_fields)
         server = _Server(create_app(config))
         started.append(server)
         server.start()

@@ -1,0 +1,228 @@
+"""Bad input, node errors, dead and silent nodes, client disconnects, health, metrics, auth and
+routing of the proxy, against fake nodes."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from engine import protocol
+from tests.proxy.conftest import MODEL_NAME, find_free_port
+
+
+def _post(proxy, body, path: str = "/v1/completions", **kwargs) -> httpx.Response:
+    content = body if isinstance(body, str) else json.dumps(body)
+    kwargs.setdefault("timeout", 10)
+    return httpx.post(proxy.base_url + path, content=content,
+                      headers={"Content-Type": "application/json", **kwargs.pop("headers", {})}, **kwargs)
+
+
+def _wait_unhealthy(proxy, timeout_s: float = 5.0) -> httpx.Response:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        response = httpx.get(proxy.base_url + "/health", timeout=2)
+        if response.status_code == 503:
+            return response
+        time.sleep(0.05)
+    raise TimeoutError("proxy still healthy")
+
+
+def _sse_events(response: httpx.Response) -> list:
+    return [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+
+
+_CHAT = "/v1/chat/completions"
+_USER = [{"role": "user", "content": "hi"}]
+BAD_REQUESTS = [
+    ("/v1/completions", "{not json", 400),
+    ("/v1/completions", "[1, 2]", 400),
+    ("/v1/completions", {"prompt": "hi"}, 400),
+    ("/v1/completions", {"model": MODEL_NAME}, 400),
+    ("/v1/completions", {"model": MODEL_NAME, "prompt": "hi", "max_tokens": "ten"}, 400),
+    ("/v1/completions", {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 0}, 400),
+    ("/v1/completions", {"model": MODEL_NAME, "prompt": "hi", "temperature": -0.1}, 400),
+    ("/v1/completions", {"model": MODEL_NAME, "prompt": "hi", "temperature": 2.5}, 400),
+    ("/v1/completions", {"model": MODEL_NAME, "prompt": "hi", "top_p": 0}, 400),
+    ("/v1/completions", {"model": MODEL_NAME, "prompt": "hi", "top_p": 1.5}, 400),
+    ("/v1/completions", {"model": MODEL_NAME, "prompt": "hi", "n": 0}, 400),
+    ("/v1/completions", {"model": MODEL_NAME, "prompt": "hi", "logprobs": 21}, 400),
+    ("/v1/completions", {"model": MODEL_NAME, "prompt": "hi", "stop": 5}, 400),
+    ("/v1/completions", {"model": MODEL_NAME, "prompt": ""}, 400),
+    ("/v1/completions", {"model": MODEL_NAME, "prompt": [5] * 300}, 400),  # longer than max_model_len 256
+    ("/v1/completions", {"model": MODEL_NAME, "prompt": [10**7]}, 400),  # not in the vocabulary
+    ("/v1/completions", {"model": "no-such-model", "prompt": "hi"}, 404),
+    (_CHAT, {"model": MODEL_NAME, "messages": []}, 400),
+    (_CHAT, {"model": MODEL_NAME, "messages": [{"role": "wizard", "content": "hi"}]}, 400),
+    (_CHAT, {"model": MODEL_NAME, "messages": "hi"}, 400),
+    (_CHAT, {"model": MODEL_NAME, "messages": _USER, "top_logprobs": 21, "logprobs": True}, 400),
+    (_CHAT, {"model": MODEL_NAME, "messages": _USER, "max_completion_tokens": 0}, 400),
+]
+
+
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(proxy):
+    for path, body, status in BAD_REQUESTS:
+        response = _post(proxy, body, path)
+        assert response.status_code == status, (body, response.text)
+        error = response.json()["error"]
+        assert error["message"] and error["type"] == "invalid_request_error", (body, error)
+        assert set(error) == {"message", "type", "param", "code"}
+    ok = proxy.client().completions.create(model=MODEL_NAME, prompt="hello", max_tokens=2)
+    assert ok.usage.completion_tokens == 2
+
+
+def test_openai_client_raises_bad_request_for_out_of_range_values(proxy):
+    with pytest.raises(openai.BadRequestError) as info:
+        proxy.client().chat.completions.create(model=MODEL_NAME, messages=_USER, temperature=3)
+    assert info.value.body["param"] == "temperature"
+
+
+@pytest.mark.parametrize("is_client_error, status", [(True, 400), (False, 500)])
+def test_node_error_reply_maps_to_4xx_or_5xx(start_proxy, is_client_error, status):
+    proxy = start_proxy(node={"fail_token_id": 3, "fail_is_client_error": is_client_error})
+    response = _post(proxy, {"model": MODEL_NAME, "prompt": [1, 3], "max_tokens": 4})
+    assert response.status_code == status and response.json()["error"]["message"] == "fake failure"
+    with httpx.stream("POST", proxy.base_url + "/v1/completions", timeout=10,
+                      json={"model": MODEL_NAME, "prompt": [1, 3], "max_tokens": 4, "stream": True}) as stream:
+        events = _sse_events(stream)
+    assert json.loads(events[-2])["error"]["message"] == "fake failure" and events[-1] == "[DONE]"
+
+
+def test_client_disconnect_mid_stream_aborts_on_the_decode_node_within_a_second(start_proxy):
+    proxy = start_proxy(node={"step_s": 0.02})
+    decode = proxy.decode[0]
+    body = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 5000, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", proxy.base_url + "/v1/completions", json=body, timeout=10) as response:
+        for num_lines, _ in enumerate(response.iter_lines()):
+            if num_lines >= 10:
+                break
+    disconnected_at = time.monotonic()
+    assert decode.wait_for(lambda: decode.messages(protocol.Abort), timeout_s=1.0)
+    assert time.monotonic() - disconnected_at < 1.0
+    [abort] = decode.messages(protocol.Abort)
+    assert abort.request_ids == [decode.messages(protocol.DecodeRequest)[0].request_id]
+    assert decode.num_running() == 0
+
+
+def test_client_disconnect_during_prefill_aborts_on_the_prefill_node(start_proxy):
+    proxy = start_proxy(node={"prefill_s": 30.0})
+    prefill = proxy.prefill[0]
+    body = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 5, "stream": True}
+    with pytest.raises(httpx.ReadTimeout):
+        _post(proxy, body, timeout=httpx.Timeout(5, read=0.5))
+    assert prefill.wait_for(lambda: prefill.messages(protocol.Abort), timeout_s=1.5)
+    assert prefill.num_running() == 0
+
+
+def test_lease_the_decode_side_never_saw_is_released(start_proxy):
+    proxy = start_proxy()
+    proxy.decode[0].die()
+    _wait_unhealthy(proxy)
+    response = _post(proxy, {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 4})
+    assert response.status_code == 503 and "decode" in response.json()["error"]["message"]
+    prefill = proxy.prefill[0]
+    assert prefill.wait_for(lambda: prefill.messages(protocol.ReleaseKV), timeout_s=1.0)
+    assert prefill.leases == {}
+
+
+def test_decode_node_dying_mid_request_fails_with_5xx_within_the_heartbeat_timeout(start_proxy):
+    proxy = start_proxy(node={"step_s": 0.05})
+    result: dict = {}
+
+    def request() -> None:
+        started = time.monotonic()
+        result["response"] = _post(proxy, {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 5000,
+                                           "ignore_eos": True}, timeout=15)
+        result["elapsed_s"] = time.monotonic() - started
+
+    thread = threading.Thread(target=request)
+    thread.start()
+    assert proxy.decode[0].wait_for(lambda: proxy.decode[0].num_running() == 1)
+    proxy.decode[0].die()
+    thread.join(timeout=15)
+    response = result["response"]
+    assert 500 <= response.status_code < 600 and response.json()["error"]["type"] == "server_error"
+    assert result["elapsed_s"] < proxy.config.heartbeat_timeout_s + 3
+
+
+def test_decode_node_dying_mid_stream_ends_with_an_error_event(start_proxy):
+    proxy = start_proxy(node={"step_s": 0.05})
+    body = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 5000, "ignore_eos": True, "stream": True}
+    events = []
+    with httpx.stream("POST", proxy.base_url + "/v1/completions", json=body, timeout=15) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[len("data: "):])
+            if len(events) == 3 and proxy.decode[0].num_running():
+                proxy.decode[0].die()
+    assert events[-1] == "[DONE]" and "error" in json.loads(events[-2])
+
+
+def test_prefill_node_dying_fails_requests_and_health_names_it(start_proxy):
+    proxy = start_proxy(node={"prefill_s": 30.0})
+    result: dict = {}
+    thread = threading.Thread(target=lambda: result.setdefault(
+        "response", _post(proxy, {"model": MODEL_NAME, "prompt": "hi"}, timeout=15)))
+    thread.start()
+    assert proxy.prefill[0].wait_for(lambda: proxy.prefill[0].num_running() == 1)
+    proxy.prefill[0].die()
+    thread.join(timeout=15)
+    assert 500 <= result["response"].status_code < 600
+    health = _wait_unhealthy(proxy)
+    assert proxy.prefill[0].address in health.text and proxy.decode[0].address not in health.text
+    assert 500 <= _post(proxy, {"model": MODEL_NAME, "prompt": "hi"}).status_code < 600
+
+
+def test_silent_node_times_out_with_5xx(start_proxy):
+    proxy = start_proxy(node={"prefill_s": 30.0}, first_token_timeout_s=0.5)
+    started = time.monotonic()
+    response = _post(proxy, {"model": MODEL_NAME, "prompt": "hi"})
+    assert response.status_code == 504 and time.monotonic() - started < 3
+    assert proxy.prefill[0].wait_for(lambda: proxy.prefill[0].messages(protocol.Abort), timeout_s=1.0)
+
+
+def test_node_that_never_reported_is_down_and_gets_no_requests(start_proxy):
+    silent = f"127.0.0.1:{find_free_port()}"
+    proxy = start_proxy(wait=False, num_decode=1, extra_decode_addresses=(silent,))
+    response = httpx.get(proxy.base_url + "/health", timeout=2)
+    assert response.status_code == 503 and silent in response.text
+    for _ in range(3):
+        assert _post(proxy, {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2}).status_code == 200
+    assert len(proxy.decode[0].messages(protocol.DecodeRequest)) == 3
+
+
+def test_metrics_export_latencies_requests_and_node_load(proxy):
+    proxy.client().completions.create(model=MODEL_NAME, prompt="hello", max_tokens=4)
+    list(proxy.client().completions.create(model=MODEL_NAME, prompt="hello", max_tokens=4, stream=True))
+    text = httpx.get(proxy.base_url + "/metrics", timeout=5).text
+    for name in ("pdserve_time_to_first_token_seconds_count 2.0", "pdserve_inter_token_latency_seconds_count 6.0",
+                 "pdserve_e2e_request_latency_seconds_count 2.0", "pdserve_node_free_blocks{",
+                 "pdserve_node_running{", "pdserve_node_waiting{", "pdserve_node_queued_prompt_tokens{",
+                 "pdserve_node_kv_fallbacks{", 'pdserve_requests_total{endpoint="completions",status="200"} 1.0'):
+        assert name in text, name
+
+
+def test_api_key_is_required_on_v1_only(start_proxy):
+    proxy = start_proxy(api_key="sekret")
+    response = _post(proxy, {"model": MODEL_NAME, "prompt": "hi"})
+    assert response.status_code == 401 and response.json()["error"]["message"]
+    wrong = _post(proxy, {"model": MODEL_NAME, "prompt": "hi"}, headers={"Authorization": "Bearer nope"})
+    assert wrong.status_code == 401
+    assert proxy.client().completions.create(model=MODEL_NAME, prompt="hi", max_tokens=1).choices
+    assert httpx.get(proxy.base_url + "/health", timeout=2).status_code == 200
+
+
+def test_requests_spread_over_decode_nodes(start_proxy):
+    proxy = start_proxy(num_prefill=0, num_decode=2)
+    body = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 20, "ignore_eos": True}
+    threads = [threading.Thread(target=lambda: _post(proxy, body))
+               for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert [len(node.messages(protocol.DecodeRequest)) for node in proxy.decode] == [2, 2]
