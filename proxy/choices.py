@@ -38,6 +38,8 @@ class ChoiceState:
 
     def add(self, tokens: list[protocol.TokenLogprob], finish_reason: str | None) -> Delta:
         """Absorb a step's tokens; finish_reason becomes "stop" at a stop string."""
+        if self.finish_reason is not None:
+            return Delta("", [], self.finish_reason)  # tokens past a stop string: dropped
         self.num_tokens += len(tokens)
         self.tokens.extend(tokens)
         text = self.stop_checker.feed(self.detokenizer.add([t.token_id for t in tokens]))

@@ -11,12 +11,19 @@ from engine.protocol import SamplingOptions
 MAX_LOGPROBS = 20
 
 
+# NOTE: strict: "10" is not a number and "yes" not a boolean, as at OpenAI (JSON gives the
+# real types; lax mode would quietly coerce them).
+_STRICT = ConfigDict(strict=True, extra="ignore")
+
+
 class StreamOptions(BaseModel):
+    model_config = _STRICT
+
     include_usage: bool = False
 
 
 class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -91,12 +98,14 @@ class CompletionRequest(_SamplingFields):
 
 
 class TextPart(BaseModel):
+    model_config = _STRICT
+
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[TextPart] | None = None

@@ -122,29 +122,42 @@ def _token_text(value) -> str | None:
 
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas. A byte-level BPE token can end in
-    the middle of a UTF-8 character; such text is held back until the character completes."""
+    the middle of a UTF-8 character; such a character is held back until it completes (text
+    before it goes out at once)."""
 
     def __init__(self, tokenizer: ModelTokenizer) -> None:
         self._tokenizer = tokenizer
         self.token_ids: list[int] = []
+        # NOTE: decoding a window [prefix, end) rather than one token keeps the tokenizer's
+        # context (leading spaces, merged bytes); text before read_offset has gone out already.
         self._prefix_offset = 0
         self._read_offset = 0
+        self._num_sent_chars = 0  # chars past read_offset already sent (an incomplete tail follows)
 
     def add(self, token_ids: list[int]) -> str:
         self.token_ids.extend(token_ids)
-        prefix_text = self._tokenizer.decode(self.token_ids[self._prefix_offset:self._read_offset])
-        full_text = self._tokenizer.decode(self.token_ids[self._prefix_offset:])
-        if full_text.endswith(_REPLACEMENT) or len(full_text) <= len(prefix_text):
-            return ""  # an incomplete character (or nothing visible yet): wait for more
-        self._prefix_offset = self._read_offset
-        self._read_offset = len(self.token_ids)
-        return full_text[len(prefix_text):]
+        new_text = self._new_text()
+        complete = new_text.rstrip(_REPLACEMENT)
+        if complete != new_text:  # ends inside a character: send what precedes it, hold the rest
+            out = complete[self._num_sent_chars:]
+            self._num_sent_chars = max(self._num_sent_chars, len(complete))
+            return out
+        out = new_text[self._num_sent_chars:]
+        if new_text:
+            self._prefix_offset, self._read_offset = self._read_offset, len(self.token_ids)
+            self._num_sent_chars = 0
+        return out
 
     def flush(self) -> str:
         """At the end: whatever is still held back (a truly broken character shows as U+FFFD)."""
+        out = self._new_text()[self._num_sent_chars:]
+        self._prefix_offset = self._read_offset = len(self.token_ids)
+        self._num_sent_chars = 0
+        return out
+
+    def _new_text(self) -> str:
         prefix_text = self._tokenizer.decode(self.token_ids[self._prefix_offset:self._read_offset])
         full_text = self._tokenizer.decode(self.token_ids[self._prefix_offset:])
-        self._prefix_offset = self._read_offset = len(self.token_ids)
         return full_text[len(prefix_text):]
 
 
