@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 
 from proxy.choices import ChoiceState
@@ -52,10 +53,20 @@ def error_response(error: ApiError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status)
 
 
+def run(config: ProxyConfig, log_level: str = "info") -> None:
+    """Serve the API with uvicorn (one worker) until SIGINT/SIGTERM; blocks."""
+    import uvicorn  # NOTE: here, not at the top: tests and importers of create_app need no server
+
+    uvicorn.run(create_app(config), host=config.host, port=config.port, log_level=log_level.lower(), workers=1,
+                timeout_graceful_shutdown=5)
+
+
 def create_app(config: ProxyConfig) -> FastAPI:
+    """The FastAPI app; node sockets open at startup (lifespan) and close at shutdown. Reads
+    the tokenizer files of config.model_dir now (raises OSError/ValueError if they are bad)."""
     tokenizer = ModelTokenizer.from_dir(config.model_dir)
     pool = NodePool(config.prefill_addresses, config.decode_addresses, config.heartbeat_timeout_s)
-    metrics = ProxyMetrics()
+    metrics = ProxyMetrics(lambda: pool.all)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -91,7 +102,7 @@ def create_app(config: ProxyConfig) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics_endpoint():
-        return Response(metrics.render(pool.all), media_type="text/plain; version=0.0.4")
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models():
@@ -101,12 +112,12 @@ def create_app(config: ProxyConfig) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await _parse(request, CompletionRequest)
-        return await service.complete(body, chat=False)
+        return await service.complete(body, chat=False, request=request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await _parse(request, ChatCompletionRequest)
-        return await service.complete(body, chat=True)
+        return await service.complete(body, chat=True, request=request)
 
     return app
 
@@ -141,7 +152,7 @@ class _Service:
     def max_model_len(self) -> int:
         return self.config.max_model_len or self.pool.max_model_len() or self.tokenizer.max_position_embeddings
 
-    async def complete(self, body, chat: bool):
+    async def complete(self, body, chat: bool, request: Request):
         arrived_at = time.monotonic()
         endpoint = "chat" if chat else "completions"
         if body.model != self.config.served_model_name:
@@ -156,7 +167,7 @@ class _Service:
         if body.stream:
             self.metrics.requests.labels(endpoint, "stream").inc()
             return StreamingResponse(self._stream(body, subs, chat, arrived_at), media_type="text/event-stream")
-        return await self._complete_all(body, subs, chat, endpoint, arrived_at)
+        return await self._complete_all(body, subs, chat, endpoint, arrived_at, request)
 
     def _sub_requests(self, body, chat: bool) -> list[SubRequest]:
         if chat:
@@ -231,12 +242,19 @@ class _Service:
         tasks = [asyncio.create_task(self._run_choice(s, states[s.index], out, arrived_at)) for s in subs]
         return states, out, tasks
 
-    async def _complete_all(self, body, subs: list[SubRequest], chat: bool, endpoint: str, arrived_at: float):
+    async def _complete_all(self, body, subs: list[SubRequest], chat: bool, endpoint: str, arrived_at: float,
+                            request: Request):
         states, out, tasks = self._start(subs, body.stop_strings, arrived_at)
+        # NOTE: uvicorn does not cancel a non-streaming handler when its client goes away; this
+        # watcher does, so the nodes hear Abort instead of generating for nobody.
+        tasks.append(asyncio.create_task(_report_disconnect(request, out)))
         try:
             remaining = len(subs)
             while remaining:
                 _, item = await out.get()
+                if isinstance(item, ClientGone):
+                    self.metrics.requests.labels(endpoint, "499").inc()
+                    return Response(status_code=499)  # nobody reads it; the finally aborts on the nodes
                 if isinstance(item, Exception):
                     raise _api_error_of(item)
                 if item is None:
@@ -282,6 +300,16 @@ class _Service:
         finally:
             for task in tasks:
                 task.cancel()  # client gone or done: run_request's finally aborts on the nodes
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before its answer was ready."""
+
+
+async def _report_disconnect(request: Request, out: asyncio.Queue) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    await out.put((None, ClientGone()))
 
 
 def _api_error_of(exc: Exception) -> ApiError:

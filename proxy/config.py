@@ -2,22 +2,22 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
 class ProxyConfig:
-    model_dir: str
-    served_model_name: str
+    model_dir: str  # tokenizer.json, tokenizer_config.json, config.json, generation_config.json
+    served_model_name: str  # the only model name requests may use
     host: str = "127.0.0.1"
     port: int = 8000
-    prefill_addresses: tuple[str, ...] = ()
-    decode_addresses: tuple[str, ...] = field(default_factory=tuple)
-    request_timeout_s: float = 600.0
-    first_token_timeout_s: float = 300.0
-    heartbeat_timeout_s: float = 3.0
-    api_key: str | None = None
-    max_model_len: int | None = None  # None: from the nodes' load reports (or config.json)
+    prefill_addresses: tuple[str, ...] = ()  # HOST:PORT of prefill nodes; none: colocated mode
+    decode_addresses: tuple[str, ...] = ()  # HOST:PORT of decode (or colocated) nodes
+    request_timeout_s: float = 600.0  # longest wait for a decoding request's next tokens
+    first_token_timeout_s: float = 300.0  # longest wait for a prompt's first token
+    heartbeat_timeout_s: float = 3.0  # a node silent this long is down: no new requests, its own fail
+    api_key: str | None = None  # set: /v1/ needs "Authorization: Bearer <api_key>"
+    max_model_len: int | None = None  # None: the nodes' reports, else config.json max_position_embeddings
 
     def __post_init__(self) -> None:
         if not self.decode_addresses:
@@ -26,6 +26,12 @@ class ProxyConfig:
             host, _, port = address.rpartition(":")
             if not host or not port.isdigit():
                 raise ValueError(f"node address must be HOST:PORT, got {address!r}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65536), got {self.port}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if not self.served_model_name:
+            raise ValueError("served_model_name must not be empty")
         for name in ("request_timeout_s", "first_token_timeout_s", "heartbeat_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")

@@ -15,16 +15,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill", default="", help="prefill nodes, HOST:PORT,... (empty: colocated)")
     parser.add_argument("--decode", required=True, help="decode nodes, HOST:PORT,...")
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/")
-    parser.add_argument("--request-timeout-s", type=float, default=600.0)
+    parser.add_argument("--request-timeout-s", type=float, default=600.0,
+                        help="longest wait for a node's next tokens once decoding")
+    parser.add_argument("--first-token-timeout-s", type=float, default=300.0,
+                        help="longest wait for a prompt's first token (queueing and prefill)")
     parser.add_argument("--heartbeat-timeout-s", type=float, default=3.0)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--log-level", default="info")
 
 
 def main(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from proxy.app import create_app
+    from proxy.app import run
     from proxy.config import ProxyConfig
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -36,10 +37,10 @@ def main(args: argparse.Namespace) -> int:
         prefill_addresses=tuple(a for a in args.prefill.split(",") if a),
         decode_addresses=tuple(a for a in args.decode.split(",") if a),
         request_timeout_s=args.request_timeout_s,
+        first_token_timeout_s=args.first_token_timeout_s,
         heartbeat_timeout_s=args.heartbeat_timeout_s,
         api_key=args.api_key,
         max_model_len=args.max_model_len,
     )
-    uvicorn.run(create_app(config), host=config.host, port=config.port, log_level=args.log_level.lower(),
-                timeout_graceful_shutdown=5)
+    run(config, args.log_level)
     return 0

@@ -1,14 +1,32 @@
-"""Prometheus metrics of the proxy: request counts, latency histograms, per-node load."""
+"""Prometheus metrics of the proxy: request counts, latency histograms (TTFT, inter-token, end
+to end), and per-node load read from the nodes' latest LoadReports at scrape time."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from collections.abc import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_NODE_LABELS = ["node", "kind"]
+# (metric name, help, LoadReport field): gauges of the node's current state.
+_NODE_GAUGES = (
+    ("pdserve_node_running", "running requests", "num_running"),
+    ("pdserve_node_waiting", "waiting requests", "num_waiting"),
+    ("pdserve_node_free_blocks", "free KV blocks", "num_free_blocks"),
+    ("pdserve_node_total_blocks", "KV blocks", "num_total_blocks"),
+    ("pdserve_node_queued_prompt_tokens", "prompt tokens waiting for prefill", "num_queued_prompt_tokens"),
+    ("pdserve_node_kv_leases", "prefilled prompts whose blocks wait for a pull", "num_leases"),
+    ("pdserve_node_pending_pulls", "requests waiting for or pulling KV", "num_pending_pulls"),
+    ("pdserve_node_max_model_len", "longest sequence the node accepts", "max_model_len"),
+)
 
 
 class ProxyMetrics:
-    def __init__(self) -> None:
+    """Owns one registry; nodes() gives the NodeClients to read load from at each scrape."""
+
+    def __init__(self, nodes: Callable[[], Iterable] = list) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("pdserve_requests", "requests by endpoint and outcome", ["endpoint", "status"], registry=r)
@@ -20,29 +38,32 @@ class ProxyMetrics:
         self.prompt_tokens = Counter("pdserve_prompt_tokens", "prompt tokens processed", registry=r)
         self.generation_tokens = Counter("pdserve_generation_tokens", "tokens generated", registry=r)
         self.aborts = Counter("pdserve_aborts", "requests aborted (disconnect, stop string, error)", ["reason"], registry=r)
-        labels = ["node", "kind"]
-        self.node_running = Gauge("pdserve_node_running", "running requests", labels, registry=r)
-        self.node_waiting = Gauge("pdserve_node_waiting", "waiting requests", labels, registry=r)
-        self.node_free_blocks = Gauge("pdserve_node_free_blocks", "free KV blocks", labels, registry=r)
-        self.node_total_blocks = Gauge("pdserve_node_total_blocks", "KV blocks", labels, registry=r)
-        self.node_queued_tokens = Gauge("pdserve_node_queued_prompt_tokens", "queued prompt tokens", labels, registry=r)
-        self.node_leases = Gauge("pdserve_node_kv_leases", "prefill blocks held for a pull", labels, registry=r)
-        self.node_fallbacks = Gauge("pdserve_node_kv_fallbacks", "requests that fell back to local prefill",
-                                    labels, registry=r)
-        self.node_up = Gauge("pdserve_node_up", "1 when the node reports in time", labels, registry=r)
+        r.register(_NodeCollector(nodes))
 
-    def render(self, nodes) -> bytes:
-        for node in nodes:
-            labels = (node.address, node.kind)
-            self.node_up.labels(*labels).set(1 if node.is_healthy else 0)
-            report = node.last_report
-            if report is None:
-                continue
-            self.node_running.labels(*labels).set(report.num_running)
-            self.node_waiting.labels(*labels).set(report.num_waiting)
-            self.node_free_blocks.labels(*labels).set(report.num_free_blocks)
-            self.node_total_blocks.labels(*labels).set(report.num_total_blocks)
-            self.node_queued_tokens.labels(*labels).set(report.num_queued_prompt_tokens)
-            self.node_leases.labels(*labels).set(report.num_leases)
-            self.node_fallbacks.labels(*labels).set(report.num_kv_fallbacks)
+    def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _NodeCollector:
+    """Per-node metrics straight from the latest LoadReport (no state kept here)."""
+
+    def __init__(self, nodes: Callable[[], Iterable]) -> None:
+        self._nodes = nodes
+
+    def collect(self) -> Iterable[Metric]:
+        nodes = list(self._nodes())
+        up = GaugeMetricFamily("pdserve_node_up", "1 when the node reports in time", labels=_NODE_LABELS)
+        for node in nodes:
+            up.add_metric([node.address, node.kind], 1 if node.is_healthy else 0)
+        yield up
+        reporting = [n for n in nodes if n.last_report is not None]
+        for name, help_text, field in _NODE_GAUGES:
+            gauge = GaugeMetricFamily(name, help_text, labels=_NODE_LABELS)
+            for node in reporting:
+                gauge.add_metric([node.address, node.kind], getattr(node.last_report, field))
+            yield gauge
+        fallbacks = CounterMetricFamily("pdserve_node_kv_fallbacks", "requests whose KV pull failed and were "
+                                        "prefilled on the decode node instead", labels=_NODE_LABELS)
+        for node in reporting:
+            fallbacks.add_metric([node.address, node.kind], node.last_report.num_kv_fallbacks)
+        yield fallbacks

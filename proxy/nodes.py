@@ -35,9 +35,8 @@ class NodeClient:
     socket: zmq.asyncio.Socket | None = None
     last_report: protocol.LoadReport | None = None
     last_seen: float = 0.0
-    # Sent by this proxy since the node's last report (which does not count them yet).
-    num_tokens_since_report: int = 0
-    num_requests_since_report: int = 0
+    # (time.time() when sent, prompt tokens) of requests the node's last report does not count yet.
+    unreported: list[tuple[float, int]] = field(default_factory=list)
     queues: dict[str, asyncio.Queue] = field(default_factory=dict)
 
     @property
@@ -46,8 +45,11 @@ class NodeClient:
 
     def note_sent(self, num_prompt_tokens: int) -> None:
         """Count a request just sent, for routing until the node's next report includes it."""
-        self.num_tokens_since_report += num_prompt_tokens
-        self.num_requests_since_report += 1
+        self.unreported.append((time.time(), num_prompt_tokens))
+
+    @property
+    def num_unreported_tokens(self) -> int:
+        return sum(num_tokens for _, num_tokens in self.unreported)
 
     def open(self, request_id: str) -> asyncio.Queue:
         """A queue receiving this node's messages for request_id (until close())."""
@@ -109,7 +111,7 @@ class NodePool:
         healthy = [n for n in self.prefill if n.is_healthy]
         if not healthy:
             return None
-        return min(healthy, key=lambda n: n.last_report.num_queued_prompt_tokens + n.num_tokens_since_report)
+        return min(healthy, key=lambda n: n.last_report.num_queued_prompt_tokens + n.num_unreported_tokens)
 
     def pick_decode(self) -> NodeClient | None:
         """Most free blocks, then fewest running requests."""
@@ -155,8 +157,8 @@ class NodePool:
 
 def _decode_score(node: NodeClient) -> tuple[int, int]:
     report = node.last_report
-    num_free_blocks = report.num_free_blocks - math.ceil(node.num_tokens_since_report / _ASSUMED_BLOCK_SIZE)
-    return num_free_blocks, -(report.num_running + report.num_waiting + node.num_requests_since_report)
+    num_free_blocks = report.num_free_blocks - math.ceil(node.num_unreported_tokens / _ASSUMED_BLOCK_SIZE)
+    return num_free_blocks, -(report.num_running + report.num_waiting + len(node.unreported))
 
 
 def _take_report(node: NodeClient, report: protocol.LoadReport) -> None:
@@ -170,7 +172,9 @@ def _take_report(node: NodeClient, report: protocol.LoadReport) -> None:
         return
     node.last_report = report
     node.last_seen = time.monotonic()
-    node.num_tokens_since_report = node.num_requests_since_report = 0
+    # NOTE: a report made before a request reached the node must not forget that request (a
+    # burst would all go to one node); the node stamps sent_at with time.time() as we do.
+    node.unreported = [(sent_at, n) for sent_at, n in node.unreported if sent_at > report.sent_at]
 
 
 def _deliver(node: NodeClient, request_id: str, message) -> None:

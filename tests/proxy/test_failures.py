@@ -121,6 +121,16 @@ def test_client_disconnect_during_prefill_aborts_on_the_prefill_node(start_proxy
     assert prefill.num_running() == 0
 
 
+def test_client_disconnect_before_a_non_streaming_answer_aborts_on_the_node(start_proxy):
+    proxy = start_proxy(node={"step_s": 0.02})
+    decode = proxy.decode[0]
+    body = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 200, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        _post(proxy, body, timeout=httpx.Timeout(5, read=0.3))
+    assert decode.wait_for(lambda: decode.messages(protocol.Abort), timeout_s=1.0)
+    assert decode.num_running() == 0
+
+
 def test_lease_the_decode_side_never_saw_is_released(start_proxy):
     proxy = start_proxy()
     proxy.decode[0].die()
@@ -205,7 +215,7 @@ def test_metrics_export_latencies_requests_and_node_load(proxy):
     for name in ("pdserve_time_to_first_token_seconds_count 2.0", "pdserve_inter_token_latency_seconds_count 6.0",
                  "pdserve_e2e_request_latency_seconds_count 2.0", "pdserve_node_free_blocks{",
                  "pdserve_node_running{", "pdserve_node_waiting{", "pdserve_node_queued_prompt_tokens{",
-                 "pdserve_node_kv_fallbacks{", 'pdserve_requests_total{endpoint="completions",status="200"} 1.0'):
+                 "pdserve_node_kv_fallbacks_total{", 'pdserve_requests_total{endpoint="completions",status="200"} 1.0'):
         assert name in text, name
 
 
