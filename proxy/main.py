@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 from pathlib import Path
+
+from proxy.config import ProxyConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,22 +28,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    """Serve until SIGINT/SIGTERM; 0 on a clean stop, 2 for bad arguments or model files."""
     from proxy.app import run
-    from proxy.config import ProxyConfig
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    config = ProxyConfig(
+    try:
+        config = config_from_args(args)
+        run(config, args.log_level)
+    except (ValueError, OSError) as exc:  # process edge: a readable message, not a traceback
+        print(f"pdserve proxy: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def config_from_args(args: argparse.Namespace) -> ProxyConfig:
+    """Raises ValueError naming a bad argument."""
+    return ProxyConfig(
         model_dir=args.model,
-        served_model_name=args.served_model_name or Path(args.model).name,
+        served_model_name=args.served_model_name or Path(args.model).resolve().name,
         host=args.host,
         port=args.port,
-        prefill_addresses=tuple(a for a in args.prefill.split(",") if a),
-        decode_addresses=tuple(a for a in args.decode.split(",") if a),
+        prefill_addresses=_addresses(args.prefill),
+        decode_addresses=_addresses(args.decode),
         request_timeout_s=args.request_timeout_s,
         first_token_timeout_s=args.first_token_timeout_s,
         heartbeat_timeout_s=args.heartbeat_timeout_s,
         api_key=args.api_key,
         max_model_len=args.max_model_len,
     )
-    run(config, args.log_level)
-    return 0
+
+
+def _addresses(joined: str) -> tuple[str, ...]:
+    return tuple(a.strip() for a in joined.split(",") if a.strip())

@@ -113,8 +113,11 @@ def find_free_port() -> int:
 def wait_healthy(base_url: str, timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if httpx.get(base_url + "/health", timeout=2).status_code == 200:
-            return
+        try:
+            if httpx.get(base_url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass  # not listening yet
         time.sleep(0.02)
     raise TimeoutError(f"proxy at {base_url} not healthy within {timeout_s} s")
 

@@ -1,0 +1,53 @@
+"""`pdserve proxy` as a real process: arguments, serving in front of a fake node, clean stop."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import openai
+
+from proxy.main import add_arguments, config_from_args
+from tests.proxy.conftest import find_free_port, wait_healthy
+from tests.proxy.fake_node import FakeNode, FakeNodeConfig
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_arguments_become_a_proxy_config(model_dir):
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--model", str(model_dir), "--prefill", "127.0.0.1:1,127.0.0.1:2", "--decode",
+                              "127.0.0.1:3", "--port", "9", "--api-key", "k", "--max-model-len", "64"])
+    config = config_from_args(args)
+    assert config.prefill_addresses == ("127.0.0.1:1", "127.0.0.1:2") and config.decode_addresses == ("127.0.0.1:3",)
+    assert (config.port, config.api_key, config.max_model_len, config.served_model_name) == (9, "k", 64, model_dir.name)
+
+
+def test_bad_address_exits_with_a_message(model_dir):
+    result = subprocess.run([sys.executable, "-m", "pdserve.cli", "proxy", "--model", str(model_dir), "--decode",
+                             "nowhere"], cwd=REPO, capture_output=True, text=True, timeout=30)
+    assert result.returncode == 2 and "HOST:PORT" in result.stderr
+
+
+def test_pdserve_proxy_serves_and_stops_on_sigterm(model_dir, vocab_size):
+    node = FakeNode(FakeNodeConfig(role="decode", vocab_size=vocab_size)).start()
+    port = find_free_port()
+    process = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "proxy", "--model", str(model_dir), "--decode",
+                                node.address, "--port", str(port), "--served-model-name", "m", "--log-level",
+                                "warning"], cwd=REPO, start_new_session=True)
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", timeout_s=30)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=10)
+        assert client.completions.create(model="m", prompt="hello", max_tokens=3).usage.completion_tokens == 3
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=10) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal it caught
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        node.stop()
