@@ -11,23 +11,28 @@ import torch
 
 from kernels._triton import tl, triton, use_triton
 
-_CHUNK = 1024
+_CHUNK = 4096  # elements per program: 8 KiB of bf16, a few wide loads per thread
 
 
 def gather_blocks_ref(kv_cache, block_ids, out) -> None:
+    """out[i] = kv_cache[block_ids[i]], one indexed copy."""
     out.copy_(kv_cache[block_ids.long()])
 
 
 def scatter_blocks_ref(staging, kv_cache, block_ids) -> None:
+    """kv_cache[block_ids[i]] = staging[i], one indexed write."""
     kv_cache[block_ids.long()] = staging
 
 
 def copy_blocks_ref(kv_cache, src_block_ids, dst_block_ids) -> None:
+    """kv_cache[dst[i]] = kv_cache[src[i]]; the sources are gathered first."""
     kv_cache[dst_block_ids.long()] = kv_cache[src_block_ids.long()]
 
 
 def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor, force_triton: bool = False) -> None:
-    """out[i] = kv_cache[block_ids[i]]; out: [n, *block shape]."""
+    """out[i] = kv_cache[block_ids[i]]. kv_cache: [num_blocks, *block shape] contiguous;
+    block_ids: [n] int64; out: [n, *block shape] contiguous, owned by the caller. Raises
+    ValueError on mismatched shapes. Asynchronous on CUDA (stream order)."""
     _check(kv_cache, block_ids, out, "gather_blocks")
     if not use_triton(kv_cache, force_triton):
         return gather_blocks_ref(kv_cache, block_ids, out)
@@ -35,7 +40,7 @@ def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Te
 
 
 def scatter_blocks(staging: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor, force_triton: bool = False) -> None:
-    """kv_cache[block_ids[i]] = staging[i]."""
+    """kv_cache[block_ids[i]] = staging[i]; shapes as gather_blocks, ids must be distinct."""
     _check(kv_cache, block_ids, staging, "scatter_blocks")
     if not use_triton(kv_cache, force_triton):
         return scatter_blocks_ref(staging, kv_cache, block_ids)
@@ -44,9 +49,12 @@ def scatter_blocks(staging: torch.Tensor, kv_cache: torch.Tensor, block_ids: tor
 
 def copy_blocks(kv_cache: torch.Tensor, src_block_ids: torch.Tensor, dst_block_ids: torch.Tensor,
                 force_triton: bool = False) -> None:
-    """kv_cache[dst[i]] = kv_cache[src[i]]; sources and destinations must not overlap."""
-    if src_block_ids.shape != dst_block_ids.shape:
+    """kv_cache[dst[i]] = kv_cache[src[i]]; sources and destinations must not overlap (the
+    Triton path reads and writes in one pass)."""
+    if src_block_ids.shape != dst_block_ids.shape or src_block_ids.dim() != 1:
         raise ValueError(f"copy_blocks: {tuple(src_block_ids.shape)} sources, {tuple(dst_block_ids.shape)} destinations")
+    if not kv_cache.is_contiguous():
+        raise ValueError("copy_blocks: the cache must be contiguous")
     if not use_triton(kv_cache, force_triton):
         return copy_blocks_ref(kv_cache, src_block_ids, dst_block_ids)
     return _launch(kv_cache, kv_cache, src_block_ids, dst_block_ids)
@@ -60,15 +68,14 @@ def _check(kv_cache, block_ids, buffer, name) -> None:
 
 
 def _launch(src, dst, src_ids, dst_ids) -> None:
-    """Copy num_blocks flat blocks from src to dst; a None id list means rows 0..n-1."""
-    block_numel = src[0].numel()
-    num_blocks = (src_ids if src_ids is not None else dst_ids).shape[0]
-    if num_blocks == 0:
-        return None
+    """Copy flat blocks from src to dst; a None id list means rows 0..n-1 on that side."""
     ids = src_ids if src_ids is not None else dst_ids
-    grid = (num_blocks, triton.cdiv(block_numel, _CHUNK))
+    if ids.shape[0] == 0:
+        return None
+    block_numel = src[0].numel()
+    grid = (ids.shape[0], triton.cdiv(block_numel, _CHUNK))
     _copy_blocks_kernel[grid](
-        src, dst, ids, ids if dst_ids is None or src_ids is None else dst_ids, block_numel,
+        src, dst, ids if src_ids is None else src_ids, ids if dst_ids is None else dst_ids, block_numel,
         SRC_INDEXED=src_ids is not None, DST_INDEXED=dst_ids is not None, CHUNK=_CHUNK,
     )
     return None
@@ -82,8 +89,9 @@ if triton is not None:
         row = tl.program_id(0)
         offs = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
         mask = offs < block_numel
-        src_block = row
-        dst_block = row
+        # NOTE: int64 offsets: a block-major block of a large model is ~1M elements.
+        src_block = row.to(tl.int64)
+        dst_block = row.to(tl.int64)
         if SRC_INDEXED:
             src_block = tl.load(src_ids_ptr + row).to(tl.int64)
         if DST_INDEXED:

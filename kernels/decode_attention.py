@@ -10,15 +10,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels._triton import tl, triton, use_triton
+from kernels._triton import LOG2E, dot_in_fp32, tl, triton, use_triton
 
 # NOTE: split-K partitions of at least this many tokens keep each program's loop long enough
 # to hide latency while still filling the GPU when only a few long sequences decode.
 _MIN_TOKENS_PER_SPLIT = 256
-_MAX_SPLITS = 16
+_MAX_SPLITS = 32
 
 
 def decode_attention_ref(query, kv_cache_layer, block_tables, seq_lens, scale) -> torch.Tensor:
+    """Batched torch decode attention (the CPU path): one gather of every sequence's blocks up
+    to the longest length, a length mask, one SDPA call over the whole batch."""
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = kv_cache_layer.shape[3]
     group = num_heads // num_kv_heads
@@ -40,15 +42,18 @@ def decode_attention_ref(query, kv_cache_layer, block_tables, seq_lens, scale) -
 
 
 def decode_attention(query: torch.Tensor, kv_cache_layer: torch.Tensor, block_tables: torch.Tensor,
-                     seq_lens: torch.Tensor, scale: float, force_triton: bool = False) -> torch.Tensor:
+                     seq_lens: torch.Tensor, scale: float, force_triton: bool = False,
+                     num_splits: int | None = None) -> torch.Tensor:
     """query: [num_seqs, num_heads, head_dim]; kv_cache_layer: [num_blocks, 2, block_size,
     num_kv_heads, head_dim] (strided view); block_tables: [num_seqs, max_blocks] int32;
     seq_lens: [num_seqs] int32 (the query's own K/V already written). Returns [num_seqs,
-    num_heads, head_dim]; a sequence of length 0 gets zeros. Softmax in float32."""
+    num_heads, head_dim]; a sequence of length 0 gets zeros. Softmax in float32. Raises
+    ValueError on mismatched shapes. num_splits (Triton only) fixes the split-K partition count
+    instead of sizing it to the device; seq_lens must not exceed the block table's width."""
     _check(query, kv_cache_layer, block_tables, seq_lens)
     if not use_triton(query, force_triton):
         return decode_attention_ref(query, kv_cache_layer, block_tables, seq_lens, scale)
-    return _decode_triton(query, kv_cache_layer, block_tables, seq_lens, scale)
+    return _decode_triton(query, kv_cache_layer, block_tables, seq_lens, scale, num_splits)
 
 
 def _check(query, kv_cache_layer, block_tables, seq_lens) -> None:
@@ -60,33 +65,47 @@ def _check(query, kv_cache_layer, block_tables, seq_lens) -> None:
         raise ValueError(f"decode_attention: {query.shape[0]} seqs, block tables {tuple(block_tables.shape)}, seq_lens {tuple(seq_lens.shape)}")
 
 
-def _dot_fp32(query: torch.Tensor) -> bool:
-    """Whether the kernels' dot products run in float32: for float32 inputs, and for CPU
-    tensors (Triton's interpreter emulates half-precision dots incorrectly); half precision
-    on CUDA uses the tensor cores."""
-    return query.dtype == torch.float32 or not query.is_cuda
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8  # the interpreter: any small number exercises the split-K path
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _decode_triton(query, kv_cache_layer, block_tables, seq_lens, scale):
+def _plan_splits(num_seqs: int, num_kv_heads: int, max_len: int, block_n: int, device: torch.device,
+                 num_splits: int | None) -> tuple[int, int]:
+    """(num_splits, tokens_per_split): enough programs to fill the device a few times over,
+    each over at least _MIN_TOKENS_PER_SPLIT tokens, split ends on BLOCK_N boundaries when long."""
+    if num_splits is None:
+        wanted = triton.cdiv(4 * _num_sms(device), max(1, num_seqs * num_kv_heads))
+        num_splits = min(_MAX_SPLITS, wanted, triton.cdiv(max_len, _MIN_TOKENS_PER_SPLIT))
+    tokens_per_split = triton.cdiv(max_len, max(1, num_splits))
+    if tokens_per_split > block_n:
+        tokens_per_split = triton.cdiv(tokens_per_split, block_n) * block_n
+    return triton.cdiv(max_len, tokens_per_split), tokens_per_split
+
+
+def _decode_triton(query, kv_cache_layer, block_tables, seq_lens, scale, num_splits):
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = kv_cache_layer.shape[2], kv_cache_layer.shape[3]
     group = num_heads // num_kv_heads
-    max_len = block_tables.shape[1] * block_size
-    num_splits = max(1, min(_MAX_SPLITS, triton.cdiv(max_len, _MIN_TOKENS_PER_SPLIT)))
-    blocks_per_split = triton.cdiv(block_tables.shape[1], num_splits)
-    out = torch.empty_like(query)
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if num_seqs == 0:
         return out
+    block_n = 64 if query.is_cuda else 32
+    # NOTE: the planned length is the block table's width, not max(seq_lens): no host sync.
+    max_len = max(1, block_tables.shape[1] * block_size)
+    num_splits, tokens_per_split = _plan_splits(num_seqs, num_kv_heads, max_len, block_n, query.device, num_splits)
     partial_acc = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=query.device)
     partial_max = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
     partial_sum = torch.empty_like(partial_max)
-    block_group = max(16, triton.next_power_of_2(group))
     block_d = triton.next_power_of_2(head_dim)
-    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
-        query, kv_cache_layer, block_tables, seq_lens, partial_acc, partial_max, partial_sum, scale,
+    _decode_attention_kernel[(num_seqs, num_kv_heads, num_splits)](
+        query, kv_cache_layer, block_tables, seq_lens, partial_acc, partial_max, partial_sum,
+        scale * LOG2E, tokens_per_split,
         query.stride(0), query.stride(1), *kv_cache_layer.stride()[:4], block_tables.stride(0),
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCKS_PER_SPLIT=blocks_per_split,
-        NUM_SPLITS=num_splits, BLOCK_GROUP=block_group, BLOCK_D=block_d, DOT_FP32=_dot_fp32(query),
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
+        BLOCK_GROUP=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
+        DOT_FP32=dot_in_fp32(query), num_warps=4, num_stages=2,
     )
     _decode_reduce_kernel[(num_seqs, num_heads)](
         partial_acc, partial_max, partial_sum, out, out.stride(0), out.stride(1),
@@ -98,53 +117,62 @@ def _decode_triton(query, kv_cache_layer, block_tables, seq_lens, scale):
 if triton is not None:
 
     @triton.jit
-    def _decode_split_kernel(
-        query_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, acc_ptr, max_ptr, sum_ptr, scale,
+    def _decode_attention_kernel(
+        query_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, acc_ptr, max_ptr, sum_ptr,
+        qk_scale, tokens_per_split,
         stride_query_seq, stride_query_head, stride_cache_block, stride_cache_kv, stride_cache_offset,
         stride_cache_head, stride_table_seq,
-        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr,
-        NUM_SPLITS: tl.constexpr, BLOCK_GROUP: tl.constexpr, BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr,
+        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+        BLOCK_GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr,
     ):
+        """One (sequence, KV head, split): the GROUP query heads sharing that KV head against the
+        split's tokens, BLOCK_N at a time, each token's block looked up in the block table.
+        Writes the split's running max and sum (base 2) and unnormalized accumulator."""
+        # NOTE: over 40 lines because the online softmax reads best as one loop body.
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
         seq_len = tl.load(seq_lens_ptr + seq)
+        split_start = split * tokens_per_split
+        split_end = tl.minimum(split_start + tokens_per_split, seq_len)
         offs_g = tl.arange(0, BLOCK_GROUP)
         offs_d = tl.arange(0, BLOCK_D)
-        offs_t = tl.arange(0, BLOCK_SIZE)
         mask_g = offs_g < GROUP
         mask_d = offs_d < HEAD_DIM
         heads = kv_head * GROUP + offs_g
-        q = tl.load(query_ptr + seq * stride_query_seq + heads[:, None] * stride_query_head + offs_d[None, :],
-                    mask=mask_g[:, None] & mask_d[None, :], other=0.0)
+        q = tl.load(query_ptr + seq.to(tl.int64) * stride_query_seq + heads[:, None] * stride_query_head
+                    + offs_d[None, :], mask=mask_g[:, None] & mask_d[None, :], other=0.0)
         if DOT_FP32:
             q = q.to(tl.float32)
         m_i = tl.full([BLOCK_GROUP], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_GROUP], tl.float32)
         acc = tl.zeros([BLOCK_GROUP, BLOCK_D], tl.float32)
-        first_block = split * BLOCKS_PER_SPLIT
-        for i in range(BLOCKS_PER_SPLIT):
-            block_idx = first_block + i
-            start = block_idx * BLOCK_SIZE
-            if start < seq_len:
-                block = tl.load(block_tables_ptr + seq * stride_table_seq + block_idx).to(tl.int64)
-                base = cache_ptr + block * stride_cache_block + kv_head * stride_cache_head
-                mask_t = (start + offs_t) < seq_len
-                kv_offs = offs_t[:, None] * stride_cache_offset + offs_d[None, :]
-                k = tl.load(base + kv_offs, mask=mask_t[:, None] & mask_d[None, :], other=0.0)
-                v = tl.load(base + stride_cache_kv + kv_offs, mask=mask_t[:, None] & mask_d[None, :], other=0.0)
-                if DOT_FP32:
-                    k = k.to(tl.float32)
-                    v = v.to(tl.float32)
-                scores = tl.dot(q, tl.trans(k), input_precision="ieee").to(tl.float32) * scale
-                scores = tl.where(mask_t[None, :], scores, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-                alpha = tl.exp(m_i - m_new)
-                p = tl.exp(scores - m_new[:, None])
-                l_i = l_i * alpha + tl.sum(p, axis=1)
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee").to(tl.float32)
-                m_i = m_new
-        out_offs = (seq * GROUP * tl.num_programs(1) + heads) * NUM_SPLITS + split
+        table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_table_seq
+        head_ptr = cache_ptr + kv_head.to(tl.int64) * stride_cache_head
+        for start in range(split_start, split_end, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < split_end
+            block_ids = tl.load(table_ptr + offs_n // BLOCK_SIZE, mask=mask_n, other=0).to(tl.int64)
+            token_offs = block_ids * stride_cache_block + (offs_n % BLOCK_SIZE) * stride_cache_offset
+            kv_ptrs = head_ptr + token_offs[:, None] + offs_d[None, :]
+            mask_kv = mask_n[:, None] & mask_d[None, :]
+            k = tl.load(kv_ptrs, mask=mask_kv, other=0.0)
+            v = tl.load(kv_ptrs + stride_cache_kv, mask=mask_kv, other=0.0)
+            if DOT_FP32:
+                scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+            else:
+                scores = tl.dot(q, tl.trans(k))
+            scores = tl.where(mask_n[None, :], scores * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(scores - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            if DOT_FP32:
+                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        out_offs = (seq * GROUP * tl.num_programs(1) + heads).to(tl.int64) * NUM_SPLITS + split
         tl.store(max_ptr + out_offs, m_i, mask=mask_g)
         tl.store(sum_ptr + out_offs, l_i, mask=mask_g)
         tl.store(acc_ptr + out_offs[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=mask_g[:, None] & mask_d[None, :])
@@ -153,20 +181,23 @@ if triton is not None:
     def _decode_reduce_kernel(acc_ptr, max_ptr, sum_ptr, out_ptr, stride_out_seq, stride_out_head,
                               NUM_SPLITS: tl.constexpr, BLOCK_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
                               BLOCK_D: tl.constexpr):
+        """One (sequence, head): merge the splits' partial softmaxes; an empty sequence gives 0."""
         seq = tl.program_id(0)
         head = tl.program_id(1)
         offs_s = tl.arange(0, BLOCK_SPLITS)
         offs_d = tl.arange(0, BLOCK_D)
         mask_s = offs_s < NUM_SPLITS
         mask_d = offs_d < HEAD_DIM
-        row = (seq * tl.num_programs(1) + head) * NUM_SPLITS
+        row = (seq * tl.num_programs(1) + head).to(tl.int64) * NUM_SPLITS
         m = tl.load(max_ptr + row + offs_s, mask=mask_s, other=float("-inf"))
         l = tl.load(sum_ptr + row + offs_s, mask=mask_s, other=0.0)
         m_all = tl.max(m, axis=0)
-        weight = tl.where(m > float("-inf"), tl.exp(m - m_all), 0.0)
+        # An empty split has max -inf; where every split is empty (seq_len 0) so is m_all.
+        has_tokens = m > float("-inf")
+        weight = tl.where(has_tokens, tl.exp2(tl.where(has_tokens, m, 0.0) - tl.where(has_tokens, m_all, 0.0)), 0.0)
         total = tl.sum(l * weight, axis=0)
         acc = tl.load(acc_ptr + (row + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
                       mask=mask_s[:, None] & mask_d[None, :], other=0.0)
         result = tl.sum(acc * weight[:, None], axis=0) / tl.where(total > 0, total, 1.0)
-        tl.store(out_ptr + seq * stride_out_seq + head * stride_out_head + offs_d,
+        tl.store(out_ptr + seq.to(tl.int64) * stride_out_seq + head * stride_out_head + offs_d,
                  result.to(out_ptr.dtype.element_ty), mask=mask_d)

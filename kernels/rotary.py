@@ -40,6 +40,8 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 
 
 def apply_rotary_ref(query, key, positions, cos_sin_cache) -> None:
+    """In place, batched over tokens and heads; the products round in the cache's dtype
+    promoted with the input's, as transformers' do (pass the cache in the model dtype)."""
     half = cos_sin_cache.shape[-1] // 2
     cos_sin = cos_sin_cache[positions].unsqueeze(1)
     cos, sin = cos_sin[..., :half], cos_sin[..., half:]
@@ -55,11 +57,15 @@ def apply_rotary_ref(query, key, positions, cos_sin_cache) -> None:
 def apply_rotary(query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor,
                  cos_sin_cache: torch.Tensor, force_triton: bool = False) -> None:
     """In place. query: [num_tokens, num_heads, head_dim], key: [num_tokens, num_kv_heads,
-    head_dim] (views with a unit last stride are fine), positions: [num_tokens] int64."""
-    if query.dim() != 3 or key.dim() != 3 or query.shape[0] != key.shape[0] != positions.shape[0]:
+    head_dim] (views with a unit last stride are fine), positions: [num_tokens] int64;
+    cos_sin_cache from rotary_cos_sin_cache. Neox style: x * cos + rotate_half(x) * sin.
+    Raises ValueError on mismatched shapes."""
+    if query.dim() != 3 or key.dim() != 3 or not query.shape[0] == key.shape[0] == positions.shape[0]:
         raise ValueError(f"apply_rotary: query {tuple(query.shape)}, key {tuple(key.shape)}, positions {tuple(positions.shape)}")
-    if query.shape[-1] != cos_sin_cache.shape[-1]:
-        raise ValueError(f"apply_rotary: head_dim {query.shape[-1]} != cache width {cos_sin_cache.shape[-1]}")
+    if not query.shape[-1] == key.shape[-1] == cos_sin_cache.shape[-1]:
+        raise ValueError(f"apply_rotary: head_dim {query.shape[-1]}, key {key.shape[-1]}, cache width {cos_sin_cache.shape[-1]}")
+    if query.stride(-1) != 1 or key.stride(-1) != 1:
+        raise ValueError("apply_rotary: query and key need a unit stride in head_dim")
     if not use_triton(query, force_triton):
         return apply_rotary_ref(query, key, positions, cos_sin_cache)
     num_tokens, num_heads, head_dim = query.shape
