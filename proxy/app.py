@@ -8,10 +8,11 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -86,12 +87,13 @@ def create_app(config: ProxyConfig) -> FastAPI:
     async def _validation_error(_request: Request, exc: RequestValidationError):
         return error_response(_from_validation(exc.errors()))
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if config.api_key and request.url.path.startswith("/v1/"):
-            if request.headers.get("authorization", "") != f"Bearer {config.api_key}":
-                return error_response(ApiError(401, "invalid or missing API key", kind="authentication_error"))
-        return await call_next(request)
+    # NOTE: a dependency, not an HTTP middleware: BaseHTTPMiddleware wraps receive(), which the
+    # disconnect watchers of the endpoints rely on.
+    async def check_api_key(request: Request) -> None:
+        if config.api_key and request.headers.get("authorization", "") != f"Bearer {config.api_key}":
+            raise ApiError(401, "invalid or missing API key", kind="authentication_error", code="invalid_api_key")
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
 
     @app.get("/health")
     async def health():
@@ -104,21 +106,22 @@ def create_app(config: ProxyConfig) -> FastAPI:
     async def metrics_endpoint():
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    @v1.get("/models")
     async def models():
         return {"object": "list", "data": [{"id": config.served_model_name, "object": "model", "created": 0,
                                             "owned_by": "pdserve", "max_model_len": service.max_model_len()}]}
 
-    @app.post("/v1/completions")
+    @v1.post("/completions")
     async def completions(request: Request):
         body = await _parse(request, CompletionRequest)
         return await service.complete(body, chat=False, request=request)
 
-    @app.post("/v1/chat/completions")
+    @v1.post("/chat/completions")
     async def chat_completions(request: Request):
         body = await _parse(request, ChatCompletionRequest)
         return await service.complete(body, chat=True, request=request)
 
+    app.include_router(v1)  # NOTE: after the routes: include_router copies them
     return app
 
 
@@ -165,8 +168,7 @@ class _Service:
             self.metrics.requests.labels(endpoint, "400").inc()
             raise
         if body.stream:
-            self.metrics.requests.labels(endpoint, "stream").inc()
-            return StreamingResponse(self._stream(body, subs, chat, arrived_at), media_type="text/event-stream")
+            return await self._start_stream(body, subs, chat, endpoint, arrived_at, request)
         return await self._complete_all(body, subs, chat, endpoint, arrived_at, request)
 
     def _sub_requests(self, body, chat: bool) -> list[SubRequest]:
@@ -268,38 +270,91 @@ class _Service:
         self.metrics.requests.labels(endpoint, "200").inc()
         return _final_body(body, subs, states, chat, self.config.served_model_name)
 
-    async def _stream(self, body, subs: list[SubRequest], chat: bool, arrived_at: float):
+    async def _start_stream(self, body, subs: list[SubRequest], chat: bool, endpoint: str, arrived_at: float,
+                            request: Request) -> Response:
+        """Hold the response until the first token (or failure) of any choice, so a request that
+        fails before streaming began gets a real status code rather than an SSE error."""
+        events = self._stream(body, subs, chat, arrived_at, request)
+        try:
+            first = await anext(events)
+        except ApiError as exc:
+            self.metrics.requests.labels(endpoint, str(exc.status)).inc()
+            raise
+        except ClientGone:
+            self.metrics.requests.labels(endpoint, "499").inc()
+            return Response(status_code=499)
+        self.metrics.requests.labels(endpoint, "200").inc()
+        return StreamingResponse(_chain(first, events), media_type="text/event-stream")
+
+    async def _stream(self, body, subs: list[SubRequest], chat: bool, arrived_at: float, request: Request):
+        """SSE events of all choices; raises ApiError or ClientGone instead of a first event."""
         states, out, tasks = self._start(subs, body.stop_strings, arrived_at)
         base = _chunk_base(subs[0].request_id.rsplit("-", 1)[0], chat, self.config.served_model_name)
         try:
-            if chat:
-                for sub in subs:
-                    yield _sse({**base, "choices": [{"index": sub.index, "delta": {"role": "assistant", "content": ""},
-                                                     "logprobs": None, "finish_reason": None}]})
-            elif body.echo:
-                for sub in subs:
-                    echo = sub.prompt_text if sub.prompt_text is not None else self.tokenizer.decode(sub.prompt_ids)
-                    states[sub.index].text_offset = len(echo)
-                    yield _sse({**base, "choices": [{"index": sub.index, "text": echo, "logprobs": None,
-                                                     "finish_reason": None}]})
+            index, item = await _first_item(out, request)
+            yield self._preamble(base, subs, states, chat, not chat and body.echo)
             remaining = len(subs)
-            while remaining:
-                index, item = await out.get()
+            while True:
                 if item is None:
                     remaining -= 1
-                    continue
-                if isinstance(item, Exception):
+                elif isinstance(item, Exception):
                     yield _sse(_api_error_of(item).body())
                     break
-                choice = _stream_choice(states[index], item, chat)
-                if choice["logprobs"] is not None or choice["finish_reason"] is not None or item.text:
-                    yield _sse({**base, "choices": [choice]})
+                else:
+                    choice = _stream_choice(states[index], item, chat)
+                    if choice["logprobs"] is not None or choice["finish_reason"] is not None or item.text:
+                        yield _sse({**base, "choices": [choice]})
+                if not remaining:
+                    break
+                index, item = await out.get()
             if body.include_usage:
                 yield _sse({**base, "choices": [], "usage": _usage(subs, states)})
             yield "data: [DONE]\n\n"
         finally:
             for task in tasks:
                 task.cancel()  # client gone or done: run_request's finally aborts on the nodes
+
+
+    def _preamble(self, base: dict, subs: list[SubRequest], states: dict[int, ChoiceState], chat: bool,
+                  echo: bool) -> str:
+        """The events before the first token: each chat choice's role, or each echoed prompt."""
+        events = []
+        for sub in subs:
+            if chat:
+                choice = {"index": sub.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None}
+            elif echo:
+                text = sub.prompt_text if sub.prompt_text is not None else self.tokenizer.decode(sub.prompt_ids)
+                states[sub.index].text_offset = len(text)
+                choice = {"index": sub.index, "text": text, "logprobs": None, "finish_reason": None}
+            else:
+                continue
+            events.append(_sse({**base, "choices": [choice]}))
+        return "".join(events)
+
+
+async def _first_item(out: asyncio.Queue, request: Request) -> tuple:
+    """The first (index, delta) of any choice; raises ApiError if it is a failure, ClientGone
+    if the client left before."""
+    watcher = asyncio.create_task(_report_disconnect(request, out))
+    try:
+        index, item = await out.get()
+    finally:
+        watcher.cancel()
+    if isinstance(item, ClientGone):
+        raise item
+    if isinstance(item, Exception):
+        raise _api_error_of(item)
+    return index, item
+
+
+async def _chain(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
+    try:
+        yield first
+        async for event in rest:
+            yield event
+    finally:
+        await rest.aclose()  # NOTE: completes without suspending: rest's finally only cancels tasks
 
 
 class ClientGone(Exception):
