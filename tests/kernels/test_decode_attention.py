@@ -1,0 +1,87 @@
+"""Paged decode attention: the batched reference vs a per-token float64 oracle, the split-K
+Triton kernel vs the reference, over dtypes, head dims, GQA ratios 1/3/4/8, lengths 0, 1, one
+block, one block plus one, and shuffled block tables read through a strided layer view."""
+
+import pytest
+import torch
+
+from kernels.decode_attention import decode_attention, decode_attention_ref
+from tests.kernels.conftest import (DEVICE, DTYPES, GQA, assert_close, gpu, make_cache, naive_attention, randn,
+                                    requires_cuda, shuffled_block_tables)
+
+SEQ_LENS = [1, 16, 17, 40, 0, 5]
+
+
+def decode_case(heads, kv_heads, head_dim, dtype, seed, seq_lens=SEQ_LENS, extra_cols=0):
+    kv_layer = make_cache(kv_heads, head_dim, dtype, seed)[:, 1]
+    table = shuffled_block_tables(seq_lens, seed=seed, extra_cols=extra_cols)
+    query = randn(len(seq_lens), heads, head_dim, dtype=dtype, seed=seed + 1)
+    return query, kv_layer, table, torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+
+
+@pytest.mark.parametrize("heads, kv_heads", GQA)
+def test_decode_reference_matches_per_token_oracle(heads, kv_heads):
+    query, kv_layer, table, seq_lens = decode_case(heads, kv_heads, 32, torch.float32, 3)
+    out = decode_attention_ref(query, kv_layer, table, seq_lens, 0.17)
+    for i, n in enumerate(SEQ_LENS):
+        want = naive_attention(query[i:i + 1], kv_layer, table[i], [n - 1], 0.17) if n else torch.zeros(1, heads, 32)
+        torch.testing.assert_close(out[i:i + 1].double().cpu(), want.double(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads, kv_heads", GQA)
+@pytest.mark.parametrize("head_dim", [32, 80])
+def test_decode_triton_matches_reference(heads, kv_heads, head_dim, dtype):
+    query, kv_layer, table, seq_lens = decode_case(heads, kv_heads, head_dim, dtype, 4)
+    want = decode_attention_ref(query, kv_layer, table, seq_lens, head_dim ** -0.5)
+    got = decode_attention(query, kv_layer, table, seq_lens, head_dim ** -0.5, force_triton=True)
+    assert_close(got, want, dtype)
+    assert torch.all(got[SEQ_LENS.index(0)] == 0)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_triton_llama_head_dims(head_dim, dtype):
+    query, kv_layer, table, seq_lens = decode_case(8, 2, head_dim, dtype, 5)
+    want = decode_attention_ref(query, kv_layer, table, seq_lens, head_dim ** -0.5)
+    assert_close(decode_attention(query, kv_layer, table, seq_lens, head_dim ** -0.5, force_triton=True), want, dtype)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 8])
+def test_decode_triton_split_counts_and_padded_tables_agree(num_splits):
+    query, kv_layer, table, seq_lens = decode_case(6, 2, 32, torch.float32, 6, extra_cols=2)
+    want = decode_attention_ref(query, kv_layer, table, seq_lens, 0.2)
+    got = decode_attention(query, kv_layer, table, seq_lens, 0.2, force_triton=True, num_splits=num_splits)
+    assert_close(got, want, torch.float32)
+
+
+@pytest.mark.parametrize("force_triton", [False, True])
+def test_decode_reads_a_strided_query_from_a_fused_qkv(force_triton):
+    query, kv_layer, table, seq_lens = decode_case(4, 2, 32, torch.float32, 7)
+    qkv = torch.cat([query.reshape(len(SEQ_LENS), -1), randn(len(SEQ_LENS), 128, seed=9)], dim=-1)
+    strided = qkv[:, :128].view(len(SEQ_LENS), 4, 32)
+    want = decode_attention_ref(query, kv_layer, table, seq_lens, 0.2)
+    assert_close(decode_attention(strided, kv_layer, table, seq_lens, 0.2, force_triton=force_triton), want, torch.float32)
+
+
+def test_decode_empty_batch_and_bad_shapes():
+    query, kv_layer, table, seq_lens = decode_case(4, 2, 32, torch.float32, 8)
+    for force_triton in (False, True):
+        assert decode_attention(query[:0], kv_layer, table[:0], seq_lens[:0], 0.2, force_triton=force_triton).shape == (0, 4, 32)
+    with pytest.raises(ValueError, match="multiple"):
+        decode_attention(randn(6, 3, 32), kv_layer, table, seq_lens, 0.2)
+    with pytest.raises(ValueError, match="decode_attention"):
+        decode_attention(query, kv_layer, table[:2], seq_lens, 0.2)
+
+
+@gpu
+@requires_cuda
+@pytest.mark.parametrize("head_dim", [64, 80, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_decode_cuda_long_sequences(head_dim, dtype):
+    seq_lens = [1, 4096, 2049, 17, 0, 1000, 3333, 16]
+    query, kv_layer, table, lens = decode_case(32, 8, head_dim, dtype, 10, seq_lens)
+    kv_layer = make_cache(8, head_dim, dtype, 10, num_blocks=1024)[:, 1]
+    table = shuffled_block_tables(seq_lens, seed=10, num_blocks=1024)
+    want = decode_attention_ref(query, kv_layer, table, lens, head_dim ** -0.5)
+    assert_close(decode_attention(query, kv_layer, table, lens, head_dim ** -0.5), want, dtype)

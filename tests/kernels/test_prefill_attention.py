@@ -1,0 +1,76 @@
+"""Prefill attention over a paged prefix: the per-sequence reference vs a per-token float64
+oracle, the tiled Triton kernel vs the reference; whole prompts, chunks over a cached prefix,
+one-token and empty chunks, GQA ratios 1/3/4/8, every dtype, shuffled block tables."""
+
+import pytest
+import torch
+
+from kernels.prefill_attention import prefill_attention, prefill_attention_ref
+from tests.kernels.conftest import (DEVICE, DTYPES, GQA, assert_close, gpu, make_cache, naive_attention, randn,
+                                    requires_cuda, shuffled_block_tables)
+
+# (chunk lengths, total lengths): whole prompts, one token, an empty chunk, one block, chunks
+# over a cached prefix (crossing block boundaries), one token over a prefix
+Q_LENS, TOTALS = [5, 1, 0, 16, 7, 17, 1], [5, 1, 3, 16, 40, 33, 20]
+
+
+def prefill_case(heads, kv_heads, head_dim, dtype, seed, q_lens=Q_LENS, totals=TOTALS, num_blocks=40):
+    kv_layer = make_cache(kv_heads, head_dim, dtype, seed, num_blocks=num_blocks)[:, 1]
+    table = shuffled_block_tables(totals, seed=seed, num_blocks=num_blocks)
+    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+    query = randn(int(cu[-1]), heads, head_dim, dtype=dtype, seed=seed + 1)
+    return query, kv_layer, table, cu, torch.tensor(totals, dtype=torch.int32, device=DEVICE)
+
+
+@pytest.mark.parametrize("heads, kv_heads", GQA)
+def test_prefill_reference_matches_per_token_oracle(heads, kv_heads):
+    query, kv_layer, table, cu, seq_lens = prefill_case(heads, kv_heads, 32, torch.float32, 5)
+    out = prefill_attention_ref(query, kv_layer, table, cu, seq_lens, 0.2)
+    for i, (q_len, total) in enumerate(zip(Q_LENS, TOTALS)):
+        start = int(cu[i])
+        want = naive_attention(query[start:start + q_len], kv_layer, table[i], list(range(total - q_len, total)), 0.2)
+        torch.testing.assert_close(out[start:start + q_len].double().cpu(), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads, kv_heads", GQA)
+def test_prefill_triton_matches_reference(heads, kv_heads, dtype):
+    query, kv_layer, table, cu, seq_lens = prefill_case(heads, kv_heads, 64, dtype, 7)
+    want = prefill_attention_ref(query, kv_layer, table, cu, seq_lens, 0.125)
+    assert_close(prefill_attention(query, kv_layer, table, cu, seq_lens, 0.125, force_triton=True), want, dtype)
+
+
+@pytest.mark.parametrize("head_dim", [32, 80, 128])
+def test_prefill_triton_other_head_dims(head_dim):
+    query, kv_layer, table, cu, seq_lens = prefill_case(4, 2, head_dim, torch.bfloat16, 8)
+    want = prefill_attention_ref(query, kv_layer, table, cu, seq_lens, head_dim ** -0.5)
+    got = prefill_attention(query, kv_layer, table, cu, seq_lens, head_dim ** -0.5, force_triton=True, max_query_len=17)
+    assert_close(got, want, torch.bfloat16)
+
+
+@pytest.mark.parametrize("force_triton", [False, True])
+def test_prefill_reads_a_strided_query_from_a_fused_qkv(force_triton):
+    query, kv_layer, table, cu, seq_lens = prefill_case(4, 2, 32, torch.float32, 9)
+    qkv = torch.cat([query.reshape(query.shape[0], -1), randn(query.shape[0], 128, seed=9)], dim=-1)
+    strided = qkv[:, :128].view(query.shape[0], 4, 32)
+    want = prefill_attention_ref(query, kv_layer, table, cu, seq_lens, 0.2)
+    assert_close(prefill_attention(strided, kv_layer, table, cu, seq_lens, 0.2, force_triton=force_triton), want, torch.float32)
+
+
+def test_prefill_all_empty_and_bad_shapes():
+    query, kv_layer, table, cu, seq_lens = prefill_case(4, 2, 32, torch.float32, 10, [0, 0], [3, 0])
+    for force_triton in (False, True):
+        assert prefill_attention(query, kv_layer, table, cu, seq_lens, 0.2, force_triton=force_triton).shape == (0, 4, 32)
+    with pytest.raises(ValueError, match="cu_query_lens"):
+        prefill_attention(query, kv_layer, table, cu[:2], seq_lens, 0.2)
+
+
+@gpu
+@requires_cuda
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_prefill_cuda_long_chunks(head_dim, dtype):
+    q_lens, totals = [1000, 300, 1, 129], [1000, 1300, 700, 2000]
+    query, kv_layer, table, cu, seq_lens = prefill_case(32, 8, head_dim, dtype, 11, q_lens, totals, num_blocks=512)
+    want = prefill_attention_ref(query, kv_layer, table, cu, seq_lens, head_dim ** -0.5)
+    assert_close(prefill_attention(query, kv_layer, table, cu, seq_lens, head_dim ** -0.5), want, dtype)

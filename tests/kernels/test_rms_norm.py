@@ -1,0 +1,84 @@
+"""RMSNorm and the fused residual add: reference vs transformers and per-token math, Triton vs
+reference (under TRITON_INTERPRET=1 on CPU, on CUDA when present)."""
+
+import pytest
+import torch
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+from kernels.rms_norm import add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_ref
+from tests.kernels.conftest import DEVICE, DTYPES, assert_close, gpu, randn, requires_cuda
+
+SHAPES = [(1, 64), (7, 96), (33, 256)]
+
+
+def naive_rms_norm(x, weight, eps):
+    out = torch.empty(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        row = x[t].double().cpu()
+        out[t] = row / torch.sqrt((row * row).mean() + eps) * weight.double().cpu()
+    return out
+
+
+def transformers_rms_norm(x, weight, eps):
+    norm = LlamaRMSNorm(x.shape[1], eps=eps).to(dtype=weight.dtype)
+    norm.weight.data.copy_(weight.cpu())
+    return norm(x.cpu())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_rms_norm_ref_equals_transformers_bit_for_bit(shape, dtype):
+    x, residual, weight = randn(*shape, dtype=dtype), randn(*shape, dtype=dtype, seed=1), randn(shape[1], dtype=dtype, seed=2)
+    assert torch.equal(rms_norm_ref(x, weight, 1e-5).cpu(), transformers_rms_norm(x, weight, 1e-5))
+    normed, new_residual = add_rms_norm_ref(x, residual, weight, 1e-5)
+    assert torch.equal(new_residual.cpu(), (x + residual).cpu())
+    assert torch.equal(normed.cpu(), transformers_rms_norm(x + residual, weight, 1e-5))
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_rms_norm_ref_matches_per_token_math(shape):
+    x, weight = randn(*shape), randn(shape[1], seed=1)
+    torch.testing.assert_close(rms_norm_ref(x, weight, 1e-6).double().cpu(), naive_rms_norm(x, weight, 1e-6),
+                               atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES + [(3, 1000)])
+def test_rms_norm_triton_matches_reference(shape, dtype):
+    x, residual, weight = randn(*shape, dtype=dtype), randn(*shape, dtype=dtype, seed=1), randn(shape[1], dtype=dtype, seed=2)
+    assert_close(rms_norm(x, weight, 1e-6, force_triton=True), rms_norm_ref(x, weight, 1e-6), dtype)
+    x_before, residual_before = x.clone(), residual.clone()
+    normed, new_residual = add_rms_norm(x, residual, weight, 1e-6, force_triton=True)
+    if DEVICE == "cpu" and dtype == torch.bfloat16:
+        # NOTE: Triton's interpreter truncates float32 -> bfloat16 casts; a GPU rounds to nearest.
+        assert_close(new_residual, x + residual, dtype)
+    else:
+        assert torch.equal(new_residual, x + residual)
+    assert_close(normed, rms_norm_ref(x + residual, weight, 1e-6), dtype)
+    assert torch.equal(x, x_before) and torch.equal(residual, residual_before)
+
+
+def test_rms_norm_empty_batch_and_cpu_dispatch():
+    x, weight = randn(0, 64), randn(64)
+    assert rms_norm(x, weight, 1e-6, force_triton=True).shape == (0, 64)
+    assert add_rms_norm(x, x, weight, 1e-6, force_triton=True)[0].shape == (0, 64)
+    if DEVICE == "cpu":
+        x = randn(5, 64)
+        assert torch.equal(rms_norm(x, weight, 1e-6), rms_norm_ref(x, weight, 1e-6))
+
+
+def test_rms_norm_rejects_mismatched_weight():
+    with pytest.raises(ValueError, match="rms_norm"):
+        rms_norm(randn(3, 64), randn(32), 1e-6)
+    with pytest.raises(ValueError, match="residual"):
+        add_rms_norm(randn(3, 64), randn(2, 64), randn(64), 1e-6)
+
+
+@gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rms_norm_cuda_large_hidden(dtype):
+    x, residual, weight = randn(257, 8192, dtype=dtype), randn(257, 8192, dtype=dtype, seed=1), randn(8192, dtype=dtype, seed=2)
+    normed, new_residual = add_rms_norm(x, residual, weight, 1e-5)
+    assert torch.equal(new_residual, x + residual)
+    assert_close(normed, rms_norm_ref(x + residual, weight, 1e-5), dtype)

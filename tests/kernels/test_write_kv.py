@@ -1,0 +1,72 @@
+"""KV-cache write into one layer's strided view of the block-major cache: reference and Triton
+vs a per-token loop; slot -1 skips; other layers and blocks stay untouched."""
+
+import pytest
+import torch
+
+from kernels.write_kv import write_kv, write_kv_ref
+from tests.kernels.conftest import BLOCK_SIZE, DEVICE, DTYPES, gpu, make_cache, randn, requires_cuda
+
+
+def naive_write(cache, layer, key, value, slots):
+    want = cache.clone()
+    for t, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            want[slot // BLOCK_SIZE, layer, 0, slot % BLOCK_SIZE] = key[t]
+            want[slot // BLOCK_SIZE, layer, 1, slot % BLOCK_SIZE] = value[t]
+    return want
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("force_triton", [False, True])
+def test_write_kv_matches_per_token_loop_and_skips_negative_slots(dtype, force_triton):
+    cache = make_cache(2, 32, dtype)
+    key, value = randn(6, 2, 32, dtype=dtype, seed=8), randn(6, 2, 32, dtype=dtype, seed=9)
+    slots = torch.tensor([0, 17, -1, 5 * BLOCK_SIZE + 15, 39 * BLOCK_SIZE, 3], device=DEVICE)
+    want = naive_write(cache, 1, key, value, slots)
+    write_kv(key, value, cache[:, 1], slots, force_triton=force_triton)
+    assert torch.equal(cache, want)
+
+
+@pytest.mark.parametrize("force_triton", [False, True])
+def test_write_kv_from_strided_views_of_a_fused_qkv(force_triton):
+    qkv = randn(4, (4 + 2 + 2) * 32)
+    _, key, value = qkv.split([128, 64, 64], dim=-1)
+    key, value = key.view(4, 2, 32), value.view(4, 2, 32)
+    cache = make_cache(2, 32)
+    slots = torch.tensor([33, 34, 35, 36], device=DEVICE)
+    want = naive_write(cache, 0, key, value, slots)
+    write_kv(key, value, cache[:, 0], slots, force_triton=force_triton)
+    assert torch.equal(cache, want)
+
+
+def test_write_kv_all_skipped_and_empty():
+    cache = make_cache(2, 32)
+    before = cache.clone()
+    for force_triton in (False, True):
+        write_kv(randn(2, 2, 32), randn(2, 2, 32), cache[:, 0], torch.tensor([-1, -1], device=DEVICE), force_triton=force_triton)
+        write_kv(randn(0, 2, 32), randn(0, 2, 32), cache[:, 0], torch.zeros(0, dtype=torch.long, device=DEVICE), force_triton=force_triton)
+    assert torch.equal(cache, before)
+
+
+def test_write_kv_rejects_mismatched_shapes():
+    layer = make_cache(2, 32)[:, 0]
+    slots = torch.zeros(3, dtype=torch.long, device=DEVICE)
+    with pytest.raises(ValueError, match=r"write_kv: key \(3, 2, 32\), value \(3, 2, 16\)"):
+        write_kv(randn(3, 2, 32), randn(3, 2, 16), layer, slots)
+    with pytest.raises(ValueError, match="write_kv"):
+        write_kv(randn(3, 4, 32), randn(3, 4, 32), layer, slots)
+    with pytest.raises(ValueError, match="write_kv"):
+        write_kv(randn(2, 2, 32), randn(2, 2, 32), layer, slots)
+
+
+@gpu
+@requires_cuda
+def test_write_kv_cuda_large_batch():
+    cache = make_cache(8, 128, torch.bfloat16, num_blocks=512)
+    slots = torch.randperm(512 * BLOCK_SIZE, device="cuda")[:4000]
+    key, value = randn(4000, 8, 128, dtype=torch.bfloat16), randn(4000, 8, 128, dtype=torch.bfloat16, seed=1)
+    want = cache.clone()
+    write_kv_ref(key, value, want[:, 1], slots)
+    write_kv(key, value, cache[:, 1], slots)
+    assert torch.equal(cache, want)
