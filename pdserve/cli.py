@@ -29,7 +29,8 @@ def _parser(chosen: str | None) -> tuple[argparse.ArgumentParser, dict[str, obje
             try:
                 module = importlib.import_module(module_name)
             except ModuleNotFoundError as exc:
-                if exc.name and module_name.startswith(exc.name):
+                # Only the subcommand's own module (or its package) missing; a broken import inside it raises.
+                if exc.name == module_name or module_name.startswith(f"{exc.name}."):
                     print(f"pdserve {name}: not available: {module_name} missing", file=sys.stderr)
                     sys.exit(2)
                 raise

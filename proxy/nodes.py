@@ -17,7 +17,9 @@ from engine import protocol
 
 logger = logging.getLogger(__name__)
 
-_PING_INTERVAL_S = 1.0
+# How often silent nodes are pinged and dead ones' requests failed. Cheap: a ping to a node
+# that is not connected fails at once (IMMEDIATE), and one that answers stops being pinged.
+_WATCH_INTERVAL_S = 0.1
 # NOTE: only to estimate the blocks a request takes before the node reports again; a wrong
 # guess skews routing slightly until the next report, never correctness.
 _ASSUMED_BLOCK_SIZE = 16
@@ -61,10 +63,13 @@ class NodeClient:
         self.queues.pop(request_id, None)
 
     def send(self, message) -> None:
-        try:
-            self.socket.send(protocol.encode(message), flags=zmq.NOBLOCK)
-        except zmq.Again as exc:
-            raise NodeDied(f"{self.kind} node {self.address} is not accepting messages") from exc
+        """Queue a message without blocking; raises NodeDied if the node is not connected (or
+        not reading: the send buffer is full)."""
+        # NOTE: zmq.asyncio reports a NOBLOCK send's zmq.Again through the returned (already
+        # finished) future, not by raising.
+        sent = self.socket.send(protocol.encode(message), flags=zmq.NOBLOCK)
+        if sent.done() and sent.exception() is not None:
+            raise NodeDied(f"{self.kind} node {self.address} is not accepting messages") from sent.exception()
 
     def fail_all(self, error: Exception) -> None:
         for queue in self.queues.values():
@@ -89,6 +94,9 @@ class NodePool:
             node.socket = self.context.socket(zmq.DEALER)
             node.socket.setsockopt(zmq.LINGER, 0)
             node.socket.setsockopt(zmq.SNDHWM, 100_000)
+            # NOTE: queue nothing for a node that is not connected: a request to a dead node fails
+            # at once, and a restarted node never receives requests its clients gave up on.
+            node.socket.setsockopt(zmq.IMMEDIATE, 1)
             node.socket.connect(f"tcp://{node.address}")
             self._tasks.append(asyncio.create_task(self._receive(node)))
         self._tasks.append(asyncio.create_task(self._watch()))
@@ -124,7 +132,7 @@ class NodePool:
         return [f"{n.kind} {n.address}" for n in self.all if not n.is_healthy]
 
     async def _receive(self, node: NodeClient) -> None:
-        node.send(protocol.Ping())
+        _ping(node)
         while True:
             try:
                 data = await node.socket.recv()
@@ -144,15 +152,24 @@ class NodePool:
         """Ping silent nodes (they learn this proxy's identity) and fail requests on dead ones."""
         was_healthy = {id(n): False for n in self.all}
         while True:
-            await asyncio.sleep(_PING_INTERVAL_S / 2)
+            await asyncio.sleep(_WATCH_INTERVAL_S)
             for node in self.all:
                 healthy = node.is_healthy
                 if not healthy:
-                    node.send(protocol.Ping())
+                    _ping(node)
                     if was_healthy[id(node)] or node.queues:
                         logger.warning("%s node %s stopped reporting", node.kind, node.address)
                         node.fail_all(NodeDied(f"{node.kind} node {node.address} stopped responding"))
                 was_healthy[id(node)] = healthy
+
+
+def _ping(node: NodeClient) -> None:
+    """Ask for a LoadReport (a node answers only proxies it has heard from); no-op while the
+    connection is down, the next tick tries again."""
+    try:
+        node.send(protocol.Ping())
+    except NodeDied:
+        pass
 
 
 def _decode_score(node: NodeClient) -> tuple[int, int]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import socket
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,10 +22,14 @@ CACHE = REPO / ".cache" / "models"
 
 def _cached_model(preset: str) -> Path:
     """Make the preset into .cache/models/<preset>-seed0 unless a copy made by the same
-    make_model code is already there (a stamp holds that code's hash)."""
+    make_model code and library versions is already there (a stamp holds their hash)."""
+    import tokenizers
+    import transformers
+
     from pdserve.make_model import make_model
 
-    code_hash = hashlib.sha256((REPO / "pdserve" / "make_model.py").read_bytes()).hexdigest()
+    stamp_text = f"{torch.__version__} {transformers.__version__} {tokenizers.__version__} {sys.version}"
+    code_hash = hashlib.sha256((REPO / "pdserve" / "make_model.py").read_bytes() + stamp_text.encode()).hexdigest()
     path = CACHE / f"{preset}-seed0"
     stamp = path / ".stamp"
     if not (stamp.exists() and stamp.read_text() == code_hash and (path / "model.safetensors").exists()):

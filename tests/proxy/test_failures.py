@@ -32,6 +32,15 @@ def _wait_unhealthy(proxy, timeout_s: float = 5.0) -> httpx.Response:
     raise TimeoutError("proxy still healthy")
 
 
+def _wait_metric(proxy, line: str, timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if line in httpx.get(proxy.base_url + "/metrics", timeout=2).text:
+            return True
+        time.sleep(0.02)
+    return False
+
+
 def _sse_events(response: httpx.Response) -> list:
     return [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
 
@@ -199,8 +208,10 @@ def test_silent_node_times_out_with_5xx(start_proxy):
 def test_node_that_never_reported_is_down_and_gets_no_requests(start_proxy):
     silent = f"127.0.0.1:{find_free_port()}"
     proxy = start_proxy(wait=False, num_decode=1, extra_decode_addresses=(silent,))
+    live = proxy.decode[0].address
+    assert _wait_metric(proxy, f'pdserve_node_up{{kind="decode",node="{live}"}} 1.0')
     response = httpx.get(proxy.base_url + "/health", timeout=2)
-    assert response.status_code == 503 and silent in response.text
+    assert response.status_code == 503 and silent in response.text and live not in response.text
     for _ in range(3):
         assert _post(proxy, {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2}).status_code == 200
     assert len(proxy.decode[0].messages(protocol.DecodeRequest)) == 3
