@@ -12,6 +12,7 @@ import torch
 
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig
+from engine.host_memory import keep_freed_memory
 from engine.kv_cache import allocate_kv_cache, num_blocks_for
 from engine.model import CausalLM
 from engine.protocol import TokenLogprob
@@ -44,6 +45,8 @@ class StepOutput:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         torch.manual_seed(config.seed)
+        if config.device == "cpu":
+            keep_freed_memory()  # before the cache and weights exist, so they come from the heap too
         model_cfg = config.model
         num_blocks = num_blocks_for(model_cfg, config.cache, config.device)
         self.config = replace(config, cache=replace(config.cache, num_blocks=num_blocks))

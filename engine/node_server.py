@@ -65,6 +65,7 @@ class EngineServer:
             self.port = self.socket.bind_to_random_port(f"tcp://{config.host}")
         self._owners: dict[str, bytes] = {}  # request_id -> proxy socket identity
         self._proxies: set[bytes] = set()
+        self._last_request_seqs: dict[bytes, int] = {}  # proxy identity -> seq of its last request
         self._last_report = 0.0
         self._is_stopping = False
         self.num_kv_fallbacks = 0
@@ -192,6 +193,7 @@ class EngineServer:
                 self.handle_release(request_id)
         else:
             self._owners[message.request_id] = identity
+            self._last_request_seqs[identity] = message.seq
             self._admit(message)
 
     def _admit(self, message) -> None:
@@ -246,6 +248,7 @@ class EngineServer:
             num_total_blocks=engine.block_pool.num_blocks,
             num_kv_fallbacks=self.num_kv_fallbacks,
             sent_at=time.time(),
+            last_request_seq=self._last_request_seqs.get(identity, 0),
             **self.load_extras(),
         )
         self.send(identity, report)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 
 class SamplingOptions(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -56,6 +56,7 @@ class PrefillRequest(msgspec.Struct, tag="prefill_request", frozen=True):
     prompt_token_ids: list[int]
     sampling: SamplingOptions
     sent_at: float = 0.0  # time.time() at the proxy, for queueing metrics
+    seq: int = 0  # the proxy's count of requests sent to this node; echoed in LoadReport
 
 
 class DecodeRequest(msgspec.Struct, tag="decode_request", frozen=True):
@@ -69,6 +70,7 @@ class DecodeRequest(msgspec.Struct, tag="decode_request", frozen=True):
     first_token: TokenLogprob | None = None
     kv_handle: KVHandle | None = None
     sent_at: float = 0.0
+    seq: int = 0  # as PrefillRequest.seq
 
 
 class Abort(msgspec.Struct, tag="abort", frozen=True):
@@ -124,7 +126,9 @@ class ErrorReply(msgspec.Struct, tag="error", frozen=True):
 
 
 class LoadReport(msgspec.Struct, tag="load_report", frozen=True):
-    """Periodic load of a node; also its heartbeat."""
+    """Periodic load of a node; also its heartbeat. last_request_seq is the seq of the last
+    request the node received from the proxy it reports to: the counts here include that
+    request and every one before it (one connection delivers in order)."""
 
     node_id: str
     role: str  # "prefill" | "decode" | "both"
@@ -141,6 +145,7 @@ class LoadReport(msgspec.Struct, tag="load_report", frozen=True):
     num_leases: int = 0
     num_kv_fallbacks: int = 0
     sent_at: float = 0.0
+    last_request_seq: int = 0
 
 
 class Ping(msgspec.Struct, tag="ping", frozen=True):

@@ -21,9 +21,9 @@ def prefill_attention_ref(query, kv_cache_layer, block_tables, cu_query_lens, se
         start, end = bounds[seq], bounds[seq + 1]
         if end == start:
             continue
-        block_ids = block_tables[seq, : -(-seq_len // block_size)].long()
-        key = kv_cache_layer[:, 0][block_ids].view(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
-        value = kv_cache_layer[:, 1][block_ids].view(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
+        block_ids = block_tables[seq, : -(-seq_len // block_size)]
+        key = kv_cache_layer[:, 0].index_select(0, block_ids).view(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
+        value = kv_cache_layer[:, 1].index_select(0, block_ids).view(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
         q = query[start:end].transpose(0, 1)
         out[start:end] = _causal_sdpa(q, key, value, group, scale).transpose(0, 1)
     return out

@@ -66,8 +66,7 @@ async def run_request(pool: NodePool, request_id: str, prompt_ids: list[int], sa
             raise NoNodeAvailable("no healthy decode node")
         queue = decode.open(request_id)
         holder = decode
-        decode.send(protocol.DecodeRequest(request_id, prompt_ids, sampling, first, handle, time.time()))
-        decode.note_sent(len(prompt_ids))
+        decode.send_request(protocol.DecodeRequest(request_id, prompt_ids, sampling, first, handle, time.time()))
         lease_holder = None  # NOTE: the decode node releases the lease from here on, pulled or not
         if first is not None:
             yield Step([first])
@@ -108,8 +107,7 @@ async def _prefill(node: NodeClient, request_id: str, prompt_ids: list[int], sam
                    timeout_s: float) -> protocol.PrefillResult:
     queue = node.open(request_id)
     try:
-        node.send(protocol.PrefillRequest(request_id, prompt_ids, sampling, time.time()))
-        node.note_sent(len(prompt_ids))
+        node.send_request(protocol.PrefillRequest(request_id, prompt_ids, sampling, time.time()))
         message = await _next(queue, timeout_s, node, request_id)
     finally:
         node.close(request_id)

@@ -37,17 +37,22 @@ class NodeClient:
     socket: zmq.asyncio.Socket | None = None
     last_report: protocol.LoadReport | None = None
     last_seen: float = 0.0
-    # (time.time() when sent, prompt tokens) of requests the node's last report does not count yet.
-    unreported: list[tuple[float, int]] = field(default_factory=list)
+    # (seq, prompt tokens) of requests sent but not yet counted in a report of the node.
+    unreported: list[tuple[int, int]] = field(default_factory=list)
     queues: dict[str, asyncio.Queue] = field(default_factory=dict)
+    num_requests_sent: int = 0
 
     @property
     def is_healthy(self) -> bool:
         return self.last_report is not None and time.monotonic() - self.last_seen < self.heartbeat_timeout_s
 
-    def note_sent(self, num_prompt_tokens: int) -> None:
-        """Count a request just sent, for routing until the node's next report includes it."""
-        self.unreported.append((time.time(), num_prompt_tokens))
+    def send_request(self, message: protocol.PrefillRequest | protocol.DecodeRequest) -> None:
+        """Send a request stamped with the next seq; routing counts it as load until a report
+        acknowledges that seq. Raises NodeDied as send()."""
+        seq = self.num_requests_sent + 1
+        self.send(msgspec.structs.replace(message, seq=seq))
+        self.num_requests_sent = seq
+        self.unreported.append((seq, len(message.prompt_token_ids)))
 
     @property
     def num_unreported_tokens(self) -> int:
@@ -74,6 +79,7 @@ class NodeClient:
     def fail_all(self, error: Exception) -> None:
         for queue in self.queues.values():
             queue.put_nowait(error)
+        self.unreported.clear()  # failed with the node: never acknowledged, no longer load
 
 
 class NodePool:
@@ -189,9 +195,9 @@ def _take_report(node: NodeClient, report: protocol.LoadReport) -> None:
         return
     node.last_report = report
     node.last_seen = time.monotonic()
-    # NOTE: a report made before a request reached the node must not forget that request (a
-    # burst would all go to one node); the node stamps sent_at with time.time() as we do.
-    node.unreported = [(sent_at, n) for sent_at, n in node.unreported if sent_at > report.sent_at]
+    # NOTE: by seq, not by time: a report made while a request was still in flight must keep
+    # counting it (or a burst would all go to one node), whatever the two clocks say.
+    node.unreported = [(seq, n) for seq, n in node.unreported if seq > report.last_request_seq]
 
 
 def _deliver(node: NodeClient, request_id: str, message) -> None:

@@ -63,6 +63,7 @@ class FakeNode:
         self._is_stopping = threading.Event()
         self._thread = threading.Thread(target=self._serve, name=f"fake-{config.role}-{self.port}", daemon=True)
         self._proxies: set[bytes] = set()
+        self._last_request_seqs: dict[bytes, int] = {}
 
     @property
     def address(self) -> str:
@@ -114,7 +115,7 @@ class FakeNode:
             if now - last_report >= self.config.report_interval_s:
                 last_report = now
                 for identity in list(self._proxies):
-                    self._send(identity, self._report())
+                    self._send(identity, self._report(identity))
 
     def _receive_all(self) -> None:
         while True:
@@ -133,7 +134,7 @@ class FakeNode:
 
     def _dispatch(self, identity: bytes, message) -> None:
         if isinstance(message, protocol.Ping):
-            self._send(identity, self._report())
+            self._send(identity, self._report(identity))
         elif isinstance(message, protocol.Abort):
             for request_id in message.request_ids:
                 self._running.pop(request_id, None)
@@ -142,7 +143,12 @@ class FakeNode:
         elif isinstance(message, protocol.ReleaseKV):
             for request_id in message.request_ids:
                 self.leases.pop(request_id, None)
-        elif self._is_failing(message):
+        elif isinstance(message, (protocol.PrefillRequest, protocol.DecodeRequest)):
+            self._last_request_seqs[identity] = message.seq
+            self._admit(identity, message)
+
+    def _admit(self, identity: bytes, message) -> None:
+        if self._is_failing(message):
             self._send(identity, protocol.ErrorReply(message.request_id, "ValueError", "fake failure",
                                                      self.config.fail_is_client_error))
         elif isinstance(message, protocol.PrefillRequest):
@@ -214,14 +220,14 @@ class FakeNode:
             return "length"
         return None
 
-    def _report(self) -> protocol.LoadReport:
+    def _report(self, identity: bytes) -> protocol.LoadReport:
         queued = sum(len(r.prompt_ids) for _, r in self._prefills)
         return protocol.LoadReport(
             node_id=f"fake-{self.port}", role=self.config.role, protocol_version=protocol.PROTOCOL_VERSION,
             model_name=self.config.model_name, max_model_len=self.config.max_model_len,
             num_running=len(self._running), num_waiting=len(self._prefills), num_queued_prompt_tokens=queued,
             num_free_blocks=1000 - len(self._running), num_total_blocks=1000, num_leases=len(self.leases),
-            num_kv_fallbacks=0, sent_at=time.time(),
+            num_kv_fallbacks=0, sent_at=time.time(), last_request_seq=self._last_request_seqs.get(identity, 0),
         )
 
     def _send(self, identity: bytes, message) -> None:
