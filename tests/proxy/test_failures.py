@@ -210,6 +210,7 @@ def test_node_that_never_reported_is_down_and_gets_no_requests(start_proxy):
     proxy = start_proxy(wait=False, num_decode=1, extra_decode_addresses=(silent,))
     live = proxy.decode[0].address
     assert _wait_metric(proxy, f'pdserve_node_up{{kind="decode",node="{live}"}} 1.0')
+    assert _wait_metric(proxy, f'pdserve_node_up{{kind="prefill",node="{proxy.prefill[0].address}"}} 1.0')
     response = httpx.get(proxy.base_url + "/health", timeout=2)
     assert response.status_code == 503 and silent in response.text and live not in response.text
     for _ in range(3):
