@@ -1,15 +1,22 @@
 """Paged decode attention: one query token per sequence over its block table (GQA, split-K).
 
-The torch reference is the CPU path: it gathers K and V separately (one index each) and folds
-the GQA group into SDPA's query-length dimension, which measured 1.9x faster on CPU than
-gathering whole blocks and letting SDPA expand the KV heads.
+Three paths: Triton on CUDA; on CPU for float32, a compiled C kernel (csrc/paged_attention.c)
+that reads the blocks in place; and the torch reference, the oracle and the fallback. The
+reference gathers K and V separately (one index_select each) and folds the GQA group into
+SDPA's query-length dimension (1.9x faster on CPU than gathering whole blocks and letting SDPA
+expand the KV heads). The C kernel measured 2.3-2.7x faster than the reference for 64
+sequences of ~280 tokens with the small preset's heads, on 1 and 2 threads.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
+
 import torch
 import torch.nn.functional as F
 
+from kernels._cpu import load_library
 from kernels._triton import LOG2E, dot_in_fp32, tl, triton, use_triton
 
 # NOTE: split-K partitions of at least this many tokens keep each program's loop long enough
@@ -53,9 +60,62 @@ def decode_attention(query: torch.Tensor, kv_cache_layer: torch.Tensor, block_ta
     ValueError on mismatched shapes. num_splits (Triton only) fixes the split-K partition count
     instead of sizing it to the device; seq_lens must not exceed the block table's width."""
     _check(query, kv_cache_layer, block_tables, seq_lens)
-    if not use_triton(query, force_triton):
+    if use_triton(query, force_triton):
+        return _decode_triton(query, kv_cache_layer, block_tables, seq_lens, scale, num_splits)
+    out = decode_attention_cpu(query, kv_cache_layer, block_tables, seq_lens, scale)
+    if out is None:
         return decode_attention_ref(query, kv_cache_layer, block_tables, seq_lens, scale)
-    return _decode_triton(query, kv_cache_layer, block_tables, seq_lens, scale, num_splits)
+    return out
+
+
+def decode_attention_cpu(query, kv_cache_layer, block_tables, seq_lens, scale) -> torch.Tensor | None:
+    """The compiled CPU kernel for float32 CPU tensors; None when it does not apply (other
+    dtype or device, no compiler, sizes beyond its limits). Raises ValueError for a sequence
+    longer than its block table or a block id outside the cache (it reads memory directly)."""
+    kernel = _cpu_kernel()
+    if kernel is None or query.is_cuda or query.dtype != torch.float32 or kv_cache_layer.dtype != torch.float32:
+        return None
+    if query.stride(-1) != 1 or kv_cache_layer.stride(-1) != 1:
+        return None
+    num_seqs, num_heads, head_dim = query.shape
+    num_blocks, _, block_size, num_kv_heads, _ = kv_cache_layer.shape
+    out = torch.empty(query.shape, dtype=query.dtype)
+    if num_seqs == 0:
+        return out
+    tables = block_tables.to(torch.int32).contiguous()
+    lens = seq_lens.to(torch.int32).contiguous()
+    _check_bounds(tables, lens, num_blocks, block_size)
+    status = kernel(
+        query.data_ptr(), query.stride(0), query.stride(1),
+        kv_cache_layer.data_ptr(), *kv_cache_layer.stride()[:4],
+        tables.data_ptr(), tables.stride(0), lens.data_ptr(),
+        out.data_ptr(), out.stride(0), out.stride(1),
+        num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim, block_size, scale,
+    )
+    return out if status == 0 else None
+
+
+def _check_bounds(tables: torch.Tensor, lens: torch.Tensor, num_blocks: int, block_size: int) -> None:
+    longest = int(lens.max())
+    if longest > tables.shape[1] * block_size or int(lens.min()) < 0:
+        raise ValueError(f"decode_attention: seq_lens up to {longest} for block tables of width {tables.shape[1]}")
+    num_used = -(-longest // block_size)
+    used = tables[:, :num_used]
+    if used.numel() and (int(used.min()) < 0 or int(used.max()) >= num_blocks):
+        raise ValueError(f"decode_attention: block ids outside [0, {num_blocks})")
+
+
+@functools.lru_cache(maxsize=1)
+def _cpu_kernel():
+    library = load_library("paged_attention")
+    if library is None:
+        return None
+    kernel = library.paged_decode_attention_f32
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    kernel.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, i64, ptr, i64, ptr, ptr, i64, i64,
+                       ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float]
+    kernel.restype = ctypes.c_int
+    return kernel
 
 
 def _check(query, kv_cache_layer, block_tables, seq_lens) -> None:

@@ -1,11 +1,12 @@
 """Paged decode attention: the batched reference vs a per-token float64 oracle, the split-K
-Triton kernel vs the reference, over dtypes, head dims, GQA ratios 1/3/4/8, lengths 0, 1, one
-block, one block plus one, and shuffled block tables read through a strided layer view."""
+Triton kernel and the compiled CPU kernel vs the reference, over dtypes, head dims, GQA ratios
+1/3/4/8, lengths 0, 1, one block, one block plus one, and shuffled block tables read through a
+strided layer view."""
 
 import pytest
 import torch
 
-from kernels.decode_attention import decode_attention, decode_attention_ref
+from kernels.decode_attention import decode_attention, decode_attention_cpu, decode_attention_ref
 from tests.kernels.conftest import (DEVICE, DTYPES, GQA, assert_close, gpu, make_cache, naive_attention, randn,
                                     requires_cuda, shuffled_block_tables)
 
@@ -72,6 +73,48 @@ def test_decode_empty_batch_and_bad_shapes():
         decode_attention(randn(6, 3, 32), kv_layer, table, seq_lens, 0.2)
     with pytest.raises(ValueError, match="decode_attention"):
         decode_attention(query, kv_layer, table[:2], seq_lens, 0.2)
+
+
+def cpu_case(*args, **kwargs):
+    """decode_case's tensors on the CPU, where the compiled kernel runs (whatever DEVICE is)."""
+    return tuple(t.cpu() for t in decode_case(*args, **kwargs))
+
+
+@pytest.mark.parametrize("heads, kv_heads", GQA + [(12, 3)])
+@pytest.mark.parametrize("head_dim", [32, 64, 80, 128])
+def test_decode_cpu_kernel_matches_reference(heads, kv_heads, head_dim):
+    seq_lens = SEQ_LENS + [33, 100, 64]
+    query, kv_layer, table, lens = cpu_case(heads, kv_heads, head_dim, torch.float32, 11, seq_lens, extra_cols=1)
+    want = decode_attention_ref(query, kv_layer, table, lens, head_dim ** -0.5)
+    got = decode_attention_cpu(query, kv_layer, table, lens, head_dim ** -0.5)
+    assert got is not None, "the compiled CPU kernel did not build or load"
+    assert_close(got, want, torch.float32)
+    assert torch.all(got[seq_lens.index(0)] == 0)
+    assert_close(decode_attention(query, kv_layer, table, lens, head_dim ** -0.5), want, torch.float32)
+
+
+def test_decode_cpu_kernel_reads_a_strided_query_and_refuses_out_of_range_tables():
+    query, kv_layer, table, seq_lens = cpu_case(4, 2, 32, torch.float32, 12)
+    qkv = torch.cat([query.reshape(len(SEQ_LENS), -1), randn(len(SEQ_LENS), 128, seed=13).cpu()], dim=-1)
+    strided = qkv[:, :128].view(len(SEQ_LENS), 4, 32)
+    want = decode_attention_ref(query, kv_layer, table, seq_lens, 0.2)
+    assert_close(decode_attention_cpu(strided, kv_layer, table, seq_lens, 0.2), want, torch.float32)
+    with pytest.raises(ValueError, match="width"):
+        decode_attention_cpu(query, kv_layer, table, seq_lens + table.shape[1] * 16, 0.2)
+    bad = table.clone()
+    bad[0, 0] = kv_layer.shape[0]
+    with pytest.raises(ValueError, match="block ids"):
+        decode_attention_cpu(query, kv_layer, bad, seq_lens, 0.2)
+    assert decode_attention_cpu(query.double(), kv_layer.double(), table, seq_lens, 0.2) is None
+
+
+def test_loading_the_cpu_kernel_keeps_denormals():
+    # A library linked with -ffast-math would switch on flush-to-zero for the whole process.
+    from kernels.decode_attention import _cpu_kernel
+
+    assert _cpu_kernel() is not None
+    tiny = torch.tensor([1e-40])
+    assert (tiny * 1.0).item() != 0.0
 
 
 @gpu

@@ -1,0 +1,72 @@
+"""Compiled CPU kernels: C sources in kernels/csrc, built on first use with the machine's C
+compiler for the machine itself (-march=native) and loaded with ctypes.
+
+Each build is cached under ~/.cache/pdserve/kernels, named by a hash of the source, the flags
+and the compiler's version, so a changed source or compiler builds anew. Without a compiler (or
+when a build fails) the loader returns None once and the op modules keep their torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+_SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
+_CACHE_DIR = Path.home() / ".cache" / "pdserve" / "kernels"
+# NOTE: -ffast-math only when compiling (vector expf from libmvec, reassociated dot products);
+# linking with it would add crtfastmath.o, whose constructor turns on flush-to-zero for the whole
+# process (measured: torch then rounded 1e-40 to 0). OpenMP: the library joins torch's own
+# libgomp.so.1 pool, so torch.set_num_threads governs it too.
+_COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11")
+_LINK_FLAGS = ("-shared", "-fopenmp")
+_LIBS = ("-lmvec", "-lm")
+_BUILD_TIMEOUT_S = 120
+
+
+@functools.lru_cache(maxsize=None)
+def load_library(name: str) -> ctypes.CDLL | None:
+    """The compiled kernels/csrc/<name>.c, built if needed; None (logged once) when no C
+    compiler is found or the build fails. Thread-safe enough for start-up: concurrent builds
+    by several processes each write their own file and rename it into place."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        logger.warning("no C compiler found: CPU kernel %s unavailable, using the torch path", name)
+        return None
+    source = _SOURCE_DIR / f"{name}.c"
+    try:
+        path = _built(compiler, source)
+        return ctypes.CDLL(str(path))
+    except (OSError, subprocess.SubprocessError) as exc:
+        logger.warning("building CPU kernel %s failed (%s): using the torch path", name, exc)
+        return None
+
+
+def _built(compiler: str, source: Path) -> Path:
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256(source.read_bytes() + " ".join(_COMPILE_FLAGS + _LINK_FLAGS).encode() + version.encode())
+    target = _CACHE_DIR / f"{source.stem}-{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    _CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=_CACHE_DIR) as work:
+        obj, lib = Path(work) / "kernel.o", Path(work) / "kernel.so"
+        _run([compiler, *_COMPILE_FLAGS, "-c", str(source), "-o", str(obj)])
+        _run([compiler, *_LINK_FLAGS, str(obj), "-o", str(lib), *_LIBS])
+        os.replace(lib, target)
+    logger.info("built CPU kernel %s", target)
+    return target
+
+
+def _run(argv: list[str]) -> None:
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S)
+    if result.returncode != 0:
+        raise OSError(f"{' '.join(argv[:2])} ... exited {result.returncode}: {result.stderr.strip()[:500]}")
