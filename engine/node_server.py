@@ -4,6 +4,11 @@ Proxies connect DEALER sockets and send engine.protocol messages; the server ans
 request on the socket identity it came from and sends every known proxy a LoadReport
 periodically (the heartbeat). Role-specific KV handling (leases, pulls) lives in the node
 packages, which subclass this and override the hooks.
+
+The heartbeat comes from a thread of its own, sending the load the loop last recorded: one
+engine step can outlast the proxy's heartbeat timeout (measured: a 2,048-token prefill chunk of
+the small preset takes ~6 s on one core), and a busy node is not a dead one. The loop and that
+thread share the ROUTER socket under a lock.
 """
 
 from __future__ import annotations
@@ -12,8 +17,9 @@ import argparse
 import logging
 import os
 import sys
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 import torch
@@ -64,10 +70,11 @@ class EngineServer:
         else:
             self.port = self.socket.bind_to_random_port(f"tcp://{config.host}")
         self._owners: dict[str, bytes] = {}  # request_id -> proxy socket identity
-        self._proxies: set[bytes] = set()
-        self._last_request_seqs: dict[bytes, int] = {}  # proxy identity -> seq of its last request
-        self._last_report = 0.0
-        self._is_stopping = False
+        self._last_request_seqs: dict[bytes, int] = {}  # every proxy heard from -> seq of its last request
+        self._socket_lock = threading.Lock()
+        self._load = _LoadSnapshot({}, {})  # replaced whole by the loop; read by the heartbeat
+        self._is_stopping = threading.Event()
+        self._heartbeat = threading.Thread(target=self._send_heartbeats, name="node-heartbeat", daemon=True)
         self.num_kv_fallbacks = 0
 
     @property
@@ -75,12 +82,14 @@ class EngineServer:
         return f"{self.config.host}:{self.port}"
 
     def stop(self) -> None:
-        self._is_stopping = True
+        self._is_stopping.set()
 
     def run(self) -> None:
         logger.info("%s node %s serving on %s", self.role, self.config.node_id, self.address)
+        self._record_load()
+        self._heartbeat.start()
         try:
-            while not self._is_stopping:
+            while not self._is_stopping.is_set():
                 self.run_once()
         finally:
             self.close()
@@ -89,11 +98,14 @@ class EngineServer:
         busy = self.engine.has_unfinished() or self.has_pending_work()
         self._receive_all(timeout_ms=0 if self.engine.has_unfinished() else (_BUSY_POLL_MS if busy else _IDLE_POLL_MS))
         self.poll_transfers()
+        self._record_load()
         if self.engine.has_unfinished():
             self._step()
-        self._maybe_report_load()
 
     def close(self) -> None:
+        self._is_stopping.set()
+        if self._heartbeat.is_alive():
+            self._heartbeat.join()
         self.socket.close(linger=0)
 
     # ---- hooks for the node packages ----------------------------------------------------------
@@ -142,8 +154,10 @@ class EngineServer:
         self.engine.add_request(request_id, prompt, params, output_token_ids=outputs)
 
     def send(self, identity: bytes, message) -> None:
+        """Queue a message for one proxy without blocking (dropped, logged, if it is not reading)."""
         try:
-            self.socket.send_multipart([identity, protocol.encode(message)], flags=zmq.NOBLOCK)
+            with self._socket_lock:
+                self.socket.send_multipart([identity, protocol.encode(message)], flags=zmq.NOBLOCK)
         except zmq.Again:
             logger.warning("dropped a %s to a proxy that is not reading", type(message).__name__)
 
@@ -163,17 +177,19 @@ class EngineServer:
     # ---- the loop's parts ---------------------------------------------------------------------
 
     def _receive_all(self, timeout_ms: int) -> None:
-        if not self.socket.poll(timeout_ms):
-            return
+        with self._socket_lock:  # NOTE: a ZMQ socket is not thread-safe, poll included
+            if not self.socket.poll(timeout_ms):
+                return
         while True:
             try:
-                identity, payload = self.socket.recv_multipart(flags=zmq.NOBLOCK)
+                with self._socket_lock:
+                    identity, payload = self.socket.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:
                 return
             except ValueError:
                 logger.warning("dropped a frame set of the wrong shape")
                 continue
-            self._proxies.add(identity)
+            self._last_request_seqs.setdefault(identity, 0)  # a proxy heard from gets reports
             self._dispatch(identity, payload)
 
     def _dispatch(self, identity: bytes, payload: bytes) -> None:
@@ -224,18 +240,11 @@ class EngineServer:
             return self._owners.pop(out.request_id, None)
         return self._owners.get(out.request_id)
 
-    def _maybe_report_load(self) -> None:
-        now = time.monotonic()
-        if now - self._last_report < self.config.load_report_interval_s:
-            return
-        self._last_report = now
-        for identity in self._proxies:
-            self._send_load_report(identity)
-
-    def _send_load_report(self, identity: bytes) -> None:
+    def _record_load(self) -> None:
+        """Snapshot the load for the heartbeat thread (the loop's state must not be read there)."""
         engine = self.engine
         scheduler = engine.scheduler
-        report = protocol.LoadReport(
+        fields = dict(
             node_id=self.config.node_id,
             role=self.role,
             protocol_version=protocol.PROTOCOL_VERSION,
@@ -247,11 +256,31 @@ class EngineServer:
             num_free_blocks=engine.num_free_blocks,
             num_total_blocks=engine.block_pool.num_blocks,
             num_kv_fallbacks=self.num_kv_fallbacks,
-            sent_at=time.time(),
-            last_request_seq=self._last_request_seqs.get(identity, 0),
             **self.load_extras(),
         )
-        self.send(identity, report)
+        self._load = _LoadSnapshot(fields, dict(self._last_request_seqs))
+
+    def _send_load_report(self, identity: bytes) -> None:
+        self.send(identity, self._load.report_for(identity))
+
+    def _send_heartbeats(self) -> None:
+        while not self._is_stopping.wait(self.config.load_report_interval_s):
+            load = self._load
+            for identity in load.last_request_seqs:
+                self.send(identity, load.report_for(identity))
+
+
+@dataclass(frozen=True)
+class _LoadSnapshot:
+    """LoadReport fields as the loop last recorded them, and the proxies it has heard from with
+    the seq of each one's last request (the report to a proxy echoes its own)."""
+
+    fields: dict
+    last_request_seqs: dict[bytes, int] = field(default_factory=dict)
+
+    def report_for(self, identity: bytes) -> protocol.LoadReport:
+        return protocol.LoadReport(**self.fields, sent_at=time.time(),
+                                   last_request_seq=self.last_request_seqs.get(identity, 0))
 
 
 def _delta(out: StepOutput) -> RequestDelta:

@@ -1,0 +1,63 @@
+"""A node keeps reporting its load while one engine step runs longer than a proxy's heartbeat
+timeout (a long CPU prefill chunk), and its reports count the requests it has received."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import zmq
+
+from engine import protocol
+from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine.engine import LLMEngine
+from engine.node_server import EngineServer, ServerConfig
+
+STEP_S = 1.5
+REPORT_INTERVAL_S = 0.1
+
+
+@pytest.fixture
+def slow_node(tiny_model_dir):
+    engine = LLMEngine(EngineConfig(ModelConfig.from_pretrained(tiny_model_dir), CacheConfig(num_blocks=64),
+                                    SchedulerConfig()))
+    real_step = engine.step
+
+    def slow_step():
+        time.sleep(STEP_S)  # stands in for a long model step; like torch ops, sleep frees the GIL
+        return real_step()
+
+    engine.step = slow_step
+    node = EngineServer(engine, ServerConfig("slow", load_report_interval_s=REPORT_INTERVAL_S))
+    thread = threading.Thread(target=node.run, daemon=True)
+    thread.start()
+    socket = zmq.Context.instance().socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.connect(f"tcp://{node.address}")
+    yield engine, socket
+    socket.close(linger=0)
+    node.stop()
+    thread.join(timeout=10)
+
+
+def _receive(socket, timeout_s: float) -> list:
+    messages, deadline = [], time.monotonic() + timeout_s
+    while (left_ms := int((deadline - time.monotonic()) * 1000)) > 0:
+        if socket.poll(left_ms):
+            messages.append(protocol.decode_from_node(socket.recv()))
+    return messages
+
+
+def test_reports_keep_coming_during_a_step_longer_than_the_heartbeat_timeout(slow_node):
+    engine, socket = slow_node
+    options = protocol.SamplingOptions(max_tokens=2, temperature=0.0)
+    socket.send(protocol.encode(protocol.DecodeRequest("r1", [5, 6, 7], options, seq=7)))
+    messages = _receive(socket, 2 * STEP_S)
+    report_times = [m.sent_at for m in messages if isinstance(m, protocol.LoadReport)]
+    assert len(report_times) >= STEP_S / REPORT_INTERVAL_S / 2
+    # No gap anywhere near a step's length: reports came while the loop was inside a step.
+    assert max(b - a for a, b in zip(report_times, report_times[1:])) < STEP_S / 3
+    assert any(m.last_request_seq == 7 for m in messages if isinstance(m, protocol.LoadReport))
+    tokens = [m for m in messages if isinstance(m, protocol.TokenBatch)]
+    assert tokens, "the slow engine still produced its first step's output"
