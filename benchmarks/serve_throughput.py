@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import torch
 import transformers
 
@@ -40,6 +41,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--reference-prompts", type=int, default=None,
                         help="time transformers on this many prompts (default: all); tok/s is per prompt anyway")
     parser.add_argument("--node-args", default="", help="extra node arguments, e.g. '--max-num-batched-tokens 4096'")
+    parser.add_argument("--proxy-args", default="", help="extra proxy arguments, e.g. '--local-prefill-penalty 4'")
     parser.add_argument("--log-dir", default=str(REPO / "benchmarks" / "out" / "serve_logs"))
     return parser.parse_args()
 
@@ -54,17 +56,33 @@ def model_dir_for(preset: str) -> Path:
 def serve(model_dir: Path, args: argparse.Namespace, num_prefill: int, vocab: int, log_dir: Path) -> dict:
     log_dir.mkdir(parents=True, exist_ok=True)
     deployment = start_local(model_dir, num_prefill=num_prefill, num_decode=1, transfer_backend=args.transfer_backend,
-                             node_args=args.node_args.split(), log_dir=log_dir)
+                             node_args=args.node_args.split(), proxy_args=args.proxy_args.split(), log_dir=log_dir)
     try:
         wait_healthy(deployment, 300)
         config = BenchConfig(base_url=deployment.base_url, model=model_dir.name, num_requests=args.num_requests,
                              prompt_len=args.prompt_len, output_len=args.output_len, vocab_high=vocab)
         warm = BenchConfig(**{**config.__dict__, "num_requests": 2, "output_len": 2})
         asyncio.run(run_load(warm))
+        before = scrape_counters(deployment.base_url)
         records, wall_s = asyncio.run(run_load(config))
-        return summarize(records, wall_s, config)
+        after = scrape_counters(deployment.base_url)
+        summary = summarize(records, wall_s, config)
+        summary.update({name: after[name] - before[name] for name in after})
+        return summary
     finally:
         deployment.stop()
+
+
+def scrape_counters(base_url: str) -> dict[str, float]:
+    """Routing counters from the proxy's /metrics: local prefills and KV-pull fallbacks."""
+    text = httpx.get(base_url + "/metrics", timeout=10).text
+    counters = {"local_prefills": "pdserve_local_prefills_total", "kv_fallbacks": "pdserve_node_kv_fallbacks_total"}
+    totals = dict.fromkeys(counters, 0.0)
+    for line in text.splitlines():
+        for name, metric in counters.items():
+            if line.startswith(metric):
+                totals[name] += float(line.rsplit(" ", 1)[1])
+    return totals
 
 
 def transformers_single(model_dir: Path, prompts: list[list[int]], output_len: int) -> float:

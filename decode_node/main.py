@@ -34,6 +34,7 @@ def main(args: argparse.Namespace) -> int:
     server = DecodeNode(engine, ServerConfig(node_id, args.host, args.port), connector, role=args.role)
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     signal.signal(signal.SIGINT, lambda *_: server.stop())
+    engine.warm_up()  # NOTE: before the first report, so routing sees a measured prefill rate
     server.run()
     exit_now()  # NOTE: skips UCX's teardown, which aborts when a peer died first
     return 0

@@ -6,6 +6,7 @@ Not thread-safe: one caller drives add_request/abort/step (a node's loop or the 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -24,6 +25,26 @@ from engine.scheduler import Scheduler
 from engine.weights import load_weights
 
 logger = logging.getLogger(__name__)
+
+
+class PrefillRate:
+    """This engine's prefill throughput in tokens/s, for routing: a moving average over steps
+    with at least min_tokens prefill tokens. A step's whole time is charged to its prefill
+    tokens, so an engine busy decoding too looks slower at prefill, as it is."""
+
+    def __init__(self, min_tokens: int = 64, weight: float = 0.3) -> None:
+        self.min_tokens = min_tokens
+        self.weight = weight
+        self.tokens_per_s = 0.0  # 0: not measured yet
+
+    def observe(self, num_prefill_tokens: int, elapsed_s: float) -> None:
+        if num_prefill_tokens < self.min_tokens or elapsed_s <= 0:
+            return
+        rate = num_prefill_tokens / elapsed_s
+        if self.tokens_per_s == 0.0:
+            self.tokens_per_s = rate
+        else:
+            self.tokens_per_s += self.weight * (rate - self.tokens_per_s)
 
 
 @dataclass
@@ -62,6 +83,7 @@ class LLMEngine:
         self.max_total_tokens = min(model_cfg.max_model_len, num_blocks * self.block_size)
         self._requests: dict[str, Request] = {}
         self.num_steps = 0
+        self.prefill_rate = PrefillRate()
         logger.info("engine ready: %s, %d blocks of %d tokens", model_cfg.name, num_blocks, self.block_size)
 
     @property
@@ -123,7 +145,9 @@ class LLMEngine:
         if scheduled.is_empty:
             return []
         self.num_steps += 1
+        started = time.perf_counter()
         logits, sampled_requests = self.runner.execute(scheduled)
+        self.prefill_rate.observe(scheduled.num_prefill_tokens, time.perf_counter() - started)
         for request, num_new in scheduled.scheduled():
             request.num_computed_tokens += num_new
         if not sampled_requests:
@@ -182,6 +206,22 @@ class LLMEngine:
         bad = [t for t in (*prompt, *outputs) if not (isinstance(t, int) and 0 <= t < vocab)]
         if bad:
             raise ValueError(f"request {request_id}: token ids {bad[:5]} are outside [0, {vocab})")
+
+    def warm_up(self, num_tokens: int = 512) -> None:
+        """Run two throwaway prompts of up to num_tokens before serving: one-time costs (first
+        allocations, kernel builds) happen here, and prefill_rate starts from a measurement.
+        Call only while the engine has no requests; leaves no block allocated."""
+        num_tokens = max(1, min(num_tokens, self.max_total_tokens - 2,
+                                self.block_pool.num_blocks * self.block_size - self.block_size))
+        params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+        for run in range(2):
+            request_id = f"__warm_up_{run}__"
+            self.add_request(request_id, [t % self.config.model.vocab_size for t in range(num_tokens)], params)
+            while self.has_unfinished():
+                for output in self.step():
+                    if output.finish_reason is FinishReason.PREFILLED:
+                        self.free_blocks(output.block_ids)
+        self.check_leaks()
 
     def check_leaks(self) -> None:
         """Assert that an idle engine holds no blocks (tests and shutdown call it)."""

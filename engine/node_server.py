@@ -256,6 +256,7 @@ class EngineServer:
             num_free_blocks=engine.num_free_blocks,
             num_total_blocks=engine.block_pool.num_blocks,
             num_kv_fallbacks=self.num_kv_fallbacks,
+            prefill_tokens_per_s=engine.prefill_rate.tokens_per_s,
             **self.load_extras(),
         )
         self._load = _LoadSnapshot(fields, dict(self._last_request_seqs))

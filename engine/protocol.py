@@ -146,6 +146,7 @@ class LoadReport(msgspec.Struct, tag="load_report", frozen=True):
     num_kv_fallbacks: int = 0
     sent_at: float = 0.0
     last_request_seq: int = 0
+    prefill_tokens_per_s: float = 0.0  # measured prefill throughput; 0: not measured yet
 
 
 class Ping(msgspec.Struct, tag="ping", frozen=True):

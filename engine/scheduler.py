@@ -26,7 +26,11 @@ class SchedulerOutput:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.decodes) + sum(n for _, n in self.prefills)
+        return len(self.decodes) + self.num_prefill_tokens
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(n for _, n in self.prefills)
 
     @property
     def is_empty(self) -> bool:

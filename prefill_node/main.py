@@ -29,6 +29,7 @@ def main(args: argparse.Namespace) -> int:
     server = PrefillNode(engine, ServerConfig(node_id, args.host, args.port), connector, transfer.lease_timeout_s)
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     signal.signal(signal.SIGINT, lambda *_: server.stop())
+    engine.warm_up()  # NOTE: before the first report, so routing sees a measured prefill rate
     server.run()
     exit_now()  # NOTE: skips UCX's teardown, which aborts when a peer died first
     return 0

@@ -22,7 +22,7 @@ from proxy.choices import ChoiceState
 from proxy.config import ProxyConfig
 from proxy.flow import NodeRejected, NoNodeAvailable, run_request
 from proxy.metrics import ProxyMetrics
-from proxy.nodes import NodeDied, NodePool
+from proxy.nodes import LocalPrefillPolicy, NodeDied, NodePool
 from proxy.schemas import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from proxy.tokenizer import ModelTokenizer
 
@@ -66,8 +66,11 @@ def create_app(config: ProxyConfig) -> FastAPI:
     """The FastAPI app; node sockets open at startup (lifespan) and close at shutdown. Reads
     the tokenizer files of config.model_dir now (raises OSError/ValueError if they are bad)."""
     tokenizer = ModelTokenizer.from_dir(config.model_dir)
-    pool = NodePool(config.prefill_addresses, config.decode_addresses, config.heartbeat_timeout_s)
-    metrics = ProxyMetrics(lambda: pool.all)
+    local_prefill = None
+    if config.local_prefill_min_wait_s is not None:
+        local_prefill = LocalPrefillPolicy(config.local_prefill_min_wait_s, config.local_prefill_penalty)
+    pool = NodePool(config.prefill_addresses, config.decode_addresses, config.heartbeat_timeout_s, local_prefill)
+    metrics = ProxyMetrics(lambda: pool.all, lambda: pool.num_local_prefills)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):

@@ -18,6 +18,12 @@ class ProxyConfig:
     heartbeat_timeout_s: float = 3.0  # a node silent this long is down: no new requests, its own fail
     api_key: str | None = None  # set: /v1/ needs "Authorization: Bearer <api_key>"
     max_model_len: int | None = None  # None: the nodes' reports, else config.json max_position_embeddings
+    # Conditional disaggregation: a prompt is prefilled on its decode node instead when the
+    # prefill pool's estimated queue wait is at least local_prefill_min_wait_s and the decode
+    # node's own wait, times local_prefill_penalty (its decodes slow down meanwhile), is shorter.
+    # None: always the prefill pool.
+    local_prefill_min_wait_s: float | None = 1.0
+    local_prefill_penalty: float = 3.0
 
     def __post_init__(self) -> None:
         if not self.decode_addresses:
@@ -32,6 +38,10 @@ class ProxyConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if not self.served_model_name:
             raise ValueError("served_model_name must not be empty")
+        if self.local_prefill_min_wait_s is not None and self.local_prefill_min_wait_s < 0:
+            raise ValueError(f"local_prefill_min_wait_s must be >= 0, got {self.local_prefill_min_wait_s}")
+        if self.local_prefill_penalty < 1:
+            raise ValueError(f"local_prefill_penalty must be >= 1, got {self.local_prefill_penalty}")
         for name in ("request_timeout_s", "first_token_timeout_s", "heartbeat_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")

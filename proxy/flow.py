@@ -2,7 +2,8 @@
 
 Disaggregated: PrefillRequest to a prefill node -> the first token (yielded at once) and a KV
 handle -> DecodeRequest to a decode node, which pulls the KV -> token batches. Colocated (no
-prefill nodes): one DecodeRequest without a handle. If the consumer stops early (client gone,
+prefill nodes), or prefilled on the decode node because the prefill pool is backed up (see
+NodePool.pick_local_prefill): one DecodeRequest without a handle. If the consumer stops early (client gone,
 stop string) or anything fails, the node(s) holding the request are told to abort it.
 """
 
@@ -47,21 +48,23 @@ async def run_request(pool: NodePool, request_id: str, prompt_ids: list[int], sa
     lease_holder: NodeClient | None = None  # a prefill node holding KV nobody will pull
     finished = False
     try:
-        first = handle = None
+        first = handle = local = None
         if pool.prefill:
             prefill = pool.pick_prefill()
             if prefill is None:
                 raise NoNodeAvailable("no healthy prefill node")
-            holder = prefill
-            result = await _prefill(prefill, request_id, prompt_ids, sampling, first_token_timeout_s)
-            holder = None  # the prefill is done; from here on the node only holds the lease
-            first, handle = result.first_token, result.kv_handle
-            if result.finish_reason is not None:
-                finished = True
-                yield Step([first], result.finish_reason)
-                return
-            lease_holder = prefill if handle is not None else None
-        decode = pool.pick_decode()
+            local = pool.pick_local_prefill(prefill, len(prompt_ids))
+            if local is None:
+                holder = prefill
+                result = await _prefill(prefill, request_id, prompt_ids, sampling, first_token_timeout_s)
+                holder = None  # the prefill is done; from here on the node only holds the lease
+                first, handle = result.first_token, result.kv_handle
+                if result.finish_reason is not None:
+                    finished = True
+                    yield Step([first], result.finish_reason)
+                    return
+                lease_holder = prefill if handle is not None else None
+        decode = local or pool.pick_decode()
         if decode is None:
             raise NoNodeAvailable("no healthy decode node")
         queue = decode.open(request_id)

@@ -24,6 +24,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="longest wait for a prompt's first token (queueing and prefill)")
     parser.add_argument("--heartbeat-timeout-s", type=float, default=3.0)
     parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--local-prefill-min-wait-s", type=float, default=1.0,
+                        help="prefill on the decode node when the prefill pool's queue wait is at least this "
+                             "and the decode node would start sooner (negative: never)")
+    parser.add_argument("--local-prefill-penalty", type=float, default=3.0,
+                        help="how much a decode node's own queue wait counts against the pool's (>= 1)")
     parser.add_argument("--log-level", default="info")
 
 
@@ -55,6 +60,8 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         heartbeat_timeout_s=args.heartbeat_timeout_s,
         api_key=args.api_key,
         max_model_len=args.max_model_len,
+        local_prefill_min_wait_s=None if args.local_prefill_min_wait_s < 0 else args.local_prefill_min_wait_s,
+        local_prefill_penalty=args.local_prefill_penalty,
     )
 
 

@@ -26,7 +26,7 @@ _NODE_GAUGES = (
 class ProxyMetrics:
     """Owns one registry; nodes() gives the NodeClients to read load from at each scrape."""
 
-    def __init__(self, nodes: Callable[[], Iterable] = list) -> None:
+    def __init__(self, nodes: Callable[[], Iterable] = list, num_local_prefills: Callable[[], int] = int) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("pdserve_requests", "requests by endpoint and outcome", ["endpoint", "status"], registry=r)
@@ -38,7 +38,7 @@ class ProxyMetrics:
         self.prompt_tokens = Counter("pdserve_prompt_tokens", "prompt tokens processed", registry=r)
         self.generation_tokens = Counter("pdserve_generation_tokens", "tokens generated", registry=r)
         self.aborts = Counter("pdserve_aborts", "requests aborted (disconnect, stop string, error)", ["reason"], registry=r)
-        r.register(_NodeCollector(nodes))
+        r.register(_NodeCollector(nodes, num_local_prefills))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -47,8 +47,9 @@ class ProxyMetrics:
 class _NodeCollector:
     """Per-node metrics straight from the latest LoadReport (no state kept here)."""
 
-    def __init__(self, nodes: Callable[[], Iterable]) -> None:
+    def __init__(self, nodes: Callable[[], Iterable], num_local_prefills: Callable[[], int]) -> None:
         self._nodes = nodes
+        self._num_local_prefills = num_local_prefills
 
     def collect(self) -> Iterable[Metric]:
         nodes = list(self._nodes())
@@ -67,3 +68,6 @@ class _NodeCollector:
         for node in reporting:
             fallbacks.add_metric([node.address, node.kind], node.last_report.num_kv_fallbacks)
         yield fallbacks
+        yield CounterMetricFamily("pdserve_local_prefills", "prompts prefilled on their decode node because the "
+                                  "prefill pool was backed up (conditional disaggregation)",
+                                  value=self._num_local_prefills())

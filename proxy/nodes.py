@@ -29,6 +29,13 @@ class NodeDied(Exception):
     """The node holding a request stopped reporting."""
 
 
+@dataclass(frozen=True)
+class _Unreported:
+    seq: int
+    num_prompt_tokens: int
+    num_prefill_tokens: int  # the prompt when the node prefills it; 0 for a KV pull
+
+
 @dataclass
 class NodeClient:
     address: str
@@ -37,8 +44,8 @@ class NodeClient:
     socket: zmq.asyncio.Socket | None = None
     last_report: protocol.LoadReport | None = None
     last_seen: float = 0.0
-    # (seq, prompt tokens) of requests sent but not yet counted in a report of the node.
-    unreported: list[tuple[int, int]] = field(default_factory=list)
+    # Requests sent but not yet counted in a report of the node.
+    unreported: list[_Unreported] = field(default_factory=list)
     queues: dict[str, asyncio.Queue] = field(default_factory=dict)
     num_requests_sent: int = 0
 
@@ -52,11 +59,26 @@ class NodeClient:
         seq = self.num_requests_sent + 1
         self.send(msgspec.structs.replace(message, seq=seq))
         self.num_requests_sent = seq
-        self.unreported.append((seq, len(message.prompt_token_ids)))
+        num_tokens = len(message.prompt_token_ids)
+        is_prefilled_here = isinstance(message, protocol.PrefillRequest) or message.kv_handle is None
+        self.unreported.append(_Unreported(seq, num_tokens, num_tokens if is_prefilled_here else 0))
 
     @property
     def num_unreported_tokens(self) -> int:
-        return sum(num_tokens for _, num_tokens in self.unreported)
+        return sum(r.num_prompt_tokens for r in self.unreported)
+
+    @property
+    def num_queued_prefill_tokens(self) -> int:
+        """Prompt tokens this node has yet to prefill: reported plus sent since."""
+        return self.last_report.num_queued_prompt_tokens + sum(r.num_prefill_tokens for r in self.unreported)
+
+    def prefill_wait_s(self, num_prompt_tokens: int) -> float | None:
+        """Estimated seconds until a prompt sent now is prefilled here; None while the node has
+        not measured its prefill rate."""
+        rate = self.last_report.prefill_tokens_per_s
+        if rate <= 0:
+            return None
+        return (self.num_queued_prefill_tokens + num_prompt_tokens) / rate
 
     def open(self, request_id: str) -> asyncio.Queue:
         """A queue receiving this node's messages for request_id (until close())."""
@@ -85,10 +107,13 @@ class NodeClient:
 class NodePool:
     """All nodes of both kinds; start() begins receiving, stop() closes every socket."""
 
-    def __init__(self, prefill_addresses, decode_addresses, heartbeat_timeout_s: float) -> None:
+    def __init__(self, prefill_addresses, decode_addresses, heartbeat_timeout_s: float,
+                 local_prefill: LocalPrefillPolicy | None = None) -> None:
         self.context = zmq.asyncio.Context()
         self.prefill = [NodeClient(a, "prefill", heartbeat_timeout_s) for a in prefill_addresses]
         self.decode = [NodeClient(a, "decode", heartbeat_timeout_s) for a in decode_addresses]
+        self.local_prefill = local_prefill
+        self.num_local_prefills = 0
         self._tasks: list[asyncio.Task] = []
 
     @property
@@ -134,6 +159,24 @@ class NodePool:
             return None
         return max(healthy, key=_decode_score)
 
+    def pick_local_prefill(self, prefill: NodeClient, num_prompt_tokens: int) -> NodeClient | None:
+        """A decode node that should prefill this prompt itself rather than wait for the chosen
+        prefill node (see LocalPrefillPolicy); None: use the prefill node."""
+        policy = self.local_prefill
+        remote_wait_s = prefill.prefill_wait_s(num_prompt_tokens)
+        if policy is None or remote_wait_s is None or remote_wait_s < policy.min_wait_s:
+            return None
+        best, best_wait_s = None, remote_wait_s / policy.penalty
+        for node in self.decode:
+            wait_s = node.prefill_wait_s(num_prompt_tokens) if node.is_healthy else None
+            if wait_s is not None and wait_s < best_wait_s:
+                best, best_wait_s = node, wait_s
+        if best is not None:
+            self.num_local_prefills += 1
+            logger.debug("prefilling %d tokens on decode node %s: %.1f s there vs %.1f s in the pool",
+                         num_prompt_tokens, best.address, best_wait_s, remote_wait_s)
+        return best
+
     def down(self) -> list[str]:
         return [f"{n.kind} {n.address}" for n in self.all if not n.is_healthy]
 
@@ -169,6 +212,16 @@ class NodePool:
                 was_healthy[id(node)] = healthy
 
 
+@dataclass(frozen=True)
+class LocalPrefillPolicy:
+    """Conditional disaggregation: prefill on a decode node when the prefill pool's estimated
+    queue wait is at least min_wait_s and that node's own wait, times penalty, is shorter. The
+    penalty stands for what the decode node's running requests lose while it prefills."""
+
+    min_wait_s: float
+    penalty: float
+
+
 def _ping(node: NodeClient) -> None:
     """Ask for a LoadReport (a node answers only proxies it has heard from); no-op while the
     connection is down, the next tick tries again."""
@@ -197,7 +250,7 @@ def _take_report(node: NodeClient, report: protocol.LoadReport) -> None:
     node.last_seen = time.monotonic()
     # NOTE: by seq, not by time: a report made while a request was still in flight must keep
     # counting it (or a burst would all go to one node), whatever the two clocks say.
-    node.unreported = [(seq, n) for seq, n in node.unreported if seq > report.last_request_seq]
+    node.unreported = [r for r in node.unreported if r.seq > report.last_request_seq]
 
 
 def _deliver(node: NodeClient, request_id: str, message) -> None:

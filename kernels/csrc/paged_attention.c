@@ -1,17 +1,23 @@
 /* Paged decode attention on the CPU, float32: one query token per sequence attends to the
  * first seq_len tokens of its block table, read in place from the block-major cache (no gather).
  *
- * One task per (sequence, KV head): the task's `group` query heads walk the sequence's blocks
- * once, with an online softmax (running max and sum, rescaled accumulator) in float32. Tasks
- * are spread over the process's OpenMP threads (torch's own pool: the same libgomp.so.1).
+ * One task per sequence: its query heads walk the sequence's blocks once, block by block (a
+ * block's rows of all KV heads are one contiguous run, so memory streams in order), with an
+ * online softmax (running max and sum, rescaled accumulator) per head in float32. Tasks are
+ * spread over the process's OpenMP threads (torch's own pool: the same libgomp.so.1).
+ * Head sizes that are a multiple of 8 (up to 256) run on 8-float vectors (GCC vector
+ * extensions) with the accumulator in registers; other sizes take a scalar loop.
  * Built with -ffast-math for vector expf and reassociated sums, linked without it so that
  * loading the library leaves the process's denormal handling alone.
  */
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
-enum { MAX_GROUP = 64, MAX_HEAD_DIM = 256, MAX_BLOCK_SIZE = 256 };
+enum { MAX_HEADS = 128, MAX_HEAD_DIM = 256, MAX_BLOCK_SIZE = 256, LANES = 8 };
+
+typedef float v8 __attribute__((vector_size(32)));
 
 typedef struct {
     const float *kv_cache;
@@ -20,91 +26,156 @@ typedef struct {
     float scale;
 } CacheView;
 
-/* Scores of one query row against num keys (rows stride apart), four keys at a time so the
- * four dot products' additions overlap. */
-static inline __attribute__((always_inline)) void
-score_keys(const float *q, const float *keys, int64_t stride, int num, int head_dim, float scale, float *scores) {
-    int t = 0;
-    for (; t + 4 <= num; t += 4) {
-        const float *k0 = keys + t * stride, *k1 = k0 + stride, *k2 = k1 + stride, *k3 = k2 + stride;
-        float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
-#pragma omp simd reduction(+ : s0, s1, s2, s3)
-        for (int d = 0; d < head_dim; ++d) {
-            s0 += q[d] * k0[d];
-            s1 += q[d] * k1[d];
-            s2 += q[d] * k2[d];
-            s3 += q[d] * k3[d];
-        }
-        scores[t] = s0 * scale;
-        scores[t + 1] = s1 * scale;
-        scores[t + 2] = s2 * scale;
-        scores[t + 3] = s3 * scale;
-    }
-    for (; t < num; ++t) {
-        const float *k = keys + t * stride;
-        float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-        for (int d = 0; d < head_dim; ++d) s += q[d] * k[d];
-        scores[t] = s * scale;
+static inline v8 load8(const float *p) {
+    v8 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void store8(float *p, v8 v) { memcpy(p, &v, sizeof v); }
+
+/* Ask for a block's keys and values (each a contiguous run of num_floats) ahead of use:
+ * blocks sit at scattered addresses, which the hardware prefetcher cannot guess. */
+static inline void prefetch_block(const float *block, int64_t stride_kv, int64_t num_floats) {
+    for (int64_t i = 0; i < num_floats; i += 16) {
+        __builtin_prefetch(block + i);
+        __builtin_prefetch(block + stride_kv + i);
     }
 }
 
+static inline float hsum8(v8 v) {
+    return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+
+/* Online-softmax step for one query head over one block's scores: returns the factor the
+ * accumulator must be scaled by; scores become the block's unnormalized probabilities. */
+static inline float softmax_step(float *scores, int num, float *run_max, float *run_sum) {
+    float block_max = -FLT_MAX;
+    for (int t = 0; t < num; ++t) block_max = scores[t] > block_max ? scores[t] : block_max;
+    const float new_max = block_max > *run_max ? block_max : *run_max;
+    const float correction = expf(*run_max - new_max);
+    float block_sum = 0.0f;
+#pragma omp simd reduction(+ : block_sum)
+    for (int t = 0; t < num; ++t) {
+        scores[t] = expf(scores[t] - new_max);
+        block_sum += scores[t];
+    }
+    *run_sum = *run_sum * correction + block_sum;
+    *run_max = new_max;
+    return correction;
+}
+
+/* Vector path, one sequence (all its heads: a block's rows of all KV heads are contiguous, so
+ * the block streams in order): head_dim = num_vecs * 8, num_vecs a constant in each copy. */
 static inline __attribute__((always_inline)) void
-attend_one(const CacheView *cv, const float *q, int64_t stride_q_head, int kv_head, const int32_t *block_table,
-           int seq_len, float *out, int64_t stride_out_head, const int head_dim) {
-    const int group = cv->group, block_size = cv->block_size;
-    float acc[MAX_GROUP][MAX_HEAD_DIM];
-    float run_max[MAX_GROUP], run_sum[MAX_GROUP];
-    float scores[MAX_BLOCK_SIZE];
-    for (int g = 0; g < group; ++g) {
-        run_max[g] = -FLT_MAX;
-        run_sum[g] = 0.0f;
-        for (int d = 0; d < head_dim; ++d) acc[g][d] = 0.0f;
+attend_vec(const CacheView *cv, const float *q, int64_t stride_q_head, int num_kv_heads, const int32_t *block_table,
+           int seq_len, float *out, int64_t stride_out_head, const int num_vecs) {
+    const int group = cv->group, block_size = cv->block_size, num_heads = num_kv_heads * group;
+    const int64_t stride_token = cv->stride_token;
+    v8 acc[MAX_HEADS][MAX_HEAD_DIM / LANES];
+    float run_max[MAX_HEADS], run_sum[MAX_HEADS], scores[MAX_BLOCK_SIZE];
+    for (int head = 0; head < num_heads; ++head) {
+        run_max[head] = -FLT_MAX;
+        run_sum[head] = 0.0f;
+        for (int j = 0; j < num_vecs; ++j) acc[head][j] = (v8){0};
     }
     for (int start = 0; start < seq_len; start += block_size) {
         const int num = seq_len - start < block_size ? seq_len - start : block_size;
-        const float *keys = cv->kv_cache + (int64_t)block_table[start / block_size] * cv->stride_block
-                            + (int64_t)kv_head * cv->stride_head;
-        const float *values = keys + cv->stride_kv;
-        for (int g = 0; g < group; ++g) {
-            score_keys(q + g * stride_q_head, keys, cv->stride_token, num, head_dim, cv->scale, scores);
-            float block_max = -FLT_MAX;
-            for (int t = 0; t < num; ++t) block_max = scores[t] > block_max ? scores[t] : block_max;
-            const float new_max = block_max > run_max[g] ? block_max : run_max[g];
-            const float correction = expf(run_max[g] - new_max);
-            float block_sum = 0.0f;
-#pragma omp simd reduction(+ : block_sum)
+        const float *block = cv->kv_cache + (int64_t)block_table[start / block_size] * cv->stride_block;
+        const int next = start + block_size;
+        if (next < seq_len) {
+            const int next_num = seq_len - next < block_size ? seq_len - next : block_size;
+            prefetch_block(cv->kv_cache + (int64_t)block_table[next / block_size] * cv->stride_block, cv->stride_kv,
+                           next_num * stride_token);
+        }
+        for (int head = 0; head < num_heads; ++head) {
+            const float *keys = block + (int64_t)(head / group) * cv->stride_head;
+            const float *values = keys + cv->stride_kv;
+            const float *qh = q + head * stride_q_head;
+            v8 qv[MAX_HEAD_DIM / LANES];
+            for (int j = 0; j < num_vecs; ++j) qv[j] = load8(qh + j * LANES) * cv->scale;
             for (int t = 0; t < num; ++t) {
-                scores[t] = expf(scores[t] - new_max);
-                block_sum += scores[t];
+                const float *k = keys + t * stride_token;
+                v8 dot = qv[0] * load8(k);
+                for (int j = 1; j < num_vecs; ++j) dot += qv[j] * load8(k + j * LANES);
+                scores[t] = hsum8(dot);
             }
-            run_sum[g] = run_sum[g] * correction + block_sum;
-            run_max[g] = new_max;
-            float *ag = acc[g];
-#pragma omp simd
-            for (int d = 0; d < head_dim; ++d) ag[d] *= correction;
+            const float correction = softmax_step(scores, num, &run_max[head], &run_sum[head]);
+            v8 a[MAX_HEAD_DIM / LANES];
+            for (int j = 0; j < num_vecs; ++j) a[j] = acc[head][j] * correction;
+            for (int t = 0; t < num; ++t) {
+                const float *v = values + t * stride_token;
+                const float p = scores[t];
+                for (int j = 0; j < num_vecs; ++j) a[j] += p * load8(v + j * LANES);
+            }
+            for (int j = 0; j < num_vecs; ++j) acc[head][j] = a[j];
+        }
+    }
+    for (int head = 0; head < num_heads; ++head) {
+        const float inv = seq_len > 0 ? 1.0f / run_sum[head] : 0.0f;
+        for (int j = 0; j < num_vecs; ++j) store8(out + head * stride_out_head + j * LANES, acc[head][j] * inv);
+    }
+}
+
+/* Scalar path for any head_dim <= MAX_HEAD_DIM, one sequence. */
+static void attend_scalar(const CacheView *cv, const float *q, int64_t stride_q_head, int num_kv_heads,
+                          const int32_t *block_table, int seq_len, float *out, int64_t stride_out_head,
+                          int head_dim) {
+    const int group = cv->group, block_size = cv->block_size, num_heads = num_kv_heads * group;
+    float acc[MAX_HEAD_DIM];
+    float scores[MAX_BLOCK_SIZE];
+    for (int head = 0; head < num_heads; ++head) {
+        float run_max = -FLT_MAX, run_sum = 0.0f;
+        const float *qh = q + head * stride_q_head;
+        for (int d = 0; d < head_dim; ++d) acc[d] = 0.0f;
+        for (int start = 0; start < seq_len; start += block_size) {
+            const int num = seq_len - start < block_size ? seq_len - start : block_size;
+            const float *keys = cv->kv_cache + (int64_t)block_table[start / block_size] * cv->stride_block
+                                + (int64_t)(head / group) * cv->stride_head;
+            const float *values = keys + cv->stride_kv;
+            for (int t = 0; t < num; ++t) {
+                const float *k = keys + t * cv->stride_token;
+                float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+                for (int d = 0; d < head_dim; ++d) sum += qh[d] * k[d];
+                scores[t] = sum * cv->scale;
+            }
+            const float correction = softmax_step(scores, num, &run_max, &run_sum);
+            for (int d = 0; d < head_dim; ++d) acc[d] *= correction;
             for (int t = 0; t < num; ++t) {
                 const float p = scores[t];
                 const float *v = values + t * cv->stride_token;
 #pragma omp simd
-                for (int d = 0; d < head_dim; ++d) ag[d] += p * v[d];
+                for (int d = 0; d < head_dim; ++d) acc[d] += p * v[d];
             }
         }
-    }
-    for (int g = 0; g < group; ++g) {
-        float *og = out + g * stride_out_head;
-        const float inv = seq_len > 0 ? 1.0f / run_sum[g] : 0.0f;
-        for (int d = 0; d < head_dim; ++d) og[d] = acc[g][d] * inv;
+        const float inv = seq_len > 0 ? 1.0f / run_sum : 0.0f;
+        for (int d = 0; d < head_dim; ++d) out[head * stride_out_head + d] = acc[d] * inv;
     }
 }
 
-/* Specialized copies for the common head sizes: the compiler unrolls their inner loops. */
-static void attend_64(const CacheView *cv, const float *q, int64_t sq, int h, const int32_t *bt, int len, float *o,
-                      int64_t so) { attend_one(cv, q, sq, h, bt, len, o, so, 64); }
-static void attend_128(const CacheView *cv, const float *q, int64_t sq, int h, const int32_t *bt, int len, float *o,
-                       int64_t so) { attend_one(cv, q, sq, h, bt, len, o, so, 128); }
-static void attend_any(const CacheView *cv, const float *q, int64_t sq, int h, const int32_t *bt, int len, float *o,
-                       int64_t so, int head_dim) { attend_one(cv, q, sq, h, bt, len, o, so, head_dim); }
+#define ATTEND_VEC(N)                                                                                     \
+    static void attend_vec##N(const CacheView *cv, const float *q, int64_t sq, int nkv, const int32_t *bt, \
+                              int len, float *o, int64_t so) {                                            \
+        attend_vec(cv, q, sq, nkv, bt, len, o, so, N);                                                    \
+    }
+ATTEND_VEC(4)
+ATTEND_VEC(8)
+ATTEND_VEC(10)
+ATTEND_VEC(12)
+ATTEND_VEC(16)
+
+static void attend_one(const CacheView *cv, const float *q, int64_t sq, int nkv, const int32_t *bt, int len, float *o,
+                       int64_t so, int head_dim) {
+    switch (head_dim) {
+    case 32: attend_vec4(cv, q, sq, nkv, bt, len, o, so); break;
+    case 64: attend_vec8(cv, q, sq, nkv, bt, len, o, so); break;
+    case 80: attend_vec10(cv, q, sq, nkv, bt, len, o, so); break;
+    case 96: attend_vec12(cv, q, sq, nkv, bt, len, o, so); break;
+    case 128: attend_vec16(cv, q, sq, nkv, bt, len, o, so); break;
+    default: attend_scalar(cv, q, sq, nkv, bt, len, o, so, head_dim);
+    }
+}
 
 /* query [num_seqs, num_kv_heads * group, head_dim] and out alike (row strides given, unit
  * stride in head_dim); cache strides in elements; block_tables int32 [num_seqs, >= blocks
@@ -117,18 +188,12 @@ int paged_decode_attention_f32(const float *query, int64_t stride_q_seq, int64_t
                                float *out, int64_t stride_out_seq, int64_t stride_out_head,
                                int num_seqs, int num_kv_heads, int group, int head_dim, int block_size,
                                float scale) {
-    if (group > MAX_GROUP || head_dim > MAX_HEAD_DIM || block_size > MAX_BLOCK_SIZE) return -1;
+    if (num_kv_heads * group > MAX_HEADS || head_dim > MAX_HEAD_DIM || block_size > MAX_BLOCK_SIZE) return -1;
     const CacheView cv = {kv_cache, stride_block, stride_kv, stride_token, stride_head, block_size, group, scale};
-#pragma omp parallel for collapse(2) schedule(dynamic, 1)
+#pragma omp parallel for schedule(dynamic, 1)
     for (int s = 0; s < num_seqs; ++s) {
-        for (int h = 0; h < num_kv_heads; ++h) {
-            const float *q = query + s * stride_q_seq + (int64_t)h * group * stride_q_head;
-            float *o = out + s * stride_out_seq + (int64_t)h * group * stride_out_head;
-            const int32_t *bt = block_tables + s * stride_table;
-            if (head_dim == 64) attend_64(&cv, q, stride_q_head, h, bt, seq_lens[s], o, stride_out_head);
-            else if (head_dim == 128) attend_128(&cv, q, stride_q_head, h, bt, seq_lens[s], o, stride_out_head);
-            else attend_any(&cv, q, stride_q_head, h, bt, seq_lens[s], o, stride_out_head, head_dim);
-        }
+        attend_one(&cv, query + s * stride_q_seq, stride_q_head, num_kv_heads, block_tables + s * stride_table,
+                   seq_lens[s], out + s * stride_out_seq, stride_out_head, head_dim);
     }
     return 0;
 }

@@ -44,6 +44,7 @@ class FakeNodeConfig:
     model_name: str = "fake"
     fail_token_id: int | None = None  # a prompt holding this id gets an ErrorReply
     fail_is_client_error: bool = True
+    prefill_tokens_per_s: float = 0.0  # reported as the node's measured prefill rate (0: unmeasured)
 
 
 class FakeNode:
@@ -228,6 +229,7 @@ class FakeNode:
             num_running=len(self._running), num_waiting=len(self._prefills), num_queued_prompt_tokens=queued,
             num_free_blocks=1000 - len(self._running), num_total_blocks=1000, num_leases=len(self.leases),
             num_kv_fallbacks=0, sent_at=time.time(), last_request_seq=self._last_request_seqs.get(identity, 0),
+            prefill_tokens_per_s=self.config.prefill_tokens_per_s,
         )
 
     def _send(self, identity: bytes, message) -> None:
