@@ -12,6 +12,7 @@ holder's blocks are contiguous, as a fresh prefill allocates them. Ends with `RE
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import statistics
@@ -32,7 +33,7 @@ from kv_transfer.layout import KVLayout  # noqa: E402
 
 BLOCK_SIZE = 16
 TOKENS = (512, 2048, 8192)
-REPEATS = 5
+REPEATS = 7
 LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=BLOCK_SIZE, dtype="float32",
                   num_blocks=2 * 8192 // BLOCK_SIZE + 8, model_fingerprint="bench", code_version="1")
 HOLDER = """
@@ -76,9 +77,11 @@ def read_once(connector, hello, request_id: str, remote: list[int], local: list[
             return time.perf_counter() - start
 
 
-def bench_backend(backend: str) -> dict:
+def bench_backend(backend: str, copies: dict) -> dict:
     """Per token count: the reader's blocks scattered (one descriptor per block) and, for NIXL,
-    contiguous (NIXL merges the run into one descriptor), to decide the descriptor scheme."""
+    contiguous (NIXL merges the run into one descriptor), to decide the descriptor scheme. Each
+    repeat also times the in-process copy of the same bytes right before the reads, so machine
+    noise hits both sides of the ratio alike."""
     print(f"== {backend}", flush=True)
     proc, hello = start_holder(backend)
     connector = create_connector(TransferConfig(backend=backend), torch.full(cache_shape(), 0.5), LAYOUT, "reader")
@@ -88,12 +91,22 @@ def bench_backend(backend: str) -> dict:
         for tokens in TOKENS:
             num_blocks = tokens // BLOCK_SIZE
             remote = list(range(num_blocks))
-            out[tokens] = {"scattered": time_reads(connector, hello, f"{tokens}-s", remote, list(range(1, 2 * num_blocks, 2)))}
+            layouts = {"scattered": list(range(1, 2 * num_blocks, 2))}
             if backend == "nixl":
-                out[tokens]["contiguous"] = time_reads(connector, hello, f"{tokens}-c", remote, list(range(num_blocks)))
-            for kind, row in out[tokens].items():
+                layouts["contiguous"] = list(range(num_blocks))
+            times = {kind: [] for kind in ("copy", *layouts)}
+            for i in range(REPEATS):
+                times["copy"].append(copies[tokens]())
+                for kind, local in layouts.items():
+                    times[kind].append(read_once(connector, hello, f"{tokens}-{kind}-{i}", remote, local))
+                    times[kind + "_descriptors"] = getattr(connector, "num_descriptors_last_read", None)
+            out[tokens] = {kind: _row(times[kind], num_blocks, times[kind + "_descriptors"]) for kind in layouts}
+            out[tokens]["copy"] = _row(times["copy"], num_blocks, None)
+            for kind in layouts:
+                row = out[tokens][kind]
                 print(f"  {tokens:>5} tokens, {kind:>10}: {row['latency_ms']:8.2f} ms  {row['gb_s']:6.2f} GB/s  "
-                      f"{row['descriptors']} descriptors", flush=True)
+                      f"{row['descriptors']} descriptors (copy beside it: {out[tokens]['copy']['gb_s']:.2f} GB/s)",
+                      flush=True)
         return out
     finally:
         connector.close()
@@ -101,34 +114,41 @@ def bench_backend(backend: str) -> dict:
         proc.wait()
 
 
-def time_reads(connector, hello, prefix: str, remote: list[int], local: list[int]) -> dict:
-    times = [read_once(connector, hello, f"{prefix}-{i}", remote, local) for i in range(REPEATS)]
+def _row(times: list[float], num_blocks: int, descriptors) -> dict:
     seconds = statistics.median(times)
-    descriptors = getattr(connector, "num_descriptors_last_read", None)
-    return {"latency_ms": seconds * 1000, "gb_s": len(remote) * block_bytes() / seconds / 1e9, "descriptors": descriptors}
+    return {"latency_ms": seconds * 1000, "gb_s": num_blocks * block_bytes() / seconds / 1e9, "descriptors": descriptors}
 
 
 def block_bytes() -> int:
     return LAYOUT.block_numel * 4
 
 
-def bench_copy() -> dict:
+def bench_copy() -> tuple[dict, dict]:
     """The same bytes in-process: memcpy of the gathered blocks into a preallocated buffer (the
-    machine's copy bandwidth, the baseline of the ratios), and block-to-block gather-scatter."""
+    machine's copy bandwidth, the baseline of the ratios), and block-to-block gather-scatter.
+    Returns the figures and, per token count, a function timing one memcpy (for the backends
+    to repeat beside their reads)."""
     print("== in-process copy", flush=True)
     src, dst = torch.randn(cache_shape()), torch.full(cache_shape(), 0.5)
-    out = {}
+    out, copies = {}, {}
     for tokens in TOKENS:
         num_blocks = tokens // BLOCK_SIZE
         remote, local = torch.arange(num_blocks), torch.arange(1, 2 * num_blocks, 2)
         gathered, staging = src[remote], torch.empty_like(src[remote])
+        copies[tokens] = functools.partial(_time_once, functools.partial(staging.copy_, gathered))
         memcpy = median_seconds(lambda: staging.copy_(gathered))
         scatter = median_seconds(lambda: dst.index_copy_(0, local, torch.index_select(src, 0, remote, out=staging)))
         out[tokens] = {"latency_ms": memcpy * 1000, "gb_s": gathered.nbytes / memcpy / 1e9,
                        "gather_scatter_gb_s": gathered.nbytes / scatter / 1e9}
         print(f"  {tokens:>5} tokens: memcpy {out[tokens]['latency_ms']:8.2f} ms  {out[tokens]['gb_s']:6.2f} GB/s; "
               f"gather+scatter {out[tokens]['gather_scatter_gb_s']:6.2f} GB/s", flush=True)
-    return out
+    return out, copies
+
+
+def _time_once(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
 def median_seconds(fn) -> float:
@@ -143,13 +163,13 @@ def median_seconds(fn) -> float:
 
 def main() -> None:
     torch.set_num_threads(1)  # one core per process, as for the two transfer processes
-    copy = bench_copy()
-    results = {"copy": copy, "nixl": bench_backend("nixl"), "gloo": bench_backend("gloo")}
+    copy, copies = bench_copy()
+    results = {"nixl": bench_backend("nixl", copies), "gloo": bench_backend("gloo", copies)}
     print(f"\n{'tokens':>6} {'MB':>6} | {'copy':>5} {'g+s':>5} | {'NIXL':>5} {'ratio':>5} {'ms':>6} {'desc':>4} "
           f"| {'NIXL1':>5} {'ratio':>5} {'desc':>4} | {'gloo':>5} {'ratio':>5} {'ms':>6}   (GB/s; ratio to copy)")
     summary = []
     for tokens in TOKENS:
-        summary.append(summary_row(tokens, copy[tokens], results["nixl"][tokens], results["gloo"][tokens]["scattered"]))
+        summary.append(summary_row(tokens, copy[tokens], results["nixl"][tokens], results["gloo"][tokens]))
         r = summary[-1]
         print(f"{tokens:>6} {r['megabytes']:6.1f} | {r['copy_gb_s']:5.2f} {r['gather_scatter_gb_s']:5.2f} | "
               f"{r['nixl_gb_s']:5.2f} {r['nixl_ratio']:5.2f} {r['nixl_latency_ms']:6.1f} {r['nixl_descriptors']:>4} | "
@@ -159,15 +179,17 @@ def main() -> None:
 
 
 def summary_row(tokens: int, copy: dict, nixl: dict, gloo: dict) -> dict:
-    base = copy["gb_s"]
+    """Ratios to the copy timed beside each backend's reads (copy_gb_s: the one beside NIXL)."""
     scattered, contiguous = nixl["scattered"], nixl["contiguous"]
+    base = nixl["copy"]["gb_s"]
     return {"tokens": tokens, "megabytes": tokens // BLOCK_SIZE * block_bytes() / 1e6, "copy_gb_s": base,
-            "copy_latency_ms": copy["latency_ms"], "gather_scatter_gb_s": copy["gather_scatter_gb_s"],
+            "copy_latency_ms": nixl["copy"]["latency_ms"], "gather_scatter_gb_s": copy["gather_scatter_gb_s"],
             "nixl_gb_s": scattered["gb_s"], "nixl_ratio": scattered["gb_s"] / base,
             "nixl_latency_ms": scattered["latency_ms"], "nixl_descriptors": scattered["descriptors"],
             "nixl_contiguous_gb_s": contiguous["gb_s"], "nixl_contiguous_ratio": contiguous["gb_s"] / base,
             "nixl_contiguous_latency_ms": contiguous["latency_ms"], "nixl_contiguous_descriptors": contiguous["descriptors"],
-            "gloo_gb_s": gloo["gb_s"], "gloo_ratio": gloo["gb_s"] / base, "gloo_latency_ms": gloo["latency_ms"]}
+            "gloo_gb_s": gloo["scattered"]["gb_s"], "gloo_ratio": gloo["scattered"]["gb_s"] / gloo["copy"]["gb_s"],
+            "gloo_latency_ms": gloo["scattered"]["latency_ms"]}
 
 
 if __name__ == "__main__":
