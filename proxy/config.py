@@ -23,7 +23,7 @@ class ProxyConfig:
     # node's own wait, times local_prefill_penalty (its decodes slow down meanwhile), is shorter.
     # None: always the prefill pool.
     local_prefill_min_wait_s: float | None = 1.0
-    local_prefill_penalty: float = 3.0
+    local_prefill_penalty: float = 2.0
 
     def __post_init__(self) -> None:
         if not self.decode_addresses:

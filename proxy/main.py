@@ -27,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--local-prefill-min-wait-s", type=float, default=1.0,
                         help="prefill on the decode node when the prefill pool's queue wait is at least this "
                              "and the decode node would start sooner (negative: never)")
-    parser.add_argument("--local-prefill-penalty", type=float, default=3.0,
+    parser.add_argument("--local-prefill-penalty", type=float, default=2.0,
                         help="how much a decode node's own queue wait counts against the pool's (>= 1)")
     parser.add_argument("--log-level", default="info")
 
