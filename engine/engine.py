@@ -147,7 +147,12 @@ class LLMEngine:
         self.num_steps += 1
         started = time.perf_counter()
         logits, sampled_requests = self.runner.execute(scheduled)
-        self.prefill_rate.observe(scheduled.num_prefill_tokens, time.perf_counter() - started)
+        elapsed = time.perf_counter() - started
+        self.prefill_rate.observe(scheduled.num_prefill_tokens, elapsed)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("step %d: %d decodes, %d prefill tokens in %d chunks, %d free blocks, %.1f ms",
+                         self.num_steps, len(scheduled.decodes), scheduled.num_prefill_tokens,
+                         len(scheduled.prefills), self.num_free_blocks, 1000 * elapsed)
         for request, num_new in scheduled.scheduled():
             request.num_computed_tokens += num_new
         if not sampled_requests:

