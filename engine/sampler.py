@@ -44,7 +44,9 @@ class Sampler:
         token_ids = torch.empty(len(requests), dtype=torch.long)
         greedy_idx = [i for i, r in enumerate(requests) if r.params.is_greedy]
         random_idx = [i for i, r in enumerate(requests) if not r.params.is_greedy]
-        if greedy_idx:
+        if len(greedy_idx) == len(requests):
+            token_ids = logits.argmax(dim=-1)  # no row gather: a copy of the whole logits
+        elif greedy_idx:
             token_ids[greedy_idx] = logits[greedy_idx].argmax(dim=-1)
         if random_idx:
             chosen = [requests[i] for i in random_idx]
