@@ -32,7 +32,7 @@ from pdserve.make_model import make_model  # noqa: E402
 SAMPLE_RATE_HZ = 100
 # Part name -> a substring of a stack frame; a sample counts for the first part it matches.
 NODE_PARTS = {
-    "matmuls (_linear)": "_linear (engine/model.py",
+    "matmuls (linear)": "linear (kernels/linear.py",
     "decode attention": "decode_attention",
     "prefill attention": "prefill_attention",
     "norms, rotary, activation, KV write": ("rms_norm", "apply_rotary", "silu_and_mul", "write_kv"),

@@ -14,6 +14,7 @@ from engine.config import ModelConfig
 from engine.weights import LayerWeights, ModelWeights
 from kernels.activation import silu_and_mul
 from kernels.decode_attention import decode_attention
+from kernels.linear import linear
 from kernels.prefill_attention import prefill_attention
 from kernels.rms_norm import add_rms_norm, rms_norm
 from kernels.rotary import apply_rotary, rotary_cos_sin_cache
@@ -69,11 +70,11 @@ class CausalLM:
                 )
             hidden = self._attention(layer, normed, meta, kv_cache[:, layer_idx])
             normed, residual = add_rms_norm(hidden, residual, layer.post_norm, self.config.rms_norm_eps)
-            hidden = _linear(silu_and_mul(_linear(normed, layer.gate_up_t)), layer.down_t)
+            hidden = linear(silu_and_mul(linear(normed, layer.gate_up)), layer.down)
         hidden = hidden[logits_indices]
         residual = residual[logits_indices]
         normed, _ = add_rms_norm(hidden, residual, self.weights.norm, self.config.rms_norm_eps)
-        return _linear(normed, self.weights.lm_head_t).float()
+        return linear(normed, self.weights.lm_head).float()
 
     def _attention(
         self, layer: LayerWeights, x: torch.Tensor, meta: AttentionMetadata,
@@ -81,7 +82,7 @@ class CausalLM:
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         cfg = self.config
-        qkv = _linear(x, layer.qkv_t, layer.qkv_bias)
+        qkv = linear(x, layer.qkv)
         query, key, value = qkv.split([self._q_size, self._kv_size, self._kv_size], dim=-1)
         query = query.reshape(num_tokens, cfg.num_heads, cfg.head_dim)
         key = key.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
@@ -89,7 +90,7 @@ class CausalLM:
         apply_rotary(query, key, meta.positions, self.cos_sin_cache)
         write_kv(key, value, kv_cache_layer, meta.slot_mapping)
         out = self._paged_attention(query, meta, kv_cache_layer)
-        return _linear(out.reshape(num_tokens, self._q_size), layer.o_t, layer.o_bias)
+        return linear(out.reshape(num_tokens, self._q_size), layer.o)
 
     def _paged_attention(
         self, query: torch.Tensor, meta: AttentionMetadata, kv_cache_layer: torch.Tensor
@@ -107,10 +108,3 @@ class CausalLM:
                 meta.prefill_cu_query_lens, meta.prefill_seq_lens, self.scale,
             ))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-
-def _linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight_t (+ bias); weight_t is [in, out]."""
-    if bias is None:
-        return x @ weight_t
-    return torch.addmm(bias, x, weight_t)

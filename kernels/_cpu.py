@@ -18,6 +18,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import torch
+
 logger = logging.getLogger(__name__)
 
 _SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
@@ -70,3 +72,22 @@ def _run(argv: list[str]) -> None:
     result = subprocess.run(argv, capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S)
     if result.returncode != 0:
         raise OSError(f"{' '.join(argv[:2])} ... exited {result.returncode}: {result.stderr.strip()[:500]}")
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_function(library: str, name: str, argtypes: tuple, restype=None):
+    """Function `name` of the compiled kernels/csrc/<library>.c with its ctypes signature, or
+    None when the library is unavailable (see load_library)."""
+    lib = load_library(library)
+    if lib is None:
+        return None
+    function = getattr(lib, name)
+    function.argtypes = list(argtypes)
+    function.restype = restype
+    return function
+
+
+def is_cpu_float32_rows(*tensors) -> bool:
+    """All CPU float32 2-D tensors with unit stride along their rows (what the C kernels take)."""
+    return all(t.device.type == "cpu" and t.dtype == torch.float32 and t.dim() == 2 and t.stride(1) == 1
+               for t in tensors)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 import torch.nn.functional as F
 
+from kernels._cpu import cpu_function, is_cpu_float32_rows
 from kernels._triton import tl, triton, use_triton
 
 
@@ -18,7 +21,8 @@ def silu_and_mul(x: torch.Tensor, force_triton: bool = False) -> torch.Tensor:
     if x.dim() != 2 or x.shape[-1] % 2:
         raise ValueError(f"silu_and_mul: x must be [num_tokens, 2 * intermediate], got {tuple(x.shape)}")
     if not use_triton(x, force_triton):
-        return silu_and_mul_ref(x)
+        out = _silu_and_mul_cpu(x)
+        return silu_and_mul_ref(x) if out is None else out
     num_tokens, width = x.shape
     half = width // 2
     out = torch.empty(num_tokens, half, dtype=x.dtype, device=x.device)
@@ -41,3 +45,17 @@ if triton is not None:
         up = tl.load(x_ptr + token * stride_x_token + half + offs, mask=mask, other=0.0).to(tl.float32)
         result = gate / (1.0 + tl.exp(-gate)) * up
         tl.store(out_ptr + token * stride_out_token + offs, result.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _silu_and_mul_cpu(x: torch.Tensor) -> torch.Tensor | None:
+    """The compiled CPU kernel (one pass) for float32 CPU rows; None where it does not apply."""
+    if not is_cpu_float32_rows(x):
+        return None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    kernel = cpu_function("elementwise", "silu_and_mul_f32", (ptr, i64, ptr, i64, i64, i64))
+    if kernel is None:
+        return None
+    num_rows, half = x.shape[0], x.shape[1] // 2
+    out = torch.empty(num_rows, half)
+    kernel(x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0), num_rows, half)
+    return out

@@ -6,8 +6,11 @@ the input dtype, then scale by the weight.
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
+from kernels._cpu import cpu_function, is_cpu_float32_rows
 from kernels._triton import tl, triton, use_triton
 
 
@@ -28,7 +31,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, force_triton: bo
     """x: [num_tokens, hidden], weight: [hidden] -> [num_tokens, hidden] in x.dtype."""
     _check(x, weight)
     if not use_triton(x, force_triton):
-        return rms_norm_ref(x, weight, eps)
+        out = _rms_norm_cpu(x, None, weight, eps)
+        return rms_norm_ref(x, weight, eps) if out is None else out[0]
     return _launch(x, None, weight, eps)[0]
 
 
@@ -40,8 +44,31 @@ def add_rms_norm(
     if residual.shape != x.shape:
         raise ValueError(f"add_rms_norm: residual {tuple(residual.shape)} != x {tuple(x.shape)}")
     if not use_triton(x, force_triton):
-        return add_rms_norm_ref(x, residual, weight, eps)
+        out = _rms_norm_cpu(x, residual, weight, eps)
+        return add_rms_norm_ref(x, residual, weight, eps) if out is None else out
     return _launch(x, residual, weight, eps)
+
+
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+_CPU_SIGNATURE = (_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, ctypes.c_float)
+
+
+def _rms_norm_cpu(x, residual, weight, eps):
+    """The compiled CPU kernel (one pass per row) for float32 CPU rows; None where it does not
+    apply (then the reference runs). Returns (out, new_residual)."""
+    tensors = (x, weight.view(1, -1)) + ((residual,) if residual is not None else ())
+    if not is_cpu_float32_rows(*tensors) or not weight.is_contiguous():
+        return None
+    kernel = cpu_function("elementwise", "add_rms_norm_f32", _CPU_SIGNATURE)
+    if kernel is None:
+        return None
+    num_rows, hidden = x.shape
+    out = torch.empty(num_rows, hidden)
+    new_residual = torch.empty(num_rows, hidden) if residual is not None else x
+    kernel(x.data_ptr(), x.stride(0), residual.data_ptr() if residual is not None else None,
+           residual.stride(0) if residual is not None else 0, weight.data_ptr(), out.data_ptr(), out.stride(0),
+           new_residual.data_ptr(), new_residual.stride(0), num_rows, hidden, eps)
+    return out, new_residual
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor) -> None:

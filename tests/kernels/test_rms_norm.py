@@ -62,9 +62,23 @@ def test_rms_norm_empty_batch_and_cpu_dispatch():
     x, weight = randn(0, 64), randn(64)
     assert rms_norm(x, weight, 1e-6, force_triton=True).shape == (0, 64)
     assert add_rms_norm(x, x, weight, 1e-6, force_triton=True)[0].shape == (0, 64)
-    if DEVICE == "cpu":
-        x = randn(5, 64)
+    if DEVICE == "cpu":  # half precision on CPU takes the reference itself
+        x, weight = randn(5, 64, dtype=torch.bfloat16), randn(64, dtype=torch.bfloat16)
         assert torch.equal(rms_norm(x, weight, 1e-6), rms_norm_ref(x, weight, 1e-6))
+
+
+@pytest.mark.parametrize("num_tokens, hidden", [(1, 64), (7, 576), (300, 960)])
+def test_cpu_float32_kernel_matches_reference(num_tokens, hidden):
+    """The compiled one-pass CPU kernel (float32) against the reference, with and without the
+    residual, on rows with a stride wider than the row (a view into a wider buffer)."""
+    wide = randn(num_tokens, hidden + 32, seed=1).cpu() * 3
+    x, residual, weight = wide[:, :hidden], randn(num_tokens, hidden, seed=2).cpu(), randn(hidden, seed=3).cpu()
+    assert_close(rms_norm(x, weight, 1e-6), rms_norm_ref(x, weight, 1e-6), torch.float32)
+    out, new_residual = add_rms_norm(x, residual, weight, 1e-5)
+    ref_out, ref_residual = add_rms_norm_ref(x, residual, weight, 1e-5)
+    assert torch.equal(new_residual, ref_residual)
+    assert_close(out, ref_out, torch.float32)
+    assert torch.equal(x, wide[:, :hidden]) and x.stride(0) == hidden + 32  # inputs untouched
 
 
 def test_rms_norm_rejects_mismatched_weight():

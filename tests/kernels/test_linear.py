@@ -1,0 +1,64 @@
+"""Dense projections: both CPU paths (BLAS on W^T, oneDNN on the prepacked copy) and the
+packed-only LM-head form against F.linear and a float64 oracle, on either side of the
+small-batch threshold."""
+
+import pytest
+import torch
+
+from kernels.linear import SMALL_BATCH, can_prepack, linear, linear_ref, prepare_linear
+from tests.kernels.conftest import DEVICE, DTYPES, assert_close, randn
+
+ROWS = [1, 7, 64, SMALL_BATCH, SMALL_BATCH + 1, 700]
+
+
+def oracle(x, weight, bias):
+    out = x.double() @ weight.double().t()
+    return out + bias.double() if bias is not None else out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_matches_reference_on_both_paths(rows, with_bias, dtype):
+    weight = randn(96, 160, dtype=dtype, seed=1) * 0.1
+    bias = randn(96, dtype=dtype, seed=2) if with_bias else None
+    x = randn(rows, 160, dtype=dtype, seed=3)
+    expected = oracle(x, weight, bias)
+    assert_close(linear_ref(x, weight, bias), expected, dtype)
+    for small_copy in (False, True):
+        got = linear(x, prepare_linear(weight, bias, small_batch_copy=small_copy))
+        assert got.shape == (rows, 96) and got.dtype == dtype
+        assert_close(got, expected, dtype)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 64, SMALL_BATCH + 3])
+def test_packed_only_weight_serves_any_number_of_rows(rows):
+    weight = randn(3000, 64, seed=4) * 0.1  # an LM head: many outputs
+    head = prepare_linear(weight, large_batches=False)
+    if can_prepack(weight):
+        assert head.weight_t is None and head.packed is not None
+    else:
+        assert head.packed is None and head.weight_t.data_ptr() == weight.data_ptr()  # a view, no copy
+    x = randn(rows, 64, seed=5)
+    assert_close(linear(x, head), oracle(x, weight, None), torch.float32)
+
+
+def test_small_batches_take_the_packed_copy_on_cpu_float32():
+    weight = randn(32, 48, seed=6)
+    both = prepare_linear(weight)
+    if not can_prepack(weight):
+        pytest.skip(f"no oneDNN packing for {DEVICE} float32 here")
+    assert both.packed is not None and both.weight_t.is_contiguous()
+    assert prepare_linear(weight, small_batch_copy=False).packed is None
+    assert prepare_linear(weight.to(torch.bfloat16)).packed is None  # float32 only
+    # A strided input still works (the packed path needs rows contiguous).
+    x = randn(10, 96, seed=7)[:, ::2]
+    assert_close(linear(x, both), oracle(x, weight, None), torch.float32)
+
+
+def test_linear_rejects_mismatched_shapes():
+    w = prepare_linear(randn(8, 16))
+    with pytest.raises(ValueError, match="linear"):
+        linear(randn(3, 15), w)
+    with pytest.raises(ValueError, match="prepare_linear"):
+        prepare_linear(randn(8, 16), randn(7))
