@@ -176,9 +176,11 @@ def bench_cpu_decode(repeats: int) -> dict:
     """One thread; see the module docstring. Times are per model step (all 30 layers)."""
     import time
 
+    from engine.host_memory import keep_freed_memory
     from kernels.decode_attention import decode_attention_cpu
 
     torch.set_num_threads(1)
+    keep_freed_memory()  # as the engine does: the gather's copies then reuse heap pages, no faults
     num_layers, num_blocks, block_size, num_heads, num_kv_heads, head_dim = 30, 2000, 16, 9, 3, 64
     num_seqs, seq_len = 64, 300
     gen = torch.Generator().manual_seed(0)
