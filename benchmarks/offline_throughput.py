@@ -27,7 +27,7 @@ sys.path.insert(0, str(REPO))
 
 from engine.llm import LLM  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
-from pdserve.make_model import make_model  # noqa: E402
+from pdserve.default_model import ensure_model  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -42,10 +42,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def model_dir_for(preset: str) -> Path:
-    path = REPO / ".cache" / "models" / f"{preset}-seed0"
-    if not (path / "config.json").exists():
-        make_model(path, preset)
-    return path
+    return ensure_model(REPO / ".cache" / "models" / f"{preset}-seed0", preset)
 
 
 def make_prompts(num: int, length: int, vocab: int) -> list[list[int]]:

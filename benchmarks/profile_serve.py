@@ -26,8 +26,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from pdserve.bench import BenchConfig, run_load, summarize  # noqa: E402
+from pdserve.default_model import ensure_model  # noqa: E402
 from pdserve.launcher import start_local, wait_healthy  # noqa: E402
-from pdserve.make_model import make_model  # noqa: E402
 
 SAMPLE_RATE_HZ = 100
 # Part name -> a substring of a stack frame; a sample counts for the first part it matches.
@@ -64,10 +64,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def model_dir_for(preset: str) -> Path:
-    path = REPO / ".cache" / "models" / f"{preset}-seed0"
-    if not (path / "config.json").exists():
-        make_model(path, preset)
-    return path
+    return ensure_model(REPO / ".cache" / "models" / f"{preset}-seed0", preset)
 
 
 def profile_preset(preset: str, args: argparse.Namespace) -> dict:

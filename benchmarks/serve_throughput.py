@@ -26,8 +26,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from pdserve.bench import BenchConfig, make_prompts, run_load, summarize  # noqa: E402
+from pdserve.default_model import ensure_model  # noqa: E402
 from pdserve.launcher import start_local, wait_healthy  # noqa: E402
-from pdserve.make_model import make_model  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -47,10 +47,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def model_dir_for(preset: str) -> Path:
-    path = REPO / ".cache" / "models" / f"{preset}-seed0"
-    if not (path / "config.json").exists():
-        make_model(path, preset)
-    return path
+    return ensure_model(REPO / ".cache" / "models" / f"{preset}-seed0", preset)
 
 
 def serve(model_dir: Path, args: argparse.Namespace, num_prefill: int, vocab: int, log_dir: Path) -> dict:
