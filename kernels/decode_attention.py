@@ -11,12 +11,11 @@ sequences of ~280 tokens with the small preset's heads, on 1 and 2 threads.
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
 import torch.nn.functional as F
 
-from kernels._cpu import load_library
+from kernels._cpu import cpu_function
 from kernels._triton import LOG2E, dot_in_fp32, tl, triton, use_triton
 
 # NOTE: split-K partitions of at least this many tokens keep each program's loop long enough
@@ -105,17 +104,13 @@ def _check_bounds(tables: torch.Tensor, lens: torch.Tensor, num_blocks: int, blo
         raise ValueError(f"decode_attention: block ids outside [0, {num_blocks})")
 
 
-@functools.lru_cache(maxsize=1)
+_I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+_CPU_SIGNATURE = (_PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64,
+                  _INT, _INT, _INT, _INT, _INT, ctypes.c_float)
+
+
 def _cpu_kernel():
-    library = load_library("paged_attention")
-    if library is None:
-        return None
-    kernel = library.paged_decode_attention_f32
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    kernel.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, i64, ptr, i64, ptr, ptr, i64, i64,
-                       ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float]
-    kernel.restype = ctypes.c_int
-    return kernel
+    return cpu_function("paged_attention", "paged_decode_attention_f32", _CPU_SIGNATURE, ctypes.c_int)
 
 
 def _check(query, kv_cache_layer, block_tables, seq_lens) -> None:
