@@ -25,6 +25,7 @@ run: model
 	$(VENV)/bin/pdserve up --model $(MODEL) --host $(HOST) --port $(PORT)
 
 test: install
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q tests
 
 clean:

@@ -21,14 +21,15 @@ import argparse
 import json
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from engine.protocol import num_blocks_for  # noqa: E402
 from kernels.activation import silu_and_mul, silu_and_mul_ref  # noqa: E402
 from kernels.block_copy import gather_blocks, gather_blocks_ref  # noqa: E402
 from kernels.decode_attention import decode_attention, decode_attention_ref  # noqa: E402
@@ -66,7 +67,6 @@ def measure_ceilings(iters: int) -> dict:
     n = 8192
     a, b = torch.randn(n, n, dtype=DTYPE, device="cuda"), torch.randn(n, n, dtype=DTYPE, device="cuda")
     matmul_ms = time_ms(lambda: a @ b, iters)
-    del src, dst, a, b
     return {"copy_gbps": 2 * GIB / copy_ms / 1e6, "matmul_tflops": 2 * n ** 3 / matmul_ms / 1e9}
 
 
@@ -82,7 +82,8 @@ def bandwidth_row(name: str, shape: str, num_bytes: int, kernel: Callable, torch
 def bench_elementwise(ceilings: dict, iters: int) -> list[dict]:
     tokens, hidden, intermediate = 8192, 4096, 14336
     size = DTYPE.itemsize
-    x, residual = torch.randn(tokens, hidden, dtype=DTYPE, device="cuda"), torch.randn(tokens, hidden, dtype=DTYPE, device="cuda")
+    x = torch.randn(tokens, hidden, dtype=DTYPE, device="cuda")
+    residual = torch.randn(tokens, hidden, dtype=DTYPE, device="cuda")
     weight = torch.randn(hidden, dtype=DTYPE, device="cuda")
     rows = [bandwidth_row("add_rms_norm", f"{tokens}x{hidden}", 4 * tokens * hidden * size,
                           lambda: add_rms_norm(x, residual, weight, 1e-5),
@@ -91,7 +92,8 @@ def bench_elementwise(ceilings: dict, iters: int) -> list[dict]:
     rows.append(bandwidth_row("silu_and_mul", f"{tokens}x{2 * intermediate}", 3 * tokens * intermediate * size,
                               lambda: silu_and_mul(gate_up), lambda: silu_and_mul_ref(gate_up), ceilings, iters))
     cache = rotary_cos_sin_cache(128, 8192, 500000.0, None, DTYPE).cuda()
-    query, key = torch.randn(tokens, 32, 128, dtype=DTYPE, device="cuda"), torch.randn(tokens, 8, 128, dtype=DTYPE, device="cuda")
+    query = torch.randn(tokens, 32, 128, dtype=DTYPE, device="cuda")
+    key = torch.randn(tokens, 8, 128, dtype=DTYPE, device="cuda")
     positions = torch.randint(0, 8192, (tokens,), device="cuda")
     rows.append(bandwidth_row("apply_rotary", f"{tokens}x(32+8)x128", 2 * tokens * 40 * 128 * size,
                               lambda: apply_rotary(query, key, positions, cache),
@@ -104,7 +106,8 @@ def bench_cache_ops(ceilings: dict, iters: int) -> list[dict]:
     num_blocks, num_layers = 1024, 32
     kv_cache = torch.randn(num_blocks, num_layers, 2, BLOCK_SIZE, 8, 128, dtype=DTYPE, device="cuda")
     tokens = 8192
-    key, value = torch.randn(tokens, 8, 128, dtype=DTYPE, device="cuda"), torch.randn(tokens, 8, 128, dtype=DTYPE, device="cuda")
+    key = torch.randn(tokens, 8, 128, dtype=DTYPE, device="cuda")
+    value = torch.randn(tokens, 8, 128, dtype=DTYPE, device="cuda")
     slots = torch.randperm(num_blocks * BLOCK_SIZE, device="cuda")[:tokens]
     layer = kv_cache[:, 3]
     rows = [bandwidth_row("write_kv", f"{tokens} tokens x 8 x 128", 4 * key.numel() * DTYPE.itemsize,
@@ -185,7 +188,7 @@ def bench_cpu_decode(repeats: int) -> dict:
     num_seqs, seq_len = 64, 300
     gen = torch.Generator().manual_seed(0)
     cache = torch.randn(num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim, generator=gen)
-    blocks_per_seq = -(-seq_len // block_size)
+    blocks_per_seq = num_blocks_for(seq_len, block_size)
     tables = torch.randperm(num_blocks, generator=gen)[:num_seqs * blocks_per_seq].view(num_seqs, -1).int()
     lens = torch.full((num_seqs,), seq_len, dtype=torch.int32)
     query = torch.randn(num_seqs, num_heads, head_dim, generator=gen)
@@ -215,7 +218,8 @@ def bench_cpu_decode(repeats: int) -> dict:
     num_bytes = num_seqs * seq_len * num_layers * 2 * num_kv_heads * head_dim * 4
     return {
         "device": "cpu (1 thread)", "kernel": "paged_decode_attention_f32",
-        "shape": f"{num_seqs} seqs x {seq_len} tokens, {num_heads}/{num_kv_heads} heads, d={head_dim}, {num_layers} layers",
+        "shape": (f"{num_seqs} seqs x {seq_len} tokens, {num_heads}/{num_kv_heads} heads, "
+                  f"d={head_dim}, {num_layers} layers"),
         "max_abs_err_vs_ref": err,
         "ms_per_step": {name: round(value, 1) for name, value in ms.items()},
         "kv_gbps": round(num_bytes / ms["c_kernel"] / 1e6, 2),

@@ -27,8 +27,8 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from kv_transfer.cli import create_connector  # noqa: E402
 from kv_transfer.config import TransferConfig  # noqa: E402
+from kv_transfer.factory import create_connector  # noqa: E402
 from kv_transfer.layout import KVLayout  # noqa: E402
 
 BLOCK_SIZE = 16
@@ -38,8 +38,8 @@ LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=BLOCK_S
                   num_blocks=2 * 8192 // BLOCK_SIZE + 8, model_fingerprint="bench", code_version="1")
 HOLDER = """
 import json, sys, os, time, msgspec, torch
-from kv_transfer.cli import create_connector
 from kv_transfer.config import TransferConfig
+from kv_transfer.factory import create_connector
 from kv_transfer.layout import KVLayout
 layout = msgspec.json.decode(sys.argv[1], type=KVLayout)
 shape = (layout.num_blocks, layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
@@ -116,7 +116,8 @@ def bench_backend(backend: str, copies: dict) -> dict:
 
 def _row(times: list[float], num_blocks: int, descriptors) -> dict:
     seconds = statistics.median(times)
-    return {"latency_ms": seconds * 1000, "gb_s": num_blocks * block_bytes() / seconds / 1e9, "descriptors": descriptors}
+    return {"latency_ms": seconds * 1000, "gb_s": num_blocks * block_bytes() / seconds / 1e9,
+            "descriptors": descriptors}
 
 
 def block_bytes() -> int:
@@ -136,8 +137,10 @@ def bench_copy() -> tuple[dict, dict]:
         remote, local = torch.arange(num_blocks), torch.arange(1, 2 * num_blocks, 2)
         gathered, staging = src[remote], torch.empty_like(src[remote])
         copies[tokens] = functools.partial(_time_once, functools.partial(staging.copy_, gathered))
-        memcpy = median_seconds(lambda: staging.copy_(gathered))
-        scatter = median_seconds(lambda: dst.index_copy_(0, local, torch.index_select(src, 0, remote, out=staging)))
+        memcpy = median_seconds(functools.partial(staging.copy_, gathered))
+        scatter = median_seconds(
+            lambda local=local, remote=remote, staging=staging:
+                dst.index_copy_(0, local, torch.index_select(src, 0, remote, out=staging)))
         out[tokens] = {"latency_ms": memcpy * 1000, "gb_s": gathered.nbytes / memcpy / 1e9,
                        "gather_scatter_gb_s": gathered.nbytes / scatter / 1e9}
         print(f"  {tokens:>5} tokens: memcpy {out[tokens]['latency_ms']:8.2f} ms  {out[tokens]['gb_s']:6.2f} GB/s; "
@@ -173,7 +176,8 @@ def main() -> None:
         r = summary[-1]
         print(f"{tokens:>6} {r['megabytes']:6.1f} | {r['copy_gb_s']:5.2f} {r['gather_scatter_gb_s']:5.2f} | "
               f"{r['nixl_gb_s']:5.2f} {r['nixl_ratio']:5.2f} {r['nixl_latency_ms']:6.1f} {r['nixl_descriptors']:>4} | "
-              f"{r['nixl_contiguous_gb_s']:5.2f} {r['nixl_contiguous_ratio']:5.2f} {r['nixl_contiguous_descriptors']:>4} | "
+              f"{r['nixl_contiguous_gb_s']:5.2f} {r['nixl_contiguous_ratio']:5.2f} "
+              f"{r['nixl_contiguous_descriptors']:>4} | "
               f"{r['gloo_gb_s']:5.2f} {r['gloo_ratio']:5.2f} {r['gloo_latency_ms']:6.1f}")
     print("RESULT " + json.dumps({"block_bytes": block_bytes(), "rows": summary}))
 
@@ -187,7 +191,8 @@ def summary_row(tokens: int, copy: dict, nixl: dict, gloo: dict) -> dict:
             "nixl_gb_s": scattered["gb_s"], "nixl_ratio": scattered["gb_s"] / base,
             "nixl_latency_ms": scattered["latency_ms"], "nixl_descriptors": scattered["descriptors"],
             "nixl_contiguous_gb_s": contiguous["gb_s"], "nixl_contiguous_ratio": contiguous["gb_s"] / base,
-            "nixl_contiguous_latency_ms": contiguous["latency_ms"], "nixl_contiguous_descriptors": contiguous["descriptors"],
+            "nixl_contiguous_latency_ms": contiguous["latency_ms"],
+            "nixl_contiguous_descriptors": contiguous["descriptors"],
             "gloo_gb_s": gloo["scattered"]["gb_s"], "gloo_ratio": gloo["scattered"]["gb_s"] / gloo["copy"]["gb_s"],
             "gloo_latency_ms": gloo["scattered"]["latency_ms"]}
 

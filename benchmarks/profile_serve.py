@@ -48,7 +48,7 @@ PROXY_PARTS = {
     "HTTP + SSE (uvicorn, h11, starlette)": ("h11", "starlette", "_SelectorSocketTransport"),
     "JSON encoding": ("json/", "_sse"),
     "detokenize, stop strings, logprobs": "proxy/choices.py",
-    "request flow and routing": ("proxy/flow.py", "proxy/nodes.py"),
+    "request flow and routing": ("proxy/request_flow.py", "proxy/nodes.py"),
     "asyncio loop": "asyncio/",
 }
 

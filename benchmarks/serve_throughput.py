@@ -36,7 +36,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--transfer-backend", default="nixl")
+    parser.add_argument("--transfer-backend", default=None, help="nixl or gloo (default: the node's)")
     parser.add_argument("--colocated", action="store_true", help="also measure one colocated server")
     parser.add_argument("--reference-prompts", type=int, default=None,
                         help="time transformers on this many prompts (default: all); tok/s is per prompt anyway")
@@ -52,8 +52,11 @@ def model_dir_for(preset: str) -> Path:
 
 def serve(model_dir: Path, args: argparse.Namespace, num_prefill: int, vocab: int, log_dir: Path) -> dict:
     log_dir.mkdir(parents=True, exist_ok=True)
-    deployment = start_local(model_dir, num_prefill=num_prefill, num_decode=1, transfer_backend=args.transfer_backend,
-                             node_args=args.node_args.split(), proxy_args=args.proxy_args.split(), log_dir=log_dir)
+    node_args = args.node_args.split()
+    if args.transfer_backend:
+        node_args += ["--transfer-backend", args.transfer_backend]
+    deployment = start_local(model_dir, num_prefill=num_prefill, num_decode=1, node_args=node_args,
+                             proxy_args=args.proxy_args.split(), log_dir=log_dir)
     try:
         wait_healthy(deployment, 300)
         config = BenchConfig(base_url=deployment.base_url, model=model_dir.name, num_requests=args.num_requests,

@@ -3,8 +3,8 @@
 A request with a KV handle waits until enough local blocks are free (natural back-pressure),
 then its blocks are pulled with one read; on success it joins the running batch, on failure it
 falls back to prefilling locally (counted and logged). Every exit path tells the prefill node,
-so its lease never waits for its timeout in normal operation. Without a handle (colocated
-mode), the node prefills locally.
+so its lease never waits for its timeout in normal operation. A request without a handle (the
+proxy chose to prefill it here) is prefilled locally.
 """
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ from dataclasses import dataclass
 
 from engine import protocol
 from engine.engine import LLMEngine
-from engine.node_server import EngineServer, ServerConfig
+from engine.protocol import Role, num_blocks_for
 from engine.sampling_params import SamplingParams
 from kv_transfer.base import KVConnector
+from node.server import NodeServer, ServerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -29,11 +30,11 @@ class _Pull:
     local_block_ids: list[int]
 
 
-class DecodeNode(EngineServer):
-    def __init__(self, engine: LLMEngine, config: ServerConfig, connector: KVConnector | None,
-                 role: str = "decode") -> None:
+class DecodeNode(NodeServer):
+    role = Role.DECODE
+
+    def __init__(self, engine: LLMEngine, config: ServerConfig, connector: KVConnector) -> None:
         super().__init__(engine, config)
-        self.role = role
         self.connector = connector
         self._admission: deque[tuple[protocol.DecodeRequest, SamplingParams]] = deque()
         self._pulls: dict[str, _Pull] = {}
@@ -67,8 +68,6 @@ class DecodeNode(EngineServer):
         return bool(self._admission or self._pulls)
 
     def poll_transfers(self) -> None:
-        if self.connector is None:
-            return
         self._start_pulls()
         for result in self.connector.poll():
             pull = self._pulls.pop(result.request_id, None)
@@ -87,17 +86,14 @@ class DecodeNode(EngineServer):
             self._release_remote(message)
         for request_id in list(self._pulls):
             self.handle_abort(request_id)
-        if self.connector is not None:
-            self.connector.close()
+        self.connector.close()
         super().close()
 
     def _check_pull_request(self, message: protocol.DecodeRequest) -> SamplingParams:
-        if self.connector is None:
-            raise ValueError(f"request {message.request_id}: this node has no KV connector (role {self.role})")
         if message.first_token is None:
             raise ValueError(f"request {message.request_id}: a KV handle needs the first token")
         handle = message.kv_handle
-        num_needed = -(-len(message.prompt_token_ids) // self.engine.block_size)
+        num_needed = num_blocks_for(len(message.prompt_token_ids), self.engine.block_size)
         if handle.num_tokens != len(message.prompt_token_ids) or len(handle.block_ids) != num_needed:
             raise ValueError(
                 f"request {message.request_id}: KV handle has {handle.num_tokens} tokens in "
@@ -143,7 +139,7 @@ class DecodeNode(EngineServer):
             self.reply_error(message.request_id, exc, is_client_error=True)
 
     def _release_remote(self, message: protocol.DecodeRequest) -> None:
-        if self.connector is None or message.kv_handle is None:
+        if message.kv_handle is None:
             return
         handle = message.kv_handle
         self.connector.release_remote(message.request_id, handle.engine_id, handle.agent_address)

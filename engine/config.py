@@ -8,9 +8,18 @@ from pathlib import Path
 
 import torch
 
+from engine.protocol import Role
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-ROLES = ("both", "prefill", "decode")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_DTYPE = "float32"  # greedy output equals transformers' token for token in float32
+
+
+def resolve_device(device: str) -> str:
+    """"auto": CUDA when available, else the CPU; any other name as given."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
 
 
 @dataclass(frozen=True)
@@ -63,8 +72,8 @@ class ModelConfig:
 
     @classmethod
     def from_pretrained(
-        cls, model_dir: str | Path, dtype: str = "float32", max_model_len: int | None = None
-    ) -> "ModelConfig":
+        cls, model_dir: str | Path, dtype: str = DEFAULT_DTYPE, max_model_len: int | None = None
+    ) -> ModelConfig:
         """Read config.json (and generation_config.json for eos ids). Raises ValueError for an
         unsupported architecture or dtype, FileNotFoundError for a missing config."""
         model_dir = Path(model_dir)
@@ -137,7 +146,6 @@ class CacheConfig:
     block_size: int = 16
     num_blocks: int | None = None  # None: sized from kv_cache_memory_bytes or free memory
     kv_cache_memory_bytes: int | None = None
-    enable_prefix_caching: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -152,7 +160,6 @@ class CacheConfig:
 class SchedulerConfig:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
-    role: str = "both"  # both: plain engine; prefill: stop after the first token; decode
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -161,8 +168,6 @@ class SchedulerConfig:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
             )
-        if self.role not in ROLES:
-            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
 
 
 @dataclass(frozen=True)
@@ -172,3 +177,8 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: str = "cpu"
     seed: int = 0
+    role: Role = Role.COLOCATED  # PREFILL: each request stops after its first token (see Role)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.role, Role):
+            raise ValueError(f"role must be a Role, got {self.role!r}")

@@ -14,9 +14,9 @@ import torch
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig
 from engine.host_memory import keep_freed_memory
-from engine.kv_cache import allocate_kv_cache, num_blocks_for
+from engine.kv_cache import allocate_kv_cache, num_cache_blocks
 from engine.model import CausalLM
-from engine.protocol import TokenLogprob
+from engine.protocol import Role, TokenLogprob, num_blocks_for
 from engine.request import FinishReason, Request
 from engine.runner import ModelRunner
 from engine.sampler import Sampler
@@ -69,11 +69,11 @@ class LLMEngine:
         if config.device == "cpu":
             keep_freed_memory()  # before the cache and weights exist, so they come from the heap too
         model_cfg = config.model
-        num_blocks = num_blocks_for(model_cfg, config.cache, config.device)
+        num_blocks = num_cache_blocks(model_cfg, config.cache, config.device)
         self.config = replace(config, cache=replace(config.cache, num_blocks=num_blocks))
         self.block_size = config.cache.block_size
         # A prefill-only engine runs big batches: no packed copies of the projections for small ones.
-        weights = load_weights(model_cfg, config.device, small_batch_copies=config.scheduler.role != "prefill")
+        weights = load_weights(model_cfg, config.device, small_batch_copies=config.role is not Role.PREFILL)
         self.model = CausalLM(model_cfg, weights, config.device)
         self.kv_cache = allocate_kv_cache(model_cfg, num_blocks, self.block_size, config.device)
         self.block_pool = BlockPool(num_blocks)
@@ -119,7 +119,7 @@ class LLMEngine:
         """Join a request whose prompt KV already sits in block_ids (decode role, after a
         pull); the engine owns block_ids from here on and frees them when it finishes."""
         request = self._new_request(request_id, prompt_token_ids, params, [first_token.token_id])
-        needed = -(-len(prompt_token_ids) // self.block_size)
+        needed = num_blocks_for(len(prompt_token_ids), self.block_size)
         if len(block_ids) != needed:
             raise ValueError(f"request {request_id}: {len(block_ids)} blocks for a prompt needing {needed}")
         request.output_logprobs.append(first_token)
@@ -184,7 +184,7 @@ class LLMEngine:
             return FinishReason.LENGTH
         if request.num_tokens >= request.max_total_tokens:
             return FinishReason.LENGTH
-        if self.config.scheduler.role == "prefill":
+        if self.config.role is Role.PREFILL:
             return FinishReason.PREFILLED
         return None
 

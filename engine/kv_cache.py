@@ -31,7 +31,7 @@ def block_size_bytes(model: ModelConfig, block_size: int) -> int:
     return numel * model.dtype.itemsize
 
 
-def num_blocks_for(model: ModelConfig, cache: CacheConfig, device: str) -> int:
+def num_cache_blocks(model: ModelConfig, cache: CacheConfig, device: str) -> int:
     """The block count: cache.num_blocks if set, else the memory budget over the block size."""
     if cache.num_blocks is not None:
         return cache.num_blocks

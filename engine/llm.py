@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
 
-import torch
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
-from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, resolve_device
 from engine.engine import LLMEngine, StepOutput
 from engine.protocol import TokenLogprob
 from engine.sampling_params import SamplingParams
@@ -37,24 +37,24 @@ class RequestOutput:
 
 
 class LLM:
-    """A plain (colocated) engine on local weights. Options: dtype, max_model_len, block_size,
-    num_blocks, kv_cache_memory_bytes, max_num_seqs, max_num_batched_tokens, device, seed."""
+    """A plain (colocated) engine on local weights. Options (each default is its config field's):
+    dtype and max_model_len (ModelConfig.from_pretrained), block_size, num_blocks and
+    kv_cache_memory_bytes (CacheConfig), max_num_seqs and max_num_batched_tokens
+    (SchedulerConfig), device ("auto": CUDA when available) and seed (EngineConfig). Raises
+    TypeError for an unknown option, ValueError for a bad value."""
 
-    def __init__(
-        self, model: str, *, dtype: str = "float32", max_model_len: int | None = None,
-        block_size: int = 16, num_blocks: int | None = None,
-        kv_cache_memory_bytes: int | None = None, max_num_seqs: int = 128,
-        max_num_batched_tokens: int = 2048, device: str = "auto", seed: int = 0,
-    ) -> None:
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
+    def __init__(self, model: str, *, dtype: str | None = None, max_model_len: int | None = None,
+                 device: str = "auto", **options) -> None:
+        model_options = {"dtype": dtype} if dtype else {}
         config = EngineConfig(
-            model=ModelConfig.from_pretrained(model, dtype=dtype, max_model_len=max_model_len),
-            cache=CacheConfig(block_size, num_blocks, kv_cache_memory_bytes),
-            scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
-            device=device,
-            seed=seed,
+            model=ModelConfig.from_pretrained(model, max_model_len=max_model_len, **model_options),
+            cache=CacheConfig(**_pick(options, CacheConfig)),
+            scheduler=SchedulerConfig(**_pick(options, SchedulerConfig)),
+            device=resolve_device(device),
+            **_pick(options, EngineConfig, only=("seed",)),
         )
+        if options:
+            raise TypeError(f"LLM got unknown options: {', '.join(sorted(options))}")
         self.engine = LLMEngine(config)
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         self._ids = itertools.count()
@@ -68,7 +68,7 @@ class LLM:
         prompt_list = _as_prompt_list(prompts)
         params_list = _as_params_list(sampling_params, len(prompt_list))
         outputs = [self._make_output(p) for p in prompt_list]
-        for output, params in zip(outputs, params_list):
+        for output in outputs:
             self.engine.check_token_ids(output.request_id, output.prompt_token_ids, [])
         for output, params in zip(outputs, params_list):
             self.engine.add_request(output.request_id, output.prompt_token_ids, params)
@@ -116,6 +116,12 @@ class LLM:
         for output in outputs:
             completion = output.outputs[0]
             completion.text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+
+
+def _pick(options: dict, config_class, only: tuple[str, ...] | None = None) -> dict:
+    """Take the options named like config_class's fields (or only those listed) out of options."""
+    names = only or tuple(f.name for f in dataclasses.fields(config_class))
+    return {name: options.pop(name) for name in names if name in options}
 
 
 def _absorb(completion: CompletionOutput, step: StepOutput, params: SamplingParams) -> None:

@@ -1,4 +1,5 @@
-"""Every message that crosses a process boundary (proxy <-> nodes), defined once.
+"""Every message that crosses a process boundary (proxy <-> nodes), and the sampling rules both
+sides check, defined once.
 
 msgspec structs encoded as msgpack with a type tag. This module imports no torch, so the proxy
 can import it cheaply. Bump PROTOCOL_VERSION on any incompatible change.
@@ -6,20 +7,38 @@ can import it cheaply. Bump PROTOCOL_VERSION on any incompatible change.
 
 from __future__ import annotations
 
+import enum
+
 import msgspec
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
+
+# ---- sampling: defaults and ranges, checked by the proxy (400) and by the engine (ValueError) ----
+
+MAX_LOGPROBS = 20  # top alternatives per token a request may ask for
+MAX_SEED = 2**63 - 1  # seeds fit a signed 64-bit generator seed
+
+
+class Role(str, enum.Enum):
+    """What a node (and its engine) does. PREFILL: each request stops after its first token and
+    its blocks go to a lease. DECODE: pulls prompts' KV from prefill nodes and decodes them
+    (prefilling locally when told to or when a pull fails). COLOCATED: prefills and decodes
+    everything itself."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+    COLOCATED = "colocated"
 
 
 class SamplingOptions(msgspec.Struct, frozen=True, omit_defaults=True):
-    """Per-request sampling settings as they travel between processes (validated by the proxy,
-    validated again by the engine's SamplingParams)."""
+    """Per-request sampling settings as they travel between processes. Every default lives here;
+    check_sampling() states every range."""
 
     max_tokens: int = 16
     min_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = 0  # 0: off
+    top_k: int = 0  # 0 (or -1): off
     min_p: float = 0.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -28,6 +47,56 @@ class SamplingOptions(msgspec.Struct, frozen=True, omit_defaults=True):
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; N >= 0: the chosen token's plus the top N
+
+
+# (field, lowest, highest, is the lowest itself allowed): None where a side is open.
+SAMPLING_RANGES: tuple[tuple[str, float | None, float | None, bool], ...] = (
+    ("max_tokens", 1, None, True),
+    ("min_tokens", 0, None, True),
+    ("temperature", 0.0, 2.0, True),
+    ("top_p", 0.0, 1.0, False),
+    ("top_k", -1, None, True),
+    ("min_p", 0.0, 1.0, True),
+    ("presence_penalty", -2.0, 2.0, True),
+    ("frequency_penalty", -2.0, 2.0, True),
+    ("repetition_penalty", 0.0, 2.0, False),
+    ("seed", 0, MAX_SEED, True),
+    ("logprobs", 0, MAX_LOGPROBS, True),
+)
+
+
+class SamplingError(ValueError):
+    """A sampling option out of its range; param names the field (the OpenAI error's param)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def check_sampling(options: SamplingOptions) -> None:
+    """Raise SamplingError naming the first field out of its range (see SAMPLING_RANGES)."""
+    for name, low, high, is_low_allowed in SAMPLING_RANGES:
+        value = getattr(options, name)
+        if value is None:
+            continue
+        too_low = low is not None and (value < low or (value == low and not is_low_allowed))
+        if too_low or (high is not None and value > high):
+            raise SamplingError(name, f"{name} must be in {_range_text(low, high, is_low_allowed)}, got {value}")
+    if options.min_tokens > options.max_tokens:
+        raise SamplingError("min_tokens", f"min_tokens ({options.min_tokens}) must be <= max_tokens "
+                                          f"({options.max_tokens})")
+    if any(t < 0 for t in options.stop_token_ids):
+        raise SamplingError("stop_token_ids", f"stop_token_ids must be non-negative, got {options.stop_token_ids}")
+
+
+def _range_text(low, high, is_low_allowed: bool) -> str:
+    opening = "[" if is_low_allowed else "("
+    return f"{opening}{low}, {'inf)' if high is None else f'{high}]'}"
+
+
+def num_blocks_for(num_tokens: int, block_size: int) -> int:
+    """KV blocks that num_tokens tokens fill (the last one partly): ceil(num_tokens / block_size)."""
+    return -(-num_tokens // block_size)
 
 
 class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
@@ -96,7 +165,6 @@ class PrefillResult(msgspec.Struct, tag="prefill_result", frozen=True):
     num_prompt_tokens: int
     kv_handle: KVHandle | None = None
     finish_reason: str | None = None
-    num_cached_tokens: int = 0
 
 
 class RequestDelta(msgspec.Struct, frozen=True, array_like=True):
@@ -106,7 +174,6 @@ class RequestDelta(msgspec.Struct, frozen=True, array_like=True):
     tokens: list[TokenLogprob]
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
 
 
 class TokenBatch(msgspec.Struct, tag="token_batch", frozen=True):
@@ -131,16 +198,16 @@ class LoadReport(msgspec.Struct, tag="load_report", frozen=True):
     request and every one before it (one connection delivers in order)."""
 
     node_id: str
-    role: str  # "prefill" | "decode" | "both"
+    role: Role
     protocol_version: int
     model_name: str
     max_model_len: int
+    block_size: int
     num_running: int
     num_waiting: int
     num_queued_prompt_tokens: int
     num_free_blocks: int
     num_total_blocks: int
-    num_prefix_cache_hits: int = 0
     num_pending_pulls: int = 0
     num_leases: int = 0
     num_kv_fallbacks: int = 0

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
 
 from engine.protocol import TokenLogprob
@@ -30,7 +29,6 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     max_total_tokens: int  # prompt + output never exceeds this (max_model_len)
-    arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)

@@ -142,7 +142,7 @@ class Sampler:
 def _row_settings(requests: list[Request], vocab_size: int) -> _Rows:
     return _Rows(
         temperature=torch.tensor([r.params.temperature for r in requests]).unsqueeze(1),
-        top_k=torch.tensor([r.params.top_k or vocab_size for r in requests]),
+        top_k=torch.tensor([r.params.top_k if 0 < r.params.top_k < vocab_size else vocab_size for r in requests]),
         top_p=torch.tensor([r.params.top_p for r in requests]),
         min_p=torch.tensor([r.params.min_p for r in requests]),
     )

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from engine.block_pool import BlockPool
 from engine.config import SchedulerConfig
+from engine.protocol import num_blocks_for
 from engine.request import FinishReason, Request, RequestStatus
 
 
@@ -121,7 +122,7 @@ class Scheduler:
         return True
 
     def _reserve_blocks(self, request: Request, num_new: int) -> bool:
-        num_needed = -(-(request.num_computed_tokens + num_new) // self.block_size)
+        num_needed = num_blocks_for(request.num_computed_tokens + num_new, self.block_size)
         num_missing = num_needed - len(request.block_ids)
         if num_missing <= 0:
             return True

@@ -91,7 +91,8 @@ def _read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
     for path in files:
         with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
+            names = f.keys()  # a safe_open handle is not iterable itself
+            for name in names:
                 tensors[name] = f.get_tensor(name)
     return tensors
 

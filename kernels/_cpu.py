@@ -34,7 +34,7 @@ _LIBS = ("-lmvec", "-lm")
 _BUILD_TIMEOUT_S = 120
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def load_library(name: str) -> ctypes.CDLL | None:
     """The compiled kernels/csrc/<name>.c, built if needed; None (logged once) when no C
     compiler is found or the build fails. Thread-safe enough for start-up: concurrent builds
@@ -74,7 +74,7 @@ def _run(argv: list[str]) -> None:
         raise OSError(f"{' '.join(argv[:2])} ... exited {result.returncode}: {result.stderr.strip()[:500]}")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def cpu_function(library: str, name: str, argtypes: tuple, restype=None):
     """Function `name` of the compiled kernels/csrc/<library>.c with its ctypes signature, or
     None when the library is unavailable (see load_library)."""

@@ -16,6 +16,12 @@ except ImportError:  # NOTE: a CPU-only install may lack triton; the references 
     tl = None
 
 
+def cdiv(numerator: int, denominator: int) -> int:
+    """Ceil division, for grids and block counts (kernels import nothing of ours, so the engine's
+    engine.protocol.num_blocks_for is not reachable here)."""
+    return -(-numerator // denominator)
+
+
 LOG2E = 1.4426950408889634  # attention kernels use exp2: e^x = 2^(x log2 e)
 
 

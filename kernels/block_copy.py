@@ -29,7 +29,8 @@ def copy_blocks_ref(kv_cache, src_block_ids, dst_block_ids) -> None:
     kv_cache[dst_block_ids.long()] = kv_cache[src_block_ids.long()]
 
 
-def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor, force_triton: bool = False) -> None:
+def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor,
+                  force_triton: bool = False) -> None:
     """out[i] = kv_cache[block_ids[i]]. kv_cache: [num_blocks, *block shape] contiguous;
     block_ids: [n] int64; out: [n, *block shape] contiguous, owned by the caller. Raises
     ValueError on mismatched shapes. Asynchronous on CUDA (stream order)."""
@@ -39,7 +40,8 @@ def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Te
     return _launch(kv_cache, out, block_ids, None)
 
 
-def scatter_blocks(staging: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor, force_triton: bool = False) -> None:
+def scatter_blocks(staging: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor,
+                   force_triton: bool = False) -> None:
     """kv_cache[block_ids[i]] = staging[i]; shapes as gather_blocks, ids must be distinct."""
     _check(kv_cache, block_ids, staging, "scatter_blocks")
     if not use_triton(kv_cache, force_triton):
@@ -52,7 +54,8 @@ def copy_blocks(kv_cache: torch.Tensor, src_block_ids: torch.Tensor, dst_block_i
     """kv_cache[dst[i]] = kv_cache[src[i]]; sources and destinations must not overlap (the
     Triton path reads and writes in one pass)."""
     if src_block_ids.shape != dst_block_ids.shape or src_block_ids.dim() != 1:
-        raise ValueError(f"copy_blocks: {tuple(src_block_ids.shape)} sources, {tuple(dst_block_ids.shape)} destinations")
+        raise ValueError(
+            f"copy_blocks: {tuple(src_block_ids.shape)} sources, {tuple(dst_block_ids.shape)} destinations")
     if not kv_cache.is_contiguous():
         raise ValueError("copy_blocks: the cache must be contiguous")
     if not use_triton(kv_cache, force_triton):
@@ -64,7 +67,8 @@ def _check(kv_cache, block_ids, buffer, name) -> None:
     if not kv_cache.is_contiguous() or not buffer.is_contiguous():
         raise ValueError(f"{name}: cache and buffer must be contiguous")
     if buffer.shape[1:] != kv_cache.shape[1:] or buffer.shape[0] != block_ids.shape[0]:
-        raise ValueError(f"{name}: buffer {tuple(buffer.shape)} vs cache {tuple(kv_cache.shape)}, {block_ids.shape[0]} ids")
+        raise ValueError(
+            f"{name}: buffer {tuple(buffer.shape)} vs cache {tuple(kv_cache.shape)}, {block_ids.shape[0]} ids")
 
 
 def _launch(src, dst, src_ids, dst_ids) -> None:

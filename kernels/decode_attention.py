@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels._cpu import cpu_function
-from kernels._triton import LOG2E, dot_in_fp32, tl, triton, use_triton
+from kernels._triton import LOG2E, cdiv, dot_in_fp32, tl, triton, use_triton
 
 # NOTE: split-K partitions of at least this many tokens keep each program's loop long enough
 # to hide latency while still filling the GPU when only a few long sequences decode.
@@ -33,7 +33,7 @@ def decode_attention_ref(query, kv_cache_layer, block_tables, seq_lens, scale) -
     if num_seqs == 0:
         return torch.empty_like(query)
     width = int(seq_lens.max())
-    num_blocks = -(-max(width, 1) // kv_cache_layer.shape[2])
+    num_blocks = cdiv(max(width, 1), kv_cache_layer.shape[2])
     # NOTE: index_select with flat ids copies whole block rows; advanced indexing with the 2-D
     # table took 7x longer on CPU (per-element strided copies of the block-major cache).
     block_ids = block_tables[:, :num_blocks].reshape(-1)
@@ -98,7 +98,7 @@ def _check_bounds(tables: torch.Tensor, lens: torch.Tensor, num_blocks: int, blo
     longest = int(lens.max())
     if longest > tables.shape[1] * block_size or int(lens.min()) < 0:
         raise ValueError(f"decode_attention: seq_lens up to {longest} for block tables of width {tables.shape[1]}")
-    num_used = -(-longest // block_size)
+    num_used = cdiv(longest, block_size)
     used = tables[:, :num_used]
     if used.numel() and (int(used.min()) < 0 or int(used.max()) >= num_blocks):
         raise ValueError(f"decode_attention: block ids outside [0, {num_blocks})")
@@ -117,9 +117,11 @@ def _check(query, kv_cache_layer, block_tables, seq_lens) -> None:
     if query.dim() != 3 or kv_cache_layer.dim() != 5 or query.shape[-1] != kv_cache_layer.shape[-1]:
         raise ValueError(f"decode_attention: query {tuple(query.shape)}, cache {tuple(kv_cache_layer.shape)}")
     if query.shape[1] % kv_cache_layer.shape[3]:
-        raise ValueError(f"decode_attention: {query.shape[1]} heads not a multiple of {kv_cache_layer.shape[3]} KV heads")
+        raise ValueError(
+            f"decode_attention: {query.shape[1]} heads not a multiple of {kv_cache_layer.shape[3]} KV heads")
     if block_tables.shape[0] != query.shape[0] or seq_lens.shape != query.shape[:1]:
-        raise ValueError(f"decode_attention: {query.shape[0]} seqs, block tables {tuple(block_tables.shape)}, seq_lens {tuple(seq_lens.shape)}")
+        raise ValueError(f"decode_attention: {query.shape[0]} seqs, block tables {tuple(block_tables.shape)}, "
+                         f"seq_lens {tuple(seq_lens.shape)}")
 
 
 def _num_sms(device: torch.device) -> int:
@@ -133,12 +135,12 @@ def _plan_splits(num_seqs: int, num_kv_heads: int, max_len: int, block_n: int, d
     """(num_splits, tokens_per_split): enough programs to fill the device a few times over,
     each over at least _MIN_TOKENS_PER_SPLIT tokens, split ends on BLOCK_N boundaries when long."""
     if num_splits is None:
-        wanted = triton.cdiv(4 * _num_sms(device), max(1, num_seqs * num_kv_heads))
-        num_splits = min(_MAX_SPLITS, wanted, triton.cdiv(max_len, _MIN_TOKENS_PER_SPLIT))
-    tokens_per_split = triton.cdiv(max_len, max(1, num_splits))
+        wanted = cdiv(4 * _num_sms(device), max(1, num_seqs * num_kv_heads))
+        num_splits = min(_MAX_SPLITS, wanted, cdiv(max_len, _MIN_TOKENS_PER_SPLIT))
+    tokens_per_split = cdiv(max_len, max(1, num_splits))
     if tokens_per_split > block_n:
-        tokens_per_split = triton.cdiv(tokens_per_split, block_n) * block_n
-    return triton.cdiv(max_len, tokens_per_split), tokens_per_split
+        tokens_per_split = cdiv(tokens_per_split, block_n) * block_n
+    return cdiv(max_len, tokens_per_split), tokens_per_split
 
 
 def _decode_triton(query, kv_cache_layer, block_tables, seq_lens, scale, num_splits):
@@ -247,12 +249,12 @@ if triton is not None:
         mask_d = offs_d < HEAD_DIM
         row = (seq * tl.num_programs(1) + head).to(tl.int64) * NUM_SPLITS
         m = tl.load(max_ptr + row + offs_s, mask=mask_s, other=float("-inf"))
-        l = tl.load(sum_ptr + row + offs_s, mask=mask_s, other=0.0)
+        split_sums = tl.load(sum_ptr + row + offs_s, mask=mask_s, other=0.0)
         m_all = tl.max(m, axis=0)
         # An empty split has max -inf; where every split is empty (seq_len 0) so is m_all.
         has_tokens = m > float("-inf")
         weight = tl.where(has_tokens, tl.exp2(tl.where(has_tokens, m, 0.0) - tl.where(has_tokens, m_all, 0.0)), 0.0)
-        total = tl.sum(l * weight, axis=0)
+        total = tl.sum(split_sums * weight, axis=0)
         acc = tl.load(acc_ptr + (row + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
                       mask=mask_s[:, None] & mask_d[None, :], other=0.0)
         result = tl.sum(acc * weight[:, None], axis=0) / tl.where(total > 0, total, 1.0)

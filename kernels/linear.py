@@ -42,7 +42,8 @@ def prepare_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, *, sm
     SMALL_BATCH rows where can_prepack allows. large_batches=False (for a weight that only sees
     small batches) drops the BLAS copy when a packed one exists; W^T then stays a view."""
     if weight.dim() != 2 or (bias is not None and bias.shape != weight.shape[:1]):
-        raise ValueError(f"prepare_linear: weight {tuple(weight.shape)}, bias {None if bias is None else tuple(bias.shape)}")
+        bias_shape = None if bias is None else tuple(bias.shape)
+        raise ValueError(f"prepare_linear: weight {tuple(weight.shape)}, bias {bias_shape}")
     packed = None
     if small_batch_copy and can_prepack(weight):
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 64)

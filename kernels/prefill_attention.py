@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels._triton import LOG2E, dot_in_fp32, tl, triton, use_triton
+from kernels._triton import LOG2E, cdiv, dot_in_fp32, tl, triton, use_triton
 
 
 def prefill_attention_ref(query, kv_cache_layer, block_tables, cu_query_lens, seq_lens, scale) -> torch.Tensor:
@@ -21,9 +21,11 @@ def prefill_attention_ref(query, kv_cache_layer, block_tables, cu_query_lens, se
         start, end = bounds[seq], bounds[seq + 1]
         if end == start:
             continue
-        block_ids = block_tables[seq, : -(-seq_len // block_size)]
-        key = kv_cache_layer[:, 0].index_select(0, block_ids).view(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
-        value = kv_cache_layer[:, 1].index_select(0, block_ids).view(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
+        block_ids = block_tables[seq, : cdiv(seq_len, block_size)]
+        key = kv_cache_layer[:, 0].index_select(0, block_ids).view(-1, num_kv_heads, head_dim)[:seq_len]
+        key = key.transpose(0, 1)
+        value = kv_cache_layer[:, 1].index_select(0, block_ids).view(-1, num_kv_heads, head_dim)[:seq_len]
+        value = value.transpose(0, 1)
         q = query[start:end].transpose(0, 1)
         out[start:end] = _causal_sdpa(q, key, value, group, scale).transpose(0, 1)
     return out
@@ -84,7 +86,7 @@ def _prefill_triton(query, kv_cache_layer, block_tables, cu_query_lens, seq_lens
     if max_query_len is None:
         max_query_len = int((cu_query_lens[1:] - cu_query_lens[:-1]).max())
     block_m, block_n, num_warps = _tile_sizes(query)
-    grid = (triton.cdiv(max_query_len, block_m), num_seqs * num_heads)
+    grid = (cdiv(max_query_len, block_m), num_seqs * num_heads)
     _prefill_attention_kernel[grid](
         query, kv_cache_layer, block_tables, cu_query_lens, seq_lens, out, scale * LOG2E,
         query.stride(0), query.stride(1), *kv_cache_layer.stride()[:4], block_tables.stride(0),

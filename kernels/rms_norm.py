@@ -109,4 +109,5 @@ if triton is not None:
         normed = (xf * tl.rsqrt(variance + eps)).to(x.dtype)
         weight = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         # Multiply in float32 and round once (torch rounds its half-precision product the same way).
-        tl.store(out_ptr + row * hidden + offs, (normed.to(tl.float32) * weight).to(out_ptr.dtype.element_ty), mask=mask)
+        result = (normed.to(tl.float32) * weight).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + row * hidden + offs, result, mask=mask)

@@ -61,9 +61,11 @@ def apply_rotary(query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor
     cos_sin_cache from rotary_cos_sin_cache. Neox style: x * cos + rotate_half(x) * sin.
     Raises ValueError on mismatched shapes."""
     if query.dim() != 3 or key.dim() != 3 or not query.shape[0] == key.shape[0] == positions.shape[0]:
-        raise ValueError(f"apply_rotary: query {tuple(query.shape)}, key {tuple(key.shape)}, positions {tuple(positions.shape)}")
+        raise ValueError(
+            f"apply_rotary: query {tuple(query.shape)}, key {tuple(key.shape)}, positions {tuple(positions.shape)}")
     if not query.shape[-1] == key.shape[-1] == cos_sin_cache.shape[-1]:
-        raise ValueError(f"apply_rotary: head_dim {query.shape[-1]}, key {key.shape[-1]}, cache width {cos_sin_cache.shape[-1]}")
+        raise ValueError(
+            f"apply_rotary: head_dim {query.shape[-1]}, key {key.shape[-1]}, cache width {cos_sin_cache.shape[-1]}")
     if query.stride(-1) != 1 or key.stride(-1) != 1:
         raise ValueError("apply_rotary: query and key need a unit stride in head_dim")
     if not use_triton(query, force_triton):

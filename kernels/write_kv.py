@@ -57,7 +57,8 @@ if triton is not None:
             mask_d = offs_d < HEAD_DIM
             block = slot // BLOCK_SIZE
             offset = slot % BLOCK_SIZE
-            dst = cache_ptr + block * stride_cache_block + offset * stride_cache_offset + head * stride_cache_head + offs_d
+            dst = (cache_ptr + block * stride_cache_block + offset * stride_cache_offset
+                   + head * stride_cache_head + offs_d)
             k = tl.load(key_ptr + token * stride_key_token + head * stride_key_head + offs_d, mask=mask_d)
             v = tl.load(value_ptr + token * stride_value_token + head * stride_value_head + offs_d, mask=mask_d)
             tl.store(dst, k, mask=mask_d)

@@ -10,6 +10,7 @@ one host is carried out while it is posted, about 30 ms per 94 MB).
 
 from __future__ import annotations
 
+import enum
 import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -18,6 +19,15 @@ import torch
 
 from kv_transfer.config import TransferConfig
 from kv_transfer.layout import KVLayout
+
+
+class TransferState(enum.Enum):
+    """Where one block transfer stands, whatever the backend (each maps its own states to
+    these once, where it reads them)."""
+
+    IN_PROGRESS = "in_progress"
+    DONE = "done"
+    FAILED = "failed"
 
 
 @dataclass(frozen=True)

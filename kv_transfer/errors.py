@@ -6,20 +6,15 @@ class KVTransferError(Exception):
 
 
 class LayoutMismatch(KVTransferError):
-    """The two sides' KV layouts cannot exchange blocks."""
+    """The two sides' KV layouts cannot exchange blocks (found locally, or the holder's refusal
+    with code LAYOUT_MISMATCH)."""
 
 
 class HandshakeFailed(KVTransferError):
-    """The peer's side channel did not answer in time or answered with an error."""
+    """The peer's side channel did not answer in time, answered with something but an accepting
+    HelloReply, or refused the handshake for a reason other than the layout (its code)."""
 
 
 class TransferFailed(KVTransferError):
     """A block read failed (peer died, transport error)."""
 
-
-class TransferTimeout(TransferFailed):
-    """A block read did not finish within transfer_timeout_s."""
-
-
-class LeaseExpired(KVTransferError):
-    """Blocks held for a pull were freed because nobody read them in time."""

@@ -79,7 +79,8 @@ class FakeConnector(KVConnector):
     def start_read(self, request_id: str, remote_engine_id: str, remote_address: str,
                    remote_block_ids: list[int], local_block_ids: list[int]) -> None:
         if len(remote_block_ids) != len(local_block_ids):
-            raise ValueError(f"request {request_id}: {len(remote_block_ids)} remote vs {len(local_block_ids)} local blocks")
+            raise ValueError(f"request {request_id}: {len(remote_block_ids)} remote vs "
+                             f"{len(local_block_ids)} local blocks")
         if request_id in self._reads:
             raise ValueError(f"request {request_id} already has a read in flight")
         self._reads[request_id] = _FakeRead(request_id, remote_engine_id, remote_address, list(remote_block_ids),

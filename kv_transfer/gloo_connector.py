@@ -1,11 +1,11 @@
 """torch.distributed connector (gloo on CPU, NCCL-capable layout on GPU) for clusters without UCX.
 
 Each reader/holder pair gets its own two-rank process group, made on demand: the reader hosts
-a TCPStore and names it in the handshake; both sides then join (holder rank 0, reader rank 1).
-A read posts a receive into a staging buffer and asks the holder over the side channel to
-send the blocks under a unique tag; the holder's sender thread gathers and sends them (a thread
-blocked in send, never spinning). On completion the reader scatters the staging buffer into
-its blocks and tells the holder it may free them.
+a TCPStore (on a port the store picks) and names it in its Hello (GlooStoreInfo); both sides
+then join (holder rank 0, reader rank 1). A read posts a receive into a staging buffer and
+asks the holder over the side channel to send the blocks under a unique tag; the holder's
+sender thread gathers and sends them (a thread blocked in send, never spinning). On completion
+the reader scatters the staging buffer into its blocks and tells the holder it may free them.
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.distributed as dist
 
-from kv_transfer import side_channel
 from kv_transfer.base import ReadResult
-from kv_transfer.peered import PendingRead, Peer, SideChannelConnector
 from kv_transfer.config import TransferConfig
-from kv_transfer.errors import HandshakeFailed, LayoutMismatch, TransferFailed
-from kv_transfer.layout import KVLayout, check_compatible
+from kv_transfer.errors import HandshakeFailed, TransferFailed
+from kv_transfer.layout import KVLayout
+from kv_transfer.messages import GlooStoreInfo, Hello, HelloReply, ReadRequest, Release, SideMessage
+from kv_transfer.side_channel_connector import Peer, PendingRead, SideChannelConnector
 
 logger = logging.getLogger(__name__)
 
@@ -33,21 +33,13 @@ _HOLDER_RANK = 0
 _READER_RANK = 1
 
 
-def _free_port(host: str) -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
 class GlooConnector(SideChannelConnector):
     backend = "gloo"
+    reader_info_type = GlooStoreInfo  # the reader hosts the pair's store; the holder adds nothing
 
     def __init__(self, config: TransferConfig, kv_cache: torch.Tensor, layout: KVLayout, engine_id: str) -> None:
         self._timeout = datetime.timedelta(seconds=config.transfer_timeout_s)
-        self._groups: dict[str, dist.ProcessGroup] = {}  # holder side: reader engine id -> group
-        self._ready_groups: dict[str, tuple] = {}  # reader side: made in the handshake thread
+        self._groups: dict[str, tuple] = {}  # holder side: reader engine id -> (group, store)
         self._sends: queue.SimpleQueue = queue.SimpleQueue()
         self._tags = itertools.count(1)
         self._staging: dict[str, torch.Tensor] = {}
@@ -58,37 +50,28 @@ class GlooConnector(SideChannelConnector):
 
     # ---- reader side --------------------------------------------------------------------------
 
-    def _hello_extra(self) -> dict:
-        return {}
-
-    def _handshake(self, address: str) -> side_channel.HelloReply:
-        """Worker thread: host a store, handshake, then join the pair's group as rank 1."""
-        store_port = _free_port(self.config.host)
-        store = dist.TCPStore(self.config.host, store_port, 2, True, timeout=self._handshake_timeout(),
-                              wait_for_workers=False)
-        hello = side_channel.Hello(self.engine_id, self.layout, self.backend,
-                                   {"store_host": self.config.host, "store_port": store_port})
-        reply = side_channel.request(address, hello, self.config.handshake_timeout_s)
-        if not isinstance(reply, side_channel.HelloReply):
-            raise HandshakeFailed(f"KV side channel {address} answered {type(reply).__name__}")
-        if reply.error:
-            raise LayoutMismatch(reply.error) if "layouts differ" in reply.error else HandshakeFailed(reply.error)
-        check_compatible(self.layout, reply.layout)
+    def _prepare_hello(self) -> tuple[GlooStoreInfo, dist.TCPStore]:
+        """Handshake thread: host the pair's store on a port it picks (port 0)."""
         try:
-            group = dist.ProcessGroupGloo(store, _READER_RANK, 2, self._timeout)
+            store = dist.TCPStore(self.config.host, 0, 2, True, timeout=self._handshake_timeout(),
+                                  wait_for_workers=False)
         except RuntimeError as exc:
-            raise HandshakeFailed(f"gloo group with {address} could not form: {exc}") from exc
-        self._ready_groups[reply.engine_id] = (group, store)
-        return reply
+            raise HandshakeFailed(f"gloo store could not start on {self.config.host}: {exc}") from exc
+        return GlooStoreInfo(self.config.host, store.port), store
+
+    def _on_hello_accepted(self, reply: HelloReply, prepared: dist.TCPStore) -> tuple:
+        """Handshake thread: join the pair's group as rank 1 (the holder joins as it answers)."""
+        try:
+            group = dist.ProcessGroupGloo(prepared, _READER_RANK, 2, self._timeout)
+        except RuntimeError as exc:
+            raise HandshakeFailed(f"gloo group with {reply.engine_id} could not form: {exc}") from exc
+        return group, prepared  # the pair's store is kept beside its group
 
     def _handshake_timeout(self) -> datetime.timedelta:
         return datetime.timedelta(seconds=self.config.handshake_timeout_s)
 
-    def _connect_peer(self, peer: Peer) -> None:
-        peer.state = self._ready_groups.pop(peer.engine_id)
-
     def _start_transfer(self, read: PendingRead, peer: Peer) -> None:
-        group, _ = peer.state
+        group, _ = peer.handle
         tag = next(self._tags)
         staging = torch.empty((len(read.local_block_ids), *self.kv_cache.shape[1:]), dtype=self.kv_cache.dtype,
                               device=self.kv_cache.device)
@@ -100,25 +83,24 @@ class GlooConnector(SideChannelConnector):
             raise TransferFailed(f"gloo receive could not start: {exc}") from exc
         # NOTE: gloo progresses a receive only inside wait() (polling is_completed() never
         # turns true), so a waiter thread blocks there; poll() checks its future.
-        read.state = self._waiters.submit(work.wait, self._timeout)
-        self._notifier.send(peer.address, side_channel.ReadRequest(self.engine_id, read.request_id,
-                                                                   read.remote_block_ids, tag))
+        read.handle = self._waiters.submit(work.wait, self._timeout)
+        self._notifier.send(peer.address, ReadRequest(self.engine_id, read.request_id, read.remote_block_ids, tag))
 
     def _poll_backend(self) -> list[ReadResult]:
         results = []
         for read in list(self._reads.values()):
-            waiter = read.state
+            waiter = read.handle
             if waiter is None or not waiter.done():
                 continue
             staging = self._staging.pop(read.request_id)
             error = waiter.exception()
             if error is not None:
-                read.state = None
+                read.handle = None
                 results.append(self._fail(read, f"gloo receive failed: {error}"))
                 continue
             self.kv_cache[torch.tensor(read.local_block_ids, device=self.kv_cache.device)] = staging
-            self._notifier.send(read.remote_address, side_channel.Release([read.request_id]))
-            read.state = None
+            self._notifier.send(read.remote_address, Release([read.request_id]))
+            read.handle = None
             results.append(self._succeed(read))
         return results
 
@@ -126,29 +108,27 @@ class GlooConnector(SideChannelConnector):
         # NOTE: a posted gloo receive cannot be withdrawn; it lands in its own staging buffer,
         # never in the cache, so dropping our references is enough.
         self._staging.pop(read.request_id, None)
-        read.state = None
+        read.handle = None
 
     def _forget_peer(self, peer: Peer) -> None:
-        peer.state = None
+        peer.handle = None
 
     # ---- holder side --------------------------------------------------------------------------
 
-    def _hello_extra_for(self, hello: side_channel.Hello) -> dict:
-        """Side-channel thread: answer, and join the reader's group from another thread (the
-        reader joins only after it has this answer)."""
-        extra = dict(hello.extra)
-        threading.Thread(target=self._join_group, args=(hello.engine_id, extra), daemon=True).start()
-        return {}
+    def _answer_info(self, hello: Hello) -> None:
+        """Side-channel thread: join the reader's group from another thread (the reader joins
+        only after it has our answer); the reply carries nothing of ours."""
+        threading.Thread(target=self._join_group, args=(hello.engine_id, hello.backend_info), daemon=True).start()
 
-    def _join_group(self, reader_id: str, extra: dict) -> None:
+    def _join_group(self, reader_id: str, info: GlooStoreInfo) -> None:
         try:
-            store = dist.TCPStore(extra["store_host"], extra["store_port"], 2, False, timeout=self._handshake_timeout())
+            store = dist.TCPStore(info.store_host, info.store_port, 2, False, timeout=self._handshake_timeout())
             self._groups[reader_id] = (dist.ProcessGroupGloo(store, _HOLDER_RANK, 2, self._timeout), store)
-        except (RuntimeError, KeyError) as exc:
+        except RuntimeError as exc:
             logger.warning("gloo group with reader %s could not form: %s", reader_id, exc)
 
-    def _on_backend_message(self, message):
-        if isinstance(message, side_channel.ReadRequest):
+    def _on_backend_message(self, message: SideMessage) -> SideMessage | None:
+        if isinstance(message, ReadRequest):
             self._sends.put(message)
             return None
         return super()._on_backend_message(message)
@@ -160,7 +140,7 @@ class GlooConnector(SideChannelConnector):
                 return
             self._send_blocks(message)
 
-    def _send_blocks(self, message: side_channel.ReadRequest) -> None:
+    def _send_blocks(self, message: ReadRequest) -> None:
         group_and_store = self._wait_for_group(message.engine_id)
         if group_and_store is None:
             logger.warning("no gloo group with %s for request %s", message.engine_id, message.request_id)

@@ -28,11 +28,12 @@ import time
 
 import torch
 
-from kv_transfer.base import ReadResult, check_cache
-from kv_transfer.peered import PendingRead, Peer, SideChannelConnector
+from kv_transfer.base import ReadResult, TransferState, check_cache
 from kv_transfer.config import TransferConfig
 from kv_transfer.errors import TransferFailed
 from kv_transfer.layout import KVLayout
+from kv_transfer.messages import Hello, NixlAgentInfo
+from kv_transfer.side_channel_connector import Peer, PendingRead, SideChannelConnector
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +50,7 @@ def set_ucx_defaults(host: str) -> None:
 
 class NixlConnector(SideChannelConnector):
     backend = "nixl"
+    holder_info_type = NixlAgentInfo  # the reader pulls; the holder needs nothing of it
 
     def __init__(self, config: TransferConfig, kv_cache: torch.Tensor, layout: KVLayout, engine_id: str) -> None:
         from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
@@ -56,12 +58,12 @@ class NixlConnector(SideChannelConnector):
         check_cache(kv_cache, layout)  # before the agent exists, so a refusal leaks nothing
         self._mem_type = "VRAM" if kv_cache.is_cuda else "DRAM"
         self._device_id = kv_cache.device.index or 0
-        agent_config = nixl_agent_config(enable_prog_thread=False, backends=["UCX"], 
+        agent_config = nixl_agent_config(enable_prog_thread=False, backends=["UCX"],
                                          sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
         self._agent = nixl_agent(engine_id, agent_config)
         self._reg = self._agent.register_memory(self._agent.get_reg_descs(kv_cache), mem_type=self._mem_type)
-        self._local_dlist = self._agent.prep_xfer_dlist("", self._block_descs(kv_cache.data_ptr(), layout.num_blocks, kv_cache),
-                                                        self._mem_type)
+        local_descs = self._block_descs(kv_cache.data_ptr(), layout.num_blocks, kv_cache)
+        self._local_dlist = self._agent.prep_xfer_dlist("", local_descs, self._mem_type)
         self.num_descriptors_last_read = 0
         super().__init__(config, kv_cache, layout, engine_id)
         self._is_stopping = threading.Event()
@@ -83,56 +85,52 @@ class NixlConnector(SideChannelConnector):
         size = kv_cache[0].numel() * kv_cache.element_size()
         return [(base + i * size, size, self._device_id) for i in range(num_blocks)]
 
-    def _hello_extra(self) -> dict:
-        return {
-            "metadata": self._agent.get_agent_metadata(),
-            "base_address": self.kv_cache.data_ptr(),
-            "block_bytes": self.block_bytes,
-            "num_blocks": self.layout.num_blocks,
-            "device_id": self._device_id,
-            "mem_type": self._mem_type,
-        }
+    def _answer_info(self, hello: Hello) -> NixlAgentInfo:
+        return NixlAgentInfo(agent_metadata=self._agent.get_agent_metadata(), base_address=self.kv_cache.data_ptr(),
+                             block_bytes=self.block_bytes, num_blocks=self.layout.num_blocks,
+                             device_id=self._device_id, mem_type=self._mem_type)
 
     def _connect_peer(self, peer: Peer) -> None:
-        extra = peer.extra
-        agent_name = self._agent.add_remote_agent(extra["metadata"])
-        size = extra["block_bytes"]
-        descs = [(extra["base_address"] + i * size, size, extra["device_id"]) for i in range(extra["num_blocks"])]
-        peer.state = (agent_name, self._agent.prep_xfer_dlist(agent_name, descs, extra["mem_type"]))
+        info: NixlAgentInfo = peer.backend_info
+        agent_name = self._agent.add_remote_agent(info.agent_metadata)
+        size = info.block_bytes
+        descs = [(info.base_address + i * size, size, info.device_id) for i in range(info.num_blocks)]
+        peer.handle = (agent_name, self._agent.prep_xfer_dlist(agent_name, descs, info.mem_type))
 
     def _start_transfer(self, read: PendingRead, peer: Peer) -> None:
-        _, remote_dlist = peer.state
+        _, remote_dlist = peer.handle
         try:
             handle = self._agent.make_prepped_xfer("READ", self._local_dlist, read.local_block_ids, remote_dlist,
                                                    read.remote_block_ids, read.request_id.encode())
-            state = self._agent.transfer(handle)
+            state = _transfer_state(self._agent.transfer(handle))
         except Exception as exc:  # noqa: BLE001 - nixl raises its own types; surface as ours
             raise TransferFailed(f"NIXL READ could not start: {exc}") from exc
-        read.state = handle
+        read.handle = handle
         self.num_descriptors_last_read = _count_runs(read.local_block_ids, read.remote_block_ids)
-        if state == "ERR":
+        if state is TransferState.FAILED:
             raise TransferFailed("NIXL READ failed to post")
 
     def _poll_backend(self) -> list[ReadResult]:
         results = []
         for read in list(self._reads.values()):
-            if read.state is None:
+            if read.handle is None:
                 continue
-            state = self._state(read.state)
-            if state == "DONE":
-                self._agent.release_xfer_handle(read.state)
-                read.state = None
+            state, detail = self._state(read.handle)
+            if state is TransferState.DONE:
+                self._agent.release_xfer_handle(read.handle)
+                read.handle = None
                 results.append(self._succeed(read))
-            elif state != "PROC":
-                results.append(self._fail(read, f"NIXL READ ended in state {state}"))
+            elif state is TransferState.FAILED:
+                results.append(self._fail(read, f"NIXL READ failed: {detail}"))
         return results
 
-    def _state(self, handle) -> str:
-        """"DONE", "PROC", or "ERR ..." for a transfer handle."""
+    def _state(self, handle) -> tuple[TransferState, str]:
+        """A transfer handle's state, and NIXL's word for it (its error when it raised)."""
         try:
-            return self._agent.check_xfer_state(handle)
+            nixl_state = self._agent.check_xfer_state(handle)
         except Exception as exc:  # noqa: BLE001 - nixl raises its own types
-            return f"ERR ({exc})"
+            return TransferState.FAILED, str(exc)
+        return _transfer_state(nixl_state), nixl_state
 
     def _cancel(self, read: PendingRead) -> None:
         # NOTE: a READ in flight writes into blocks the caller gets back when abort_read()
@@ -141,17 +139,18 @@ class NixlConnector(SideChannelConnector):
         deadline = time.monotonic() + self.config.transfer_timeout_s
         while True:
             try:
-                self._agent.release_xfer_handle(read.state)
+                self._agent.release_xfer_handle(read.handle)
                 break
             except Exception as exc:  # noqa: BLE001 - nixl raises its own types
-                if self._state(read.state) != "PROC" or time.monotonic() > deadline:
+                is_in_progress = self._state(read.handle)[0] is TransferState.IN_PROGRESS
+                if not is_in_progress or time.monotonic() > deadline:
                     logger.warning("NIXL READ of %s could not be cancelled: %s", read.request_id, exc)
                     break
                 time.sleep(0.001)
-        read.state = None
+        read.handle = None
 
     def _forget_peer(self, peer: Peer) -> None:
-        agent_name, remote_dlist = peer.state
+        agent_name, remote_dlist = peer.handle
         try:
             self._agent.release_dlist_handle(remote_dlist)
             self._agent.remove_remote_agent(agent_name)
@@ -167,6 +166,16 @@ class NixlConnector(SideChannelConnector):
             self._agent.deregister_memory(self._reg)
         except Exception as exc:  # noqa: BLE001 - shutting down
             logger.warning("NIXL deregistration: %s", exc)
+
+
+def _transfer_state(nixl_state: str) -> TransferState:
+    """NIXL's "DONE", "PROC" and "ERR" (anything else counts as failed) as ours: the one place
+    that reads NIXL's state strings."""
+    if nixl_state == "DONE":
+        return TransferState.DONE
+    if nixl_state == "PROC":
+        return TransferState.IN_PROGRESS
+    return TransferState.FAILED
 
 
 def _count_runs(local_ids: list[int], remote_ids: list[int]) -> int:

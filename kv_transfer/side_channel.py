@@ -1,4 +1,4 @@
-"""The ZMQ side channel between connectors: handshakes and release notices.
+"""The ZMQ transport of the side channel between connectors (its messages: kv_transfer.messages).
 
 Each connector serves a ROUTER from a small thread (it blocks in poll with a timeout, it does
 not spin), so a handshake is answered at once even while the node's loop runs a long model
@@ -15,48 +15,11 @@ import msgspec
 import zmq
 
 from kv_transfer.errors import HandshakeFailed
-from kv_transfer.layout import KVLayout
+from kv_transfer.messages import Ack, SideMessage
 
 logger = logging.getLogger(__name__)
 
 _POLL_MS = 100
-
-
-class Hello(msgspec.Struct, tag="hello", frozen=True):
-    engine_id: str
-    layout: KVLayout
-    backend: str
-    extra: dict = {}
-
-
-class HelloReply(msgspec.Struct, tag="hello_reply", frozen=True):
-    engine_id: str
-    layout: KVLayout
-    backend: str
-    error: str | None = None  # set when the server refused (layout mismatch, wrong backend)
-    extra: dict = {}
-
-
-class Release(msgspec.Struct, tag="release", frozen=True):
-    """The reader is done with these requests' blocks (read, or never to be read)."""
-
-    request_ids: list[str]
-
-
-class ReadRequest(msgspec.Struct, tag="read_request", frozen=True):
-    """gloo: please send these blocks to me under this tag."""
-
-    engine_id: str
-    request_id: str
-    block_ids: list[int]
-    tag: int
-
-
-class Ack(msgspec.Struct, tag="ack", frozen=True):
-    error: str | None = None
-
-
-SideMessage = Hello | HelloReply | Release | ReadRequest | Ack
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(SideMessage)
 

@@ -4,6 +4,7 @@ machine, wait until all are healthy, print the endpoint, and stop them all on Ct
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -14,6 +15,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -50,26 +52,36 @@ class Cluster:
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, sig)  # the child leads its own session: only what we started
-    except ProcessLookupError:
-        pass
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="checkpoint directory (default: the tiny default model, made if missing)")
+    parser.add_argument("--model", default=None,
+                        help="checkpoint directory (default: the tiny default model, made if missing)")
     parser.add_argument("--prefill", type=int, default=1, help="number of prefill nodes (0: colocated decode nodes)")
     parser.add_argument("--decode", type=int, default=1, help="number of decode nodes")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--transfer-backend", default="nixl", choices=["nixl", "gloo"])
-    parser.add_argument("--kv-cache-memory-gb", type=float, default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=128)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    # Passed on to every node only when given: each default is the node's own (pdserve decode --help).
+    for flag, kind in _NODE_FLAGS:
+        parser.add_argument(flag, type=kind, default=None, help="per node (default: the node's)")
     parser.add_argument("--log-dir", default=None, help="write each process's log here")
     parser.add_argument("--ready-timeout-s", type=float, default=180.0)
     parser.add_argument("--served-model-name", default=None)
+
+
+_NODE_FLAGS = (("--dtype", str), ("--transfer-backend", str), ("--kv-cache-memory-gb", float),
+               ("--max-num-seqs", int), ("--max-num-batched-tokens", int))
+
+
+def _node_args(args: argparse.Namespace) -> list[str]:
+    node_args = []
+    for flag, _ in _NODE_FLAGS:
+        value = getattr(args, flag.removeprefix("--").replace("-", "_"))
+        if value is not None:
+            node_args += [flag, str(value)]
+    return node_args
 
 
 def main(args: argparse.Namespace) -> int:
@@ -83,15 +95,11 @@ def main(args: argparse.Namespace) -> int:
     if log_dir:
         log_dir.mkdir(parents=True, exist_ok=True)
     stop = _install_signal_handlers()
-    node_args = ["--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs),
-                 "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
-    if args.kv_cache_memory_gb:
-        node_args += ["--kv-cache-memory-gb", str(args.kv_cache_memory_gb)]
+    node_args = _node_args(args)
     proxy_args = ["--served-model-name", args.served_model_name] if args.served_model_name else []
     print(f"pdserve up: starting {args.prefill} prefill + {args.decode} decode nodes and the proxy ...", flush=True)
     deployment = start_local(model_dir, num_prefill=args.prefill, num_decode=args.decode, host=args.host,
-                             port=args.port, node_args=node_args, proxy_args=proxy_args,
-                             transfer_backend=args.transfer_backend, log_dir=log_dir)
+                             port=args.port, node_args=node_args, proxy_args=proxy_args, log_dir=log_dir)
     try:
         wait_healthy(deployment, args.ready_timeout_s, stop)
         print(f"pdserve is ready: {deployment.base_url}/v1 (model {model_dir}); Ctrl-C stops it", flush=True)
@@ -132,23 +140,22 @@ class Deployment:
 def start_local(
     model_dir: Path, *, num_prefill: int = 1, num_decode: int = 1, host: str = "127.0.0.1",
     port: int | None = None, node_args: list[str] | tuple[str, ...] = (),
-    proxy_args: list[str] | tuple[str, ...] = (), transfer_backend: str = "nixl",
-    log_dir: Path | None = None, pin_cpus: bool = True,
+    proxy_args: list[str] | tuple[str, ...] = (), log_dir: Path | None = None, pin_cpus: bool = True,
 ) -> Deployment:
     """Start nodes and proxy as separate processes (not waiting for health: see wait_healthy).
     On any failure the caller must stop() the returned deployment's cluster."""
     cluster = Cluster()
     cpus = _cpu_plan(num_prefill + num_decode) if pin_cpus else []
     pdserve = [sys.executable, "-m", "pdserve.cli"]
-    common = ["--model", str(model_dir), "--host", host, "--transfer-backend", transfer_backend, *node_args]
+    common = ["--model", str(model_dir), "--host", host, *node_args]
     addresses: dict[str, str] = {}
     for i in range(num_prefill + num_decode):
         kind = "prefill" if i < num_prefill else "decode"
         name = f"{kind}{i if kind == 'prefill' else i - num_prefill}"
         addresses[name] = f"{host}:{free_port(host)}"
         argv = pdserve + [kind, *common, "--port", addresses[name].rsplit(":", 1)[1], "--node-id", name]
-        if kind == "decode":
-            argv += ["--role", "decode" if num_prefill else "both"]
+        if kind == "decode" and not num_prefill:
+            argv.append("--colocated")
         if cpus:
             argv += ["--cpus", cpus[i]]
         cluster.start(name, argv, log_dir)
@@ -165,21 +172,35 @@ def _joined(addresses: dict[str, str], kind: str) -> str:
     return ",".join(a for name, a in addresses.items() if name.startswith(kind))
 
 
-def wait_healthy(deployment: Deployment, timeout_s: float, stop: "_StopFlag | None" = None) -> None:
-    """Poll /health until 200. Raises RuntimeError if a process ends, TimeoutError past the
-    deadline, InterruptedError when stop is set."""
-    url = deployment.base_url + "/health"
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+def wait_healthy(deployment: Deployment, timeout_s: float, stop: _StopFlag | None = None) -> None:
+    """Poll the proxy's /health until 200. Raises RuntimeError if a process ends, TimeoutError
+    past the deadline, InterruptedError when stop is set."""
+
+    def check() -> None:
         if stop is not None and stop.is_set:
             raise InterruptedError("stopped while starting")
         dead = deployment.cluster.dead()
         if dead:
             raise RuntimeError(f"process ended during start-up: {', '.join(dead)}\n{deployment.logs()}")
+
+    try:
+        wait_http_ok(deployment.base_url + "/health", timeout_s, check)
+    except TimeoutError as exc:
+        raise TimeoutError(f"{exc}\n{deployment.logs()}") from None
+
+
+def wait_http_ok(url: str, timeout_s: float, check: Callable[[], None] | None = None,
+                 interval_s: float = 0.05) -> None:
+    """Poll url until it answers 200. check(), called before each try, may raise to give up;
+    raises TimeoutError past the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if check is not None:
+            check()
         if health_ok(url):
             return
-        time.sleep(0.2)
-    raise TimeoutError(f"not healthy after {timeout_s:.0f} s ({url})\n{deployment.logs()}")
+        time.sleep(interval_s)
+    raise TimeoutError(f"{url} not answering 200 after {timeout_s:.0f} s")
 
 
 def _cpu_plan(num_nodes: int) -> list[str]:

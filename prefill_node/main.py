@@ -3,37 +3,22 @@
 from __future__ import annotations
 
 import argparse
-import logging
-import signal
 
-from engine.node_server import ServerConfig, add_engine_arguments, engine_config_from_args, exit_now, kv_layout_fields, pin_cpus
-from kv_transfer.cli import add_transfer_arguments, create_connector, transfer_config_from_args
-from kv_transfer.layout import KVLayout
+from engine.protocol import Role
+from node.args import add_node_arguments
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_engine_arguments(parser)
-    add_transfer_arguments(parser)
+    add_node_arguments(parser)
 
 
 def main(args: argparse.Namespace) -> int:
-    from engine.engine import LLMEngine
+    from node.process import serve
+    from node.transfer import connector_for
     from prefill_node.server import PrefillNode
 
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    pin_cpus(args.cpus)
-    node_id = args.node_id or f"prefill-{args.port}"
-    engine = LLMEngine(engine_config_from_args(args, role="prefill"))
-    transfer = transfer_config_from_args(args)
-    connector = create_connector(transfer, engine.kv_cache, kv_layout(engine), node_id)
-    server = PrefillNode(engine, ServerConfig(node_id, args.host, args.port), connector, transfer.lease_timeout_s)
-    signal.signal(signal.SIGTERM, lambda *_: server.stop())
-    signal.signal(signal.SIGINT, lambda *_: server.stop())
-    engine.warm_up()  # NOTE: before the first report, so routing sees a measured prefill rate
-    server.run()
-    exit_now()  # NOTE: skips UCX's teardown, which aborts when a peer died first
-    return 0
+    def build(engine, configs):
+        connector = connector_for(engine, configs.transfer, configs.server.node_id)
+        return PrefillNode(engine, configs.server, connector, configs.transfer.lease_timeout_s)
 
-
-def kv_layout(engine) -> KVLayout:
-    return KVLayout(**kv_layout_fields(engine))
+    return serve(args, Role.PREFILL, build)

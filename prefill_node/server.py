@@ -12,15 +12,17 @@ import time
 
 from engine import protocol
 from engine.engine import LLMEngine, StepOutput
-from engine.node_server import EngineServer, ServerConfig, is_prefilled
+from engine.protocol import Role
+from engine.request import FinishReason
 from kv_transfer.base import KVConnector
 from kv_transfer.lease import LeaseTable
+from node.server import NodeServer, ServerConfig
 
 logger = logging.getLogger(__name__)
 
 
-class PrefillNode(EngineServer):
-    role = "prefill"
+class PrefillNode(NodeServer):
+    role = Role.PREFILL
 
     def __init__(self, engine: LLMEngine, config: ServerConfig, connector: KVConnector,
                  lease_timeout_s: float) -> None:
@@ -85,3 +87,7 @@ class PrefillNode(EngineServer):
         block_ids = self.leases.release(request_id)
         if block_ids is not None:
             self.engine.free_blocks(block_ids)
+
+
+def is_prefilled(out: StepOutput) -> bool:
+    return out.finish_reason is FinishReason.PREFILLED

@@ -1,4 +1,5 @@
-"""One choice of a completion: tokens in, text deltas (stop strings applied) and logprobs out."""
+"""One choice of a completion: tokens in, text deltas (stop strings applied) and logprobs out;
+and the events its runner hands the response (one queue for all choices of a request)."""
 
 from __future__ import annotations
 
@@ -6,18 +7,66 @@ import codecs
 from dataclasses import dataclass, field
 
 from engine import protocol
+from proxy.schemas import Prompt
 from proxy.tokenizer import IncrementalDetokenizer, ModelTokenizer, StopChecker
 
 
 @dataclass
 class Delta:
+    """What one step added to a choice: its new text, tokens, and the finish_reason on the last."""
+
     text: str
     tokens: list[protocol.TokenLogprob]
     finish_reason: str | None = None
 
 
+@dataclass(frozen=True)
+class SubRequest:
+    """One choice as the nodes see it: a prompt sampled once, under its own request_id."""
+
+    request_id: str
+    index: int
+    prompt: Prompt
+    sampling: protocol.SamplingOptions
+
+
+@dataclass(frozen=True)
+class ChoiceEvent:
+    """One item of a request's event queue; the consumer matches on the subclass."""
+
+
+@dataclass(frozen=True)
+class ChoiceDelta(ChoiceEvent):
+    """Choice index produced delta."""
+
+    index: int
+    delta: Delta
+
+
+@dataclass(frozen=True)
+class ChoiceDone(ChoiceEvent):
+    """Choice index is complete (its last delta came before)."""
+
+    index: int
+
+
+@dataclass(frozen=True)
+class ChoiceFailed(ChoiceEvent):
+    """Choice index failed; error is what its request flow raised (see errors.api_error_of)."""
+
+    index: int
+    error: Exception
+
+
+@dataclass(frozen=True)
+class ClientGone(ChoiceEvent):
+    """The HTTP client disconnected before its answer was complete."""
+
+
 @dataclass
 class ChoiceState:
+    """The text, tokens and finish_reason of one choice so far."""
+
     index: int
     tokenizer: ModelTokenizer
     stops: list[str]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 from pathlib import Path
@@ -12,24 +13,31 @@ from proxy.config import ProxyConfig
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="checkpoint directory (tokenizer, chat template, config)")
-    parser.add_argument("--served-model-name", default=None, help="model name clients use (default: the directory name)")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--served-model-name", default=None,
+                        help="model name clients use (default: the directory name)")
+    parser.add_argument("--host", default=_default("host"))
+    parser.add_argument("--port", type=int, default=_default("port"))
     parser.add_argument("--prefill", default="", help="prefill nodes, HOST:PORT,... (empty: colocated)")
     parser.add_argument("--decode", required=True, help="decode nodes, HOST:PORT,...")
-    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/")
-    parser.add_argument("--request-timeout-s", type=float, default=600.0,
+    parser.add_argument("--api-key", default=_default("api_key"), help="require 'Authorization: Bearer KEY' on /v1/")
+    parser.add_argument("--request-timeout-s", type=float, default=_default("request_timeout_s"),
                         help="longest wait for a node's next tokens once decoding")
-    parser.add_argument("--first-token-timeout-s", type=float, default=300.0,
+    parser.add_argument("--first-token-timeout-s", type=float, default=_default("first_token_timeout_s"),
                         help="longest wait for a prompt's first token (queueing and prefill)")
-    parser.add_argument("--heartbeat-timeout-s", type=float, default=3.0)
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--local-prefill-min-wait-s", type=float, default=1.0,
+    parser.add_argument("--heartbeat-timeout-s", type=float, default=_default("heartbeat_timeout_s"))
+    parser.add_argument("--max-model-len", type=int, default=_default("max_model_len"))
+    parser.add_argument("--local-prefill-min-wait-s", type=float, default=_default("local_prefill_min_wait_s"),
                         help="prefill on the decode node when the prefill pool's queue wait is at least this "
                              "and the decode node would start sooner (negative: never)")
-    parser.add_argument("--local-prefill-penalty", type=float, default=2.0,
+    parser.add_argument("--local-prefill-penalty", type=float, default=_default("local_prefill_penalty"),
                         help="how much a decode node's own queue wait counts against the pool's (>= 1)")
     parser.add_argument("--log-level", default="info")
+
+
+def _default(name: str):
+    """ProxyConfig's default for field name (each default lives once, on its field)."""
+    [found] = [f for f in dataclasses.fields(ProxyConfig) if f.name == name]
+    return found.default
 
 
 def main(args: argparse.Namespace) -> int:
@@ -60,10 +68,14 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         heartbeat_timeout_s=args.heartbeat_timeout_s,
         api_key=args.api_key,
         max_model_len=args.max_model_len,
-        local_prefill_min_wait_s=None if args.local_prefill_min_wait_s < 0 else args.local_prefill_min_wait_s,
+        local_prefill_min_wait_s=_never_if_negative(args.local_prefill_min_wait_s),
         local_prefill_penalty=args.local_prefill_penalty,
     )
 
 
 def _addresses(joined: str) -> tuple[str, ...]:
     return tuple(a.strip() for a in joined.split(",") if a.strip())
+
+
+def _never_if_negative(min_wait_s: float | None) -> float | None:
+    return None if min_wait_s is None or min_wait_s < 0 else min_wait_s

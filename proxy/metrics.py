@@ -29,7 +29,8 @@ class ProxyMetrics:
     def __init__(self, nodes: Callable[[], Iterable] = list, num_local_prefills: Callable[[], int] = int) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("pdserve_requests", "requests by endpoint and outcome", ["endpoint", "status"], registry=r)
+        self.requests = Counter("pdserve_requests", "requests by endpoint and outcome", ["endpoint", "status"],
+                                registry=r)
         self.ttft = Histogram("pdserve_time_to_first_token_seconds", "TTFT", buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("pdserve_inter_token_latency_seconds", "time between streamed tokens (TPOT)",
                              buckets=_LATENCY_BUCKETS, registry=r)
@@ -37,7 +38,8 @@ class ProxyMetrics:
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.prompt_tokens = Counter("pdserve_prompt_tokens", "prompt tokens processed", registry=r)
         self.generation_tokens = Counter("pdserve_generation_tokens", "tokens generated", registry=r)
-        self.aborts = Counter("pdserve_aborts", "requests aborted (disconnect, stop string, error)", ["reason"], registry=r)
+        self.aborts = Counter("pdserve_aborts", "requests aborted (disconnect, stop string, error)", ["reason"],
+                              registry=r)
         r.register(_NodeCollector(nodes, num_local_prefills))
 
     def render(self) -> bytes:

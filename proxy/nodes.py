@@ -4,8 +4,8 @@ reports (the heartbeat), death detection and routing."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-import math
 import time
 from dataclasses import dataclass, field
 
@@ -14,20 +14,13 @@ import zmq
 import zmq.asyncio
 
 from engine import protocol
+from proxy.errors import NodeDied
 
 logger = logging.getLogger(__name__)
 
 # How often silent nodes are pinged and dead ones' requests failed. Cheap: a ping to a node
 # that is not connected fails at once (IMMEDIATE), and one that answers stops being pinged.
 _WATCH_INTERVAL_S = 0.1
-# NOTE: only to estimate the blocks a request takes before the node reports again; a wrong
-# guess skews routing slightly until the next report, never correctness.
-_ASSUMED_BLOCK_SIZE = 16
-
-
-class NodeDied(Exception):
-    """The node holding a request stopped reporting."""
-
 
 @dataclass(frozen=True)
 class _Unreported:
@@ -225,21 +218,24 @@ class LocalPrefillPolicy:
 def _ping(node: NodeClient) -> None:
     """Ask for a LoadReport (a node answers only proxies it has heard from); no-op while the
     connection is down, the next tick tries again."""
-    try:
+    with contextlib.suppress(NodeDied):
         node.send(protocol.Ping())
-    except NodeDied:
-        pass
 
 
 def _decode_score(node: NodeClient) -> tuple[int, int]:
+    """Free blocks left once the requests sent since the last report take theirs (in the node's
+    own block size), then fewest requests."""
     report = node.last_report
-    num_free_blocks = report.num_free_blocks - math.ceil(node.num_unreported_tokens / _ASSUMED_BLOCK_SIZE)
+    num_free_blocks = report.num_free_blocks - protocol.num_blocks_for(node.num_unreported_tokens, report.block_size)
     return num_free_blocks, -(report.num_running + report.num_waiting + len(node.unreported))
 
 
 def _take_report(node: NodeClient, report: protocol.LoadReport) -> None:
     """A report refreshes the heartbeat, unless the node speaks another protocol version (it
-    then stays unhealthy and gets no requests)."""
+    then stays unhealthy and gets no requests). A report without a block size is malformed."""
+    if report.block_size < 1:
+        logger.warning("bad report from %s: block_size %d", node.address, report.block_size)
+        return
     if report.protocol_version != protocol.PROTOCOL_VERSION:
         if node.last_report is None or node.last_report.protocol_version != report.protocol_version:
             logger.error("%s node %s speaks protocol %d, this proxy %d: not using it", node.kind, node.address,

@@ -27,7 +27,7 @@ class ModelTokenizer:
     _template: jinja2.Template | None = field(default=None, repr=False)
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> "ModelTokenizer":
+    def from_dir(cls, model_dir: str | Path) -> ModelTokenizer:
         model_dir = Path(model_dir)
         tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         tok_config = _read_json(model_dir / "tokenizer_config.json")

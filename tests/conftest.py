@@ -1,10 +1,10 @@
-"""Shared fixtures: the tiny random-weight models (made once, cached across runs) and ports."""
+"""Shared fixtures: the tiny random-weight models (made once, cached across runs). Free ports and
+waiting for health come from pdserve.launcher (free_port, wait_http_ok), defined once there."""
 
 from __future__ import annotations
 
 import hashlib
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -46,14 +46,3 @@ def tiny_model_dir() -> Path:
 @pytest.fixture(scope="session")
 def qwen2_tiny_model_dir() -> Path:
     return _cached_model("qwen2-tiny")
-
-
-def find_free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@pytest.fixture
-def free_port() -> int:
-    return find_free_port()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import httpx
 import msgspec
 import pytest
 import zmq
@@ -14,6 +15,9 @@ from pdserve.launcher import Deployment, start_local, wait_healthy
 
 # Small enough that a long prompt is split across prefill steps (chunked prefill).
 NODE_ARGS = ("--max-num-batched-tokens", "256", "--num-blocks", "512", "--max-num-seqs", "32")
+# Disaggregated tests prove the KV path: no prompt is prefilled on a decode node by choice
+# (conditional disaggregation off), and each test checks that no pull fell back either.
+KV_PATH_ONLY = ("--local-prefill-min-wait-s", "-1")
 
 
 def _start(model_dir: Path, log_dir: Path, timeout_s: float = 120.0, **kwargs) -> Deployment:
@@ -30,10 +34,31 @@ def _start(model_dir: Path, log_dir: Path, timeout_s: float = 120.0, **kwargs) -
 
 @pytest.fixture(scope="module")
 def disaggregated(tiny_model_dir, tmp_path_factory):
-    """1 prefill + 1 decode node (NIXL) and the proxy, shared by a module's tests."""
-    deployment = _start(tiny_model_dir, tmp_path_factory.mktemp("pd-logs"), num_prefill=1, num_decode=1)
+    """1 prefill + 1 decode node (NIXL) and the proxy, shared by a module's tests; local prefill
+    is off, and every test using it ends by asserting that nothing fell back (see below)."""
+    deployment = _start(tiny_model_dir, tmp_path_factory.mktemp("pd-logs"), num_prefill=1, num_decode=1,
+                        proxy_args=KV_PATH_ONLY)
     yield deployment
     deployment.stop()
+
+
+@pytest.fixture(autouse=True)
+def _every_prompt_went_through_the_kv_path(request):
+    """After each test on the disaggregated deployment: zero KV fallbacks on every decode node
+    and zero prompts prefilled on a decode node."""
+    yield
+    if "disaggregated" not in request.fixturenames:
+        return
+    deployment = request.getfixturevalue("disaggregated")
+    assert_kv_path_only(deployment)
+
+
+def assert_kv_path_only(deployment: Deployment) -> None:
+    for name, address in deployment.node_addresses.items():
+        assert node_load(address).num_kv_fallbacks == 0, f"{name}: a KV pull fell back to local prefill"
+    metrics = httpx.get(deployment.base_url + "/metrics", timeout=5).text
+    local = [line for line in metrics.splitlines() if line.startswith("pdserve_local_prefills_total")]
+    assert local and float(local[0].split()[-1]) == 0, local
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,7 @@ def hf_greedy(hf, prompt_ids: list[int], max_tokens: int) -> tuple[list[int], li
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False,
                              output_logits=True, return_dict_in_generate=True)
     tokens = out.sequences[0, len(prompt_ids):].tolist()
-    logprobs = [torch.log_softmax(l[0].float(), -1)[t].item() for l, t in zip(out.logits, tokens)]
+    logprobs = [torch.log_softmax(logits[0].float(), -1)[t].item() for logits, t in zip(out.logits, tokens)]
     return tokens, logprobs
 
 
@@ -121,7 +121,8 @@ def test_32_concurrent_mixed_requests_complete_and_free_every_block(disaggregate
     before = {name: node_load(addr) for name, addr in disaggregated.node_addresses.items()}
 
     async def run_all():
-        client = openai.AsyncOpenAI(base_url=disaggregated.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        client = openai.AsyncOpenAI(base_url=disaggregated.base_url + "/v1", api_key="unused", max_retries=0,
+                                    timeout=300)
         name = (await client.models.list()).data[0].id
         calls = [client.completions.create(model=name, prompt=p, max_tokens=max_tokens, temperature=0) for p in prompts]
         return await asyncio.gather(*calls)

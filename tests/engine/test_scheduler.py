@@ -125,7 +125,7 @@ def test_random_workload_with_aborts_leaks_nothing():
 
 def test_prefilled_finish_hands_blocks_to_caller():
     pool = BlockPool(8)
-    scheduler = Scheduler(SchedulerConfig(role="prefill"), pool, BLOCK_SIZE)
+    scheduler = Scheduler(SchedulerConfig(), pool, BLOCK_SIZE)
     request = make_request("p", num_prompt=9, max_tokens=4)
     scheduler.add_waiting(request)
     output = scheduler.schedule()

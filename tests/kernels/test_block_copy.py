@@ -29,7 +29,8 @@ def test_gather_then_scatter_round_trips_only_the_named_blocks(dtype, force_trit
 def test_copy_blocks_copies_sources_and_leaves_the_rest(force_triton):
     cache = make_cache(2, 32)
     before = cache.clone()
-    copy_blocks(cache, torch.tensor([1, 2, 5], device=DEVICE), torch.tensor([30, 31, 3], device=DEVICE), force_triton=force_triton)
+    copy_blocks(cache, torch.tensor([1, 2, 5], device=DEVICE), torch.tensor([30, 31, 3], device=DEVICE),
+                force_triton=force_triton)
     moved = {30: 1, 31: 2, 3: 5}
     for block_id in range(NUM_BLOCKS):
         assert torch.equal(cache[block_id], before[moved.get(block_id, block_id)])

@@ -7,8 +7,18 @@ import pytest
 import torch
 
 from kernels.decode_attention import decode_attention, decode_attention_cpu, decode_attention_ref
-from tests.kernels.conftest import (DEVICE, DTYPES, GQA, assert_close, gpu, make_cache, naive_attention, randn,
-                                    requires_cuda, shuffled_block_tables)
+from tests.kernels.conftest import (
+    DEVICE,
+    DTYPES,
+    GQA,
+    assert_close,
+    gpu,
+    make_cache,
+    naive_attention,
+    randn,
+    requires_cuda,
+    shuffled_block_tables,
+)
 
 SEQ_LENS = [1, 16, 17, 40, 0, 5]
 
@@ -62,13 +72,15 @@ def test_decode_reads_a_strided_query_from_a_fused_qkv(force_triton):
     qkv = torch.cat([query.reshape(len(SEQ_LENS), -1), randn(len(SEQ_LENS), 128, seed=9)], dim=-1)
     strided = qkv[:, :128].view(len(SEQ_LENS), 4, 32)
     want = decode_attention_ref(query, kv_layer, table, seq_lens, 0.2)
-    assert_close(decode_attention(strided, kv_layer, table, seq_lens, 0.2, force_triton=force_triton), want, torch.float32)
+    got = decode_attention(strided, kv_layer, table, seq_lens, 0.2, force_triton=force_triton)
+    assert_close(got, want, torch.float32)
 
 
 def test_decode_empty_batch_and_bad_shapes():
     query, kv_layer, table, seq_lens = decode_case(4, 2, 32, torch.float32, 8)
     for force_triton in (False, True):
-        assert decode_attention(query[:0], kv_layer, table[:0], seq_lens[:0], 0.2, force_triton=force_triton).shape == (0, 4, 32)
+        empty = decode_attention(query[:0], kv_layer, table[:0], seq_lens[:0], 0.2, force_triton=force_triton)
+        assert empty.shape == (0, 4, 32)
     with pytest.raises(ValueError, match="multiple"):
         decode_attention(randn(6, 3, 32), kv_layer, table, seq_lens, 0.2)
     with pytest.raises(ValueError, match="decode_attention"):

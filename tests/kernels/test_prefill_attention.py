@@ -6,8 +6,18 @@ import pytest
 import torch
 
 from kernels.prefill_attention import prefill_attention, prefill_attention_ref
-from tests.kernels.conftest import (DEVICE, DTYPES, GQA, assert_close, gpu, make_cache, naive_attention, randn,
-                                    requires_cuda, shuffled_block_tables)
+from tests.kernels.conftest import (
+    DEVICE,
+    DTYPES,
+    GQA,
+    assert_close,
+    gpu,
+    make_cache,
+    naive_attention,
+    randn,
+    requires_cuda,
+    shuffled_block_tables,
+)
 
 # (chunk lengths, total lengths): whole prompts, one token, an empty chunk, one block, chunks
 # over a cached prefix (crossing block boundaries), one token over a prefix
@@ -54,13 +64,15 @@ def test_prefill_reads_a_strided_query_from_a_fused_qkv(force_triton):
     qkv = torch.cat([query.reshape(query.shape[0], -1), randn(query.shape[0], 128, seed=9)], dim=-1)
     strided = qkv[:, :128].view(query.shape[0], 4, 32)
     want = prefill_attention_ref(query, kv_layer, table, cu, seq_lens, 0.2)
-    assert_close(prefill_attention(strided, kv_layer, table, cu, seq_lens, 0.2, force_triton=force_triton), want, torch.float32)
+    got = prefill_attention(strided, kv_layer, table, cu, seq_lens, 0.2, force_triton=force_triton)
+    assert_close(got, want, torch.float32)
 
 
 def test_prefill_all_empty_and_bad_shapes():
     query, kv_layer, table, cu, seq_lens = prefill_case(4, 2, 32, torch.float32, 10, [0, 0], [3, 0])
     for force_triton in (False, True):
-        assert prefill_attention(query, kv_layer, table, cu, seq_lens, 0.2, force_triton=force_triton).shape == (0, 4, 32)
+        empty = prefill_attention(query, kv_layer, table, cu, seq_lens, 0.2, force_triton=force_triton)
+        assert empty.shape == (0, 4, 32)
     with pytest.raises(ValueError, match="cu_query_lens"):
         prefill_attention(query, kv_layer, table, cu[:2], seq_lens, 0.2)
 

@@ -28,7 +28,8 @@ def transformers_rms_norm(x, weight, eps):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_rms_norm_ref_equals_transformers_bit_for_bit(shape, dtype):
-    x, residual, weight = randn(*shape, dtype=dtype), randn(*shape, dtype=dtype, seed=1), randn(shape[1], dtype=dtype, seed=2)
+    x, residual = randn(*shape, dtype=dtype), randn(*shape, dtype=dtype, seed=1)
+    weight = randn(shape[1], dtype=dtype, seed=2)
     assert torch.equal(rms_norm_ref(x, weight, 1e-5).cpu(), transformers_rms_norm(x, weight, 1e-5))
     normed, new_residual = add_rms_norm_ref(x, residual, weight, 1e-5)
     assert torch.equal(new_residual.cpu(), (x + residual).cpu())
@@ -45,7 +46,8 @@ def test_rms_norm_ref_matches_per_token_math(shape):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES + [(3, 1000)])
 def test_rms_norm_triton_matches_reference(shape, dtype):
-    x, residual, weight = randn(*shape, dtype=dtype), randn(*shape, dtype=dtype, seed=1), randn(shape[1], dtype=dtype, seed=2)
+    x, residual = randn(*shape, dtype=dtype), randn(*shape, dtype=dtype, seed=1)
+    weight = randn(shape[1], dtype=dtype, seed=2)
     assert_close(rms_norm(x, weight, 1e-6, force_triton=True), rms_norm_ref(x, weight, 1e-6), dtype)
     x_before, residual_before = x.clone(), residual.clone()
     normed, new_residual = add_rms_norm(x, residual, weight, 1e-6, force_triton=True)
@@ -92,7 +94,8 @@ def test_rms_norm_rejects_mismatched_weight():
 @requires_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_rms_norm_cuda_large_hidden(dtype):
-    x, residual, weight = randn(257, 8192, dtype=dtype), randn(257, 8192, dtype=dtype, seed=1), randn(8192, dtype=dtype, seed=2)
+    x, residual = randn(257, 8192, dtype=dtype), randn(257, 8192, dtype=dtype, seed=1)
+    weight = randn(8192, dtype=dtype, seed=2)
     normed, new_residual = add_rms_norm(x, residual, weight, 1e-5)
     assert torch.equal(new_residual, x + residual)
     assert_close(normed, rms_norm_ref(x + residual, weight, 1e-5), dtype)

@@ -65,7 +65,10 @@ def test_rotary_ref_and_triton_match_per_token_math(dtype, head_dim):
     want_q, want_k = naive_rotary(query, positions, cache), naive_rotary(key, positions, cache)
     for force_triton in (False, True):
         q, k = query.clone(), key.clone()
-        (apply_rotary if force_triton else apply_rotary_ref)(q, k, positions, cache, **({"force_triton": True} if force_triton else {}))
+        if force_triton:
+            apply_rotary(q, k, positions, cache, force_triton=True)
+        else:
+            apply_rotary_ref(q, k, positions, cache)
         assert_close(q, want_q, dtype)
         assert_close(k, want_k, dtype)
 
@@ -98,7 +101,8 @@ def test_rotary_rejects_unknown_type_and_mismatched_shapes():
 @gpu
 @requires_cuda
 def test_rotary_cuda_many_tokens():
-    cache = rotary_cos_sin_cache(128, 8192, 500000.0, {**LLAMA3, "original_max_position_embeddings": 8192}, torch.bfloat16).cuda()
+    scaling = {**LLAMA3, "original_max_position_embeddings": 8192}
+    cache = rotary_cos_sin_cache(128, 8192, 500000.0, scaling, torch.bfloat16).cuda()
     query, key = randn(3000, 32, 128, dtype=torch.bfloat16), randn(3000, 8, 128, dtype=torch.bfloat16, seed=1)
     positions = torch.randint(0, 8192, (3000,), device="cuda")
     q_ref, k_ref = query.clone(), key.clone()

@@ -44,8 +44,9 @@ def test_write_kv_all_skipped_and_empty():
     cache = make_cache(2, 32)
     before = cache.clone()
     for force_triton in (False, True):
-        write_kv(randn(2, 2, 32), randn(2, 2, 32), cache[:, 0], torch.tensor([-1, -1], device=DEVICE), force_triton=force_triton)
-        write_kv(randn(0, 2, 32), randn(0, 2, 32), cache[:, 0], torch.zeros(0, dtype=torch.long, device=DEVICE), force_triton=force_triton)
+        skipped, no_slots = torch.tensor([-1, -1], device=DEVICE), torch.zeros(0, dtype=torch.long, device=DEVICE)
+        write_kv(randn(2, 2, 32), randn(2, 2, 32), cache[:, 0], skipped, force_triton=force_triton)
+        write_kv(randn(0, 2, 32), randn(0, 2, 32), cache[:, 0], no_slots, force_triton=force_triton)
     assert torch.equal(cache, before)
 
 

@@ -11,8 +11,8 @@ import time
 import msgspec
 import torch
 
-from kv_transfer.cli import create_connector
 from kv_transfer.config import TransferConfig
+from kv_transfer.factory import create_connector
 from kv_transfer.layout import KVLayout
 
 

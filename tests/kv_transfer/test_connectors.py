@@ -1,5 +1,6 @@
 """Real connectors between two processes: blocks arrive bit-identical, layouts are checked,
-a dead holder fails reads within the timeout and leaves nothing allocated on the live side."""
+a holder refuses a foreign Hello by code, a dead holder fails reads within the timeout and
+leaves nothing allocated on the live side."""
 
 from __future__ import annotations
 
@@ -15,9 +16,13 @@ import msgspec
 import pytest
 import torch
 
-from kv_transfer.cli import create_connector
+from kv_transfer import side_channel
 from kv_transfer.config import TransferConfig
+from kv_transfer.errors import HandshakeFailed, LayoutMismatch
+from kv_transfer.factory import create_connector
+from kv_transfer.handshake import check_reply
 from kv_transfer.layout import KVLayout
+from kv_transfer.messages import SIDE_CHANNEL_VERSION, GlooStoreInfo, HandshakeErrorCode, Hello, HelloReply
 
 PEER = Path(__file__).with_name("peer.py")
 REPO = Path(__file__).resolve().parents[2]
@@ -30,8 +35,8 @@ class Holder:
 
     def __init__(self, backend: str, seed: int, layout: KVLayout = LAYOUT, port: int = 0) -> None:
         env = {**os.environ, "PYTHONPATH": str(REPO)}
-        self.proc = subprocess.Popen([sys.executable, str(PEER), backend, str(seed), msgspec.json.encode(layout).decode(),
-                                      str(port)],
+        layout_json = msgspec.json.encode(layout).decode()
+        self.proc = subprocess.Popen([sys.executable, str(PEER), backend, str(seed), layout_json, str(port)],
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
                                      start_new_session=True)
         hello = self._read_line(timeout_s=60)
@@ -130,6 +135,28 @@ def test_mismatched_layout_is_refused_naming_both_values(backend, holders):
         assert "bfloat16" in result.error and "float32" in result.error
     finally:
         connector.close()
+
+
+def test_holder_refuses_a_foreign_hello_by_code_and_the_reader_raises_by_code(holders):
+    holder = holders("gloo", seed=4)
+    valid = Hello(SIDE_CHANNEL_VERSION, "probe-1", LAYOUT, "gloo", GlooStoreInfo("127.0.0.1", 1))
+    other_layout = msgspec.structs.replace(LAYOUT, head_dim=32)
+    cases = {  # code -> (hello, what its message names); each refused before the holder joins a store
+        HandshakeErrorCode.VERSION_MISMATCH: (msgspec.structs.replace(valid, version=SIDE_CHANNEL_VERSION + 1),
+                                              f"remote {SIDE_CHANNEL_VERSION + 1}"),
+        HandshakeErrorCode.BACKEND_MISMATCH: (msgspec.structs.replace(valid, backend="nixl"), "remote 'nixl'"),
+        HandshakeErrorCode.BAD_BACKEND_INFO: (msgspec.structs.replace(valid, backend_info=None), "GlooStoreInfo"),
+        HandshakeErrorCode.LAYOUT_MISMATCH: (msgspec.structs.replace(valid, layout=other_layout),
+                                             "head_dim: local 16, remote 32"),
+    }
+    for code, (hello, named) in cases.items():
+        reply = side_channel.request(holder.address, hello, timeout_s=5.0)
+        assert isinstance(reply, HelloReply) and reply.refusal is not None and reply.refusal.code is code, reply
+        assert named in reply.refusal.message and reply.engine_id == holder.engine_id
+        expected = LayoutMismatch if code is HandshakeErrorCode.LAYOUT_MISMATCH else HandshakeFailed
+        with pytest.raises(expected) as info:
+            check_reply(reply, holder.address, LAYOUT, None)
+        assert type(info.value) is expected and str(info.value) == reply.refusal.message
 
 
 @pytest.mark.parametrize("backend", ["nixl", "gloo"])

@@ -1,7 +1,7 @@
-"""The connector contract through FakeConnector, with two toy nodes that allocate and free blocks
-as the real ones do: success, injected failure, timeout, layout mismatch, abort mid-transfer,
-a restarted holder, lease expiry. Each ends with a leak check. Also LayoutMismatch, LeaseTable
-and TransferConfig on their own."""
+"""The connector contract through FakeConnector alone: what a read reports (success, injected
+failure, timeout, layout mismatch, abort mid-transfer, a restarted holder) and what the holder
+hears (poll_released). The block accounting around it is the real nodes' and is tested on them
+(tests/nodes/test_node_transfers.py). Also LayoutMismatch, LeaseTable and TransferConfig alone."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from kv_transfer.base import ReadResult
-from kv_transfer.cli import create_connector
 from kv_transfer.config import TransferConfig
 from kv_transfer.errors import LayoutMismatch
+from kv_transfer.factory import create_connector
 from kv_transfer.fake import FakeConnector, FakeRegistry
 from kv_transfer.layout import KVLayout, check_compatible
 from kv_transfer.lease import LeaseTable
@@ -34,172 +34,108 @@ def cache_for(layout: KVLayout, fill: float | None = None) -> torch.Tensor:
     return torch.randn(shape) if fill is None else torch.full(shape, fill)
 
 
-class ToyHolder:
-    """A prefill node's block handling: allocate, lease, free what the connector reports."""
-
-    def __init__(self, registry: FakeRegistry, clock: Clock, layout: KVLayout = LAYOUT) -> None:
-        config = TransferConfig(backend="fake", lease_timeout_s=10.0)
-        self.connector = FakeConnector(config, cache_for(layout), layout, f"holder-{id(self)}", registry, clock)
-        self.free_ids = set(range(layout.num_blocks))
-        self.leases = LeaseTable(config.lease_timeout_s, clock)
-
-    def prefill(self, request_id: str, num_blocks: int) -> list[int]:
-        block_ids = sorted(self.free_ids)[:num_blocks]
-        self.free_ids -= set(block_ids)
-        self.leases.add(request_id, block_ids)
-        return block_ids
-
-    def step(self) -> None:
-        for request_id in self.connector.poll_released():
-            self.free_ids |= set(self.leases.release(request_id) or [])
-        for _, block_ids in self.leases.pop_expired():
-            self.free_ids |= set(block_ids)
+def make_holder(registry: FakeRegistry, clock: Clock, layout: KVLayout = LAYOUT, engine_id: str = "holder",
+                port: int = 0) -> FakeConnector:
+    config = TransferConfig(backend="fake", side_channel_port=port)
+    return FakeConnector(config, cache_for(layout), layout, engine_id, registry, clock)
 
 
-class ToyReader:
-    """A decode node's block handling: allocate local blocks, pull, free them on failure/abort."""
+def make_reader(registry: FakeRegistry, clock: Clock, layout: KVLayout = LAYOUT, **kwargs) -> FakeConnector:
+    config = TransferConfig(backend="fake", transfer_timeout_s=5.0)
+    return FakeConnector(config, cache_for(layout, float("nan")), layout, "reader", registry, clock, **kwargs)
 
-    def __init__(self, registry: FakeRegistry, clock: Clock, layout: KVLayout = LAYOUT, **kwargs) -> None:
-        config = TransferConfig(backend="fake", transfer_timeout_s=5.0)
-        self.connector = FakeConnector(config, cache_for(layout, float("nan")), layout, "reader", registry, clock,
-                                       **kwargs)
-        self.free_ids = set(range(layout.num_blocks))
-        self.pulls: dict[str, tuple[ToyHolder, list[int]]] = {}
 
-    def pull(self, request_id: str, holder: ToyHolder, remote_ids: list[int]) -> list[int]:
-        local_ids = sorted(self.free_ids, reverse=True)[:len(remote_ids)]  # not the holder's order
-        self.free_ids -= set(local_ids)
-        self.pulls[request_id] = (holder, local_ids)
-        self.connector.start_read(request_id, holder.connector.engine_id, holder.connector.agent_address,
-                                  remote_ids, local_ids)
-        return local_ids
-
-    def step(self) -> list[ReadResult]:
-        results = self.connector.poll()
-        for result in results:
-            holder, local_ids = self.pulls.pop(result.request_id)
-            if not result.is_ok:
-                self.free_ids |= set(local_ids)
-                self.connector.release_remote(result.request_id, holder.connector.engine_id,
-                                              holder.connector.agent_address)
-        return results
-
-    def abort(self, request_id: str) -> None:
-        holder, local_ids = self.pulls.pop(request_id)
-        self.connector.abort_read(request_id)
-        self.free_ids |= set(local_ids)
-        self.connector.release_remote(request_id, holder.connector.engine_id, holder.connector.agent_address)
+def start(reader: FakeConnector, request_id: str, holder: FakeConnector, remote_ids: list[int],
+          local_ids: list[int]) -> None:
+    reader.start_read(request_id, holder.engine_id, holder.agent_address, remote_ids, local_ids)
 
 
 @pytest.fixture
 def world():
     registry, clock = FakeRegistry(), Clock()
-    return registry, clock, ToyHolder(registry, clock)
+    return registry, clock, make_holder(registry, clock)
 
 
-def assert_holder_has_nothing_leased(holder: ToyHolder) -> None:
-    assert len(holder.leases) == 0 and holder.free_ids == set(range(LAYOUT.num_blocks))
-
-
-def test_read_copies_blocks_and_holder_frees_them(world):
+def test_read_copies_blocks_into_other_ids_and_tells_the_holder(world):
     registry, clock, holder = world
-    reader = ToyReader(registry, clock)
-    remote_ids = holder.prefill("a", 3)
-    local_ids = reader.pull("a", holder, remote_ids)
-    assert reader.step() == [ReadResult("a", True)]
-    assert torch.equal(reader.connector.kv_cache[local_ids], holder.connector.kv_cache[remote_ids])
-    holder.step()
-    assert_holder_has_nothing_leased(holder)
-    assert reader.free_ids == set(range(LAYOUT.num_blocks)) - set(local_ids)  # kept for decoding
+    reader = make_reader(registry, clock)
+    start(reader, "a", holder, [0, 1, 2], [11, 10, 9])  # not the holder's order
+    assert reader.poll() == [ReadResult("a", True)]
+    assert torch.equal(reader.kv_cache[[11, 10, 9]], holder.kv_cache[[0, 1, 2]])
+    assert reader.kv_cache[:9].isnan().all()  # nothing else written
+    assert holder.poll_released() == ["a"] and holder.poll_released() == []
+    assert reader.num_reads_in_flight == 0
 
 
-def test_injected_failure_frees_both_sides(world):
+def test_injected_failure_is_reported_once_and_the_holder_is_not_told(world):
     registry, clock, holder = world
-    reader = ToyReader(registry, clock)
-    reader.connector.inject("a", "fail")
-    reader.pull("a", holder, holder.prefill("a", 2))
-    [result] = reader.step()
+    reader = make_reader(registry, clock)
+    reader.inject("a", "fail")
+    start(reader, "a", holder, [0, 1], [0, 1])
+    [result] = reader.poll()
     assert not result.is_ok and "request a" in result.error and "injected" in result.error
-    holder.step()
-    assert_holder_has_nothing_leased(holder)
-    assert reader.free_ids == set(range(LAYOUT.num_blocks)) and reader.connector.num_reads_in_flight == 0
+    assert reader.poll() == [] and reader.num_reads_in_flight == 0
+    assert holder.poll_released() == []  # the caller decides: release_remote
+    reader.release_remote("a", holder.engine_id, holder.agent_address)
+    assert holder.poll_released() == ["a"]
+    assert reader.kv_cache.isnan().all()
 
 
-def test_read_that_never_completes_times_out_and_frees_both_sides(world):
+def test_read_that_never_completes_times_out(world):
     registry, clock, holder = world
-    reader = ToyReader(registry, clock)
-    reader.connector.inject("a", "hang")
-    reader.pull("a", holder, holder.prefill("a", 2))
+    reader = make_reader(registry, clock)
+    reader.inject("a", "hang")
+    start(reader, "a", holder, [0, 1], [0, 1])
     clock.now += 4.9
-    assert reader.step() == []
+    assert reader.poll() == []
     clock.now += 0.2  # past transfer_timeout_s = 5
-    [result] = reader.step()
+    [result] = reader.poll()
     assert not result.is_ok and "within 5.0 s" in result.error
-    holder.step()
-    assert_holder_has_nothing_leased(holder)
-    assert reader.free_ids == set(range(LAYOUT.num_blocks))
+    assert reader.num_reads_in_flight == 0 and holder.poll_released() == []
 
 
-def test_layout_mismatch_is_reported_with_both_values_and_frees_both_sides(world):
+def test_layout_mismatch_is_reported_with_both_values(world):
     registry, clock, holder = world
-    reader = ToyReader(registry, clock, msgspec.structs.replace(LAYOUT, head_dim=8, num_kv_heads=1))
-    reader.pull("a", holder, holder.prefill("a", 1))
-    [result] = reader.step()
+    reader = make_reader(registry, clock, msgspec.structs.replace(LAYOUT, head_dim=8, num_kv_heads=1))
+    start(reader, "a", holder, [0], [0])
+    [result] = reader.poll()
     assert not result.is_ok and "head_dim: local 8, remote 4" in result.error
     assert "num_kv_heads: local 1, remote 2" in result.error
-    holder.step()
-    assert_holder_has_nothing_leased(holder)
+    assert reader.kv_cache.isnan().all() and holder.poll_released() == []
 
 
-def test_abort_during_transfer_frees_both_sides_and_writes_nothing(world):
+def test_abort_during_transfer_writes_nothing_and_is_never_reported(world):
     registry, clock, holder = world
-    reader = ToyReader(registry, clock, num_polls_per_read=3)
-    local_ids = reader.pull("a", holder, holder.prefill("a", 2))
-    assert reader.step() == []  # under way
-    reader.abort("a")
-    assert reader.step() == [] and reader.step() == []  # never reported after the abort
-    assert reader.connector.kv_cache[local_ids].isnan().all()
-    holder.step()
-    assert_holder_has_nothing_leased(holder)
-    assert reader.free_ids == set(range(LAYOUT.num_blocks))
+    reader = make_reader(registry, clock, num_polls_per_read=3)
+    start(reader, "a", holder, [0, 1], [4, 5])
+    assert reader.poll() == []  # under way
+    reader.abort_read("a")
+    assert reader.poll() == [] and reader.poll() == []  # never reported after the abort
+    assert reader.kv_cache[[4, 5]].isnan().all() and reader.num_reads_in_flight == 0
+    assert holder.poll_released() == []
 
 
 def test_restarted_holder_is_not_read_under_its_old_engine_id(world):
     registry, clock, holder = world
-    reader = ToyReader(registry, clock)
-    address = holder.connector.agent_address
-    remote_ids = holder.prefill("a", 2)
-    holder.connector.close()  # the prefill node restarts on the same port
-    config = TransferConfig(backend="fake", side_channel_port=int(address.split(":")[1]))
-    restarted = FakeConnector(config, cache_for(LAYOUT), LAYOUT, "holder-new", registry, clock)
+    reader = make_reader(registry, clock)
+    address = holder.agent_address
+    holder.close()  # the prefill node restarts on the same port
+    restarted = make_holder(registry, clock, engine_id="holder-new", port=int(address.split(":")[1]))
     assert restarted.agent_address == address
-    reader.pull("a", holder, remote_ids)
-    [result] = reader.step()
-    assert not result.is_ok and "'holder-new'" in result.error and holder.connector.engine_id in result.error
-    assert reader.free_ids == set(range(LAYOUT.num_blocks))
+    start(reader, "a", holder, [0, 1], [0, 1])
+    [result] = reader.poll()
+    assert not result.is_ok and "'holder-new'" in result.error and holder.engine_id in result.error
+    assert reader.kv_cache.isnan().all() and restarted.poll_released() == []
 
 
-def test_unread_lease_expires_and_frees_its_blocks(world):
+def test_release_to_a_holder_that_restarted_reaches_nobody(world):
     registry, clock, holder = world
-    holder.prefill("a", 4)
-    clock.now += 9.9
-    holder.step()
-    assert len(holder.leases) == 1
-    clock.now += 0.2
-    holder.step()
-    assert_holder_has_nothing_leased(holder)
-
-
-def test_late_release_after_expiry_frees_nothing_twice(world):
-    registry, clock, holder = world
-    reader = ToyReader(registry, clock)
-    holder.prefill("a", 2)
-    clock.now += 11
-    holder.step()
-    reader.connector.release_remote("a", holder.connector.engine_id, holder.connector.agent_address)
-    holder.prefill("b", 2)  # reuses the freed blocks
-    holder.step()
-    assert len(holder.leases) == 1 and len(holder.free_ids) == LAYOUT.num_blocks - 2
+    reader = make_reader(registry, clock)
+    address = holder.agent_address
+    holder.close()
+    restarted = make_holder(registry, clock, engine_id="holder-new", port=int(address.split(":")[1]))
+    reader.release_remote("a", holder.engine_id, address)
+    assert restarted.poll_released() == []
 
 
 def test_create_connector_makes_fakes_that_reach_each_other():
@@ -216,12 +152,12 @@ def test_create_connector_makes_fakes_that_reach_each_other():
 
 def test_start_read_rejects_unequal_counts_duplicates_and_a_wrong_cache(world):
     registry, clock, holder = world
-    reader = ToyReader(registry, clock).connector
+    reader = make_reader(registry, clock)
     with pytest.raises(ValueError, match="2 remote vs 1 local"):
-        reader.start_read("a", holder.connector.engine_id, holder.connector.agent_address, [0, 1], [0])
-    reader.start_read("a", holder.connector.engine_id, holder.connector.agent_address, [0], [0])
+        start(reader, "a", holder, [0, 1], [0])
+    start(reader, "a", holder, [0], [0])
     with pytest.raises(ValueError, match="already has a read"):
-        reader.start_read("a", holder.connector.engine_id, holder.connector.agent_address, [0], [0])
+        start(reader, "a", holder, [0], [0])
     with pytest.raises(ValueError, match="dtype"):
         FakeConnector(TransferConfig(backend="fake"), cache_for(LAYOUT).double(), LAYOUT, "e", registry)
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import msgspec
 import torch
 
-from kv_transfer.cli import create_connector
 from kv_transfer.config import TransferConfig
+from kv_transfer.factory import create_connector
 from kv_transfer.layout import KVLayout
 
 REPO = Path(__file__).resolve().parents[2]
@@ -21,13 +21,14 @@ LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dty
                   model_fingerprint="idle", code_version="1")
 HOLDER = """
 import json, sys, time, os, msgspec, torch
-from kv_transfer.cli import create_connector
 from kv_transfer.config import TransferConfig
+from kv_transfer.factory import create_connector
 from kv_transfer.layout import KVLayout
 layout = msgspec.json.decode(sys.argv[1], type=KVLayout)
 mode = sys.argv[2]
 shape = (layout.num_blocks, layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
-connector = create_connector(TransferConfig(), torch.randn(shape, generator=torch.Generator().manual_seed(4)), layout, "h")
+cache = torch.randn(shape, generator=torch.Generator().manual_seed(4))
+connector = create_connector(TransferConfig(), cache, layout, "h")
 print(json.dumps({"address": connector.agent_address, "engine_id": connector.engine_id}), flush=True)
 sys.stdin.readline()
 if mode == "idle":  # a node's idle loop: wait for work with a timeout, look at releases

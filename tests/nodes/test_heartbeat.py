@@ -12,7 +12,7 @@ import zmq
 from engine import protocol
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine.engine import LLMEngine
-from engine.node_server import EngineServer, ServerConfig
+from node.server import NodeServer, ServerConfig
 
 STEP_S = 1.5
 REPORT_INTERVAL_S = 0.1
@@ -29,7 +29,7 @@ def slow_node(tiny_model_dir):
         return real_step()
 
     engine.step = slow_step
-    node = EngineServer(engine, ServerConfig("slow", load_report_interval_s=REPORT_INTERVAL_S))
+    node = NodeServer(engine, ServerConfig("slow", load_report_interval_s=REPORT_INTERVAL_S))
     thread = threading.Thread(target=node.run, daemon=True)
     thread.start()
     socket = zmq.Context.instance().socket(zmq.DEALER)

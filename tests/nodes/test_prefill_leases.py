@@ -13,11 +13,12 @@ import zmq
 from engine import protocol
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine.engine import LLMEngine
-from engine.node_server import ServerConfig, kv_layout_fields
-from kv_transfer.cli import create_connector
+from engine.protocol import Role
 from kv_transfer.config import TransferConfig
-from kv_transfer.layout import KVLayout
+from kv_transfer.factory import create_connector
 from kv_transfer.lease import LeaseTable
+from node.server import ServerConfig
+from node.transfer import connector_for, kv_layout
 from prefill_node.server import PrefillNode
 
 LEASE_S = 1.0
@@ -40,9 +41,9 @@ def test_lease_table_release_expiry_and_double_add():
 @pytest.fixture
 def prefill_node(tiny_model_dir):
     engine = LLMEngine(EngineConfig(ModelConfig.from_pretrained(tiny_model_dir), CacheConfig(num_blocks=64),
-                                    SchedulerConfig(role="prefill")))
-    layout = KVLayout(**kv_layout_fields(engine))
-    connector = create_connector(TransferConfig(lease_timeout_s=LEASE_S), engine.kv_cache, layout, "prefill-test")
+                                    SchedulerConfig(), role=Role.PREFILL))
+    layout = kv_layout(engine)
+    connector = connector_for(engine, TransferConfig(lease_timeout_s=LEASE_S), "prefill-test")
     node = PrefillNode(engine, ServerConfig("prefill-test"), connector, lease_timeout_s=LEASE_S)
     thread = threading.Thread(target=node.run, daemon=True)
     thread.start()

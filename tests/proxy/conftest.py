@@ -11,12 +11,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 import uvicorn
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from engine.protocol import Role
+from pdserve.launcher import wait_http_ok
 from proxy.app import create_app
 from proxy.config import ProxyConfig
 from tests.proxy.fake_node import FakeNode, FakeNodeConfig
@@ -104,24 +105,6 @@ class _Server:
         self.socket.close()
 
 
-def find_free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_healthy(base_url: str, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(base_url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass  # not listening yet
-        time.sleep(0.02)
-    raise TimeoutError(f"proxy at {base_url} not healthy within {timeout_s} s")
-
-
 @pytest.fixture
 def start_proxy(model_dir, vocab_size) -> Iterator:
     """start_proxy(num_prefill=1, num_decode=1, node=dict(FakeNodeConfig fields), wait=True,
@@ -131,8 +114,8 @@ def start_proxy(model_dir, vocab_size) -> Iterator:
     def start(num_prefill: int = 1, num_decode: int = 1, node: dict | None = None, wait: bool = True,
               extra_decode_addresses: tuple[str, ...] = (), **config_fields) -> RunningProxy:
         node_fields = {"vocab_size": vocab_size, **(node or {})}
-        prefill = [FakeNode(FakeNodeConfig(role="prefill", **node_fields)).start() for _ in range(num_prefill)]
-        decode = [FakeNode(FakeNodeConfig(role="decode", **node_fields)).start() for _ in range(num_decode)]
+        prefill = [FakeNode(FakeNodeConfig(role=Role.PREFILL, **node_fields)).start() for _ in range(num_prefill)]
+        decode = [FakeNode(FakeNodeConfig(role=Role.DECODE, **node_fields)).start() for _ in range(num_decode)]
         started.extend(prefill + decode)
         config_fields.setdefault("heartbeat_timeout_s", 1.0)
         config = ProxyConfig(model_dir=str(model_dir), served_model_name=MODEL_NAME,
@@ -144,7 +127,7 @@ def start_proxy(model_dir, vocab_size) -> Iterator:
         server.start()
         running = RunningProxy(f"http://127.0.0.1:{server.port}", config, prefill, decode)
         if wait:
-            wait_healthy(running.base_url)
+            wait_http_ok(running.base_url + "/health", timeout_s=10.0)
         return running
 
     yield start

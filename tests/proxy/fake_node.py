@@ -4,6 +4,7 @@ a die() that makes it vanish mid-request. Runs in a thread of the test process."
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -33,7 +34,7 @@ class _Running:
 
 @dataclass
 class FakeNodeConfig:
-    role: str  # "prefill" | "decode" (decode without a KV handle prefills locally)
+    role: protocol.Role  # PREFILL or DECODE (decode without a KV handle prefills locally)
     vocab_size: int
     eos_token_id: int | None = None
     script: list[int] | None = None  # emit these ids in order (cycling) instead of the fake model
@@ -45,6 +46,8 @@ class FakeNodeConfig:
     fail_token_id: int | None = None  # a prompt holding this id gets an ErrorReply
     fail_is_client_error: bool = True
     prefill_tokens_per_s: float = 0.0  # reported as the node's measured prefill rate (0: unmeasured)
+    block_size: int = 16
+    num_total_blocks: int = 1000
 
 
 class FakeNode:
@@ -62,7 +65,7 @@ class FakeNode:
         self._prefills: list[tuple[float, _Running]] = []
         self._lock = threading.Lock()
         self._is_stopping = threading.Event()
-        self._thread = threading.Thread(target=self._serve, name=f"fake-{config.role}-{self.port}", daemon=True)
+        self._thread = threading.Thread(target=self._serve, name=f"fake-{config.role.value}-{self.port}", daemon=True)
         self._proxies: set[bytes] = set()
         self._last_request_seqs: dict[bytes, int] = {}
 
@@ -70,7 +73,7 @@ class FakeNode:
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def start(self) -> "FakeNode":
+    def start(self) -> FakeNode:
         self._thread.start()
         return self
 
@@ -221,19 +224,25 @@ class FakeNode:
             return "length"
         return None
 
+    def _num_used_blocks(self) -> int:
+        """Blocks the running requests' tokens fill, and the leased prompts' (as a real node's pool)."""
+        block_size = self.config.block_size
+        running = [len(r.prompt_ids) + len(r.output_ids) for r in self._running.values()]
+        leased = [handle.num_tokens for handle in self.leases.values()]
+        return sum(protocol.num_blocks_for(n, block_size) for n in running + leased)
+
     def _report(self, identity: bytes) -> protocol.LoadReport:
         queued = sum(len(r.prompt_ids) for _, r in self._prefills)
         return protocol.LoadReport(
             node_id=f"fake-{self.port}", role=self.config.role, protocol_version=protocol.PROTOCOL_VERSION,
             model_name=self.config.model_name, max_model_len=self.config.max_model_len,
-            num_running=len(self._running), num_waiting=len(self._prefills), num_queued_prompt_tokens=queued,
-            num_free_blocks=1000 - len(self._running), num_total_blocks=1000, num_leases=len(self.leases),
+            block_size=self.config.block_size, num_running=len(self._running), num_waiting=len(self._prefills),
+            num_queued_prompt_tokens=queued, num_free_blocks=self.config.num_total_blocks - self._num_used_blocks(),
+            num_total_blocks=self.config.num_total_blocks, num_leases=len(self.leases),
             num_kv_fallbacks=0, sent_at=time.time(), last_request_seq=self._last_request_seqs.get(identity, 0),
             prefill_tokens_per_s=self.config.prefill_tokens_per_s,
         )
 
     def _send(self, identity: bytes, message) -> None:
-        try:
+        with contextlib.suppress(zmq.Again):
             self._socket.send_multipart([identity, protocol.encode(message)], flags=zmq.NOBLOCK)
-        except zmq.Again:
-            pass

@@ -11,8 +11,10 @@ from pathlib import Path
 
 import openai
 
+from engine.protocol import Role
+from pdserve.launcher import free_port, wait_http_ok
+from proxy.config import ProxyConfig
 from proxy.main import add_arguments, config_from_args
-from tests.proxy.conftest import find_free_port, wait_healthy
 from tests.proxy.fake_node import FakeNode, FakeNodeConfig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -28,6 +30,21 @@ def test_arguments_become_a_proxy_config(model_dir):
     assert (config.port, config.api_key, config.max_model_len, config.served_model_name) == (9, "k", 64, model_dir.name)
 
 
+def test_unset_arguments_take_the_proxy_config_defaults(model_dir):
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    config = config_from_args(parser.parse_args(["--model", str(model_dir), "--decode", "127.0.0.1:3"]))
+    assert config == ProxyConfig(model_dir=str(model_dir), served_model_name=model_dir.name,
+                                 decode_addresses=("127.0.0.1:3",))
+
+
+def test_negative_local_prefill_wait_turns_the_policy_off(model_dir):
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--model", str(model_dir), "--decode", "127.0.0.1:3", "--local-prefill-min-wait-s", "-1"])
+    assert config_from_args(args).local_prefill_min_wait_s is None
+
+
 def test_bad_address_exits_with_a_message(model_dir):
     result = subprocess.run([sys.executable, "-m", "pdserve.cli", "proxy", "--model", str(model_dir), "--decode",
                              "nowhere"], cwd=REPO, capture_output=True, text=True, timeout=30)
@@ -35,13 +52,13 @@ def test_bad_address_exits_with_a_message(model_dir):
 
 
 def test_pdserve_proxy_serves_and_stops_on_sigterm(model_dir, vocab_size):
-    node = FakeNode(FakeNodeConfig(role="decode", vocab_size=vocab_size)).start()
-    port = find_free_port()
+    node = FakeNode(FakeNodeConfig(role=Role.DECODE, vocab_size=vocab_size)).start()
+    port = free_port("127.0.0.1")
     process = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "proxy", "--model", str(model_dir), "--decode",
                                 node.address, "--port", str(port), "--served-model-name", "m", "--log-level",
                                 "warning"], cwd=REPO, start_new_session=True)
     try:
-        wait_healthy(f"http://127.0.0.1:{port}", timeout_s=30)
+        wait_http_ok(f"http://127.0.0.1:{port}/health", timeout_s=30)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=10)
         assert client.completions.create(model="m", prompt="hello", max_tokens=3).usage.completion_tokens == 3
         process.send_signal(signal.SIGTERM)

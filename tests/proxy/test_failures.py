@@ -12,7 +12,8 @@ import openai
 import pytest
 
 from engine import protocol
-from tests.proxy.conftest import MODEL_NAME, find_free_port
+from pdserve.launcher import free_port
+from tests.proxy.conftest import MODEL_NAME
 
 
 def _post(proxy, body, path: str = "/v1/completions", **kwargs) -> httpx.Response:
@@ -206,7 +207,7 @@ def test_silent_node_times_out_with_5xx(start_proxy):
 
 
 def test_node_that_never_reported_is_down_and_gets_no_requests(start_proxy):
-    silent = f"127.0.0.1:{find_free_port()}"
+    silent = f"127.0.0.1:{free_port('127.0.0.1')}"
     proxy = start_proxy(wait=False, num_decode=1, extra_decode_addresses=(silent,))
     live = proxy.decode[0].address
     assert _wait_metric(proxy, f'pdserve_node_up{{kind="decode",node="{live}"}} 1.0')

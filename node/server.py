@@ -1,9 +1,9 @@
-"""EngineServer: an LLMEngine behind a ZMQ ROUTER control socket (the loop both node kinds run).
+"""NodeServer: an LLMEngine behind a ZMQ ROUTER control socket (the loop every node kind runs).
 
 Proxies connect DEALER sockets and send engine.protocol messages; the server answers each
 request on the socket identity it came from and sends every known proxy a LoadReport
 periodically (the heartbeat). Role-specific KV handling (leases, pulls) lives in the node
-packages, which subclass this and override the hooks.
+packages, which subclass this and override the hooks; a plain NodeServer is a colocated node.
 
 The heartbeat comes from a thread of its own, sending the load the loop last recorded: one
 engine step can outlast the proxy's heartbeat timeout (measured: a 2,048-token prefill chunk of
@@ -13,23 +13,17 @@ thread share the ROUTER socket under a lock.
 
 from __future__ import annotations
 
-import argparse
 import logging
-import os
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
 
 import msgspec
-import torch
 import zmq
 
 from engine import protocol
-from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine.engine import LLMEngine, StepOutput
-from engine.protocol import ErrorReply, RequestDelta, TokenBatch
-from engine.request import FinishReason
+from engine.protocol import ErrorReply, RequestDelta, Role, TokenBatch
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -52,10 +46,10 @@ class ServerConfig:
             raise ValueError(f"load_report_interval_s must be > 0, got {self.load_report_interval_s}")
 
 
-class EngineServer:
+class NodeServer:
     """Runs until stop() (or SIGTERM via the node's main). Not thread-safe apart from stop()."""
 
-    role = "both"
+    role = Role.COLOCATED
 
     def __init__(self, engine: LLMEngine, config: ServerConfig) -> None:
         self.engine = engine
@@ -85,7 +79,7 @@ class EngineServer:
         self._is_stopping.set()
 
     def run(self) -> None:
-        logger.info("%s node %s serving on %s", self.role, self.config.node_id, self.address)
+        logger.info("%s node %s serving on %s", self.role.value, self.config.node_id, self.address)
         self._record_load()
         self._heartbeat.start()
         try:
@@ -119,11 +113,12 @@ class EngineServer:
 
     def handle_decode_request(self, message: protocol.DecodeRequest) -> None:
         if message.kv_handle is not None:
-            raise ValueError(f"request {message.request_id}: this node does not pull KV (role {self.role})")
+            raise ValueError(f"request {message.request_id}: this node does not pull KV (role {self.role.value})")
         self.add_local_request(message.request_id, message.prompt_token_ids, message.sampling, message.first_token)
 
     def handle_prefill_request(self, message: protocol.PrefillRequest) -> None:
-        raise ValueError(f"request {message.request_id}: this node does not take prefill requests (role {self.role})")
+        raise ValueError(
+            f"request {message.request_id}: this node does not take prefill requests (role {self.role.value})")
 
     def handle_abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
@@ -161,11 +156,6 @@ class EngineServer:
         except zmq.Again:
             logger.warning("dropped a %s to a proxy that is not reading", type(message).__name__)
 
-    def send_to_owner(self, request_id: str, message) -> None:
-        owner = self._owners.get(request_id)
-        if owner is not None:
-            self.send(owner, message)
-
     def forget(self, request_id: str) -> bytes | None:
         return self._owners.pop(request_id, None)
 
@@ -198,6 +188,10 @@ class EngineServer:
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             logger.warning("undecodable message from a proxy: %s", exc)
             return
+        self.handle_message(identity, message)
+
+    def handle_message(self, identity: bytes, message: protocol.ToNode) -> None:
+        """Act on one decoded message from the proxy at identity (replies go back there)."""
         if isinstance(message, protocol.Ping):
             self._send_load_report(identity)
         elif isinstance(message, protocol.Abort):
@@ -250,6 +244,7 @@ class EngineServer:
             protocol_version=protocol.PROTOCOL_VERSION,
             model_name=engine.config.model.name,
             max_model_len=engine.max_total_tokens,
+            block_size=engine.block_size,
             num_running=len(scheduler.running),
             num_waiting=len(scheduler.waiting),
             num_queued_prompt_tokens=scheduler.num_queued_prompt_tokens,
@@ -287,70 +282,3 @@ class _LoadSnapshot:
 def _delta(out: StepOutput) -> RequestDelta:
     reason = out.finish_reason.value if out.finish_reason is not None else None
     return RequestDelta(out.request_id, out.new_tokens, reason, out.num_prompt_tokens)
-
-
-def is_prefilled(out: StepOutput) -> bool:
-    return out.finish_reason is FinishReason.PREFILLED
-
-
-# ---- command-line plumbing shared by `pdserve prefill` and `pdserve decode` -------------------
-
-
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="checkpoint directory")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=0, help="control socket port (0: pick one)")
-    parser.add_argument("--node-id", default=None)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--num-blocks", type=int, default=None)
-    parser.add_argument("--kv-cache-memory-gb", type=float, default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=128)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--cpus", default=None, help="CPU cores for this node, e.g. 0,1 (also sets torch threads)")
-    parser.add_argument("--log-level", default="INFO")
-
-
-def engine_config_from_args(args: argparse.Namespace, role: str) -> EngineConfig:
-    device = args.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    memory = int(args.kv_cache_memory_gb * (1 << 30)) if args.kv_cache_memory_gb else None
-    return EngineConfig(
-        model=ModelConfig.from_pretrained(args.model, dtype=args.dtype, max_model_len=args.max_model_len),
-        cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks, kv_cache_memory_bytes=memory),
-        scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, role=role),
-        device=device,
-        seed=args.seed,
-    )
-
-
-def kv_layout_fields(engine: LLMEngine) -> dict:
-    """The engine's KV layout as plain fields for kv_transfer.layout.KVLayout."""
-    from engine.kv_cache import kv_layout_fields as layout_fields
-    from engine.weights import model_fingerprint
-
-    fields = layout_fields(engine.config.model, engine.block_size, engine.block_pool.num_blocks,
-                           model_fingerprint(engine.config.model.model_dir))
-    fields["code_version"] = f"pdserve-{protocol.PROTOCOL_VERSION}"
-    return fields
-
-
-def exit_now(code: int = 0) -> None:
-    """Leave the process at once after a clean shutdown (flushing logs and streams first)."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-def pin_cpus(cpus: str | None) -> None:
-    """Run this process on the given cores with one torch thread per core."""
-    if not cpus:
-        return
-    cores = {int(c) for c in cpus.split(",") if c.strip()}
-    os.sched_setaffinity(0, cores)
-    torch.set_num_threads(len(cores))

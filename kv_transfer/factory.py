@@ -1,8 +1,6 @@
-"""Command-line arguments for a node's KV transfer settings, and the connector factory."""
+"""create_connector: the KVConnector a node's TransferConfig names, over the node's KV cache."""
 
 from __future__ import annotations
-
-import argparse
 
 import torch
 
@@ -10,22 +8,6 @@ from kv_transfer.base import KVConnector, new_engine_id
 from kv_transfer.config import TransferConfig
 from kv_transfer.fake import FakeConnector, FakeRegistry
 from kv_transfer.layout import KVLayout
-
-
-def add_transfer_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--transfer-backend", default="nixl", choices=["nixl", "gloo"])
-    parser.add_argument("--kv-port", type=int, default=0, help="KV side-channel port (0: pick one)")
-    parser.add_argument("--handshake-timeout-s", type=float, default=5.0)
-    parser.add_argument("--transfer-timeout-s", type=float, default=30.0)
-    parser.add_argument("--lease-timeout-s", type=float, default=60.0)
-
-
-def transfer_config_from_args(args: argparse.Namespace) -> TransferConfig:
-    return TransferConfig(
-        backend=args.transfer_backend, host=args.host, side_channel_port=args.kv_port,
-        handshake_timeout_s=args.handshake_timeout_s, transfer_timeout_s=args.transfer_timeout_s,
-        lease_timeout_s=args.lease_timeout_s,
-    )
 
 
 def create_connector(config: TransferConfig, kv_cache: torch.Tensor, layout: KVLayout, node_id: str,

@@ -1,10 +1,12 @@
-"""SideChannelConnector: what the NIXL and gloo connectors share behind KVConnector.
+"""SideChannelConnector: what the NIXL and gloo connectors share behind KVConnector: peers, the
+handshake, pending reads, release notices.
 
 A ZMQ side channel (kv_transfer.side_channel) answers handshakes and release notices from its
-own thread. Handshakes run in a worker thread (a dead peer costs the node loop nothing);
-everything that touches the backend runs on the caller's thread inside poll(). Peers are
-cached by engine id; a handshake answered by another engine id (the peer restarted) fails, and
-a new engine id at a known address drops the old peer's state.
+own thread. Handshakes run in a worker thread (a dead peer costs the node loop nothing); the
+backend's handshake hooks run on those two threads, everything else that touches the backend
+on the caller's thread inside poll(). Peers are cached by engine id; a handshake answered by
+another engine id (the peer restarted) fails, and a new engine id at a known address drops the
+old peer's state.
 """
 
 from __future__ import annotations
@@ -21,8 +23,10 @@ import torch
 from kv_transfer import side_channel
 from kv_transfer.base import KVConnector, ReadResult, check_cache
 from kv_transfer.config import TransferConfig
-from kv_transfer.errors import HandshakeFailed, KVTransferError, LayoutMismatch
-from kv_transfer.layout import KVLayout, check_compatible
+from kv_transfer.errors import HandshakeFailed, KVTransferError
+from kv_transfer.handshake import check_reply, refusal_for
+from kv_transfer.layout import KVLayout
+from kv_transfer.messages import SIDE_CHANNEL_VERSION, Ack, BackendInfo, Hello, HelloReply, Release, SideMessage
 
 logger = logging.getLogger(__name__)
 
@@ -32,8 +36,8 @@ class Peer:
     engine_id: str
     address: str
     layout: KVLayout
-    extra: dict
-    state: object = None  # the backend's per-peer handle
+    backend_info: BackendInfo | None  # the holder's, from its HelloReply
+    handle: object = None  # the backend's per-peer state
 
 
 @dataclass
@@ -44,11 +48,15 @@ class PendingRead:
     remote_block_ids: list[int]
     local_block_ids: list[int]
     started_at: float = field(default_factory=time.monotonic)
-    state: object = None  # the backend's transfer handle once started
+    handle: object = None  # the backend's transfer handle once started
 
 
 class SideChannelConnector(KVConnector, ABC):
     backend = "none"
+    # The BackendInfo types this backend's Hello (reader's) and HelloReply (holder's) carry;
+    # None: that message carries none. The handshake refuses any other.
+    reader_info_type: type[BackendInfo] | None = None
+    holder_info_type: type[BackendInfo] | None = None
 
     def __init__(self, config: TransferConfig, kv_cache: torch.Tensor, layout: KVLayout, engine_id: str) -> None:
         check_cache(kv_cache, layout)
@@ -59,7 +67,7 @@ class SideChannelConnector(KVConnector, ABC):
         self.block_bytes = kv_cache[0].numel() * kv_cache.element_size()
         self._released: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._peers: dict[str, Peer] = {}
-        self._handshakes: dict[str, tuple[str, Future]] = {}  # engine id -> (address, reply)
+        self._handshakes: dict[str, tuple[str, Future]] = {}  # engine id -> (address, (reply, handle))
         self._reads: dict[str, PendingRead] = {}
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-handshake")
         self._notifier = side_channel.Notifier()
@@ -71,7 +79,8 @@ class SideChannelConnector(KVConnector, ABC):
     def start_read(self, request_id: str, remote_engine_id: str, remote_address: str,
                    remote_block_ids: list[int], local_block_ids: list[int]) -> None:
         if len(remote_block_ids) != len(local_block_ids):
-            raise ValueError(f"request {request_id}: {len(remote_block_ids)} remote vs {len(local_block_ids)} local blocks")
+            raise ValueError(f"request {request_id}: {len(remote_block_ids)} remote vs "
+                             f"{len(local_block_ids)} local blocks")
         if request_id in self._reads:
             raise ValueError(f"request {request_id} already has a read in flight")
         self._reads[request_id] = PendingRead(request_id, remote_engine_id, remote_address,
@@ -84,7 +93,7 @@ class SideChannelConnector(KVConnector, ABC):
         results = self._finish_handshakes()
         now = time.monotonic()
         for read in list(self._reads.values()):
-            if read.state is None and read.remote_engine_id in self._peers:
+            if read.handle is None and read.remote_engine_id in self._peers:
                 results += self._start(read)
             elif now - read.started_at > self.config.transfer_timeout_s:
                 results.append(self._fail(read, f"no completion within {self.config.transfer_timeout_s} s"))
@@ -93,11 +102,11 @@ class SideChannelConnector(KVConnector, ABC):
 
     def abort_read(self, request_id: str) -> None:
         read = self._reads.pop(request_id, None)
-        if read is not None and read.state is not None:
+        if read is not None and read.handle is not None:
             self._cancel(read)
 
     def release_remote(self, request_id: str, remote_engine_id: str, remote_address: str) -> None:
-        self._notifier.send(remote_address, side_channel.Release([request_id]))
+        self._notifier.send(remote_address, Release([request_id]))
 
     @property
     def num_reads_in_flight(self) -> int:
@@ -106,7 +115,7 @@ class SideChannelConnector(KVConnector, ABC):
     # ---- holder side --------------------------------------------------------------------------
 
     def poll_released(self) -> list[str]:
-        released = self._drain_backend_notices()
+        released = []
         while True:
             try:
                 released.append(self._released.get_nowait())
@@ -122,17 +131,29 @@ class SideChannelConnector(KVConnector, ABC):
 
     # ---- backend hooks ------------------------------------------------------------------------
 
-    @abstractmethod
-    def _hello_extra(self) -> dict:
-        """What a peer needs to read from (or send to) this side, sent in the handshake."""
+    def _prepare_hello(self) -> tuple[BackendInfo | None, object]:
+        """Reader, handshake thread: the backend info of our Hello (of reader_info_type) and any
+        state of ours that _on_hello_accepted gets back. Raises HandshakeFailed."""
+        return None, None
 
-    @abstractmethod
+    def _on_hello_accepted(self, reply: HelloReply, prepared: object) -> object:
+        """Reader, handshake thread, after the holder accepted and the reply checked out: finish
+        the backend's part of the handshake. Returns the new Peer's handle (before
+        _connect_peer). Raises HandshakeFailed."""
+        return None
+
+    def _answer_info(self, hello: Hello) -> BackendInfo | None:
+        """Holder, side-channel thread, for a Hello the handshake accepted: the backend info of
+        our HelloReply (of holder_info_type). Must not block."""
+        return None
+
     def _connect_peer(self, peer: Peer) -> None:
-        """Make the backend ready to read from peer (called on the caller's thread)."""
+        """Reader, caller's thread: make the backend ready to read from peer (peer.handle holds
+        what _on_hello_accepted returned)."""
 
     @abstractmethod
     def _start_transfer(self, read: PendingRead, peer: Peer) -> None:
-        """Start the read; store the backend's handle in read.state. Raises KVTransferError."""
+        """Start the read; store the backend's handle in read.handle. Raises KVTransferError."""
 
     @abstractmethod
     def _poll_backend(self) -> list[ReadResult]:
@@ -142,52 +163,41 @@ class SideChannelConnector(KVConnector, ABC):
     def _cancel(self, read: PendingRead) -> None:
         """Release a started transfer's backend resources."""
 
-    def _drain_backend_notices(self) -> list[str]:
-        return []
-
     def _forget_peer(self, peer: Peer) -> None:
         """Drop the backend's state for a peer that failed."""
 
-    def _on_backend_message(self, message) -> side_channel.SideMessage | None:
-        return side_channel.Ack(error=f"unexpected message {type(message).__name__}")
+    def _on_backend_message(self, message: SideMessage) -> SideMessage | None:
+        return Ack(error=f"unexpected message {type(message).__name__}")
 
-    # ---- shared internals ---------------------------------------------------------------------
+    # ---- the handshake ------------------------------------------------------------------------
 
-    def _handshake(self, address: str) -> side_channel.HelloReply:
-        """Runs in a worker thread: exchange layouts and backend details with the holder."""
-        hello = side_channel.Hello(self.engine_id, self.layout, self.backend, self._hello_extra())
+    def _handshake(self, address: str) -> tuple[HelloReply, object]:
+        """Handshake thread: exchange layouts and backend details with the holder. Returns its
+        accepted reply and the new peer's handle; raises LayoutMismatch or HandshakeFailed."""
+        reader_info, prepared = self._prepare_hello()
+        hello = Hello(SIDE_CHANNEL_VERSION, self.engine_id, self.layout, self.backend, reader_info)
         reply = side_channel.request(address, hello, self.config.handshake_timeout_s)
-        if not isinstance(reply, side_channel.HelloReply):
-            raise HandshakeFailed(f"KV side channel {address} answered {type(reply).__name__}: {getattr(reply, 'error', '')}")
-        if reply.error:
-            raise LayoutMismatch(reply.error) if "layouts differ" in reply.error else HandshakeFailed(reply.error)
-        check_compatible(self.layout, reply.layout)
-        return reply
+        reply = check_reply(reply, address, self.layout, self.holder_info_type)
+        return reply, self._on_hello_accepted(reply, prepared)
 
-    def _on_side_message(self, message):
+    def _answer_hello(self, hello: Hello) -> HelloReply:
+        """Side-channel thread: accept the reader's Hello with our details, or refuse it by code."""
+        refusal = refusal_for(hello, self.backend, self.layout, self.reader_info_type)
+        if refusal is not None:
+            logger.warning("refused KV handshake from %s: %s", hello.engine_id, refusal.message)
+            return HelloReply(SIDE_CHANNEL_VERSION, self.engine_id, self.layout, self.backend, refusal=refusal)
+        return HelloReply(SIDE_CHANNEL_VERSION, self.engine_id, self.layout, self.backend,
+                          backend_info=self._answer_info(hello))
+
+    def _on_side_message(self, message: SideMessage) -> SideMessage | None:
         """Runs on the side-channel thread."""
-        if isinstance(message, side_channel.Hello):
+        if isinstance(message, Hello):
             return self._answer_hello(message)
-        if isinstance(message, side_channel.Release):
+        if isinstance(message, Release):
             for request_id in message.request_ids:
                 self._released.put(request_id)
             return None
         return self._on_backend_message(message)
-
-    def _answer_hello(self, hello: side_channel.Hello) -> side_channel.HelloReply:
-        error = None
-        if hello.backend != self.backend:
-            error = f"backend mismatch: local {self.backend!r}, remote {hello.backend!r}"
-        else:
-            try:
-                check_compatible(self.layout, hello.layout)
-            except LayoutMismatch as exc:
-                error = str(exc)
-        extra = {} if error else self._hello_extra_for(hello)
-        return side_channel.HelloReply(self.engine_id, self.layout, self.backend, error, extra)
-
-    def _hello_extra_for(self, hello: side_channel.Hello) -> dict:
-        return self._hello_extra()
 
     def _finish_handshakes(self) -> list[ReadResult]:
         results = []
@@ -196,23 +206,25 @@ class SideChannelConnector(KVConnector, ABC):
                 continue
             del self._handshakes[engine_id]
             try:
-                self._add_peer(engine_id, address, future.result())
+                self._add_peer(engine_id, address, *future.result())
             except (KVTransferError, OSError, RuntimeError) as exc:
                 logger.warning("KV handshake with %s at %s failed: %s", engine_id, address, exc)
                 results += [self._fail(r, f"handshake with {address} failed: {exc}") for r in list(self._reads.values())
                             if r.remote_engine_id == engine_id]
         return results
 
-    def _add_peer(self, engine_id: str, address: str, reply: side_channel.HelloReply) -> None:
+    def _add_peer(self, engine_id: str, address: str, reply: HelloReply, handle: object) -> None:
         if reply.engine_id != engine_id:
             raise HandshakeFailed(f"{address} is engine {reply.engine_id!r}, not {engine_id!r} (restarted?)")
         for stale in [p for p in self._peers.values() if p.address == address]:
             # NOTE: a new engine at a known address means the old one restarted: its
             # registration is gone, so drop what we hold for it.
             self._forget_peer(self._peers.pop(stale.engine_id))
-        peer = Peer(reply.engine_id, address, reply.layout, reply.extra)
+        peer = Peer(reply.engine_id, address, reply.layout, reply.backend_info, handle)
         self._connect_peer(peer)
         self._peers[engine_id] = peer
+
+    # ---- reads --------------------------------------------------------------------------------
 
     def _start(self, read: PendingRead) -> list[ReadResult]:
         try:
@@ -223,7 +235,7 @@ class SideChannelConnector(KVConnector, ABC):
 
     def _fail(self, read: PendingRead, error: str) -> ReadResult:
         self._reads.pop(read.request_id, None)
-        if read.state is not None:
+        if read.handle is not None:
             self._cancel(read)
         # NOTE: a failed transfer may mean the peer died or restarted: forget it, so the next
         # read handshakes again.

@@ -1,0 +1,88 @@
+"""Command-line arguments of `pdserve prefill` and `pdserve decode`, and the configs built from
+them. Every default is read from its config dataclass field, where it is defined once."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+
+from engine.config import DTYPES, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, resolve_device
+from engine.protocol import Role
+from kv_transfer.config import BACKENDS, TransferConfig
+from node.server import ServerConfig
+
+
+def default_of(config_class, name: str):
+    """The default of a dataclass field (the one place it is written)."""
+    for field in dataclasses.fields(config_class):
+        if field.name == name:
+            return field.default
+    raise AttributeError(f"{config_class.__name__} has no field {name!r}")
+
+
+def add_node_arguments(parser: argparse.ArgumentParser) -> None:
+    """Every flag a node takes: model and engine, control socket, KV transfer."""
+    _add_engine_arguments(parser)
+    _add_transfer_arguments(parser)
+    parser.add_argument("--cpus", default=None, help="CPU cores for this node, e.g. 0,1 (also sets torch threads)")
+    parser.add_argument("--log-level", default="INFO")
+
+
+def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="checkpoint directory")
+    parser.add_argument("--host", default=default_of(ServerConfig, "host"),
+                        help="address the control socket and the KV side channel bind and advertise")
+    parser.add_argument("--port", type=int, default=default_of(ServerConfig, "port"),
+                        help="control socket port (0: pick one)")
+    parser.add_argument("--node-id", default=None, help="name in logs and reports (default: ROLE-PORT)")
+    parser.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default: float32")
+    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto (CUDA when available)")
+    parser.add_argument("--max-model-len", type=int, default=None, help="default: the checkpoint's")
+    parser.add_argument("--block-size", type=int, default=default_of(CacheConfig, "block_size"))
+    parser.add_argument("--num-blocks", type=int, default=default_of(CacheConfig, "num_blocks"))
+    parser.add_argument("--kv-cache-memory-gb", type=float, default=None,
+                        help="KV cache budget (default: a share of free memory)")
+    parser.add_argument("--max-num-seqs", type=int, default=default_of(SchedulerConfig, "max_num_seqs"))
+    parser.add_argument("--max-num-batched-tokens", type=int,
+                        default=default_of(SchedulerConfig, "max_num_batched_tokens"))
+    parser.add_argument("--seed", type=int, default=default_of(EngineConfig, "seed"))
+
+
+def _add_transfer_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--transfer-backend", default=default_of(TransferConfig, "backend"),
+                        choices=[b for b in BACKENDS if b != "fake"])
+    parser.add_argument("--kv-port", type=int, default=default_of(TransferConfig, "side_channel_port"),
+                        help="KV side-channel port (0: pick one)")
+    for name in ("handshake_timeout_s", "transfer_timeout_s", "lease_timeout_s"):
+        parser.add_argument(f"--{name.replace('_', '-')}", type=float, default=default_of(TransferConfig, name))
+
+
+@dataclass(frozen=True)
+class NodeConfigs:
+    """What one node process is built from."""
+
+    engine: EngineConfig
+    server: ServerConfig
+    transfer: TransferConfig
+
+
+def node_configs_from_args(args: argparse.Namespace, role: Role) -> NodeConfigs:
+    """Raises ValueError (naming the field) for a bad value, OSError for unreadable model files."""
+    model_options = {"dtype": args.dtype} if args.dtype else {}
+    memory = int(args.kv_cache_memory_gb * (1 << 30)) if args.kv_cache_memory_gb else None
+    engine = EngineConfig(
+        model=ModelConfig.from_pretrained(args.model, max_model_len=args.max_model_len, **model_options),
+        cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks, kv_cache_memory_bytes=memory),
+        scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens),
+        device=resolve_device(args.device),
+        seed=args.seed,
+        role=role,
+    )
+    server = ServerConfig(args.node_id or f"{role.value}-{args.port}", args.host, args.port)
+    transfer = TransferConfig(
+        backend=args.transfer_backend, host=args.host, side_channel_port=args.kv_port,
+        handshake_timeout_s=args.handshake_timeout_s, transfer_timeout_s=args.transfer_timeout_s,
+        lease_timeout_s=args.lease_timeout_s,
+    )
+    return NodeConfigs(engine, server, transfer)

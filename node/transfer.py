@@ -1,0 +1,29 @@
+"""A node's KV connector: the engine's cache layout as kv_transfer describes it, and the
+connector built over the engine's cache."""
+
+from __future__ import annotations
+
+from engine import protocol
+from engine.engine import LLMEngine
+from engine.kv_cache import kv_layout_fields
+from engine.weights import model_fingerprint
+from kv_transfer.base import KVConnector
+from kv_transfer.config import TransferConfig
+from kv_transfer.factory import create_connector
+from kv_transfer.fake import FakeRegistry
+from kv_transfer.layout import KVLayout
+
+
+def kv_layout(engine: LLMEngine) -> KVLayout:
+    """What a transfer peer must agree on with this engine (layout, model, code version)."""
+    config = engine.config
+    fields = kv_layout_fields(config.model, engine.block_size, engine.block_pool.num_blocks,
+                              model_fingerprint(config.model.model_dir))
+    return KVLayout(**fields, code_version=f"pdserve-{protocol.PROTOCOL_VERSION}")
+
+
+def connector_for(engine: LLMEngine, config: TransferConfig, node_id: str,
+                  fake_registry: FakeRegistry | None = None) -> KVConnector:
+    """A connector over the engine's cache (see kv_transfer.factory.create_connector); the node
+    closes it when it stops."""
+    return create_connector(config, engine.kv_cache, kv_layout(engine), node_id, fake_registry)

@@ -1,0 +1,89 @@
+"""Every error of the proxy and its HTTP answer: node failures, bad input, and the OpenAI error
+body each becomes (4xx for the client's fault, 5xx for a node's)."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from engine import protocol
+
+logger = logging.getLogger(__name__)
+
+
+class NodeDied(Exception):
+    """The node holding a request stopped reporting (or is not accepting messages)."""
+
+
+class NoNodeAvailable(Exception):
+    """No healthy node of a needed kind."""
+
+
+class NodeRejected(Exception):
+    """A node answered with an ErrorReply; reply.is_client_error tells whose fault it was."""
+
+    def __init__(self, reply: protocol.ErrorReply) -> None:
+        super().__init__(reply.message)
+        self.reply = reply
+
+
+class ApiError(Exception):
+    """An error answered with an OpenAI error body; param names the offending request field."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def error_response(error: ApiError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status)
+
+
+def api_error_of(exc: Exception) -> ApiError:
+    """The answer for a failed request: NodeRejected 400 or 500 (as the node says), NoNodeAvailable
+    503, NodeDied 502, TimeoutError 504, anything else 500 (and logged: a bug)."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, NodeRejected):
+        if exc.reply.is_client_error:
+            return ApiError(400, exc.reply.message)
+        return ApiError(500, exc.reply.message, kind="server_error")
+    if isinstance(exc, NoNodeAvailable):
+        return ApiError(503, str(exc), kind="server_error")
+    if isinstance(exc, NodeDied):
+        return ApiError(502, str(exc), kind="server_error")
+    if isinstance(exc, TimeoutError):
+        return ApiError(504, str(exc), kind="server_error")
+    logger.exception("request failed", exc_info=exc)
+    return ApiError(500, f"{type(exc).__name__}: {exc}", kind="server_error")
+
+
+def from_validation(errors: list[dict]) -> ApiError:
+    """A 400 for pydantic's errors, naming the first one's field (dotted path) as param."""
+    first = errors[0] if errors else {}
+    param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
+    return ApiError(400, f"{param}: {first.get('msg', 'invalid value')}" if param else str(first.get("msg")), param)
+
+
+def from_sampling(exc: protocol.SamplingError) -> ApiError:
+    """A 400 for a sampling option out of its range, naming the option as param."""
+    return ApiError(400, str(exc), exc.param)
+
+
+def install_handlers(app: FastAPI) -> None:
+    """Answer ApiError and FastAPI's own validation errors with OpenAI error bodies."""
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(from_validation(exc.errors()))

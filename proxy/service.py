@@ -1,0 +1,184 @@
+"""Answering one completion request: check it, split it into choices, run them, and reply with
+the whole body or an SSE stream (a status code whenever the failure comes before any token)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from proxy.choice_run import ChoiceRun, ChoiceRunner
+from proxy.choices import ChoiceDelta, ChoiceDone, ChoiceEvent, ChoiceFailed, ClientGone, SubRequest
+from proxy.config import ProxyConfig
+from proxy.errors import ApiError, api_error_of
+from proxy.metrics import ProxyMetrics
+from proxy.nodes import NodePool
+from proxy.openai_format import SSE_DONE, ResponseFormat
+from proxy.schemas import GenerationRequest
+from proxy.tokenizer import ModelTokenizer
+
+_CLIENT_GONE = 499  # nginx's "client closed request": nobody reads it, but the metrics count it
+
+
+class RequestService:
+    """The endpoints' common work; one per app."""
+
+    def __init__(self, config: ProxyConfig, tokenizer: ModelTokenizer, pool: NodePool, metrics: ProxyMetrics) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.pool = pool
+        self.metrics = metrics
+        self.runner = ChoiceRunner(pool, tokenizer, metrics, config.first_token_timeout_s, config.request_timeout_s)
+
+    def max_model_len(self) -> int:
+        """The longest sequence served: configured, else the nodes' shortest, else the model's."""
+        return self.config.max_model_len or self.pool.max_model_len() or self.tokenizer.max_position_embeddings
+
+    async def complete(self, body: GenerationRequest, fmt: ResponseFormat, request: Request) -> Response | dict:
+        """The answer to body (a dict is sent as JSON); raises ApiError for an error answer."""
+        arrived_at = time.monotonic()
+        try:
+            if body.model != self.config.served_model_name:
+                raise ApiError(404, f"model {body.model!r} does not exist; this server serves "
+                                    f"{self.config.served_model_name!r}", "model", code="model_not_found")
+            subs = self._sub_requests(body, fmt)
+        except ApiError as exc:
+            self._count(fmt, exc.status)
+            raise
+        run = self.runner.start(subs, body.stop_strings, arrived_at)
+        if body.stream:
+            return await self._start_stream(body, fmt, run, request)
+        return await self._complete_all(fmt, run, request)
+
+    def _sub_requests(self, body: GenerationRequest, fmt: ResponseFormat) -> list[SubRequest]:
+        """One per choice: n per prompt, indexed prompt by prompt; raises ApiError (400)."""
+        subs = []
+        for prompt_idx, prompt in enumerate(body.prompts(self.tokenizer)):
+            self._check_prompt(prompt.token_ids)
+            max_tokens = self._max_tokens(body.requested_max_tokens, len(prompt.token_ids))
+            for i in range(body.n):
+                index = prompt_idx * body.n + i
+                sampling = body.sampling(max_tokens, seed_offset=i)
+                subs.append(SubRequest(fmt.choice_request_id(index), index, prompt, sampling))
+        return subs
+
+    def _max_tokens(self, requested: int | None, num_prompt_tokens: int) -> int:
+        """As requested (None: no limit), but never past the context."""
+        limit = self.max_model_len()
+        return min(limit if requested is None else requested, limit - num_prompt_tokens)
+
+    def _check_prompt(self, ids: list[int]) -> None:
+        if not ids:
+            raise ApiError(400, "prompt is empty after tokenization", "prompt")
+        limit = self.max_model_len()
+        if len(ids) >= limit:
+            raise ApiError(400, f"this model's maximum context length is {limit} tokens; the prompt has "
+                                f"{len(ids)} tokens (at least one output token must fit)", "prompt",
+                           code="context_length_exceeded")
+        bad = [t for t in ids if not 0 <= t < self.tokenizer.vocab_size]
+        if bad:
+            raise ApiError(400, f"token ids {bad[:5]} are outside the vocabulary [0, {self.tokenizer.vocab_size})",
+                           "prompt")
+
+    async def _complete_all(self, fmt: ResponseFormat, run: ChoiceRun, request: Request) -> Response | dict:
+        # NOTE: uvicorn does not cancel a non-streaming handler when its client goes away; this
+        # watcher does, so the nodes hear Abort instead of generating for nobody.
+        run.watch_disconnect(request)
+        try:
+            remaining = len(run.subs)
+            while remaining:
+                match await run.events.get():
+                    case ClientGone():
+                        self._count(fmt, _CLIENT_GONE)
+                        return Response(status_code=_CLIENT_GONE)  # the finally aborts on the nodes
+                    case ChoiceFailed(error=error):
+                        raise api_error_of(error)
+                    case ChoiceDone():
+                        remaining -= 1
+                    case _:
+                        pass  # a delta: the choice's state holds its text already
+        except ApiError as exc:
+            self._count(fmt, exc.status)
+            raise
+        finally:
+            run.cancel()
+        self._count(fmt, 200)
+        return fmt.body(run.subs, run.states)
+
+    async def _start_stream(self, body: GenerationRequest, fmt: ResponseFormat, run: ChoiceRun,
+                            request: Request) -> Response:
+        """Hold the response until the first event of any choice, so a request that fails before
+        streaming began gets a real status code rather than an SSE error."""
+        first = await self._first_event(run, request)
+        if isinstance(first, ClientGone):
+            self._count(fmt, _CLIENT_GONE)
+            return Response(status_code=_CLIENT_GONE)
+        if isinstance(first, ChoiceFailed):
+            error = api_error_of(first.error)
+            self._count(fmt, error.status)
+            raise error
+        self._count(fmt, 200)
+        events = self._stream_events(body, fmt, run, first)
+        # NOTE: started here, so its finally (which cancels the choices) runs even if the response
+        # never reads on: an unstarted generator is dropped without running its finally.
+        opening = await anext(events)
+        return StreamingResponse(_chain(opening, events), media_type="text/event-stream")
+
+    @staticmethod
+    async def _first_event(run: ChoiceRun, request: Request) -> ChoiceEvent:
+        """The first event of any choice, or ClientGone; the run is cancelled unless a delta came."""
+        watcher = run.watch_disconnect(request)
+        try:
+            first = await run.events.get()
+        except BaseException:
+            run.cancel()
+            raise
+        finally:
+            watcher.cancel()
+        if not isinstance(first, (ChoiceDelta, ChoiceDone)):
+            run.cancel()
+        return first
+
+    @staticmethod
+    async def _stream_events(body: GenerationRequest, fmt: ResponseFormat, run: ChoiceRun,
+                          first: ChoiceEvent) -> AsyncIterator[str]:
+        """The SSE events of all choices from first on; a failure ends the stream with an error
+        event. Cancels the run when done or closed (the client left)."""
+        try:
+            yield fmt.opening_events(run.subs, run.states)
+            remaining, event = len(run.subs), first
+            while True:
+                match event:
+                    case ChoiceDelta(index=index, delta=delta):
+                        chunk = fmt.delta_event(run.states[index], delta)
+                        if chunk:
+                            yield chunk
+                    case ChoiceDone():
+                        remaining -= 1
+                    case ChoiceFailed(error=error):
+                        yield fmt.error_event(api_error_of(error))
+                        break
+                    case ClientGone():
+                        return
+                if not remaining:
+                    break
+                event = await run.events.get()
+            if body.include_usage:
+                yield fmt.usage_event(run.subs, run.states)
+            yield SSE_DONE
+        finally:
+            run.cancel()  # done or client gone: run_request's finally aborts on the nodes
+
+    def _count(self, fmt: ResponseFormat, status: int) -> None:
+        self.metrics.requests.labels(fmt.endpoint, str(status)).inc()
+
+
+async def _chain(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
+    try:
+        yield first
+        async for event in rest:
+            yield event
+    finally:
+        await rest.aclose()  # NOTE: completes without suspending: rest's finally only cancels tasks
