@@ -1,5 +1,6 @@
 """`pdserve up`: start prefill nodes, decode nodes and the proxy as separate processes on this
-machine, wait until all are healthy, print the endpoint, and stop them all on Ctrl-C/SIGTERM."""
+machine, wait until all are healthy, print the endpoint, restart any that ends on its own (with
+backoff; the rest keep serving), and stop them all, in drain order, on Ctrl-C/SIGTERM."""
 
 from __future__ import annotations
 
@@ -22,33 +23,104 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 
+# NOTE: the order processes stop in: the proxy first (it stops accepting and lets open streams
+# finish within its grace period while the nodes still serve them), then the prefill nodes, then
+# the decode nodes (whose running requests the proxy no longer waits for).
+_STOP_ORDER = ("proxy", "prefill", "decode")
+
+
 @dataclass
 class Cluster:
-    """The processes of one local deployment; stop() ends every one of them (by pid)."""
+    """The processes of one local deployment, each restartable with the argv it started with;
+    stop() ends every one of them (by process group: each child leads its own session)."""
 
     procs: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
+    argvs: dict[str, list[str]] = field(default_factory=dict)
+    log_dir: Path | None = None
 
-    def start(self, name: str, argv: list[str], log_dir: Path | None) -> subprocess.Popen:
-        stdout = open(log_dir / f"{name}.log", "wb") if log_dir else None  # noqa: SIM115
+    def start(self, name: str, argv: list[str], log_dir: Path | None = None) -> subprocess.Popen:
+        self.log_dir = log_dir or self.log_dir
+        stdout = open(self.log_dir / f"{name}.log", "ab") if self.log_dir else None  # noqa: SIM115
         proc = subprocess.Popen(argv, stdout=stdout, stderr=subprocess.STDOUT if stdout else None,
                                 start_new_session=True)
-        self.procs.append((name, proc))
+        if stdout:
+            stdout.close()  # the child holds its own copy
+        self.argvs[name] = list(argv)
+        self.procs = [(n, p) for n, p in self.procs if n != name] + [(name, proc)]
         return proc
+
+    def restart(self, name: str) -> subprocess.Popen:
+        """Start name again with its first argv (same ports); the old process must have ended."""
+        return self.start(name, self.argvs[name])
+
+    def process(self, name: str) -> subprocess.Popen:
+        return dict(self.procs)[name]
 
     def dead(self) -> list[str]:
         return [f"{name} (exit {p.returncode})" for name, p in self.procs if p.poll() is not None]
 
+    def dead_names(self) -> list[str]:
+        return [name for name, p in self.procs if p.poll() is not None]
+
     def stop(self, timeout_s: float = 10.0) -> None:
-        for _, proc in self.procs:
-            if proc.poll() is None:
-                _signal_group(proc, signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        for _, proc in self.procs:
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                _signal_group(proc, signal.SIGKILL)
-                proc.wait()
+        """SIGTERM each group of processes in _STOP_ORDER, waiting up to timeout_s for each
+        group before SIGKILL."""
+        for kind in _STOP_ORDER:
+            group = [p for name, p in self.procs if name.startswith(kind)]
+            for proc in group:
+                if proc.poll() is None:
+                    _signal_group(proc, signal.SIGTERM)
+            deadline = time.monotonic() + timeout_s
+            for proc in group:
+                try:
+                    proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    _signal_group(proc, signal.SIGKILL)
+                    proc.wait()
+
+
+@dataclass
+class Supervisor:
+    """Restarts processes of a cluster that end on their own, with exponential backoff per
+    process (initial_backoff_s doubling up to max_backoff_s; back to the start after a process
+    has run healthy for reset_after_s). Driven by tick() from the launcher's loop."""
+
+    cluster: Cluster
+    initial_backoff_s: float = 1.0
+    max_backoff_s: float = 30.0
+    reset_after_s: float = 60.0
+    clock: Callable[[], float] = time.monotonic
+    _backoff_s: dict[str, float] = field(default_factory=dict)
+    _restart_at: dict[str, float] = field(default_factory=dict)
+    _started_at: dict[str, float] = field(default_factory=dict)
+    num_restarts: int = 0
+
+    def tick(self) -> list[str]:
+        """Schedule or carry out restarts; returns a line for each event (for the console)."""
+        now, events = self.clock(), []
+        for name in self.cluster.dead_names():
+            if name not in self._restart_at:
+                code = self.cluster.process(name).returncode
+                backoff = self._next_backoff(name, now)
+                self._restart_at[name] = now + backoff
+                events.append(f"{name} ended (exit {code}); restarting in {backoff:.0f} s")
+            elif now >= self._restart_at[name]:
+                del self._restart_at[name]
+                self.cluster.restart(name)
+                self._started_at[name] = now
+                self.num_restarts += 1
+                events.append(f"{name} restarted")
+        return events
+
+    def _next_backoff(self, name: str, now: float) -> float:
+        ran_s = now - self._started_at.get(name, now)
+        previous = self._backoff_s.get(name)
+        if previous is None or ran_s >= self.reset_after_s:
+            backoff = self.initial_backoff_s
+        else:
+            backoff = min(previous * 2, self.max_backoff_s)
+        self._backoff_s[name] = backoff
+        return backoff
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
@@ -71,7 +143,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", default=None)
 
 
-_NODE_FLAGS = (("--dtype", str), ("--transfer-backend", str), ("--kv-cache-memory-gb", float),
+_NODE_FLAGS = (("--dtype", str), ("--transfer-backend", str), ("--kv-cache-memory-gb", float), ("--num-blocks", int),
                ("--max-num-seqs", int), ("--max-num-batched-tokens", int))
 
 
@@ -103,11 +175,11 @@ def main(args: argparse.Namespace) -> int:
     try:
         wait_healthy(deployment, args.ready_timeout_s, stop)
         print(f"pdserve is ready: {deployment.base_url}/v1 (model {model_dir}); Ctrl-C stops it", flush=True)
-        while not stop.is_set and not deployment.cluster.dead():
+        supervisor = Supervisor(deployment.cluster)
+        while not stop.is_set:
+            for event in supervisor.tick():
+                print(f"pdserve up: {event}", file=sys.stderr, flush=True)
             time.sleep(0.2)
-        if deployment.cluster.dead():
-            print(f"pdserve up: process ended: {', '.join(deployment.cluster.dead())}", file=sys.stderr)
-            return 1
         return 0
     except (RuntimeError, TimeoutError) as exc:
         print(f"pdserve up: {exc}", file=sys.stderr)

@@ -1,0 +1,147 @@
+"""`pdserve up` supervises: a node process that dies is restarted with backoff and serves again,
+the rest keep serving, and SIGTERM stops every process it started."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from pdserve.launcher import Cluster, Supervisor, free_port, wait_http_ok
+
+EXIT_AT_ONCE = [sys.executable, "-c", "import sys; sys.exit(3)"]
+SLEEP_LONG = [sys.executable, "-c", "import time; time.sleep(60)"]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def wait_for(predicate, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)
+
+
+def test_a_process_that_keeps_dying_is_restarted_with_doubling_backoff(tmp_path):
+    cluster, clock = Cluster(), Clock()
+    supervisor = Supervisor(cluster, initial_backoff_s=1.0, max_backoff_s=4.0, clock=clock)
+    try:
+        cluster.start("decode0", EXIT_AT_ONCE, tmp_path)
+        cluster.start("prefill0", SLEEP_LONG, tmp_path)
+        waits = []
+        for _ in range(4):
+            wait_for(lambda: cluster.dead_names() == ["decode0"])
+            [event] = supervisor.tick()
+            assert "decode0 ended (exit 3)" in event
+            waits.append(float(event.rsplit("in ", 1)[1].split()[0]))
+            assert supervisor.tick() == []  # not before its backoff
+            clock.now += waits[-1]
+            assert supervisor.tick() == ["decode0 restarted"]
+        assert waits == [1.0, 2.0, 4.0, 4.0]
+        assert supervisor.num_restarts == 4
+        assert cluster.process("prefill0").poll() is None  # the others keep running
+    finally:
+        cluster.stop(timeout_s=5)
+    assert all(proc.poll() is not None for _, proc in cluster.procs)
+
+
+def test_backoff_starts_over_after_a_long_healthy_run(tmp_path):
+    cluster, clock = Cluster(), Clock()
+    supervisor = Supervisor(cluster, initial_backoff_s=1.0, reset_after_s=60.0, clock=clock)
+    try:
+        cluster.start("decode0", EXIT_AT_ONCE, tmp_path)
+        for expected in (1.0, 2.0):
+            wait_for(lambda: cluster.dead_names() == ["decode0"])
+            assert supervisor.tick()[0].endswith(f"in {expected:.0f} s")
+            clock.now += expected
+            supervisor.tick()
+        clock.now += 61  # the restarted process "ran" a long time before dying again
+        wait_for(lambda: cluster.dead_names() == ["decode0"])
+        assert supervisor.tick()[0].endswith("in 1 s")
+    finally:
+        cluster.stop(timeout_s=5)
+
+
+def test_stop_ends_the_proxy_first_then_prefill_then_decode(tmp_path):
+    cluster = Cluster()
+    marker = tmp_path / "order"
+    script = ("import signal, sys, time\n"
+              "def bye(*_):\n    open(sys.argv[2], 'a').write(sys.argv[1] + '\\n'); sys.exit(0)\n"
+              "signal.signal(signal.SIGTERM, bye)\ntime.sleep(60)\n")
+    for name in ("decode0", "prefill0", "proxy"):
+        cluster.start(name, [sys.executable, "-c", script, name, str(marker)], tmp_path)
+    time.sleep(0.5)  # let each install its handler (a bare start-up; nothing to poll for)
+    cluster.stop(timeout_s=5)
+    assert marker.read_text().split() == ["proxy", "prefill0", "decode0"]
+
+
+def _children_of(pid: int) -> dict[int, str]:
+    """pid -> command line of every live process whose parent is pid (read from /proc)."""
+    children = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            children[int(entry.name)] = cmdline
+    return children
+
+
+@pytest.fixture
+def pdserve_up(tiny_model_dir, tmp_path):
+    port = free_port()
+    argv = [sys.executable, "-m", "pdserve.cli", "up", "--model", str(tiny_model_dir), "--port", str(port),
+            "--log-dir", str(tmp_path / "logs"), "--max-num-batched-tokens", "256", "--num-blocks", "256"]
+    out = open(tmp_path / "up.log", "wb")  # noqa: SIM115 - closed in the finalizer
+    proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        yield proc, f"http://127.0.0.1:{port}", tmp_path / "up.log"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+        out.close()
+
+
+def _complete(base_url: str) -> httpx.Response:
+    body = {"model": "tiny-seed0", "prompt": "def f(x):", "max_tokens": 4, "temperature": 0}
+    return httpx.post(base_url + "/v1/completions", json=body, timeout=60)
+
+
+def test_pdserve_up_restarts_a_killed_decode_node_and_stops_everything_on_sigterm(pdserve_up):
+    proc, base_url, log = pdserve_up
+    wait_http_ok(base_url + "/health", 180, check=lambda: proc.poll() is None or pytest.fail(log.read_text()))
+    assert _complete(base_url).status_code == 200
+    children = _children_of(proc.pid)
+    [decode_pid] = [pid for pid, cmd in children.items() if "--node-id decode0" in cmd]
+    os.kill(decode_pid, signal.SIGKILL)
+    wait_for(lambda: "decode0 restarted" in log.read_text(), timeout_s=30)
+    [new_pid] = [pid for pid, cmd in _children_of(proc.pid).items() if "--node-id decode0" in cmd]
+    assert new_pid != decode_pid
+    # NOTE: until the proxy sees the old node's heartbeat stop, a request may still be sent to it
+    # and fail (the availability issue's retries are not built yet); it must be served again soon.
+    wait_for(lambda: _complete(base_url).status_code == 200, timeout_s=120)
+    assert proc.poll() is None
+    started = set(_children_of(proc.pid))
+    os.killpg(proc.pid, signal.SIGTERM)  # the launcher's own group: its children lead their own
+    proc.wait(timeout=60)
+    wait_for(lambda: not any(Path(f"/proc/{pid}").exists() for pid in started), timeout_s=10)
