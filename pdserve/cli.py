@@ -7,6 +7,8 @@ import argparse
 import importlib
 import sys
 
+from pdserve.settings import SettingsError, add_config_argument, apply_settings, describe
+
 # (name, module with add_arguments(parser) and main(args), help)
 COMMANDS = [
     ("up", "pdserve.launcher", "start proxy + prefill + decode nodes on this machine"),
@@ -19,10 +21,14 @@ COMMANDS = [
 ]
 
 
-def _parser(chosen: str | None) -> tuple[argparse.ArgumentParser, dict[str, object]]:
+SERVERS = ("up", "proxy", "prefill", "decode")  # print their effective settings at start
+
+
+def _parser(chosen: str | None) -> tuple[argparse.ArgumentParser, object | None, argparse.ArgumentParser | None]:
+    """The whole parser, and the chosen subcommand's module and subparser (None if none)."""
     parser = argparse.ArgumentParser(prog="pdserve", description="disaggregated prefill/decode LLM serving")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    modules: dict[str, object] = {}
+    module = chosen_parser = None
     for name, module_name, help_text in COMMANDS:
         sub = subparsers.add_parser(name, help=help_text, description=help_text)
         if name == chosen:
@@ -35,19 +41,29 @@ def _parser(chosen: str | None) -> tuple[argparse.ArgumentParser, dict[str, obje
                     sys.exit(2)
                 raise
             module.add_arguments(sub)
-            modules[name] = module
-    return parser, modules
+            add_config_argument(sub)
+            chosen_parser = sub
+    return parser, module, chosen_parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     chosen = next((a for a in argv if not a.startswith("-")), None)
-    parser, modules = _parser(chosen if chosen in {c[0] for c in COMMANDS} else None)
+    parser, module, chosen_parser = _parser(chosen if chosen in {c[0] for c in COMMANDS} else None)
+    taken = []
+    if chosen_parser is not None:
+        try:
+            taken = apply_settings(chosen_parser, chosen, argv)
+        except SettingsError as exc:
+            print(f"pdserve {chosen}: {exc}", file=sys.stderr)
+            return 2
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return 2
-    return int(modules[args.command].main(args) or 0)
+    if args.command in SERVERS:
+        print(f"pdserve {args.command}: {describe(args, chosen_parser, taken)}", file=sys.stderr, flush=True)
+    return int(module.main(args) or 0)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pdserve.settings import CONFIG_ENV
+
 logger = logging.getLogger(__name__)
 
 
@@ -41,8 +43,11 @@ class Cluster:
     def start(self, name: str, argv: list[str], log_dir: Path | None = None) -> subprocess.Popen:
         self.log_dir = log_dir or self.log_dir
         stdout = open(self.log_dir / f"{name}.log", "ab") if self.log_dir else None  # noqa: SIM115
+        # NOTE: children get every setting on their command line; the launcher's config file is
+        # not theirs (its flat keys are `pdserve up`'s).
+        env = {k: v for k, v in os.environ.items() if k != CONFIG_ENV}
         proc = subprocess.Popen(argv, stdout=stdout, stderr=subprocess.STDOUT if stdout else None,
-                                start_new_session=True)
+                                start_new_session=True, env=env)
         if stdout:
             stdout.close()  # the child holds its own copy
         self.argvs[name] = list(argv)
