@@ -7,7 +7,10 @@ The reader's blocks are scattered (every other block id, one descriptor per bloc
 cache; NIXL is also timed into contiguous blocks (NIXL merges the run into one descriptor). The
 holder's blocks are contiguous, as a fresh prefill allocates them. Ends with `RESULT {json}`.
 
-    .venv/bin/python benchmarks/kv_transfer.py
+    .venv/bin/python benchmarks/kv_transfer.py [--veth]
+
+--veth (root): also NIXL with the holder in a network namespace of its own, read across a veth
+pair and a bridge (TCP, as between hosts), beside NIXL over loopback.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from kv_transfer.factory import create_connector
 from kv_transfer.layout import KVLayout
 layout = msgspec.json.decode(sys.argv[1], type=KVLayout)
 shape = (layout.num_blocks, layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
-c = create_connector(TransferConfig(backend=sys.argv[2]), torch.randn(shape), layout, "holder")
+c = create_connector(TransferConfig(backend=sys.argv[2], host=sys.argv[3]), torch.randn(shape), layout, "holder")
 print(json.dumps({"address": c.agent_address, "engine_id": c.engine_id}), flush=True)
 sys.stdin.readline()
 os._exit(0)
@@ -54,8 +57,10 @@ def cache_shape() -> tuple[int, ...]:
     return (LAYOUT.num_blocks, LAYOUT.num_layers, 2, BLOCK_SIZE, LAYOUT.num_kv_heads, LAYOUT.head_dim)
 
 
-def start_holder(backend: str):
-    proc = subprocess.Popen([sys.executable, "-c", HOLDER, msgspec.json.encode(LAYOUT).decode(), backend],
+def start_holder(backend: str, host: str = "127.0.0.1", wrap=list):
+    """The holder process (wrap(argv) may run it elsewhere, e.g. in a network namespace)."""
+    argv = wrap([sys.executable, "-c", HOLDER, msgspec.json.encode(LAYOUT).decode(), backend, host])
+    proc = subprocess.Popen(argv,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                             cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, start_new_session=True)
     while True:
@@ -77,14 +82,22 @@ def read_once(connector, hello, request_id: str, remote: list[int], local: list[
             return time.perf_counter() - start
 
 
-def bench_backend(backend: str, copies: dict) -> dict:
+def bench_backend(backend: str, copies: dict, network=None) -> dict:
     """Per token count: the reader's blocks scattered (one descriptor per block) and, for NIXL,
     contiguous (NIXL merges the run into one descriptor), to decide the descriptor scheme. Each
     repeat also times the in-process copy of the same bytes right before the reads, so machine
-    noise hits both sides of the ratio alike."""
-    print(f"== {backend}", flush=True)
-    proc, hello = start_holder(backend)
-    connector = create_connector(TransferConfig(backend=backend), torch.full(cache_shape(), 0.5), LAYOUT, "reader")
+    noise hits both sides of the ratio alike. With network (a pdserve.netns.TestNetwork), the
+    holder runs in its namespace and the reader reads across the veth link and bridge."""
+    print(f"== {backend}{' across namespaces (veth)' if network else ''}", flush=True)
+    if network is None:
+        proc, hello = start_holder(backend)
+        reader_host = "127.0.0.1"
+    else:
+        holder = network.hosts["holder"]
+        proc, hello = start_holder(backend, holder.address, holder.command)
+        reader_host = network.gateway
+    connector = create_connector(TransferConfig(backend=backend, host=reader_host), torch.full(cache_shape(), 0.5),
+                                 LAYOUT, "reader")
     try:
         read_once(connector, hello, "warm", [0], [0])
         out = {}
@@ -168,6 +181,7 @@ def main() -> None:
     torch.set_num_threads(1)  # one core per process, as for the two transfer processes
     copy, copies = bench_copy()
     results = {"nixl": bench_backend("nixl", copies), "gloo": bench_backend("gloo", copies)}
+    veth = bench_veth(copies) if "--veth" in sys.argv else None
     print(f"\n{'tokens':>6} {'MB':>6} | {'copy':>5} {'g+s':>5} | {'NIXL':>5} {'ratio':>5} {'ms':>6} {'desc':>4} "
           f"| {'NIXL1':>5} {'ratio':>5} {'desc':>4} | {'gloo':>5} {'ratio':>5} {'ms':>6}   (GB/s; ratio to copy)")
     summary = []
@@ -179,7 +193,28 @@ def main() -> None:
               f"{r['nixl_contiguous_gb_s']:5.2f} {r['nixl_contiguous_ratio']:5.2f} "
               f"{r['nixl_contiguous_descriptors']:>4} | "
               f"{r['gloo_gb_s']:5.2f} {r['gloo_ratio']:5.2f} {r['gloo_latency_ms']:6.1f}")
-    print("RESULT " + json.dumps({"block_bytes": block_bytes(), "rows": summary}))
+    if veth is not None:
+        print("\nNIXL across namespaces (veth + bridge, TCP) vs loopback, scattered blocks:")
+        for tokens in TOKENS:
+            row = veth[tokens]
+            print(f"{tokens:>6} tokens: veth {row['veth_gb_s']:5.2f} GB/s ({row['veth_latency_ms']:6.1f} ms), "
+                  f"loopback {row['loopback_gb_s']:5.2f} GB/s: ratio {row['veth_to_loopback']:.2f}")
+    print("RESULT " + json.dumps({"block_bytes": block_bytes(), "rows": summary, "veth": veth}))
+
+
+def bench_veth(copies: dict) -> dict:
+    """NIXL with the holder in its own network namespace, beside NIXL over loopback again (run
+    right after, so both see the same machine state)."""
+    from pdserve.netns import TestNetwork
+
+    with TestNetwork(["holder"]) as network:
+        across = bench_backend("nixl", copies, network)
+    loopback = bench_backend("nixl", copies)
+    return {tokens: {"veth_gb_s": across[tokens]["scattered"]["gb_s"],
+                     "veth_latency_ms": across[tokens]["scattered"]["latency_ms"],
+                     "loopback_gb_s": loopback[tokens]["scattered"]["gb_s"],
+                     "veth_to_loopback": across[tokens]["scattered"]["gb_s"] / loopback[tokens]["scattered"]["gb_s"]}
+            for tokens in TOKENS}
 
 
 def summary_row(tokens: int, copy: dict, nixl: dict, gloo: dict) -> dict:
