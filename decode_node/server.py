@@ -99,9 +99,12 @@ class DecodeNode(NodeServer):
                 f"request {message.request_id}: KV handle has {handle.num_tokens} tokens in "
                 f"{len(handle.block_ids)} blocks for a prompt of {len(message.prompt_token_ids)} tokens"
             )
-        # Validates the prompt and the parameters before any block is taken.
-        self.engine.check_token_ids(message.request_id, message.prompt_token_ids, [message.first_token.token_id])
-        return SamplingParams.from_options(message.sampling)
+        # Validates the prompt and the parameters (logit_bias ids, the grammar and the first token
+        # under it) before any block is taken.
+        params = SamplingParams.from_options(message.sampling)
+        self.engine.check_request(message.request_id, message.prompt_token_ids, params,
+                                  [message.first_token.token_id])
+        return params
 
     def _start_pulls(self) -> None:
         max_seqs = self.engine.config.scheduler.max_num_seqs

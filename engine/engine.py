@@ -13,13 +13,14 @@ import torch
 
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig
+from engine.grammar import Grammars
 from engine.host_memory import keep_freed_memory
 from engine.kv_cache import allocate_kv_cache, num_cache_blocks
 from engine.model import CausalLM
 from engine.protocol import Role, TokenLogprob, num_blocks_for
 from engine.request import FinishReason, Request
-from engine.runner import ModelRunner
-from engine.sampler import Sampler
+from engine.runner import ModelRunner, PromptSpan
+from engine.sampler import Sampler, prompt_token_logprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.weights import load_weights
@@ -50,13 +51,16 @@ class PrefillRate:
 @dataclass
 class StepOutput:
     """New tokens of one request from one step. block_ids is set only for a PREFILLED finish:
-    the caller then owns those blocks and must pass them to LLMEngine.free_blocks."""
+    the caller then owns those blocks and must pass them to LLMEngine.free_blocks.
+    prompt_logprobs is set once, with a request's first token, when it asked for them and was
+    prefilled here arriving with no output tokens (see protocol.PrefillResult for the layout)."""
 
     request_id: str
     new_tokens: list[TokenLogprob]
     finish_reason: FinishReason | None = None
     num_prompt_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     @property
     def is_finished(self) -> bool:
@@ -80,6 +84,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.block_pool, self.block_size)
         self.runner = ModelRunner(self.model, self.kv_cache, self.block_size, config.device)
         self.sampler = Sampler(model_cfg.vocab_size, model_cfg.eos_token_ids, config.seed)
+        self.grammars = Grammars(model_cfg.model_dir, model_cfg.vocab_size, model_cfg.eos_token_ids)
         # A lone request must always fit, or it would preempt itself forever.
         self.max_total_tokens = min(model_cfg.max_model_len, num_blocks * self.block_size)
         self._requests: dict[str, Request] = {}
@@ -106,8 +111,10 @@ class LLMEngine:
         output_token_ids: list[int] | None = None,
     ) -> None:
         """Queue a request to be prefilled here. output_token_ids continues a request whose
-        first tokens were sampled elsewhere (recomputed here with the prompt). Raises
-        ValueError naming the parameter for bad input; the engine keeps serving."""
+        first tokens were sampled elsewhere (recomputed here with the prompt; its grammar, if
+        any, accepts them first; no prompt logprobs are computed for it: they were sent where
+        the first token was). Raises ValueError naming the request and the parameter for bad
+        input; the engine keeps serving."""
         request = self._new_request(request_id, prompt_token_ids, params, output_token_ids)
         self._requests[request_id] = request
         self.scheduler.add_waiting(request)
@@ -117,7 +124,8 @@ class LLMEngine:
         first_token: TokenLogprob, block_ids: list[int],
     ) -> None:
         """Join a request whose prompt KV already sits in block_ids (decode role, after a
-        pull); the engine owns block_ids from here on and frees them when it finishes."""
+        pull); the engine owns block_ids from here on and frees them when it finishes. Raises
+        ValueError as add_request (block_ids then stay the caller's)."""
         request = self._new_request(request_id, prompt_token_ids, params, [first_token.token_id])
         needed = num_blocks_for(len(prompt_token_ids), self.block_size)
         if len(block_ids) != needed:
@@ -133,7 +141,7 @@ class LLMEngine:
         request = self._requests.pop(request_id, None)
         if request is None:
             return False
-        self.scheduler.finish(request, FinishReason.ABORT)
+        self._finish(request, FinishReason.ABORT)
         return True
 
     def free_blocks(self, block_ids: list[int]) -> None:
@@ -147,7 +155,7 @@ class LLMEngine:
             return []
         self.num_steps += 1
         started = time.perf_counter()
-        logits, sampled_requests = self.runner.execute(scheduled)
+        step_logits = self.runner.execute(scheduled)
         elapsed = time.perf_counter() - started
         self.prefill_rate.observe(scheduled.num_prefill_tokens, elapsed)
         if logger.isEnabledFor(logging.DEBUG):
@@ -156,26 +164,45 @@ class LLMEngine:
                          len(scheduled.prefills), self.num_free_blocks, 1000 * elapsed)
         for request, num_new in scheduled.scheduled():
             request.num_computed_tokens += num_new
+        for span in step_logits.prompt_spans:
+            _gather_prompt_logprobs(span)
+        sampled_requests = step_logits.sampled_requests
         if not sampled_requests:
             return []
-        tokens = self.sampler.sample(logits, sampled_requests)
+        tokens = self.sampler.sample(step_logits.logits, sampled_requests)
         return [self._append_token(r, t) for r, t in zip(sampled_requests, tokens)]
 
     def _append_token(self, request: Request, token: TokenLogprob) -> StepOutput:
         request.output_token_ids.append(token.token_id)
         request.output_logprobs.append(token)
         output = StepOutput(request.request_id, [token], num_prompt_tokens=request.num_prompt_tokens)
+        if request.needs_prompt_logprobs:
+            assert len(request.prompt_logprobs) == request.num_prompt_tokens, (
+                f"request {request.request_id}: {len(request.prompt_logprobs)} prompt logprobs for "
+                f"{request.num_prompt_tokens} prompt tokens")
+            output.prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, None
+        if request.grammar is not None:
+            # NOTE: the sampler masked this row with the grammar, so the token is always allowed.
+            is_accepted = request.grammar.accept(token.token_id)
+            assert is_accepted, f"request {request.request_id}: sampled token {token.token_id} breaks its grammar"
         reason = self._finish_reason(request, token.token_id)
         if reason is not None:
             self._requests.pop(request.request_id, None)
-            self.scheduler.finish(request, reason)
+            self._finish(request, reason)
             output.finish_reason = reason
             if reason is FinishReason.PREFILLED:
                 output.block_ids = request.block_ids
         return output
 
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        request.grammar = None  # the matcher goes with the last reference to it
+        request.prompt_logprobs = None
+        self.scheduler.finish(request, reason)
+
     def _finish_reason(self, request: Request, token_id: int) -> FinishReason | None:
         params = request.params
+        if request.grammar is not None and request.grammar.is_terminated:
+            return FinishReason.STOP  # the grammar is complete and took its eos (even with ignore_eos)
         if token_id in params.stop_token_ids:
             return FinishReason.STOP
         if token_id in self.config.model.eos_token_ids and not params.ignore_eos:
@@ -194,10 +221,34 @@ class LLMEngine:
     ) -> Request:
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        self.check_token_ids(request_id, prompt_token_ids, output_token_ids or [])
+        outputs = list(output_token_ids or [])
+        self.check_token_ids(request_id, prompt_token_ids, outputs)
+        self._check_logit_bias(request_id, params)
         request = Request(request_id, list(prompt_token_ids), params, self.max_total_tokens)
-        request.output_token_ids = list(output_token_ids or [])
+        request.output_token_ids = outputs
+        if params.structured is not None:
+            request.grammar = self.grammars.new_matcher(request_id, params.structured, outputs)
+        if params.prompt_logprobs is not None and not outputs:
+            request.prompt_logprobs = [TokenLogprob(prompt_token_ids[0])]  # nothing precedes token 0
         return request
+
+    def check_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, output_token_ids: list[int],
+    ) -> None:
+        """Raise ValueError (naming the request) for anything add_request would refuse: bad
+        token ids, a logit_bias id outside the vocab, a schema the grammar library refuses, or
+        output tokens that break the grammar. Takes nothing; for a node to check before it
+        spends blocks or a transfer on the request."""
+        self.check_token_ids(request_id, prompt_token_ids, output_token_ids)
+        self._check_logit_bias(request_id, params)
+        if params.structured is not None:
+            self.grammars.new_matcher(request_id, params.structured, output_token_ids)
+
+    def _check_logit_bias(self, request_id: str, params: SamplingParams) -> None:
+        vocab = self.config.model.vocab_size
+        bad = [t for t in params.logit_bias or () if t >= vocab]
+        if bad:
+            raise ValueError(f"request {request_id}: logit_bias token ids {bad[:5]} are outside [0, {vocab})")
 
     def check_token_ids(self, request_id: str, prompt: list[int], outputs: list[int]) -> None:
         if not prompt:
@@ -232,6 +283,17 @@ class LLMEngine:
     def check_leaks(self) -> None:
         """Assert that an idle engine holds no blocks (tests and shutdown call it)."""
         assert not self.has_unfinished(), f"{self.num_unfinished} requests left"
+        assert self.grammars.num_live_matchers == 0, f"{self.grammars.num_live_matchers} grammar matchers left"
         assert self.num_free_blocks == self.block_pool.num_blocks, (
             f"{self.block_pool.num_blocks - self.num_free_blocks} blocks still allocated"
         )
+
+
+def _gather_prompt_logprobs(span: PromptSpan) -> None:
+    """Append the logprobs of prompt tokens first_idx + 1 onward (from the span's logits)."""
+    request = span.request
+    first = span.first_idx + 1
+    assert len(request.prompt_logprobs) == first, (
+        f"request {request.request_id}: prompt logprobs {len(request.prompt_logprobs)} gathered, next is {first}")
+    targets = request.prompt_token_ids[first : first + span.num_positions]
+    request.prompt_logprobs.extend(prompt_token_logprobs(span.logits, targets, request.params.prompt_logprobs))

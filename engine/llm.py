@@ -34,6 +34,9 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
+    # With SamplingParams.prompt_logprobs: per prompt token its logprob and the top N
+    # (entry 0 has logprob None), as protocol.PrefillResult.prompt_logprobs.
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 class LLM:
@@ -109,6 +112,8 @@ class LLM:
                 for step_output in self.engine.step():
                     output, params = by_id[step_output.request_id]
                     _absorb(output.outputs[0], step_output, params)
+                    if step_output.prompt_logprobs is not None:
+                        output.prompt_logprobs = step_output.prompt_logprobs
                     if step_output.is_finished:
                         output.finished = True
                         num_unfinished -= 1

@@ -8,15 +8,18 @@ can import it cheaply. Bump PROTOCOL_VERSION on any incompatible change.
 from __future__ import annotations
 
 import enum
+import math
 
 import msgspec
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 # ---- sampling: defaults and ranges, checked by the proxy (400) and by the engine (ValueError) ----
 
 MAX_LOGPROBS = 20  # top alternatives per token a request may ask for
 MAX_SEED = 2**63 - 1  # seeds fit a signed 64-bit generator seed
+MAX_LOGIT_BIAS = 100.0  # |bias| per token, OpenAI's range
+MAX_JSON_SCHEMA_BYTES = 1 << 16  # a schema is compiled on the node's loop: keep it bounded
 
 
 class Role(str, enum.Enum):
@@ -28,6 +31,22 @@ class Role(str, enum.Enum):
     PREFILL = "prefill"
     DECODE = "decode"
     COLOCATED = "colocated"
+
+
+class StructuredKind(str, enum.Enum):
+    """What grammar a StructuredOutput asks for."""
+
+    JSON_OBJECT = "json_object"  # any JSON object (OpenAI's response_format json_object)
+    JSON_SCHEMA = "json_schema"  # JSON matching json_schema, strictly (also tool calls' arguments)
+
+
+class StructuredOutput(msgspec.Struct, frozen=True, omit_defaults=True):
+    """A grammar the output must follow. json_schema (JSON text of a JSON object) is set for
+    JSON_SCHEMA and only for it. The engine samples only tokens the grammar allows; once the
+    grammar is complete only EOS may follow, and the request finishes with "stop"."""
+
+    kind: StructuredKind
+    json_schema: str | None = None
 
 
 class SamplingOptions(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -47,6 +66,11 @@ class SamplingOptions(msgspec.Struct, frozen=True, omit_defaults=True):
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; N >= 0: the chosen token's plus the top N
+    # token id -> added to its logit before sampling (greedy too); ids must be < the vocab size
+    logit_bias: dict[int, float] | None = None
+    structured: StructuredOutput | None = None  # None: free text
+    # None: none; N >= 0: each prompt token's logprob plus the top N (see PrefillResult)
+    prompt_logprobs: int | None = None
 
 
 # (field, lowest, highest, is the lowest itself allowed): None where a side is open.
@@ -62,6 +86,7 @@ SAMPLING_RANGES: tuple[tuple[str, float | None, float | None, bool], ...] = (
     ("repetition_penalty", 0.0, 2.0, False),
     ("seed", 0, MAX_SEED, True),
     ("logprobs", 0, MAX_LOGPROBS, True),
+    ("prompt_logprobs", 0, MAX_LOGPROBS, True),
 )
 
 
@@ -87,6 +112,42 @@ def check_sampling(options: SamplingOptions) -> None:
                                           f"({options.max_tokens})")
     if any(t < 0 for t in options.stop_token_ids):
         raise SamplingError("stop_token_ids", f"stop_token_ids must be non-negative, got {options.stop_token_ids}")
+    if options.logit_bias is not None:
+        _check_logit_bias(options.logit_bias)
+    if options.structured is not None:
+        _check_structured(options.structured)
+
+
+def _check_logit_bias(logit_bias: dict[int, float]) -> None:
+    """Token ids >= 0 (the engine checks them against its vocab), biases in [-100, 100]."""
+    bad_ids = [t for t in logit_bias if t < 0]
+    if bad_ids:
+        raise SamplingError("logit_bias", f"logit_bias token ids must be non-negative, got {bad_ids[:5]}")
+    bad = {t: b for t, b in logit_bias.items() if not (math.isfinite(b) and abs(b) <= MAX_LOGIT_BIAS)}
+    if bad:
+        raise SamplingError("logit_bias", f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, "
+                                          f"{MAX_LOGIT_BIAS:g}], got {dict(list(bad.items())[:5])}")
+
+
+def _check_structured(structured: StructuredOutput) -> None:
+    """json_schema is given exactly for JSON_SCHEMA, bounded, and is JSON text of an object.
+    Whether the grammar library supports the schema is the engine's check (it compiles it)."""
+    schema = structured.json_schema
+    if structured.kind is not StructuredKind.JSON_SCHEMA:
+        if schema is not None:
+            raise SamplingError("structured", f"structured kind {structured.kind.value} takes no json_schema")
+        return
+    if schema is None:
+        raise SamplingError("structured", "structured kind json_schema needs a json_schema")
+    if len(schema.encode()) > MAX_JSON_SCHEMA_BYTES:
+        raise SamplingError("structured", f"structured.json_schema has {len(schema.encode())} bytes; the limit is "
+                                          f"{MAX_JSON_SCHEMA_BYTES}")
+    try:
+        decoded = msgspec.json.decode(schema)
+    except msgspec.DecodeError as exc:
+        raise SamplingError("structured", f"structured.json_schema is not valid JSON: {exc}") from None
+    if not isinstance(decoded, dict):
+        raise SamplingError("structured", f"structured.json_schema must be a JSON object, got {type(decoded).__name__}")
 
 
 def _range_text(low, high, is_low_allowed: bool) -> str:
@@ -158,22 +219,32 @@ class ReleaseKV(msgspec.Struct, tag="release_kv", frozen=True):
 
 class PrefillResult(msgspec.Struct, tag="prefill_result", frozen=True):
     """The first token of a prompt. finish_reason is set when that token already ends the
-    request (max_tokens 1, a stop token): then kv_handle is None and no lease is held."""
+    request (max_tokens 1, a stop token): then kv_handle is None and no lease is held.
+
+    prompt_logprobs (when the request asked for them): one entry per prompt token, in order;
+    entry i holds prompt token i's logprob given tokens < i and the top N there, entry 0 has
+    logprob None (nothing precedes it). Values are the model's raw distribution (no bias, no
+    grammar, no temperature). Sent once: the decode node never sends them again."""
 
     request_id: str
     first_token: TokenLogprob
     num_prompt_tokens: int
     kv_handle: KVHandle | None = None
     finish_reason: str | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 class RequestDelta(msgspec.Struct, frozen=True, array_like=True):
-    """New tokens of one request since the last TokenBatch; finish_reason set on the last."""
+    """New tokens of one request since the last TokenBatch; finish_reason set on the last.
+    prompt_logprobs (as PrefillResult's) come once, on the first delta, and only from a node
+    that prefilled a request arriving with no output tokens (colocated, or a DecodeRequest
+    without first_token); a request prefilled on a prefill node got them in its PrefillResult."""
 
     request_id: str
     tokens: list[TokenLogprob]
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     num_prompt_tokens: int = 0
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 class TokenBatch(msgspec.Struct, tag="token_batch", frozen=True):

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.protocol import TokenLogprob
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.grammar import RequestGrammar
 
 
 class RequestStatus(enum.Enum):
@@ -36,6 +40,10 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    grammar: RequestGrammar | None = None  # structured output's matcher; dropped when finished
+    # Prompt logprobs gathered so far (entry i: prompt token i), while they are owed: None when
+    # not asked for, or once handed out with the first token.
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -48,6 +56,10 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        return self.prompt_logprobs is not None
 
     @property
     def is_finished(self) -> bool:

@@ -12,11 +12,30 @@ from engine.scheduler import SchedulerOutput
 
 
 @dataclass
+class PromptSpan:
+    """Prompt positions [first_idx, first_idx + num_positions) of one request in this step,
+    whose logits give the logprobs of prompt tokens first_idx + 1 onward (prompt_logprobs)."""
+
+    request: Request
+    first_idx: int
+    num_positions: int
+    logits: torch.Tensor | None = None  # [num_positions, vocab] float32, once the step ran
+
+
+@dataclass
 class BatchInputs:
     input_ids: torch.Tensor  # [num_tokens]
     meta: AttentionMetadata
-    logits_indices: torch.Tensor  # [num_sampled]: last token of each request that samples
+    logits_indices: torch.Tensor  # [num_sampled + sum of spans' positions]: sampled rows first
     sampled_requests: list[Request]  # in the order of logits_indices
+    prompt_spans: list[PromptSpan]  # their rows follow the sampled ones, in this order
+
+
+@dataclass
+class StepLogits:
+    logits: torch.Tensor  # [num_sampled, vocab] float32: each sampling request's last token
+    sampled_requests: list[Request]
+    prompt_spans: list[PromptSpan]  # with their logits
 
 
 class ModelRunner:
@@ -26,12 +45,18 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
 
-    def execute(self, scheduled: SchedulerOutput) -> tuple[torch.Tensor, list[Request]]:
-        """Run one step; returns logits [num_sampled, vocab] and the requests they belong to
-        (requests whose last scheduled token is their last token; partial chunks sample not)."""
+    def execute(self, scheduled: SchedulerOutput) -> StepLogits:
+        """Run one step; returns the logits of the requests that sample (those whose last
+        scheduled token is their last token; partial chunks sample not) and of the prompt
+        positions whose logprobs are owed (Request.needs_prompt_logprobs)."""
         batch = self.prepare(scheduled)
         logits = self.model.forward(batch.input_ids, batch.meta, self.kv_cache, batch.logits_indices)
-        return logits, batch.sampled_requests
+        num_sampled = len(batch.sampled_requests)
+        offset = num_sampled
+        for span in batch.prompt_spans:
+            span.logits = logits[offset : offset + span.num_positions]
+            offset += span.num_positions
+        return StepLogits(logits[:num_sampled], batch.sampled_requests, batch.prompt_spans)
 
     def prepare(self, scheduled: SchedulerOutput) -> BatchInputs:
         items = scheduled.scheduled()
@@ -56,7 +81,10 @@ class ModelRunner:
 
         is_sampled = [start + n == r.num_tokens for r, start, n in zip(requests, starts, num_new)]
         sampled_idx = [i for i, flag in enumerate(is_sampled) if flag]
+        prompt_spans, prompt_indices = _prompt_spans(requests, starts, num_new, cu_lens.tolist())
         logits_indices = cu_lens[1:][sampled_idx] - 1
+        if prompt_indices:
+            logits_indices = torch.cat([logits_indices, torch.tensor(prompt_indices, dtype=torch.long)])
         num_decodes = len(scheduled.decodes)
         prefill_cu = (cu_lens[num_decodes:] - cu_lens[num_decodes]).to(torch.int32)
         meta = AttentionMetadata(
@@ -74,6 +102,7 @@ class ModelRunner:
             meta=meta,
             logits_indices=logits_indices,
             sampled_requests=[requests[i] for i in sampled_idx],
+            prompt_spans=prompt_spans,
         )
         return self._to_device(batch)
 
@@ -92,3 +121,23 @@ class ModelRunner:
         batch.input_ids = batch.input_ids.to(self.device, non_blocking=True)
         batch.logits_indices = batch.logits_indices.to(self.device, non_blocking=True)
         return batch
+
+
+def _prompt_spans(
+    requests: list[Request], starts: list[int], num_new: list[int], cu_lens: list[int]
+) -> tuple[list[PromptSpan], list[int]]:
+    """The prompt positions of this step whose logits prompt logprobs still need, and their
+    indices in the flattened batch. Position p predicts prompt token p + 1, so the last prompt
+    position (it predicts the first output token) is never one; positions already gathered
+    before a preemption are not recomputed."""
+    spans, indices = [], []
+    for idx, (request, start, n) in enumerate(zip(requests, starts, num_new)):
+        if not request.needs_prompt_logprobs:
+            continue
+        first = max(start, len(request.prompt_logprobs) - 1)
+        end = min(start + n, request.num_prompt_tokens - 1)
+        if first >= end:
+            continue
+        spans.append(PromptSpan(request, first, end - first))
+        indices.extend(range(cu_lens[idx] + first - start, cu_lens[idx] + end - start))
+    return spans, indices

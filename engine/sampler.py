@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.grammar import mask_logits
 from engine.protocol import TokenLogprob
 from engine.request import Request
 
@@ -36,10 +37,13 @@ class Sampler:
         self._row_generator = torch.Generator()
 
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[TokenLogprob]:
-        """logits: [num_requests, vocab] (any dtype); returns one token per request, in order."""
+        """logits: [num_requests, vocab] (any dtype); returns one token per request, in order.
+        A request's logit_bias is added to its row and its grammar masks the row before any
+        choice (greedy included)."""
         logits = logits.float()
         raw_logprobs = self._raw_logprobs(logits, requests)
         logits = self._apply_penalties(logits, requests)
+        logits = self._apply_bias_and_grammars(logits, requests)
         logits = self._mask_early_stops(logits, requests)
         token_ids = torch.empty(len(requests), dtype=torch.long)
         greedy_idx = [i for i, r in enumerate(requests) if r.params.is_greedy]
@@ -79,6 +83,18 @@ class Sampler:
         logits[rows] = sub
         return logits
 
+    def _apply_bias_and_grammars(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        has_bias = any(r.params.logit_bias for r in requests)
+        has_grammar = any(r.grammar is not None for r in requests)
+        if not (has_bias or has_grammar):
+            return logits  # NOTE: the common case stays copy-free (the all-greedy argmax path too)
+        logits = logits.clone()  # the model's logits are inference tensors: edit a copy
+        if has_bias:
+            _apply_logit_bias(logits, requests)
+        if has_grammar:
+            mask_logits(logits, [r.grammar for r in requests])
+        return logits
+
     def _token_counts(self, token_lists: list[list[int]]) -> torch.Tensor:
         """[len(token_lists), vocab] float counts; padded with an extra column that is dropped."""
         width = max((len(t) for t in token_lists), default=0)
@@ -91,7 +107,8 @@ class Sampler:
         return counts[:, : self.vocab_size]
 
     def _mask_early_stops(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        """min_tokens: no stop token (eos or stop_token_ids) before that many outputs."""
+        """min_tokens: no stop token (eos or stop_token_ids) before that many outputs, unless
+        nothing else is allowed (a complete grammar allows only eos: the grammar wins)."""
         rows = [i for i, r in enumerate(requests) if r.num_output_tokens < r.params.min_tokens]
         if not rows:
             return logits
@@ -103,7 +120,10 @@ class Sampler:
                 stop_ids += list(self.eos_token_ids)
             stop_ids = [t for t in stop_ids if t < self.vocab_size]
             if stop_ids:
+                kept = logits[i, stop_ids].clone()
                 logits[i, stop_ids] = float("-inf")
+                if not bool(torch.isfinite(logits[i]).any()):
+                    logits[i, stop_ids] = kept
         return logits
 
     def _sample_random(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
@@ -137,6 +157,15 @@ class Sampler:
                 self._row_generator.manual_seed(seed % (2**63))
                 noise[row].exponential_(generator=self._row_generator)
         return noise
+
+
+def _apply_logit_bias(logits: torch.Tensor, requests: list[Request]) -> None:
+    """Add each request's logit_bias to its row, in place (ids were checked against the vocab)."""
+    for row, request in enumerate(requests):
+        bias = request.params.logit_bias
+        if bias:
+            token_ids = torch.tensor(list(bias), dtype=torch.long, device=logits.device)
+            logits[row, token_ids] += torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
 
 
 def _row_settings(requests: list[Request], vocab_size: int) -> _Rows:
@@ -175,3 +204,16 @@ def _with_logprobs(
             top = list(zip(top_ids[row, :num_top].tolist(), top_values[row, :num_top].tolist()))
         results.append(TokenLogprob(ids[row], chosen[row], top))
     return results
+
+
+def prompt_token_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: int) -> list[TokenLogprob]:
+    """logits [len(token_ids), vocab]: row i is the position before token_ids[i]. Returns each
+    token's log-softmax value with the top num_top (token_id, logprob) pairs of its row."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    targets = torch.tensor(token_ids, dtype=torch.long, device=logprobs.device)
+    chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
+    if not num_top:
+        return [TokenLogprob(t, value) for t, value in zip(token_ids, chosen)]
+    top_values, top_ids = logprobs.topk(num_top, dim=-1)
+    return [TokenLogprob(t, value, list(zip(ids, values)))
+            for t, value, ids, values in zip(token_ids, chosen, top_ids.tolist(), top_values.tolist())]

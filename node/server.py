@@ -281,4 +281,4 @@ class _LoadSnapshot:
 
 def _delta(out: StepOutput) -> RequestDelta:
     reason = out.finish_reason.value if out.finish_reason is not None else None
-    return RequestDelta(out.request_id, out.new_tokens, reason, out.num_prompt_tokens)
+    return RequestDelta(out.request_id, out.new_tokens, reason, out.num_prompt_tokens, out.prompt_logprobs)

@@ -71,7 +71,8 @@ class PrefillNode(NodeServer):
                 continue
             reason = None if is_prefilled(out) else out.finish_reason.value
             result = protocol.PrefillResult(out.request_id, out.new_tokens[0], out.num_prompt_tokens,
-                                            kv_handle=handle, finish_reason=reason)
+                                            kv_handle=handle, finish_reason=reason,
+                                            prompt_logprobs=out.prompt_logprobs)
             self.send(owner, result)
 
     def load_extras(self) -> dict:

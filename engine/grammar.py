@@ -1,0 +1,153 @@
+"""Structured output: grammars compiled with xgrammar (LRU-cached per engine) and one matcher
+per request, which masks the request's logits row to the tokens the grammar allows.
+
+xgrammar runs on the CPU: a grammar is compiled once against the model's tokenizer (the vocab
+of the model, padding rows included: they are never allowed), and a matcher then fills a packed
+bitmask ([rows, ceil(vocab / 32)] int32) in C++ for each step. xgrammar and transformers are
+imported on the first structured request: a node that never sees one starts without them.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections import OrderedDict
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.protocol import StructuredKind, StructuredOutput
+
+if TYPE_CHECKING:
+    import xgrammar
+
+logger = logging.getLogger(__name__)
+
+_ANY_OBJECT_SCHEMA = '{"type": "object"}'
+# NOTE: any whitespace is allowed between JSON tokens (the model may pretty-print), but a run of
+# it is bounded: small models left free are known to emit newlines until max_tokens. 32
+# characters fit a newline plus the indent of a pretty-printed object 7 levels deep.
+_MAX_WHITESPACE_RUN = 32
+
+
+class RequestGrammar:
+    """One request's grammar state: which tokens may come next, given those accepted so far."""
+
+    def __init__(self, matcher: xgrammar.GrammarMatcher) -> None:
+        self._matcher = matcher
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the allowed next tokens into bitmask[row] (a bit per token, 1: allowed)."""
+        self._matcher.fill_next_token_bitmask(bitmask, row)
+
+    def accept(self, token_id: int) -> bool:
+        """Advance past token_id; False (state unchanged) if the grammar does not allow it."""
+        return self._matcher.accept_token(token_id)
+
+    @property
+    def is_terminated(self) -> bool:
+        """The grammar is complete and its stop token (EOS) was accepted: the request ends."""
+        return self._matcher.is_terminated()
+
+
+class Grammars:
+    """Compiles StructuredOutput specs for one model's tokenizer and makes per-request matchers.
+    The tokenizer is loaded on the first structured request (engines that never see one pay
+    nothing). Compiled grammars are kept in an LRU of cache_size entries keyed by the spec."""
+
+    def __init__(self, model_dir: str, vocab_size: int, eos_token_ids: tuple[int, ...], cache_size: int = 64) -> None:
+        self.model_dir = model_dir
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.cache_size = cache_size
+        self._compiler: xgrammar.GrammarCompiler | None = None
+        self._compiled: OrderedDict[tuple[StructuredKind, str | None], xgrammar.CompiledGrammar] = OrderedDict()
+        self._live: weakref.WeakSet[RequestGrammar] = weakref.WeakSet()
+
+    @property
+    def num_compiled(self) -> int:
+        """Compiled grammars in the LRU (at most cache_size)."""
+        return len(self._compiled)
+
+    @property
+    def num_live_matchers(self) -> int:
+        """Matchers still referenced (by a request); 0 when no structured request is here."""
+        return len(self._live)
+
+    def new_matcher(self, request_id: str, spec: StructuredOutput, output_token_ids: list[int]) -> RequestGrammar:
+        """A matcher for spec that has accepted output_token_ids (the tokens a request arrives
+        with: a first token sampled on a prefill node, or more). Raises ValueError naming the
+        request when the schema cannot be compiled or a token breaks the grammar."""
+        import xgrammar
+
+        grammar = RequestGrammar(xgrammar.GrammarMatcher(self.compile(request_id, spec)))
+        for idx, token_id in enumerate(output_token_ids):
+            if grammar.is_terminated or not grammar.accept(token_id):
+                raise ValueError(f"request {request_id}: output token {idx} (id {token_id}) does not follow "
+                                 f"its {spec.kind.value} grammar")
+        self._live.add(grammar)
+        return grammar
+
+    def compile(self, request_id: str, spec: StructuredOutput) -> xgrammar.CompiledGrammar:
+        """The compiled grammar of spec (cached). Raises ValueError naming the request when
+        xgrammar refuses the schema (an unsupported keyword, a bad regex pattern, ...)."""
+        key = (spec.kind, spec.json_schema)
+        compiled = self._compiled.get(key)
+        if compiled is not None:
+            self._compiled.move_to_end(key)
+            return compiled
+        import xgrammar
+
+        schema = spec.json_schema if spec.kind is StructuredKind.JSON_SCHEMA else _ANY_OBJECT_SCHEMA
+        try:
+            grammar = xgrammar.Grammar.from_json_schema(
+                schema, any_whitespace=True, max_whitespace_cnt=_MAX_WHITESPACE_RUN,
+                strict_mode=spec.kind is StructuredKind.JSON_SCHEMA,
+            )
+            compiled = self._get_compiler().compile_grammar(_without_raw_control_chars(str(grammar)))
+        except RuntimeError as exc:  # xgrammar reports every refusal of a schema this way
+            message = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+            raise ValueError(f"request {request_id}: json_schema is not supported: {message}") from None
+        self._compiled[key] = compiled
+        if len(self._compiled) > self.cache_size:
+            self._compiled.popitem(last=False)
+        return compiled
+
+    def _get_compiler(self) -> xgrammar.GrammarCompiler:
+        if self._compiler is None:
+            import xgrammar
+            from transformers import AutoTokenizer
+
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+            except (OSError, ValueError) as exc:
+                raise ValueError(f"structured output needs the model's tokenizer in {self.model_dir}: {exc}") from exc
+            info = xgrammar.TokenizerInfo.from_huggingface(
+                tokenizer, vocab_size=self.vocab_size, stop_token_ids=list(self.eos_token_ids) or None)
+            # One thread: a node's loop compiles between steps, on cores the model uses.
+            self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+            logger.info("grammar compiler ready for %s (vocab %d)", self.model_dir, self.vocab_size)
+        return self._compiler
+
+
+def _without_raw_control_chars(ebnf: str) -> str:
+    """The grammar with JSON's rule for string characters restored where xgrammar drops it.
+
+    NOTE: xgrammar 0.2.8 writes the characters of a string with maxLength/minLength as a class
+    that excludes only the quote, backslash, CR and LF, so raw control characters pass
+    (measured: the tiny model put U+000E inside a string, which strict JSON parsers refuse).
+    JSON forbids U+0000..U+001F unescaped, as xgrammar's own unbounded string rule does. A
+    no-op where that class does not occur."""
+    return ebnf.replace(r'[^\"\\\r\n]', r'[^\0-\x1f\"\\\r\n]')
+
+
+def mask_logits(logits: torch.Tensor, grammars: list[RequestGrammar | None]) -> None:
+    """Set logits[row, t] to -inf (in place) for every token t that grammars[row] does not
+    allow next; rows without a grammar are left as they are. logits: [len(grammars), vocab]."""
+    import xgrammar
+
+    rows = [row for row, grammar in enumerate(grammars) if grammar is not None]
+    bitmask = xgrammar.allocate_token_bitmask(len(grammars), logits.shape[-1])  # [rows, ceil(vocab / 32)] int32
+    for row in rows:
+        grammars[row].fill_bitmask(bitmask, row)
+    xgrammar.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=logits.shape[-1], indices=rows)
