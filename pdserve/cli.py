@@ -16,7 +16,7 @@ COMMANDS = [
     ("prefill", "prefill_node.main", "start one prefill node"),
     ("decode", "decode_node.main", "start one decode (or colocated) node"),
     ("generate", "pdserve.generate", "offline completions for prompts"),
-    ("make-model", "pdserve.make_model", "write a random-weight checkpoint with a local tokenizer"),
+    ("make-model", "pdserve.make_model", "write a checkpoint: the real SmolLM2 (--preset smollm2) or a random preset"),
     ("bench", "pdserve.bench", "drive an OpenAI endpoint and report latency/throughput"),
 ]
 

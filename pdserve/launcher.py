@@ -135,7 +135,7 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
-                        help="checkpoint directory (default: the tiny default model, made if missing)")
+                        help="checkpoint directory (default: models/smollm2, SmolLM2-135M-Instruct, made if missing)")
     parser.add_argument("--prefill", type=int, default=1, help="number of prefill nodes (0: colocated decode nodes)")
     parser.add_argument("--decode", type=int, default=1, help="number of decode nodes")
     parser.add_argument("--host", default="127.0.0.1")

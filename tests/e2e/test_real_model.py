@@ -1,0 +1,103 @@
+"""The real default model (SmolLM2-135M-Instruct, converted by make-model) end to end: our offline
+engine and the disaggregated deployment (real processes, the official openai client) give
+transformers' greedy tokens on the same float32 checkpoint, and sensible answers."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+import torch
+import transformers
+
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+from pdserve.launcher import start_local, wait_healthy
+from tests.e2e.conftest import KV_PATH_ONLY, assert_kv_path_only
+from tests.pdserve.real_model import cached_smollm2
+
+MAX_TOKENS = 16
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n    "]
+# 30 layers of 737 KB per block: 128 blocks (2,048 tokens) is ~94 MB per node.
+NODE_ARGS = ("--num-blocks", "128", "--max-num-seqs", "8", "--max-num-batched-tokens", "256")
+
+
+@pytest.fixture(scope="module")
+def smollm2_dir():
+    return cached_smollm2()
+
+
+@pytest.fixture(scope="module")
+def hf(smollm2_dir):
+    model = transformers.AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    return model, transformers.AutoTokenizer.from_pretrained(smollm2_dir)
+
+
+@pytest.fixture(scope="module")
+def deployment(smollm2_dir, tmp_path_factory):
+    """1 prefill + 1 decode node (KV over NIXL, local prefill off) and the proxy."""
+    deployment = start_local(smollm2_dir, num_prefill=1, num_decode=1, proxy_args=KV_PATH_ONLY, node_args=NODE_ARGS,
+                             pin_cpus=False, log_dir=tmp_path_factory.mktemp("smollm2-logs"))
+    try:
+        wait_healthy(deployment, 180.0)
+        yield deployment
+        assert_kv_path_only(deployment)
+    finally:
+        deployment.stop()
+
+
+def chat_ids(tokenizer, messages) -> list[int]:
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def hf_greedy(hf, prompt_ids: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
+    """transformers' greedy tokens; generation stops at <|im_end|> (the checkpoint's eos), which
+    it keeps as the last token."""
+    model, _ = hf
+    with torch.inference_mode():
+        ids = torch.tensor([prompt_ids])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def test_offline_engine_greedy_equals_transformers_and_answers_paris(smollm2_dir, hf):
+    _, tokenizer = hf
+    prompts = [tokenizer.encode(p) for p in PROMPTS] + [chat_ids(tokenizer, QUESTION)]
+    llm = LLM(str(smollm2_dir), dtype="float32", num_blocks=64)
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0), use_tqdm=False)
+    for prompt_ids, output in zip(prompts, outputs):
+        assert output.outputs[0].token_ids == hf_greedy(hf, prompt_ids), tokenizer.decode(prompt_ids)
+    answer = outputs[-1].outputs[0]
+    assert "Paris" in answer.text and answer.finish_reason == "stop", answer
+
+
+def test_completions_through_the_deployment_equal_transformers_streaming_and_not(deployment, hf):
+    _, tokenizer = hf
+    client = openai.OpenAI(base_url=deployment.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    name = client.models.list().data[0].id
+    for prompt in PROMPTS:
+        want_ids = hf_greedy(hf, tokenizer.encode(prompt))
+        want_text = tokenizer.decode(want_ids, skip_special_tokens=True)
+        full = client.completions.create(model=name, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+        assert full.choices[0].text == want_text
+        assert full.usage.completion_tokens == len(want_ids)
+        stream = client.completions.create(model=name, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                           stream=True)
+        assert "".join(c.choices[0].text for c in stream if c.choices) == want_text
+
+
+def test_chat_through_the_deployment_equals_transformers_and_answers_paris(deployment, hf):
+    _, tokenizer = hf
+    client = openai.OpenAI(base_url=deployment.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    name = client.models.list().data[0].id
+    prompt_ids = chat_ids(tokenizer, QUESTION)
+    want_ids = hf_greedy(hf, prompt_ids)
+    want_text = tokenizer.decode(want_ids, skip_special_tokens=True)
+    reply = client.chat.completions.create(model=name, messages=QUESTION, max_tokens=MAX_TOKENS, temperature=0)
+    assert reply.usage.prompt_tokens == len(prompt_ids)
+    assert reply.choices[0].message.content == want_text
+    assert "Paris" in want_text and reply.choices[0].finish_reason == "stop"
+    stream = client.chat.completions.create(model=name, messages=QUESTION, max_tokens=MAX_TOKENS, temperature=0,
+                                            stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == want_text
