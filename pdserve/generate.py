@@ -7,7 +7,8 @@ import argparse
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompts", nargs="+", help="prompt texts")
-    parser.add_argument("--model", default=None, help="checkpoint directory (default: models/smollm2, SmolLM2-135M-Instruct, made if missing)")
+    parser.add_argument("--model", default=None,
+                        help="checkpoint directory (default: models/smollm2, SmolLM2-135M-Instruct, made if missing)")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
