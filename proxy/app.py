@@ -1,23 +1,38 @@
-"""The OpenAI-compatible HTTP front: routes (/v1/completions, /v1/chat/completions, /v1/models,
-/health, /metrics), the API key check, and run() to serve them. No torch: nodes see token ids."""
+"""The OpenAI-compatible HTTP front: routes (/v1/completions, /v1/chat/completions, /v1/models;
+vLLM's /tokenize, /detokenize, /version; /health, /metrics), the API key check, X-Request-Id,
+and run() to serve them. No torch: nodes see token ids."""
 
 from __future__ import annotations
 
 import hmac
+import importlib.metadata
+import re
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from proxy.chat_schemas import ChatCompletionRequest, TokenizeChatRequest
 from proxy.config import ProxyConfig
 from proxy.errors import ApiError, install_handlers
 from proxy.metrics import ProxyMetrics
 from proxy.nodes import LocalPrefillPolicy, NodePool
 from proxy.openai_format import ChatFormat, CompletionFormat
-from proxy.schemas import ChatCompletionRequest, CompletionRequest, parse_body
+from proxy.request_id import RequestIdMiddleware
+from proxy.schemas import (
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeCompletionRequest,
+    json_object,
+    parse_body,
+    parse_data,
+)
 from proxy.service import RequestService
 from proxy.tokenizer import ModelTokenizer
+
+_PYPROJECT = Path(__file__).resolve().parent.parent / "pyproject.toml"
 
 
 def run(config: ProxyConfig, log_level: str = "info") -> None:
@@ -31,7 +46,8 @@ def run(config: ProxyConfig, log_level: str = "info") -> None:
 def create_app(config: ProxyConfig) -> FastAPI:
     """The FastAPI app; node sockets open at startup (lifespan) and close at shutdown. Reads
     the tokenizer files of config.model_dir now (raises OSError/ValueError if they are bad)."""
-    tokenizer = ModelTokenizer.from_dir(config.model_dir)
+    tokenizer = ModelTokenizer.from_dir(config.model_dir, config.chat_template_timeout_s, config.chat_template_path,
+                                        config.trust_request_chat_template)
     pool = NodePool(config.prefill_addresses, config.decode_addresses, config.heartbeat_timeout_s,
                     _local_prefill_policy(config))
     metrics = ProxyMetrics(lambda: pool.all, lambda: pool.num_local_prefills)
@@ -45,9 +61,11 @@ def create_app(config: ProxyConfig) -> FastAPI:
 
     app = FastAPI(title="pdserve", lifespan=lifespan)
     app.state.pool = pool
+    app.add_middleware(RequestIdMiddleware)
     install_handlers(app)
     _add_status_routes(app, pool, metrics)
     app.include_router(_api_router(config, service))
+    app.include_router(_tokenizer_router(config, service))
     return app
 
 
@@ -87,14 +105,44 @@ def _api_router(config: ProxyConfig, service: RequestService) -> APIRouter:
     @v1.post("/completions")
     async def completions(request: Request):
         body = parse_body(await request.body(), CompletionRequest)
-        return await service.complete(body, CompletionFormat(model, body.echo), request)
+        return await service.complete(body, CompletionFormat(model, request.state.request_id, body.echo), request)
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request):
         body = parse_body(await request.body(), ChatCompletionRequest)
-        return await service.complete(body, ChatFormat(model), request)
+        return await service.complete(body, ChatFormat(model, request.state.request_id), request)
 
     return v1
+
+
+def _tokenizer_router(config: ProxyConfig, service: RequestService) -> APIRouter:
+    """vLLM's /tokenize, /detokenize and /version, behind the same API key as /v1/."""
+    router = APIRouter(dependencies=[Depends(_api_key_check(config.api_key))])
+
+    @router.post("/tokenize")
+    async def tokenize(request: Request):
+        data = json_object(await request.body())
+        return await service.tokenize(parse_data(data, TokenizeChatRequest if "messages" in data
+                                                 else TokenizeCompletionRequest))
+
+    @router.post("/detokenize")
+    async def detokenize(request: Request):
+        return service.detokenize(parse_body(await request.body(), DetokenizeRequest))
+
+    @router.get("/version")
+    async def version():
+        return {"version": _version()}
+
+    return router
+
+
+def _version() -> str:
+    """pdserve's version: the installed package's, else pyproject.toml's (a source checkout)."""
+    try:
+        return importlib.metadata.version("pdserve")
+    except importlib.metadata.PackageNotFoundError:
+        found = re.search(r'^version\s*=\s*"([^"]+)"', _PYPROJECT.read_text(), re.MULTILINE)
+        return found.group(1) if found else "unknown"
 
 
 def _api_key_check(api_key: str | None):

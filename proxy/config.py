@@ -24,6 +24,14 @@ class ProxyConfig:
     # None: always the prefill pool.
     local_prefill_min_wait_s: float | None = 1.0
     local_prefill_penalty: float = 2.0
+    chat_template_path: str | None = None  # a Jinja file replacing the model's chat template(s)
+    # NOTE: rendering a 1,000-message conversation (~60k tokens) with SmolLM2's template takes
+    # 5-11 ms, 10,000 messages ~100 ms; a template still running after 1 s is looping, and is
+    # stopped with a 400 (the stop lands within ~20 ms of the deadline).
+    chat_template_timeout_s: float = 1.0
+    # Requests may bring their own chat_template (vLLM's --trust-request-chat-template): off, as
+    # there, since a template runs code of the client's choosing in the proxy (sandboxed, bounded).
+    trust_request_chat_template: bool = False
 
     def __post_init__(self) -> None:
         if not self.decode_addresses:
@@ -42,6 +50,6 @@ class ProxyConfig:
             raise ValueError(f"local_prefill_min_wait_s must be >= 0, got {self.local_prefill_min_wait_s}")
         if self.local_prefill_penalty < 1:
             raise ValueError(f"local_prefill_penalty must be >= 1, got {self.local_prefill_penalty}")
-        for name in ("request_timeout_s", "first_token_timeout_s", "heartbeat_timeout_s"):
+        for name in ("request_timeout_s", "first_token_timeout_s", "heartbeat_timeout_s", "chat_template_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")

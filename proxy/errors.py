@@ -30,6 +30,16 @@ class NodeRejected(Exception):
         self.reply = reply
 
 
+class ChatTemplateError(ValueError):
+    """A chat template that cannot serve a request: none, a syntax error, or a failure on the
+    request's messages (raise_exception, undefined misuse, sandbox refusal, deadline). A 400;
+    param names the request field to blame."""
+
+    def __init__(self, message: str, param: str = "messages") -> None:
+        super().__init__(message)
+        self.param = param
+
+
 class ApiError(Exception):
     """An error answered with an OpenAI error body; param names the offending request field."""
 
@@ -46,11 +56,14 @@ def error_response(error: ApiError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status)
 
 
-def api_error_of(exc: Exception) -> ApiError:
-    """The answer for a failed request: NodeRejected 400 or 500 (as the node says), NoNodeAvailable
-    503, NodeDied 502, TimeoutError 504, anything else 500 (and logged: a bug)."""
+def api_error_of(exc: Exception, request_id: str | None = None) -> ApiError:
+    """The answer for a failed request: ChatTemplateError 400, NodeRejected 400 or 500 (as the
+    node says), NoNodeAvailable 503, NodeDied 502, TimeoutError 504, anything else 500 (and
+    logged under request_id: a bug)."""
     if isinstance(exc, ApiError):
         return exc
+    if isinstance(exc, ChatTemplateError):
+        return ApiError(400, str(exc), exc.param)
     if isinstance(exc, NodeRejected):
         if exc.reply.is_client_error:
             return ApiError(400, exc.reply.message)
@@ -61,15 +74,27 @@ def api_error_of(exc: Exception) -> ApiError:
         return ApiError(502, str(exc), kind="server_error")
     if isinstance(exc, TimeoutError):
         return ApiError(504, str(exc), kind="server_error")
-    logger.exception("request failed", exc_info=exc)
+    logger.exception("request %s failed", request_id, exc_info=exc)
     return ApiError(500, f"{type(exc).__name__}: {exc}", kind="server_error")
 
 
 def from_validation(errors: list[dict]) -> ApiError:
     """A 400 for pydantic's errors, naming the first one's field (dotted path) as param."""
     first = errors[0] if errors else {}
-    param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
+    param = field_path(first.get("loc", ())) or None
     return ApiError(400, f"{param}: {first.get('msg', 'invalid value')}" if param else str(first.get("msg")), param)
+
+
+def field_path(loc: tuple) -> str:
+    """A pydantic error location as a dotted request path ("messages.0.content"), without the
+    union member names pydantic puts in it ("str", "list[TextPart]", "NamedToolChoice")."""
+    return ".".join(str(p) for p in loc if p != "body" and not _is_union_member(p))
+
+
+def _is_union_member(item: str | int) -> bool:
+    if isinstance(item, int):
+        return False
+    return "[" in item or item[:1].isupper() or item in ("str", "int", "float", "bool", "none", "dict", "list")
 
 
 def from_sampling(exc: protocol.SamplingError) -> ApiError:

@@ -31,6 +31,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "and the decode node would start sooner (negative: never)")
     parser.add_argument("--local-prefill-penalty", type=float, default=_default("local_prefill_penalty"),
                         help="how much a decode node's own queue wait counts against the pool's (>= 1)")
+    parser.add_argument("--chat-template", default=_default("chat_template_path"), metavar="FILE",
+                        help="a Jinja chat template replacing the model's (default: chat_template.jinja, "
+                             "else tokenizer_config.json)")
+    parser.add_argument("--chat-template-timeout-s", type=float, default=_default("chat_template_timeout_s"),
+                        help="longest a chat template may render before the request gets a 400")
+    parser.add_argument("--trust-request-chat-template", action="store_true",
+                        default=_default("trust_request_chat_template"),
+                        help="let requests bring their own chat_template (run in the sandbox, bounded)")
     parser.add_argument("--log-level", default="info")
 
 
@@ -70,6 +78,9 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         max_model_len=args.max_model_len,
         local_prefill_min_wait_s=_never_if_negative(args.local_prefill_min_wait_s),
         local_prefill_penalty=args.local_prefill_penalty,
+        chat_template_path=args.chat_template,
+        chat_template_timeout_s=args.chat_template_timeout_s,
+        trust_request_chat_template=args.trust_request_chat_template,
     )
 
 

@@ -10,6 +10,7 @@ from abc import ABC, abstractmethod
 
 from proxy.choices import ChoiceState, Delta, SubRequest
 from proxy.errors import ApiError
+from proxy.request_id import RequestId
 
 SSE_DONE = "data: [DONE]\n\n"
 
@@ -27,21 +28,25 @@ def _usage(subs: list[SubRequest], states: dict[int, ChoiceState]) -> dict:
 
 
 class ResponseFormat(ABC):
-    """The responses of one request: its id (choice ids append "-<index>"), whole body and SSE
-    chunks. Subclasses give the endpoint's names and the shape of one choice."""
+    """The responses of one request: its id ("<prefix>-<request id>"; the nodes' ids for its
+    choices append "-<index>", after a nonce when the client chose the id, as two clients may
+    choose the same), whole body and SSE chunks. Subclasses give the endpoint's names and the
+    shape of one choice."""
 
     endpoint: str  # the metrics label
     _id_prefix: str
     _object: str  # of the whole body
     _chunk_object: str
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, request_id: RequestId) -> None:
         self.model = model
-        self.request_id = f"{self._id_prefix}-{uuid.uuid4().hex}"
+        self.request_id = f"{self._id_prefix}-{request_id.value}"
+        self._node_id_base = f"{self.request_id}-{uuid.uuid4().hex[:8]}" if request_id.is_given else self.request_id
         self.created = int(time.time())
 
     def choice_request_id(self, index: int) -> str:
-        return f"{self.request_id}-{index}"
+        """The request_id the nodes know choice index by (unique among requests in flight)."""
+        return f"{self._node_id_base}-{index}"
 
     def body(self, subs: list[SubRequest], states: dict[int, ChoiceState]) -> dict:
         """The whole (non-streaming) response once every choice is complete."""
@@ -93,8 +98,8 @@ class CompletionFormat(ResponseFormat):
     _object = "text_completion"
     _chunk_object = "text_completion"
 
-    def __init__(self, model: str, is_echo: bool) -> None:
-        super().__init__(model)
+    def __init__(self, model: str, request_id: RequestId, is_echo: bool) -> None:
+        super().__init__(model, request_id)
         self.is_echo = is_echo
 
     def _opening_choice(self, sub: SubRequest, state: ChoiceState) -> dict | None:

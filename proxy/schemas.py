@@ -1,17 +1,21 @@
-"""OpenAI request bodies (pydantic, strictly typed) and the prompts and sampling options they ask
-for; every sampling default and range comes from engine.protocol."""
+"""Request bodies (pydantic, strictly typed, unknown fields refused) of /v1/completions,
+/tokenize and /detokenize, the fields both completion endpoints share, and the prompts and
+sampling options they ask for; every sampling default and range comes from engine.protocol.
+Chat bodies are in proxy.chat_schemas."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from engine.protocol import SAMPLING_RANGES, SamplingError, SamplingOptions, check_sampling
-from proxy.errors import ApiError, from_sampling, from_validation
+from proxy.errors import ApiError, field_path, from_sampling, from_validation
 from proxy.tokenizer import ModelTokenizer
+
+_Body = TypeVar("_Body", bound=BaseModel)
 
 MAX_N = 64  # choices per prompt a request may ask for
 
@@ -19,18 +23,19 @@ _DEFAULTS = SamplingOptions()
 _RANGES = {name: (low, high, is_low_allowed) for name, low, high, is_low_allowed in SAMPLING_RANGES}
 
 # NOTE: strict: "10" is not a number and "yes" not a boolean, as at OpenAI (JSON gives the
-# real types; lax mode would quietly coerce them).
-_STRICT = ConfigDict(strict=True, extra="ignore")
+# real types; lax mode would quietly coerce them). Unknown fields are refused, never dropped:
+# a field this server does not know is one whose meaning it would silently ignore.
+STRICT = ConfigDict(strict=True, extra="forbid")
 
 
-def _sampling_field(option: str) -> Any:
+def sampling_field(option: str) -> Any:
     """A pydantic Field with the default and the range engine.protocol gives the sampling option
     (out-of-range values fail validation naming the request field)."""
     return Field(default=getattr(_DEFAULTS, option), **_bounds(option))
 
 
-def _limit_field(option: str) -> Any:
-    """As _sampling_field, but None (the default) means "not set": the proxy picks the value."""
+def limit_field(option: str) -> Any:
+    """As sampling_field, but None (the default) means "not set": the proxy picks the value."""
     return Field(default=None, **_bounds(option))
 
 
@@ -53,34 +58,39 @@ class Prompt:
 
 
 class StreamOptions(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
 
     include_usage: bool = False
+    # Ignored, meaningless here: OpenAI pads chunks with random text to hide their lengths.
+    include_obfuscation: bool | None = None
 
 
 class GenerationRequest(BaseModel):
-    """The fields both endpoints share; subclasses say what their prompts and limits are."""
+    """The fields both completion endpoints share; subclasses say what their prompts and limits
+    are. Fields OpenAI clients send that mean nothing here are accepted and ignored (each says
+    why); fields accepted but not honoured yet are refused by check_supported()."""
 
-    model_config = _STRICT
+    model_config = STRICT
 
     model: str
-    max_tokens: int | None = _limit_field("max_tokens")
-    temperature: float = _sampling_field("temperature")
-    top_p: float = _sampling_field("top_p")
-    top_k: int = _sampling_field("top_k")
-    min_p: float = _sampling_field("min_p")
-    presence_penalty: float = _sampling_field("presence_penalty")
-    frequency_penalty: float = _sampling_field("frequency_penalty")
-    repetition_penalty: float = _sampling_field("repetition_penalty")
-    seed: int | None = _sampling_field("seed")
+    max_tokens: int | None = limit_field("max_tokens")
+    temperature: float = sampling_field("temperature")
+    top_p: float = sampling_field("top_p")
+    top_k: int = sampling_field("top_k")
+    min_p: float = sampling_field("min_p")
+    presence_penalty: float = sampling_field("presence_penalty")
+    frequency_penalty: float = sampling_field("frequency_penalty")
+    repetition_penalty: float = sampling_field("repetition_penalty")
+    seed: int | None = sampling_field("seed")
     n: int = Field(default=1, ge=1, le=MAX_N)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = _DEFAULTS.ignore_eos
-    min_tokens: int = _sampling_field("min_tokens")
+    min_tokens: int = sampling_field("min_tokens")
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    logit_bias: dict[str, float] | None = None  # not honoured yet: refused unless empty
+    user: str | None = None  # ignored: an end-user id for OpenAI's abuse monitoring
 
     @property
     def stop_strings(self) -> list[str]:
@@ -93,8 +103,13 @@ class GenerationRequest(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
     @property
-    def requested_max_tokens(self) -> int | None:
-        """The output limit asked for; None: as many as fit the context."""
+    def asked_max_tokens(self) -> tuple[str, int] | None:
+        """(the request field, its value) when the request limits its output; None when not."""
+        return None if self.max_tokens is None else ("max_tokens", self.max_tokens)
+
+    @property
+    def default_max_tokens(self) -> int | None:
+        """The output limit when none is asked for; None: as many as fit the context."""
         raise NotImplementedError
 
     @property
@@ -102,8 +117,14 @@ class GenerationRequest(BaseModel):
         """Top alternatives per token asked for; None: no logprobs."""
         raise NotImplementedError
 
+    def check_supported(self) -> None:
+        """Raises ApiError (400) naming a field accepted but not honoured (yet) by this server."""
+        if self.logit_bias:
+            raise ApiError(400, "logit_bias is not supported yet", "logit_bias")
+
     def prompts(self, tokenizer: ModelTokenizer) -> list[Prompt]:
-        """The request's prompts, tokenized; raises ApiError for what cannot be served."""
+        """The request's prompts, tokenized; raises ApiError for what cannot be served. May take
+        milliseconds (a chat template, a long text): call it off the event loop."""
         raise NotImplementedError
 
     def sampling(self, max_tokens: int, seed_offset: int) -> SamplingOptions:
@@ -127,8 +148,11 @@ class GenerationRequest(BaseModel):
 class CompletionRequest(GenerationRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool = False
-    logprobs: int | None = _sampling_field("logprobs")
+    logprobs: int | None = sampling_field("logprobs")
     suffix: str | None = None
+    best_of: int | None = Field(default=None, ge=1, le=MAX_N)  # only best_of == n: one sample per choice
+    # vLLM's: text prompts get the special tokens the tokenizer adds (BOS), as tokenizer(text) does.
+    add_special_tokens: bool = True
 
     @field_validator("prompt")
     @classmethod
@@ -148,80 +172,89 @@ class CompletionRequest(GenerationRequest):
         return None
 
     @property
-    def requested_max_tokens(self) -> int:
-        return _DEFAULTS.max_tokens if self.max_tokens is None else self.max_tokens
+    def default_max_tokens(self) -> int:
+        return _DEFAULTS.max_tokens
 
     @property
     def num_logprobs(self) -> int | None:
         return self.logprobs
 
-    def prompts(self, tokenizer: ModelTokenizer) -> list[Prompt]:
+    def check_supported(self) -> None:
+        super().check_supported()
         if self.echo and self.logprobs is not None:
             raise ApiError(400, "echo with logprobs (prompt logprobs) is not supported", "echo")
+        if self.best_of is not None and self.best_of < self.n:
+            raise ApiError(400, f"best_of ({self.best_of}) must be >= n ({self.n})", "best_of")
+        if self.best_of is not None and self.best_of > self.n:
+            raise ApiError(400, f"best_of > n is not supported (best_of {self.best_of}, n {self.n})", "best_of")
+
+    def prompts(self, tokenizer: ModelTokenizer) -> list[Prompt]:
         if isinstance(self.prompt, str):
             texts_or_ids = [self.prompt]
         elif all(isinstance(p, int) for p in self.prompt):
             texts_or_ids = [list(self.prompt)]
         else:
             texts_or_ids = list(self.prompt)
-        return [Prompt(tokenizer.encode(p), p) if isinstance(p, str) else Prompt(list(p)) for p in texts_or_ids]
+        return [Prompt(tokenizer.encode(p, self.add_special_tokens), p) if isinstance(p, str) else Prompt(list(p))
+                for p in texts_or_ids]
 
 
-class TextPart(BaseModel):
-    model_config = _STRICT
+class TokenizeCompletionRequest(BaseModel):
+    """POST /tokenize with a prompt (vLLM's TokenizeCompletionRequest)."""
 
-    type: Literal["text"]
-    text: str
+    model_config = STRICT
 
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
 
-class ChatMessage(BaseModel):
-    model_config = _STRICT
-
-    role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[TextPart] | None = None
-
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
+    def prompt_ids(self, tokenizer: ModelTokenizer) -> list[int]:
+        return tokenizer.encode(self.prompt, self.add_special_tokens)
 
 
-class ChatCompletionRequest(GenerationRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = _limit_field("max_tokens")
-    logprobs: bool = False
-    top_logprobs: int | None = _sampling_field("logprobs")
-    add_generation_prompt: bool = True
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize (vLLM's): token ids to text, special tokens kept (transformers' decode)."""
 
-    @property
-    def requested_max_tokens(self) -> int | None:
-        return self.max_completion_tokens or self.max_tokens
+    model_config = STRICT
 
-    @property
-    def num_logprobs(self) -> int | None:
-        if not self.logprobs:
-            return None
-        return self.top_logprobs or 0
-
-    def prompts(self, tokenizer: ModelTokenizer) -> list[Prompt]:
-        messages = [{"role": m.role, "content": m.text()} for m in self.messages]
-        try:
-            return [Prompt(tokenizer.apply_chat_template(messages, self.add_generation_prompt))]
-        except ValueError as exc:
-            raise ApiError(400, str(exc), "messages") from exc
+    model: str | None = None
+    tokens: list[int]
 
 
-def parse_body(raw: bytes, model: type[GenerationRequest]) -> GenerationRequest:
-    """The request body as model; raises ApiError (400) naming what is wrong."""
+def parse_body(raw: bytes, model: type[_Body]) -> _Body:
+    """The request body as model (checked by its check_supported() when it has one); raises
+    ApiError (400) naming what is wrong: unknown fields all at once, else the first bad value."""
+    return parse_data(json_object(raw), model)
+
+
+def parse_data(data: dict, model: type[_Body]) -> _Body:
+    """As parse_body, for a body already parsed as JSON."""
+    try:
+        body = model.model_validate(data)
+    except ValidationError as exc:
+        raise _validation_error(exc.errors()) from exc
+    check = getattr(body, "check_supported", None)
+    if check is not None:
+        check()
+    return body
+
+
+def json_object(raw: bytes) -> dict:
+    """The request body as a JSON object; raises ApiError (400)."""
     try:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"request body is not valid JSON: {exc}") from exc
     if not isinstance(data, dict):
         raise ApiError(400, "request body must be a JSON object")
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        raise from_validation(exc.errors()) from exc
+    return data
+
+
+def _validation_error(errors: list[dict]) -> ApiError:
+    unknown = [field_path(e["loc"]) for e in errors if e.get("type") == "extra_forbidden"]
+    if unknown:
+        names = ", ".join(repr(name) for name in unknown)
+        return ApiError(400, f"unsupported field{'s' if len(unknown) > 1 else ''} {names}: not known to this "
+                             "server (it refuses fields rather than ignore them)", unknown[0])
+    return from_validation(errors)

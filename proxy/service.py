@@ -1,14 +1,18 @@
 """Answering one completion request: check it, split it into choices, run them, and reply with
-the whole body or an SSE stream (a status code whenever the failure comes before any token)."""
+the whole body or an SSE stream (a status code whenever the failure comes before any token);
+and /tokenize and /detokenize, which share its prompt handling."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from proxy.chat_schemas import TokenizeChatRequest
 from proxy.choice_run import ChoiceRun, ChoiceRunner
 from proxy.choices import ChoiceDelta, ChoiceDone, ChoiceEvent, ChoiceFailed, ClientGone, SubRequest
 from proxy.config import ProxyConfig
@@ -16,8 +20,10 @@ from proxy.errors import ApiError, api_error_of
 from proxy.metrics import ProxyMetrics
 from proxy.nodes import NodePool
 from proxy.openai_format import SSE_DONE, ResponseFormat
-from proxy.schemas import GenerationRequest
+from proxy.schemas import DetokenizeRequest, GenerationRequest, TokenizeCompletionRequest
 from proxy.tokenizer import ModelTokenizer
+
+logger = logging.getLogger(__name__)
 
 _CLIENT_GONE = 499  # nginx's "client closed request": nobody reads it, but the metrics count it
 
@@ -40,34 +46,71 @@ class RequestService:
         """The answer to body (a dict is sent as JSON); raises ApiError for an error answer."""
         arrived_at = time.monotonic()
         try:
-            if body.model != self.config.served_model_name:
-                raise ApiError(404, f"model {body.model!r} does not exist; this server serves "
-                                    f"{self.config.served_model_name!r}", "model", code="model_not_found")
-            subs = self._sub_requests(body, fmt)
+            self._check_model(body.model)
+            subs = await self._sub_requests(body, fmt)
         except ApiError as exc:
             self._count(fmt, exc.status)
+            logger.info("request %s refused: %d %s", fmt.request_id, exc.status, exc.message)
             raise
+        logger.debug("request %s: %d choice(s), prompt tokens %s", fmt.request_id, len(subs),
+                     sorted({len(s.prompt.token_ids) for s in subs}))
         run = self.runner.start(subs, body.stop_strings, arrived_at)
         if body.stream:
             return await self._start_stream(body, fmt, run, request)
         return await self._complete_all(fmt, run, request)
 
-    def _sub_requests(self, body: GenerationRequest, fmt: ResponseFormat) -> list[SubRequest]:
+    async def tokenize(self, body: TokenizeCompletionRequest | TokenizeChatRequest) -> dict:
+        """/tokenize's answer (vLLM's shape); raises ApiError."""
+        if body.model is not None:
+            self._check_model(body.model)
+        ids = await asyncio.to_thread(body.prompt_ids, self.tokenizer)  # a chat template may take milliseconds
+        return {"count": len(ids), "max_model_len": self.max_model_len(), "tokens": ids,
+                "token_strs": self.tokenizer.token_pieces(ids) if body.return_token_strs else None}
+
+    def detokenize(self, body: DetokenizeRequest) -> dict:
+        """/detokenize's answer: the text, special tokens kept (transformers' decode); raises ApiError."""
+        if body.model is not None:
+            self._check_model(body.model)
+        self._check_token_ids(body.tokens, "tokens")
+        return {"prompt": self.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
+    def _check_model(self, model: str) -> None:
+        if model != self.config.served_model_name:
+            raise ApiError(404, f"model {model!r} does not exist; this server serves "
+                                f"{self.config.served_model_name!r}", "model", code="model_not_found")
+
+    async def _sub_requests(self, body: GenerationRequest, fmt: ResponseFormat) -> list[SubRequest]:
         """One per choice: n per prompt, indexed prompt by prompt; raises ApiError (400)."""
+        # NOTE: in a thread: a chat template over a long conversation, or a long text, takes
+        # milliseconds (a template is stopped after chat_template_timeout_s).
+        prompts = await asyncio.to_thread(body.prompts, self.tokenizer)
         subs = []
-        for prompt_idx, prompt in enumerate(body.prompts(self.tokenizer)):
+        for prompt_idx, prompt in enumerate(prompts):
             self._check_prompt(prompt.token_ids)
-            max_tokens = self._max_tokens(body.requested_max_tokens, len(prompt.token_ids))
+            max_tokens = self._max_tokens(body, len(prompt.token_ids))
             for i in range(body.n):
                 index = prompt_idx * body.n + i
                 sampling = body.sampling(max_tokens, seed_offset=i)
                 subs.append(SubRequest(fmt.choice_request_id(index), index, prompt, sampling))
         return subs
 
-    def _max_tokens(self, requested: int | None, num_prompt_tokens: int) -> int:
-        """As requested (None: no limit), but never past the context."""
+    def _max_tokens(self, body: GenerationRequest, num_prompt_tokens: int) -> int:
+        """The limit asked for, refused (400, as vLLM) when past the context left after the
+        prompt; unasked, the request kind's default, cut to the context left."""
         limit = self.max_model_len()
-        return min(limit if requested is None else requested, limit - num_prompt_tokens)
+        num_left = limit - num_prompt_tokens
+        asked = body.asked_max_tokens
+        if asked is None:
+            default = body.default_max_tokens
+            return num_left if default is None else min(default, num_left)
+        param, value = asked
+        if value > num_left:
+            raise ApiError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
+                                f"{value} output tokens and your prompt contains {num_prompt_tokens} input tokens, "
+                                f"for a total of {value + num_prompt_tokens} tokens. Please reduce the length of "
+                                f"the input prompt or the number of requested output tokens.", param,
+                           code="context_length_exceeded")
+        return value
 
     def _check_prompt(self, ids: list[int]) -> None:
         if not ids:
@@ -77,10 +120,13 @@ class RequestService:
             raise ApiError(400, f"this model's maximum context length is {limit} tokens; the prompt has "
                                 f"{len(ids)} tokens (at least one output token must fit)", "prompt",
                            code="context_length_exceeded")
+        self._check_token_ids(ids, "prompt")
+
+    def _check_token_ids(self, ids: list[int], param: str) -> None:
         bad = [t for t in ids if not 0 <= t < self.tokenizer.vocab_size]
         if bad:
             raise ApiError(400, f"token ids {bad[:5]} are outside the vocabulary [0, {self.tokenizer.vocab_size})",
-                           "prompt")
+                           param)
 
     async def _complete_all(self, fmt: ResponseFormat, run: ChoiceRun, request: Request) -> Response | dict:
         # NOTE: uvicorn does not cancel a non-streaming handler when its client goes away; this
@@ -94,7 +140,7 @@ class RequestService:
                         self._count(fmt, _CLIENT_GONE)
                         return Response(status_code=_CLIENT_GONE)  # the finally aborts on the nodes
                     case ChoiceFailed(error=error):
-                        raise api_error_of(error)
+                        raise _failure(fmt, error)
                     case ChoiceDone():
                         remaining -= 1
                     case _:
@@ -116,7 +162,7 @@ class RequestService:
             self._count(fmt, _CLIENT_GONE)
             return Response(status_code=_CLIENT_GONE)
         if isinstance(first, ChoiceFailed):
-            error = api_error_of(first.error)
+            error = _failure(fmt, first.error)
             self._count(fmt, error.status)
             raise error
         self._count(fmt, 200)
@@ -158,7 +204,7 @@ class RequestService:
                     case ChoiceDone():
                         remaining -= 1
                     case ChoiceFailed(error=error):
-                        yield fmt.error_event(api_error_of(error))
+                        yield fmt.error_event(_failure(fmt, error))
                         break
                     case ClientGone():
                         return
@@ -173,6 +219,14 @@ class RequestService:
 
     def _count(self, fmt: ResponseFormat, status: int) -> None:
         self.metrics.requests.labels(fmt.endpoint, str(status)).inc()
+
+
+def _failure(fmt: ResponseFormat, error: Exception) -> ApiError:
+    """The answer to a failed choice, logged under the request's id."""
+    answer = api_error_of(error, fmt.request_id)
+    logger.log(logging.WARNING if answer.status >= 500 else logging.INFO, "request %s failed: %d %s",
+               fmt.request_id, answer.status, answer.message)
+    return answer
 
 
 async def _chain(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:

@@ -38,6 +38,17 @@ def test_unset_arguments_take_the_proxy_config_defaults(model_dir):
                                  decode_addresses=("127.0.0.1:3",))
 
 
+def test_chat_template_arguments_become_config_fields(model_dir, tmp_path):
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--model", str(model_dir), "--decode", "127.0.0.1:3", "--chat-template",
+                              str(tmp_path / "t.jinja"), "--chat-template-timeout-s", "2.5",
+                              "--trust-request-chat-template"])
+    config = config_from_args(args)
+    assert (config.chat_template_path, config.chat_template_timeout_s, config.trust_request_chat_template) == (
+        str(tmp_path / "t.jinja"), 2.5, True)
+
+
 def test_negative_local_prefill_wait_turns_the_policy_off(model_dir):
     parser = argparse.ArgumentParser()
     add_arguments(parser)

@@ -106,7 +106,7 @@ def test_node_error_reply_maps_to_4xx_or_5xx(start_proxy, is_client_error, statu
 def test_client_disconnect_mid_stream_aborts_on_the_decode_node_within_a_second(start_proxy):
     proxy = start_proxy(node={"step_s": 0.02})
     decode = proxy.decode[0]
-    body = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 5000, "stream": True, "ignore_eos": True}
+    body = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 250, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", proxy.base_url + "/v1/completions", json=body, timeout=10) as response:
         for num_lines, _ in enumerate(response.iter_lines()):
             if num_lines >= 10:
@@ -156,7 +156,7 @@ def test_decode_node_dying_mid_request_fails_with_5xx_within_the_heartbeat_timeo
 
     def request() -> None:
         started = time.monotonic()
-        result["response"] = _post(proxy, {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 5000,
+        result["response"] = _post(proxy, {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 250,
                                            "ignore_eos": True}, timeout=15)
         result["elapsed_s"] = time.monotonic() - started
 
@@ -172,7 +172,7 @@ def test_decode_node_dying_mid_request_fails_with_5xx_within_the_heartbeat_timeo
 
 def test_decode_node_dying_mid_stream_ends_with_an_error_event(start_proxy):
     proxy = start_proxy(node={"step_s": 0.05})
-    body = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 5000, "ignore_eos": True, "stream": True}
+    body = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 250, "ignore_eos": True, "stream": True}
     events = []
     with httpx.stream("POST", proxy.base_url + "/v1/completions", json=body, timeout=15) as response:
         for line in response.iter_lines():

@@ -39,7 +39,7 @@ def _expected_text(proxy, prompt: list[int]) -> str:
     outputs: list[int] = []
     for _ in range(3):
         outputs.append(next_token(prompt, outputs, proxy.decode[0].config.vocab_size))
-    return ModelTokenizer.from_dir(proxy.config.model_dir).decode(outputs)
+    return ModelTokenizer.from_dir(proxy.config.model_dir, proxy.config.chat_template_timeout_s).decode(outputs)
 
 
 def test_backed_up_prefill_pool_sends_some_prompts_to_the_decode_node(start_proxy):
