@@ -145,20 +145,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(flag, type=kind, default=None, help="per node (default: the node's)")
     parser.add_argument("--log-dir", default=None, help="write each process's log here")
     parser.add_argument("--ready-timeout-s", type=float, default=180.0)
-    parser.add_argument("--served-model-name", default=None)
+    for flag, kind in _PROXY_FLAGS:
+        parser.add_argument(flag, type=kind, default=None, help="for the proxy (default: the proxy's)")
 
 
 _NODE_FLAGS = (("--dtype", str), ("--transfer-backend", str), ("--kv-cache-memory-gb", float), ("--num-blocks", int),
                ("--max-num-seqs", int), ("--max-num-batched-tokens", int))
 
 
-def _node_args(args: argparse.Namespace) -> list[str]:
-    node_args = []
-    for flag, _ in _NODE_FLAGS:
+_PROXY_FLAGS = (("--served-model-name", str), ("--chat-template", str), ("--api-key", str),
+                ("--local-prefill-min-wait-s", float))
+
+
+def _given(args: argparse.Namespace, flags) -> list[str]:
+    """The flags of this list the user set, as command-line arguments for a child."""
+    given = []
+    for flag, _ in flags:
         value = getattr(args, flag.removeprefix("--").replace("-", "_"))
         if value is not None:
-            node_args += [flag, str(value)]
-    return node_args
+            given += [flag, str(value)]
+    return given
 
 
 def main(args: argparse.Namespace) -> int:
@@ -172,8 +178,7 @@ def main(args: argparse.Namespace) -> int:
     if log_dir:
         log_dir.mkdir(parents=True, exist_ok=True)
     stop = _install_signal_handlers()
-    node_args = _node_args(args)
-    proxy_args = ["--served-model-name", args.served_model_name] if args.served_model_name else []
+    node_args, proxy_args = _given(args, _NODE_FLAGS), _given(args, _PROXY_FLAGS)
     print(f"pdserve up: starting {args.prefill} prefill + {args.decode} decode nodes and the proxy ...", flush=True)
     deployment = start_local(model_dir, num_prefill=args.prefill, num_decode=args.decode, host=args.host,
                              port=args.port, node_args=node_args, proxy_args=proxy_args, log_dir=log_dir)
