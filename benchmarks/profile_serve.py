@@ -13,19 +13,19 @@ stacks stay in --out-dir (flamegraph-ready "collapsed" text). Ends with `RESULT 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import collections
 import json
 import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from pdserve.bench import BenchConfig, run_load, summarize  # noqa: E402
+from pdserve.bench import BenchConfig, DatasetConfig, EndpointConfig, LoadConfig, run_benchmark  # noqa: E402
 from pdserve.default_model import ensure_model  # noqa: E402
 from pdserve.launcher import start_local, wait_healthy  # noqa: E402
 
@@ -75,20 +75,22 @@ def profile_preset(preset: str, args: argparse.Namespace) -> dict:
     deployment = start_local(model_dir, num_prefill=1, num_decode=1, log_dir=out_dir)
     try:
         wait_healthy(deployment, 300)
-        config = BenchConfig(base_url=deployment.base_url, model=model_dir.name, num_requests=args.num_requests,
-                             prompt_len=args.prompt_len, output_len=args.output_len)
-        asyncio.run(run_load(BenchConfig(**{**config.__dict__, "num_requests": 2, "output_len": 2})))
+        config = BenchConfig(EndpointConfig(base_url=deployment.base_url, model=model_dir.name),
+                             DatasetConfig(num_requests=args.num_requests, input_len=args.prompt_len,
+                                           output_len=args.output_len),
+                             LoadConfig(show_progress=False))
+        run_benchmark(replace(config, dataset=replace(config.dataset, num_requests=2, output_len=2, seed=1)))
         spies = {name: _start_spy(proc.pid, out_dir / f"{name}.txt") for name, proc in deployment.cluster.procs}
         started = time.monotonic()
-        records, wall_s = asyncio.run(run_load(config))
+        bench = run_benchmark(config)
         for spy in spies.values():
             spy.send_signal(signal.SIGINT)  # py-spy writes its samples when interrupted
             spy.wait(timeout=60)
         elapsed_s = time.monotonic() - started
     finally:
         deployment.stop()
-    summary = summarize(records, wall_s, config)
-    result = {"preset": preset, "wall_s": wall_s, "output_tok_s": summary["output_tok_s"], "processes": {}}
+    result = {"preset": preset, "wall_s": bench.duration_s, "output_tok_s": bench.summary["output_throughput"],
+              "processes": {}}
     for name in spies:
         parts = PROXY_PARTS if name == "proxy" else NODE_PARTS
         result["processes"][name] = split_samples(out_dir / f"{name}.txt", parts, elapsed_s)

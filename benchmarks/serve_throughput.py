@@ -12,10 +12,10 @@ Optionally also a colocated (--prefill 0) single server for comparison. Ends wit
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -25,7 +25,7 @@ import transformers
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from pdserve.bench import BenchConfig, make_prompts, run_load, summarize  # noqa: E402
+from pdserve.bench import BenchConfig, DatasetConfig, EndpointConfig, LoadConfig, prepare_datasets, run_benchmark  # noqa: E402
 from pdserve.default_model import ensure_model  # noqa: E402
 from pdserve.launcher import start_local, wait_healthy  # noqa: E402
 
@@ -59,18 +59,25 @@ def serve(model_dir: Path, args: argparse.Namespace, num_prefill: int, vocab: in
                              proxy_args=args.proxy_args.split(), log_dir=log_dir)
     try:
         wait_healthy(deployment, 300)
-        config = BenchConfig(base_url=deployment.base_url, model=model_dir.name, num_requests=args.num_requests,
-                             prompt_len=args.prompt_len, output_len=args.output_len, vocab_high=vocab)
-        warm = BenchConfig(**{**config.__dict__, "num_requests": 2, "output_len": 2})
-        asyncio.run(run_load(warm))
+        config = bench_config(deployment.base_url, model_dir.name, args, vocab)
+        # Warm-up: two short requests on other prompts (seed 1), before the counters are read.
+        run_benchmark(replace(config, dataset=replace(config.dataset, num_requests=2, output_len=2, seed=1)))
         before = scrape_counters(deployment.base_url)
-        records, wall_s = asyncio.run(run_load(config))
+        summary = run_benchmark(config).summary
         after = scrape_counters(deployment.base_url)
-        summary = summarize(records, wall_s, config)
         summary.update({name: after[name] - before[name] for name in after})
         return summary
     finally:
         deployment.stop()
+
+
+def bench_config(base_url: str, model: str, args: argparse.Namespace, vocab: int) -> BenchConfig:
+    """All requests at once (rate inf), random token-id prompts of exactly --prompt-len tokens
+    and --output-len output tokens (ignore_eos), streamed: `pdserve bench` with those flags."""
+    return BenchConfig(EndpointConfig(base_url=base_url, model=model),
+                       DatasetConfig(num_requests=args.num_requests, input_len=args.prompt_len,
+                                     output_len=args.output_len, vocab_high=vocab),
+                       LoadConfig(show_progress=False))
 
 
 def scrape_counters(base_url: str) -> dict[str, float]:
@@ -108,17 +115,16 @@ def bench_preset(preset: str, args: argparse.Namespace) -> dict:
     vocab = min(json.loads((model_dir / "config.json").read_text())["vocab_size"], 2000)
     result = {"preset": preset}
     result["disaggregated"] = serve(model_dir, args, 1, vocab, Path(args.log_dir) / f"{preset}-pd")
-    print(f"  disaggregated: {result['disaggregated']['output_tok_s']:.1f} tok/s", flush=True)
+    print(f"  disaggregated: {result['disaggregated']['output_throughput']:.1f} tok/s", flush=True)
     if args.colocated:
         result["colocated"] = serve(model_dir, args, 0, vocab, Path(args.log_dir) / f"{preset}-colocated")
-        print(f"  colocated: {result['colocated']['output_tok_s']:.1f} tok/s", flush=True)
-    config = BenchConfig(base_url="", model="", num_requests=args.num_requests, prompt_len=args.prompt_len,
-                         output_len=args.output_len, vocab_high=vocab)
-    prompts = make_prompts(config)[: args.reference_prompts or args.num_requests]
+        print(f"  colocated: {result['colocated']['output_throughput']:.1f} tok/s", flush=True)
+    dataset, _ = prepare_datasets(bench_config("", "", args, vocab), "")  # the prompts the endpoint was sent
+    prompts = [session.turns[0].prompt for session in dataset.sessions][: args.reference_prompts or args.num_requests]
     result["hf_single_tok_s"] = transformers_single(model_dir, prompts, args.output_len)
     for mode in ("disaggregated", "colocated"):
         if mode in result:
-            result[f"{mode}_over_single"] = result[mode]["output_tok_s"] / result["hf_single_tok_s"]
+            result[f"{mode}_over_single"] = result[mode]["output_throughput"] / result["hf_single_tok_s"]
     print(json.dumps(result, indent=1), flush=True)
     return result
 
