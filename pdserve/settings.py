@@ -15,7 +15,7 @@ import yaml
 ENV_PREFIX = "PDSERVE_"
 CONFIG_ENV = "PDSERVE_CONFIG"  # the config file when --config is not given
 PRECEDENCE = "command line > PDSERVE_* environment > --config file > built-in default"
-_SECRET_WORDS = ("secret", "key", "token", "password")
+_SECRET_WORDS = {"secret", "key", "password"}  # a dest with one of these words is masked
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
@@ -69,7 +69,7 @@ def describe(args: argparse.Namespace, parser: argparse.ArgumentParser, taken: l
     for dest, value in sorted(vars(args).items()):
         if dest in ("command", "config") or (dest not in sources and value == defaults.get(dest)):
             continue
-        shown = "***" if value is not None and any(w in dest for w in _SECRET_WORDS) else value
+        shown = "***" if value is not None and _SECRET_WORDS & set(dest.split("_")) else value
         lines.append(f"  {dest} = {shown!r} ({sources.get(dest, 'command line')})")
     return "\n".join(lines)
 

@@ -57,6 +57,8 @@ def test_printed_settings_show_sources_and_mask_secrets(tmp_path):
     config.write_text("api_key: hunter2\nport: 9001\n")
     args, sub, taken = parse("proxy", ["--config", str(config), "--decode", "h:1", "--model", "/m"],
                              {"PDSERVE_HEARTBEAT_TIMEOUT_S": "4"})
+    node_args, node_sub, node_taken = parse("decode", ["--model", "/m", "--max-num-batched-tokens", "99"], {})
+    assert "max_num_batched_tokens = 99 (command line)" in describe(node_args, node_sub, node_taken)
     text = describe(args, sub, taken)
     assert "command line > PDSERVE_* environment > --config file > built-in default" in text
     assert f"port = 9001 (config {config})" in text
