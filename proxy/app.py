@@ -110,7 +110,7 @@ def _api_router(config: ProxyConfig, service: RequestService) -> APIRouter:
     @v1.post("/chat/completions")
     async def chat_completions(request: Request):
         body = parse_body(await request.body(), ChatCompletionRequest)
-        return await service.complete(body, ChatFormat(model, request.state.request_id), request)
+        return await service.complete(body, ChatFormat(model, request.state.request_id, body.tool_policy()), request)
 
     return v1
 

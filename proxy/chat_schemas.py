@@ -1,7 +1,7 @@
 """Chat request bodies: messages as OpenAI clients send them (text or text parts, assistant
 tool_calls, tool results), the chat template fields (tools, documents, add_generation_prompt,
 continue_final_message, chat_template, chat_template_kwargs) shared by /v1/chat/completions
-and /tokenize, and the Conversation they give the chat template."""
+and /tokenize, the Conversation they give the chat template, and tool_choice as a ToolPolicy."""
 
 from __future__ import annotations
 
@@ -10,10 +10,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, PrivateAttr, field_validator, model_validator
 
+from engine.protocol import StructuredKind, StructuredOutput
 from proxy.errors import ApiError, ChatTemplateError
 from proxy.schemas import STRICT, GenerationRequest, Prompt, limit_field, sampling_field
 from proxy.templates import Conversation
 from proxy.tokenizer import ModelTokenizer
+from proxy.tool_calls import ToolChoiceMode, ToolPolicy
 
 
 class TextPart(BaseModel):
@@ -107,6 +109,8 @@ def _check_tool(tool: dict[str, Any]) -> dict[str, Any]:
     function = tool.get("function")
     if tool.get("type") != "function" or not isinstance(function, dict) or not isinstance(function.get("name"), str):
         raise ValueError("tools entries must be {\"type\": \"function\", \"function\": {\"name\": ..., ...}}")
+    if not isinstance(function.get("parameters", {}), dict):
+        raise ValueError(f"tool {function['name']!r} parameters must be a JSON schema object")
     return tool
 
 
@@ -147,13 +151,6 @@ class ChatTemplateInput(BaseModel):
         return Prompt(tokenizer.encode(text, self.add_special_tokens))
 
 
-class ResponseFormat(BaseModel):
-    model_config = STRICT
-
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
-
-
 class NamedFunction(BaseModel):
     model_config = STRICT
 
@@ -171,10 +168,9 @@ class ChatCompletionRequest(ChatTemplateInput, GenerationRequest):
     max_completion_tokens: int | None = limit_field("max_tokens")
     logprobs: bool = False
     top_logprobs: int | None = sampling_field("logprobs")
-    # Not honoured yet (another change wires them): refused unless they ask for the default.
-    response_format: ResponseFormat | None = None
+    # None: "auto" with tools, "none" without (OpenAI's defaults); see tool_policy().
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: bool | None = None  # None: True (OpenAI's default)
     modalities: list[str] | None = None  # only ["text"]
     # Ignored, meaningless here: tags and storage for OpenAI's dashboard, its processing tiers,
     # its cache routing hint (prefix caching here needs none), its end-user id for abuse checks.
@@ -200,17 +196,48 @@ class ChatCompletionRequest(ChatTemplateInput, GenerationRequest):
             return None
         return self.top_logprobs or 0
 
+    @property
+    def structured_param(self) -> str:
+        return "tools" if self.tool_policy().is_forced else "response_format"
+
+    def structured_output(self) -> StructuredOutput | None:
+        schema = self.tool_policy().grammar_schema()
+        if schema is None:
+            return super().structured_output()
+        return StructuredOutput(StructuredKind.JSON_SCHEMA, json.dumps(schema))
+
+    def tool_policy(self) -> ToolPolicy:
+        """What tools and tool_choice ask of the output (NONE without tools)."""
+        choice = self.tool_choice if self.tool_choice is not None else ("auto" if self.tools else "none")
+        functions = {tool["function"]["name"]: tool["function"] for tool in self.tools or ()}
+        is_parallel = self.parallel_tool_calls is not False
+        if isinstance(choice, NamedToolChoice):
+            return ToolPolicy(ToolChoiceMode.NAMED, functions, choice.function.name, is_parallel)
+        return ToolPolicy(ToolChoiceMode(choice), functions, None, is_parallel)
+
     def check_supported(self) -> None:
         super().check_supported()
-        if self.response_format is not None and self.response_format.type != "text":
-            raise ApiError(400, f"response_format {self.response_format.type!r} is not supported yet",
-                           "response_format")
-        for name in ("tool_choice", "parallel_tool_calls"):
-            if getattr(self, name) is not None:
-                raise ApiError(400, f"{name} is not supported yet (tools reach the chat template; the model's "
-                                    "tool calls come back as text)", name)
+        self._check_tool_choice()
         if self.modalities is not None and self.modalities != ["text"]:
             raise ApiError(400, f"modalities {self.modalities} are not supported (text only)", "modalities")
+
+    def _check_tool_choice(self) -> None:
+        """tool_choice other than "none" needs tools; a named one, one of them; a forced call
+        leaves no room for another grammar (response_format)."""
+        choice = self.tool_choice
+        if choice is None or choice == "none":
+            return
+        if self.tools is None:
+            raise ApiError(400, "tool_choice needs tools: no tools were given", "tool_choice")
+        policy = self.tool_policy()
+        if policy.mode is ToolChoiceMode.NAMED and policy.named not in policy.functions:
+            raise ApiError(400, f"tool_choice names function {policy.named!r}, which is not among the tools "
+                                f"{sorted(policy.functions)}", "tool_choice")
+        if policy.mode is ToolChoiceMode.REQUIRED and not policy.functions:
+            raise ApiError(400, "tool_choice \"required\" needs at least one tool", "tool_choice")
+        if policy.is_forced and self.response_format is not None and self.response_format.type != "text":
+            raise ApiError(400, f"response_format {self.response_format.type!r} cannot be combined with a forced "
+                                "tool call (tool_choice \"required\" or a named function)", "response_format")
 
     def prompts(self, tokenizer: ModelTokenizer) -> list[Prompt]:
         return [self.chat_prompt(tokenizer)]

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from fastapi import Request
 
 from proxy.choices import ChoiceDelta, ChoiceDone, ChoiceEvent, ChoiceFailed, ChoiceState, ClientGone, SubRequest
+from proxy.errors import ApiError, NodeRejected
 from proxy.metrics import ProxyMetrics
 from proxy.nodes import NodePool
 from proxy.request_flow import run_request
@@ -65,6 +66,8 @@ class ChoiceRunner:
             stream = run_request(self.pool, sub.request_id, sub.prompt.token_ids, sub.sampling,
                                  self.first_token_timeout_s, self.token_timeout_s)
             async for step in stream:
+                if last_at is None:
+                    state.prompt_logprobs = _prompt_logprobs(sub, step.prompt_logprobs)
                 last_at = self._observe_token(arrived_at, last_at)
                 delta = state.add(step.tokens, step.finish_reason)
                 await events.put(ChoiceDelta(sub.index, delta))
@@ -80,7 +83,7 @@ class ChoiceRunner:
             raise
         except Exception as exc:  # noqa: BLE001 - answered to the client by the consumer
             self.metrics.aborts.labels(type(exc).__name__).inc()
-            await events.put(ChoiceFailed(sub.index, exc))
+            await events.put(ChoiceFailed(sub.index, _blamed(sub, exc)))
 
     def _observe_token(self, arrived_at: float, last_at: float | None) -> float:
         """Record the first token's latency or the gap since the last; returns now."""
@@ -90,6 +93,27 @@ class ChoiceRunner:
         else:
             self.metrics.itl.observe(now - last_at)
         return now
+
+
+def _prompt_logprobs(sub: SubRequest, entries: list | None) -> list | None:
+    """The first step's prompt logprobs; raises RuntimeError (a 500: a broken node) when asked
+    for and missing or of the wrong length."""
+    if sub.sampling.prompt_logprobs is None:
+        return None
+    if entries is None or len(entries) != len(sub.prompt.token_ids):
+        raise RuntimeError(f"request {sub.request_id}: the node sent {0 if entries is None else len(entries)} "
+                           f"prompt logprobs for {len(sub.prompt.token_ids)} prompt tokens")
+    return entries
+
+
+def _blamed(sub: SubRequest, exc: Exception) -> Exception:
+    """A node's refusal of a structured request as a 400 naming the field that asked for the
+    grammar: the proxy checks every other value a node checks (token ids, lengths, ranges,
+    logit_bias ids) before sending, so what is left to refuse is the grammar (a schema the
+    grammar library does not support)."""
+    if isinstance(exc, NodeRejected) and exc.reply.is_client_error and sub.sampling.structured is not None:
+        return ApiError(400, exc.reply.message, sub.structured_param)
+    return exc
 
 
 async def _report_disconnect(request: Request, events: asyncio.Queue[ChoiceEvent]) -> None:

@@ -22,12 +22,15 @@ class Delta:
 
 @dataclass(frozen=True)
 class SubRequest:
-    """One choice as the nodes see it: a prompt sampled once, under its own request_id."""
+    """One choice as the nodes see it: a prompt sampled once, under its own request_id.
+    structured_param: the request field that asked for sampling.structured (blamed when a node
+    refuses the grammar)."""
 
     request_id: str
     index: int
     prompt: Prompt
     sampling: protocol.SamplingOptions
+    structured_param: str | None = None
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,7 @@ class ChoiceState:
     num_tokens: int = 0
     tokens: list[protocol.TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
+    prompt_logprobs: list[protocol.TokenLogprob] | None = None  # one per prompt token, when asked for
 
     def __post_init__(self) -> None:
         self.detokenizer = IncrementalDetokenizer(self.tokenizer)
@@ -120,6 +124,23 @@ class ChoiceState:
             "tokens": texts,
             "token_logprobs": [t.logprob for t in tokens],
             "top_logprobs": [{self.tokenizer.token_text(i): lp for i, lp in t.top} for t in tokens],
+            "text_offset": offsets,
+        }
+
+    def prompt_completion_logprobs(self) -> dict:
+        """The legacy logprobs object of the prompt's tokens (echo): offsets from 0, the first
+        token's logprob and top_logprobs null (nothing precedes it), as OpenAI and vLLM."""
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        entries = self.prompt_logprobs or []
+        offsets, offset = [], 0
+        for entry in entries:
+            offsets.append(offset)
+            offset += len(decoder.decode(self.tokenizer.token_bytes(entry.token_id)))
+        return {
+            "tokens": [self.tokenizer.token_text(t.token_id) for t in entries],
+            "token_logprobs": [t.logprob for t in entries],
+            "top_logprobs": [None if t.logprob is None else {self.tokenizer.token_text(i): lp for i, lp in t.top}
+                             for t in entries],
             "text_offset": offsets,
         }
 

@@ -1,5 +1,5 @@
 """OpenAI response bodies and SSE chunks: one formatter per endpoint (completions, chat), made
-once per request, with the same interface."""
+once per request, with the same interface; chat answers may be tool calls (proxy.tool_calls)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,11 @@ import time
 import uuid
 from abc import ABC, abstractmethod
 
+from engine.protocol import TokenLogprob
 from proxy.choices import ChoiceState, Delta, SubRequest
 from proxy.errors import ApiError
 from proxy.request_id import RequestId
+from proxy.tool_calls import ToolCallStream, ToolPolicy
 
 SSE_DONE = "data: [DONE]\n\n"
 
@@ -91,7 +93,9 @@ class ResponseFormat(ABC):
 
 
 class CompletionFormat(ResponseFormat):
-    """/v1/completions: text choices, legacy logprobs; echo puts the prompt before the text."""
+    """/v1/completions: text choices, legacy logprobs; echo puts the prompt before the text.
+    With logprobs too, the prompt's tokens come first in the logprobs (the first one's null), and
+    a stream sends the prompt with the choice's first tokens (its logprobs come with them)."""
 
     endpoint = "completions"
     _id_prefix = "cmpl"
@@ -101,22 +105,33 @@ class CompletionFormat(ResponseFormat):
     def __init__(self, model: str, request_id: RequestId, is_echo: bool) -> None:
         super().__init__(model, request_id)
         self.is_echo = is_echo
+        self._unsent_echoes: dict[int, str] = {}  # choice index -> its echo, sent with its first delta
 
     def _opening_choice(self, sub: SubRequest, state: ChoiceState) -> dict | None:
         if not self.is_echo:
             return None
         text = self._echo(sub, state)
         state.text_offset = len(text)  # legacy logprobs count offsets from the start of the echo
+        if sub.sampling.prompt_logprobs is not None:
+            self._unsent_echoes[sub.index] = text
+            return None
         return {"index": sub.index, "text": text, "logprobs": None, "finish_reason": None}
 
     def _delta_choice(self, state: ChoiceState, delta: Delta) -> dict:
-        return {"index": state.index, "text": delta.text, "logprobs": state.completion_logprobs(delta.tokens),
+        echo = self._unsent_echoes.pop(state.index, None)
+        logprobs = state.completion_logprobs(delta.tokens)
+        if echo is not None:
+            logprobs = _joined(state.prompt_completion_logprobs(), logprobs)
+        return {"index": state.index, "text": (echo or "") + delta.text, "logprobs": logprobs,
                 "finish_reason": delta.finish_reason}
 
     def _final_choice(self, sub: SubRequest, state: ChoiceState) -> dict:
         echo = self._echo(sub, state) if self.is_echo else ""
         state.text_offset = len(echo)
-        return {"index": sub.index, "text": echo + state.text, "logprobs": state.completion_logprobs(state.tokens),
+        logprobs = state.completion_logprobs(state.tokens)
+        if state.prompt_logprobs is not None:
+            logprobs = _joined(state.prompt_completion_logprobs(), logprobs)
+        return {"index": sub.index, "text": echo + state.text, "logprobs": logprobs,
                 "finish_reason": state.finish_reason}
 
     @staticmethod
@@ -125,13 +140,49 @@ class CompletionFormat(ResponseFormat):
         return sub.prompt.text if sub.prompt.text is not None else state.tokenizer.decode(sub.prompt.token_ids)
 
 
+def _joined(first: dict, second: dict | None) -> dict:
+    """Two legacy logprobs objects as one (the prompt's, then the completion's)."""
+    return first if second is None else {key: first[key] + second[key] for key in first}
+
+
 class ChatFormat(ResponseFormat):
-    """/v1/chat/completions: assistant messages (streamed as deltas after a role), chat logprobs."""
+    """/v1/chat/completions: assistant messages (streamed as deltas after a role), chat logprobs.
+    With a ToolPolicy that parses the output, an answer that is a valid tool call comes as
+    message.tool_calls (content null unless text preceded the calls); streamed, the text that
+    may be a call is held back (ToolCallStream) and the calls go out in one tool_calls delta at
+    the end, followed by a chunk with the finish_reason."""
 
     endpoint = "chat"
     _id_prefix = "chatcmpl"
     _object = "chat.completion"
     _chunk_object = "chat.completion.chunk"
+
+    def __init__(self, model: str, request_id: RequestId, tools: ToolPolicy | None = None) -> None:
+        super().__init__(model, request_id)
+        self.tools = tools if tools is not None and tools.is_parsed else None
+        self._tool_streams: dict[int, ToolCallStream] = {}
+
+    def delta_event(self, state: ChoiceState, delta: Delta) -> str:
+        if self.tools is None:
+            return super().delta_event(state, delta)
+        stream = self._tool_streams.setdefault(state.index, ToolCallStream(self.tools.is_forced))
+        text, tokens = stream.feed(delta.text, delta.tokens)
+        events = self._content_event(state, text, tokens, None) if text else ""
+        if delta.finish_reason is None:
+            return events
+        held_text, held_tokens = stream.take_held()
+        parsed = self.tools.parse(state.text)
+        if parsed is None:
+            return events + self._content_event(state, held_text, held_tokens, delta.finish_reason)
+        calls = [{"index": i, **call.to_openai()} for i, call in enumerate(parsed.calls)]
+        tool_calls = {"index": state.index, "delta": {"tool_calls": calls},
+                      "logprobs": state.chat_logprobs(held_tokens), "finish_reason": None}
+        finish = {"index": state.index, "delta": {}, "logprobs": None, "finish_reason": self.tools.finish_reason}
+        return events + _sse(self._chunk([tool_calls])) + _sse(self._chunk([finish]))
+
+    def _content_event(self, state: ChoiceState, text: str, tokens: list[TokenLogprob],
+                       finish_reason: str | None) -> str:
+        return _sse(self._chunk([self._delta_choice(state, Delta(text, tokens, finish_reason))]))
 
     def _opening_choice(self, sub: SubRequest, state: ChoiceState) -> dict | None:
         return {"index": sub.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -142,5 +193,12 @@ class ChatFormat(ResponseFormat):
                 "logprobs": state.chat_logprobs(delta.tokens), "finish_reason": delta.finish_reason}
 
     def _final_choice(self, sub: SubRequest, state: ChoiceState) -> dict:
-        return {"index": sub.index, "message": {"role": "assistant", "content": state.text},
-                "logprobs": state.chat_logprobs(state.tokens), "finish_reason": state.finish_reason}
+        parsed = None if self.tools is None else self.tools.parse(state.text)
+        if parsed is None:
+            message, finish_reason = {"role": "assistant", "content": state.text}, state.finish_reason
+        else:
+            message = {"role": "assistant", "content": parsed.content,
+                       "tool_calls": [call.to_openai() for call in parsed.calls]}
+            finish_reason = self.tools.finish_reason
+        return {"index": sub.index, "message": message, "logprobs": state.chat_logprobs(state.tokens),
+                "finish_reason": finish_reason}

@@ -1,17 +1,24 @@
 """Request bodies (pydantic, strictly typed, unknown fields refused) of /v1/completions,
-/tokenize and /detokenize, the fields both completion endpoints share, and the prompts and
-sampling options they ask for; every sampling default and range comes from engine.protocol.
-Chat bodies are in proxy.chat_schemas."""
+/tokenize and /detokenize, the fields both completion endpoints share (response_format and
+logit_bias among them), and the prompts and sampling options they ask for; every sampling
+default and range comes from engine.protocol. Chat bodies are in proxy.chat_schemas."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from engine.protocol import SAMPLING_RANGES, SamplingError, SamplingOptions, check_sampling
+from engine.protocol import (
+    SAMPLING_RANGES,
+    SamplingError,
+    SamplingOptions,
+    StructuredKind,
+    StructuredOutput,
+    check_sampling,
+)
 from proxy.errors import ApiError, field_path, from_sampling, from_validation
 from proxy.tokenizer import ModelTokenizer
 
@@ -65,10 +72,49 @@ class StreamOptions(BaseModel):
     include_obfuscation: bool | None = None
 
 
+class JsonSchemaSpec(BaseModel):
+    """response_format's json_schema: OpenAI's {"name", "description", "schema", "strict"}. The
+    schema is always enforced by the grammar, strict or not (strict only promises more)."""
+
+    model_config = STRICT
+
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: "text" (free text), "json_object" (any JSON object) or
+    "json_schema" (JSON matching json_schema.schema)."""
+
+    model_config = STRICT
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+    @model_validator(mode="after")
+    def _schema_given_for_json_schema_only(self) -> ResponseFormat:
+        if self.type != "json_schema":
+            if self.json_schema is not None:
+                raise ValueError(f"json_schema is given only with type \"json_schema\", not {self.type!r}")
+        elif self.json_schema is None or self.json_schema.schema_ is None:
+            raise ValueError("type \"json_schema\" needs json_schema.schema (a JSON schema object)")
+        return self
+
+    def structured(self) -> StructuredOutput | None:
+        """The grammar the engine enforces; None for free text."""
+        if self.type == "json_object":
+            return StructuredOutput(StructuredKind.JSON_OBJECT)
+        if self.type == "json_schema":
+            return StructuredOutput(StructuredKind.JSON_SCHEMA, json.dumps(self.json_schema.schema_))
+        return None
+
+
 class GenerationRequest(BaseModel):
     """The fields both completion endpoints share; subclasses say what their prompts and limits
     are. Fields OpenAI clients send that mean nothing here are accepted and ignored (each says
-    why); fields accepted but not honoured yet are refused by check_supported()."""
+    why); fields accepted but not honoured (yet) are refused by check_supported()."""
 
     model_config = STRICT
 
@@ -89,8 +135,38 @@ class GenerationRequest(BaseModel):
     min_tokens: int = sampling_field("min_tokens")
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logit_bias: dict[str, float] | None = None  # not honoured yet: refused unless empty
+    # Token ids (decimal strings, as OpenAI's) -> a bias added to the logit; the vocabulary bound
+    # is checked by the service (it knows the tokenizer), the values' range by check_sampling.
+    logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
     user: str | None = None  # ignored: an end-user id for OpenAI's abuse monitoring
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_id_keys(cls, logit_bias: dict[str, float] | None) -> dict[str, float] | None:
+        bad = [key for key in logit_bias or () if not (key.isascii() and key.isdigit())]
+        if bad:
+            raise ValueError(f"keys must be token ids (non-negative decimal integers as strings), got {bad[:5]}")
+        return logit_bias
+
+    @property
+    def logit_bias_ids(self) -> dict[int, float] | None:
+        """logit_bias with int token ids; None when absent or empty."""
+        return {int(key): bias for key, bias in self.logit_bias.items()} if self.logit_bias else None
+
+    @property
+    def structured_param(self) -> str:
+        """The request field that asked for the grammar (the param of its errors)."""
+        return "response_format"
+
+    def structured_output(self) -> StructuredOutput | None:
+        """The grammar the output must follow; None: free text."""
+        return None if self.response_format is None else self.response_format.structured()
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """Top alternatives per prompt token asked for; None: no prompt logprobs."""
+        return None
 
     @property
     def stop_strings(self) -> list[str]:
@@ -119,8 +195,6 @@ class GenerationRequest(BaseModel):
 
     def check_supported(self) -> None:
         """Raises ApiError (400) naming a field accepted but not honoured (yet) by this server."""
-        if self.logit_bias:
-            raise ApiError(400, "logit_bias is not supported yet", "logit_bias")
 
     def prompts(self, tokenizer: ModelTokenizer) -> list[Prompt]:
         """The request's prompts, tokenized; raises ApiError for what cannot be served. May take
@@ -136,12 +210,14 @@ class GenerationRequest(BaseModel):
             top_p=self.top_p, top_k=max(self.top_k, 0), min_p=self.min_p,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, seed=seed, stop_token_ids=list(self.stop_token_ids),
-            ignore_eos=self.ignore_eos, logprobs=self.num_logprobs,
+            ignore_eos=self.ignore_eos, logprobs=self.num_logprobs, logit_bias=self.logit_bias_ids,
+            structured=self.structured_output(), prompt_logprobs=self.num_prompt_logprobs,
         )
         try:
             check_sampling(options)
         except SamplingError as exc:
-            raise from_sampling(exc) from exc
+            param = {"structured": self.structured_param, "prompt_logprobs": "logprobs"}.get(exc.param, exc.param)
+            raise from_sampling(SamplingError(param, str(exc))) from exc
         return options
 
 
@@ -179,10 +255,13 @@ class CompletionRequest(GenerationRequest):
     def num_logprobs(self) -> int | None:
         return self.logprobs
 
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """echo with logprobs: the prompt's tokens come back with theirs, as the completion's."""
+        return self.logprobs if self.echo else None
+
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo and self.logprobs is not None:
-            raise ApiError(400, "echo with logprobs (prompt logprobs) is not supported", "echo")
         if self.best_of is not None and self.best_of < self.n:
             raise ApiError(400, f"best_of ({self.best_of}) must be >= n ({self.n})", "best_of")
         if self.best_of is not None and self.best_of > self.n:

@@ -84,6 +84,7 @@ class RequestService:
         # NOTE: in a thread: a chat template over a long conversation, or a long text, takes
         # milliseconds (a template is stopped after chat_template_timeout_s).
         prompts = await asyncio.to_thread(body.prompts, self.tokenizer)
+        self._check_token_ids(list(body.logit_bias_ids or ()), "logit_bias")
         subs = []
         for prompt_idx, prompt in enumerate(prompts):
             self._check_prompt(prompt.token_ids)
@@ -91,7 +92,7 @@ class RequestService:
             for i in range(body.n):
                 index = prompt_idx * body.n + i
                 sampling = body.sampling(max_tokens, seed_offset=i)
-                subs.append(SubRequest(fmt.choice_request_id(index), index, prompt, sampling))
+                subs.append(SubRequest(fmt.choice_request_id(index), index, prompt, sampling, body.structured_param))
         return subs
 
     def _max_tokens(self, body: GenerationRequest, num_prompt_tokens: int) -> int:

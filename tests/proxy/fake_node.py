@@ -1,6 +1,7 @@
 """A fake prefill/decode node for proxy tests: the engine.protocol over a ZMQ ROUTER on
-127.0.0.1, a deterministic fake model, periodic LoadReports, Abort/ReleaseKV bookkeeping, and
-a die() that makes it vanish mid-request. Runs in a thread of the test process."""
+127.0.0.1, a deterministic fake model (fake prompt logprobs too, sent once by the node that
+prefilled, as a real node), periodic LoadReports, Abort/ReleaseKV bookkeeping, and a die() that
+makes it vanish mid-request. Runs in a thread of the test process."""
 
 from __future__ import annotations
 
@@ -23,6 +24,13 @@ def next_token(prompt_ids: list[int], output_ids: list[int], vocab_size: int) ->
     return (sum(prompt_ids) * 31 + len(output_ids) * 17 + (output_ids[-1] if output_ids else 0)) % vocab_size
 
 
+def fake_prompt_logprobs(prompt_ids: list[int], num_top: int, vocab_size: int) -> list[protocol.TokenLogprob]:
+    """The fake model's prompt logprobs: token 0 has none, token i -0.25 * i, top N made up."""
+    return [protocol.TokenLogprob(prompt_ids[0])] + [
+        protocol.TokenLogprob(t, -0.25 * i, [((t + j + 1) % vocab_size, -0.1 - j) for j in range(num_top)])
+        for i, t in enumerate(prompt_ids) if i > 0]
+
+
 @dataclass
 class _Running:
     request_id: str
@@ -30,6 +38,7 @@ class _Running:
     prompt_ids: list[int]
     sampling: protocol.SamplingOptions
     output_ids: list[int] = field(default_factory=list)
+    owes_prompt_logprobs: bool = False  # prefilled here (no first token came with it): sent on the first delta
 
 
 @dataclass
@@ -45,6 +54,7 @@ class FakeNodeConfig:
     model_name: str = "fake"
     fail_token_id: int | None = None  # a prompt holding this id gets an ErrorReply
     fail_is_client_error: bool = True
+    fail_structured: bool = False  # a request with sampling.structured gets a client ErrorReply (a refused schema)
     prefill_tokens_per_s: float = 0.0  # reported as the node's measured prefill rate (0: unmeasured)
     block_size: int = 16
     num_total_blocks: int = 1000
@@ -61,6 +71,7 @@ class FakeNode:
         self.port = self._socket.bind_to_random_port("tcp://127.0.0.1")
         self.received: list[protocol.ToNode] = []  # every message, in order of arrival
         self.leases: dict[str, protocol.KVHandle] = {}
+        self._num_leases_made = 0  # a lease's generation: unique on this node
         self._running: dict[str, _Running] = {}
         self._prefills: list[tuple[float, _Running]] = []
         self._lock = threading.Lock()
@@ -162,13 +173,16 @@ class FakeNode:
             self._admit_decode(identity, message)
 
     def _is_failing(self, message) -> bool:
+        if self.config.fail_structured and message.sampling.structured is not None:
+            return True
         fail_id = self.config.fail_token_id
-        return hasattr(message, "prompt_token_ids") and fail_id is not None and fail_id in message.prompt_token_ids
+        return fail_id is not None and fail_id in message.prompt_token_ids
 
     def _admit_decode(self, identity: bytes, message: protocol.DecodeRequest) -> None:
         running = _Running(message.request_id, identity, list(message.prompt_token_ids), message.sampling)
         if message.first_token is not None:
             running.output_ids.append(message.first_token.token_id)
+        running.owes_prompt_logprobs = message.first_token is None and message.sampling.prompt_logprobs is not None
         self._running[message.request_id] = running
 
     def _finish_prefills(self, now: float) -> None:
@@ -180,10 +194,13 @@ class FakeNode:
                 reason = self._finish_reason(running)
                 handle = None
                 if reason is None:
-                    handle = protocol.KVHandle("fake-engine", self.address, [0], len(running.prompt_ids))
+                    self._num_leases_made += 1
+                    handle = protocol.KVHandle("fake-engine", self.address, [0], len(running.prompt_ids),
+                                               generation=self._num_leases_made, lease_timeout_s=30.0)
                     self.leases[running.request_id] = handle
                 self._send(running.identity, protocol.PrefillResult(
-                    running.request_id, token, len(running.prompt_ids), handle, reason))
+                    running.request_id, token, len(running.prompt_ids), handle, reason,
+                    self._prompt_logprobs(running)))
 
     def _step(self) -> None:
         with self._lock:
@@ -193,7 +210,11 @@ class FakeNode:
                 reason = self._finish_reason(running)
                 if reason is not None:
                     del self._running[running.request_id]
-                delta = protocol.RequestDelta(running.request_id, [token], reason, len(running.prompt_ids))
+                prompt_logprobs = self._prompt_logprobs(running) if running.owes_prompt_logprobs else None
+                running.owes_prompt_logprobs = False
+                delta = protocol.RequestDelta(running.request_id, [token], first_token_idx=len(running.output_ids) - 1,
+                                              finish_reason=reason, num_prompt_tokens=len(running.prompt_ids),
+                                              prompt_logprobs=prompt_logprobs)
                 by_owner.setdefault(running.identity, []).append(delta)
             for identity, deltas in by_owner.items():
                 self._send(identity, protocol.TokenBatch(deltas))
@@ -210,6 +231,10 @@ class FakeNode:
             return protocol.TokenLogprob(token_id)
         top = [((token_id + i) % self.config.vocab_size, -0.5 - i) for i in range(num_top)]
         return protocol.TokenLogprob(token_id, -0.5, top)
+
+    def _prompt_logprobs(self, running: _Running) -> list[protocol.TokenLogprob] | None:
+        num_top = running.sampling.prompt_logprobs
+        return None if num_top is None else fake_prompt_logprobs(running.prompt_ids, num_top, self.config.vocab_size)
 
     def _finish_reason(self, running: _Running) -> str | None:
         sampling = running.sampling
