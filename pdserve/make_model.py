@@ -109,12 +109,11 @@ def make_model(out_dir: str | Path, preset: str, seed: int = 0, show_progress: b
     spec = PRESETS[preset]
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer(spec.vocab_size, spec.corpus_bytes, show_progress)
-    tokenizer.save(str(out / "tokenizer.json"))
     # The trainer stops short of vocab_size when the corpus runs out of merges (an unusually small
     # standard library); the embedding then matches the tokenizer, not the preset.
     spec = dataclasses.replace(spec, vocab_size=tokenizer.get_vocab_size())
     eos_id = tokenizer.token_to_id(EOS_TOKEN)
-    _write_json(out / "tokenizer_config.json", _tokenizer_config(spec))
+    _save_tokenizer(tokenizer, spec, out)
     if show_progress:
         print(f"make-model: building and writing {preset} weights (seed {seed}) ...", file=sys.stderr, flush=True)
     model = _random_model(spec, seed, eos_id)
@@ -270,16 +269,17 @@ def _corpus(max_bytes: int):
             return
 
 
-def _tokenizer_config(spec: Preset) -> dict:
-    return {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": EOS_TOKEN,
-        "eos_token": EOS_TOKEN,
-        "pad_token": "<|pad|>",
-        "add_bos_token": False,
-        "model_max_length": spec.max_position_embeddings,
-        "chat_template": CHAT_TEMPLATE,
-    }
+def _save_tokenizer(tokenizer, spec: Preset, out: Path) -> None:
+    """Saved by transformers' own save_pretrained, so the files are laid out as a checkpoint of
+    current transformers ships them (tokenizer_config.json without the template, the template in
+    chat_template.jinja): the fixtures then test what real checkpoints look like."""
+    import transformers
+
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token=EOS_TOKEN, eos_token=EOS_TOKEN, pad_token="<|pad|>",
+        model_max_length=spec.max_position_embeddings)
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out)
 
 
 def _random_model(spec: Preset, seed: int, eos_id: int):

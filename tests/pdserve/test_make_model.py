@@ -18,7 +18,7 @@ from pdserve.make_model import make_model
 from tests.pdserve.real_model import cached_smollm2
 
 CHECKPOINT_FILES = ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-                    "tokenizer_config.json"]
+                    "tokenizer_config.json", "chat_template.jinja"]
 UTF8_TEXTS = [
     "def main():\n    return 0\n",
     "  leading spaces, trailing tab\t",
@@ -50,6 +50,14 @@ def test_same_preset_and_seed_give_identical_files_and_another_seed_other_weight
     other = make_model(tmp_path / "seed1", "tiny", seed=1, show_progress=False)
     assert _sha256(other / "tokenizer.json") == _sha256(again / "tokenizer.json")
     assert _sha256(other / "model.safetensors") != _sha256(again / "model.safetensors")
+
+
+def test_random_presets_are_laid_out_as_transformers_5_saves_a_checkpoint(model_dir):
+    # The chat template in chat_template.jinja, not in tokenizer_config.json: what a proxy that
+    # only read tokenizer_config.json missed on real checkpoints.
+    assert "chat_template" not in json.loads((model_dir / "tokenizer_config.json").read_text())
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    assert tokenizer.chat_template == (model_dir / "chat_template.jinja").read_text()
 
 
 def test_unknown_preset_is_a_value_error(tmp_path):
