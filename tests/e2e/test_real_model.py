@@ -33,15 +33,19 @@ def hf(smollm2_dir):
     return model, transformers.AutoTokenizer.from_pretrained(smollm2_dir)
 
 
-@pytest.fixture(scope="module")
-def deployment(smollm2_dir, tmp_path_factory):
-    """1 prefill + 1 decode node (KV over NIXL, local prefill off) and the proxy."""
-    deployment = start_local(smollm2_dir, num_prefill=1, num_decode=1, proxy_args=KV_PATH_ONLY, node_args=NODE_ARGS,
-                             pin_cpus=False, log_dir=tmp_path_factory.mktemp("smollm2-logs"))
+@pytest.fixture(scope="module", params=["disaggregated", "colocated"])
+def deployment(request, smollm2_dir, tmp_path_factory):
+    """1 prefill + 1 decode node (KV over NIXL, local prefill off) and the proxy; or one
+    colocated node and the proxy."""
+    num_prefill = 1 if request.param == "disaggregated" else 0
+    deployment = start_local(smollm2_dir, num_prefill=num_prefill, num_decode=1, proxy_args=KV_PATH_ONLY,
+                             node_args=NODE_ARGS, pin_cpus=False,
+                             log_dir=tmp_path_factory.mktemp(f"smollm2-{request.param}-logs"))
     try:
         wait_healthy(deployment, 180.0)
         yield deployment
-        assert_kv_path_only(deployment)
+        if num_prefill:
+            assert_kv_path_only(deployment)
     finally:
         deployment.stop()
 
