@@ -18,6 +18,7 @@ COMMANDS = [
     ("generate", "pdserve.generate", "offline completions for prompts"),
     ("make-model", "pdserve.make_model", "write a checkpoint: the real SmolLM2 (--preset smollm2) or a random preset"),
     ("bench", "pdserve.bench", "drive an OpenAI endpoint and report latency/throughput"),
+    ("tune", "pdserve.tune", "choose the P:D split and batch limits that maximize goodput under SLOs"),
 ]
 
 

@@ -1,0 +1,374 @@
+"""`pdserve tune`: choose the P:D split of K units (one core each) and the nodes' batch limits that
+maximize goodput for a workload under TTFT/TPOT SLOs. Profiles one unit in-process (tune_profile),
+predicts every layout's goodput with a queue simulation (tune_sim), starts the best layouts and
+measures them with pdserve bench (tune_measure), and ranks them (tune_report)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import httpx
+
+from pdserve.bench_report import jsonable
+from pdserve.tune_measure import (
+    Clock,
+    bench_config,
+    bracket_search,
+    crossing,
+    deployed,
+    measure_rate,
+    single_latency,
+    warm_up,
+)
+from pdserve.tune_profile import Profile, ProfilePlan, profile_model
+from pdserve.tune_report import Candidate, format_table, result_json
+from pdserve.tune_sim import SimPlan, bench_arrivals, predict_goodput, simulate
+from pdserve.tune_space import Layout, Slo, Workload, default_of, enumerate_layouts, scheduler_default
+
+_PROFILE_SHARE = 0.2  # of --max-minutes, at most, for the prefill profile points
+_START_ESTIMATE_S = 40.0  # start-up, warm-up and one request alone (measured 30-35 s, small preset)
+_STOP_RESERVE_S = 15.0  # kept back at the end: stopping a deployment, the table
+_STEP_FACTOR = 1.25  # the rate search's step away from the prediction
+_CLOSE_RATIO = 1.12  # the search stops once a passing and a failing rate are this close
+_POINT_SLACK = 1.15  # a measured run lasts about its simulated duration times this, plus a few s
+
+Say = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class TuneConfig:
+    """Everything one `pdserve tune` run is built from (the command line, once)."""
+
+    model_dir: Path
+    num_units: int
+    slo: Slo
+    workloads: tuple[Workload, ...]
+    max_minutes: float = 20.0
+    is_dry_run: bool = False
+    num_requests: int = 16
+    min_requests: int = 8
+    max_num_seqs: tuple[int, ...] = ()
+    max_num_batched_tokens: tuple[int, ...] = ()
+    measure_top: int = 2
+    max_points: int = 4
+    num_sim_seeds: int = 8
+    arrival_seed: int = 0  # the measured runs' Poisson draw (pdserve bench's --seed); the replay uses it
+    log_dir: Path | None = None
+    load_profile: Path | None = None
+    save_profile: Path | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("num_units", "num_requests", "min_requests", "measure_top", "max_points", "num_sim_seeds"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.min_requests > self.num_requests:
+            raise ValueError(f"min_requests {self.min_requests} exceeds num_requests {self.num_requests}")
+        if not self.max_minutes > 0:
+            raise ValueError(f"max_minutes must be > 0, got {self.max_minutes}")
+        if not self.workloads:
+            raise ValueError("need at least one workload")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="checkpoint directory")
+    parser.add_argument("--units", type=int, default=len(os.sched_getaffinity(0)),
+                        help="units (cores) to split between nodes (default: this process's cores)")
+    parser.add_argument("--slo-ttft-ms", type=float, required=True)
+    parser.add_argument("--slo-tpot-ms", type=float, required=True)
+    parser.add_argument("--slo-target", type=float, default=default_of(Slo, "target"),
+                        help="share of requests that must meet both targets")
+    parser.add_argument("--workload", nargs="+", required=True, metavar="IN:OUT[:RATE_MAX]",
+                        help="prompt tokens:output tokens[:highest rate to consider]; each is tuned on its own")
+    parser.add_argument("--max-minutes", type=float, default=default_of(TuneConfig, "max_minutes"),
+                        help="time budget, all included")
+    parser.add_argument("--dry-run", action="store_true", help="profile and predict only; start nothing")
+    parser.add_argument("--num-requests", type=int, default=default_of(TuneConfig, "num_requests"),
+                        help="requests per measured (and simulated) run; lowered to fit the budget")
+    parser.add_argument("--min-requests", type=int, default=default_of(TuneConfig, "min_requests"))
+    parser.add_argument("--max-num-seqs", default=f"{scheduler_default('max_num_seqs')},8",
+                        help="comma list of node max_num_seqs to consider")
+    parser.add_argument("--max-num-batched-tokens", default=None,
+                        help="comma list (default: the node's default, the longest prompt, half of it)")
+    parser.add_argument("--measure-top", type=int, default=default_of(TuneConfig, "measure_top"),
+                        help="measure the best layout of this many P:D splits")
+    parser.add_argument("--max-points", type=int, default=default_of(TuneConfig, "max_points"),
+                        help="measured rates per layout")
+    parser.add_argument("--sim-seeds", type=int, default=default_of(TuneConfig, "num_sim_seeds"),
+                        help="arrival draws averaged for the predicted goodput")
+    parser.add_argument("--arrival-seed", type=int, default=default_of(TuneConfig, "arrival_seed"),
+                        help="seed of the measured runs' arrival times (the simulations start from it)")
+    parser.add_argument("--log-dir", default=None, help="node and proxy logs (default: a new temporary folder)")
+    parser.add_argument("--load-profile", default=None, metavar="PATH", help="reuse a saved profile (no profiling)")
+    parser.add_argument("--save-profile", default=None, metavar="PATH")
+    parser.add_argument("--result-json", default=None, metavar="PATH")
+
+
+def config_from_args(args: argparse.Namespace) -> TuneConfig:
+    """Raises ValueError naming a bad value."""
+    workloads = tuple(Workload.parse(text) for text in args.workload)
+    longest = max(w.input_len for w in workloads)
+    tokens_text = args.max_num_batched_tokens or (
+        f"{scheduler_default('max_num_batched_tokens')},{longest},{max(16, longest // 2)}")
+    return TuneConfig(
+        model_dir=Path(args.model), num_units=args.units,
+        slo=Slo(args.slo_ttft_ms / 1000.0, args.slo_tpot_ms / 1000.0, args.slo_target), workloads=workloads,
+        max_minutes=args.max_minutes, is_dry_run=args.dry_run, num_requests=args.num_requests,
+        min_requests=args.min_requests, max_num_seqs=_int_list(args.max_num_seqs, "--max-num-seqs"),
+        max_num_batched_tokens=_int_list(tokens_text, "--max-num-batched-tokens"), measure_top=args.measure_top,
+        max_points=args.max_points, num_sim_seeds=args.sim_seeds, arrival_seed=args.arrival_seed,
+        log_dir=Path(args.log_dir) if args.log_dir else None,
+        load_profile=Path(args.load_profile) if args.load_profile else None,
+        save_profile=Path(args.save_profile) if args.save_profile else None)
+
+
+def _int_list(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        values = tuple(dict.fromkeys(int(part) for part in text.split(",") if part.strip()))
+    except ValueError:
+        raise ValueError(f"{flag} needs integers separated by commas, got {text!r}") from None
+    if not values:
+        raise ValueError(f"{flag} is empty")
+    return values
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        config = config_from_args(args)
+        enumerate_layouts(config.num_units, list(config.max_num_seqs), list(config.max_num_batched_tokens))
+    except ValueError as exc:
+        print(f"pdserve tune: {exc}", file=sys.stderr)
+        return 2
+    if not (config.model_dir / "config.json").exists():
+        print(f"pdserve tune: no checkpoint in {config.model_dir}", file=sys.stderr)
+        return 2
+    if config.log_dir is None and not config.is_dry_run:
+        config = replace(config, log_dir=Path(tempfile.mkdtemp(prefix="pdserve-tune-")))
+    clock = Clock(config.max_minutes * 60.0)
+    say = _progress(clock)
+    _warn_about_cores(config, say)
+    try:
+        profile = _profile(config, clock, say)
+    except (ValueError, OSError) as exc:
+        print(f"pdserve tune: profiling failed: {exc}", file=sys.stderr)
+        return 1
+    results = [_tune_workload(config, profile, w, clock, idx, say) for idx, w in enumerate(config.workloads)]
+    for workload, candidates in zip(config.workloads, results):
+        print(format_table(config, profile, workload, candidates), flush=True)
+    result = result_json(config, profile, list(zip(config.workloads, results)), clock.elapsed_s)
+    if args.result_json:
+        Path(args.result_json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.result_json).write_text(json.dumps(jsonable(result), indent=1))
+    print("RESULT " + json.dumps(jsonable(result)), flush=True)
+    return 1 if any(c.note.startswith("failed") for cs in results for c in cs) else 0
+
+
+def _progress(clock: Clock) -> Say:
+    def say(message: str) -> None:
+        print(f"tune [{clock.elapsed_s:6.0f} s] {message}", file=sys.stderr, flush=True)
+    return say
+
+
+def _warn_about_cores(config: TuneConfig, say: Say) -> None:
+    num_cores = len(os.sched_getaffinity(0))
+    if config.num_units > num_cores:
+        say(f"warning: {config.num_units} units on {num_cores} cores: nodes will share cores, "
+            "so the one-core profile overstates each node's speed")
+    elif num_cores % config.num_units:
+        say(f"note: {num_cores} cores do not split evenly into {config.num_units} units; "
+            f"each node gets {num_cores // config.num_units}")
+
+
+def _threads_per_unit(config: TuneConfig) -> int:
+    """Cores per node as start_local pins them (all cores split evenly; shared if too few)."""
+    return max(1, len(os.sched_getaffinity(0)) // config.num_units)
+
+
+def _profile(config: TuneConfig, clock: Clock, say: Say) -> Profile:
+    if config.load_profile is not None:
+        say(f"profile: loading {config.load_profile}")
+        return Profile.from_json(json.loads(config.load_profile.read_text()))
+    plan = ProfilePlan(max_prompt_len=max(w.input_len for w in config.workloads),
+                       max_context_len=max(w.input_len + w.output_len for w in config.workloads),
+                       budget_s=_PROFILE_SHARE * clock.left_s)
+    threads = _threads_per_unit(config)
+    say(f"profile: {config.model_dir.name} on {threads} core(s), prompts up to {plan.max_prompt_len} tokens, "
+        f"contexts up to {plan.max_context_len}")
+    profile = profile_model(str(config.model_dir), plan, threads, say)
+    p, d, m = profile.prefill.to_json(), profile.decode.to_json(), profile.mixed_check
+    say(f"profile: prefill_s = {p['fixed_s']:.4f} + {p['per_token_s']:.3g} * tokens + "
+        f"{p['per_attention_pair_s']:.3g} * pairs (worst point {100 * p['max_rel_error']:.0f}% off)")
+    say(f"profile: decode_step_s = {d['fixed_s']:.4f} + {d['per_seq_s']:.3g} * batch + "
+        f"{d['per_context_token_s']:.3g} * context tokens (worst point {100 * d['max_rel_error']:.0f}% off)")
+    say(f"profile: mixed step predicted {1000 * m['predicted_s']:.1f} ms, measured {1000 * m['seconds']:.1f} ms; "
+        f"KV pull of {plan.max_prompt_len} tokens ~{1000 * profile.transfer_s(plan.max_prompt_len):.1f} ms")
+    if config.save_profile is not None:
+        config.save_profile.parent.mkdir(parents=True, exist_ok=True)
+        config.save_profile.write_text(json.dumps(profile.to_json(), indent=1))
+    return profile
+
+
+def _tune_workload(config: TuneConfig, profile: Profile, workload: Workload, clock: Clock, workload_idx: int,
+                   say: Say) -> list[Candidate]:
+    candidates = _predict(config, profile, workload, say)
+    if config.is_dry_run:
+        return candidates
+    chosen = _to_measure(candidates, config.measure_top)
+    num_workloads_left = len(config.workloads) - workload_idx
+    workload_deadline = time.monotonic() + (clock.left_s - _STOP_RESERVE_S) / num_workloads_left
+    for idx, candidate in enumerate(chosen):
+        share_s = (workload_deadline - time.monotonic()) / (len(chosen) - idx)
+        _measure(config, profile, workload, candidate, share_s, clock, say)
+    return candidates
+
+
+def _predict(config: TuneConfig, profile: Profile, workload: Workload, say: Say) -> list[Candidate]:
+    layouts = enumerate_layouts(config.num_units, list(config.max_num_seqs), list(config.max_num_batched_tokens))
+    seeds = tuple(range(config.arrival_seed, config.arrival_seed + config.num_sim_seeds))
+    plan = SimPlan(config.num_requests, seeds)
+    started = time.monotonic()
+    candidates = [Candidate(layout, predict_goodput(layout, profile, workload, config.slo, plan))
+                  for layout in layouts]
+    candidates.sort(key=lambda c: (-c.predicted_rate, c.layout.num_non_default_limits))
+    if any(math.isinf(c.predicted_rate) for c in candidates):
+        say(f"predict {workload.name}: warning: some layouts meet the SLO even with all {config.num_requests} "
+            "requests at once (goodput inf, not measured): raise --num-requests or tighten the SLO")
+    say(f"predict {workload.name}: {len(layouts)} layouts simulated in {time.monotonic() - started:.1f} s; best "
+        + ", ".join(f"{c.layout.name}: {c.predicted_rate:.3g} req/s" for c in candidates[:3]))
+    return candidates
+
+
+def _to_measure(candidates: list[Candidate], measure_top: int) -> list[Candidate]:
+    """The best-predicted layout of each P:D split, for the measure_top best splits."""
+    best: dict[str, Candidate] = {}
+    for candidate in candidates:  # already best first
+        best.setdefault(candidate.layout.split_name, candidate)
+    return [c for c in best.values() if 0 < c.predicted_rate < math.inf][:measure_top]
+
+
+def _measure(config: TuneConfig, profile: Profile, workload: Workload, candidate: Candidate, share_s: float,
+             clock: Clock, say: Say) -> None:
+    """Start candidate's layout, run rates around its goodput as simulated for the measured runs'
+    own size and arrivals, and record the points and the crossing on candidate."""
+    layout = candidate.layout
+    plan = _plan_run(config, profile, workload, candidate, share_s)
+    deadline = time.monotonic() + share_s
+    if plan is None or clock.left_s < _START_ESTIMATE_S + _STOP_RESERVE_S:
+        candidate.note, candidate.replay_rate = "not measured: out of time", None
+        say(f"measure {layout.name}: skipped, out of time")
+        return
+    num_requests, start_rate = plan
+    candidate.num_requests = num_requests
+    log_dir = config.log_dir / f"{workload.name.replace(':', '-')}-{layout.name.replace(' ', '_')}"
+    say(f"measure {layout.name}: starting ({num_requests} requests per rate, from {start_rate:.3g} req/s; "
+        f"logs {log_dir})")
+
+    def can_afford(rate: float) -> bool:
+        left = min(deadline - time.monotonic(), clock.left_s - _STOP_RESERVE_S)
+        return _point_estimate_s(layout, profile, workload, num_requests, rate, config.arrival_seed) <= left
+
+    try:
+        with deployed(config.model_dir, layout.num_prefill, layout.num_decode, layout.node_args(),
+                      layout.proxy_args(), log_dir) as deployment:
+            warm_up(deployment.base_url, workload)
+            candidate.single = _single_check(deployment.base_url, layout, profile, workload, say)
+            base = bench_config(deployment.base_url, workload, num_requests, config.slo, seed=1000,
+                                arrival_seed=config.arrival_seed)
+            points = bracket_search(_point_measurer(base, layout, profile, workload, config.slo, candidate, say),
+                                    start_rate, config.slo.target, factor=_STEP_FACTOR, max_points=config.max_points,
+                                    close_ratio=_CLOSE_RATIO, can_afford=can_afford, rate_max=workload.rate_max)
+    except (RuntimeError, TimeoutError, OSError, httpx.HTTPError) as exc:
+        candidate.note = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+        say(f"measure {layout.name}: {candidate.note}")
+        return
+    if points:
+        candidate.measured = crossing(points, config.slo.target)
+    else:
+        candidate.note = "not measured: out of time"
+
+
+def _single_check(base_url: str, layout: Layout, profile: Profile, workload: Workload, say: Say) -> dict:
+    """One request alone, beside its simulated latency: what the model leaves out (HTTP, the
+    proxy, the node loop) shows here first."""
+    alone = single_latency(base_url, workload, num_requests=1)
+    sim = simulate(layout, profile, workload, [0.0])
+    check = {**alone.to_json(), "predicted_ttft_ms": 1000 * sim.ttft_s[0], "predicted_tpot_ms": 1000 * sim.tpot_s[0]}
+    say(f"measure {layout.name}: one request alone: TTFT {check['ttft_ms']:.0f} ms (predicted "
+        f"{check['predicted_ttft_ms']:.0f}), TPOT {check['tpot_ms']:.1f} ms "
+        f"(predicted {check['predicted_tpot_ms']:.1f})")
+    return check
+
+
+def _point_measurer(base, layout: Layout, profile: Profile, workload: Workload, slo: Slo, candidate: Candidate,
+                    say: Say) -> Callable[[float], float]:
+    """attainment_at(rate) for bracket_search: one bench run, recorded beside the simulation of
+    the same arrivals."""
+    def attainment_at(rate: float) -> float:
+        started = time.monotonic()
+        point = measure_rate(base, rate, len(candidate.points))
+        summary = point["summary"]
+        sim = simulate(layout, profile, workload, bench_arrivals(base.dataset.num_requests, rate, base.load.seed))
+        record = {"request_rate": rate, "attainment": summary["slo_attainment"],
+                  "predicted_attainment": sim.attainment(slo), "num_failed": summary["num_failed"],
+                  "ttft_p99_ms": _p99(summary["ttft_ms"]), "tpot_p99_ms": _p99(summary["tpot_ms"]),
+                  "predicted_p99_ms": sim.p99_ms(), "duration_s": summary["duration_s"],
+                  "predicted_duration_s": sim.duration_s, "wall_s": time.monotonic() - started}
+        candidate.points.append(record)
+        say(f"measure {layout.name} @ {rate:.3g} req/s: attainment {100 * record['attainment']:.0f}% "
+            f"(predicted {100 * record['predicted_attainment']:.0f}%), p99 TTFT {_ms(record['ttft_p99_ms'])} "
+            f"(predicted {_ms(sim.p99_ms()['ttft'])}), p99 TPOT {_ms(record['tpot_p99_ms'])} "
+            f"(predicted {_ms(sim.p99_ms()['tpot'])}), {record['wall_s']:.0f} s")
+        return summary["slo_attainment"]
+    return attainment_at
+
+
+def _p99(stats: dict | None) -> float | None:
+    return None if stats is None else stats["p99"]
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f} ms"
+
+
+def _point_estimate_s(layout: Layout, profile: Profile, workload: Workload, num_requests: int, rate: float,
+                      arrival_seed: int) -> float:
+    """Seconds a measured run should take: its simulated duration, with slack."""
+    sim = simulate(layout, profile, workload, bench_arrivals(num_requests, rate, arrival_seed))
+    return _POINT_SLACK * sim.duration_s + 3.0
+
+
+def _plan_run(config: TuneConfig, profile: Profile, workload: Workload, candidate: Candidate,
+              share_s: float) -> tuple[int, float] | None:
+    """The most requests per run (num_requests down to min_requests) for which a start and three
+    runs (at the goodput simulated for runs of that size and the measured arrivals, or the
+    predicted one if that is 0 or unbounded, and a step either side) fit share_s, with the
+    starting rate; else min_requests if two runs fit; else None. Sets candidate.replay_rate."""
+    layout = candidate.layout
+
+    def start_rate(num_requests: int) -> float:
+        replay = predict_goodput(layout, profile, workload, config.slo, SimPlan(num_requests, (config.arrival_seed,)))
+        candidate.replay_rate = replay
+        return replay if 0 < replay < math.inf else candidate.predicted_rate
+
+    def cost_s(num_requests: int, rates: list[float]) -> float:
+        return _START_ESTIMATE_S + sum(_point_estimate_s(layout, profile, workload, num_requests, r,
+                                                         config.arrival_seed) for r in rates)
+
+    for num_requests in range(config.num_requests, config.min_requests - 1, -1):
+        rate = start_rate(num_requests)
+        if cost_s(num_requests, [rate / _STEP_FACTOR, rate, rate * _STEP_FACTOR]) <= share_s:
+            return num_requests, rate
+    # NOTE: two runs still bracket the crossing when the prediction is close; try with those.
+    rate = start_rate(config.min_requests)
+    return (config.min_requests, rate) if cost_s(config.min_requests, [rate, rate * _STEP_FACTOR]) <= share_s else None
+
+
+

@@ -1,0 +1,275 @@
+"""pdserve tune without deployments: the simulator on hand-made linear profiles, the layouts for
+K units, the profile fit, the rate search and crossing, and the CLI's dry run on the tiny model."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from pdserve import cli
+from pdserve.tune_measure import bracket_search, crossing
+from pdserve.tune_profile import (
+    DECODE_FEATURES,
+    PREFILL_FEATURES,
+    LinearModel,
+    Profile,
+    attention_pairs,
+    fit_linear,
+)
+from pdserve.tune_sim import SimPlan, attainment_at, bench_arrivals, predict_goodput, simulate
+from pdserve.tune_space import Layout, Slo, Workload, enumerate_layouts
+
+
+def make_profile(prefill=(0.0, 1e-3, 0.0), decode=(0.02, 0.0, 0.0), capacity: int = 1 << 20) -> Profile:
+    """A unit whose prefill costs 1 ms per token and whose decode step is a flat 20 ms."""
+    return Profile("fake", 1, LinearModel(PREFILL_FEATURES, prefill), LinearModel(DECODE_FEATURES, decode),
+                   kv_bytes_per_token=1, copy_bytes_per_s=1e12, kv_capacity_tokens=capacity)
+
+
+def scaled(profile: Profile, factor: float) -> Profile:
+    """The same unit factor times slower."""
+    return make_profile(tuple(factor * c for c in profile.prefill.coefs),
+                        tuple(factor * c for c in profile.decode.coefs), profile.kv_capacity_tokens)
+
+
+COLOCATED_1 = Layout(0, 1)
+DISAGG_1_1 = Layout(1, 1)
+
+
+# ---- the simulator ------------------------------------------------------------------------------
+
+def test_lone_colocated_request_has_ttft_of_its_prefill_and_tpot_of_a_decode_step():
+    profile, workload = make_profile(), Workload(500, 11)
+    outcome = simulate(COLOCATED_1, profile, workload, [1.0])
+    assert outcome.ttft_s[0] == pytest.approx(0.5)
+    assert outcome.tpot_s[0] == pytest.approx(0.02)
+    assert outcome.e2e_s[0] == pytest.approx(0.5 + 10 * 0.02)
+    assert outcome.duration_s == pytest.approx(1.0 + 0.7)
+
+
+def test_lone_disaggregated_request_pays_the_pull_once_in_its_tpot():
+    profile, workload = make_profile(), Workload(500, 11)
+    outcome = simulate(DISAGG_1_1, profile, workload, [0.0])
+    assert outcome.ttft_s[0] == pytest.approx(0.5)
+    assert outcome.tpot_s[0] == pytest.approx((profile.transfer_s(500) + 10 * 0.02) / 10)
+
+
+def test_chunked_prefill_takes_one_step_per_chunk_with_attention_to_earlier_chunks():
+    profile = make_profile(prefill=(0.01, 1e-3, 1e-6))
+    outcome = simulate(Layout(0, 1, max_num_batched_tokens=256), profile, Workload(512, 2), [0.0])
+    first = profile.step_s(0, 0, 256, attention_pairs(256, 0))
+    second = profile.step_s(0, 0, 256, attention_pairs(256, 256))
+    assert second > first
+    assert outcome.ttft_s[0] == pytest.approx(first + second)
+
+
+def test_requests_queue_behind_each_other_on_one_prefill_unit():
+    profile, workload = make_profile(), Workload(1000, 1)  # 1 s of prefill each, one token: no decode
+    outcome = simulate(Layout(0, 1, max_num_batched_tokens=1000), profile, workload, [0.0, 0.0, 0.0])
+    assert sorted(outcome.ttft_s) == pytest.approx([1.0, 2.0, 3.0])
+
+
+def test_max_num_seqs_one_makes_the_second_request_wait_for_the_first_to_finish():
+    profile, workload = make_profile(), Workload(100, 6)
+    outcome = simulate(Layout(0, 1, max_num_seqs=1), profile, workload, [0.0, 0.0])
+    assert outcome.ttft_s[0] == pytest.approx(0.1)
+    assert outcome.ttft_s[1] == pytest.approx(0.1 + 5 * 0.02 + 0.1)
+
+
+def test_colocated_prefills_stall_running_decodes_but_disaggregated_ones_do_not():
+    profile, workload = make_profile(), Workload(1000, 51)
+    arrivals = [0.0, 1.5]  # the second prompt's 1 s prefill lands in the first request's decode
+    colocated = simulate(COLOCATED_1, profile, workload, arrivals)
+    disaggregated = simulate(DISAGG_1_1, profile, workload, arrivals)
+    assert colocated.tpot_s[0] > 0.02 + 0.9 / 50
+    assert disaggregated.tpot_s[0] < 0.021 + profile.transfer_s(1000) / 50
+
+
+def test_a_rate_beyond_capacity_fails_the_slo_and_a_low_one_meets_it():
+    profile, workload = make_profile(), Workload(1000, 1)  # one unit serves at most 1 req/s
+    slo, plan = Slo(ttft_s=2.0, tpot_s=1.0), SimPlan(num_requests=32)
+    assert attainment_at(COLOCATED_1, profile, workload, slo, 0.05, plan) >= 0.9
+    assert attainment_at(COLOCATED_1, profile, workload, slo, 5.0, plan) < 0.2
+
+
+def test_goodput_is_zero_when_a_lone_request_misses_the_slo():
+    profile, workload = make_profile(), Workload(1000, 2)
+    assert predict_goodput(COLOCATED_1, profile, workload, Slo(0.5, 1.0), SimPlan(8)) == 0.0
+
+
+def test_goodput_grows_with_capacity():
+    workload, slo, plan = Workload(500, 20), Slo(2.0, 0.05), SimPlan(16, (0, 1, 2))
+    fast, slow = make_profile(), scaled(make_profile(), 1.5)
+    goodputs = [predict_goodput(layout, profile, workload, slo, plan)
+                for layout, profile in ((COLOCATED_1, slow), (COLOCATED_1, fast), (Layout(0, 2), fast))]
+    assert 0 < goodputs[0] < goodputs[1] < goodputs[2]
+
+
+def test_goodput_is_capped_by_rate_max_and_unbounded_when_a_burst_meets_the_slo():
+    profile = make_profile()
+    assert predict_goodput(COLOCATED_1, profile, Workload(100, 2, rate_max=0.5), Slo(5.0, 1.0), SimPlan(8)) == 0.5
+    assert predict_goodput(COLOCATED_1, profile, Workload(100, 2), Slo(100.0, 100.0), SimPlan(8)) == math.inf
+
+
+def test_a_request_larger_than_the_cache_is_refused():
+    with pytest.raises(ValueError, match="KV"):
+        simulate(COLOCATED_1, make_profile(capacity=100), Workload(100, 10), [0.0])
+
+
+def test_bench_arrivals_scale_with_the_rate_for_one_seed():
+    slow, fast = bench_arrivals(8, 1.0, 0), bench_arrivals(8, 2.0, 0)
+    assert fast == pytest.approx([t / 2 for t in slow])
+    assert slow[-1] == pytest.approx(8.0)
+
+
+# ---- layouts, workloads --------------------------------------------------------------------------
+
+def test_layouts_of_two_units_are_one_split_and_two_colocated_replicas():
+    layouts = enumerate_layouts(2, [128], [2048])
+    assert [(x.num_prefill, x.num_decode) for x in layouts] == [(1, 1), (0, 2)]
+    assert [x.split_name for x in layouts] == ["1P+1D", "2x colocated"]
+
+
+def test_layouts_of_four_units_cross_every_split_with_every_batch_limit():
+    layouts = enumerate_layouts(4, [128, 8], [2048, 512])
+    splits = sorted({(x.num_prefill, x.num_decode) for x in layouts})
+    assert splits == [(0, 4), (1, 3), (2, 2), (3, 1)]
+    assert len(layouts) == 4 * 2 * 2
+    assert all(x.num_units == 4 for x in layouts)
+
+
+def test_up_command_turns_conditional_disaggregation_off_only_for_split_layouts():
+    split, colocated = Layout(1, 1, 8, 512), Layout(0, 2)
+    assert split.up_command("m") == ("pdserve up --model m --prefill 1 --decode 1 --max-num-seqs 8 "
+                                     "--max-num-batched-tokens 512 --local-prefill-min-wait-s -1")
+    assert "--local-prefill" not in colocated.up_command("m") and "--prefill 0 --decode 2" in colocated.up_command("m")
+
+
+@pytest.mark.parametrize("bad", [dict(num_prefill=-1, num_decode=1), dict(num_prefill=1, num_decode=0),
+                                 dict(num_prefill=1, num_decode=1, max_num_seqs=0)])
+def test_bad_layouts_are_refused(bad):
+    with pytest.raises(ValueError):
+        Layout(**bad)
+
+
+def test_workload_parses_lengths_and_an_optional_rate_cap():
+    assert Workload.parse("1024:128") == Workload(1024, 128)
+    assert Workload.parse("64:8:2.5") == Workload(64, 8, 2.5)
+    for bad in ("1024", "a:b", "0:5", "5:5:-1"):
+        with pytest.raises(ValueError):
+            Workload.parse(bad)
+
+
+# ---- the profile fit ----------------------------------------------------------------------------
+
+def test_fit_recovers_known_prefill_coefficients():
+    truth = (0.004, 2.5e-3, 1.5e-6)
+    rows = [[1.0, sum(b), sum(attention_pairs(n, 0) for n in b)]
+            for b in ([128], [256], [512], [1024], [512, 512], [256] * 4)]
+    fitted = fit_linear(rows, [sum(c * f for c, f in zip(truth, row)) for row in rows], PREFILL_FEATURES)
+    assert fitted.coefs == pytest.approx(truth, rel=1e-6)
+    assert fitted.max_rel_error < 1e-9
+
+
+def test_fit_recovers_known_decode_coefficients():
+    truth = (0.055, 3e-3, 8e-6)
+    rows = [[1.0, b, b * c] for c in (128, 1152) for b in (1, 4, 16)]
+    fitted = fit_linear(rows, [sum(c * f for c, f in zip(truth, row)) for row in rows], DECODE_FEATURES)
+    assert fitted.coefs == pytest.approx(truth, rel=1e-6)
+
+
+def test_fit_drops_a_term_that_would_come_out_negative():
+    rows = [[1.0, n, n * n] for n in (100, 200, 400, 800)]
+    targets = [0.01 + 1e-3 * n - 1e-8 * n * n for n in (100, 200, 400, 800)]  # a slightly concave curve
+    fitted = fit_linear(rows, targets, PREFILL_FEATURES)
+    assert all(c >= 0 for c in fitted.coefs) and fitted.coefs[2] == 0.0
+    assert fitted.max_rel_error < 0.05
+
+
+def test_fit_needs_as_many_points_as_features():
+    with pytest.raises(ValueError):
+        fit_linear([[1.0, 2.0, 3.0]], [1.0], PREFILL_FEATURES)
+
+
+def test_profile_survives_a_json_round_trip():
+    profile = make_profile(prefill=(0.01, 1e-3, 1e-7))
+    assert Profile.from_json(json.loads(json.dumps(profile.to_json()))) == profile
+
+
+def test_mixed_step_counts_the_fixed_cost_once():
+    profile = make_profile(prefill=(0.05, 1e-3, 0.0), decode=(0.02, 1e-3, 0.0))
+    assert profile.step_s(4, 0, 100, 0) == pytest.approx(0.05 + 0.1 + 0.004)
+
+
+# ---- rate search and crossing -------------------------------------------------------------------
+
+def test_crossing_interpolates_between_the_last_pass_and_the_first_fail():
+    result = crossing([(1.0, 1.0), (2.0, 0.95), (3.0, 0.75)], 0.9)
+    assert result.kind == "interpolated" and result.grid_rate == 2.0
+    assert result.rate == pytest.approx(2.0 + (0.95 - 0.9) / (0.95 - 0.75))
+    assert crossing([(1.0, 1.0)], 0.9).kind == "at least"
+    assert crossing([(1.0, 0.5)], 0.9).rate is None
+
+
+def test_bracket_search_closes_in_on_the_crossing_from_either_side():
+    def attainment_at(rate: float) -> float:
+        return 1.0 if rate <= 3.0 else 0.5
+
+    for start in (1.0, 10.0):
+        points = bracket_search(attainment_at, start, 0.9, factor=1.5, max_points=12, close_ratio=1.05,
+                                can_afford=lambda _: True)
+        low = max(r for r, a in points if a >= 0.9)
+        high = min(r for r, a in points if a < 0.9)
+        assert low <= 3.0 < high <= 1.05 * low
+
+
+def test_bracket_search_stops_when_the_budget_refuses_a_rate_and_respects_rate_max():
+    points = bracket_search(lambda r: 1.0, 1.0, 0.9, factor=2.0, max_points=10, close_ratio=1.1,
+                            can_afford=lambda rate: rate < 5.0)
+    assert [r for r, _ in points] == [1.0, 2.0, 4.0]
+    capped = bracket_search(lambda r: 1.0, 1.0, 0.9, factor=2.0, max_points=10, close_ratio=1.1,
+                            can_afford=lambda _: True, rate_max=3.0)
+    assert [r for r, _ in capped] == [1.0, 2.0, 3.0]
+
+
+# ---- the command line ---------------------------------------------------------------------------
+
+def test_dry_run_on_the_tiny_model_profiles_predicts_and_ranks(tiny_model_dir, capsys):
+    affinity, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    code = cli.main(["tune", "--model", str(tiny_model_dir), "--units", "2", "--slo-ttft-ms", "60",
+                     "--slo-tpot-ms", "8", "--workload", "128:8", "--dry-run", "--num-requests", "16",
+                     "--sim-seeds", "2", "--max-num-seqs", "128", "--max-num-batched-tokens", "2048,64"])
+    out, err = capsys.readouterr()
+    assert code == 0
+    assert "profile: prefill" in err and "profile: decode" in err
+    assert "1P+1D seqs=128 tokens=2048" in out and "2x colocated seqs=128 tokens=64" in out
+    assert "Winner (predicted)" in out and "pdserve up --model" in out
+    result = json.loads(out.strip().splitlines()[-1].removeprefix("RESULT "))
+    ranking = result["workloads"][0]["ranking"]
+    assert result["dry_run"] and len(ranking) == 4
+    assert [r["predicted_req_s"] for r in ranking] == sorted([r["predicted_req_s"] for r in ranking], reverse=True)
+    assert os.sched_getaffinity(0) == affinity and torch.get_num_threads() == threads
+
+
+def test_dry_run_with_a_saved_profile_needs_no_profiling(tiny_model_dir, tmp_path, capsys):
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(make_profile().to_json()))
+    code = cli.main(["tune", "--model", str(tiny_model_dir), "--units", "4", "--slo-ttft-ms", "3000",
+                     "--slo-tpot-ms", "30", "--workload", "500:20", "--dry-run", "--load-profile", str(path),
+                     "--sim-seeds", "1", "--max-num-seqs", "128", "--max-num-batched-tokens", "2048"])
+    out, err = capsys.readouterr()
+    assert code == 0 and "profile: prefill" not in err
+    ranking = json.loads(out.strip().splitlines()[-1].removeprefix("RESULT "))["workloads"][0]["ranking"]
+    assert sorted(r["layout"].split(" seqs")[0] for r in ranking) == ["1P+3D", "2P+2D", "3P+1D", "4x colocated"]
+
+
+@pytest.mark.parametrize("bad", [["--workload", "1024"], ["--workload", "8:8", "--units", "0"],
+                                 ["--workload", "8:8", "--max-num-seqs", "x"]])
+def test_bad_arguments_exit_with_2(tiny_model_dir, bad, capsys):
+    args = ["tune", "--model", str(tiny_model_dir), "--slo-ttft-ms", "100", "--slo-tpot-ms", "10", "--dry-run"]
+    assert cli.main(args + bad) == 2
+    assert "pdserve tune:" in capsys.readouterr().err
