@@ -1,10 +1,13 @@
 """DecodeNode: pulls prompts' KV from prefill nodes and runs continuous-batched decode.
 
-A request with a KV handle waits until enough local blocks are free (natural back-pressure),
-then its blocks are pulled with one read; on success it joins the running batch, on failure it
-falls back to prefilling locally (counted and logged). Every exit path tells the prefill node,
-so its lease never waits for its timeout in normal operation. A request without a handle (the
-proxy chose to prefill it here) is prefilled locally.
+A request with a KV handle is held (its lease renewed by the connector) from admission on,
+waits until enough local blocks are free (natural back-pressure), then its blocks are pulled
+with one read, which succeeds only once the prefill node confirms that the lease held
+throughout. On success it joins the running batch. On a transient failure (handshake, transfer,
+timeout, a lease that ended first) it falls back to prefilling locally, counted per reason; on a
+layout mismatch or a malformed handle it fails with an error: those never heal by retrying.
+Every exit path tells the prefill node, so its lease never waits for its timeout in normal
+operation. A request without a handle (the proxy chose to prefill it here) is prefilled locally.
 """
 
 from __future__ import annotations
@@ -15,19 +18,24 @@ from dataclasses import dataclass
 
 from engine import protocol
 from engine.engine import LLMEngine
-from engine.protocol import Role, num_blocks_for
+from engine.protocol import KVFallbackReason, KVOutcome, KVSource, Role, num_blocks_for
 from engine.sampling_params import SamplingParams
-from kv_transfer.base import KVConnector
+from kv_transfer.base import FailureCode, KVConnector, ReadResult, RemoteLease, check_address
 from node.server import NodeServer, ServerConfig
+from node.transfer import kv_layout_info
 
 logger = logging.getLogger(__name__)
+
+# Read failures that end the request with an error instead of a local prefill.
+_REFUSALS = {FailureCode.LAYOUT_MISMATCH: "LayoutMismatch", FailureCode.BAD_BLOCKS: "BadKVHandle"}
 
 
 @dataclass
 class _Pull:
     message: protocol.DecodeRequest
     params: SamplingParams
-    local_block_ids: list[int]
+    lease: RemoteLease
+    local_block_ids: list[int] | None = None  # set once the read started
 
 
 class DecodeNode(NodeServer):
@@ -36,31 +44,35 @@ class DecodeNode(NodeServer):
     def __init__(self, engine: LLMEngine, config: ServerConfig, connector: KVConnector) -> None:
         super().__init__(engine, config)
         self.connector = connector
-        self._admission: deque[tuple[protocol.DecodeRequest, SamplingParams]] = deque()
+        self._admission: deque[_Pull] = deque()
         self._pulls: dict[str, _Pull] = {}
+        self._layout_info = kv_layout_info(connector.layout)
+        self.num_kv_refusals = 0
 
     def handle_decode_request(self, message: protocol.DecodeRequest) -> None:
         if message.kv_handle is None:
             self.add_local_request(message.request_id, message.prompt_token_ids, message.sampling, message.first_token)
             return
+        lease = _lease_of(message.kv_handle)
         try:
             params = self._check_pull_request(message)
         except ValueError:
-            self._release_remote(message)
+            self._release_remote(message.request_id, lease)
             raise
-        self._admission.append((message, params))
+        self.connector.hold(message.request_id, lease)
+        self._admission.append(_Pull(message, params, lease))
 
-    def handle_abort(self, request_id: str) -> None:
-        for idx, (message, _) in enumerate(self._admission):
-            if message.request_id == request_id:
+    def handle_abort(self, request_id: str, identity: bytes) -> None:
+        for idx, pull in enumerate(self._admission):
+            if pull.message.request_id == request_id:
                 del self._admission[idx]
-                self._release_remote(message)
+                self._release_remote(request_id, pull.lease)
                 return
         pull = self._pulls.pop(request_id, None)
         if pull is not None:
             self.connector.abort_read(request_id)
             self.engine.free_blocks(pull.local_block_ids)
-            self._release_remote(pull.message)
+            self._release_remote(request_id, pull.lease)
             return
         self.engine.abort(request_id)
 
@@ -75,17 +87,27 @@ class DecodeNode(NodeServer):
                 continue
             if result.is_ok:
                 self._join_batch(pull)
+            elif result.failure in _REFUSALS:
+                self._refuse(pull, result)
             else:
-                self._fall_back(pull, result.error)
+                self._fall_back(pull, result)
 
     def load_extras(self) -> dict:
         return {"num_pending_pulls": len(self._pulls) + len(self._admission)}
 
+    def kv_layout_info(self) -> protocol.KVLayoutInfo:
+        return self._layout_info
+
+    @property
+    def num_rejected_messages(self) -> int:
+        return super().num_rejected_messages + self.connector.num_rejected_messages
+
     def close(self) -> None:
-        for message, _ in self._admission:
-            self._release_remote(message)
+        for pull in self._admission:
+            self._release_remote(pull.message.request_id, pull.lease)
+        self._admission.clear()
         for request_id in list(self._pulls):
-            self.handle_abort(request_id)
+            self.handle_abort(request_id, b"")
         self.connector.close()
         super().close()
 
@@ -93,14 +115,18 @@ class DecodeNode(NodeServer):
         if message.first_token is None:
             raise ValueError(f"request {message.request_id}: a KV handle needs the first token")
         handle = message.kv_handle
+        check_address(handle.agent_address)
         num_needed = num_blocks_for(len(message.prompt_token_ids), self.engine.block_size)
         if handle.num_tokens != len(message.prompt_token_ids) or len(handle.block_ids) != num_needed:
             raise ValueError(
                 f"request {message.request_id}: KV handle has {handle.num_tokens} tokens in "
                 f"{len(handle.block_ids)} blocks for a prompt of {len(message.prompt_token_ids)} tokens"
             )
-        # Validates the prompt and the parameters (logit_bias ids, the grammar and the first token
-        # under it) before any block is taken.
+        if handle.lease_timeout_s <= 0:
+            raise ValueError(f"request {message.request_id}: KV handle has lease_timeout_s {handle.lease_timeout_s}")
+        # Validates the prompt (its length bounds the block count by this node's cache) and the
+        # parameters (logit_bias ids, the grammar and the first token under it) before any block
+        # is taken.
         params = SamplingParams.from_options(message.sampling)
         self.engine.check_request(message.request_id, message.prompt_token_ids, params,
                                   [message.first_token.token_id])
@@ -109,15 +135,14 @@ class DecodeNode(NodeServer):
     def _start_pulls(self) -> None:
         max_seqs = self.engine.config.scheduler.max_num_seqs
         while self._admission and self.engine.num_unfinished + len(self._pulls) < max_seqs:
-            message, params = self._admission[0]
-            local_ids = self.engine.block_pool.allocate(len(message.kv_handle.block_ids))
+            pull = self._admission[0]
+            local_ids = self.engine.block_pool.allocate(len(pull.lease.block_ids))
             if local_ids is None:
                 return  # back-pressure: wait until running requests free blocks
             self._admission.popleft()
-            handle = message.kv_handle
-            self._pulls[message.request_id] = _Pull(message, params, local_ids)
-            self.connector.start_read(message.request_id, handle.engine_id, handle.agent_address,
-                                      handle.block_ids, local_ids)
+            pull.local_block_ids = local_ids
+            self._pulls[pull.message.request_id] = pull
+            self.connector.start_read(pull.message.request_id, pull.lease, local_ids)
 
     def _join_batch(self, pull: _Pull) -> None:
         message = pull.message
@@ -127,22 +152,44 @@ class DecodeNode(NodeServer):
         except ValueError as exc:
             self.engine.free_blocks(pull.local_block_ids)
             self.reply_error(message.request_id, exc, is_client_error=True)
+            return
+        self.note_kv_outcome(message.request_id, KVOutcome(KVSource.PULLED))
 
-    def _fall_back(self, pull: _Pull, error: str | None) -> None:
-        """The pull failed: free its blocks, tell the prefill node, prefill here instead."""
-        message = pull.message
+    def _refuse(self, pull: _Pull, result: ReadResult) -> None:
+        """The pair cannot exchange these blocks (another layout, block ids out of range): a
+        configuration or peer bug that a retry would repeat, so the request fails loudly."""
+        request_id = pull.message.request_id
         self.engine.free_blocks(pull.local_block_ids)
-        self._release_remote(message)
-        self.num_kv_fallbacks += 1
-        logger.warning("KV pull for request %s failed (%s): prefilling locally", message.request_id, error)
+        self._release_remote(request_id, pull.lease)
+        self.num_kv_refusals += 1
+        logger.error("KV pull for request %s from %s refused: %s", request_id, pull.lease.address, result.error)
+        self.reply_failure(request_id, _REFUSALS[result.failure], result.error or "", is_client_error=False)
+
+    def _fall_back(self, pull: _Pull, result: ReadResult) -> None:
+        """The pull failed for a transient reason: free its blocks, tell the prefill node,
+        prefill here instead."""
+        message = pull.message
+        reason = KVFallbackReason(result.failure.value)
+        self.engine.free_blocks(pull.local_block_ids)
+        self._release_remote(message.request_id, pull.lease)
+        self.num_kv_fallbacks_by_reason[reason.value] = self.num_kv_fallbacks_by_reason.get(reason.value, 0) + 1
+        logger.warning("KV pull for request %s failed (%s: %s): prefilling locally", message.request_id,
+                       reason.value, result.error)
         try:
             self.engine.add_request(message.request_id, message.prompt_token_ids, pull.params,
                                     output_token_ids=[message.first_token.token_id])
         except ValueError as exc:
             self.reply_error(message.request_id, exc, is_client_error=True)
-
-    def _release_remote(self, message: protocol.DecodeRequest) -> None:
-        if message.kv_handle is None:
             return
-        handle = message.kv_handle
-        self.connector.release_remote(message.request_id, handle.engine_id, handle.agent_address)
+        self.note_kv_outcome(message.request_id, KVOutcome(KVSource.FALLBACK, reason))
+
+    def _release_remote(self, request_id: str, lease: RemoteLease) -> None:
+        try:
+            self.connector.release_remote(request_id, lease)
+        except ValueError as exc:  # a malformed address: nothing to tell
+            logger.warning("request %s: cannot release its lease: %s", request_id, exc)
+
+
+def _lease_of(handle: protocol.KVHandle) -> RemoteLease:
+    return RemoteLease(handle.engine_id, handle.agent_address, list(handle.block_ids), handle.generation,
+                       handle.lease_timeout_s)

@@ -1,6 +1,7 @@
 """LLMEngine: requests in, one scheduled and sampled step at a time, token deltas out.
 
 Not thread-safe: one caller drives add_request/abort/step (a node's loop or the offline LLM).
+A step that raises fails only the requests it belongs to (see LLMEngine.step).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from engine.request import FinishReason, Request
 from engine.runner import ModelRunner, PromptSpan
 from engine.sampler import Sampler, prompt_token_logprobs
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, SchedulerOutput
 from engine.weights import load_weights
 
 logger = logging.getLogger(__name__)
@@ -53,7 +54,9 @@ class StepOutput:
     """New tokens of one request from one step. block_ids is set only for a PREFILLED finish:
     the caller then owns those blocks and must pass them to LLMEngine.free_blocks.
     prompt_logprobs is set once, with a request's first token, when it asked for them and was
-    prefilled here arriving with no output tokens (see protocol.PrefillResult for the layout)."""
+    prefilled here arriving with no output tokens (see protocol.PrefillResult for the layout).
+    first_token_idx: the index of new_tokens[0] among the request's output tokens. An ERROR
+    finish has no tokens and error says what failed (the engine has freed the request)."""
 
     request_id: str
     new_tokens: list[TokenLogprob]
@@ -61,6 +64,8 @@ class StepOutput:
     num_prompt_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob] | None = None
+    first_token_idx: int = 0
+    error: str | None = None
 
     @property
     def is_finished(self) -> bool:
@@ -149,11 +154,28 @@ class LLMEngine:
         self.block_pool.free(block_ids)
 
     def step(self) -> list[StepOutput]:
-        """Schedule, run and sample one step; returns the requests that got tokens or ended."""
+        """Schedule, run and sample one step; returns the requests that got tokens or ended.
+
+        Failure isolation: when running the batch raises, each of its requests is run again
+        alone; those whose own run raises end with FinishReason.ERROR (blocks freed, error
+        set), the others go on exactly as if the batch had succeeded. This holds because a
+        step changes no request before it has sampled (_run_batch commits last) and writes only
+        the KV of its scheduled tokens, at the requests' own slots, which the retry writes
+        again with the same values. Costs one extra forward per request, on failure only.
+        Raises only when scheduling itself fails (a bug: the caller fails everything)."""
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             return []
         self.num_steps += 1
+        try:
+            return self._run_batch(scheduled)
+        except Exception as exc:  # noqa: BLE001 - isolate the request(s) at fault, keep the rest
+            logger.warning("step %d of %d requests failed (%s: %s); retrying them one by one", self.num_steps,
+                           len(scheduled.decodes) + len(scheduled.prefills), type(exc).__name__, exc)
+            return self._run_one_by_one(scheduled)
+
+    def _run_batch(self, scheduled: SchedulerOutput) -> list[StepOutput]:
+        """Run, gather and sample; only then commit (progress, prompt logprobs, tokens)."""
         started = time.perf_counter()
         step_logits = self.runner.execute(scheduled)
         elapsed = time.perf_counter() - started
@@ -162,20 +184,48 @@ class LLMEngine:
             logger.debug("step %d: %d decodes, %d prefill tokens in %d chunks, %d free blocks, %.1f ms",
                          self.num_steps, len(scheduled.decodes), scheduled.num_prefill_tokens,
                          len(scheduled.prefills), self.num_free_blocks, 1000 * elapsed)
+        prompt_logprobs = [(span, _prompt_logprobs_of(span)) for span in step_logits.prompt_spans]
+        sampled_requests = step_logits.sampled_requests
+        tokens = self.sampler.sample(step_logits.logits, sampled_requests) if sampled_requests else []
+        # NOTE: nothing above changed a request; from here on nothing raises but a bug.
         for request, num_new in scheduled.scheduled():
             request.num_computed_tokens += num_new
-        for span in step_logits.prompt_spans:
-            _gather_prompt_logprobs(span)
-        sampled_requests = step_logits.sampled_requests
-        if not sampled_requests:
-            return []
-        tokens = self.sampler.sample(step_logits.logits, sampled_requests)
-        return [self._append_token(r, t) for r, t in zip(sampled_requests, tokens)]
+        for span, logprobs in prompt_logprobs:
+            span.request.prompt_logprobs.extend(logprobs)
+        return [self._append_or_fail(r, t) for r, t in zip(sampled_requests, tokens)]
+
+    def _run_one_by_one(self, scheduled: SchedulerOutput) -> list[StepOutput]:
+        decode_ids = {id(r) for r in scheduled.decodes}
+        outputs = []
+        for request, num_new in scheduled.scheduled():
+            alone = (SchedulerOutput(decodes=[request]) if id(request) in decode_ids
+                     else SchedulerOutput(prefills=[(request, num_new)]))
+            try:
+                outputs += self._run_batch(alone)
+            except Exception as exc:  # noqa: BLE001 - this request's own failure: end it alone
+                outputs.append(self._fail(request, exc))
+        return outputs
+
+    def _fail(self, request: Request, exc: Exception) -> StepOutput:
+        """End a request whose step raised: its blocks are freed; the output carries the error."""
+        logger.warning("request %s failed in step %d: %s: %s", request.request_id, self.num_steps,
+                       type(exc).__name__, exc)
+        self._requests.pop(request.request_id, None)
+        self._finish(request, FinishReason.ERROR)
+        return StepOutput(request.request_id, [], FinishReason.ERROR, request.num_prompt_tokens,
+                          first_token_idx=request.num_output_tokens, error=f"{type(exc).__name__}: {exc}")
+
+    def _append_or_fail(self, request: Request, token: TokenLogprob) -> StepOutput:
+        try:
+            return self._append_token(request, token)
+        except Exception as exc:  # noqa: BLE001 - a bug in one request's bookkeeping ends it alone
+            return self._fail(request, exc)
 
     def _append_token(self, request: Request, token: TokenLogprob) -> StepOutput:
+        output = StepOutput(request.request_id, [token], num_prompt_tokens=request.num_prompt_tokens,
+                            first_token_idx=request.num_output_tokens)
         request.output_token_ids.append(token.token_id)
         request.output_logprobs.append(token)
-        output = StepOutput(request.request_id, [token], num_prompt_tokens=request.num_prompt_tokens)
         if request.needs_prompt_logprobs:
             assert len(request.prompt_logprobs) == request.num_prompt_tokens, (
                 f"request {request.request_id}: {len(request.prompt_logprobs)} prompt logprobs for "
@@ -289,11 +339,12 @@ class LLMEngine:
         )
 
 
-def _gather_prompt_logprobs(span: PromptSpan) -> None:
-    """Append the logprobs of prompt tokens first_idx + 1 onward (from the span's logits)."""
+def _prompt_logprobs_of(span: PromptSpan) -> list[TokenLogprob]:
+    """The logprobs of prompt tokens first_idx + 1 onward (from the span's logits), which the
+    request appends once the step succeeded."""
     request = span.request
     first = span.first_idx + 1
     assert len(request.prompt_logprobs) == first, (
         f"request {request.request_id}: prompt logprobs {len(request.prompt_logprobs)} gathered, next is {first}")
     targets = request.prompt_token_ids[first : first + span.num_positions]
-    request.prompt_logprobs.extend(prompt_token_logprobs(span.logits, targets, request.params.prompt_logprobs))
+    return prompt_token_logprobs(span.logits, targets, request.params.prompt_logprobs)

@@ -110,6 +110,8 @@ class LLM:
         with tqdm(total=len(outputs), desc="generate", disable=not use_tqdm, unit="req") as bar:
             while num_unfinished:
                 for step_output in self.engine.step():
+                    if step_output.error is not None:
+                        raise RuntimeError(f"request {step_output.request_id} failed: {step_output.error}")
                     output, params = by_id[step_output.request_id]
                     _absorb(output.outputs[0], step_output, params)
                     if step_output.prompt_logprobs is not None:

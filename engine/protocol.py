@@ -1,18 +1,29 @@
 """Every message that crosses a process boundary (proxy <-> nodes), and the sampling rules both
 sides check, defined once.
 
-msgspec structs encoded as msgpack with a type tag. This module imports no torch, so the proxy
-can import it cheaply. Bump PROTOCOL_VERSION on any incompatible change.
+msgspec structs encoded as msgpack with a type tag, each frame opening with the protocol
+version (a frame of another version is refused before it is decoded). This module imports no
+torch, so the proxy can import it cheaply. Bump PROTOCOL_VERSION on any incompatible change.
+Also here: the cluster's CURVE keys, derived from the shared secret (curve_keys).
 """
 
 from __future__ import annotations
 
 import enum
+import hashlib
 import math
+from dataclasses import dataclass, field
 
 import msgspec
 
-PROTOCOL_VERSION = 4
+# 5: a version header on every frame, RequestDelta.first_token_idx and kv, KVHandle.generation
+# and lease_timeout_s, LoadReport.kv_layout and per-reason fallbacks.
+PROTOCOL_VERSION = 5
+_FRAME_MAGIC = b"PD"
+_FRAME_HEADER = _FRAME_MAGIC + PROTOCOL_VERSION.to_bytes(2, "big")
+# NOTE: the largest proxy -> node message a node takes: a 128k-token prompt is ~640 KB of
+# msgpack, a json_schema at most 64 KiB; anything near this bound is not a request.
+MAX_MESSAGE_BYTES = 16 << 20
 
 # ---- sampling: defaults and ranges, checked by the proxy (400) and by the engine (ValueError) ----
 
@@ -20,6 +31,9 @@ MAX_LOGPROBS = 20  # top alternatives per token a request may ask for
 MAX_SEED = 2**63 - 1  # seeds fit a signed 64-bit generator seed
 MAX_LOGIT_BIAS = 100.0  # |bias| per token, OpenAI's range
 MAX_JSON_SCHEMA_BYTES = 1 << 16  # a schema is compiled on the node's loop: keep it bounded
+MAX_INT64 = 2**63 - 1  # every integer option fits a signed 64-bit tensor element
+MAX_TOKEN_ID = 2**31 - 1  # token ids (stop_token_ids, logit_bias keys) fit int32; the engine checks its vocab
+MAX_STOP_TOKEN_IDS = 1024  # each is compared per sampled token: keep the list short
 
 
 class Role(str, enum.Enum):
@@ -75,11 +89,11 @@ class SamplingOptions(msgspec.Struct, frozen=True, omit_defaults=True):
 
 # (field, lowest, highest, is the lowest itself allowed): None where a side is open.
 SAMPLING_RANGES: tuple[tuple[str, float | None, float | None, bool], ...] = (
-    ("max_tokens", 1, None, True),
-    ("min_tokens", 0, None, True),
+    ("max_tokens", 1, MAX_INT64, True),
+    ("min_tokens", 0, MAX_INT64, True),
     ("temperature", 0.0, 2.0, True),
     ("top_p", 0.0, 1.0, False),
-    ("top_k", -1, None, True),
+    ("top_k", -1, MAX_INT64, True),  # values past the vocab size mean "off"
     ("min_p", 0.0, 1.0, True),
     ("presence_penalty", -2.0, 2.0, True),
     ("frequency_penalty", -2.0, 2.0, True),
@@ -99,30 +113,42 @@ class SamplingError(ValueError):
 
 
 def check_sampling(options: SamplingOptions) -> None:
-    """Raise SamplingError naming the first field out of its range (see SAMPLING_RANGES)."""
+    """Raise SamplingError naming the first field out of its range (see SAMPLING_RANGES; floats
+    must also be finite, integers within a signed 64-bit value)."""
     for name, low, high, is_low_allowed in SAMPLING_RANGES:
         value = getattr(options, name)
         if value is None:
             continue
+        if isinstance(value, float) and not math.isfinite(value):
+            raise SamplingError(name, f"{name} must be a finite number, got {value}")
         too_low = low is not None and (value < low or (value == low and not is_low_allowed))
         if too_low or (high is not None and value > high):
             raise SamplingError(name, f"{name} must be in {_range_text(low, high, is_low_allowed)}, got {value}")
     if options.min_tokens > options.max_tokens:
         raise SamplingError("min_tokens", f"min_tokens ({options.min_tokens}) must be <= max_tokens "
                                           f"({options.max_tokens})")
-    if any(t < 0 for t in options.stop_token_ids):
-        raise SamplingError("stop_token_ids", f"stop_token_ids must be non-negative, got {options.stop_token_ids}")
+    _check_stop_token_ids(options.stop_token_ids)
     if options.logit_bias is not None:
         _check_logit_bias(options.logit_bias)
     if options.structured is not None:
         _check_structured(options.structured)
 
 
+def _check_stop_token_ids(stop_token_ids: list[int]) -> None:
+    if len(stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise SamplingError("stop_token_ids", f"stop_token_ids has {len(stop_token_ids)} ids; the limit is "
+                                              f"{MAX_STOP_TOKEN_IDS}")
+    bad = [t for t in stop_token_ids if not 0 <= t <= MAX_TOKEN_ID]
+    if bad:
+        raise SamplingError("stop_token_ids", f"stop_token_ids must be in [0, {MAX_TOKEN_ID}], got {bad[:5]}")
+
+
 def _check_logit_bias(logit_bias: dict[int, float]) -> None:
-    """Token ids >= 0 (the engine checks them against its vocab), biases in [-100, 100]."""
-    bad_ids = [t for t in logit_bias if t < 0]
+    """Token ids in [0, MAX_TOKEN_ID] (the engine checks them against its vocab), biases in
+    [-100, 100]."""
+    bad_ids = [t for t in logit_bias if not 0 <= t <= MAX_TOKEN_ID]
     if bad_ids:
-        raise SamplingError("logit_bias", f"logit_bias token ids must be non-negative, got {bad_ids[:5]}")
+        raise SamplingError("logit_bias", f"logit_bias token ids must be in [0, {MAX_TOKEN_ID}], got {bad_ids[:5]}")
     bad = {t: b for t, b in logit_bias.items() if not (math.isfinite(b) and abs(b) <= MAX_LOGIT_BIAS)}
     if bad:
         raise SamplingError("logit_bias", f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, "
@@ -170,12 +196,60 @@ class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
 
 
 class KVHandle(msgspec.Struct, frozen=True):
-    """Where a finished prompt's KV blocks live on a prefill node, held there on a lease."""
+    """Where a finished prompt's KV blocks live on a prefill node, held there on a lease.
+
+    generation names this lease (unique on its holder, never reused): renewals, the reader's
+    confirmation after its read and releases all name it, so nothing meant for one lease acts
+    on another of the same request id. The holder frees the blocks lease_timeout_s after the
+    last renewal; a reader keeps the lease alive while it holds the request."""
 
     engine_id: str
     agent_address: str  # host:port of the prefill node's KV side channel
     block_ids: list[int]
     num_tokens: int
+    generation: int
+    lease_timeout_s: float
+
+
+class KVSource(str, enum.Enum):
+    """Where a decode node got a request's prompt KV."""
+
+    PULLED = "pulled"  # read from the prefill node's lease
+    FALLBACK = "fallback"  # the pull failed (a transient reason): prefilled on the decode node
+    LOCAL = "local"  # no KV handle: prefilled on the decode node (colocated, or by the proxy's choice)
+
+
+class KVFallbackReason(str, enum.Enum):
+    """Why a pull fell back to local prefill: only transient failures do (a layout mismatch or
+    a malformed handle fails the request instead)."""
+
+    HANDSHAKE = "handshake"  # the holder's side channel did not answer or refused for a transient reason
+    TRANSFER = "transfer"  # the read itself failed (peer died, transport error)
+    TIMEOUT = "timeout"  # no completion within the transfer timeout
+    LEASE_LOST = "lease_lost"  # the lease ended before the read was confirmed: its blocks may be reused
+
+
+class KVOutcome(msgspec.Struct, frozen=True, array_like=True):
+    """How a decode node came by a request's prompt KV; fallback_reason set for FALLBACK only."""
+
+    source: KVSource
+    fallback_reason: KVFallbackReason | None = None
+
+    @property
+    def label(self) -> str:
+        """"pulled", "local", or "fallback:<reason>" (e.g. for a response header)."""
+        if self.fallback_reason is None:
+            return self.source.value
+        return f"{self.source.value}:{self.fallback_reason.value}"
+
+
+class KVLayoutInfo(msgspec.Struct, frozen=True):
+    """What a prefill and a decode node must share for KV to move between them: fingerprint, a
+    short hash of fields (layout fields that must be equal: model, dtype, shape, block size,
+    code version), and those fields readably, so a mismatch can be named field by field."""
+
+    fingerprint: str
+    fields: dict[str, str]
 
 
 # ---- proxy -> node ----------------------------------------------------------------------------
@@ -236,15 +310,21 @@ class PrefillResult(msgspec.Struct, tag="prefill_result", frozen=True):
 
 class RequestDelta(msgspec.Struct, frozen=True, array_like=True):
     """New tokens of one request since the last TokenBatch; finish_reason set on the last.
+    first_token_idx is the index of tokens[0] among the request's output tokens (counting a
+    first token sampled on a prefill node): each delta continues the last one exactly, so a
+    receiver that sees any other index has lost messages and must fail the request.
     prompt_logprobs (as PrefillResult's) come once, on the first delta, and only from a node
     that prefilled a request arriving with no output tokens (colocated, or a DecodeRequest
-    without first_token); a request prefilled on a prefill node got them in its PrefillResult."""
+    without first_token); a request prefilled on a prefill node got them in its PrefillResult.
+    kv, on a decode node's first delta of a request, says how it got the prompt's KV."""
 
     request_id: str
     tokens: list[TokenLogprob]
+    first_token_idx: int
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     num_prompt_tokens: int = 0
     prompt_logprobs: list[TokenLogprob] | None = None
+    kv: KVOutcome | None = None
 
 
 class TokenBatch(msgspec.Struct, tag="token_batch", frozen=True):
@@ -281,10 +361,16 @@ class LoadReport(msgspec.Struct, tag="load_report", frozen=True):
     num_total_blocks: int
     num_pending_pulls: int = 0
     num_leases: int = 0
-    num_kv_fallbacks: int = 0
+    num_kv_fallbacks: int = 0  # the sum of num_kv_fallbacks_by_reason
     sent_at: float = 0.0
     last_request_seq: int = 0
     prefill_tokens_per_s: float = 0.0  # measured prefill throughput; 0: not measured yet
+    # None on a colocated node (it moves no KV); a prefill node pairs only with decode nodes
+    # of the same kv_layout.fingerprint.
+    kv_layout: KVLayoutInfo | None = None
+    num_kv_fallbacks_by_reason: dict[str, int] = {}  # KVFallbackReason value -> pulls that fell back
+    num_rejected_messages: int = 0  # malformed, unauthenticated, oversized, wrong-version or unexpected
+    num_orphaned_requests: int = 0  # aborted because their proxy vanished (no message within the orphan timeout)
 
 
 class Ping(msgspec.Struct, tag="ping", frozen=True):
@@ -300,14 +386,77 @@ _from_node_decoder = msgspec.msgpack.Decoder(FromNode)
 
 
 def encode(message: ToNode | FromNode) -> bytes:
-    return _encoder.encode(message)
+    """One frame: the version header, then the message as msgpack."""
+    return _FRAME_HEADER + _encoder.encode(message)
 
 
 def decode_to_node(data: bytes) -> ToNode:
-    """Decode a proxy -> node message; raises msgspec.ValidationError/DecodeError if malformed."""
-    return _to_node_decoder.decode(data)
+    """Decode a proxy -> node frame; raises msgspec.DecodeError (ValidationError, a subclass,
+    for a well-formed message of the wrong shape) if malformed or of another version."""
+    return _decode(_to_node_decoder, data)
 
 
 def decode_from_node(data: bytes) -> FromNode:
-    """Decode a node -> proxy message; raises msgspec.ValidationError/DecodeError if malformed."""
-    return _from_node_decoder.decode(data)
+    """Decode a node -> proxy frame; raises msgspec.DecodeError as decode_to_node."""
+    return _decode(_from_node_decoder, data)
+
+
+def _decode(decoder: msgspec.msgpack.Decoder, data: bytes):
+    payload = _payload(data)
+    try:
+        return decoder.decode(payload)
+    except msgspec.DecodeError:
+        raise
+    except (ValueError, RecursionError) as exc:  # NOTE: msgspec raises UnicodeDecodeError for bad UTF-8
+        raise msgspec.DecodeError(f"malformed message: {type(exc).__name__}: {exc}") from None
+
+
+def frame_version(data: bytes) -> int | None:
+    """The protocol version a frame says it is in; None if it has no version header."""
+    if len(data) < len(_FRAME_HEADER) or not data.startswith(_FRAME_MAGIC):
+        return None
+    return int.from_bytes(data[len(_FRAME_MAGIC):len(_FRAME_HEADER)], "big")
+
+
+def _payload(data: bytes) -> memoryview:
+    if not data.startswith(_FRAME_HEADER):
+        version = frame_version(data)
+        found = "no version header" if version is None else f"protocol version {version}"
+        raise msgspec.DecodeError(f"frame has {found}; this process speaks version {PROTOCOL_VERSION}")
+    return memoryview(data)[len(_FRAME_HEADER):]
+
+
+# ---- the cluster secret -------------------------------------------------------------------------
+
+MIN_CLUSTER_SECRET_CHARS = 16
+# NOTE: PBKDF2 so that a weak secret is slow to guess from a captured handshake (~40 ms per
+# process start for both key pairs on the dev machine).
+_KDF_ITERATIONS = 100_000
+
+
+@dataclass(frozen=True)
+class CurveKeys:
+    """The cluster's CURVE key pairs (z85): every node's sockets serve with the server pair,
+    every proxy's and node's connecting sockets use the client pair. Never printed."""
+
+    server_public: bytes = field(repr=False)
+    server_secret: bytes = field(repr=False)
+    client_public: bytes = field(repr=False)
+    client_secret: bytes = field(repr=False)
+
+
+def curve_keys(cluster_secret: str) -> CurveKeys:
+    """Derive the cluster's keys from its shared secret (the same in every process). Raises
+    ValueError for a secret shorter than MIN_CLUSTER_SECRET_CHARS."""
+    if len(cluster_secret) < MIN_CLUSTER_SECRET_CHARS:
+        raise ValueError(f"cluster secret must have at least {MIN_CLUSTER_SECRET_CHARS} characters, "
+                         f"got {len(cluster_secret)}")
+    import zmq  # NOTE: here: readers of the messages alone need no zmq
+    from zmq.utils import z85
+
+    def secret_key(role: bytes) -> bytes:
+        raw = hashlib.pbkdf2_hmac("sha256", cluster_secret.encode(), b"pdserve-curve-" + role, _KDF_ITERATIONS)
+        return z85.encode(raw)
+
+    server_secret, client_secret = secret_key(b"server"), secret_key(b"client")
+    return CurveKeys(zmq.curve_public(server_secret), server_secret, zmq.curve_public(client_secret), client_secret)

@@ -25,6 +25,7 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"  # max_tokens or the context limit
     ABORT = "abort"
     PREFILLED = "prefilled"  # prefill role: first token sampled, blocks handed to the caller
+    ERROR = "error"  # its step raised (see LLMEngine.step); never sent as a finish reason
 
 
 @dataclass(eq=False)

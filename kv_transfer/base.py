@@ -1,11 +1,14 @@
 """KVConnector: the interface both nodes use to move paged KV blocks between engines.
 
-Decode side (the reader): start_read() queues a pull of remote blocks into local blocks;
-poll() drives it and returns finished or failed reads. Prefill side (the holder):
-poll_released() returns request ids whose blocks a reader has read or given up, so the node
-can free them. A connector never allocates or frees engine blocks: the node does, on what
-these calls return. No call waits on the network; poll() may copy bytes (a NIXL READ within
-one host is carried out while it is posted, about 30 ms per 94 MB).
+Decode side (the reader): hold() keeps a remote lease alive while the node holds its request;
+start_read() queues a pull of the lease's blocks into local blocks; poll() drives it and
+returns finished or failed reads. A read succeeds only once the holder confirmed that the lease
+was held throughout (so the blocks read were never freed or reused); otherwise it fails with
+FailureCode.LEASE_LOST and its data must not be used. Prefill side (the holder): serve_leases()
+answers renewals, confirmations and releases from the node's LeaseTable. A connector never
+allocates or frees engine blocks: the node does, on what these calls return. No call waits on
+the network; poll() may copy bytes (a NIXL READ within one host is carried out while it is
+posted, about 30 ms per 94 MB).
 """
 
 from __future__ import annotations
@@ -19,6 +22,20 @@ import torch
 
 from kv_transfer.config import TransferConfig
 from kv_transfer.layout import KVLayout
+from kv_transfer.lease import LeaseTable
+
+
+class FailureCode(enum.Enum):
+    """Why a read failed. HANDSHAKE, TRANSFER, TIMEOUT and LEASE_LOST are transient (the node
+    may prefill locally instead); LAYOUT_MISMATCH and BAD_BLOCKS mean the two sides cannot or
+    must not exchange these blocks at all."""
+
+    HANDSHAKE = "handshake"  # the holder's side channel did not answer, refused, or restarted
+    LAYOUT_MISMATCH = "layout_mismatch"
+    BAD_BLOCKS = "bad_blocks"  # block ids outside either side's cache
+    TRANSFER = "transfer"
+    TIMEOUT = "timeout"
+    LEASE_LOST = "lease_lost"  # the holder did not confirm the lease after the read
 
 
 class TransferState(enum.Enum):
@@ -32,12 +49,31 @@ class TransferState(enum.Enum):
 
 @dataclass(frozen=True)
 class ReadResult:
-    """One read's outcome. When is_ok is False, error names the request and the cause and the
-    local blocks hold nothing the caller may rely on (the caller frees them)."""
+    """One read's outcome. When is_ok is False, error names the request and the cause, failure
+    its code, and the local blocks hold nothing the caller may rely on (the caller frees them)."""
 
     request_id: str
     is_ok: bool
     error: str | None = None
+    failure: FailureCode | None = None
+
+
+@dataclass(frozen=True)
+class RemoteLease:
+    """A lease on a holder's blocks, as its KV handle names it."""
+
+    engine_id: str
+    address: str  # host:port of the holder's side channel
+    block_ids: list[int]
+    generation: int
+    lease_timeout_s: float
+
+
+def check_address(address: str) -> None:
+    """Raises ValueError unless address is HOST:PORT with a port in [1, 65536)."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536 or any(c in host for c in " /;"):
+        raise ValueError(f"KV side channel address must be HOST:PORT, got {address!r}")
 
 
 def new_engine_id(node_id: str) -> str:
@@ -68,19 +104,26 @@ class KVConnector(ABC):
     # ---- reader side (decode node) ------------------------------------------------------------
 
     @abstractmethod
-    def start_read(self, request_id: str, remote_engine_id: str, remote_address: str,
-                   remote_block_ids: list[int], local_block_ids: list[int]) -> None:
-        """Queue a read of remote blocks into local blocks, pairwise (same count). Never blocks
-        (the first read from a peer handshakes in the background); the outcome comes from
-        poll(). The local blocks stay the caller's, who must not free them before that outcome
-        or abort_read(). Raises ValueError on unequal counts or a request id already in flight."""
+    def hold(self, request_id: str, lease: RemoteLease) -> None:
+        """Keep lease alive (renewed every lease_timeout_s / 3, from a thread of the connector,
+        so a long model step does not starve it) until release_remote() or the read's outcome.
+        Never blocks. Raises ValueError for a malformed address."""
+
+    @abstractmethod
+    def start_read(self, request_id: str, lease: RemoteLease, local_block_ids: list[int]) -> None:
+        """Queue a read of the lease's blocks into local blocks, pairwise (same count). Never
+        blocks (the first read from a peer handshakes in the background); the outcome comes
+        from poll(). The local blocks stay the caller's, who must not free them before that
+        outcome or abort_read(). Raises ValueError on unequal counts, a malformed address or a
+        request id already in flight."""
 
     @abstractmethod
     def poll(self) -> list[ReadResult]:
-        """Drive handshakes and transfers; return the reads that finished, failed, or passed
-        transfer_timeout_s (failed and cancelled) since the last call, each once. On success
-        the holder has been told it may free its blocks; on failure the caller frees its local
-        blocks and, if it wants, tells the holder with release_remote()."""
+        """Drive handshakes, transfers and confirmations; return the reads that finished,
+        failed, or passed transfer_timeout_s (failed and cancelled) since the last call, each
+        once. On success the holder confirmed the lease and ended it (it frees its blocks); on
+        failure the caller frees its local blocks and tells the holder with release_remote().
+        Either way the lease is no longer renewed."""
 
     @abstractmethod
     def abort_read(self, request_id: str) -> None:
@@ -89,21 +132,28 @@ class KVConnector(ABC):
         The holder is not told: call release_remote() for that."""
 
     @abstractmethod
-    def release_remote(self, request_id: str, remote_engine_id: str, remote_address: str) -> None:
-        """Tell the holder it may free the request's blocks: they will not be read (request
-        rejected, aborted, or its read failed). Fire and forget; never blocks."""
+    def release_remote(self, request_id: str, lease: RemoteLease) -> None:
+        """Stop renewing the lease and tell its holder it may free the blocks: they will not be
+        read (request rejected, aborted, or its read failed). Fire and forget; never blocks."""
 
     @property
     @abstractmethod
     def num_reads_in_flight(self) -> int:
         """Reads started and not yet reported or aborted."""
 
+    @property
+    def num_rejected_messages(self) -> int:
+        """Side-channel messages refused (malformed, unauthenticated, unexpected); see RejectLog."""
+        return 0
+
     # ---- holder side (prefill node) -----------------------------------------------------------
 
     @abstractmethod
-    def poll_released(self) -> list[str]:
-        """Request ids whose blocks a reader has read or released since the last call: the
-        caller frees those blocks (a request id the caller no longer leases is to be ignored)."""
+    def serve_leases(self, leases: LeaseTable) -> None:
+        """Answer readers' renewals, confirmations and releases from leases (from another
+        thread: LeaseTable is thread-safe). Leases ended for readers wait in
+        leases.pop_ended() for the caller to free their blocks. Until called, every read of
+        this holder fails with LEASE_LOST."""
 
     @abstractmethod
     def close(self) -> None:

@@ -1,8 +1,10 @@
-"""TransferConfig: how a node moves KV blocks (backend, side channel, timeouts)."""
+"""TransferConfig: how a node moves KV blocks (backend, side channel, timeouts, keys)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from kv_transfer.security import CurveKeys, check_bind_host
 
 # "fake": kv_transfer.fake.FakeConnector, in-process, for node tests.
 BACKENDS = ("nixl", "gloo", "fake")
@@ -16,6 +18,9 @@ class TransferConfig:
     handshake_timeout_s: float = 5.0
     transfer_timeout_s: float = 30.0
     lease_timeout_s: float = 60.0
+    # The cluster's CURVE keys (engine.protocol.curve_keys): the side channel then talks only to
+    # holders of the cluster secret. None: no secret, and host must be loopback.
+    curve_keys: CurveKeys | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -27,3 +32,5 @@ class TransferConfig:
         for name in ("handshake_timeout_s", "transfer_timeout_s", "lease_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.backend != "fake":
+            check_bind_host(self.host, self.curve_keys, "KV side channel")

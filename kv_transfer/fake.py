@@ -1,5 +1,7 @@
 """FakeConnector: KVConnector in one process, for node tests: connectors sharing a FakeRegistry
-reach each other by address and copy blocks directly, with failures injected on demand."""
+reach each other by address and copy blocks directly, with failures injected on demand. Leases
+behave as over the side channel: hold() renews at once and on renew_held(), a read copies the
+blocks and then confirms (ends) the holder's lease, failing LEASE_LOST when it had ended."""
 
 from __future__ import annotations
 
@@ -10,10 +12,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kv_transfer.base import KVConnector, ReadResult, check_cache
+from kv_transfer.base import FailureCode, KVConnector, ReadResult, RemoteLease, check_cache
 from kv_transfer.config import TransferConfig
 from kv_transfer.errors import LayoutMismatch
 from kv_transfer.layout import KVLayout, check_compatible
+from kv_transfer.lease import LeaseTable
 
 FAILURES = ("fail", "hang")  # fail: the read fails when it would finish; hang: it never finishes
 
@@ -42,9 +45,7 @@ class FakeRegistry:
 @dataclass
 class _FakeRead:
     request_id: str
-    remote_engine_id: str
-    remote_address: str
-    remote_block_ids: list[int]
+    lease: RemoteLease
     local_block_ids: list[int]
     started_at: float
     num_polls_left: int
@@ -53,7 +54,7 @@ class _FakeRead:
 
 class FakeConnector(KVConnector):
     """A read finishes on its num_polls_per_read-th poll() (so a test can abort it mid-way),
-    copying the holder's blocks and queueing the request id for the holder's poll_released()."""
+    copying the holder's blocks, then confirming the lease with the holder's LeaseTable."""
 
     backend = "fake"
 
@@ -67,7 +68,8 @@ class FakeConnector(KVConnector):
         self._registry, self._clock, self._num_polls_per_read = registry, clock, num_polls_per_read
         self._reads: dict[str, _FakeRead] = {}
         self._failures: dict[str, str] = {}
-        self._released: list[str] = []
+        self._held: dict[str, RemoteLease] = {}
+        self.leases: LeaseTable | None = None  # holder side, once served
         self.agent_address = registry.add(self, config.side_channel_port or None)
 
     def inject(self, request_id: str, failure: str) -> None:
@@ -76,16 +78,23 @@ class FakeConnector(KVConnector):
             raise ValueError(f"failure must be one of {FAILURES}, got {failure!r}")
         self._failures[request_id] = failure
 
-    def start_read(self, request_id: str, remote_engine_id: str, remote_address: str,
-                   remote_block_ids: list[int], local_block_ids: list[int]) -> None:
-        if len(remote_block_ids) != len(local_block_ids):
-            raise ValueError(f"request {request_id}: {len(remote_block_ids)} remote vs "
+    def hold(self, request_id: str, lease: RemoteLease) -> None:
+        self._held[request_id] = lease
+        self._renew(request_id, lease)
+
+    def renew_held(self) -> None:
+        """What the real connector's keeper thread does every lease_timeout_s / 3."""
+        for request_id, lease in self._held.items():
+            self._renew(request_id, lease)
+
+    def start_read(self, request_id: str, lease: RemoteLease, local_block_ids: list[int]) -> None:
+        if len(lease.block_ids) != len(local_block_ids):
+            raise ValueError(f"request {request_id}: {len(lease.block_ids)} remote vs "
                              f"{len(local_block_ids)} local blocks")
         if request_id in self._reads:
             raise ValueError(f"request {request_id} already has a read in flight")
-        self._reads[request_id] = _FakeRead(request_id, remote_engine_id, remote_address, list(remote_block_ids),
-                                            list(local_block_ids), self._clock(), self._num_polls_per_read,
-                                            self._failures.pop(request_id, None))
+        self._reads[request_id] = _FakeRead(request_id, lease, list(local_block_ids), self._clock(),
+                                            self._num_polls_per_read, self._failures.pop(request_id, None))
 
     def poll(self) -> list[ReadResult]:
         results = []
@@ -93,51 +102,66 @@ class FakeConnector(KVConnector):
             result = self._advance(read)
             if result is not None:
                 del self._reads[read.request_id]
+                self._held.pop(read.request_id, None)
                 results.append(result)
         return results
 
     def abort_read(self, request_id: str) -> None:
         self._reads.pop(request_id, None)
 
-    def release_remote(self, request_id: str, remote_engine_id: str, remote_address: str) -> None:
-        holder = self._registry.get(remote_address)
-        if holder is not None and holder.engine_id == remote_engine_id:
-            holder._released.append(request_id)
+    def release_remote(self, request_id: str, lease: RemoteLease) -> None:
+        self._held.pop(request_id, None)
+        holder = self._holder(lease)
+        if holder is not None and holder.leases is not None:
+            holder.leases.end(request_id, lease.generation)
 
     @property
     def num_reads_in_flight(self) -> int:
         return len(self._reads)
 
-    def poll_released(self) -> list[str]:
-        released, self._released = self._released, []
-        return released
+    def serve_leases(self, leases: LeaseTable) -> None:
+        self.leases = leases
 
     def close(self) -> None:
         self._reads.clear()
         if self._registry.get(self.agent_address) is self:
             self._registry.remove(self.agent_address)
 
+    def _holder(self, lease: RemoteLease) -> FakeConnector | None:
+        holder = self._registry.get(lease.address)
+        return holder if holder is not None and holder.engine_id == lease.engine_id else None
+
+    def _renew(self, request_id: str, lease: RemoteLease) -> None:
+        holder = self._holder(lease)
+        if holder is not None and holder.leases is not None:
+            holder.leases.renew(request_id, lease.generation)
+
     def _advance(self, read: _FakeRead) -> ReadResult | None:
         if self._clock() - read.started_at > self.config.transfer_timeout_s:
-            return self._failed(read, f"no completion within {self.config.transfer_timeout_s} s")
+            return self._failed(read, f"no completion within {self.config.transfer_timeout_s} s", FailureCode.TIMEOUT)
         read.num_polls_left -= 1
         if read.failure == "hang" or read.num_polls_left > 0:
             return None
-        holder = self._registry.get(read.remote_address)
-        if holder is None or holder.engine_id != read.remote_engine_id:
+        lease = read.lease
+        holder = self._registry.get(lease.address)
+        if holder is None or holder.engine_id != lease.engine_id:
             found = "nothing" if holder is None else f"engine {holder.engine_id!r}"
-            return self._failed(read, f"handshake failed: {found} at {read.remote_address}, "
-                                      f"expected engine {read.remote_engine_id!r}")
+            return self._failed(read, f"handshake failed: {found} at {lease.address}, "
+                                      f"expected engine {lease.engine_id!r}", FailureCode.HANDSHAKE)
         try:
             check_compatible(self.layout, holder.layout)
         except LayoutMismatch as exc:
-            return self._failed(read, f"handshake failed: {exc}")
+            return self._failed(read, f"handshake failed: {exc}", FailureCode.LAYOUT_MISMATCH)
         if read.failure == "fail":
-            return self._failed(read, "injected transfer failure")
-        self.kv_cache[read.local_block_ids] = holder.kv_cache[read.remote_block_ids].to(self.kv_cache.device)
-        holder._released.append(read.request_id)
+            return self._failed(read, "injected transfer failure", FailureCode.TRANSFER)
+        bad = [b for b in lease.block_ids if not 0 <= b < holder.layout.num_blocks]
+        if bad:
+            return self._failed(read, f"block ids {bad[:5]} are outside the holder's cache", FailureCode.BAD_BLOCKS)
+        self.kv_cache[read.local_block_ids] = holder.kv_cache[lease.block_ids].to(self.kv_cache.device)
+        if holder.leases is None or not holder.leases.end(read.request_id, lease.generation):
+            return self._failed(read, "the lease was not confirmed after the read", FailureCode.LEASE_LOST)
         return ReadResult(read.request_id, True)
 
     @staticmethod
-    def _failed(read: _FakeRead, error: str) -> ReadResult:
-        return ReadResult(read.request_id, False, f"request {read.request_id}: {error}")
+    def _failed(read: _FakeRead, error: str, code: FailureCode) -> ReadResult:
+        return ReadResult(read.request_id, False, f"request {read.request_id}: {error}", code)

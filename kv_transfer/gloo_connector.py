@@ -3,9 +3,10 @@
 Each reader/holder pair gets its own two-rank process group, made on demand: the reader hosts
 a TCPStore (on a port the store picks) and names it in its Hello (GlooStoreInfo); both sides
 then join (holder rank 0, reader rank 1). A read posts a receive into a staging buffer and
-asks the holder over the side channel to send the blocks under a unique tag; the holder's
-sender thread gathers and sends them (a thread blocked in send, never spinning). On completion
-the reader scatters the staging buffer into its blocks and tells the holder it may free them.
+asks the holder over the side channel to send the lease's blocks under a unique tag; the
+holder's sender thread gathers and sends them (a thread blocked in send, never spinning), or
+zeros when the lease is not held (the read then fails its confirmation). Once the holder has
+confirmed the lease, the reader scatters the staging buffer into its blocks.
 """
 
 from __future__ import annotations
@@ -20,11 +21,11 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.distributed as dist
 
-from kv_transfer.base import ReadResult
+from kv_transfer.base import FailureCode, ReadResult
 from kv_transfer.config import TransferConfig
 from kv_transfer.errors import HandshakeFailed, TransferFailed
 from kv_transfer.layout import KVLayout
-from kv_transfer.messages import GlooStoreInfo, Hello, HelloReply, ReadRequest, Release, SideMessage
+from kv_transfer.messages import GlooStoreInfo, Hello, HelloReply, LeaseRef, ReadRequest, SideMessage
 from kv_transfer.side_channel_connector import Peer, PendingRead, SideChannelConnector
 
 logger = logging.getLogger(__name__)
@@ -84,7 +85,8 @@ class GlooConnector(SideChannelConnector):
         # NOTE: gloo progresses a receive only inside wait() (polling is_completed() never
         # turns true), so a waiter thread blocks there; poll() checks its future.
         read.handle = self._waiters.submit(work.wait, self._timeout)
-        self._notifier.send(peer.address, ReadRequest(self.engine_id, read.request_id, read.remote_block_ids, tag))
+        self._notifier.send(peer.address, ReadRequest(self.engine_id, LeaseRef(read.request_id, read.lease.generation),
+                                                      read.remote_block_ids, tag))
 
     def _poll_backend(self) -> list[ReadResult]:
         results = []
@@ -92,23 +94,28 @@ class GlooConnector(SideChannelConnector):
             waiter = read.handle
             if waiter is None or not waiter.done():
                 continue
-            staging = self._staging.pop(read.request_id)
             error = waiter.exception()
             if error is not None:
                 read.handle = None
-                results.append(self._fail(read, f"gloo receive failed: {error}"))
+                self._staging.pop(read.request_id, None)
+                results.append(self._fail(read, f"gloo receive failed: {error}", FailureCode.TRANSFER))
                 continue
-            self.kv_cache[torch.tensor(read.local_block_ids, device=self.kv_cache.device)] = staging
-            self._notifier.send(read.remote_address, Release([read.request_id]))
-            read.handle = None
-            results.append(self._succeed(read))
+            self._transferred(read)  # NOTE: the staging buffer waits for the holder's confirmation
         return results
+
+    def _on_confirmed(self, read: PendingRead) -> None:
+        staging = self._staging.pop(read.request_id)
+        self.kv_cache[torch.tensor(read.local_block_ids, device=self.kv_cache.device)] = staging
 
     def _cancel(self, read: PendingRead) -> None:
         # NOTE: a posted gloo receive cannot be withdrawn; it lands in its own staging buffer,
         # never in the cache, so dropping our references is enough.
         self._staging.pop(read.request_id, None)
         read.handle = None
+
+    def _fail(self, read: PendingRead, error: str, code: FailureCode) -> ReadResult:
+        self._staging.pop(read.request_id, None)  # a confirmed-or-not staging buffer, or a receive's
+        return super()._fail(read, error, code)
 
     def _forget_peer(self, peer: Peer) -> None:
         peer.handle = None
@@ -138,19 +145,32 @@ class GlooConnector(SideChannelConnector):
             message = self._sends.get()
             if message is None:
                 return
-            self._send_blocks(message)
+            try:
+                self._send_blocks(message)
+            except Exception as exc:  # noqa: BLE001 - a thread edge: one bad request must not stop the sender
+                logger.warning("gloo send of request %s failed: %s", message.lease.request_id, exc)
 
     def _send_blocks(self, message: ReadRequest) -> None:
+        request_id = message.lease.request_id
         group_and_store = self._wait_for_group(message.engine_id)
         if group_and_store is None:
-            logger.warning("no gloo group with %s for request %s", message.engine_id, message.request_id)
+            logger.warning("no gloo group with %s for request %s", message.engine_id, request_id)
             return
         group, _ = group_and_store
-        ids = torch.tensor(message.block_ids, device=self.kv_cache.device)
-        try:
-            group.send([self.kv_cache[ids].contiguous()], _READER_RANK, message.tag).wait(self._timeout)
-        except RuntimeError as exc:
-            logger.warning("gloo send of request %s failed: %s", message.request_id, exc)
+        group.send([self._blocks_for(message)], _READER_RANK, message.tag).wait(self._timeout)
+
+    def _blocks_for(self, message: ReadRequest) -> torch.Tensor:
+        """The lease's blocks; zeros of the asked shape when the lease is not held with exactly
+        these blocks (the reader fails its confirmation and discards them), never blocks that
+        are someone else's. Raises ValueError for a count past the cache (the reader checks
+        against our layout first, so only a broken peer asks that)."""
+        held = self._leases.blocks_of(message.lease.request_id, message.lease.generation) if self._leases else None
+        if held == message.block_ids:
+            return self.kv_cache[torch.tensor(held, device=self.kv_cache.device)].contiguous()
+        if len(message.block_ids) > self.layout.num_blocks:
+            raise ValueError(f"{len(message.block_ids)} blocks asked of a cache of {self.layout.num_blocks}")
+        return torch.zeros((len(message.block_ids), *self.kv_cache.shape[1:]), dtype=self.kv_cache.dtype,
+                           device=self.kv_cache.device)
 
     def _wait_for_group(self, reader_id: str):
         deadline = threading.Event()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import msgspec
 
 from kv_transfer.errors import LayoutMismatch
@@ -31,3 +33,14 @@ def check_compatible(local: KVLayout, remote: KVLayout) -> None:
              for name in _MUST_MATCH if getattr(local, name) != getattr(remote, name)]
     if diffs:
         raise LayoutMismatch("KV layouts differ: " + "; ".join(diffs))
+
+
+def must_match_fields(layout: KVLayout) -> dict[str, str]:
+    """The fields two peers must agree on, as text (for reports and messages)."""
+    return {name: str(getattr(layout, name)) for name in _MUST_MATCH}
+
+
+def fingerprint(layout: KVLayout) -> str:
+    """A short hash of the fields that must match: equal exactly when check_compatible passes."""
+    text = ";".join(f"{name}={value}" for name, value in must_match_fields(layout).items())
+    return hashlib.sha256(text.encode()).hexdigest()[:16]

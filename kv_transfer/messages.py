@@ -1,6 +1,7 @@
 """Every message on the KV side channel, as tagged msgspec structs (torch-free, cheap to import).
 
-SIDE_CHANNEL_VERSION covers all of them; peers compare it once, in the handshake.
+SIDE_CHANNEL_VERSION covers all of them: every frame opens with it (kv_transfer.side_channel
+refuses frames of another version), and the handshake compares it once more by code.
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ import msgspec
 from kv_transfer.layout import KVLayout
 
 # 1: the unversioned handshake with an untyped `extra` dict. 2: typed backend info, refusals
-# by code. Bump on any change an older peer could not decode or would misread.
-SIDE_CHANNEL_VERSION = 2
+# by code. 3: a version header on every frame; leases with generations (renewed, confirmed
+# after a read, released by generation). Bump on any change an older peer could not decode or
+# would misread.
+SIDE_CHANNEL_VERSION = 3
 
 
 class HandshakeErrorCode(str, enum.Enum):
@@ -71,17 +74,51 @@ class HelloReply(msgspec.Struct, tag="hello_reply", frozen=True):
     backend_info: BackendInfo | None = None  # what the reader needs to read from this holder
 
 
-class Release(msgspec.Struct, tag="release", frozen=True):
-    """The reader is done with these requests' blocks (read, or never to be read)."""
+class LeaseRef(msgspec.Struct, frozen=True, array_like=True):
+    """One lease on a holder: the request it holds blocks for and its generation there."""
 
-    request_ids: list[str]
+    request_id: str
+    generation: int
+
+
+class RenewLeases(msgspec.Struct, tag="renew_leases", frozen=True):
+    """Reader -> holder engine_id: keep these leases (the reader still holds their requests).
+    No answer; a lease that ended already stays ended."""
+
+    engine_id: str  # the holder's: a restarted holder ignores what was meant for its old self
+    leases: list[LeaseRef]
+
+
+class Release(msgspec.Struct, tag="release", frozen=True):
+    """Reader -> holder engine_id: these leases' blocks will not be read (request rejected,
+    aborted, or its read failed); the holder may free them. No answer."""
+
+    engine_id: str
+    leases: list[LeaseRef]
+
+
+class ConfirmRead(msgspec.Struct, tag="confirm_read", frozen=True):
+    """Reader -> holder engine_id, after its read of the lease's blocks completed: was the
+    lease held all along? Ends the lease either way; answered by ReadConfirmed."""
+
+    engine_id: str
+    lease: LeaseRef
+
+
+class ReadConfirmed(msgspec.Struct, tag="read_confirmed", frozen=True):
+    """is_held: the lease (request id and generation) was held from its start until this
+    answer, so its blocks were never freed or reused during the read; now it has ended. False:
+    the read may hold another request's KV and must be discarded."""
+
+    lease: LeaseRef
+    is_held: bool
 
 
 class ReadRequest(msgspec.Struct, tag="read_request", frozen=True):
-    """gloo: please send these blocks to me under this tag."""
+    """gloo: please send the blocks of this lease to me under this tag."""
 
-    engine_id: str
-    request_id: str
+    engine_id: str  # the reader's
+    lease: LeaseRef
     block_ids: list[int]
     tag: int
 
@@ -92,4 +129,4 @@ class Ack(msgspec.Struct, tag="ack", frozen=True):
     error: str | None = None
 
 
-SideMessage = Hello | HelloReply | Release | ReadRequest | Ack
+SideMessage = Hello | HelloReply | RenewLeases | Release | ConfirmRead | ReadConfirmed | ReadRequest | Ack

@@ -4,8 +4,9 @@ The whole cache is registered once. Descriptor lists of one entry per block are 
 once per side (local at start, the peer's at handshake); a read names block indices into both,
 and NIXL merges runs of adjacent blocks into single descriptors. Measured (benchmarks/
 kv_transfer.py, small preset, CPU): 512 descriptors or one merged descriptor for 8,192 tokens
-move at the same 3.0 GB/s, so nothing of ours merges. The READ carries the request id as its
-notification, which the holder receives on completion and frees the blocks.
+move at the same 3.0 GB/s, so nothing of ours merges. The READ carries no notification: the
+reader's confirmation over the side channel (SideChannelConnector) ends the lease, so the
+holder cannot free the blocks between the READ's completion and that check.
 
 On one host UCX carries a READ out inside the transfer() call that posts it (measured: 148 ms
 for 200 MB, then DONE), so poll() returns after the copy. Posting from another thread does
@@ -28,7 +29,7 @@ import time
 
 import torch
 
-from kv_transfer.base import ReadResult, TransferState, check_cache
+from kv_transfer.base import FailureCode, ReadResult, TransferState, check_cache
 from kv_transfer.config import TransferConfig
 from kv_transfer.errors import TransferFailed
 from kv_transfer.layout import KVLayout
@@ -73,13 +74,9 @@ class NixlConnector(SideChannelConnector):
     def _progress_loop(self) -> None:
         while not self._is_stopping.wait(_PROGRESS_INTERVAL_S):
             try:
-                notices = self._agent.get_new_notifs()
+                self._agent.get_new_notifs()  # NOTE: for the progress it makes; our READs send no notices
             except Exception as exc:  # noqa: BLE001 - keep progressing; report once per failure
                 logger.warning("NIXL progress: %s", exc)
-                continue
-            for messages in notices.values():
-                for message in messages:
-                    self._released.put(message.decode())
 
     def _block_descs(self, base: int, num_blocks: int, kv_cache: torch.Tensor) -> list[tuple[int, int, int]]:
         size = kv_cache[0].numel() * kv_cache.element_size()
@@ -101,7 +98,7 @@ class NixlConnector(SideChannelConnector):
         _, remote_dlist = peer.handle
         try:
             handle = self._agent.make_prepped_xfer("READ", self._local_dlist, read.local_block_ids, remote_dlist,
-                                                   read.remote_block_ids, read.request_id.encode())
+                                                   read.remote_block_ids)
             state = _transfer_state(self._agent.transfer(handle))
         except Exception as exc:  # noqa: BLE001 - nixl raises its own types; surface as ours
             raise TransferFailed(f"NIXL READ could not start: {exc}") from exc
@@ -118,10 +115,9 @@ class NixlConnector(SideChannelConnector):
             state, detail = self._state(read.handle)
             if state is TransferState.DONE:
                 self._agent.release_xfer_handle(read.handle)
-                read.handle = None
-                results.append(self._succeed(read))
+                self._transferred(read)
             elif state is TransferState.FAILED:
-                results.append(self._fail(read, f"NIXL READ failed: {detail}"))
+                results.append(self._fail(read, f"NIXL READ failed: {detail}", FailureCode.TRANSFER))
         return results
 
     def _state(self, handle) -> tuple[TransferState, str]:

@@ -2,7 +2,11 @@
 
 Each connector serves a ROUTER from a small thread (it blocks in poll with a timeout, it does
 not spin), so a handshake is answered at once even while the node's loop runs a long model
-step. Requests to peers go from short-lived DEALER sockets with a deadline.
+step. Requests to peers go from short-lived DEALER sockets with a deadline. Every frame opens
+with the side channel's version; with the cluster's keys every socket speaks CURVE and the
+server admits only holders of the secret (kv_transfer.security). A frame that is malformed,
+oversized, of another version or unexpected is refused and logged (rate-limited), never
+answered with anything but an Ack naming the error.
 """
 
 from __future__ import annotations
@@ -15,28 +19,59 @@ import msgspec
 import zmq
 
 from kv_transfer.errors import HandshakeFailed
-from kv_transfer.messages import Ack, SideMessage
+from kv_transfer.messages import SIDE_CHANNEL_VERSION, Ack, SideMessage
+from kv_transfer.security import CurveKeys, RejectLog, ZapHandler, secure_client, secure_server
 
 logger = logging.getLogger(__name__)
 
 _POLL_MS = 100
+# NOTE: the largest message is a Hello or HelloReply carrying NIXL agent metadata (a few KiB
+# to tens of KiB); renewals list request ids. Anything near this bound is not ours.
+MAX_MESSAGE_BYTES = 4 << 20
+_FRAME_HEADER = b"KV" + SIDE_CHANNEL_VERSION.to_bytes(2, "big")
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(SideMessage)
 
 
-class SideChannelServer:
-    """Serves requests on host:port from a thread; handler(message) -> reply (or None)."""
+def encode(message: SideMessage) -> bytes:
+    return _FRAME_HEADER + _encoder.encode(message)
 
-    def __init__(self, host: str, port: int, handler: Callable[[SideMessage], SideMessage | None]) -> None:
+
+def decode(data: bytes) -> SideMessage:
+    """Raises msgspec.DecodeError for a frame of another version or a malformed message."""
+    if not data.startswith(_FRAME_HEADER):
+        raise msgspec.DecodeError(f"frame is not side channel version {SIDE_CHANNEL_VERSION} (starts {data[:4]!r})")
+    try:
+        return _decoder.decode(memoryview(data)[len(_FRAME_HEADER):])
+    except msgspec.DecodeError:
+        raise
+    except (ValueError, RecursionError) as exc:  # NOTE: msgspec raises UnicodeDecodeError for bad UTF-8
+        raise msgspec.DecodeError(f"malformed message: {type(exc).__name__}: {exc}") from None
+
+
+class SideChannelServer:
+    """Serves requests on host:port from a thread; handler(message) -> reply (or None). With
+    keys, only peers holding the cluster secret get through."""
+
+    def __init__(self, host: str, port: int, handler: Callable[[SideMessage], SideMessage | None],
+                 keys: CurveKeys | None = None) -> None:
         self._handler = handler
-        self._socket = zmq.Context.instance().socket(zmq.ROUTER)
+        self.rejects = RejectLog(f"KV side channel {host}:{port or '?'}")
+        self._context = zmq.Context()
+        self._zap = ZapHandler(self._context, keys, self.rejects) if keys is not None else None
+        self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        secure_server(self._socket, keys)
         if port:
             self._socket.bind(f"tcp://{host}:{port}")
             self.port = port
         else:
             self.port = self._socket.bind_to_random_port(f"tcp://{host}")
+        if self._zap is not None:
+            self._zap.watch(self._socket)
         self.address = f"{host}:{self.port}"
+        self.rejects.where = f"KV side channel {self.address}"
         self._is_stopping = threading.Event()
         self._thread = threading.Thread(target=self._serve, name=f"kv-side-{self.port}", daemon=True)
         self._thread.start()
@@ -45,60 +80,91 @@ class SideChannelServer:
         self._is_stopping.set()
         self._thread.join(timeout=2)
         self._socket.close(linger=0)
+        if self._zap is not None:
+            self._zap.close()
+        self._context.destroy(linger=0)
 
     def _serve(self) -> None:
         while not self._is_stopping.is_set():
             if not self._socket.poll(_POLL_MS):
                 continue
-            try:
-                identity, payload = self._socket.recv_multipart(flags=zmq.NOBLOCK)
-                message = _decoder.decode(payload)
-            except (zmq.Again, ValueError, msgspec.DecodeError, msgspec.ValidationError) as exc:
-                logger.warning("side channel %s: bad message: %s", self.address, exc)
+            frames = self._socket.recv_multipart(flags=zmq.NOBLOCK)
+            if len(frames) != 2:
+                self.rejects.reject("wrong_shape", f"{len(frames) - 1} frames where 1 was expected")
                 continue
+            identity, payload = frames
             try:
-                reply = self._handler(message)
-            except Exception as exc:  # noqa: BLE001 - a thread edge: answer and keep serving
-                logger.exception("side channel %s: handler failed", self.address)
-                reply = Ack(error=f"{type(exc).__name__}: {exc}")
+                message = decode(payload)
+            except msgspec.DecodeError as exc:
+                self.rejects.reject("malformed", str(exc))
+                continue
+            reply = self._answer(message)
             if reply is not None:
-                self._socket.send_multipart([identity, _encoder.encode(reply)])
+                self._socket.send_multipart([identity, encode(reply)])
+
+    def _answer(self, message: SideMessage) -> SideMessage | None:
+        try:
+            return self._handler(message)
+        except Exception as exc:  # noqa: BLE001 - a thread edge: answer and keep serving
+            logger.exception("side channel %s: handler failed on %s", self.address, type(message).__name__)
+            return Ack(error=f"{type(exc).__name__}: {exc}")
 
 
-def request(address: str, message: SideMessage, timeout_s: float) -> SideMessage:
-    """Send one message and wait for its reply. Raises HandshakeFailed on timeout."""
+def request(address: str, message: SideMessage, timeout_s: float, keys: CurveKeys | None = None) -> SideMessage:
+    """Send one message and wait for its reply. Raises HandshakeFailed on timeout, a bad
+    answer, or an address ZMQ cannot connect to."""
     socket = zmq.Context.instance().socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+    secure_client(socket, keys)
     try:
         socket.connect(f"tcp://{address}")
-        socket.send(_encoder.encode(message))
+        socket.send(encode(message))
         if not socket.poll(int(timeout_s * 1000)):
             raise HandshakeFailed(f"no answer from KV side channel {address} within {timeout_s} s")
-        return _decoder.decode(socket.recv())
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        return decode(socket.recv())
+    except msgspec.DecodeError as exc:
         raise HandshakeFailed(f"bad answer from KV side channel {address}: {exc}") from exc
+    except zmq.ZMQError as exc:
+        raise HandshakeFailed(f"KV side channel {address} cannot be reached: {exc}") from exc
     finally:
         socket.close(linger=0)
 
 
 class Notifier:
-    """Fire-and-forget messages to peers' side channels (one DEALER per address, kept)."""
+    """Fire-and-forget messages to peers' side channels (one DEALER per address, the
+    max_sockets most recently used kept). Used from one thread."""
 
-    def __init__(self) -> None:
+    def __init__(self, keys: CurveKeys | None = None, max_sockets: int = 256) -> None:
+        self._keys = keys
+        self._max_sockets = max_sockets
         self._sockets: dict[str, zmq.Socket] = {}
 
     def send(self, address: str, message: SideMessage) -> None:
-        socket = self._sockets.get(address)
+        try:
+            socket = self._socket_for(address)
+            socket.send(encode(message), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            logger.warning("could not notify %s: its queue is full", address)
+        except zmq.ZMQError as exc:
+            logger.warning("could not notify %s: %s", address, exc)
+
+    def _socket_for(self, address: str) -> zmq.Socket:
+        socket = self._sockets.pop(address, None)
         if socket is None:
+            if len(self._sockets) >= self._max_sockets:
+                self._sockets.pop(next(iter(self._sockets))).close(linger=200)
             socket = zmq.Context.instance().socket(zmq.DEALER)
             socket.setsockopt(zmq.LINGER, 1000)
             socket.setsockopt(zmq.SNDHWM, 10000)
-            socket.connect(f"tcp://{address}")
-            self._sockets[address] = socket
-        try:
-            socket.send(_encoder.encode(message), flags=zmq.NOBLOCK)
-        except zmq.Again:
-            logger.warning("could not notify %s: its queue is full", address)
+            secure_client(socket, self._keys)
+            try:
+                socket.connect(f"tcp://{address}")
+            except zmq.ZMQError:
+                socket.close(linger=0)
+                raise
+        self._sockets[address] = socket  # NOTE: re-inserted: the dict's order is least recently used first
+        return socket
 
     def close(self) -> None:
         for socket in self._sockets.values():

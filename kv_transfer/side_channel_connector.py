@@ -1,18 +1,23 @@
 """SideChannelConnector: what the NIXL and gloo connectors share behind KVConnector: peers, the
-handshake, pending reads, release notices.
+handshake, pending reads and their confirmation, lease renewals, the holder's lease service.
 
-A ZMQ side channel (kv_transfer.side_channel) answers handshakes and release notices from its
-own thread. Handshakes run in a worker thread (a dead peer costs the node loop nothing); the
-backend's handshake hooks run on those two threads, everything else that touches the backend
-on the caller's thread inside poll(). Peers are cached by engine id; a handshake answered by
-another engine id (the peer restarted) fails, and a new engine id at a known address drops the
-old peer's state.
+A ZMQ side channel (kv_transfer.side_channel) answers handshakes, renewals, confirmations and
+releases from its own thread. Handshakes and confirmations run in worker threads (a dead peer
+costs the node loop nothing; each is bounded by handshake_timeout_s); renewals come from a
+LeaseKeeper thread. The backend's handshake hooks run on those threads, everything else that
+touches the backend on the caller's thread inside poll(). Peers are cached by engine id; a
+handshake answered by another engine id (the peer restarted) fails, and a new engine id at a
+known address drops the old peer's state.
+
+A read goes: handshake (once per peer) -> transfer -> confirmation. Only when the holder
+confirms that the lease (request id, generation) was held from its start until after the
+transfer completed is the read reported ok: until then the blocks read may have been freed and
+reused by the holder (an expired lease), and such a read is reported LEASE_LOST.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import time
 from abc import ABC, abstractmethod
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -21,12 +26,26 @@ from dataclasses import dataclass, field
 import torch
 
 from kv_transfer import side_channel
-from kv_transfer.base import KVConnector, ReadResult, check_cache
+from kv_transfer.base import FailureCode, KVConnector, ReadResult, RemoteLease, check_address, check_cache
 from kv_transfer.config import TransferConfig
-from kv_transfer.errors import HandshakeFailed, KVTransferError
+from kv_transfer.errors import HandshakeFailed, KVTransferError, LayoutMismatch
 from kv_transfer.handshake import check_reply, refusal_for
 from kv_transfer.layout import KVLayout
-from kv_transfer.messages import SIDE_CHANNEL_VERSION, Ack, BackendInfo, Hello, HelloReply, Release, SideMessage
+from kv_transfer.lease import LeaseTable
+from kv_transfer.lease_keeper import LeaseKeeper
+from kv_transfer.messages import (
+    SIDE_CHANNEL_VERSION,
+    Ack,
+    BackendInfo,
+    ConfirmRead,
+    Hello,
+    HelloReply,
+    LeaseRef,
+    ReadConfirmed,
+    Release,
+    RenewLeases,
+    SideMessage,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -43,12 +62,23 @@ class Peer:
 @dataclass
 class PendingRead:
     request_id: str
-    remote_engine_id: str
-    remote_address: str
-    remote_block_ids: list[int]
+    lease: RemoteLease
     local_block_ids: list[int]
     started_at: float = field(default_factory=time.monotonic)
     handle: object = None  # the backend's transfer handle once started
+    confirmation: Future | None = None  # set once the transfer completed: the holder's answer
+
+    @property
+    def remote_engine_id(self) -> str:
+        return self.lease.engine_id
+
+    @property
+    def remote_address(self) -> str:
+        return self.lease.address
+
+    @property
+    def remote_block_ids(self) -> list[int]:
+        return self.lease.block_ids
 
 
 class SideChannelConnector(KVConnector, ABC):
@@ -65,69 +95,87 @@ class SideChannelConnector(KVConnector, ABC):
         self.layout = layout
         self.engine_id = engine_id
         self.block_bytes = kv_cache[0].numel() * kv_cache.element_size()
-        self._released: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._leases: LeaseTable | None = None  # holder side, once serve_leases() was called
         self._peers: dict[str, Peer] = {}
         self._handshakes: dict[str, tuple[str, Future]] = {}  # engine id -> (address, (reply, handle))
         self._reads: dict[str, PendingRead] = {}
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-handshake")
-        self._notifier = side_channel.Notifier()
-        self._server = side_channel.SideChannelServer(config.host, config.side_channel_port, self._on_side_message)
+        self._confirmer = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-confirm")
+        self._notifier = side_channel.Notifier(config.curve_keys)
+        self._keeper = LeaseKeeper(config.curve_keys)
+        self._server = side_channel.SideChannelServer(config.host, config.side_channel_port, self._on_side_message,
+                                                      config.curve_keys)
         self.agent_address = self._server.address
+        self.num_handshake_failures = 0
 
     # ---- reader side --------------------------------------------------------------------------
 
-    def start_read(self, request_id: str, remote_engine_id: str, remote_address: str,
-                   remote_block_ids: list[int], local_block_ids: list[int]) -> None:
-        if len(remote_block_ids) != len(local_block_ids):
-            raise ValueError(f"request {request_id}: {len(remote_block_ids)} remote vs "
+    def hold(self, request_id: str, lease: RemoteLease) -> None:
+        check_address(lease.address)
+        self._keeper.hold(request_id, lease)
+
+    def start_read(self, request_id: str, lease: RemoteLease, local_block_ids: list[int]) -> None:
+        if len(lease.block_ids) != len(local_block_ids):
+            raise ValueError(f"request {request_id}: {len(lease.block_ids)} remote vs "
                              f"{len(local_block_ids)} local blocks")
         if request_id in self._reads:
             raise ValueError(f"request {request_id} already has a read in flight")
-        self._reads[request_id] = PendingRead(request_id, remote_engine_id, remote_address,
-                                              list(remote_block_ids), list(local_block_ids))
-        if remote_engine_id not in self._peers and remote_engine_id not in self._handshakes:
-            future = self._executor.submit(self._handshake, remote_address)
-            self._handshakes[remote_engine_id] = (remote_address, future)
+        check_address(lease.address)
+        self._reads[request_id] = PendingRead(request_id, lease, list(local_block_ids))
+        if lease.engine_id not in self._peers and lease.engine_id not in self._handshakes:
+            future = self._executor.submit(self._handshake, lease.address)
+            self._handshakes[lease.engine_id] = (lease.address, future)
 
     def poll(self) -> list[ReadResult]:
         results = self._finish_handshakes()
         now = time.monotonic()
         for read in list(self._reads.values()):
+            if read.confirmation is not None:
+                continue  # bounded by the confirmation's own timeout
             if read.handle is None and read.remote_engine_id in self._peers:
                 results += self._start(read)
             elif now - read.started_at > self.config.transfer_timeout_s:
-                results.append(self._fail(read, f"no completion within {self.config.transfer_timeout_s} s"))
+                results.append(self._fail(read, f"no completion within {self.config.transfer_timeout_s} s",
+                                          FailureCode.TIMEOUT))
         results += self._poll_backend()
+        results += self._finish_confirmations()
         return results
 
     def abort_read(self, request_id: str) -> None:
         read = self._reads.pop(request_id, None)
-        if read is not None and read.handle is not None:
+        if read is None:
+            return
+        if read.handle is not None:
             self._cancel(read)
+        if read.confirmation is not None:
+            read.confirmation.cancel()  # its answer, if any, is ignored
+        self._drop_unneeded_handshake(read.remote_engine_id)
 
-    def release_remote(self, request_id: str, remote_engine_id: str, remote_address: str) -> None:
-        self._notifier.send(remote_address, Release([request_id]))
+    def release_remote(self, request_id: str, lease: RemoteLease) -> None:
+        self._keeper.drop(request_id)
+        self._notifier.send(lease.address, Release(lease.engine_id, [LeaseRef(request_id, lease.generation)]))
 
     @property
     def num_reads_in_flight(self) -> int:
         return len(self._reads)
 
+    @property
+    def num_rejected_messages(self) -> int:
+        return self._server.rejects.num_rejected
+
     # ---- holder side --------------------------------------------------------------------------
 
-    def poll_released(self) -> list[str]:
-        released = []
-        while True:
-            try:
-                released.append(self._released.get_nowait())
-            except queue.Empty:
-                return released
+    def serve_leases(self, leases: LeaseTable) -> None:
+        self._leases = leases
 
     def close(self) -> None:
         for read in list(self._reads.values()):
             self.abort_read(read.request_id)
+        self._keeper.close()
         self._server.close()
         self._notifier.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self._confirmer.shutdown(wait=False, cancel_futures=True)
 
     # ---- backend hooks ------------------------------------------------------------------------
 
@@ -157,16 +205,21 @@ class SideChannelConnector(KVConnector, ABC):
 
     @abstractmethod
     def _poll_backend(self) -> list[ReadResult]:
-        """Finished and failed transfers (pop them from self._reads)."""
+        """Failed transfers (via _fail); call _transferred(read) for each one that completed."""
 
     @abstractmethod
     def _cancel(self, read: PendingRead) -> None:
         """Release a started transfer's backend resources."""
 
+    def _on_confirmed(self, read: PendingRead) -> None:
+        """Caller's thread: the holder confirmed the read; make its data the local blocks' (a
+        backend that read into a staging buffer copies it now)."""
+
     def _forget_peer(self, peer: Peer) -> None:
         """Drop the backend's state for a peer that failed."""
 
     def _on_backend_message(self, message: SideMessage) -> SideMessage | None:
+        self._server.rejects.reject("unexpected", f"{type(message).__name__} is not for a {self.backend} holder")
         return Ack(error=f"unexpected message {type(message).__name__}")
 
     # ---- the handshake ------------------------------------------------------------------------
@@ -176,7 +229,7 @@ class SideChannelConnector(KVConnector, ABC):
         accepted reply and the new peer's handle; raises LayoutMismatch or HandshakeFailed."""
         reader_info, prepared = self._prepare_hello()
         hello = Hello(SIDE_CHANNEL_VERSION, self.engine_id, self.layout, self.backend, reader_info)
-        reply = side_channel.request(address, hello, self.config.handshake_timeout_s)
+        reply = side_channel.request(address, hello, self.config.handshake_timeout_s, self.config.curve_keys)
         reply = check_reply(reply, address, self.layout, self.holder_info_type)
         return reply, self._on_hello_accepted(reply, prepared)
 
@@ -193,11 +246,23 @@ class SideChannelConnector(KVConnector, ABC):
         """Runs on the side-channel thread."""
         if isinstance(message, Hello):
             return self._answer_hello(message)
-        if isinstance(message, Release):
-            for request_id in message.request_ids:
-                self._released.put(request_id)
-            return None
+        if isinstance(message, RenewLeases | Release | ConfirmRead):
+            return self._answer_lease_message(message)
         return self._on_backend_message(message)
+
+    def _answer_lease_message(self, message: RenewLeases | Release | ConfirmRead) -> SideMessage | None:
+        """Holder, side-channel thread: messages for another engine id (a restarted holder's
+        old self) or about leases that ended change nothing."""
+        leases = self._leases if message.engine_id == self.engine_id else None
+        if isinstance(message, ConfirmRead):
+            ref = message.lease
+            return ReadConfirmed(ref, leases is not None and leases.end(ref.request_id, ref.generation))
+        for ref in message.leases if leases is not None else ():
+            if isinstance(message, RenewLeases):
+                leases.renew(ref.request_id, ref.generation)
+            else:
+                leases.end(ref.request_id, ref.generation)
+        return None
 
     def _finish_handshakes(self) -> list[ReadResult]:
         results = []
@@ -205,12 +270,16 @@ class SideChannelConnector(KVConnector, ABC):
             if not future.done():
                 continue
             del self._handshakes[engine_id]
+            if future.cancelled():
+                continue
             try:
                 self._add_peer(engine_id, address, *future.result())
-            except (KVTransferError, OSError, RuntimeError) as exc:
+            except Exception as exc:  # noqa: BLE001 - any peer failure (ours, zmq's, the backend's) fails its reads
+                self.num_handshake_failures += 1
+                code = FailureCode.LAYOUT_MISMATCH if isinstance(exc, LayoutMismatch) else FailureCode.HANDSHAKE
                 logger.warning("KV handshake with %s at %s failed: %s", engine_id, address, exc)
-                results += [self._fail(r, f"handshake with {address} failed: {exc}") for r in list(self._reads.values())
-                            if r.remote_engine_id == engine_id]
+                results += [self._fail(r, f"handshake with {address} failed: {exc}", code)
+                            for r in list(self._reads.values()) if r.remote_engine_id == engine_id]
         return results
 
     def _add_peer(self, engine_id: str, address: str, reply: HelloReply, handle: object) -> None:
@@ -224,26 +293,80 @@ class SideChannelConnector(KVConnector, ABC):
         self._connect_peer(peer)
         self._peers[engine_id] = peer
 
+    def _drop_unneeded_handshake(self, engine_id: str) -> None:
+        """Cancel a handshake not yet begun that no read waits for any more (a flood of reads
+        naming unreachable holders must not queue handshakes for nothing)."""
+        pending = self._handshakes.get(engine_id)
+        is_needed = any(r.remote_engine_id == engine_id for r in self._reads.values())
+        if pending is not None and not is_needed and pending[1].cancel():
+            del self._handshakes[engine_id]
+
     # ---- reads --------------------------------------------------------------------------------
 
     def _start(self, read: PendingRead) -> list[ReadResult]:
+        peer = self._peers[read.remote_engine_id]
+        bad = _outside(read.remote_block_ids, peer.layout.num_blocks) + _outside(read.local_block_ids,
+                                                                                 self.layout.num_blocks)
+        if bad:
+            return [self._fail(read, f"block ids {bad[:5]} are outside the caches ({peer.layout.num_blocks} remote, "
+                                     f"{self.layout.num_blocks} local blocks)", FailureCode.BAD_BLOCKS)]
         try:
-            self._start_transfer(read, self._peers[read.remote_engine_id])
+            self._start_transfer(read, peer)
             return []
         except KVTransferError as exc:
-            return [self._fail(read, str(exc))]
+            return [self._fail(read, str(exc), FailureCode.TRANSFER)]
 
-    def _fail(self, read: PendingRead, error: str) -> ReadResult:
+    def _transferred(self, read: PendingRead) -> None:
+        """The backend's transfer completed: ask the holder, off this thread, whether the lease
+        held throughout (see the module docstring)."""
+        read.handle = None
+        read.confirmation = self._confirmer.submit(self._confirm, read.request_id, read.lease)
+
+    def _confirm(self, request_id: str, lease: RemoteLease) -> bool:
+        """Confirmation thread: True when the holder says the lease held until now (and ended it)."""
+        ref = LeaseRef(request_id, lease.generation)
+        try:
+            reply = side_channel.request(lease.address, ConfirmRead(lease.engine_id, ref),
+                                         self.config.handshake_timeout_s, self.config.curve_keys)
+        except Exception as exc:  # noqa: BLE001 - a thread edge: no answer means not confirmed
+            logger.warning("request %s: lease confirmation from %s failed: %s", request_id, lease.address, exc)
+            return False
+        return isinstance(reply, ReadConfirmed) and reply.lease == ref and reply.is_held
+
+    def _finish_confirmations(self) -> list[ReadResult]:
+        results = []
+        for read in list(self._reads.values()):
+            if read.confirmation is None or not read.confirmation.done():
+                continue
+            if read.confirmation.result():
+                self._on_confirmed(read)
+                results.append(self._succeed(read))
+            else:
+                results.append(self._fail(read, f"the lease (generation {read.lease.generation}) on "
+                                                f"{read.remote_address} was not confirmed after the read: it ended "
+                                                f"first, so its blocks may have been reused; the data is discarded",
+                                          FailureCode.LEASE_LOST))
+        return results
+
+    def _fail(self, read: PendingRead, error: str, code: FailureCode) -> ReadResult:
         self._reads.pop(read.request_id, None)
+        self._keeper.drop(read.request_id)
         if read.handle is not None:
             self._cancel(read)
-        # NOTE: a failed transfer may mean the peer died or restarted: forget it, so the next
-        # read handshakes again.
-        peer = self._peers.pop(read.remote_engine_id, None)
-        if peer is not None:
-            self._forget_peer(peer)
-        return ReadResult(read.request_id, False, f"request {read.request_id}: {error}")
+        if code in (FailureCode.TRANSFER, FailureCode.TIMEOUT):
+            # NOTE: a failed transfer may mean the peer died or restarted: forget it, so the next
+            # read handshakes again.
+            peer = self._peers.pop(read.remote_engine_id, None)
+            if peer is not None:
+                self._forget_peer(peer)
+        self._drop_unneeded_handshake(read.remote_engine_id)
+        return ReadResult(read.request_id, False, f"request {read.request_id}: {error}", code)
 
     def _succeed(self, read: PendingRead) -> ReadResult:
         self._reads.pop(read.request_id, None)
+        self._keeper.drop(read.request_id)
         return ReadResult(read.request_id, True)
+
+
+def _outside(block_ids: list[int], num_blocks: int) -> list[int]:
+    return [b for b in block_ids if not 0 <= b < num_blocks]

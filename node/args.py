@@ -8,7 +8,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from engine.config import DTYPES, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, resolve_device
-from engine.protocol import Role
+from engine.protocol import Role, curve_keys
 from kv_transfer.config import BACKENDS, TransferConfig
 from node.server import ServerConfig
 
@@ -25,6 +25,11 @@ def add_node_arguments(parser: argparse.ArgumentParser) -> None:
     """Every flag a node takes: model and engine, control socket, KV transfer."""
     _add_engine_arguments(parser)
     _add_transfer_arguments(parser)
+    parser.add_argument("--cluster-secret", default=None,
+                        help="secret shared by the proxy and every node (CURVE on every socket; without one, "
+                             "every listener must be on loopback)")
+    parser.add_argument("--orphan-timeout-s", type=float, default=default_of(ServerConfig, "orphan_timeout_s"),
+                        help="abort the requests of a proxy silent this long (no message, no ping)")
     parser.add_argument("--cpus", default=None, help="CPU cores for this node, e.g. 0,1 (also sets torch threads)")
     parser.add_argument("--log-level", default="INFO")
 
@@ -68,7 +73,8 @@ class NodeConfigs:
 
 
 def node_configs_from_args(args: argparse.Namespace, role: Role) -> NodeConfigs:
-    """Raises ValueError (naming the field) for a bad value, OSError for unreadable model files."""
+    """Raises ValueError (naming the field) for a bad value (a non-loopback host without a
+    cluster secret included), OSError for unreadable model files."""
     model_options = {"dtype": args.dtype} if args.dtype else {}
     memory = int(args.kv_cache_memory_gb * (1 << 30)) if args.kv_cache_memory_gb else None
     engine = EngineConfig(
@@ -79,10 +85,12 @@ def node_configs_from_args(args: argparse.Namespace, role: Role) -> NodeConfigs:
         seed=args.seed,
         role=role,
     )
-    server = ServerConfig(args.node_id or f"{role.value}-{args.port}", args.host, args.port)
+    keys = curve_keys(args.cluster_secret) if args.cluster_secret else None
+    server = ServerConfig(args.node_id or f"{role.value}-{args.port}", args.host, args.port,
+                          orphan_timeout_s=args.orphan_timeout_s, curve_keys=keys)
     transfer = TransferConfig(
         backend=args.transfer_backend, host=args.host, side_channel_port=args.kv_port,
         handshake_timeout_s=args.handshake_timeout_s, transfer_timeout_s=args.transfer_timeout_s,
-        lease_timeout_s=args.lease_timeout_s,
+        lease_timeout_s=args.lease_timeout_s, curve_keys=keys,
     )
     return NodeConfigs(engine, server, transfer)

@@ -22,10 +22,14 @@ BuildServer = Callable[[LLMEngine, NodeConfigs], NodeServer]
 
 def serve(args: argparse.Namespace, role: Role, build_server: BuildServer) -> int:
     """Build the engine and the role's server from args, serve until SIGTERM/SIGINT, then leave
-    the process at once (never returns normally)."""
+    the process at once (returns only 2, for bad arguments)."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     pin_cpus(args.cpus)
-    configs = node_configs_from_args(args, role)
+    try:
+        configs = node_configs_from_args(args, role)
+    except ValueError as exc:  # process edge: a readable message, not a traceback
+        print(f"pdserve {role.value}: {exc}", file=sys.stderr)  # noqa: T201 - the CLI's answer
+        return 2
     engine = LLMEngine(configs.engine)
     server = build_server(engine, configs)
     signal.signal(signal.SIGTERM, lambda *_: server.stop())

@@ -1,14 +1,21 @@
 """NodeServer: an LLMEngine behind a ZMQ ROUTER control socket (the loop every node kind runs).
 
 Proxies connect DEALER sockets and send engine.protocol messages; the server answers each
-request on the socket identity it came from and sends every known proxy a LoadReport
-periodically (the heartbeat). Role-specific KV handling (leases, pulls) lives in the node
-packages, which subclass this and override the hooks; a plain NodeServer is a colocated node.
+request on the socket identity it came from and sends every proxy it has heard from a
+LoadReport periodically (the heartbeat). Role-specific KV handling (leases, pulls) lives in the
+node packages, which subclass this and override the hooks; a plain NodeServer is a colocated node.
 
 The heartbeat comes from a thread of its own, sending the load the loop last recorded: one
 engine step can outlast the proxy's heartbeat timeout (measured: a 2,048-token prefill chunk of
 the small preset takes ~6 s on one core), and a busy node is not a dead one. The loop and that
-thread share the ROUTER socket under a lock.
+thread share the control socket (node.control), which locks.
+
+Failure isolation: a message that is malformed, of another version, a duplicate request id or
+a request that fails admission is refused (logged, rate-limited, counted) and changes nothing
+else; an engine step that raises fails only its requests at fault (LLMEngine.step). A frame for
+a proxy is never dropped: a send waits up to send_timeout_s for a slow proxy, and a proxy that
+stays unreachable, or is silent (no message, no ping) for orphan_timeout_s, has its requests
+ended here: aborted, their blocks and leases freed.
 """
 
 from __future__ import annotations
@@ -19,17 +26,24 @@ import time
 from dataclasses import dataclass, field
 
 import msgspec
-import zmq
 
 from engine import protocol
 from engine.engine import LLMEngine, StepOutput
-from engine.protocol import ErrorReply, RequestDelta, Role, TokenBatch
+from engine.protocol import ErrorReply, KVOutcome, KVSource, RequestDelta, Role, TokenBatch
 from engine.sampling_params import SamplingParams
+from kv_transfer.security import CurveKeys, check_bind_host
+from node.control import ControlSocket
+from node.proxies import ProxyTable, short_id
 
 logger = logging.getLogger(__name__)
 
 _IDLE_POLL_MS = 50
 _BUSY_POLL_MS = 2
+# NOTE: frames taken per loop iteration before the engine steps again: a flood of messages
+# cannot starve the running requests.
+_MAX_FRAMES_PER_ITERATION = 256
+_ORPHAN_CHECK_INTERVAL_S = 0.5
+_LOCAL = KVOutcome(KVSource.LOCAL)
 
 
 @dataclass(frozen=True)
@@ -38,12 +52,22 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 0  # 0: pick a free port
     load_report_interval_s: float = 0.25
+    # A proxy heard from neither by message nor by ping for this long is gone: its requests are
+    # aborted and their blocks and leases freed. Proxies ping every node at least every second.
+    orphan_timeout_s: float = 10.0
+    # Longest wait for a proxy to take a frame (its queue full) before its requests are ended.
+    send_timeout_s: float = 5.0
+    # The cluster's CURVE keys (engine.protocol.curve_keys): only holders of the secret connect.
+    # None: no secret, and host must be loopback.
+    curve_keys: CurveKeys | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65536), got {self.port}")
-        if self.load_report_interval_s <= 0:
-            raise ValueError(f"load_report_interval_s must be > 0, got {self.load_report_interval_s}")
+        for name in ("load_report_interval_s", "orphan_timeout_s", "send_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        check_bind_host(self.host, self.curve_keys, "node")
 
 
 class NodeServer:
@@ -54,32 +78,33 @@ class NodeServer:
     def __init__(self, engine: LLMEngine, config: ServerConfig) -> None:
         self.engine = engine
         self.config = config
-        self._context = zmq.Context.instance()
-        self.socket = self._context.socket(zmq.ROUTER)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        if config.port:
-            self.socket.bind(f"tcp://{config.host}:{config.port}")
-            self.port = config.port
-        else:
-            self.port = self.socket.bind_to_random_port(f"tcp://{config.host}")
-        self._owners: dict[str, bytes] = {}  # request_id -> proxy socket identity
-        self._last_request_seqs: dict[bytes, int] = {}  # every proxy heard from -> seq of its last request
-        self._socket_lock = threading.Lock()
+        self.control = ControlSocket(config.host, config.port, config.curve_keys)
+        self.port = self.control.port
+        self.proxies = ProxyTable()
+        self._unreachable: set[bytes] = set()  # proxies a send gave up on; ended by the loop
+        self._kv_outcomes: dict[str, KVOutcome] = {}  # sent with each request's first delta
         self._load = _LoadSnapshot({}, {})  # replaced whole by the loop; read by the heartbeat
         self._is_stopping = threading.Event()
         self._heartbeat = threading.Thread(target=self._send_heartbeats, name="node-heartbeat", daemon=True)
-        self.num_kv_fallbacks = 0
+        self._next_orphan_check_at = 0.0
+        self.num_kv_fallbacks_by_reason: dict[str, int] = {}
+        self.num_orphaned_requests = 0
 
     @property
     def address(self) -> str:
         return f"{self.config.host}:{self.port}"
 
+    @property
+    def num_kv_fallbacks(self) -> int:
+        return sum(self.num_kv_fallbacks_by_reason.values())
+
     def stop(self) -> None:
         self._is_stopping.set()
 
     def run(self) -> None:
-        logger.info("%s node %s serving on %s", self.role.value, self.config.node_id, self.address)
+        trust = ("cluster secret set: CURVE, only its holders connect" if self.control.is_secured
+                 else "no cluster secret: listening on loopback only")
+        logger.info("%s node %s serving on %s (%s)", self.role.value, self.config.node_id, self.address, trust)
         self._record_load()
         self._heartbeat.start()
         try:
@@ -92,6 +117,7 @@ class NodeServer:
         busy = self.engine.has_unfinished() or self.has_pending_work()
         self._receive_all(timeout_ms=0 if self.engine.has_unfinished() else (_BUSY_POLL_MS if busy else _IDLE_POLL_MS))
         self.poll_transfers()
+        self._end_orphans()
         self._record_load()
         if self.engine.has_unfinished():
             self._step()
@@ -100,12 +126,16 @@ class NodeServer:
         self._is_stopping.set()
         if self._heartbeat.is_alive():
             self._heartbeat.join()
-        self.socket.close(linger=0)
+        self.control.close()
 
     # ---- hooks for the node packages ----------------------------------------------------------
 
     def has_pending_work(self) -> bool:
         """True while transfers are in flight (the loop then polls them without idling)."""
+        return False
+
+    def has_request(self, request_id: str) -> bool:
+        """Whether request_id is in use here beyond the requests proxies own (a prefill lease)."""
         return False
 
     def poll_transfers(self) -> None:
@@ -120,74 +150,100 @@ class NodeServer:
         raise ValueError(
             f"request {message.request_id}: this node does not take prefill requests (role {self.role.value})")
 
-    def handle_abort(self, request_id: str) -> None:
+    def handle_abort(self, request_id: str, identity: bytes) -> None:
+        """End request_id for the proxy at identity (no-op for an unknown request)."""
         self.engine.abort(request_id)
 
-    def handle_release(self, request_id: str) -> None:
-        """ReleaseKV from the proxy: only a prefill node holds leases."""
+    def handle_release(self, request_id: str, identity: bytes) -> None:
+        """ReleaseKV from the proxy at identity: only a prefill node holds leases."""
+
+    def release_owned(self, identity: bytes) -> int:
+        """End what this node holds for a vanished proxy beyond its requests (a prefill node's
+        leases); returns how many."""
+        return 0
 
     def send_step_outputs(self, outputs: list[StepOutput]) -> None:
         by_owner: dict[bytes, list[RequestDelta]] = {}
         for out in outputs:
+            if out.error is not None:
+                self.reply_failure(out.request_id, "StepFailed", out.error, is_client_error=False)
+                continue
             owner = self._owner_of(out)
             if owner is not None:
-                by_owner.setdefault(owner, []).append(_delta(out))
+                by_owner.setdefault(owner, []).append(self.delta(out))
         for owner, deltas in by_owner.items():
             self.send(owner, TokenBatch(deltas))
 
     def load_extras(self) -> dict:
         return {}
 
+    def kv_layout_info(self) -> protocol.KVLayoutInfo | None:
+        """What a KV peer must share with this node (None: it moves no KV)."""
+        return None
+
+    @property
+    def num_rejected_messages(self) -> int:
+        return self.control.rejects.num_rejected
+
     # ---- shared helpers -----------------------------------------------------------------------
 
     def add_local_request(
         self, request_id: str, prompt: list[int], sampling: protocol.SamplingOptions,
-        first_token: protocol.TokenLogprob | None,
+        first_token: protocol.TokenLogprob | None, kv: KVOutcome = _LOCAL,
     ) -> None:
         params = SamplingParams.from_options(sampling)
         outputs = [first_token.token_id] if first_token else None
         self.engine.add_request(request_id, prompt, params, output_token_ids=outputs)
+        self._kv_outcomes[request_id] = kv
+
+    def note_kv_outcome(self, request_id: str, kv: KVOutcome) -> None:
+        """Say how request_id got its KV, on its first delta."""
+        self._kv_outcomes[request_id] = kv
+
+    def delta(self, out: StepOutput) -> RequestDelta:
+        reason = out.finish_reason.value if out.finish_reason is not None else None
+        return RequestDelta(out.request_id, out.new_tokens, out.first_token_idx, reason, out.num_prompt_tokens,
+                            out.prompt_logprobs, self._kv_outcomes.pop(out.request_id, None))
 
     def send(self, identity: bytes, message) -> None:
-        """Queue a message for one proxy without blocking (dropped, logged, if it is not reading)."""
-        try:
-            with self._socket_lock:
-                self.socket.send_multipart([identity, protocol.encode(message)], flags=zmq.NOBLOCK)
-        except zmq.Again:
-            logger.warning("dropped a %s to a proxy that is not reading", type(message).__name__)
+        """Send a message to one proxy, waiting up to send_timeout_s for room. A proxy that does
+        not take it is marked unreachable: the loop ends its requests (never a silent drop)."""
+        if identity in self._unreachable:
+            return  # its requests are being ended; nothing more goes to it
+        if not self.control.send(identity, protocol.encode(message), self.config.send_timeout_s):
+            logger.error("proxy %s did not take a %s within %.1f s (gone or stuck): ending its requests",
+                         short_id(identity), type(message).__name__, self.config.send_timeout_s)
+            self._unreachable.add(identity)
 
     def forget(self, request_id: str) -> bytes | None:
-        return self._owners.pop(request_id, None)
+        self._kv_outcomes.pop(request_id, None)
+        return self.proxies.forget(request_id)
 
     def reply_error(self, request_id: str, exc: Exception, is_client_error: bool) -> None:
-        owner = self._owners.pop(request_id, None)
+        self.reply_failure(request_id, type(exc).__name__, str(exc), is_client_error)
+
+    def reply_failure(self, request_id: str, kind: str, message: str, is_client_error: bool) -> None:
+        """Tell the request's proxy it failed (the caller has freed what the request held)."""
+        owner = self.forget(request_id)
         if owner is not None:
-            self.send(owner, ErrorReply(request_id, type(exc).__name__, str(exc), is_client_error))
+            self.send(owner, ErrorReply(request_id, kind, message, is_client_error))
 
     # ---- the loop's parts ---------------------------------------------------------------------
 
     def _receive_all(self, timeout_ms: int) -> None:
-        with self._socket_lock:  # NOTE: a ZMQ socket is not thread-safe, poll included
-            if not self.socket.poll(timeout_ms):
-                return
-        while True:
-            try:
-                with self._socket_lock:
-                    identity, payload = self.socket.recv_multipart(flags=zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            except ValueError:
-                logger.warning("dropped a frame set of the wrong shape")
-                continue
-            self._last_request_seqs.setdefault(identity, 0)  # a proxy heard from gets reports
+        if not self.control.poll(timeout_ms):
+            return
+        for identity, payload in self.control.receive(_MAX_FRAMES_PER_ITERATION):
             self._dispatch(identity, payload)
 
     def _dispatch(self, identity: bytes, payload: bytes) -> None:
         try:
             message = protocol.decode_to_node(payload)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            logger.warning("undecodable message from a proxy: %s", exc)
+        except msgspec.DecodeError as exc:
+            self.control.rejects.reject("malformed", f"from {short_id(identity)}: {exc}")
             return
+        self.proxies.heard(identity)
+        self._unreachable.discard(identity)  # it speaks again: it is reachable
         self.handle_message(identity, message)
 
     def handle_message(self, identity: bytes, message: protocol.ToNode) -> None:
@@ -196,15 +252,29 @@ class NodeServer:
             self._send_load_report(identity)
         elif isinstance(message, protocol.Abort):
             for request_id in message.request_ids:
-                self._owners.pop(request_id, None)
-                self.handle_abort(request_id)
+                self._abort(request_id, identity)
         elif isinstance(message, protocol.ReleaseKV):
             for request_id in message.request_ids:
-                self.handle_release(request_id)
+                self.handle_release(request_id, identity)
+        elif self.proxies.owner(message.request_id) is not None or self.has_request(message.request_id):
+            self.proxies.last_request_seqs[identity] = message.seq  # received (and refused): acknowledged
+            self.control.rejects.reject("duplicate_request_id", f"request {message.request_id} from "
+                                                                f"{short_id(identity)}")
+            self.send(identity, ErrorReply(message.request_id, "DuplicateRequestId", f"request id "
+                                           f"{message.request_id!r} is already in use on node {self.config.node_id}",
+                                           is_client_error=True))
         else:
-            self._owners[message.request_id] = identity
-            self._last_request_seqs[identity] = message.seq
+            self.proxies.own(message.request_id, identity, message.seq)
             self._admit(message)
+
+    def _abort(self, request_id: str, identity: bytes) -> None:
+        owner = self.proxies.owner(request_id)
+        if owner is not None and owner != identity:
+            self.control.rejects.reject("foreign_abort", f"{short_id(identity)} aborting {request_id} of "
+                                                         f"{short_id(owner)}")
+            return
+        self.forget(request_id)
+        self.handle_abort(request_id, identity)
 
     def _admit(self, message) -> None:
         try:
@@ -214,12 +284,16 @@ class NodeServer:
                 self.handle_decode_request(message)
         except ValueError as exc:
             self.reply_error(message.request_id, exc, is_client_error=True)
+        except Exception as exc:  # noqa: BLE001 - process edge: this request fails, the node serves on
+            logger.exception("admitting request %s failed", message.request_id)
+            self.engine.abort(message.request_id)
+            self.reply_error(message.request_id, exc, is_client_error=False)
 
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
-        except Exception as exc:  # noqa: BLE001 - process edge: fail the batch, keep serving
-            logger.exception("engine step failed; failing its requests")
+        except Exception as exc:  # noqa: BLE001 - scheduling itself failed: nothing to isolate
+            logger.exception("engine step failed before running; failing its requests")
             self._fail_all(exc)
             return
         self.send_step_outputs(outputs)
@@ -229,10 +303,35 @@ class NodeServer:
             self.engine.abort(request_id)
             self.reply_error(request_id, exc, is_client_error=False)
 
+    def _end_orphans(self) -> None:
+        """End the requests of proxies that vanished (silent past orphan_timeout_s) or that a
+        send gave up on."""
+        now = time.monotonic()
+        if now < self._next_orphan_check_at and not self._unreachable:
+            return
+        self._next_orphan_check_at = now + _ORPHAN_CHECK_INTERVAL_S
+        for identity in self.proxies.pop_silent(self.config.orphan_timeout_s):
+            self._end_requests_of(identity, f"silent for {self.config.orphan_timeout_s:.0f} s")
+        for identity in list(self._unreachable):
+            self.proxies.drop(identity)
+            self._end_requests_of(identity, "unreachable")
+
+    def _end_requests_of(self, identity: bytes, why: str) -> None:
+        request_ids = self.proxies.owned_by(identity)
+        for request_id in request_ids:
+            self.forget(request_id)
+            self.handle_abort(request_id, identity)
+        num_leases = self.release_owned(identity)
+        num_ended = len(request_ids) + num_leases
+        self.num_orphaned_requests += num_ended
+        if num_ended:
+            logger.warning("proxy %s %s: aborted %d requests, released %d leases", short_id(identity), why,
+                           len(request_ids), num_leases)
+
     def _owner_of(self, out: StepOutput) -> bytes | None:
         if out.is_finished:
-            return self._owners.pop(out.request_id, None)
-        return self._owners.get(out.request_id)
+            return self.forget(out.request_id)
+        return self.proxies.owner(out.request_id)
 
     def _record_load(self) -> None:
         """Snapshot the load for the heartbeat thread (the loop's state must not be read there)."""
@@ -252,9 +351,13 @@ class NodeServer:
             num_total_blocks=engine.block_pool.num_blocks,
             num_kv_fallbacks=self.num_kv_fallbacks,
             prefill_tokens_per_s=engine.prefill_rate.tokens_per_s,
+            kv_layout=self.kv_layout_info(),
+            num_kv_fallbacks_by_reason=dict(self.num_kv_fallbacks_by_reason),
+            num_rejected_messages=self.num_rejected_messages,
+            num_orphaned_requests=self.num_orphaned_requests,
             **self.load_extras(),
         )
-        self._load = _LoadSnapshot(fields, dict(self._last_request_seqs))
+        self._load = _LoadSnapshot(fields, dict(self.proxies.last_request_seqs))
 
     def _send_load_report(self, identity: bytes) -> None:
         self.send(identity, self._load.report_for(identity))
@@ -263,7 +366,9 @@ class NodeServer:
         while not self._is_stopping.wait(self.config.load_report_interval_s):
             load = self._load
             for identity in load.last_request_seqs:
-                self.send(identity, load.report_for(identity))
+                # NOTE: a report is state, superseded by the next: skipped (not waited for)
+                # when the proxy's queue is full, so this thread never stalls the loop's sends.
+                self.control.try_send(identity, protocol.encode(load.report_for(identity)))
 
 
 @dataclass(frozen=True)
@@ -277,8 +382,3 @@ class _LoadSnapshot:
     def report_for(self, identity: bytes) -> protocol.LoadReport:
         return protocol.LoadReport(**self.fields, sent_at=time.time(),
                                    last_request_seq=self.last_request_seqs.get(identity, 0))
-
-
-def _delta(out: StepOutput) -> RequestDelta:
-    reason = out.finish_reason.value if out.finish_reason is not None else None
-    return RequestDelta(out.request_id, out.new_tokens, reason, out.num_prompt_tokens, out.prompt_logprobs)

@@ -11,7 +11,7 @@ from kv_transfer.base import KVConnector
 from kv_transfer.config import TransferConfig
 from kv_transfer.factory import create_connector
 from kv_transfer.fake import FakeRegistry
-from kv_transfer.layout import KVLayout
+from kv_transfer.layout import KVLayout, fingerprint, must_match_fields
 
 
 def kv_layout(engine: LLMEngine) -> KVLayout:
@@ -20,6 +20,11 @@ def kv_layout(engine: LLMEngine) -> KVLayout:
     fields = kv_layout_fields(config.model, engine.block_size, engine.block_pool.num_blocks,
                               model_fingerprint(config.model.model_dir))
     return KVLayout(**fields, code_version=f"pdserve-{protocol.PROTOCOL_VERSION}")
+
+
+def kv_layout_info(layout: KVLayout) -> protocol.KVLayoutInfo:
+    """The layout as nodes report it, for the proxy to pair only nodes that can exchange KV."""
+    return protocol.KVLayoutInfo(fingerprint(layout), must_match_fields(layout))
 
 
 def connector_for(engine: LLMEngine, config: TransferConfig, node_id: str,

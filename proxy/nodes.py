@@ -1,5 +1,6 @@
 """The proxy's view of its nodes: one DEALER socket per node, per-request message queues, load
-reports (the heartbeat), death detection and routing."""
+reports (the heartbeat), death detection and routing (a prefill node only with decode nodes of
+the same KV layout)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -19,8 +22,11 @@ from proxy.errors import NodeDied
 logger = logging.getLogger(__name__)
 
 # How often silent nodes are pinged and dead ones' requests failed. Cheap: a ping to a node
-# that is not connected fails at once (IMMEDIATE), and one that answers stops being pinged.
+# that is not connected fails at once (IMMEDIATE).
 _WATCH_INTERVAL_S = 0.1
+# NOTE: every node is pinged at least this often even while it reports: a node ends the
+# requests of a proxy it has not heard from within its orphan timeout (10 s by default).
+_PING_INTERVAL_S = 0.5
 
 @dataclass(frozen=True)
 class _Unreported:
@@ -41,6 +47,14 @@ class NodeClient:
     unreported: list[_Unreported] = field(default_factory=list)
     queues: dict[str, asyncio.Queue] = field(default_factory=dict)
     num_requests_sent: int = 0
+    last_ping_at: float = 0.0
+    logged_version: int | None = None  # a foreign protocol version this node was logged speaking
+
+    @property
+    def kv_fingerprint(self) -> str | None:
+        """The KV layout fingerprint the node reports (None: unknown, or a node moving no KV)."""
+        layout = self.last_report.kv_layout if self.last_report is not None else None
+        return layout.fingerprint if layout is not None else None
 
     @property
     def is_healthy(self) -> bool:
@@ -101,12 +115,18 @@ class NodePool:
     """All nodes of both kinds; start() begins receiving, stop() closes every socket."""
 
     def __init__(self, prefill_addresses, decode_addresses, heartbeat_timeout_s: float,
-                 local_prefill: LocalPrefillPolicy | None = None) -> None:
+                 local_prefill: LocalPrefillPolicy | None = None,
+                 curve_keys: protocol.CurveKeys | None = None) -> None:
         self.context = zmq.asyncio.Context()
         self.prefill = [NodeClient(a, "prefill", heartbeat_timeout_s) for a in prefill_addresses]
         self.decode = [NodeClient(a, "decode", heartbeat_timeout_s) for a in decode_addresses]
         self.local_prefill = local_prefill
+        self.curve_keys = curve_keys
         self.num_local_prefills = 0
+        # NOTE: one routing id for all of this proxy's sockets, kept across reconnects: a node
+        # hands a reconnected socket the same requests, and tells this proxy from others.
+        self.identity = f"proxy-{uuid.uuid4().hex[:12]}".encode()
+        self._mismatches_logged: set[tuple[str, str]] = set()
         self._tasks: list[asyncio.Task] = []
 
     @property
@@ -121,6 +141,12 @@ class NodePool:
             # NOTE: queue nothing for a node that is not connected: a request to a dead node fails
             # at once, and a restarted node never receives requests its clients gave up on.
             node.socket.setsockopt(zmq.IMMEDIATE, 1)
+            node.socket.setsockopt(zmq.IDENTITY, self.identity)
+            if self.curve_keys is not None:
+                keys = self.curve_keys
+                node.socket.curve_serverkey = keys.server_public
+                node.socket.curve_publickey = keys.client_public
+                node.socket.curve_secretkey = keys.client_secret
             node.socket.connect(f"tcp://{node.address}")
             self._tasks.append(asyncio.create_task(self._receive(node)))
         self._tasks.append(asyncio.create_task(self._watch()))
@@ -139,18 +165,50 @@ class NodePool:
         return min(lengths) if lengths else None
 
     def pick_prefill(self) -> NodeClient | None:
-        """Least queued prompt tokens (as reported plus what this proxy has in flight)."""
+        """Least queued prompt tokens (as reported plus what this proxy has in flight), among
+        the healthy prefill nodes that some healthy decode node can pull from (same KV layout).
+        While no decode node is healthy at all, among every healthy prefill node: one may come
+        back during the prefill (if not, the request fails and its lease is released)."""
         healthy = [n for n in self.prefill if n.is_healthy]
+        if any(n.is_healthy for n in self.decode):
+            healthy = [n for n in healthy if self.pick_decode(n) is not None]
         if not healthy:
             return None
-        return min(healthy, key=lambda n: n.last_report.num_queued_prompt_tokens + n.num_unreported_tokens)
+        return min(self._not_full(healthy), key=lambda n: n.last_report.num_queued_prompt_tokens
+                   + n.num_unreported_tokens)
 
-    def pick_decode(self) -> NodeClient | None:
-        """Most free blocks, then fewest running requests."""
+    def pick_decode(self, prefill: NodeClient | None = None) -> NodeClient | None:
+        """Most free blocks, then fewest running requests; with prefill given, only among the
+        decode nodes of its KV layout (that can read its blocks)."""
         healthy = [n for n in self.decode if n.is_healthy]
+        if prefill is not None:
+            healthy = [n for n in healthy if n.kv_fingerprint == prefill.kv_fingerprint]
         if not healthy:
             return None
-        return max(healthy, key=_decode_score)
+        return max(self._not_full(healthy), key=_decode_score)
+
+    def layout_mismatches(self) -> list[LayoutMismatch]:
+        """Healthy prefill/decode pairs whose KV layouts differ (never paired), each logged once."""
+        mismatches = []
+        for prefill in (n for n in self.prefill if n.is_healthy and n.last_report.kv_layout is not None):
+            for decode in (n for n in self.decode if n.is_healthy and n.last_report.kv_layout is not None):
+                if prefill.kv_fingerprint != decode.kv_fingerprint:
+                    mismatches.append(_mismatch(prefill, decode))
+        for mismatch in mismatches:
+            if (mismatch.prefill, mismatch.decode) not in self._mismatches_logged:
+                self._mismatches_logged.add((mismatch.prefill, mismatch.decode))
+                logger.error("%s: never routed together", mismatch.describe())
+        return mismatches
+
+    def no_kv_path(self) -> str | None:
+        """Why no request can take the disaggregated path (prefill nodes exist and are healthy,
+        but no decode node shares a KV layout with any of them); None when one can."""
+        healthy = [n for n in self.prefill if n.is_healthy]
+        if not healthy or any(self.pick_decode(n) is not None for n in healthy):
+            return None
+        mismatches = self.layout_mismatches()
+        detail = "; ".join(m.describe() for m in mismatches) or "no healthy decode node"
+        return f"no prefill/decode pair shares a KV layout: {detail}"
 
     def pick_local_prefill(self, prefill: NodeClient, num_prompt_tokens: int) -> NodeClient | None:
         """A decode node that should prefill this prompt itself rather than wait for the chosen
@@ -171,7 +229,9 @@ class NodePool:
         return best
 
     def down(self) -> list[str]:
-        return [f"{n.kind} {n.address}" for n in self.all if not n.is_healthy]
+        """Nodes not reporting, and pairs refused for differing KV layouts (with the fields)."""
+        return ([f"{n.kind} {n.address}" for n in self.all if not n.is_healthy]
+                + [m.describe() for m in self.layout_mismatches()])
 
     async def _receive(self, node: NodeClient) -> None:
         _ping(node)
@@ -179,8 +239,12 @@ class NodePool:
             try:
                 data = await node.socket.recv()
                 message = protocol.decode_from_node(data)
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                logger.warning("bad message from %s: %s", node.address, exc)
+            except msgspec.DecodeError as exc:
+                version = protocol.frame_version(data)
+                if version is not None and version != protocol.PROTOCOL_VERSION:
+                    _log_version_mismatch(node, version)
+                else:
+                    logger.warning("bad message from %s: %s", node.address, exc)
                 continue
             if isinstance(message, protocol.LoadReport):
                 _take_report(node, message)
@@ -191,18 +255,33 @@ class NodePool:
                 _deliver(node, message.request_id, message)
 
     async def _watch(self) -> None:
-        """Ping silent nodes (they learn this proxy's identity) and fail requests on dead ones."""
+        """Ping silent nodes (they learn this proxy's identity) at once and every node at least
+        every _PING_INTERVAL_S (so none takes this proxy for gone), and fail requests on dead
+        nodes."""
         was_healthy = {id(n): False for n in self.all}
         while True:
             await asyncio.sleep(_WATCH_INTERVAL_S)
+            now = time.monotonic()
             for node in self.all:
                 healthy = node.is_healthy
-                if not healthy:
+                if not healthy or now - node.last_ping_at >= _PING_INTERVAL_S:
                     _ping(node)
-                    if was_healthy[id(node)] or node.queues:
-                        logger.warning("%s node %s stopped reporting", node.kind, node.address)
-                        node.fail_all(NodeDied(f"{node.kind} node {node.address} stopped responding"))
+                if not healthy and (was_healthy[id(node)] or node.queues):
+                    logger.warning("%s node %s stopped reporting", node.kind, node.address)
+                    node.fail_all(NodeDied(f"{node.kind} node {node.address} stopped responding"))
                 was_healthy[id(node)] = healthy
+            self.layout_mismatches()  # logs each new mismatched pair once, as soon as both report
+
+    # Set by the proxy's admission (proxy.admission.is_full with its limits): routing passes over
+    # full nodes. None: no node is ever full.
+    is_full: Callable[[NodeClient], bool] | None = None
+
+    def _not_full(self, nodes: list[NodeClient]) -> list[NodeClient]:
+        """nodes less the full ones; all of them when every one is full (admission refuses new
+        requests then, so only requests admitted just before the reports changed get here)."""
+        if self.is_full is None:
+            return nodes
+        return [n for n in nodes if not self.is_full(n)] or nodes
 
 
 @dataclass(frozen=True)
@@ -215,11 +294,41 @@ class LocalPrefillPolicy:
     penalty: float
 
 
+@dataclass(frozen=True)
+class LayoutMismatch:
+    """A prefill and a decode node that cannot exchange KV: the fields that differ, as
+    (prefill's value, decode's value)."""
+
+    prefill: str  # address
+    decode: str
+    fields: dict[str, tuple[str, str]]
+
+    def describe(self) -> str:
+        diffs = ", ".join(f"{name}: prefill {p!r}, decode {d!r}" for name, (p, d) in self.fields.items())
+        return f"KV layout mismatch between prefill {self.prefill} and decode {self.decode} ({diffs})"
+
+
+def _mismatch(prefill: NodeClient, decode: NodeClient) -> LayoutMismatch:
+    ours, theirs = prefill.last_report.kv_layout.fields, decode.last_report.kv_layout.fields
+    fields = {name: (ours.get(name, "?"), theirs.get(name, "?")) for name in sorted({*ours, *theirs})
+              if ours.get(name) != theirs.get(name)}
+    return LayoutMismatch(prefill.address, decode.address, fields)
+
+
 def _ping(node: NodeClient) -> None:
     """Ask for a LoadReport (a node answers only proxies it has heard from); no-op while the
     connection is down, the next tick tries again."""
+    node.last_ping_at = time.monotonic()
     with contextlib.suppress(NodeDied):
         node.send(protocol.Ping())
+
+
+def _log_version_mismatch(node: NodeClient, version: int) -> None:
+    """Logged once per node and version: the node stays unhealthy and gets no requests."""
+    if node.logged_version != version:
+        logger.error("%s node %s speaks protocol %d, this proxy %d: not using it", node.kind, node.address,
+                     version, protocol.PROTOCOL_VERSION)
+        node.logged_version = version
 
 
 def _decode_score(node: NodeClient) -> tuple[int, int]:

@@ -18,15 +18,22 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class Step:
-    """Tokens a node produced for the request since the last step; finish_reason set on the last."""
+    """Tokens a node produced for the request since the last step; finish_reason set on the last.
+    prompt_logprobs (one per prompt token) on the first step, when the request asked for them."""
 
     tokens: list[protocol.TokenLogprob]
     finish_reason: str | None = None
+    prompt_logprobs: list[protocol.TokenLogprob] | None = None
+    # How the decode node got the prompt's KV (kv.label: "pulled", "local", "fallback:<reason>"):
+    # on the first step from the decode node; None on the others and when the request ended on
+    # its prefill node.
+    kv: protocol.KVOutcome | None = None
 
 
 async def run_request(pool: NodePool, request_id: str, prompt_ids: list[int], sampling: protocol.SamplingOptions,
                       first_token_timeout_s: float, token_timeout_s: float) -> AsyncIterator[Step]:
-    """Yields the request's tokens; raises NoNodeAvailable, NodeRejected, NodeDied or TimeoutError.
+    """Yields the request's tokens; raises NoNodeAvailable, NodeRejected, NodeDied (also when
+    a node's token deltas do not continue each other: messages were lost) or TimeoutError.
 
     Disaggregated: PrefillRequest to a prefill node -> the first token (yielded at once) and a KV
     handle -> DecodeRequest to a decode node, which pulls the KV -> token batches. Colocated (no
@@ -40,18 +47,20 @@ async def run_request(pool: NodePool, request_id: str, prompt_ids: list[int], sa
                                                      cleanup)
         if result is not None and result.finish_reason is not None:
             cleanup.is_finished = True
-            yield Step([result.first_token], result.finish_reason)
+            yield Step([result.first_token], result.finish_reason, result.prompt_logprobs)
             return
         first, handle = (result.first_token, result.kv_handle) if result is not None else (None, None)
-        decode = local or pool.pick_decode()
+        decode = local or pool.pick_decode(cleanup.lease_holder)  # NOTE: the holder's KV layout, if any
         if decode is None:
-            raise NoNodeAvailable("no healthy decode node")
+            raise NoNodeAvailable("no healthy decode node" + (f" shares the KV layout of prefill node "
+                                                              f"{cleanup.lease_holder.address}"
+                                                              if cleanup.lease_holder else ""))
         queue = decode.open(request_id)
         cleanup.holder = decode
         decode.send_request(protocol.DecodeRequest(request_id, prompt_ids, sampling, first, handle, time.time()))
         cleanup.lease_holder = None  # NOTE: the decode node releases the lease from here on, pulled or not
         if first is not None:
-            yield Step([first])
+            yield Step([first], prompt_logprobs=result.prompt_logprobs)
         async for step in _decode_steps(queue, decode, request_id, first is None, first_token_timeout_s,
                                         token_timeout_s):
             cleanup.is_finished = step.finish_reason is not None
@@ -91,7 +100,7 @@ async def _prefill_or_pick_local(pool: NodePool, request_id: str, prompt_ids: li
         return None, None
     prefill = pool.pick_prefill()
     if prefill is None:
-        raise NoNodeAvailable("no healthy prefill node")
+        raise NoNodeAvailable(pool.no_kv_path() or "no healthy prefill node")
     local = pool.pick_local_prefill(prefill, len(prompt_ids))
     if local is not None:
         return local, None
@@ -106,12 +115,17 @@ async def _prefill_or_pick_local(pool: NodePool, request_id: str, prompt_ids: li
 async def _decode_steps(queue: asyncio.Queue, decode: NodeClient, request_id: str, is_colocated: bool,
                         first_token_timeout_s: float, token_timeout_s: float) -> AsyncIterator[Step]:
     timeout_s = first_token_timeout_s if is_colocated else token_timeout_s
+    next_token_idx = 0 if is_colocated else 1  # NOTE: a prefill node sampled token 0
     while True:
         message = await _next(queue, timeout_s, decode, request_id)
         timeout_s = token_timeout_s
         if isinstance(message, protocol.ErrorReply):
             raise NodeRejected(message)
-        yield Step(list(message.tokens), message.finish_reason)
+        if message.first_token_idx != next_token_idx:
+            raise NodeDied(f"request {request_id}: {decode.kind} node {decode.address} sent tokens from index "
+                           f"{message.first_token_idx}, expected {next_token_idx}: messages were lost")
+        next_token_idx += len(message.tokens)
+        yield Step(list(message.tokens), message.finish_reason, message.prompt_logprobs, message.kv)
         if message.finish_reason is not None:
             return
 

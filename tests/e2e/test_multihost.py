@@ -1,6 +1,8 @@
 """Nodes on separate hosts: the proxy, 2 prefill and 2 decode nodes each in a network namespace
-of its own (own address, veth to a bridge), KV moving over NIXL/UCX TCP between them. Greedy
-output equals transformers' and no prompt falls back or is prefilled on a decode node."""
+of its own (own address, veth to a bridge), KV moving over NIXL/UCX TCP between them, every
+control and side-channel socket under the cluster secret (off loopback, nothing runs without
+one). Greedy output equals transformers' and no prompt falls back or is prefilled on a decode
+node."""
 
 from __future__ import annotations
 
@@ -11,9 +13,10 @@ from pathlib import Path
 import openai
 import pytest
 
+from engine.protocol import curve_keys
 from pdserve.launcher import Cluster, Deployment, wait_healthy
 from pdserve.netns import TestNetwork
-from tests.e2e.conftest import NODE_ARGS, assert_kv_path_only, wait_blocks_free
+from tests.e2e.conftest import CLUSTER_SECRET, NODE_ARGS, assert_kv_path_only, wait_blocks_free
 from tests.e2e.test_pipeline import hf, hf_greedy, random_prompts  # noqa: F401 - hf is a fixture
 
 NODE_PORT = 7100  # every host has its own port space
@@ -28,10 +31,11 @@ def _start_hosts(net: TestNetwork, model_dir: Path, log_dir: Path) -> Deployment
     for name in NAMES[1:]:
         kind = name.rstrip("0123456789")
         argv = PDSERVE + [kind, "--model", str(model_dir), "--host", net.hosts[name].address, "--port",
-                          str(NODE_PORT), "--node-id", name, *NODE_ARGS]
+                          str(NODE_PORT), "--node-id", name, "--cluster-secret", CLUSTER_SECRET, *NODE_ARGS]
         cluster.start(name, net.hosts[name].command(argv), log_dir)
     proxy_argv = PDSERVE + ["proxy", "--model", str(model_dir), "--host", net.hosts["proxy"].address,
                             "--port", str(PROXY_PORT), "--local-prefill-min-wait-s", "-1",
+                            "--cluster-secret", CLUSTER_SECRET,
                             "--prefill", ",".join(addresses[n] for n in ("prefill0", "prefill1")),
                             "--decode", ",".join(addresses[n] for n in ("decode0", "decode1"))]
     cluster.start("proxy", net.hosts["proxy"].command(proxy_argv), log_dir)
@@ -66,9 +70,10 @@ def test_32_concurrent_greedy_requests_across_five_hosts_equal_transformers(mult
     results = asyncio.run(run_all())
     for i, (result, want) in enumerate(zip(results, expected)):
         assert result.choices[0].text == tokenizer.decode(want, skip_special_tokens=True), f"prompt {i}"
-    assert_kv_path_only(deployment)
+    keys = curve_keys(CLUSTER_SECRET)
+    assert_kv_path_only(deployment, keys)
     # Each node listens on its own host's address, not loopback, and holds nothing afterwards.
     for name, address in deployment.node_addresses.items():
         assert address.startswith(net.hosts[name].address + ":")
-        report = wait_blocks_free(address)
+        report = wait_blocks_free(address, keys=keys)
         assert report.num_free_blocks == report.num_total_blocks, name

@@ -1,8 +1,11 @@
-"""The wire's new sampling fields (logit_bias, structured, prompt_logprobs) and prompt logprobs
-in results: ranges both sides check, and msgpack round trips."""
+"""The wire's sampling fields (logit_bias, structured, prompt_logprobs, every integer and float
+option) and prompt logprobs in results: ranges both sides check (integers fit a signed 64-bit
+tensor, token ids int32, floats are finite), msgpack round trips, the version header every
+frame carries, and the cluster keys derived from a secret."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from engine import protocol
@@ -21,9 +24,34 @@ def test_new_fields_round_trip_through_msgpack():
     entries = [TokenLogprob(1), TokenLogprob(2, -0.5, [(2, -0.5), (9, -1.0)])]
     result = protocol.PrefillResult("r", TokenLogprob(4), 2, prompt_logprobs=entries)
     assert protocol.decode_from_node(protocol.encode(result)) == result
-    batch = protocol.TokenBatch([protocol.RequestDelta("r", [TokenLogprob(4)], None, 2, entries),
-                                 protocol.RequestDelta("s", [TokenLogprob(5)])])
+    outcome = protocol.KVOutcome(protocol.KVSource.FALLBACK, protocol.KVFallbackReason.LEASE_LOST)
+    batch = protocol.TokenBatch([protocol.RequestDelta("r", [TokenLogprob(4)], 1, None, 2, entries, outcome),
+                                 protocol.RequestDelta("s", [TokenLogprob(5)], 0)])
     assert protocol.decode_from_node(protocol.encode(batch)) == batch
+    assert outcome.label == "fallback:lease_lost" and protocol.KVOutcome(protocol.KVSource.PULLED).label == "pulled"
+
+
+def test_frames_of_another_version_or_without_a_header_are_refused_before_decoding():
+    frame = protocol.encode(protocol.Ping())
+    assert protocol.frame_version(frame) == protocol.PROTOCOL_VERSION
+    assert isinstance(protocol.decode_to_node(frame), protocol.Ping)
+    older = b"PD" + (protocol.PROTOCOL_VERSION - 1).to_bytes(2, "big") + frame[4:]
+    for data, named in ((older, f"version {protocol.PROTOCOL_VERSION - 1}"), (frame[4:], "no version header"),
+                        (b"", "no version header")):
+        with pytest.raises(msgspec.DecodeError, match=named):
+            protocol.decode_to_node(data)
+    with pytest.raises(msgspec.DecodeError):
+        protocol.decode_from_node(frame[:-1] + b"\xc1")  # truncated / malformed msgpack
+
+
+def test_curve_keys_are_derived_alike_everywhere_and_never_printed():
+    keys = protocol.curve_keys("a-cluster-secret-of-some-length")
+    assert keys == protocol.curve_keys("a-cluster-secret-of-some-length")
+    assert keys != protocol.curve_keys("another-cluster-secret-entirely")
+    assert len(keys.server_public) == len(keys.client_secret) == 40 and keys.server_public != keys.client_public
+    assert "secret" not in repr(keys).replace("CurveKeys", "") and keys.server_secret.decode() not in repr(keys)
+    with pytest.raises(ValueError, match="at least 16"):
+        protocol.curve_keys("short")
 
 
 @pytest.mark.parametrize("kwargs, param", [
@@ -38,6 +66,20 @@ def test_new_fields_round_trip_through_msgpack():
     (dict(structured=StructuredOutput(StructuredKind.JSON_SCHEMA, "{not json")), "structured"),
     (dict(structured=StructuredOutput(StructuredKind.JSON_SCHEMA, "[1, 2]")), "structured"),
     (dict(structured=StructuredOutput(StructuredKind.JSON_SCHEMA, HUGE_SCHEMA)), "structured"),
+    (dict(logit_bias={2**31: 1.0}), "logit_bias"),
+    (dict(top_k=2**63), "top_k"),
+    (dict(max_tokens=2**63), "max_tokens"),
+    (dict(min_tokens=2**64 - 1), "min_tokens"),
+    (dict(seed=2**63), "seed"),
+    (dict(seed=-1), "seed"),
+    (dict(stop_token_ids=[2**31]), "stop_token_ids"),
+    (dict(stop_token_ids=[-1]), "stop_token_ids"),
+    (dict(stop_token_ids=list(range(protocol.MAX_STOP_TOKEN_IDS + 1))), "stop_token_ids"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(top_p=float("nan")), "top_p"),
+    (dict(min_p=float("inf")), "min_p"),
+    (dict(repetition_penalty=float("nan")), "repetition_penalty"),
+    (dict(presence_penalty=float("-inf")), "presence_penalty"),
 ])
 def test_out_of_range_values_raise_sampling_error_naming_the_field(kwargs, param):
     with pytest.raises(SamplingError, match=param) as info:
@@ -51,3 +93,23 @@ def test_edges_of_the_ranges_are_allowed():
         structured=StructuredOutput(StructuredKind.JSON_OBJECT)))
     protocol.check_sampling(SamplingOptions(prompt_logprobs=0, structured=StructuredOutput(
         StructuredKind.JSON_SCHEMA, SCHEMA)))
+
+
+def test_integer_options_at_their_64_bit_edges_are_accepted_and_sample_without_overflow(tiny_model_dir):
+    from engine.config import CacheConfig, EngineConfig, ModelConfig
+    from engine.engine import LLMEngine
+    from engine.sampling_params import SamplingParams
+
+    engine = LLMEngine(EngineConfig(ModelConfig.from_pretrained(tiny_model_dir), CacheConfig(num_blocks=16)))
+    edges = SamplingParams(max_tokens=protocol.MAX_INT64, min_tokens=2, top_k=protocol.MAX_INT64,
+                           seed=protocol.MAX_SEED, stop_token_ids=[protocol.MAX_TOKEN_ID, 0], temperature=1.0,
+                           top_p=0.9, logprobs=protocol.MAX_LOGPROBS)
+    engine.add_request("edges", [5, 6, 7], edges)
+    engine.add_request("greedy", [5, 6, 7], SamplingParams(max_tokens=3, temperature=0.0,
+                                                           stop_token_ids=[protocol.MAX_TOKEN_ID]))
+    outputs = []
+    for _ in range(4):
+        outputs += engine.step()
+    assert {o.request_id for o in outputs} == {"edges", "greedy"} and all(o.error is None for o in outputs)
+    engine.abort("edges")
+    engine.check_leaks()

@@ -1,19 +1,33 @@
-"""A stand-alone KV holder process for tests: python peer.py BACKEND SEED LAYOUT_JSON [PORT].
+"""A stand-alone KV holder process for tests: python peer.py BACKEND SEED LAYOUT_JSON [PORT [SECRET]].
 
 Fills an engine-shaped cache with seeded random floats, serves it, prints its address and
-engine id as one JSON line, then prints each released request id until stdin closes.
+engine id as one JSON line. Then, for each line `lease REQUEST_ID [BLOCK_IDS]` on stdin, holds a
+lease on those blocks and prints {"leased": id, "generation": g}; for `expire REQUEST_ID` it
+ends the lease as an expiry would, overwrites its blocks (as reuse would) and prints
+{"expired": id}; it prints {"released": id} for each lease a reader ended. Stops when stdin
+closes.
 """
 
 import json
+import queue
 import sys
+import threading
 import time
 
 import msgspec
 import torch
 
+from engine.protocol import curve_keys
 from kv_transfer.config import TransferConfig
 from kv_transfer.factory import create_connector
 from kv_transfer.layout import KVLayout
+from kv_transfer.lease import LeaseTable
+
+
+def read_commands(commands: queue.SimpleQueue) -> None:
+    for line in sys.stdin:
+        commands.put(line.split(maxsplit=2))
+    commands.put(None)
 
 
 def main() -> None:
@@ -22,11 +36,27 @@ def main() -> None:
     shape = (layout.num_blocks, layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
     cache = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
     port = int(sys.argv[4]) if len(sys.argv) > 4 else 0
-    connector = create_connector(TransferConfig(backend=backend, side_channel_port=port), cache, layout, "holder")
+    keys = curve_keys(sys.argv[5]) if len(sys.argv) > 5 else None
+    config = TransferConfig(backend=backend, side_channel_port=port, curve_keys=keys)
+    connector = create_connector(config, cache, layout, "holder")
+    leases = LeaseTable(600.0)
+    connector.serve_leases(leases)
     print(json.dumps({"address": connector.agent_address, "engine_id": connector.engine_id}), flush=True)
+    commands: queue.SimpleQueue = queue.SimpleQueue()
+    threading.Thread(target=read_commands, args=(commands,), daemon=True).start()
     try:
         while True:
-            for request_id in connector.poll_released():
+            while not commands.empty():
+                command = commands.get()
+                if command is None:
+                    return
+                if command[0] == "lease":
+                    generation = leases.add(command[1], json.loads(command[2]))
+                    print(json.dumps({"leased": command[1], "generation": generation}), flush=True)
+                elif command[0] == "expire":
+                    cache[leases.release(command[1])] = -1.0
+                    print(json.dumps({"expired": command[1]}), flush=True)
+            for request_id, _ in leases.pop_ended():
                 print(json.dumps({"released": request_id}), flush=True)
             time.sleep(0.002)
     finally:

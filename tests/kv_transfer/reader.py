@@ -1,8 +1,10 @@
-"""A stand-alone KV reader for the dead-holder test: python reader.py BACKEND LAYOUT_JSON ADDRESS ENGINE_ID.
+"""A stand-alone KV reader for the dead-holder test:
+python reader.py BACKEND LAYOUT_JSON ADDRESS ENGINE_ID WARM_GENERATION.
 
-Reads one block to warm up and prints {"warm": ok}; waits for a line on stdin; then starts four
-reads (the holder is dead by then), polls them, prints one JSON line of results and of the
-blocks still allocated, and leaves with os._exit (UCX's teardown after a dead peer aborts).
+Reads one block (the holder's lease "warm" on block 0, of the given generation) to warm up and
+prints {"warm": ok}; waits for a line on stdin; then starts four reads (the holder is dead by
+then), polls them, prints one JSON line of results and of the blocks still allocated, and
+leaves with os._exit (UCX's teardown after a dead peer aborts).
 """
 
 import json
@@ -13,6 +15,7 @@ import time
 import msgspec
 import torch
 
+from kv_transfer.base import RemoteLease
 from kv_transfer.config import TransferConfig
 from kv_transfer.factory import create_connector
 from kv_transfer.layout import KVLayout
@@ -29,12 +32,12 @@ def poll_all(connector, ids, timeout_s):
 
 
 def main() -> None:
-    backend, layout_json, address, engine_id = sys.argv[1:5]
+    backend, layout_json, address, engine_id, warm_generation = sys.argv[1:6]
     layout = msgspec.json.decode(layout_json, type=KVLayout)
     shape = (layout.num_blocks, layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
     config = TransferConfig(backend=backend, transfer_timeout_s=3.0, handshake_timeout_s=2.0)
     connector = create_connector(config, torch.zeros(shape), layout, "reader")
-    connector.start_read("warm", engine_id, address, [0], [0])
+    connector.start_read("warm", RemoteLease(engine_id, address, [0], int(warm_generation), 600.0), [0])
     warm = poll_all(connector, {"warm"}, 20)
     print(json.dumps({"warm": bool(warm) and warm["warm"].is_ok}), flush=True)
     sys.stdin.readline()
@@ -42,7 +45,8 @@ def main() -> None:
     started = time.monotonic()
     for i in range(4):
         allocated[f"dead-{i}"] = [10 + 2 * i, 11 + 2 * i]  # what a node would have allocated
-        connector.start_read(f"dead-{i}", engine_id, address, [1, 2], allocated[f"dead-{i}"])
+        lease = RemoteLease(engine_id, address, [1, 2], 100 + i, 600.0)
+        connector.start_read(f"dead-{i}", lease, allocated[f"dead-{i}"])
     results = poll_all(connector, set(allocated), 10)
     for request_id, result in results.items():
         if not result.is_ok:

@@ -1,6 +1,7 @@
 """Real connectors between two processes: blocks arrive bit-identical, layouts are checked,
 a holder refuses a foreign Hello by code, a dead holder fails reads within the timeout and
-leaves nothing allocated on the live side."""
+leaves nothing allocated on the live side, a read of a lease that ended first is discarded,
+and with a cluster secret the side channel answers only its holders (and survives garbage)."""
 
 from __future__ import annotations
 
@@ -15,14 +16,27 @@ from pathlib import Path
 import msgspec
 import pytest
 import torch
+import zmq
 
+from engine.protocol import curve_keys
 from kv_transfer import side_channel
+from kv_transfer.base import FailureCode, RemoteLease
 from kv_transfer.config import TransferConfig
 from kv_transfer.errors import HandshakeFailed, LayoutMismatch
 from kv_transfer.factory import create_connector
 from kv_transfer.handshake import check_reply
 from kv_transfer.layout import KVLayout
-from kv_transfer.messages import SIDE_CHANNEL_VERSION, GlooStoreInfo, HandshakeErrorCode, Hello, HelloReply
+from kv_transfer.messages import (
+    SIDE_CHANNEL_VERSION,
+    ConfirmRead,
+    GlooStoreInfo,
+    HandshakeErrorCode,
+    Hello,
+    HelloReply,
+    LeaseRef,
+    ReadConfirmed,
+    RenewLeases,
+)
 
 PEER = Path(__file__).with_name("peer.py")
 REPO = Path(__file__).resolve().parents[2]
@@ -33,14 +47,16 @@ LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=16, block_size=16, dtyp
 class Holder:
     """A peer.py process started on its own (no shared Python parent state), killed by pid."""
 
-    def __init__(self, backend: str, seed: int, layout: KVLayout = LAYOUT, port: int = 0) -> None:
+    def __init__(self, backend: str, seed: int, layout: KVLayout = LAYOUT, port: int = 0,
+                 secret: str | None = None) -> None:
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         layout_json = msgspec.json.encode(layout).decode()
-        self.proc = subprocess.Popen([sys.executable, str(PEER), backend, str(seed), layout_json, str(port)],
-                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
-                                     start_new_session=True)
+        argv = [sys.executable, str(PEER), backend, str(seed), layout_json, str(port), *([secret] if secret else [])]
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                     text=True, env=env, start_new_session=True)
         hello = self._read_line(timeout_s=60)
         self.address, self.engine_id = hello["address"], hello["engine_id"]
+        self._released: set[str] = set()  # seen while waiting for another answer
         shape = (layout.num_blocks, layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
         self.cache = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
 
@@ -54,8 +70,30 @@ class Holder:
                 raise RuntimeError(f"holder exited with {self.proc.returncode}")
         raise TimeoutError("holder did not start")
 
+    def lease(self, request_id: str, block_ids: list[int]) -> RemoteLease:
+        """Hold block_ids for request_id on the holder (as a prefill node does); the handle's lease."""
+        self.proc.stdin.write(f"lease {request_id} {json.dumps(block_ids)}\n")
+        self.proc.stdin.flush()
+        line = self._answer("leased")
+        assert line["leased"] == request_id, line
+        return RemoteLease(self.engine_id, self.address, block_ids, line["generation"], 600.0)
+
+    def expire(self, request_id: str) -> None:
+        """End the lease as its expiry would, and overwrite its blocks as their reuse would."""
+        self.proc.stdin.write(f"expire {request_id}\n")
+        self.proc.stdin.flush()
+        assert self._answer("expired") == {"expired": request_id}
+
+    def _answer(self, key: str) -> dict:
+        """The next line with key, keeping the releases printed before it."""
+        while True:
+            line = self._read_line(timeout_s=10)
+            if key in line:
+                return line
+            self._released.add(line["released"])
+
     def released(self, count: int, timeout_s: float = 10.0) -> set[str]:
-        ids = set()
+        ids, self._released = self._released, set()
         deadline = time.monotonic() + timeout_s
         while len(ids) < count and time.monotonic() < deadline:
             ids.add(self._read_line(timeout_s=deadline - time.monotonic())["released"])
@@ -88,6 +126,11 @@ def reader(backend: str, layout: KVLayout = LAYOUT, **config):
     return connector, cache
 
 
+def unleased(holder: Holder, block_ids: list[int], generation: int = 999) -> RemoteLease:
+    """A lease the holder never made (for reads that fail before the holder is asked)."""
+    return RemoteLease(holder.engine_id, holder.address, block_ids, generation, 600.0)
+
+
 def poll_until(connector, request_ids: set[str], timeout_s: float) -> dict:
     results = {}
     deadline = time.monotonic() + timeout_s
@@ -112,7 +155,7 @@ def test_many_reads_into_non_contiguous_blocks_arrive_bit_identical(backend, hol
             remote = rng.sample(range(LAYOUT.num_blocks), n)
             local = [free.pop() for _ in range(n)]
             plans[f"req-{i}"] = (remote, local)
-            connector.start_read(f"req-{i}", holder.engine_id, holder.address, remote, local)
+            connector.start_read(f"req-{i}", holder.lease(f"req-{i}", remote), local)
         results = poll_until(connector, set(plans), timeout_s=30)
         assert all(r.is_ok for r in results.values()), [r.error for r in results.values()]
         for request_id, (remote, local) in plans.items():
@@ -128,9 +171,9 @@ def test_mismatched_layout_is_refused_naming_both_values(backend, holders):
     other = msgspec.structs.replace(LAYOUT, block_size=32, dtype="bfloat16")
     connector, _ = reader(backend, layout=other)
     try:
-        connector.start_read("r", holder.engine_id, holder.address, [0], [0])
+        connector.start_read("r", unleased(holder, [0]), [0])
         [result] = poll_until(connector, {"r"}, timeout_s=10).values()
-        assert not result.is_ok
+        assert not result.is_ok and result.failure is FailureCode.LAYOUT_MISMATCH
         assert "block_size: local 16, remote 32" in result.error or "block_size: local 32, remote 16" in result.error
         assert "bfloat16" in result.error and "float32" in result.error
     finally:
@@ -162,10 +205,11 @@ def test_holder_refuses_a_foreign_hello_by_code_and_the_reader_raises_by_code(ho
 @pytest.mark.parametrize("backend", ["nixl", "gloo"])
 def test_killed_holder_fails_reads_within_timeout_and_blocks_come_back(backend, holders):
     holder = holders(backend, seed=3)
+    warm = holder.lease("warm", [0])
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     reader_proc = subprocess.Popen(
         [sys.executable, str(PEER.with_name("reader.py")), backend, msgspec.json.encode(LAYOUT).decode(),
-         holder.address, holder.engine_id],
+         holder.address, holder.engine_id, str(warm.generation)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
         start_new_session=True,
     )
@@ -198,17 +242,17 @@ def test_holder_restarted_on_the_same_port_is_handshaken_again(holders):
     first = holders("nixl", seed=5)
     connector, cache = reader("nixl")
     try:
-        connector.start_read("before", first.engine_id, first.address, [3], [4])
+        connector.start_read("before", first.lease("before", [3]), [4])
         assert poll_until(connector, {"before"}, timeout_s=20)["before"].is_ok
         first.kill()
         port = int(first.address.rsplit(":", 1)[1])
         second = holders("nixl", seed=6, port=port)
         assert second.address == first.address and second.engine_id != first.engine_id
-        connector.start_read("after", second.engine_id, second.address, [3, 7], [4, 9])
+        connector.start_read("after", second.lease("after", [3, 7]), [4, 9])
         result = poll_until(connector, {"after"}, timeout_s=20)["after"]
         assert result.is_ok, result.error
         assert torch.equal(cache[[4, 9]], second.cache[[3, 7]])
-        connector.start_read("stale", first.engine_id, first.address, [3], [5])  # the old peer was dropped
+        connector.start_read("stale", unleased(first, [3]), [5])  # the old peer was dropped
         result = poll_until(connector, {"stale"}, timeout_s=20)["stale"]
         assert not result.is_ok and "restarted" in result.error and second.engine_id in result.error
     finally:
@@ -225,18 +269,20 @@ def test_aborted_reads_never_write_their_blocks_and_holder_is_told(backend, hold
     connector, cache = reader(backend, layout=layout)
     try:
         blocks = list(range(1, 256))
-        connector.start_read("early", holder.engine_id, holder.address, blocks, blocks)
+        early = holder.lease("early", blocks)
+        connector.start_read("early", early, blocks)
         connector.abort_read("early")  # while the handshake is under way
-        connector.start_read("warm", holder.engine_id, holder.address, [0], [0])
+        connector.start_read("warm", holder.lease("warm", [0]), [0])
         assert poll_until(connector, {"warm"}, timeout_s=20)["warm"].is_ok
         assert cache[blocks].isnan().all()
-        connector.start_read("big", holder.engine_id, holder.address, blocks, blocks)
+        big = holder.lease("big", blocks)
+        connector.start_read("big", big, blocks)
         finished = connector.poll()
         assert backend == "nixl" or (finished == [] and connector.num_reads_in_flight == 1)
         connector.abort_read("big")
         cache[blocks] = 0.0  # the node reuses the blocks at once
-        for request_id in ("early", "big"):
-            connector.release_remote(request_id, holder.engine_id, holder.address)
+        for request_id, lease in (("early", early), ("big", big)):
+            connector.release_remote(request_id, lease)
         assert holder.released(3) == {"warm", "early", "big"}
         deadline = time.monotonic() + 0.5
         while time.monotonic() < deadline:  # nothing reports an aborted read or writes its blocks later
@@ -256,10 +302,81 @@ def test_read_from_an_address_nobody_serves_fails_within_the_handshake_timeout(b
     connector, cache = reader(backend, handshake_timeout_s=1.0)
     try:
         started = time.monotonic()
-        connector.start_read("r", "nobody-1", address, [0], [0])
+        connector.start_read("r", RemoteLease("nobody-1", address, [0], 1, 600.0), [0])
         result = poll_until(connector, {"r"}, timeout_s=10).get("r")
         assert result is not None and not result.is_ok and "no answer" in result.error and address in result.error
+        assert result.failure is FailureCode.HANDSHAKE
         assert time.monotonic() - started < 1.0 + 1.0
         assert connector.num_reads_in_flight == 0 and cache[0].isnan().all()
     finally:
         connector.close()
+
+
+@pytest.mark.parametrize("backend", ["nixl", "gloo"])
+def test_read_of_a_lease_that_ended_first_is_discarded_as_lease_lost(backend, holders):
+    holder = holders(backend, seed=8)
+    connector, cache = reader(backend)
+    try:
+        connector.start_read("warm", holder.lease("warm", [0]), [0])
+        assert poll_until(connector, {"warm"}, timeout_s=20)["warm"].is_ok
+        lease = holder.lease("late", [3, 4])
+        holder.expire("late")  # the holder freed the blocks and reused them before the read
+        connector.start_read("late", lease, [5, 6])
+        result = poll_until(connector, {"late"}, timeout_s=20)["late"]
+        assert not result.is_ok and result.failure is FailureCode.LEASE_LOST, result
+        # gloo scatters only confirmed reads; NIXL's READ landed, but the node frees those blocks.
+        assert backend == "nixl" or cache[[5, 6]].isnan().all()
+        connector.start_read("next", holder.lease("next", [7]), [8])  # the peer is still good
+        assert poll_until(connector, {"next"}, timeout_s=20)["next"].is_ok
+        assert torch.equal(cache[8], holder.cache[7])
+    finally:
+        connector.close()
+
+
+def test_with_a_cluster_secret_only_its_holders_get_answers_and_blocks(holders):
+    secret = "side-channel-secret-0123456789"
+    holder = holders("nixl", seed=9, secret=secret)
+    hello = Hello(SIDE_CHANNEL_VERSION, "probe", LAYOUT, "nixl")
+    for keys in (None, curve_keys("another-secret-0123456789")):
+        with pytest.raises(HandshakeFailed, match="no answer"):
+            side_channel.request(holder.address, hello, timeout_s=1.0, keys=keys)
+    reply = side_channel.request(holder.address, hello, timeout_s=5.0, keys=curve_keys(secret))
+    assert isinstance(reply, HelloReply) and reply.refusal is None and reply.backend_info is not None
+    for keys, is_member in ((None, False), (curve_keys(secret), True)):
+        connector, cache = reader("nixl", curve_keys=keys, handshake_timeout_s=1.0)
+        try:
+            request_id = f"member-{is_member}"
+            connector.start_read(request_id, holder.lease(request_id, [1, 2]), [3, 4])
+            result = poll_until(connector, {request_id}, timeout_s=20)[request_id]
+            assert result.is_ok is is_member, result
+            assert torch.equal(cache[[3, 4]], holder.cache[[1, 2]]) is is_member
+        finally:
+            connector.close()
+
+
+def test_side_channel_survives_garbage_and_answers_after_it(holders):
+    holder = holders("nixl", seed=10)
+    socket = zmq.Context.instance().socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.connect(f"tcp://{holder.address}")
+    try:
+        frame = side_channel.encode
+        bad = [b"", b"\xff" * 64, b"KV\x00\x01" + msgspec.msgpack.encode({"x": 1}),  # another version
+               frame(HelloReply(SIDE_CHANNEL_VERSION, "x", LAYOUT, "nixl")),  # not for a holder
+               frame(RenewLeases("not-this-engine", [LeaseRef("r", 1)])),
+               frame(RenewLeases(holder.engine_id, [LeaseRef("unknown", 7)])),
+               b"KV" + SIDE_CHANNEL_VERSION.to_bytes(2, "big") + b"\x85\xa3abc"]  # truncated msgpack
+        for payload in bad:
+            socket.send(payload)
+        socket.send_multipart([b"two", b"frames"])
+        socket.send(frame(ConfirmRead(holder.engine_id, LeaseRef("unknown", 3))))  # no such lease: not held
+        deadline = time.monotonic() + 5
+        replies = []
+        while time.monotonic() < deadline and not any(isinstance(r, ReadConfirmed) for r in replies):
+            if socket.poll(100):
+                replies.append(side_channel.decode(socket.recv()))
+        assert ReadConfirmed(LeaseRef("unknown", 3), False) in replies
+        reply = side_channel.request(holder.address, Hello(SIDE_CHANNEL_VERSION, "probe", LAYOUT, "nixl"), 5.0)
+        assert isinstance(reply, HelloReply) and reply.refusal is None and holder.proc.poll() is None
+    finally:
+        socket.close(linger=0)

@@ -1,7 +1,9 @@
 """The connector contract through FakeConnector alone: what a read reports (success, injected
-failure, timeout, layout mismatch, abort mid-transfer, a restarted holder) and what the holder
-hears (poll_released). The block accounting around it is the real nodes' and is tested on them
-(tests/nodes/test_node_transfers.py). Also LayoutMismatch, LeaseTable and TransferConfig alone."""
+failure, timeout, layout mismatch, abort mid-transfer, a restarted holder, a lease that ended
+before the read was confirmed) and what the holder's lease table sees. The block accounting
+around it is the real nodes' and is tested on them (tests/nodes/test_node_transfers.py). Also
+LayoutMismatch, LeaseTable (generations, renewal, ending from another thread) and
+TransferConfig alone."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import msgspec
 import pytest
 import torch
 
-from kv_transfer.base import ReadResult
+from kv_transfer.base import FailureCode, ReadResult, RemoteLease
 from kv_transfer.config import TransferConfig
 from kv_transfer.errors import LayoutMismatch
 from kv_transfer.factory import create_connector
@@ -37,7 +39,20 @@ def cache_for(layout: KVLayout, fill: float | None = None) -> torch.Tensor:
 def make_holder(registry: FakeRegistry, clock: Clock, layout: KVLayout = LAYOUT, engine_id: str = "holder",
                 port: int = 0) -> FakeConnector:
     config = TransferConfig(backend="fake", side_channel_port=port)
-    return FakeConnector(config, cache_for(layout), layout, engine_id, registry, clock)
+    holder = FakeConnector(config, cache_for(layout), layout, engine_id, registry, clock)
+    holder.serve_leases(LeaseTable(60.0, clock))
+    return holder
+
+
+def lease(holder: FakeConnector, request_id: str, block_ids: list[int]) -> RemoteLease:
+    """Lease block_ids on holder for request_id (what a prefill node does), as its handle names it."""
+    generation = holder.leases.add(request_id, block_ids)
+    return RemoteLease(holder.engine_id, holder.agent_address, block_ids, generation, holder.leases.lease_timeout_s)
+
+
+def ended(holder: FakeConnector) -> list[str]:
+    """Request ids whose leases readers ended since the last call (the holder frees their blocks)."""
+    return [request_id for request_id, _ in holder.leases.pop_ended()]
 
 
 def make_reader(registry: FakeRegistry, clock: Clock, layout: KVLayout = LAYOUT, **kwargs) -> FakeConnector:
@@ -46,8 +61,10 @@ def make_reader(registry: FakeRegistry, clock: Clock, layout: KVLayout = LAYOUT,
 
 
 def start(reader: FakeConnector, request_id: str, holder: FakeConnector, remote_ids: list[int],
-          local_ids: list[int]) -> None:
-    reader.start_read(request_id, holder.engine_id, holder.agent_address, remote_ids, local_ids)
+          local_ids: list[int]) -> RemoteLease:
+    held = lease(holder, request_id, remote_ids)
+    reader.start_read(request_id, held, local_ids)
+    return held
 
 
 @pytest.fixture
@@ -63,7 +80,7 @@ def test_read_copies_blocks_into_other_ids_and_tells_the_holder(world):
     assert reader.poll() == [ReadResult("a", True)]
     assert torch.equal(reader.kv_cache[[11, 10, 9]], holder.kv_cache[[0, 1, 2]])
     assert reader.kv_cache[:9].isnan().all()  # nothing else written
-    assert holder.poll_released() == ["a"] and holder.poll_released() == []
+    assert ended(holder) == ["a"] and ended(holder) == [] and len(holder.leases) == 0
     assert reader.num_reads_in_flight == 0
 
 
@@ -71,13 +88,14 @@ def test_injected_failure_is_reported_once_and_the_holder_is_not_told(world):
     registry, clock, holder = world
     reader = make_reader(registry, clock)
     reader.inject("a", "fail")
-    start(reader, "a", holder, [0, 1], [0, 1])
+    held = start(reader, "a", holder, [0, 1], [0, 1])
     [result] = reader.poll()
     assert not result.is_ok and "request a" in result.error and "injected" in result.error
+    assert result.failure is FailureCode.TRANSFER
     assert reader.poll() == [] and reader.num_reads_in_flight == 0
-    assert holder.poll_released() == []  # the caller decides: release_remote
-    reader.release_remote("a", holder.engine_id, holder.agent_address)
-    assert holder.poll_released() == ["a"]
+    assert ended(holder) == [] and len(holder.leases) == 1  # the caller decides: release_remote
+    reader.release_remote("a", held)
+    assert ended(holder) == ["a"]
     assert reader.kv_cache.isnan().all()
 
 
@@ -90,8 +108,8 @@ def test_read_that_never_completes_times_out(world):
     assert reader.poll() == []
     clock.now += 0.2  # past transfer_timeout_s = 5
     [result] = reader.poll()
-    assert not result.is_ok and "within 5.0 s" in result.error
-    assert reader.num_reads_in_flight == 0 and holder.poll_released() == []
+    assert not result.is_ok and "within 5.0 s" in result.error and result.failure is FailureCode.TIMEOUT
+    assert reader.num_reads_in_flight == 0 and ended(holder) == []
 
 
 def test_layout_mismatch_is_reported_with_both_values(world):
@@ -100,8 +118,8 @@ def test_layout_mismatch_is_reported_with_both_values(world):
     start(reader, "a", holder, [0], [0])
     [result] = reader.poll()
     assert not result.is_ok and "head_dim: local 8, remote 4" in result.error
-    assert "num_kv_heads: local 1, remote 2" in result.error
-    assert reader.kv_cache.isnan().all() and holder.poll_released() == []
+    assert "num_kv_heads: local 1, remote 2" in result.error and result.failure is FailureCode.LAYOUT_MISMATCH
+    assert reader.kv_cache.isnan().all() and ended(holder) == []
 
 
 def test_abort_during_transfer_writes_nothing_and_is_never_reported(world):
@@ -112,7 +130,7 @@ def test_abort_during_transfer_writes_nothing_and_is_never_reported(world):
     reader.abort_read("a")
     assert reader.poll() == [] and reader.poll() == []  # never reported after the abort
     assert reader.kv_cache[[4, 5]].isnan().all() and reader.num_reads_in_flight == 0
-    assert holder.poll_released() == []
+    assert ended(holder) == []
 
 
 def test_restarted_holder_is_not_read_under_its_old_engine_id(world):
@@ -125,7 +143,8 @@ def test_restarted_holder_is_not_read_under_its_old_engine_id(world):
     start(reader, "a", holder, [0, 1], [0, 1])
     [result] = reader.poll()
     assert not result.is_ok and "'holder-new'" in result.error and holder.engine_id in result.error
-    assert reader.kv_cache.isnan().all() and restarted.poll_released() == []
+    assert result.failure is FailureCode.HANDSHAKE
+    assert reader.kv_cache.isnan().all() and ended(restarted) == []
 
 
 def test_release_to_a_holder_that_restarted_reaches_nobody(world):
@@ -134,17 +153,19 @@ def test_release_to_a_holder_that_restarted_reaches_nobody(world):
     address = holder.agent_address
     holder.close()
     restarted = make_holder(registry, clock, engine_id="holder-new", port=int(address.split(":")[1]))
-    reader.release_remote("a", holder.engine_id, address)
-    assert restarted.poll_released() == []
+    restarted.leases.add("a", [0, 1])  # generation 1, as the old holder's lease was
+    reader.release_remote("a", RemoteLease(holder.engine_id, address, [0, 1], 1, 60.0))
+    assert ended(restarted) == [] and len(restarted.leases) == 1
 
 
 def test_create_connector_makes_fakes_that_reach_each_other():
     registry = FakeRegistry()
     config = TransferConfig(backend="fake")
     holder = create_connector(config, cache_for(LAYOUT), LAYOUT, "p", fake_registry=registry)
+    holder.serve_leases(LeaseTable(60.0))
     reader = create_connector(config, cache_for(LAYOUT, 0.0), LAYOUT, "d", fake_registry=registry)
-    reader.start_read("a", holder.engine_id, holder.agent_address, [5, 6], [1, 0])
-    assert reader.poll() == [ReadResult("a", True)] and holder.poll_released() == ["a"]
+    reader.start_read("a", lease(holder, "a", [5, 6]), [1, 0])
+    assert reader.poll() == [ReadResult("a", True)] and ended(holder) == ["a"]
     assert torch.equal(reader.kv_cache[[1, 0]], holder.kv_cache[[5, 6]])
     with pytest.raises(ValueError, match="fake_registry"):
         create_connector(config, cache_for(LAYOUT), LAYOUT, "x")
@@ -154,10 +175,10 @@ def test_start_read_rejects_unequal_counts_duplicates_and_a_wrong_cache(world):
     registry, clock, holder = world
     reader = make_reader(registry, clock)
     with pytest.raises(ValueError, match="2 remote vs 1 local"):
-        start(reader, "a", holder, [0, 1], [0])
-    start(reader, "a", holder, [0], [0])
+        reader.start_read("a", lease(holder, "a", [0, 1]), [0])
+    reader.start_read("b", lease(holder, "b", [0]), [0])
     with pytest.raises(ValueError, match="already has a read"):
-        start(reader, "a", holder, [0], [0])
+        reader.start_read("b", lease(holder, "c", [0]), [0])
     with pytest.raises(ValueError, match="dtype"):
         FakeConnector(TransferConfig(backend="fake"), cache_for(LAYOUT).double(), LAYOUT, "e", registry)
 
@@ -190,6 +211,53 @@ def test_lease_table_release_and_expiry():
     assert leases.release("a") == [1, 2] and leases.release("a") is None
     assert leases.pop_expired(clock.now + 4.9) == []
     assert leases.pop_expired(clock.now + 5.0) == [("b", [3])] and len(leases) == 0
+
+
+def test_lease_generations_gate_renewal_confirmation_and_release():
+    clock = Clock()
+    leases = LeaseTable(5.0, clock)
+    first = leases.add("a", [1, 2], owner=b"p1")
+    assert leases.release("a", owner=b"p2") is None  # another proxy's release changes nothing
+    assert leases.release("a", owner=b"p1") == [1, 2]
+    second = leases.add("a", [3], owner=b"p1")  # the same request id leased again: a new generation
+    assert second != first
+    assert not leases.renew("a", first) and not leases.end("a", first)  # meant for the old lease
+    assert leases.blocks_of("a", first) is None and leases.blocks_of("a", second) == [3]
+    clock.now += 4
+    assert leases.renew("a", second)
+    clock.now += 4  # 8 s after the start, 4 after the renewal
+    assert leases.pop_expired() == []
+    assert leases.end("a", second) and not leases.end("a", second)  # ended once, by its reader
+    assert leases.pop_ended() == [("a", [3])] and leases.pop_ended() == [] and len(leases) == 0
+    leases.add("b", [4], owner=b"p1")
+    leases.add("c", [5], owner=b"p2")
+    assert leases.release_owned(b"p1") == [("b", [4])] and leases.request_ids() == ["c"]
+
+
+def test_read_whose_lease_ended_first_is_reported_lease_lost_and_its_data_unused(world):
+    registry, clock, holder = world
+    reader = make_reader(registry, clock, num_polls_per_read=2)
+    held = start(reader, "a", holder, [0, 1], [4, 5])
+    assert reader.poll() == []  # under way
+    assert holder.leases.pop_expired(clock.now + 60.0) == [("a", [0, 1])]  # expired: the holder reuses 0 and 1
+    [result] = reader.poll()
+    assert not result.is_ok and result.failure is FailureCode.LEASE_LOST and "not confirmed" in result.error
+    reader.release_remote("a", held)  # what the node does on failure: a no-op for an ended lease
+    assert ended(holder) == [] and reader.num_reads_in_flight == 0
+
+
+def test_held_lease_is_renewed_until_released(world):
+    registry, clock, holder = world
+    reader = make_reader(registry, clock)
+    held = lease(holder, "a", [0])
+    reader.hold("a", held)
+    clock.now += 50
+    reader.renew_held()  # what the real connector's keeper thread does every lease_timeout_s / 3
+    clock.now += 50  # 100 s after the lease began, 50 after the last renewal
+    assert holder.leases.pop_expired() == [] and holder.leases.num_renewals == 2
+    reader.release_remote("a", held)
+    reader.renew_held()
+    assert ended(holder) == ["a"] and holder.leases.num_renewals == 2
 
 
 @pytest.mark.parametrize(("field", "value"), [("backend", "rdma"), ("side_channel_port", 70000),

@@ -12,6 +12,7 @@ from pathlib import Path
 import msgspec
 import torch
 
+from kv_transfer.base import RemoteLease
 from kv_transfer.config import TransferConfig
 from kv_transfer.factory import create_connector
 from kv_transfer.layout import KVLayout
@@ -24,26 +25,31 @@ import json, sys, time, os, msgspec, torch
 from kv_transfer.config import TransferConfig
 from kv_transfer.factory import create_connector
 from kv_transfer.layout import KVLayout
+from kv_transfer.lease import LeaseTable
 layout = msgspec.json.decode(sys.argv[1], type=KVLayout)
 mode = sys.argv[2]
 shape = (layout.num_blocks, layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
 cache = torch.randn(shape, generator=torch.Generator().manual_seed(4))
 connector = create_connector(TransferConfig(), cache, layout, "h")
-print(json.dumps({"address": connector.agent_address, "engine_id": connector.engine_id}), flush=True)
+leases = LeaseTable(60.0)
+connector.serve_leases(leases)
+generations = {"warm": leases.add("warm", [0]), "busy": leases.add("busy", list(range(1, 129)))}
+print(json.dumps({"address": connector.agent_address, "engine_id": connector.engine_id,
+                  "generations": generations}), flush=True)
 sys.stdin.readline()
-if mode == "idle":  # a node's idle loop: wait for work with a timeout, look at releases
+if mode == "idle":  # a node's idle loop: wait for work with a timeout, look at ended leases
     deadline = time.monotonic() + float(sys.argv[3])
     while time.monotonic() < deadline:
         time.sleep(0.05)
-        connector.poll_released()
-else:  # model steps of 300 ms that never call into NIXL, releases read between steps
+        leases.pop_ended()
+else:  # model steps of 300 ms that never call into NIXL, ended leases read between steps
     released = []
     deadline = time.monotonic() + 5
     while "busy" not in released and time.monotonic() < deadline:
         end = time.perf_counter() + 0.3
         while time.perf_counter() < end:
             pass
-        released += connector.poll_released()
+        released += [request_id for request_id, _ in leases.pop_ended()]
     print(json.dumps({"released": released}), flush=True)
 os._exit(0)
 """
@@ -63,6 +69,10 @@ def _json_line(proc) -> dict:
             raise RuntimeError(f"holder ended with {proc.poll()}")
         if line.startswith("{"):
             return json.loads(line)
+
+
+def _lease(hello: dict, request_id: str, block_ids: list[int]) -> RemoteLease:
+    return RemoteLease(hello["engine_id"], hello["address"], block_ids, hello["generations"][request_id], 60.0)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -92,7 +102,7 @@ def test_transfer_completes_promptly_while_both_loops_run_model_steps():
     cache = torch.zeros(shape)
     connector = create_connector(TransferConfig(), cache, LAYOUT, "reader")
     try:
-        connector.start_read("warm", hello["engine_id"], hello["address"], [0], [0])
+        connector.start_read("warm", _lease(hello, "warm", [0]), [0])
         deadline = time.monotonic() + 20
         while not connector.poll() and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -100,7 +110,7 @@ def test_transfer_completes_promptly_while_both_loops_run_model_steps():
         proc.stdin.flush()
         blocks = list(range(1, 129))  # 2,048 tokens of the small preset's shape: 23.6 MB
         started = time.monotonic()
-        connector.start_read("busy", hello["engine_id"], hello["address"], blocks, blocks)
+        connector.start_read("busy", _lease(hello, "busy", blocks), blocks)
         results, steps = [], 0
         while not results and time.monotonic() - started < 10:
             end = time.perf_counter() + 0.02  # a 20 ms model step, then the loop polls

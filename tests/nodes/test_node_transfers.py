@@ -1,7 +1,9 @@
 """The real PrefillNode and DecodeNode over the fake transport, driven message by message (no
 proxy, no loop thread): a pull that succeeds, fails, hangs, meets another layout or a restarted
-holder, is aborted while queued or mid-way, waits for blocks (back-pressure), and a lease that
-expires. Every test ends with both engines holding no block and no request."""
+holder, is aborted while queued or mid-way, waits for blocks (back-pressure), a lease that
+expires, a lease renewed while its request waits, and a read whose lease ended first (its
+blocks reused by another prompt), which is discarded. Every test ends with both engines holding
+no block and no request."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfi
 from engine.engine import LLMEngine
 from engine.protocol import Role
 from engine.sampling_params import SamplingParams
+from kv_transfer.base import RemoteLease
 from kv_transfer.config import TransferConfig
 from kv_transfer.fake import FakeConnector, FakeRegistry
 from node.server import ServerConfig
@@ -75,6 +78,9 @@ class Pair:
         self.decode.handle_message(PROXY, protocol.DecodeRequest(request_id, prompt, GREEDY, result.first_token,
                                                                  result.kv_handle))
 
+    def deltas_of(self, request_id: str) -> list[protocol.RequestDelta]:
+        return [d for batch in self.results(protocol.TokenBatch) for d in batch.deltas if d.request_id == request_id]
+
     def tokens_of(self, request_id: str) -> list[int] | None:
         """The request's tokens (the prefill node's first, then the decode node's) once it
         finished, None before."""
@@ -90,9 +96,9 @@ class Pair:
 
 
 def build_pair(model_dir, *, decode_blocks: int = 64, decode_dtype: str = "float32", lease_timeout_s: float = 30.0,
-               num_polls_per_read: int = 1, decode_max_seqs: int = 8) -> Pair:
+               num_polls_per_read: int = 1, decode_max_seqs: int = 8, prefill_blocks: int = 64) -> Pair:
     registry, clock = FakeRegistry(), Clock()
-    prefill_engine = make_engine(model_dir, Role.PREFILL)
+    prefill_engine = make_engine(model_dir, Role.PREFILL, prefill_blocks)
     decode_engine = make_engine(model_dir, Role.DECODE, decode_blocks, decode_dtype, decode_max_seqs)
     holder = FakeConnector(TransferConfig(backend="fake"), prefill_engine.kv_cache, kv_layout(prefill_engine),
                            "prefill-engine", registry)
@@ -139,7 +145,9 @@ def assert_nothing_held(pair: Pair) -> None:
 
 
 def release_notices_processed(pair: Pair):
-    return lambda: len(pair.prefill.leases) == 0
+    """No lease left, and the blocks of those its readers ended freed by the prefill node's loop."""
+    engine = pair.prefill.engine
+    return lambda: len(pair.prefill.leases) == 0 and engine.num_free_blocks == engine.block_pool.num_blocks
 
 
 def test_pull_copies_the_prompt_kv_and_decodes_as_colocated(pair_factory, expected_tokens):
@@ -157,6 +165,9 @@ def test_pull_copies_the_prompt_kv_and_decodes_as_colocated(pair_factory, expect
     pair.run(lambda: pair.tokens_of("a") is not None)
     assert pair.tokens_of("a") == expected_tokens
     assert pair.decode.num_kv_fallbacks == 0
+    deltas = pair.deltas_of("a")
+    assert deltas[0].kv == protocol.KVOutcome(protocol.KVSource.PULLED) and all(d.kv is None for d in deltas[1:])
+    assert [d.first_token_idx for d in deltas] == list(range(1, len(expected_tokens)))  # token 0: the prefill's
     pair.run(release_notices_processed(pair))
     assert pair.prefill.num_expired_leases == 0
     assert_nothing_held(pair)
@@ -168,8 +179,10 @@ def test_failed_pull_falls_back_to_local_prefill_and_frees_both_sides(pair_facto
     pair.decode.connector.inject("a", "fail")
     pair.send_decode("a", result)
     pair.run(lambda: pair.tokens_of("a") is not None)
-    assert pair.decode.num_kv_fallbacks == 1
+    assert pair.decode.num_kv_fallbacks == 1 and pair.decode.num_kv_fallbacks_by_reason == {"transfer": 1}
     assert pair.tokens_of("a") == expected_tokens  # recomputed locally: the same answer
+    assert pair.deltas_of("a")[0].kv == protocol.KVOutcome(protocol.KVSource.FALLBACK,
+                                                           protocol.KVFallbackReason.TRANSFER)
     pair.run(release_notices_processed(pair))
     assert_nothing_held(pair)
 
@@ -184,17 +197,22 @@ def test_pull_that_never_completes_times_out_then_falls_back(pair_factory, expec
     assert pair.decode.has_pending_work() and pair.decode.num_kv_fallbacks == 0
     pair.clock.now += 5.1  # past the reader's transfer_timeout_s
     pair.run(lambda: pair.tokens_of("a") is not None)
-    assert pair.decode.num_kv_fallbacks == 1 and pair.tokens_of("a") == expected_tokens
+    assert pair.decode.num_kv_fallbacks_by_reason == {"timeout": 1} and pair.tokens_of("a") == expected_tokens
     pair.run(release_notices_processed(pair))
     assert_nothing_held(pair)
 
 
-def test_layout_mismatch_is_never_read_and_frees_both_sides(pair_factory):
+def test_layout_mismatch_is_never_read_fails_the_request_loudly_and_frees_both_sides(pair_factory):
     pair = pair_factory(decode_dtype="bfloat16")
+    assert pair.prefill.kv_layout_info().fingerprint != pair.decode.kv_layout_info().fingerprint
     result = pair.prefill_prompt("a")
     pair.send_decode("a", result)
-    pair.run(lambda: pair.tokens_of("a") is not None)
-    assert pair.decode.num_kv_fallbacks == 1
+    pair.run(lambda: pair.results(protocol.ErrorReply))
+    [error] = pair.results(protocol.ErrorReply)
+    assert error.request_id == "a" and error.kind == "LayoutMismatch" and not error.is_client_error
+    assert "dtype: local 'bfloat16', remote 'float32'" in error.message
+    assert pair.decode.num_kv_fallbacks == 0 and pair.decode.num_kv_refusals == 1  # never a silent fallback
+    assert pair.tokens_of("a") is None
     pair.run(release_notices_processed(pair))
     assert_nothing_held(pair)
 
@@ -241,7 +259,7 @@ def test_restarted_holder_is_not_read_under_its_old_engine_id(pair_factory, expe
     assert restarted.agent_address == address
     pair.send_decode("a", result)
     pair.run(lambda: pair.tokens_of("a") is not None)
-    assert pair.decode.num_kv_fallbacks == 1 and pair.tokens_of("a") == expected_tokens
+    assert pair.decode.num_kv_fallbacks_by_reason == {"handshake": 1} and pair.tokens_of("a") == expected_tokens
     pair.prefill.connector = restarted
     pair.prefill.handle_message(PROXY, protocol.ReleaseKV(["a"]))  # the old lease: what the proxy sends
     pair.run(release_notices_processed(pair))
@@ -250,16 +268,69 @@ def test_restarted_holder_is_not_read_under_its_old_engine_id(pair_factory, expe
 
 def test_unread_lease_expires_and_a_late_release_frees_nothing_twice(pair_factory):
     pair = pair_factory(lease_timeout_s=0.2)
-    pair.prefill_prompt("a")
+    handle = pair.prefill_prompt("a").kv_handle
     assert len(pair.prefill.leases) == 1
     deadline = time.monotonic() + 5
     while len(pair.prefill.leases) and time.monotonic() < deadline:
         pair.prefill.run_once()
     assert pair.prefill.num_expired_leases == 1
     pair.prefill_prompt("b")  # reuses the freed blocks
-    pair.decode.connector.release_remote("a", pair.prefill.connector.engine_id, pair.prefill.connector.agent_address)
+    lease = RemoteLease(handle.engine_id, handle.agent_address, handle.block_ids, handle.generation,
+                        handle.lease_timeout_s)
+    pair.decode.connector.release_remote("a", lease)
     pair.prefill.run_once()
     assert pair.prefill.leases.request_ids() == ["b"]
     assert pair.prefill.engine.num_free_blocks == pair.prefill.engine.block_pool.num_blocks - 3
     pair.prefill.handle_message(PROXY, protocol.ReleaseKV(["b"]))
+    assert_nothing_held(pair)
+
+
+OTHER_PROMPT = [(11 * i + 5) % 2000 + 8 for i in range(37)]  # as many blocks as PROMPT, other KV
+
+
+def wait_past(seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def test_lease_renewed_while_its_request_waits_outlives_its_timeout(pair_factory, expected_tokens):
+    pair = pair_factory(lease_timeout_s=0.6, decode_max_seqs=1)  # "b" waits until "a" is done
+    first, second = pair.prefill_prompt("a"), pair.prefill_prompt("b")
+    pair.send_decode("a", first)
+    pair.send_decode("b", second)
+    pair.decode.run_once()
+    for _ in range(6):  # 1.2 s queued: 2 lease timeouts, renewed every 0.2 s as the keeper does
+        wait_past(0.2)
+        pair.decode.connector.renew_held()
+        pair.prefill.run_once()
+    assert pair.prefill.num_expired_leases == 0 and "b" in pair.prefill.leases
+
+    def both_done() -> bool:
+        pair.decode.connector.renew_held()  # the keeper goes on renewing while "b" waits
+        return pair.tokens_of("a") is not None and pair.tokens_of("b") is not None
+
+    pair.run(both_done)
+    assert pair.tokens_of("a") == pair.tokens_of("b") == expected_tokens and pair.decode.num_kv_fallbacks == 0
+    pair.run(release_notices_processed(pair))
+    assert_nothing_held(pair)
+
+
+def test_read_after_the_lease_ended_and_its_blocks_were_reused_is_discarded(pair_factory, expected_tokens):
+    pair = pair_factory(lease_timeout_s=1.0, prefill_blocks=3)  # one prompt's blocks: reused at once
+    first = pair.prefill_prompt("a")
+    wait_past(1.05)  # nobody renews: the lease ends before the decode node pulls
+    pair.prefill.run_once()
+    assert pair.prefill.num_expired_leases == 1 and len(pair.prefill.leases) == 0
+    other = pair.prefill_prompt("b", OTHER_PROMPT)  # another prompt's KV in the same blocks
+    assert sorted(other.kv_handle.block_ids) == sorted(first.kv_handle.block_ids)
+    pair.send_decode("a", first)
+    pair.decode.run_once()  # the read copies "b"'s KV; its lease is not confirmed: discarded
+    assert pair.decode.num_kv_fallbacks_by_reason == {"lease_lost": 1}
+    assert "b" in pair.prefill.leases  # the lease of the prompt whose blocks were read is untouched
+    pair.run(lambda: pair.tokens_of("a") is not None)
+    assert pair.tokens_of("a") == expected_tokens  # recomputed locally
+    assert pair.deltas_of("a")[0].kv.label == "fallback:lease_lost"
+    pair.prefill.handle_message(PROXY, protocol.ReleaseKV(["b"]))
+    pair.run(release_notices_processed(pair))
     assert_nothing_held(pair)

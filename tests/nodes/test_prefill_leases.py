@@ -1,5 +1,5 @@
-"""A prefill node's leases: the blocks of a finished prompt are freed on the reader's read-done
-notice, on abort, and when the lease expires. Real engine, real NIXL connector, real sockets."""
+"""A prefill node's leases: the blocks of a finished prompt are freed on the reader's confirmed
+read, on abort, and when the lease expires. Real engine, real NIXL connector, real sockets."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from engine import protocol
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine.engine import LLMEngine
 from engine.protocol import Role
+from kv_transfer.base import RemoteLease
 from kv_transfer.config import TransferConfig
 from kv_transfer.factory import create_connector
 from kv_transfer.lease import LeaseTable
@@ -77,7 +78,7 @@ def wait_free(node, timeout_s: float) -> bool:
     return False
 
 
-def test_read_done_notice_frees_the_lease(prefill_node):
+def test_confirmed_read_frees_the_lease(prefill_node):
     node, socket, layout = prefill_node
     result = prefill(socket, "r1", 40)
     assert len(result.kv_handle.block_ids) == 3 and len(node.leases) == 1
@@ -85,13 +86,15 @@ def test_read_done_notice_frees_the_lease(prefill_node):
     reader = create_connector(TransferConfig(), torch.zeros(shape), layout, "reader")
     try:
         handle = result.kv_handle
-        reader.start_read("r1", handle.engine_id, handle.agent_address, handle.block_ids, [5, 6, 7])
+        lease = RemoteLease(handle.engine_id, handle.agent_address, handle.block_ids, handle.generation,
+                            handle.lease_timeout_s)
+        reader.start_read("r1", lease, [5, 6, 7])
         deadline = time.monotonic() + 20
         results = []
         while not results and time.monotonic() < deadline:
             results = reader.poll()
         assert results and results[0].is_ok
-        assert wait_free(node, timeout_s=LEASE_S / 2)  # well before expiry: the notice did it
+        assert wait_free(node, timeout_s=LEASE_S / 2)  # well before expiry: the confirmation did it
         assert node.num_expired_leases == 0
     finally:
         reader.close()

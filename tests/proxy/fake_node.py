@@ -58,6 +58,9 @@ class FakeNodeConfig:
     prefill_tokens_per_s: float = 0.0  # reported as the node's measured prefill rate (0: unmeasured)
     block_size: int = 16
     num_total_blocks: int = 1000
+    # At most this many requests decode at once; the rest wait (reported as num_waiting) in
+    # arrival order, holding no blocks. None: all at once.
+    max_num_seqs: int | None = None
 
 
 class FakeNode:
@@ -205,7 +208,7 @@ class FakeNode:
     def _step(self) -> None:
         with self._lock:
             by_owner: dict[bytes, list[protocol.RequestDelta]] = {}
-            for running in list(self._running.values()):
+            for running in self._decoding():
                 token = self._sample(running)
                 reason = self._finish_reason(running)
                 if reason is not None:
@@ -218,6 +221,10 @@ class FakeNode:
                 by_owner.setdefault(running.identity, []).append(delta)
             for identity, deltas in by_owner.items():
                 self._send(identity, protocol.TokenBatch(deltas))
+
+    def _decoding(self) -> list[_Running]:
+        """The requests that get a token this step (the first max_num_seqs; dicts keep arrival order)."""
+        return list(self._running.values())[:self.config.max_num_seqs]
 
     def _sample(self, running: _Running) -> protocol.TokenLogprob:
         script = self.config.script
@@ -252,16 +259,18 @@ class FakeNode:
     def _num_used_blocks(self) -> int:
         """Blocks the running requests' tokens fill, and the leased prompts' (as a real node's pool)."""
         block_size = self.config.block_size
-        running = [len(r.prompt_ids) + len(r.output_ids) for r in self._running.values()]
+        running = [len(r.prompt_ids) + len(r.output_ids) for r in self._decoding()]
         leased = [handle.num_tokens for handle in self.leases.values()]
         return sum(protocol.num_blocks_for(n, block_size) for n in running + leased)
 
     def _report(self, identity: bytes) -> protocol.LoadReport:
         queued = sum(len(r.prompt_ids) for _, r in self._prefills)
+        num_decoding = len(self._decoding())
         return protocol.LoadReport(
             node_id=f"fake-{self.port}", role=self.config.role, protocol_version=protocol.PROTOCOL_VERSION,
             model_name=self.config.model_name, max_model_len=self.config.max_model_len,
-            block_size=self.config.block_size, num_running=len(self._running), num_waiting=len(self._prefills),
+            block_size=self.config.block_size, num_running=num_decoding,
+            num_waiting=len(self._prefills) + len(self._running) - num_decoding,
             num_queued_prompt_tokens=queued, num_free_blocks=self.config.num_total_blocks - self._num_used_blocks(),
             num_total_blocks=self.config.num_total_blocks, num_leases=len(self.leases),
             num_kv_fallbacks=0, sent_at=time.time(), last_request_seq=self._last_request_seqs.get(identity, 0),

@@ -194,7 +194,8 @@ def test_prefill_node_dying_fails_requests_and_health_names_it(start_proxy):
     thread.join(timeout=15)
     assert 500 <= result["response"].status_code < 600
     health = _wait_unhealthy(proxy)
-    assert proxy.prefill[0].address in health.text and proxy.decode[0].address not in health.text
+    assert health.json()["down"] == ["prefill prefill0"]
+    assert proxy.prefill[0].address not in health.text  # nodes go by name unless expose_node_addresses
     assert 500 <= _post(proxy, {"model": MODEL_NAME, "prompt": "hi"}).status_code < 600
 
 
@@ -208,7 +209,7 @@ def test_silent_node_times_out_with_5xx(start_proxy):
 
 def test_node_that_never_reported_is_down_and_gets_no_requests(start_proxy):
     silent = f"127.0.0.1:{free_port('127.0.0.1')}"
-    proxy = start_proxy(wait=False, num_decode=1, extra_decode_addresses=(silent,))
+    proxy = start_proxy(wait=False, num_decode=1, extra_decode_addresses=(silent,), expose_node_addresses=True)
     live = proxy.decode[0].address
     assert _wait_metric(proxy, f'pdserve_node_up{{kind="decode",node="{live}"}} 1.0')
     assert _wait_metric(proxy, f'pdserve_node_up{{kind="prefill",node="{proxy.prefill[0].address}"}} 1.0')
