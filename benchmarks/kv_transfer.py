@@ -30,6 +30,8 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from engine.protocol import curve_keys  # noqa: E402
+from kv_transfer.base import RemoteLease  # noqa: E402
 from kv_transfer.config import TransferConfig  # noqa: E402
 from kv_transfer.factory import create_connector  # noqa: E402
 from kv_transfer.layout import KVLayout  # noqa: E402
@@ -44,11 +46,19 @@ import json, sys, os, time, msgspec, torch
 from kv_transfer.config import TransferConfig
 from kv_transfer.factory import create_connector
 from kv_transfer.layout import KVLayout
+from kv_transfer.lease import LeaseTable
+from engine.protocol import curve_keys
 layout = msgspec.json.decode(sys.argv[1], type=KVLayout)
+keys = curve_keys(sys.argv[4]) if len(sys.argv) > 4 else None
 shape = (layout.num_blocks, layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
-c = create_connector(TransferConfig(backend=sys.argv[2], host=sys.argv[3]), torch.randn(shape), layout, "holder")
+c = create_connector(TransferConfig(backend=sys.argv[2], host=sys.argv[3], curve_keys=keys), torch.randn(shape), layout,
+                     "holder")
+leases = LeaseTable(600.0)
+c.serve_leases(leases)
 print(json.dumps({"address": c.agent_address, "engine_id": c.engine_id}), flush=True)
-sys.stdin.readline()
+for line in sys.stdin:  # `REQUEST_ID BLOCK_IDS_JSON`: hold a lease, answer its generation
+    request_id, block_ids = line.split(maxsplit=1)
+    print(json.dumps({"generation": leases.add(request_id, json.loads(block_ids))}), flush=True)
 os._exit(0)
 """
 
@@ -57,9 +67,15 @@ def cache_shape() -> tuple[int, ...]:
     return (LAYOUT.num_blocks, LAYOUT.num_layers, 2, BLOCK_SIZE, LAYOUT.num_kv_heads, LAYOUT.head_dim)
 
 
+# NOTE: beyond loopback the side channel needs a cluster secret (CURVE); this one is the bench's.
+BENCH_SECRET = "kv-transfer-benchmark-secret"
+
+
 def start_holder(backend: str, host: str = "127.0.0.1", wrap=list):
-    """The holder process (wrap(argv) may run it elsewhere, e.g. in a network namespace)."""
-    argv = wrap([sys.executable, "-c", HOLDER, msgspec.json.encode(LAYOUT).decode(), backend, host])
+    """The holder process (wrap(argv) may run it elsewhere, e.g. in a network namespace, with
+    the bench's cluster secret)."""
+    secret = [] if host.startswith("127.") else [BENCH_SECRET]
+    argv = wrap([sys.executable, "-c", HOLDER, msgspec.json.encode(LAYOUT).decode(), backend, host, *secret])
     proc = subprocess.Popen(argv,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                             cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, start_new_session=True)
@@ -71,9 +87,19 @@ def start_holder(backend: str, host: str = "127.0.0.1", wrap=list):
             return proc, json.loads(line)
 
 
-def read_once(connector, hello, request_id: str, remote: list[int], local: list[int]) -> float:
+def read_once(connector, holder, request_id: str, remote: list[int], local: list[int]) -> float:
+    """One pull, timed from posting the read to its confirmed result (the holder's lease is taken
+    first, outside the timing, as the prefill node takes it when the prompt finishes)."""
+    proc, hello = holder
+    proc.stdin.write(f"{request_id} {json.dumps(remote)}\n")
+    proc.stdin.flush()
+    line = proc.stdout.readline()
+    while not line.startswith("{"):  # skip any log line the holder's libraries print
+        line = proc.stdout.readline()
+    generation = json.loads(line)["generation"]
+    lease = RemoteLease(hello["engine_id"], hello["address"], remote, generation, 600.0)
     start = time.perf_counter()
-    connector.start_read(request_id, hello["engine_id"], hello["address"], remote, local)
+    connector.start_read(request_id, lease, local)
     while True:
         results = connector.poll()
         if results:
@@ -95,11 +121,12 @@ def bench_backend(backend: str, copies: dict, network=None) -> dict:
     else:
         holder = network.hosts["holder"]
         proc, hello = start_holder(backend, holder.address, holder.command)
-        reader_host = network.gateway
-    connector = create_connector(TransferConfig(backend=backend, host=reader_host), torch.full(cache_shape(), 0.5),
-                                 LAYOUT, "reader")
+        reader_host = network.hosts["reader"].address
+    keys = None if network is None else curve_keys(BENCH_SECRET)
+    connector = create_connector(TransferConfig(backend=backend, host=reader_host, curve_keys=keys),
+                                 torch.full(cache_shape(), 0.5), LAYOUT, "reader")
     try:
-        read_once(connector, hello, "warm", [0], [0])
+        read_once(connector, (proc, hello), "warm", [0], [0])
         out = {}
         for tokens in TOKENS:
             num_blocks = tokens // BLOCK_SIZE
@@ -111,7 +138,7 @@ def bench_backend(backend: str, copies: dict, network=None) -> dict:
             for i in range(REPEATS):
                 times["copy"].append(copies[tokens]())
                 for kind, local in layouts.items():
-                    times[kind].append(read_once(connector, hello, f"{tokens}-{kind}-{i}", remote, local))
+                    times[kind].append(read_once(connector, (proc, hello), f"{tokens}-{kind}-{i}", remote, local))
                     times[kind + "_descriptors"] = getattr(connector, "num_descriptors_last_read", None)
             out[tokens] = {kind: _row(times[kind], num_blocks, times[kind + "_descriptors"]) for kind in layouts}
             out[tokens]["copy"] = _row(times["copy"], num_blocks, None)
@@ -180,8 +207,10 @@ def median_seconds(fn) -> float:
 def main() -> None:
     torch.set_num_threads(1)  # one core per process, as for the two transfer processes
     copy, copies = bench_copy()
-    results = {"nixl": bench_backend("nixl", copies), "gloo": bench_backend("gloo", copies)}
+    # NOTE: across namespaces first: the first loopback connector pins this process's UCX to the
+    # lo device (set_ucx_defaults), after which no other interface would be tried.
     veth = bench_veth(copies) if "--veth" in sys.argv else None
+    results = {"nixl": bench_backend("nixl", copies), "gloo": bench_backend("gloo", copies)}
     print(f"\n{'tokens':>6} {'MB':>6} | {'copy':>5} {'g+s':>5} | {'NIXL':>5} {'ratio':>5} {'ms':>6} {'desc':>4} "
           f"| {'NIXL1':>5} {'ratio':>5} {'desc':>4} | {'gloo':>5} {'ratio':>5} {'ms':>6}   (GB/s; ratio to copy)")
     summary = []
@@ -203,18 +232,35 @@ def main() -> None:
 
 
 def bench_veth(copies: dict) -> dict:
-    """NIXL with the holder in its own network namespace, beside NIXL over loopback again (run
-    right after, so both see the same machine state)."""
+    """NIXL with holder and reader in network namespaces of their own (UCX in the root namespace
+    does not use a bridge), beside NIXL over loopback run right after in this process."""
     from pdserve.netns import TestNetwork
 
-    with TestNetwork(["holder"]) as network:
-        across = bench_backend("nixl", copies, network)
+    with TestNetwork(["holder", "reader"]) as network:
+        argv = network.hosts["reader"].command(
+            [sys.executable, __file__, "--veth-reader", network.hosts["holder"].name,
+             network.hosts["holder"].address, network.hosts["reader"].address])
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=900, cwd=REPO, check=True)
+        print(out.stdout, end="", flush=True)
+        across = {int(k): v for k, v in json.loads(out.stdout.strip().splitlines()[-1].removeprefix("VETH "))
+                  .items()}
     loopback = bench_backend("nixl", copies)
     return {tokens: {"veth_gb_s": across[tokens]["scattered"]["gb_s"],
                      "veth_latency_ms": across[tokens]["scattered"]["latency_ms"],
                      "loopback_gb_s": loopback[tokens]["scattered"]["gb_s"],
                      "veth_to_loopback": across[tokens]["scattered"]["gb_s"] / loopback[tokens]["scattered"]["gb_s"]}
             for tokens in TOKENS}
+
+
+def veth_reader(holder_namespace: str, holder_address: str, reader_address: str) -> None:
+    """The reader side of bench_veth, run inside the reader's namespace: prints `VETH {json}`."""
+    from pdserve.netns import TestHost
+
+    class _Network:  # what bench_backend reads of a TestNetwork
+        hosts = {"holder": TestHost(holder_namespace, holder_address), "reader": TestHost("", reader_address)}
+
+    copies = {tokens: (lambda: 1.0) for tokens in TOKENS}  # no copy baseline needed across hosts
+    print("VETH " + json.dumps(bench_backend("nixl", copies, _Network())), flush=True)
 
 
 def summary_row(tokens: int, copy: dict, nixl: dict, gloo: dict) -> dict:
@@ -233,4 +279,7 @@ def summary_row(tokens: int, copy: dict, nixl: dict, gloo: dict) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    if "--veth-reader" in sys.argv:
+        veth_reader(*sys.argv[sys.argv.index("--veth-reader") + 1:][:3])
+    else:
+        main()
