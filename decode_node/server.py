@@ -51,7 +51,8 @@ class DecodeNode(NodeServer):
 
     def handle_decode_request(self, message: protocol.DecodeRequest) -> None:
         if message.kv_handle is None:
-            self.add_local_request(message.request_id, message.prompt_token_ids, message.sampling, message.first_token)
+            self.add_local_request(message.request_id, message.prompt_token_ids, message.sampling, message.first_token,
+                                   output_token_ids=message.output_token_ids)
             return
         lease = _lease_of(message.kv_handle)
         try:

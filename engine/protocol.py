@@ -18,7 +18,9 @@ import msgspec
 
 # 5: a version header on every frame, RequestDelta.first_token_idx and kv, KVHandle.generation
 # and lease_timeout_s, LoadReport.kv_layout and per-reason fallbacks.
-PROTOCOL_VERSION = 5
+# 6: DecodeRequest.output_token_ids (migration: a node of version 5 would ignore them and restart
+# the output), LoadReport.boot_id, progress and is_draining, ErrorReply kind "Draining".
+PROTOCOL_VERSION = 6
 _FRAME_MAGIC = b"PD"
 _FRAME_HEADER = _FRAME_MAGIC + PROTOCOL_VERSION.to_bytes(2, "big")
 # NOTE: the largest proxy -> node message a node takes: a 128k-token prompt is ~640 KB of
@@ -275,6 +277,10 @@ class DecodeRequest(msgspec.Struct, tag="decode_request", frozen=True):
     kv_handle: KVHandle | None = None
     sent_at: float = 0.0
     seq: int = 0  # as PrefillRequest.seq
+    # A request migrated from a node that died mid-stream: the tokens already generated (and
+    # streamed), recomputed here after the prompt (kv_handle and first_token None); its next
+    # token has output index len(output_token_ids), as it would have on the first node.
+    output_token_ids: list[int] = []
 
 
 class Abort(msgspec.Struct, tag="abort", frozen=True):
@@ -333,6 +339,10 @@ class TokenBatch(msgspec.Struct, tag="token_batch", frozen=True):
     deltas: list[RequestDelta]
 
 
+# ErrorReply.kind of a request refused because its node is draining: retry it on another node.
+DRAINING_ERROR_KIND = "Draining"
+
+
 class ErrorReply(msgspec.Struct, tag="error", frozen=True):
     """A request failed on a node. is_client_error: the request itself was bad (a 4xx at the
     proxy); otherwise the node failed it (5xx). The node has freed its blocks."""
@@ -371,6 +381,15 @@ class LoadReport(msgspec.Struct, tag="load_report", frozen=True):
     num_kv_fallbacks_by_reason: dict[str, int] = {}  # KVFallbackReason value -> pulls that fell back
     num_rejected_messages: int = 0  # malformed, unauthenticated, oversized, wrong-version or unexpected
     num_orphaned_requests: int = 0  # aborted because their proxy vanished (no message within the orphan timeout)
+    # Random per process start: a new boot id is a restarted node, which holds none of the
+    # requests sent to the old one. "" from a node that does not say.
+    boot_id: str = ""
+    # The node's loop iterations so far: a node whose progress stands still while it has work
+    # is stuck even though its heartbeat thread still reports.
+    progress: int = 0
+    # Draining (SIGTERM): finishing what it runs, refusing new requests (ErrorReply kind
+    # DRAINING_ERROR_KIND): route elsewhere.
+    is_draining: bool = False
 
 
 class Ping(msgspec.Struct, tag="ping", frozen=True):

@@ -30,6 +30,10 @@ def add_node_arguments(parser: argparse.ArgumentParser) -> None:
                              "every listener must be on loopback)")
     parser.add_argument("--orphan-timeout-s", type=float, default=default_of(ServerConfig, "orphan_timeout_s"),
                         help="abort the requests of a proxy silent this long (no message, no ping)")
+    parser.add_argument("--health-port", type=int, default=default_of(ServerConfig, "health_port"),
+                        help="HTTP port of GET /health (liveness) and /ready (not draining) on --host; 0: none")
+    parser.add_argument("--drain-timeout-s", type=float, default=default_of(ServerConfig, "drain_timeout_s"),
+                        help="on SIGTERM, wait this long at most for running requests and unpulled leases")
     parser.add_argument("--cpus", default=None, help="CPU cores for this node, e.g. 0,1 (also sets torch threads)")
     parser.add_argument("--log-level", default="INFO")
 
@@ -87,7 +91,8 @@ def node_configs_from_args(args: argparse.Namespace, role: Role) -> NodeConfigs:
     )
     keys = curve_keys(args.cluster_secret) if args.cluster_secret else None
     server = ServerConfig(args.node_id or f"{role.value}-{args.port}", args.host, args.port,
-                          orphan_timeout_s=args.orphan_timeout_s, curve_keys=keys)
+                          orphan_timeout_s=args.orphan_timeout_s, curve_keys=keys,
+                          health_port=args.health_port, drain_timeout_s=args.drain_timeout_s)
     transfer = TransferConfig(
         backend=args.transfer_backend, host=args.host, side_channel_port=args.kv_port,
         handshake_timeout_s=args.handshake_timeout_s, transfer_timeout_s=args.transfer_timeout_s,

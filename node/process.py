@@ -21,7 +21,7 @@ BuildServer = Callable[[LLMEngine, NodeConfigs], NodeServer]
 
 
 def serve(args: argparse.Namespace, role: Role, build_server: BuildServer) -> int:
-    """Build the engine and the role's server from args, serve until SIGTERM/SIGINT, then leave
+    """Build the engine and the role's server from args, serve until drained (SIGTERM) or SIGINT, then leave
     the process at once (returns only 2, for bad arguments)."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     pin_cpus(args.cpus)
@@ -32,7 +32,9 @@ def serve(args: argparse.Namespace, role: Role, build_server: BuildServer) -> in
         return 2
     engine = LLMEngine(configs.engine)
     server = build_server(engine, configs)
-    signal.signal(signal.SIGTERM, lambda *_: server.stop())
+    # NOTE: SIGTERM drains (no new requests, finish the running ones, keep leases until pulled);
+    # SIGINT stops at once.
+    signal.signal(signal.SIGTERM, lambda *_: server.drain())
     signal.signal(signal.SIGINT, lambda *_: server.stop())
     engine.warm_up()  # NOTE: before the first report, so routing sees a measured prefill rate
     server.run()

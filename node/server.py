@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import msgspec
@@ -33,6 +34,7 @@ from engine.protocol import ErrorReply, KVOutcome, KVSource, RequestDelta, Role,
 from engine.sampling_params import SamplingParams
 from kv_transfer.security import CurveKeys, check_bind_host
 from node.control import ControlSocket
+from node.health import HealthServer
 from node.proxies import ProxyTable, short_id
 
 logger = logging.getLogger(__name__)
@@ -60,11 +62,17 @@ class ServerConfig:
     # The cluster's CURVE keys (engine.protocol.curve_keys): only holders of the secret connect.
     # None: no secret, and host must be loopback.
     curve_keys: CurveKeys | None = field(default=None, repr=False)
+    # Port of the HTTP /health and /ready endpoint for orchestrators (on host); 0: none.
+    health_port: int = 0
+    # Longest a drain (SIGTERM) waits for running requests and unpulled leases before the node
+    # stops anyway (what is left is aborted with the process).
+    drain_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"port must be in [0, 65536), got {self.port}")
-        for name in ("load_report_interval_s", "orphan_timeout_s", "send_timeout_s"):
+        for name in ("port", "health_port"):
+            if not 0 <= getattr(self, name) < 65536:
+                raise ValueError(f"{name} must be in [0, 65536), got {getattr(self, name)}")
+        for name in ("load_report_interval_s", "orphan_timeout_s", "send_timeout_s", "drain_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         check_bind_host(self.host, self.curve_keys, "node")
@@ -89,7 +97,22 @@ class NodeServer:
         self._next_orphan_check_at = 0.0
         self.num_kv_fallbacks_by_reason: dict[str, int] = {}
         self.num_orphaned_requests = 0
+        self.boot_id = uuid.uuid4().hex  # NOTE: a restarted process is a new node to the proxy
+        self.progress = 0  # loop iterations: the proxy and /health tell a stuck loop by it
+        self.last_progress_at = time.monotonic()
+        self.is_serving = False  # set once the loop runs (after warm-up): /ready
+        self._is_draining = threading.Event()
+        self._drain_deadline: float | None = None  # set by the loop once it sees the drain
+        self._health = HealthServer(config.host, config.health_port, self) if config.health_port else None
 
+    @property
+    def is_draining(self) -> bool:
+        return self._is_draining.is_set()
+
+    def drain(self) -> None:
+        """Stop taking new requests, finish the running ones (and, on a prefill node, wait until
+        its leases are pulled or expire), then leave run(). Safe from a signal handler."""
+        self._is_draining.set()
     @property
     def address(self) -> str:
         return f"{self.config.host}:{self.port}"
@@ -107,13 +130,34 @@ class NodeServer:
         logger.info("%s node %s serving on %s (%s)", self.role.value, self.config.node_id, self.address, trust)
         self._record_load()
         self._heartbeat.start()
+        if self._health is not None:
+            self._health.start()
+        self.is_serving = True
         try:
-            while not self._is_stopping.is_set():
+            while not self._is_stopping.is_set() and not self._is_drained():
                 self.run_once()
         finally:
             self.close()
 
+    def _is_drained(self) -> bool:
+        if not self.is_draining:
+            return False
+        now = time.monotonic()
+        if self._drain_deadline is None:
+            self._drain_deadline = now + self.config.drain_timeout_s
+            logger.info("%s node %s draining: no new requests", self.role.value, self.config.node_id)
+        if self.engine.has_unfinished() or self.has_pending_work():
+            if now < self._drain_deadline:
+                return False
+            logger.warning("%s node %s: drain timed out after %.0f s with work left: exiting", self.role.value,
+                           self.config.node_id, self.config.drain_timeout_s)
+            return True
+        logger.info("%s node %s drained: exiting", self.role.value, self.config.node_id)
+        return True
+
     def run_once(self) -> None:
+        self.progress += 1
+        self.last_progress_at = time.monotonic()
         busy = self.engine.has_unfinished() or self.has_pending_work()
         self._receive_all(timeout_ms=0 if self.engine.has_unfinished() else (_BUSY_POLL_MS if busy else _IDLE_POLL_MS))
         self.poll_transfers()
@@ -126,6 +170,8 @@ class NodeServer:
         self._is_stopping.set()
         if self._heartbeat.is_alive():
             self._heartbeat.join()
+        if self._health is not None:
+            self._health.close()
         self.control.close()
 
     # ---- hooks for the node packages ----------------------------------------------------------
@@ -144,7 +190,8 @@ class NodeServer:
     def handle_decode_request(self, message: protocol.DecodeRequest) -> None:
         if message.kv_handle is not None:
             raise ValueError(f"request {message.request_id}: this node does not pull KV (role {self.role.value})")
-        self.add_local_request(message.request_id, message.prompt_token_ids, message.sampling, message.first_token)
+        self.add_local_request(message.request_id, message.prompt_token_ids, message.sampling, message.first_token,
+                               output_token_ids=message.output_token_ids)
 
     def handle_prefill_request(self, message: protocol.PrefillRequest) -> None:
         raise ValueError(
@@ -189,10 +236,10 @@ class NodeServer:
 
     def add_local_request(
         self, request_id: str, prompt: list[int], sampling: protocol.SamplingOptions,
-        first_token: protocol.TokenLogprob | None, kv: KVOutcome = _LOCAL,
+        first_token: protocol.TokenLogprob | None, kv: KVOutcome = _LOCAL, output_token_ids: list[int] = (),
     ) -> None:
         params = SamplingParams.from_options(sampling)
-        outputs = [first_token.token_id] if first_token else None
+        outputs = [first_token.token_id] if first_token else (list(output_token_ids) or None)
         self.engine.add_request(request_id, prompt, params, output_token_ids=outputs)
         self._kv_outcomes[request_id] = kv
 
@@ -263,6 +310,11 @@ class NodeServer:
             self.send(identity, ErrorReply(message.request_id, "DuplicateRequestId", f"request id "
                                            f"{message.request_id!r} is already in use on node {self.config.node_id}",
                                            is_client_error=True))
+        elif self.is_draining:
+            self.proxies.last_request_seqs[identity] = message.seq  # received (and refused): acknowledged
+            self.send(identity, ErrorReply(message.request_id, protocol.DRAINING_ERROR_KIND,
+                                           f"node {self.config.node_id} is draining: request {message.request_id} "
+                                           f"refused", is_client_error=False))
         else:
             self.proxies.own(message.request_id, identity, message.seq)
             self._admit(message)
@@ -355,6 +407,9 @@ class NodeServer:
             num_kv_fallbacks_by_reason=dict(self.num_kv_fallbacks_by_reason),
             num_rejected_messages=self.num_rejected_messages,
             num_orphaned_requests=self.num_orphaned_requests,
+            boot_id=self.boot_id,
+            progress=self.progress,
+            is_draining=self.is_draining,
             **self.load_extras(),
         )
         self._load = _LoadSnapshot(fields, dict(self.proxies.last_request_seqs))

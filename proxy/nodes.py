@@ -27,6 +27,15 @@ _WATCH_INTERVAL_S = 0.1
 # NOTE: every node is pinged at least this often even while it reports: a node ends the
 # requests of a proxy it has not heard from within its orphan timeout (10 s by default).
 _PING_INTERVAL_S = 0.5
+# NOTE: a node that refused a send (not connected: IMMEDIATE) gets no new requests at once, and
+# is taken for dead, its requests failed (retried or migrated), if it still refuses this much
+# later: a killed node is known dead within about a second, not the heartbeat timeout.
+_UNREACHABLE_GRACE_S = 0.5
+# NOTE: a node whose loop made no progress for this long while it had work is stuck (its
+# heartbeat thread may still report). One engine step of the small preset takes up to ~6 s on
+# one core (a 2,048-token prefill chunk): well past that.
+# TODO(availability): a ProxyConfig field (--stall-timeout-s) once config.py is free to edit.
+STALL_TIMEOUT_S = 20.0
 
 @dataclass(frozen=True)
 class _Unreported:
@@ -49,6 +58,10 @@ class NodeClient:
     num_requests_sent: int = 0
     last_ping_at: float = 0.0
     logged_version: int | None = None  # a foreign protocol version this node was logged speaking
+    boot_id: str | None = None  # the node process's, from its reports: a new one is a restarted node
+    progress_changed_at: float = 0.0  # when the reported loop progress last advanced
+    unreachable_since: float | None = None  # the first failed send since the last report or good send
+    stall_timeout_s: float = STALL_TIMEOUT_S
 
     @property
     def kv_fingerprint(self) -> str | None:
@@ -58,7 +71,31 @@ class NodeClient:
 
     @property
     def is_healthy(self) -> bool:
-        return self.last_report is not None and time.monotonic() - self.last_seen < self.heartbeat_timeout_s
+        """Reporting within the heartbeat timeout, accepting messages (or refusing them for
+        less than _UNREACHABLE_GRACE_S), and its loop not stuck. An unhealthy node's requests
+        are failed (NodePool._watch)."""
+        now = time.monotonic()
+        if self.last_report is None or now - self.last_seen >= self.heartbeat_timeout_s:
+            return False
+        if self.unreachable_since is not None and now - self.unreachable_since >= _UNREACHABLE_GRACE_S:
+            return False
+        return not self.is_stalled
+
+    @property
+    def is_stalled(self) -> bool:
+        """Its loop has not advanced for stall_timeout_s while it had requests."""
+        report = self.last_report
+        has_work = report is not None and (report.num_running + report.num_waiting > 0 or bool(self.queues))
+        return has_work and time.monotonic() - self.progress_changed_at >= self.stall_timeout_s
+
+    @property
+    def is_draining(self) -> bool:
+        return self.last_report is not None and self.last_report.is_draining
+
+    @property
+    def is_routable(self) -> bool:
+        """Healthy, not draining and took the last message sent to it: new requests may go here."""
+        return self.is_healthy and self.unreachable_since is None and not self.is_draining
 
     def send_request(self, message: protocol.PrefillRequest | protocol.DecodeRequest) -> None:
         """Send a request stamped with the next seq; routing counts it as load until a report
@@ -103,7 +140,12 @@ class NodeClient:
         # finished) future, not by raising.
         sent = self.socket.send(protocol.encode(message), flags=zmq.NOBLOCK)
         if sent.done() and sent.exception() is not None:
+            if self.unreachable_since is None and self.last_report is not None:
+                logger.warning("%s node %s refused a message: routing around it", self.kind, self.address)
+            if self.unreachable_since is None:
+                self.unreachable_since = time.monotonic()
             raise NodeDied(f"{self.kind} node {self.address} is not accepting messages") from sent.exception()
+        self.unreachable_since = None
 
     def fail_all(self, error: Exception) -> None:
         for queue in self.queues.values():
@@ -116,10 +158,12 @@ class NodePool:
 
     def __init__(self, prefill_addresses, decode_addresses, heartbeat_timeout_s: float,
                  local_prefill: LocalPrefillPolicy | None = None,
-                 curve_keys: protocol.CurveKeys | None = None) -> None:
+                 curve_keys: protocol.CurveKeys | None = None, stall_timeout_s: float = STALL_TIMEOUT_S) -> None:
         self.context = zmq.asyncio.Context()
-        self.prefill = [NodeClient(a, "prefill", heartbeat_timeout_s) for a in prefill_addresses]
-        self.decode = [NodeClient(a, "decode", heartbeat_timeout_s) for a in decode_addresses]
+        self.prefill = [NodeClient(a, "prefill", heartbeat_timeout_s, stall_timeout_s=stall_timeout_s)
+                        for a in prefill_addresses]
+        self.decode = [NodeClient(a, "decode", heartbeat_timeout_s, stall_timeout_s=stall_timeout_s)
+                       for a in decode_addresses]
         self.local_prefill = local_prefill
         self.curve_keys = curve_keys
         self.num_local_prefills = 0
@@ -164,23 +208,30 @@ class NodePool:
         lengths = [n.last_report.max_model_len for n in self.all if n.last_report]
         return min(lengths) if lengths else None
 
-    def pick_prefill(self) -> NodeClient | None:
+    def has_serving_path(self) -> bool:
+        """Whether a new request can be served now: some decode node takes requests (with the
+        prefill pool down, decode nodes prefill themselves). For the proxy's /ready."""
+        return any(n.is_routable for n in self.decode)
+
+    def pick_prefill(self, exclude: frozenset[int] = frozenset()) -> NodeClient | None:
         """Least queued prompt tokens (as reported plus what this proxy has in flight), among
         the healthy prefill nodes that some healthy decode node can pull from (same KV layout).
         While no decode node is healthy at all, among every healthy prefill node: one may come
         back during the prefill (if not, the request fails and its lease is released)."""
-        healthy = [n for n in self.prefill if n.is_healthy]
-        if any(n.is_healthy for n in self.decode):
+        healthy = [n for n in self.prefill if n.is_routable and id(n) not in exclude]
+        if any(n.is_routable for n in self.decode):
             healthy = [n for n in healthy if self.pick_decode(n) is not None]
         if not healthy:
             return None
         return min(self._not_full(healthy), key=lambda n: n.last_report.num_queued_prompt_tokens
                    + n.num_unreported_tokens)
 
-    def pick_decode(self, prefill: NodeClient | None = None) -> NodeClient | None:
+    def pick_decode(self, prefill: NodeClient | None = None,
+                    exclude: frozenset[int] = frozenset()) -> NodeClient | None:
         """Most free blocks, then fewest running requests; with prefill given, only among the
-        decode nodes of its KV layout (that can read its blocks)."""
-        healthy = [n for n in self.decode if n.is_healthy]
+        decode nodes of its KV layout (that can read its blocks). exclude: id()s of nodes not to
+        pick (ones that failed this request)."""
+        healthy = [n for n in self.decode if n.is_routable and id(n) not in exclude]
         if prefill is not None:
             healthy = [n for n in healthy if n.kv_fingerprint == prefill.kv_fingerprint]
         if not healthy:
@@ -219,7 +270,7 @@ class NodePool:
             return None
         best, best_wait_s = None, remote_wait_s / policy.penalty
         for node in self.decode:
-            wait_s = node.prefill_wait_s(num_prompt_tokens) if node.is_healthy else None
+            wait_s = node.prefill_wait_s(num_prompt_tokens) if node.is_routable else None
             if wait_s is not None and wait_s < best_wait_s:
                 best, best_wait_s = node, wait_s
         if best is not None:
@@ -264,11 +315,12 @@ class NodePool:
             now = time.monotonic()
             for node in self.all:
                 healthy = node.is_healthy
-                if not healthy or now - node.last_ping_at >= _PING_INTERVAL_S:
+                if not node.is_routable or now - node.last_ping_at >= _PING_INTERVAL_S:
                     _ping(node)
                 if not healthy and (was_healthy[id(node)] or node.queues):
-                    logger.warning("%s node %s stopped reporting", node.kind, node.address)
-                    node.fail_all(NodeDied(f"{node.kind} node {node.address} stopped responding"))
+                    why = "is stuck (no progress)" if node.is_stalled else "stopped responding"
+                    logger.warning("%s node %s %s", node.kind, node.address, why)
+                    node.fail_all(NodeDied(f"{node.kind} node {node.address} {why}"))
                 was_healthy[id(node)] = healthy
             self.layout_mismatches()  # logs each new mismatched pair once, as soon as both report
 
@@ -351,8 +403,17 @@ def _take_report(node: NodeClient, report: protocol.LoadReport) -> None:
                          report.protocol_version, protocol.PROTOCOL_VERSION)
         node.last_report = report
         return
+    now = time.monotonic()
+    if node.boot_id is not None and report.boot_id != node.boot_id:
+        logger.warning("%s node %s restarted (new boot id): failing its %d requests", node.kind, node.address,
+                       len(node.queues))
+        node.fail_all(NodeDied(f"{node.kind} node {node.address} restarted"))
+    if node.last_report is None or report.progress != node.last_report.progress or report.boot_id != node.boot_id:
+        node.progress_changed_at = now
+    node.boot_id = report.boot_id
     node.last_report = report
-    node.last_seen = time.monotonic()
+    node.last_seen = now
+    node.unreachable_since = None
     # NOTE: by seq, not by time: a report made while a request was still in flight must keep
     # counting it (or a burst would all go to one node), whatever the two clocks say.
     node.unreported = [r for r in node.unreported if r.seq > report.last_request_seq]

@@ -7,7 +7,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine import protocol
 from proxy.errors import NodeDied, NodeRejected, NoNodeAvailable
@@ -30,6 +30,14 @@ class Step:
     kv: protocol.KVOutcome | None = None
 
 
+# NOTE: a request is sent this many times at most before its first token (a prefill node or a
+# decode node prefilling it failed), and moved this many times at most after tokens were
+# streamed; past that its error reaches the client.
+# TODO(availability): ProxyConfig fields once config.py is free to edit.
+MAX_ATTEMPTS_BEFORE_FIRST_TOKEN = 3
+MAX_MIGRATIONS = 2
+
+
 async def run_request(pool: NodePool, request_id: str, prompt_ids: list[int], sampling: protocol.SamplingOptions,
                       first_token_timeout_s: float, token_timeout_s: float) -> AsyncIterator[Step]:
     """Yields the request's tokens; raises NoNodeAvailable, NodeRejected, NodeDied (also when
@@ -37,39 +45,28 @@ async def run_request(pool: NodePool, request_id: str, prompt_ids: list[int], sa
 
     Disaggregated: PrefillRequest to a prefill node -> the first token (yielded at once) and a KV
     handle -> DecodeRequest to a decode node, which pulls the KV -> token batches. Colocated (no
-    prefill nodes), or prefilled on the decode node because the prefill pool is backed up (see
-    NodePool.pick_local_prefill): one DecodeRequest without a handle. Always leaves no request
-    behind on any node: on an early exit the node holding it gets Abort, and a prefill lease the
-    decode side never saw gets ReleaseKV."""
-    cleanup = _Cleanup(request_id)
+    prefill nodes), prefilled on the decode node because the prefill pool is backed up (see
+    NodePool.pick_local_prefill) or because no prefill node takes requests: one DecodeRequest
+    without a handle.
+
+    Failures: a node that dies, times out or is draining before the first token is replaced
+    (another prefill node, else a decode node prefilling itself; MAX_ATTEMPTS_BEFORE_FIRST_TOKEN
+    sends in all); once tokens were yielded, the request migrates to another decode node with
+    the prompt and the tokens so far (recomputed there; the next token keeps its output index,
+    so greedy and seeded output continue unchanged; MAX_MIGRATIONS at most). The stream the
+    caller sees just continues. Always leaves no request behind on any node: on an early exit
+    the node holding it gets Abort, and a prefill lease the decode side never saw gets ReleaseKV."""
+    run = _Run(pool, request_id, prompt_ids, sampling, first_token_timeout_s, token_timeout_s)
     try:
-        local, result = await _prefill_or_pick_local(pool, request_id, prompt_ids, sampling, first_token_timeout_s,
-                                                     cleanup)
-        if result is not None and result.finish_reason is not None:
-            cleanup.is_finished = True
-            yield Step([result.first_token], result.finish_reason, result.prompt_logprobs)
-            return
-        first, handle = (result.first_token, result.kv_handle) if result is not None else (None, None)
-        decode = local or pool.pick_decode(cleanup.lease_holder)  # NOTE: the holder's KV layout, if any
-        if decode is None:
-            raise NoNodeAvailable("no healthy decode node" + (f" shares the KV layout of prefill node "
-                                                              f"{cleanup.lease_holder.address}"
-                                                              if cleanup.lease_holder else ""))
-        queue = decode.open(request_id)
-        cleanup.holder = decode
-        decode.send_request(protocol.DecodeRequest(request_id, prompt_ids, sampling, first, handle, time.time()))
-        cleanup.lease_holder = None  # NOTE: the decode node releases the lease from here on, pulled or not
-        if first is not None:
-            yield Step([first], prompt_logprobs=result.prompt_logprobs)
-        async for step in _decode_steps(queue, decode, request_id, first is None, first_token_timeout_s,
-                                        token_timeout_s):
-            cleanup.is_finished = step.finish_reason is not None
-            yield step
-    except NodeRejected:
-        cleanup.is_finished = True  # the node has dropped the request already
-        raise
+        while True:
+            try:
+                async for step in run.attempt():
+                    yield step
+                return
+            except (NodeDied, TimeoutError, NodeRejected) as exc:
+                run.recover(exc)
     finally:
-        cleanup.run()
+        run.cleanup.run()
 
 
 @dataclass
@@ -79,6 +76,9 @@ class _Cleanup:
     request_id: str
     holder: NodeClient | None = None  # the node that must be told to abort
     lease_holder: NodeClient | None = None  # a prefill node holding KV nobody will pull
+    # The prefill node whose lease the decode node (holder) took over: released by the proxy
+    # too if that decode node fails (it may have died before pulling).
+    pulled_from: NodeClient | None = None
     is_finished: bool = False
 
     def run(self) -> None:
@@ -89,33 +89,134 @@ class _Cleanup:
         if self.lease_holder is not None:
             _send_quietly(self.lease_holder, protocol.ReleaseKV([self.request_id]), self.request_id)
 
-
-async def _prefill_or_pick_local(pool: NodePool, request_id: str, prompt_ids: list[int],
-                                 sampling: protocol.SamplingOptions, timeout_s: float,
-                                 cleanup: _Cleanup) -> tuple[NodeClient | None, protocol.PrefillResult | None]:
-    """Prefill on the prefill pool unless a decode node should prefill the prompt itself.
-    Returns (that decode node, None), (None, the prefill's result), or (None, None) when
-    colocated (no prefill nodes)."""
-    if not pool.prefill:
-        return None, None
-    prefill = pool.pick_prefill()
-    if prefill is None:
-        raise NoNodeAvailable(pool.no_kv_path() or "no healthy prefill node")
-    local = pool.pick_local_prefill(prefill, len(prompt_ids))
-    if local is not None:
-        return local, None
-    cleanup.holder = prefill
-    result = await _prefill(prefill, request_id, prompt_ids, sampling, timeout_s)
-    cleanup.holder = None  # the prefill is done; from here on the node only holds the lease
-    if result.kv_handle is not None:
-        cleanup.lease_holder = prefill
-    return None, result
+    def release_failed(self) -> None:
+        """After a failed attempt: abort it where it ran (the node may live on: a timeout), and
+        release a lease it may have left; ready for the next attempt."""
+        if self.pulled_from is not None:
+            self.lease_holder = self.pulled_from
+        self.run()
+        self.holder = self.lease_holder = self.pulled_from = None
 
 
-async def _decode_steps(queue: asyncio.Queue, decode: NodeClient, request_id: str, is_colocated: bool,
-                        first_token_timeout_s: float, token_timeout_s: float) -> AsyncIterator[Step]:
-    timeout_s = first_token_timeout_s if is_colocated else token_timeout_s
-    next_token_idx = 0 if is_colocated else 1  # NOTE: a prefill node sampled token 0
+@dataclass
+class _Run:
+    """One request's attempts: what was streamed so far and the nodes that failed it."""
+
+    pool: NodePool
+    request_id: str
+    prompt_ids: list[int]
+    sampling: protocol.SamplingOptions
+    first_token_timeout_s: float
+    token_timeout_s: float
+    cleanup: _Cleanup = field(init=False)
+    generated: list[int] = field(default_factory=list)  # token ids yielded so far
+    excluded: set[int] = field(default_factory=set)  # id()s of nodes that failed this request
+    num_attempts: int = 1
+    num_migrations: int = 0
+
+    def __post_init__(self) -> None:
+        self.cleanup = _Cleanup(self.request_id)
+
+    def recover(self, exc: Exception) -> None:
+        """Get ready for another attempt after exc, or raise it (not retryable, or out of attempts)."""
+        if isinstance(exc, NodeRejected) and exc.reply.kind != protocol.DRAINING_ERROR_KIND:
+            self.cleanup.is_finished = True  # the node has dropped the request already
+            raise exc
+        failed = self.cleanup.holder
+        self.cleanup.release_failed()
+        if failed is None:
+            raise exc
+        self.excluded.add(id(failed))
+        if self.generated:
+            self.num_migrations += 1
+            if self.num_migrations > MAX_MIGRATIONS:
+                raise exc
+        else:
+            self.num_attempts += 1
+            if self.num_attempts > MAX_ATTEMPTS_BEFORE_FIRST_TOKEN:
+                raise exc
+        logger.warning("request %s: %s node %s failed (%s) after %d tokens: %s elsewhere", self.request_id,
+                       failed.kind, failed.address, exc, len(self.generated),
+                       "migrating" if self.generated else "retrying")
+
+    async def attempt(self) -> AsyncIterator[Step]:
+        if self.generated:
+            async for step in self._decode_locally(None):
+                yield step
+            return
+        prefill = self._pick_prefill()
+        local = self.pool.pick_local_prefill(prefill, len(self.prompt_ids)) if prefill is not None else None
+        if prefill is None or local is not None:
+            async for step in self._decode_locally(local):
+                yield step
+            return
+        async for step in self._disaggregated(prefill):
+            yield step
+
+    def _pick_prefill(self) -> NodeClient | None:
+        """A prefill node for this attempt; None when colocated or when no prefill node takes
+        requests but a decode node does (it prefills). Raises NoNodeAvailable."""
+        if not self.pool.prefill:
+            return None
+        prefill = self.pool.pick_prefill(frozenset(self.excluded))
+        if prefill is not None:
+            return prefill
+        mismatch = self.pool.no_kv_path()
+        if mismatch is not None or self.pool.pick_decode(exclude=frozenset(self.excluded)) is None:
+            raise NoNodeAvailable(mismatch or "no healthy prefill node")
+        logger.info("request %s: no prefill node takes requests: prefilling on a decode node", self.request_id)
+        return None
+
+    async def _disaggregated(self, prefill: NodeClient) -> AsyncIterator[Step]:
+        cleanup = self.cleanup
+        cleanup.holder = prefill
+        result = await _prefill(prefill, self.request_id, self.prompt_ids, self.sampling, self.first_token_timeout_s)
+        cleanup.holder = None  # the prefill is done; from here on the node only holds the lease
+        if result.kv_handle is not None:
+            cleanup.lease_holder = prefill
+        if result.finish_reason is not None:
+            cleanup.is_finished = True
+            yield self._record(Step([result.first_token], result.finish_reason, result.prompt_logprobs))
+            return
+        decode = self.pool.pick_decode(prefill, frozenset(self.excluded))  # NOTE: the holder's KV layout
+        if decode is None:
+            raise NoNodeAvailable(f"no healthy decode node shares the KV layout of prefill node {prefill.address}")
+        queue = decode.open(self.request_id)
+        cleanup.holder = decode
+        decode.send_request(protocol.DecodeRequest(self.request_id, self.prompt_ids, self.sampling,
+                                                   result.first_token, result.kv_handle, time.time()))
+        # NOTE: the decode node releases the lease from here on, pulled or not (unless it fails)
+        cleanup.lease_holder, cleanup.pulled_from = None, cleanup.lease_holder
+        yield self._record(Step([result.first_token], prompt_logprobs=result.prompt_logprobs))
+        async for step in _decode_steps(queue, decode, self.request_id, 1, self.token_timeout_s,
+                                        self.token_timeout_s):
+            cleanup.is_finished = step.finish_reason is not None
+            yield self._record(step)
+
+    async def _decode_locally(self, decode: NodeClient | None) -> AsyncIterator[Step]:
+        """Prefill (the prompt and the tokens so far) and decode on one decode node."""
+        decode = decode or self.pool.pick_decode(exclude=frozenset(self.excluded))
+        if decode is None:
+            raise NoNodeAvailable("no healthy decode node")
+        queue = decode.open(self.request_id)
+        self.cleanup.holder = decode
+        decode.send_request(protocol.DecodeRequest(self.request_id, self.prompt_ids, self.sampling,
+                                                   sent_at=time.time(), output_token_ids=list(self.generated)))
+        async for step in _decode_steps(queue, decode, self.request_id, len(self.generated),
+                                        self.first_token_timeout_s, self.token_timeout_s):
+            self.cleanup.is_finished = step.finish_reason is not None
+            yield self._record(step)
+
+    def _record(self, step: Step) -> Step:
+        self.generated.extend(token.token_id for token in step.tokens)
+        return step
+
+
+async def _decode_steps(queue: asyncio.Queue, decode: NodeClient, request_id: str, next_token_idx: int,
+                        first_timeout_s: float, token_timeout_s: float) -> AsyncIterator[Step]:
+    """The node's deltas from output index next_token_idx on (the tokens before it were
+    sampled elsewhere: on a prefill node, or on a node the request migrated from)."""
+    timeout_s = first_timeout_s
     while True:
         message = await _next(queue, timeout_s, decode, request_id)
         timeout_s = token_timeout_s

@@ -1,0 +1,217 @@
+"""Chaos run: 1 proxy, 2 prefill and 2 decode nodes of the tiny preset (pdserve.launcher), steady
+greedy streaming load from the openai client, a random node SIGKILLed every --kill-every-s and
+restarted by a Supervisor, and random client disconnects. Every completed answer is compared with
+the same prompt's answer from before any kill.
+
+Reports: sent / completed / failed / wrong / disconnected, each kill's recovery time (until the
+killed node's kind serves again: the proxy's /health is 200 with every node up), leaked blocks
+(every node idle with all blocks free at the end), RSS of every process at start and end.
+Target: >= 99.5% completed (of those not disconnected on purpose), 0 wrong, 0 leaked, recovery
+<= 2 s after the node is back up (its restart itself, a new process loading the model, is
+reported apart).
+
+    .venv/bin/python benchmarks/chaos.py [--minutes 5] [--streams 4] [--kill-every-s 30]
+
+Ends with `RESULT {json}`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import openai
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from pdserve.launcher import Supervisor, health_ok, start_local, wait_healthy  # noqa: E402
+from pdserve.make_model import make_model  # noqa: E402
+from tests.e2e.conftest import node_load  # noqa: E402
+
+MAX_TOKENS = 48
+PROMPTS = [f"chaos prompt {i}: " + "the quick brown fox jumps over the lazy dog " * (1 + i % 5) for i in range(16)]
+
+
+@dataclass
+class Counts:
+    sent: int = 0
+    completed: int = 0
+    failed: int = 0
+    wrong: int = 0
+    disconnected: int = 0
+    errors: list[str] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add(self, name: str, error: str | None = None) -> None:
+        with self.lock:
+            setattr(self, name, getattr(self, name) + 1)
+            if error is not None and len(self.errors) < 20:
+                self.errors.append(error)
+
+
+def _stream(client: openai.OpenAI, model: str, prompt: str, disconnect_after: int | None) -> str | None:
+    """The streamed text; None when this client hung up on purpose after disconnect_after chunks."""
+    stream = client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True})
+    text = []
+    for chunk in stream:
+        if chunk.choices:
+            text.append(chunk.choices[0].text)
+        if disconnect_after is not None and len(text) >= disconnect_after:
+            stream.close()
+            return None
+    return "".join(text)
+
+
+def _client_loop(client, model, expected, counts: Counts, stop: threading.Event, seed: int) -> None:
+    rng = random.Random(seed)
+    while not stop.is_set():
+        prompt = rng.choice(PROMPTS)
+        disconnect_after = rng.randint(1, MAX_TOKENS - 1) if rng.random() < 0.05 else None
+        counts.add("sent")
+        try:
+            text = _stream(client, model, prompt, disconnect_after)
+        except Exception as exc:  # noqa: BLE001 - a failed request is what this counts
+            counts.add("failed", f"{type(exc).__name__}: {exc}"[:300])
+            continue
+        if text is None:
+            counts.add("disconnected")
+        elif text != expected[prompt]:
+            counts.add("wrong", prompt)
+        else:
+            counts.add("completed")
+
+
+def _rss_mb(pid: int) -> float | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+def _rss_all(deployment) -> dict[str, float | None]:
+    return {name: _rss_mb(proc.pid) for name, proc in deployment.cluster.procs}
+
+
+def _tiny_model() -> Path:
+    path = REPO / ".cache" / "models" / "tiny-seed0"
+    if not (path / "model.safetensors").exists():
+        make_model(path, "tiny", seed=0, show_progress=False)
+    return path
+
+
+def _chaos(deployment, supervisor: Supervisor, deadline: float, kill_every_s: float, rng: random.Random) -> list:
+    """Kill a random node every kill_every_s until deadline; each kill's recovery record."""
+    kills = []
+    next_kill = time.monotonic() + kill_every_s
+    while time.monotonic() < deadline:
+        supervisor.tick()
+        if time.monotonic() >= next_kill:
+            name = rng.choice([n for n in deployment.node_addresses])
+            killed_at = time.monotonic()
+            deployment.cluster.process(name).kill()
+            kills.append({"node": name, "killed_at": killed_at})
+            _wait_recovered(deployment, supervisor, kills[-1])
+            next_kill = time.monotonic() + kill_every_s
+        time.sleep(0.05)
+    return kills
+
+
+def _wait_recovered(deployment, supervisor: Supervisor, kill: dict, timeout_s: float = 120.0) -> None:
+    """Fill kill with restart_s (until the new process answers a ping) and recovery_s (from then
+    until the proxy reports every node healthy again)."""
+    address = deployment.node_addresses[kill["node"]]
+    deadline = time.monotonic() + timeout_s
+    up_at = None
+    while time.monotonic() < deadline:
+        supervisor.tick()
+        if up_at is None and deployment.cluster.process(kill["node"]).poll() is None:
+            try:
+                node_load(address, timeout_s=0.2)
+                up_at = time.monotonic()
+            except TimeoutError:
+                pass
+        if up_at is not None and health_ok(deployment.base_url + "/health"):
+            kill["restart_s"] = round(up_at - kill["killed_at"], 2)
+            kill["recovery_s"] = round(time.monotonic() - up_at, 2)
+            return
+        time.sleep(0.05)
+    kill["recovery_s"] = None
+
+
+def _leaks(deployment) -> dict[str, int]:
+    """Blocks not free per node once idle (waits up to 20 s for the last requests to end)."""
+    leaks = {}
+    for name, address in deployment.node_addresses.items():
+        deadline = time.monotonic() + 20
+        report = node_load(address)
+        while report.num_free_blocks != report.num_total_blocks and time.monotonic() < deadline:
+            time.sleep(0.2)
+            report = node_load(address)
+        leaks[name] = report.num_total_blocks - report.num_free_blocks + report.num_leases
+    return leaks
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--minutes", type=float, default=5.0)
+    parser.add_argument("--streams", type=int, default=4)
+    parser.add_argument("--kill-every-s", type=float, default=30.0)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    log_dir = Path(tempfile.mkdtemp(prefix="pdserve-chaos-"))
+    deployment = start_local(_tiny_model(), num_prefill=2, num_decode=2, log_dir=log_dir, pin_cpus=False,
+                             node_args=["--num-blocks", "512", "--max-num-seqs", "32"])
+    try:
+        wait_healthy(deployment, 180)
+        client = openai.OpenAI(base_url=deployment.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        model = client.models.list().data[0].id
+        expected = {p: _stream(client, model, p, None) for p in PROMPTS}
+        rss_start = _rss_all(deployment)
+        counts, stop = Counts(), threading.Event()
+        threads = [threading.Thread(target=_client_loop, args=(client, model, expected, counts, stop, args.seed + i),
+                                    daemon=True) for i in range(args.streams)]
+        for thread in threads:
+            thread.start()
+        supervisor = Supervisor(deployment.cluster, initial_backoff_s=0.1, max_backoff_s=1.0)
+        kills = _chaos(deployment, supervisor, time.monotonic() + args.minutes * 60, args.kill_every_s,
+                       random.Random(args.seed))
+        stop.set()
+        for thread in threads:
+            thread.join(timeout=150)
+        wait_healthy(deployment, 120)
+        result = _result(counts, kills, _leaks(deployment), rss_start, _rss_all(deployment), log_dir)
+    finally:
+        deployment.stop()
+    print(json.dumps({k: v for k, v in result.items() if k != "errors"}, indent=1))  # noqa: T201 - the CLI's output
+    print("RESULT " + json.dumps(result))  # noqa: T201
+    return 0
+
+
+def _result(counts: Counts, kills, leaks, rss_start, rss_end, log_dir: Path) -> dict:
+    answered = counts.sent - counts.disconnected
+    recoveries = [k["recovery_s"] for k in kills if k.get("recovery_s") is not None]
+    return {
+        "sent": counts.sent, "completed": counts.completed, "failed": counts.failed, "wrong": counts.wrong,
+        "disconnected": counts.disconnected,
+        "completed_pct": round(100 * counts.completed / answered, 2) if answered else None,
+        "kills": [{k: v for k, v in kill.items() if k != "killed_at"} for kill in kills],
+        "max_recovery_s": max(recoveries) if recoveries else None,
+        "leaked_blocks": leaks, "rss_mb_start": rss_start, "rss_mb_end": rss_end,
+        "errors": counts.errors, "log_dir": str(log_dir),
+    }
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

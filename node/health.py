@@ -1,0 +1,74 @@
+"""HealthServer: a node's HTTP /health (liveness) and /ready (readiness) for orchestrators, a
+tiny stdlib server on a daemon thread."""
+
+from __future__ import annotations
+
+import http.server
+import threading
+import time
+from typing import Protocol
+
+# NOTE: one engine step of the small preset can take ~6 s on one core (a 2,048-token prefill
+# chunk): a loop is stuck only well past that.
+LIVENESS_TIMEOUT_S = 30.0
+
+
+class _Node(Protocol):
+    last_progress_at: float  # time.monotonic() of the loop's last iteration
+    is_serving: bool
+    is_draining: bool
+
+
+class HealthServer:
+    """GET /health: 200 while the node's loop progressed within LIVENESS_TIMEOUT_S, else 503.
+    GET /ready: 200 while it serves (warmed up) and is not draining, else 503. Reads only
+    attributes the loop assigns whole (no lock needed); never blocks the loop."""
+
+    def __init__(self, host: str, port: int, node: _Node) -> None:
+        handler = _handler_for(node)
+        self._server = http.server.ThreadingHTTPServer((host, port), handler)
+        self._server.daemon_threads = True
+        self.port = self._server.server_address[1]
+        self._thread = threading.Thread(target=self._server.serve_forever, name="node-health", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._server.shutdown()
+        self._server.server_close()
+
+
+def is_live(node: _Node) -> bool:
+    return time.monotonic() - node.last_progress_at < LIVENESS_TIMEOUT_S
+
+
+def is_ready(node: _Node) -> bool:
+    return node.is_serving and not node.is_draining and is_live(node)
+
+
+def _handler_for(node: _Node) -> type[http.server.BaseHTTPRequestHandler]:
+    checks = {"/health": is_live, "/ready": is_ready}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+            check = checks.get(self.path.split("?", 1)[0])
+            if check is None:
+                self._answer(404, b"not found\n")
+            elif check(node):
+                self._answer(200, b"ok\n")
+            else:
+                self._answer(503, b"unavailable\n")
+
+        def _answer(self, status: int, body: bytes) -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", "text/plain")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:  # quiet: probes come every few seconds
+            pass
+
+    return Handler

@@ -1,0 +1,173 @@
+"""Availability with real processes: nodes killed, stopped, restarted and drained under
+concurrent greedy streams; every request completes with the uninterrupted run's output, and the
+nodes' blocks and leases all come back."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+
+from pdserve.launcher import wait_healthy
+from tests.e2e.conftest import NODE_ARGS, _start, wait_blocks_free
+
+MAX_TOKENS = 96
+PROMPTS = [f"request {i}: the quick brown fox jumps over the lazy dog " * (1 + i % 3) for i in range(6)]
+LONG_PROMPTS = [f"prompt {i} " + "lorem ipsum dolor sit amet " * 60 for i in range(4)]
+GREEDY = {"temperature": 0.0}
+SEEDED = {"temperature": 0.9, "seed": 1234}
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir, tmp_path_factory):
+    """2 prefill + 2 decode nodes and the proxy, shared by this module's tests (each test leaves
+    every node running and healthy)."""
+    deployment = _start(tiny_model_dir, tmp_path_factory.mktemp("availability-logs"), num_prefill=2, num_decode=2,
+                        node_args=NODE_ARGS)
+    yield deployment
+    deployment.stop()
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    return openai.OpenAI(base_url=cluster.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def reference(client):
+    """Each prompt's greedy output from the cluster while nothing fails; ("seeded", prompt): its
+    seeded sampled output."""
+    greedy = {prompt: _complete(client, prompt) for prompt in PROMPTS + LONG_PROMPTS}
+    return greedy | {("seeded", prompt): _complete(client, prompt, SEEDED) for prompt in PROMPTS[:2]}
+
+
+def _model(client: openai.OpenAI) -> str:
+    return client.models.list().data[0].id
+
+
+def _complete(client: openai.OpenAI, prompt: str, sampling: dict = GREEDY) -> str:
+    response = client.completions.create(model=_model(client), prompt=prompt, max_tokens=MAX_TOKENS,
+                                         extra_body={"ignore_eos": True, **sampling})
+    assert response.usage.completion_tokens == MAX_TOKENS
+    return response.choices[0].text
+
+
+class _Streams:
+    """Streams of prompts (greedy unless told) on threads; counts the chunks each has received
+    and checks each one's usage (exact, whatever happened meanwhile)."""
+
+    def __init__(self, client: openai.OpenAI, prompts: list[str], sampling: dict = GREEDY) -> None:
+        self.client, self.prompts, self.sampling = client, prompts, sampling
+        self.num_chunks = [0] * len(prompts)
+        self._pool = ThreadPoolExecutor(len(prompts))
+        self._futures = [self._pool.submit(self._stream, i) for i in range(len(prompts))]
+
+    def _stream(self, idx: int) -> str:
+        stream = self.client.completions.create(model=_model(self.client), prompt=self.prompts[idx],
+                                                max_tokens=MAX_TOKENS, stream=True,
+                                                stream_options={"include_usage": True},
+                                                extra_body={"ignore_eos": True, **self.sampling})
+        text, usage = [], None
+        for chunk in stream:
+            if chunk.choices:
+                text.append(chunk.choices[0].text)
+                self.num_chunks[idx] += 1
+            usage = chunk.usage or usage
+        assert usage is not None and usage.completion_tokens == MAX_TOKENS, usage
+        return "".join(text)
+
+    def wait_started(self, min_chunks: int, timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while min(self.num_chunks) < min_chunks:
+            assert time.monotonic() < deadline, f"streams did not start: {self.num_chunks}"
+            time.sleep(0.01)
+
+    def results(self, timeout_s: float = 120.0) -> list[str]:
+        try:
+            return [f.result(timeout=timeout_s) for f in self._futures]
+        finally:
+            self._pool.shutdown(wait=False)
+
+
+def _restart(cluster, name: str) -> None:
+    proc = cluster.cluster.process(name)
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait(timeout=30)
+    cluster.cluster.restart(name)
+    wait_healthy(cluster, 120)
+
+
+def _assert_no_leaks(cluster) -> None:
+    for name, address in cluster.node_addresses.items():
+        report = wait_blocks_free(address, timeout_s=20)
+        assert report.num_free_blocks == report.num_total_blocks, f"{name}: blocks not freed: {report}"
+        assert report.num_leases == 0 and report.num_running == 0, f"{name}: {report}"
+
+
+def _wait_for(predicate, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+def test_killed_decode_node_mid_stream_migrates_every_stream_unchanged(cluster, client, reference):
+    streams, seeded = _Streams(client, PROMPTS), _Streams(client, PROMPTS[:2], SEEDED)
+    streams.wait_started(min_chunks=3)
+    seeded.wait_started(min_chunks=3)
+    cluster.cluster.process("decode0").kill()
+    assert streams.results() == [reference[p] for p in PROMPTS]
+    assert seeded.results() == [reference["seeded", p] for p in PROMPTS[:2]]
+    _restart(cluster, "decode0")
+    _assert_no_leaks(cluster)
+
+
+def test_killed_prefill_node_mid_prefill_every_request_completes(cluster, client, reference):
+    streams = _Streams(client, LONG_PROMPTS)
+    time.sleep(0.05)  # NOTE: the requests reach the prefill nodes; no token is out yet (long prompts)
+    cluster.cluster.process("prefill0").kill()
+    assert streams.results() == [reference[p] for p in LONG_PROMPTS]
+    _restart(cluster, "prefill0")
+    _assert_no_leaks(cluster)
+
+
+def test_stopped_node_is_routed_around_then_back(cluster, client, reference):
+    proc = cluster.cluster.process("decode1")
+    streams = _Streams(client, PROMPTS)
+    streams.wait_started(min_chunks=2)
+    proc.send_signal(signal.SIGSTOP)
+    try:
+        assert streams.results() == [reference[p] for p in PROMPTS]
+        assert [_complete(client, p) for p in PROMPTS[:2]] == [reference[p] for p in PROMPTS[:2]]
+    finally:
+        proc.send_signal(signal.SIGCONT)
+    wait_healthy(cluster, 30)
+    _assert_no_leaks(cluster)
+
+
+def test_node_restarted_on_its_port_within_a_second_hangs_no_request(cluster, client, reference):
+    streams = _Streams(client, PROMPTS)
+    streams.wait_started(min_chunks=2)
+    proc = cluster.cluster.process("decode1")
+    proc.kill()
+    proc.wait(timeout=10)
+    cluster.cluster.restart("decode1")
+    assert streams.results(timeout_s=60) == [reference[p] for p in PROMPTS]
+    wait_healthy(cluster, 120)
+    _assert_no_leaks(cluster)
+
+
+def test_sigterm_drains_a_prefill_node_without_losing_requests_or_leases(cluster, client, reference):
+    prompts = LONG_PROMPTS + PROMPTS
+    streams = _Streams(client, prompts)
+    proc = cluster.cluster.process("prefill1")
+    threading.Timer(0.05, proc.send_signal, (signal.SIGTERM,)).start()
+    assert streams.results() == [reference[p] for p in prompts]
+    assert proc.wait(timeout=30) == 0  # drained: exited on its own once its leases were pulled
+    _restart(cluster, "prefill1")
+    _assert_no_leaks(cluster)

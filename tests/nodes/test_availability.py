@@ -1,0 +1,116 @@
+"""A node's side of availability: boot id and loop progress in its reports, draining (new
+requests refused with a retryable code, running ones finished, then run() returns), and the HTTP
+/health and /ready endpoint."""
+
+from __future__ import annotations
+
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+import zmq
+
+from engine import protocol
+from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine.engine import LLMEngine
+from node.health import HealthServer
+from node.server import NodeServer, ServerConfig
+
+GREEDY = protocol.SamplingOptions(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture
+def node(tiny_model_dir):
+    engine = LLMEngine(EngineConfig(ModelConfig.from_pretrained(tiny_model_dir), CacheConfig(num_blocks=64),
+                                    SchedulerConfig()))
+    server = NodeServer(engine, ServerConfig("n", load_report_interval_s=0.05))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    socket = zmq.Context.instance().socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.connect(f"tcp://{server.address}")
+    yield server, thread, socket
+    socket.close(linger=0)
+    server.stop()
+    thread.join(timeout=10)
+
+
+def _next(socket, kind: type, timeout_s: float = 10.0):
+    deadline = time.monotonic() + timeout_s
+    while (left_ms := int((deadline - time.monotonic()) * 1000)) > 0:
+        if socket.poll(left_ms):
+            message = protocol.decode_from_node(socket.recv())
+            if isinstance(message, kind):
+                return message
+    raise TimeoutError(f"no {kind.__name__} within {timeout_s} s")
+
+
+def _report(socket) -> protocol.LoadReport:
+    socket.send(protocol.encode(protocol.Ping()))
+    return _next(socket, protocol.LoadReport)
+
+
+def test_reports_carry_a_fixed_boot_id_and_advancing_progress(node):
+    server, _, socket = node
+    first = _report(socket)
+    time.sleep(0.2)
+    second = _report(socket)
+    assert first.boot_id == second.boot_id == server.boot_id and len(first.boot_id) == 32
+    assert second.progress > first.progress
+    assert not second.is_draining
+
+
+def test_draining_refuses_new_requests_finishes_running_ones_then_returns(node):
+    server, thread, socket = node
+    socket.send(protocol.encode(protocol.DecodeRequest("running", [5, 6, 7], GREEDY, seq=1)))
+    _next(socket, protocol.TokenBatch)  # it runs
+    server.drain()
+    socket.send(protocol.encode(protocol.DecodeRequest("late", [5, 6, 7], GREEDY, seq=2)))
+    num_tokens, refused = 0, None
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and (refused is None or num_tokens < GREEDY.max_tokens):
+        if not socket.poll(100):
+            continue
+        message = protocol.decode_from_node(socket.recv())
+        if isinstance(message, protocol.ErrorReply):
+            refused = message
+        elif isinstance(message, protocol.TokenBatch):
+            num_tokens = max([num_tokens] + [d.first_token_idx + len(d.tokens) for d in message.deltas])
+    assert refused is not None and refused.request_id == "late"
+    assert refused.kind == protocol.DRAINING_ERROR_KIND and not refused.is_client_error
+    assert num_tokens == GREEDY.max_tokens
+    thread.join(timeout=10)
+    assert not thread.is_alive()  # drained: run() returned by itself
+    assert server.engine.num_free_blocks == server.engine.block_pool.num_blocks
+
+
+class _FakeNode:
+    def __init__(self) -> None:
+        self.last_progress_at = time.monotonic()
+        self.is_serving = True
+        self.is_draining = False
+
+
+def _status(port: int, path: str) -> int:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as response:
+            return response.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def test_health_and_ready_follow_progress_and_draining():
+    fake = _FakeNode()
+    health = HealthServer("127.0.0.1", 0, fake)
+    health.start()
+    try:
+        assert (_status(health.port, "/health"), _status(health.port, "/ready")) == (200, 200)
+        fake.is_draining = True
+        assert (_status(health.port, "/health"), _status(health.port, "/ready")) == (200, 503)
+        fake.last_progress_at -= 3600  # the loop is stuck
+        assert _status(health.port, "/health") == 503
+        assert _status(health.port, "/nope") == 404
+    finally:
+        health.close()
