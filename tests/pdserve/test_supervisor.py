@@ -137,8 +137,7 @@ def test_pdserve_up_restarts_a_killed_decode_node_and_stops_everything_on_sigter
     wait_for(lambda: "decode0 restarted" in log.read_text(), timeout_s=30)
     [new_pid] = [pid for pid, cmd in _children_of(proc.pid).items() if "--node-id decode0" in cmd]
     assert new_pid != decode_pid
-    # NOTE: until the proxy sees the old node's heartbeat stop, a request may still be sent to it
-    # and fail (the availability issue's retries are not built yet); it must be served again soon.
+    # The proxy routes around the dead node and back to the restarted one without a restart.
     wait_for(lambda: _complete(base_url).status_code == 200, timeout_s=120)
     assert proc.poll() is None
     started = set(_children_of(proc.pid))
