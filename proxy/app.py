@@ -1,25 +1,34 @@
 """The OpenAI-compatible HTTP front: routes (/v1/completions, /v1/chat/completions, /v1/models;
 vLLM's /tokenize, /detokenize, /version; /health, /metrics), the API key check, X-Request-Id,
-and run() to serve them. No torch: nodes see token ids."""
+admission and bounded bodies, and run() to serve them. No torch: nodes see token ids."""
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import importlib.metadata
 import re
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
 
+from engine.protocol import curve_keys
+from proxy.admission import Admission, AdmissionLimits
 from proxy.chat_schemas import ChatCompletionRequest, TokenizeChatRequest
 from proxy.config import ProxyConfig
 from proxy.errors import ApiError, install_handlers
+from proxy.limits import BodyReader
 from proxy.metrics import ProxyMetrics
+from proxy.node_names import NodeNames
 from proxy.nodes import LocalPrefillPolicy, NodePool
 from proxy.openai_format import ChatFormat, CompletionFormat
+from proxy.openapi_bodies import body_spec, install_openapi
 from proxy.request_id import RequestIdMiddleware
 from proxy.schemas import (
     CompletionRequest,
@@ -33,6 +42,10 @@ from proxy.service import RequestService
 from proxy.tokenizer import ModelTokenizer
 
 _PYPROJECT = Path(__file__).resolve().parent.parent / "pyproject.toml"
+_Body = TypeVar("_Body", bound=BaseModel)
+# Bodies past this size are parsed in a worker thread, so other requests' streams go on meanwhile
+# (parsing and validating a multi-megabyte body takes tens to hundreds of milliseconds).
+_PARSE_IN_THREAD_BYTES = 256 << 10
 
 
 def run(config: ProxyConfig, log_level: str = "info") -> None:
@@ -49,9 +62,14 @@ def create_app(config: ProxyConfig) -> FastAPI:
     tokenizer = ModelTokenizer.from_dir(config.model_dir, config.chat_template_timeout_s, config.chat_template_path,
                                         config.trust_request_chat_template)
     pool = NodePool(config.prefill_addresses, config.decode_addresses, config.heartbeat_timeout_s,
-                    _local_prefill_policy(config))
-    metrics = ProxyMetrics(lambda: pool.all, lambda: pool.num_local_prefills)
-    service = RequestService(config, tokenizer, pool, metrics)
+                    _local_prefill_policy(config),
+                    curve_keys(config.cluster_secret) if config.cluster_secret is not None else None)
+    names = NodeNames(config.prefill_addresses, config.decode_addresses, config.expose_node_addresses)
+    metrics = ProxyMetrics(lambda: pool.all, lambda: pool.num_local_prefills, names.name)
+    admission = Admission(_admission_limits(config), pool, metrics)
+    metrics.in_flight.set_function(lambda: admission.num_in_flight)
+    service = RequestService(config, tokenizer, pool, metrics, admission, names)
+    reader = BodyReader(config.max_body_bytes, config.body_timeout_s, metrics)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -59,14 +77,22 @@ def create_app(config: ProxyConfig) -> FastAPI:
         yield
         await pool.stop()
 
-    app = FastAPI(title="pdserve", lifespan=lifespan)
+    app = FastAPI(title="pdserve", version=_version(), lifespan=lifespan)
     app.state.pool = pool
     app.add_middleware(RequestIdMiddleware)
     install_handlers(app)
-    _add_status_routes(app, pool, metrics)
-    app.include_router(_api_router(config, service))
-    app.include_router(_tokenizer_router(config, service))
+    _add_status_routes(app, pool, metrics, names)
+    app.include_router(_api_router(config, service, reader))
+    app.include_router(_tokenizer_router(config, service, reader))
+    install_openapi(app, [CompletionRequest, ChatCompletionRequest, TokenizeCompletionRequest, TokenizeChatRequest,
+                          DetokenizeRequest])
     return app
+
+
+def _admission_limits(config: ProxyConfig) -> AdmissionLimits:
+    return AdmissionLimits(config.max_num_requests, config.max_queue_wait_s,
+                           None if config.slo_ttft_ms is None else config.slo_ttft_ms / 1000,
+                           config.max_node_waiting)
 
 
 def _local_prefill_policy(config: ProxyConfig) -> LocalPrefillPolicy | None:
@@ -75,12 +101,12 @@ def _local_prefill_policy(config: ProxyConfig) -> LocalPrefillPolicy | None:
     return LocalPrefillPolicy(config.local_prefill_min_wait_s, config.local_prefill_penalty)
 
 
-def _add_status_routes(app: FastAPI, pool: NodePool, metrics: ProxyMetrics) -> None:
-    """/health (503 naming the nodes down) and /metrics; open to all."""
+def _add_status_routes(app: FastAPI, pool: NodePool, metrics: ProxyMetrics, names: NodeNames) -> None:
+    """/health (503 naming the nodes down) and /metrics; open to all, so nodes appear by name."""
 
     @app.get("/health")
     async def health():
-        down = pool.down()
+        down = [names.redact(problem) for problem in pool.down()]
         if down:
             return JSONResponse({"status": "unhealthy", "down": down}, status_code=503)
         return {"status": "ok"}
@@ -90,8 +116,9 @@ def _add_status_routes(app: FastAPI, pool: NodePool, metrics: ProxyMetrics) -> N
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
-def _api_router(config: ProxyConfig, service: RequestService) -> APIRouter:
-    """/v1/: the OpenAI endpoints, behind the API key when one is set."""
+def _api_router(config: ProxyConfig, service: RequestService, reader: BodyReader) -> APIRouter:
+    """/v1/: the OpenAI endpoints, behind the API key when one is set. Each request holds a
+    ticket of the admission from before its body is read until its choices run (see Ticket)."""
     # NOTE: a dependency, not an HTTP middleware: BaseHTTPMiddleware wraps receive(), which the
     # disconnect watchers of the endpoints rely on.
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(_api_key_check(config.api_key))])
@@ -102,38 +129,68 @@ def _api_router(config: ProxyConfig, service: RequestService) -> APIRouter:
         return {"object": "list", "data": [{"id": model, "object": "model", "created": 0, "owned_by": "pdserve",
                                             "max_model_len": service.max_model_len()}]}
 
-    @v1.post("/completions")
+    @v1.post("/completions", openapi_extra=body_spec(CompletionRequest))
     async def completions(request: Request):
-        body = parse_body(await request.body(), CompletionRequest)
-        return await service.complete(body, CompletionFormat(model, request.state.request_id, body.echo), request)
+        ticket = service.enter(CompletionFormat.endpoint)
+        try:
+            body = await _parse(await reader.read(request), parse_body, CompletionRequest)
+            fmt = CompletionFormat(model, request.state.request_id, body.echo)
+            return await service.complete(body, fmt, request, ticket)
+        finally:
+            ticket.release()
 
-    @v1.post("/chat/completions")
+    @v1.post("/chat/completions", openapi_extra=body_spec(ChatCompletionRequest))
     async def chat_completions(request: Request):
-        body = parse_body(await request.body(), ChatCompletionRequest)
-        return await service.complete(body, ChatFormat(model, request.state.request_id, body.tool_policy()), request)
+        ticket = service.enter(ChatFormat.endpoint)
+        try:
+            body = await _parse(await reader.read(request), parse_body, ChatCompletionRequest)
+            fmt = ChatFormat(model, request.state.request_id, body.tool_policy())
+            return await service.complete(body, fmt, request, ticket)
+        finally:
+            ticket.release()
 
     return v1
 
 
-def _tokenizer_router(config: ProxyConfig, service: RequestService) -> APIRouter:
-    """vLLM's /tokenize, /detokenize and /version, behind the same API key as /v1/."""
+def _tokenizer_router(config: ProxyConfig, service: RequestService, reader: BodyReader) -> APIRouter:
+    """vLLM's /tokenize, /detokenize and /version, behind the same API key as /v1/; each holds
+    one admission slot while it runs."""
     router = APIRouter(dependencies=[Depends(_api_key_check(config.api_key))])
 
-    @router.post("/tokenize")
+    @router.post("/tokenize", openapi_extra=body_spec(TokenizeCompletionRequest, TokenizeChatRequest))
     async def tokenize(request: Request):
-        data = json_object(await request.body())
-        return await service.tokenize(parse_data(data, TokenizeChatRequest if "messages" in data
-                                                 else TokenizeCompletionRequest))
+        ticket = service.enter(request.url.path.strip("/"))
+        try:
+            return await service.tokenize(await _parse(await reader.read(request), _parse_tokenize, None))
+        finally:
+            ticket.release()
 
-    @router.post("/detokenize")
+    @router.post("/detokenize", openapi_extra=body_spec(DetokenizeRequest))
     async def detokenize(request: Request):
-        return service.detokenize(parse_body(await request.body(), DetokenizeRequest))
+        ticket = service.enter(request.url.path.strip("/"))
+        try:
+            return await service.detokenize(await _parse(await reader.read(request), parse_body, DetokenizeRequest))
+        finally:
+            ticket.release()
 
     @router.get("/version")
     async def version():
         return {"version": _version()}
 
     return router
+
+
+async def _parse(raw: bytes, parse: Callable[[bytes, type[_Body] | None], _Body],
+                 model: type[_Body] | None) -> _Body:
+    """parse(raw, model), in a worker thread for a large body; raises ApiError (400)."""
+    if len(raw) > _PARSE_IN_THREAD_BYTES:
+        return await asyncio.to_thread(parse, raw, model)
+    return parse(raw, model)
+
+
+def _parse_tokenize(raw: bytes, _model: None) -> TokenizeCompletionRequest | TokenizeChatRequest:
+    data = json_object(raw)
+    return parse_data(data, TokenizeChatRequest if "messages" in data else TokenizeCompletionRequest)
 
 
 def _version() -> str:

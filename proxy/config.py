@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import ipaddress
+from dataclasses import dataclass, field
+
+from engine.protocol import MIN_CLUSTER_SECRET_CHARS
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,25 @@ class ProxyConfig:
     # Requests may bring their own chat_template (vLLM's --trust-request-chat-template): off, as
     # there, since a template runs code of the client's choosing in the proxy (sandboxed, bounded).
     trust_request_chat_template: bool = False
+    # Shared with every node: the proxy's sockets then speak CURVE with keys derived from it and
+    # reach only nodes holding it. None: the proxy and its nodes must all be on loopback.
+    cluster_secret: str | None = field(default=None, repr=False)
+    # Overload control (proxy.admission): a request past a limit gets a 429 with Retry-After at
+    # once; nothing queues in the proxy. Choices (prompts x n) held at once, each a request on
+    # the nodes. With max_body_bytes this bounds the memory requests take in the proxy.
+    max_num_requests: int = 1024
+    max_queue_wait_s: float | None = None  # refuse a request whose estimated queue wait is longer; None: off
+    slo_ttft_ms: float | None = None  # refuse a request whose predicted TTFT misses this; None: off
+    # A node with this many queued requests is full (as one with no free KV block while any
+    # queue): no new requests go there, and a request that no node can take gets a 429. None:
+    # only the KV blocks count.
+    max_node_waiting: int | None = None
+    # HTTP input: bodies past max_body_bytes get a 413 (8 MiB holds a ~2M-token prompt as text),
+    # a body still arriving after body_timeout_s a 408.
+    max_body_bytes: int = 8 << 20
+    body_timeout_s: float = 30.0
+    # /health, /metrics and error messages name nodes "prefill0", "decode1", ...; True: by address.
+    expose_node_addresses: bool = False
 
     def __post_init__(self) -> None:
         if not self.decode_addresses:
@@ -50,6 +72,41 @@ class ProxyConfig:
             raise ValueError(f"local_prefill_min_wait_s must be >= 0, got {self.local_prefill_min_wait_s}")
         if self.local_prefill_penalty < 1:
             raise ValueError(f"local_prefill_penalty must be >= 1, got {self.local_prefill_penalty}")
-        for name in ("request_timeout_s", "first_token_timeout_s", "heartbeat_timeout_s", "chat_template_timeout_s"):
+        for name in ("request_timeout_s", "first_token_timeout_s", "heartbeat_timeout_s", "chat_template_timeout_s",
+                     "body_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        self._check_limits()
+        self._check_trust()
+
+    def _check_limits(self) -> None:
+        for name in ("max_num_requests", "max_body_bytes", "max_node_waiting"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        for name in ("max_queue_wait_s", "slo_ttft_ms"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
+
+    def _check_trust(self) -> None:
+        """Without a cluster secret everything stays on this machine (loopback only)."""
+        if self.cluster_secret is not None:
+            if len(self.cluster_secret) < MIN_CLUSTER_SECRET_CHARS:
+                raise ValueError(f"cluster_secret must have at least {MIN_CLUSTER_SECRET_CHARS} characters, "
+                                 f"got {len(self.cluster_secret)}")
+            return
+        remote = [a for a in (f"{self.host}:{self.port}", *self.prefill_addresses, *self.decode_addresses)
+                  if not _is_loopback(a.rpartition(":")[0])]
+        if remote:
+            raise ValueError(f"{remote[0]} is not loopback: set a cluster secret (--cluster-secret or "
+                             f"PDSERVE_CLUSTER_SECRET) to serve or reach nodes beyond this machine")
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False

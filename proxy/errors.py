@@ -8,6 +8,7 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine import protocol
 
@@ -41,19 +42,27 @@ class ChatTemplateError(ValueError):
 
 
 class ApiError(Exception):
-    """An error answered with an OpenAI error body; param names the offending request field."""
+    """An error answered with an OpenAI error body; param names the offending request field,
+    headers go on the response (Retry-After on a 429)."""
 
     def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
-                 code: str | None = None) -> None:
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
+        self.headers = headers
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
 def error_response(error: ApiError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status)
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+def rate_limited(message: str, code: str, retry_after_s: int) -> ApiError:
+    """A 429 telling the client to come back after retry_after_s seconds (Retry-After); code
+    names why (OpenAI's type for a 429 is rate_limit_exceeded)."""
+    return ApiError(429, message, kind="rate_limit_exceeded", code=code, headers={"Retry-After": str(retry_after_s)})
 
 
 def api_error_of(exc: Exception, request_id: str | None = None) -> ApiError:
@@ -103,7 +112,8 @@ def from_sampling(exc: protocol.SamplingError) -> ApiError:
 
 
 def install_handlers(app: FastAPI) -> None:
-    """Answer ApiError and FastAPI's own validation errors with OpenAI error bodies."""
+    """Answer every error with an OpenAI error body: ApiError, FastAPI's own validation errors,
+    Starlette's (unknown path 404, wrong method 405) and, as a 500, anything else (a bug)."""
 
     @app.exception_handler(ApiError)
     async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
@@ -112,3 +122,14 @@ def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
         return error_response(from_validation(exc.errors()))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "server_error" if exc.status_code >= 500 else "invalid_request_error"
+        return error_response(ApiError(exc.status_code, str(exc.detail), kind=kind,
+                                       headers=dict(exc.headers) if exc.headers else None))
+
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, exc: Exception) -> JSONResponse:
+        request_id = getattr(getattr(request.state, "request_id", None), "value", None)
+        return error_response(api_error_of(exc, request_id))

@@ -39,7 +39,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trust-request-chat-template", action="store_true",
                         default=_default("trust_request_chat_template"),
                         help="let requests bring their own chat_template (run in the sandbox, bounded)")
+    parser.add_argument("--cluster-secret", default=_default("cluster_secret"),
+                        help="secret shared with every node (CURVE on every node socket; without one, the proxy "
+                             "and its nodes must all be on loopback)")
+    _add_limit_arguments(parser)
     parser.add_argument("--log-level", default="info")
+
+
+def _add_limit_arguments(parser: argparse.ArgumentParser) -> None:
+    """Overload control and input bounds (a request past one gets a 4xx at once)."""
+    parser.add_argument("--max-num-requests", type=int, default=_default("max_num_requests"),
+                        help="choices (prompts x n) in flight at once; more get a 429 with Retry-After")
+    parser.add_argument("--max-queue-wait-s", type=float, default=_default("max_queue_wait_s"),
+                        help="refuse (429) a request whose estimated queue wait is longer (default: off)")
+    parser.add_argument("--slo-ttft-ms", type=float, default=_default("slo_ttft_ms"),
+                        help="refuse (429) a request whose predicted time to first token misses this (default: off)")
+    parser.add_argument("--max-node-waiting", type=int, default=_default("max_node_waiting"),
+                        help="queued requests that make a node full (as no free KV block while any queue)")
+    parser.add_argument("--max-body-bytes", type=int, default=_default("max_body_bytes"),
+                        help="largest request body (413 past it)")
+    parser.add_argument("--body-timeout-s", type=float, default=_default("body_timeout_s"),
+                        help="longest a request body may take to arrive (408 past it)")
+    parser.add_argument("--expose-node-addresses", action="store_true", default=_default("expose_node_addresses"),
+                        help="name nodes by address in /health, /metrics and errors (default: prefill0, decode0, ...)")
 
 
 def _default(name: str):
@@ -55,6 +77,9 @@ def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         config = config_from_args(args)
+        logging.getLogger(__name__).info(
+            "cluster secret set: node sockets speak CURVE" if config.cluster_secret
+            else "no cluster secret: the proxy and its nodes stay on loopback")
         run(config, args.log_level)
     except (ValueError, OSError) as exc:  # process edge: a readable message, not a traceback
         print(f"pdserve proxy: {exc}", file=sys.stderr)
@@ -81,6 +106,14 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         chat_template_path=args.chat_template,
         chat_template_timeout_s=args.chat_template_timeout_s,
         trust_request_chat_template=args.trust_request_chat_template,
+        cluster_secret=args.cluster_secret,
+        max_num_requests=args.max_num_requests,
+        max_queue_wait_s=args.max_queue_wait_s,
+        slo_ttft_ms=args.slo_ttft_ms,
+        max_node_waiting=args.max_node_waiting,
+        max_body_bytes=args.max_body_bytes,
+        body_timeout_s=args.body_timeout_s,
+        expose_node_addresses=args.expose_node_addresses,
     )
 
 

@@ -1,11 +1,12 @@
 """Prometheus metrics of the proxy: request counts, latency histograms (TTFT, inter-token, end
-to end), and per-node load read from the nodes' latest LoadReports at scrape time."""
+to end), admission (requests in flight, refusals by reason), and per-node load read from the
+nodes' latest LoadReports at scrape time, each node labelled by its public name."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -24,9 +25,11 @@ _NODE_GAUGES = (
 
 
 class ProxyMetrics:
-    """Owns one registry; nodes() gives the NodeClients to read load from at each scrape."""
+    """Owns one registry; nodes() gives the NodeClients to read load from at each scrape,
+    node_name(node) the label each is shown under (its address unless told otherwise)."""
 
-    def __init__(self, nodes: Callable[[], Iterable] = list, num_local_prefills: Callable[[], int] = int) -> None:
+    def __init__(self, nodes: Callable[[], Iterable] = list, num_local_prefills: Callable[[], int] = int,
+                 node_name: Callable[[object], str] = lambda node: node.address) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("pdserve_requests", "requests by endpoint and outcome", ["endpoint", "status"],
@@ -40,7 +43,12 @@ class ProxyMetrics:
         self.generation_tokens = Counter("pdserve_generation_tokens", "tokens generated", registry=r)
         self.aborts = Counter("pdserve_aborts", "requests aborted (disconnect, stop string, error)", ["reason"],
                               registry=r)
-        r.register(_NodeCollector(nodes, num_local_prefills))
+        self.rejections = Counter("pdserve_admission_rejections", "requests refused with a 429 by reason: "
+                                  "max_num_requests, nodes_full, queue_wait, slo_ttft, too_many_uploads", ["reason"],
+                                  registry=r)
+        self.in_flight = Gauge("pdserve_requests_in_flight", "choices held by the proxy (admitted, not ended)",
+                               registry=r)
+        r.register(_NodeCollector(nodes, num_local_prefills, node_name))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -49,26 +57,28 @@ class ProxyMetrics:
 class _NodeCollector:
     """Per-node metrics straight from the latest LoadReport (no state kept here)."""
 
-    def __init__(self, nodes: Callable[[], Iterable], num_local_prefills: Callable[[], int]) -> None:
+    def __init__(self, nodes: Callable[[], Iterable], num_local_prefills: Callable[[], int],
+                 node_name: Callable[[object], str]) -> None:
         self._nodes = nodes
         self._num_local_prefills = num_local_prefills
+        self._node_name = node_name
 
     def collect(self) -> Iterable[Metric]:
         nodes = list(self._nodes())
         up = GaugeMetricFamily("pdserve_node_up", "1 when the node reports in time", labels=_NODE_LABELS)
         for node in nodes:
-            up.add_metric([node.address, node.kind], 1 if node.is_healthy else 0)
+            up.add_metric([self._node_name(node), node.kind], 1 if node.is_healthy else 0)
         yield up
         reporting = [n for n in nodes if n.last_report is not None]
         for name, help_text, field in _NODE_GAUGES:
             gauge = GaugeMetricFamily(name, help_text, labels=_NODE_LABELS)
             for node in reporting:
-                gauge.add_metric([node.address, node.kind], getattr(node.last_report, field))
+                gauge.add_metric([self._node_name(node), node.kind], getattr(node.last_report, field))
             yield gauge
         fallbacks = CounterMetricFamily("pdserve_node_kv_fallbacks", "requests whose KV pull failed and were "
                                         "prefilled on the decode node instead", labels=_NODE_LABELS)
         for node in reporting:
-            fallbacks.add_metric([node.address, node.kind], node.last_report.num_kv_fallbacks)
+            fallbacks.add_metric([self._node_name(node), node.kind], node.last_report.num_kv_fallbacks)
         yield fallbacks
         yield CounterMetricFamily("pdserve_local_prefills", "prompts prefilled on their decode node because the "
                                   "prefill pool was backed up (conditional disaggregation)",

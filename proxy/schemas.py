@@ -20,19 +20,25 @@ from engine.protocol import (
     check_sampling,
 )
 from proxy.errors import ApiError, field_path, from_sampling, from_validation
+from proxy.limits import parse_json
 from proxy.tokenizer import ModelTokenizer
 
 _Body = TypeVar("_Body", bound=BaseModel)
 
 MAX_N = 64  # choices per prompt a request may ask for
+MAX_CHOICES = 256  # choices (prompts x n) one request may ask for: each is a request on the nodes
+MAX_STOP_STRINGS = 64  # each is searched for in every token's text
+MAX_STOP_CHARS = 1024  # per stop string: the longest is held back from the stream while it may begin
+MAX_TOKEN_ID_DIGITS = 10  # a logit_bias key: engine.protocol.MAX_TOKEN_ID has 10 digits
 
 _DEFAULTS = SamplingOptions()
 _RANGES = {name: (low, high, is_low_allowed) for name, low, high, is_low_allowed in SAMPLING_RANGES}
 
 # NOTE: strict: "10" is not a number and "yes" not a boolean, as at OpenAI (JSON gives the
 # real types; lax mode would quietly coerce them). Unknown fields are refused, never dropped:
-# a field this server does not know is one whose meaning it would silently ignore.
-STRICT = ConfigDict(strict=True, extra="forbid")
+# a field this server does not know is one whose meaning it would silently ignore. A float field
+# refuses infinity (a number literal past the double range parses as one).
+STRICT = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
 
 def sampling_field(option: str) -> Any:
@@ -130,7 +136,7 @@ class GenerationRequest(BaseModel):
     seed: int | None = sampling_field("seed")
     n: int = Field(default=1, ge=1, le=MAX_N)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] = Field(default_factory=list)
+    stop_token_ids: list[int] = Field(default_factory=list)  # count and range: engine.protocol; vocab: the service
     ignore_eos: bool = _DEFAULTS.ignore_eos
     min_tokens: int = sampling_field("min_tokens")
     stream: bool = False
@@ -144,10 +150,28 @@ class GenerationRequest(BaseModel):
     @field_validator("logit_bias")
     @classmethod
     def _token_id_keys(cls, logit_bias: dict[str, float] | None) -> dict[str, float] | None:
-        bad = [key for key in logit_bias or () if not (key.isascii() and key.isdigit())]
+        bad = [key[:20] for key in logit_bias or ()
+               if not (key.isascii() and key.isdigit() and len(key) <= MAX_TOKEN_ID_DIGITS)]
         if bad:
-            raise ValueError(f"keys must be token ids (non-negative decimal integers as strings), got {bad[:5]}")
+            raise ValueError(f"keys must be token ids (non-negative decimal integers as strings, at most "
+                             f"{MAX_TOKEN_ID_DIGITS} digits), got {bad[:5]}")
         return logit_bias
+
+    @field_validator("stop")
+    @classmethod
+    def _bounded_stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        stops = [stop] if isinstance(stop, str) else stop or []
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
+        too_long = [len(s) for s in stops if len(s) > MAX_STOP_CHARS]
+        if too_long:
+            raise ValueError(f"stop strings must be at most {MAX_STOP_CHARS} characters, got one of {too_long[0]}")
+        return stop
+
+    @property
+    def num_prompts(self) -> int:
+        """How many prompts the request holds (known before tokenizing)."""
+        return 1
 
     @property
     def logit_bias_ids(self) -> dict[int, float] | None:
@@ -194,7 +218,12 @@ class GenerationRequest(BaseModel):
         raise NotImplementedError
 
     def check_supported(self) -> None:
-        """Raises ApiError (400) naming a field accepted but not honoured (yet) by this server."""
+        """Raises ApiError (400) naming a field accepted but not honoured (yet) by this server,
+        or asking for more than MAX_CHOICES choices."""
+        num_choices = self.num_prompts * self.n
+        if num_choices > MAX_CHOICES:
+            raise ApiError(400, f"the request asks for {num_choices} choices ({self.num_prompts} prompts x n "
+                                f"{self.n}); the limit is {MAX_CHOICES}", "n")
 
     def prompts(self, tokenizer: ModelTokenizer) -> list[Prompt]:
         """The request's prompts, tokenized; raises ApiError for what cannot be served. May take
@@ -246,6 +275,13 @@ class CompletionRequest(GenerationRequest):
         if suffix is not None:
             raise ValueError("suffix (insertion) is not supported")
         return None
+
+    @property
+    def num_prompts(self) -> int:
+        # NOTE: the first item tells a list's kind (validated as one of the union's list types).
+        if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
+            return 1
+        return len(self.prompt)
 
     @property
     def default_max_tokens(self) -> int:
@@ -320,11 +356,8 @@ def parse_data(data: dict, model: type[_Body]) -> _Body:
 
 
 def json_object(raw: bytes) -> dict:
-    """The request body as a JSON object; raises ApiError (400)."""
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ApiError(400, f"request body is not valid JSON: {exc}") from exc
+    """The request body as a JSON object (see proxy.limits.parse_json); raises ApiError (400)."""
+    data = parse_json(raw)
     if not isinstance(data, dict):
         raise ApiError(400, "request body must be a JSON object")
     return data

@@ -1,23 +1,26 @@
-"""Answering one completion request: check it, split it into choices, run them, and reply with
-the whole body or an SSE stream (a status code whenever the failure comes before any token);
-and /tokenize and /detokenize, which share its prompt handling."""
+"""Answering one completion request: check it, split it into choices, admit them (or refuse
+with a 429), run them, and reply with the whole body or an SSE stream (a status code whenever
+the failure comes before any token); and /tokenize and /detokenize, which share its prompt
+handling."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from proxy.admission import Admission, Ticket
 from proxy.chat_schemas import TokenizeChatRequest
 from proxy.choice_run import ChoiceRun, ChoiceRunner
 from proxy.choices import ChoiceDelta, ChoiceDone, ChoiceEvent, ChoiceFailed, ClientGone, SubRequest
 from proxy.config import ProxyConfig
 from proxy.errors import ApiError, api_error_of
 from proxy.metrics import ProxyMetrics
+from proxy.node_names import NodeNames
 from proxy.nodes import NodePool
 from proxy.openai_format import SSE_DONE, ResponseFormat
 from proxy.schemas import DetokenizeRequest, GenerationRequest, TokenizeCompletionRequest
@@ -31,23 +34,40 @@ _CLIENT_GONE = 499  # nginx's "client closed request": nobody reads it, but the 
 class RequestService:
     """The endpoints' common work; one per app."""
 
-    def __init__(self, config: ProxyConfig, tokenizer: ModelTokenizer, pool: NodePool, metrics: ProxyMetrics) -> None:
+    def __init__(self, config: ProxyConfig, tokenizer: ModelTokenizer, pool: NodePool, metrics: ProxyMetrics,
+                 admission: Admission, names: NodeNames) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.pool = pool
         self.metrics = metrics
+        self.admission = admission
+        self.names = names
         self.runner = ChoiceRunner(pool, tokenizer, metrics, config.first_token_timeout_s, config.request_timeout_s)
+
+    def enter(self, endpoint: str) -> Ticket:
+        """An admission ticket for a request to endpoint (the metrics label), taken before its
+        body is read; raises ApiError 429 (counted) when the proxy is at max_num_requests."""
+        try:
+            return self.admission.enter()
+        except ApiError as exc:
+            self.metrics.requests.labels(endpoint, str(exc.status)).inc()
+            raise
 
     def max_model_len(self) -> int:
         """The longest sequence served: configured, else the nodes' shortest, else the model's."""
         return self.config.max_model_len or self.pool.max_model_len() or self.tokenizer.max_position_embeddings
 
-    async def complete(self, body: GenerationRequest, fmt: ResponseFormat, request: Request) -> Response | dict:
-        """The answer to body (a dict is sent as JSON); raises ApiError for an error answer."""
+    async def complete(self, body: GenerationRequest, fmt: ResponseFormat, request: Request,
+                       ticket: Ticket) -> Response | dict:
+        """The answer to body (a dict is sent as JSON); raises ApiError for an error answer.
+        ticket (from admission.enter(), taken before the body was read) grows to the request's
+        choices and passes to them once they run; the caller releases it afterwards."""
         arrived_at = time.monotonic()
         try:
             self._check_model(body.model)
+            ticket.resize(body.num_prompts * body.n)  # NOTE: before tokenizing: an overloaded proxy does no work
             subs = await self._sub_requests(body, fmt)
+            self.admission.check([len(s.prompt.token_ids) for s in subs])
         except ApiError as exc:
             self._count(fmt, exc.status)
             logger.info("request %s refused: %d %s", fmt.request_id, exc.status, exc.message)
@@ -55,6 +75,7 @@ class RequestService:
         logger.debug("request %s: %d choice(s), prompt tokens %s", fmt.request_id, len(subs),
                      sorted({len(s.prompt.token_ids) for s in subs}))
         run = self.runner.start(subs, body.stop_strings, arrived_at)
+        ticket.attach(run.tasks[:len(subs)], run.states)
         if body.stream:
             return await self._start_stream(body, fmt, run, request)
         return await self._complete_all(fmt, run, request)
@@ -64,15 +85,16 @@ class RequestService:
         if body.model is not None:
             self._check_model(body.model)
         ids = await asyncio.to_thread(body.prompt_ids, self.tokenizer)  # a chat template may take milliseconds
-        return {"count": len(ids), "max_model_len": self.max_model_len(), "tokens": ids,
-                "token_strs": self.tokenizer.token_pieces(ids) if body.return_token_strs else None}
+        pieces = await asyncio.to_thread(self.tokenizer.token_pieces, ids) if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": self.max_model_len(), "tokens": ids, "token_strs": pieces}
 
-    def detokenize(self, body: DetokenizeRequest) -> dict:
+    async def detokenize(self, body: DetokenizeRequest) -> dict:
         """/detokenize's answer: the text, special tokens kept (transformers' decode); raises ApiError."""
         if body.model is not None:
             self._check_model(body.model)
         self._check_token_ids(body.tokens, "tokens")
-        return {"prompt": self.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+        # NOTE: in a thread: a body may hold a million token ids (decoding them takes ~100 ms).
+        return {"prompt": await asyncio.to_thread(self.tokenizer.decode, body.tokens, False)}
 
     def _check_model(self, model: str) -> None:
         if model != self.config.served_model_name:
@@ -85,6 +107,7 @@ class RequestService:
         # milliseconds (a template is stopped after chat_template_timeout_s).
         prompts = await asyncio.to_thread(body.prompts, self.tokenizer)
         self._check_token_ids(list(body.logit_bias_ids or ()), "logit_bias")
+        self._check_token_ids(body.stop_token_ids, "stop_token_ids")
         subs = []
         for prompt_idx, prompt in enumerate(prompts):
             self._check_prompt(prompt.token_ids)
@@ -141,7 +164,7 @@ class RequestService:
                         self._count(fmt, _CLIENT_GONE)
                         return Response(status_code=_CLIENT_GONE)  # the finally aborts on the nodes
                     case ChoiceFailed(error=error):
-                        raise _failure(fmt, error)
+                        raise self._failure(fmt, error)
                     case ChoiceDone():
                         remaining -= 1
                     case _:
@@ -163,11 +186,11 @@ class RequestService:
             self._count(fmt, _CLIENT_GONE)
             return Response(status_code=_CLIENT_GONE)
         if isinstance(first, ChoiceFailed):
-            error = _failure(fmt, first.error)
+            error = self._failure(fmt, first.error)
             self._count(fmt, error.status)
             raise error
         self._count(fmt, 200)
-        events = self._stream_events(body, fmt, run, first)
+        events = self._stream_events(body, fmt, run, first, self._failure)
         # NOTE: started here, so its finally (which cancels the choices) runs even if the response
         # never reads on: an unstarted generator is dropped without running its finally.
         opening = await anext(events)
@@ -189,8 +212,8 @@ class RequestService:
         return first
 
     @staticmethod
-    async def _stream_events(body: GenerationRequest, fmt: ResponseFormat, run: ChoiceRun,
-                          first: ChoiceEvent) -> AsyncIterator[str]:
+    async def _stream_events(body: GenerationRequest, fmt: ResponseFormat, run: ChoiceRun, first: ChoiceEvent,
+                             failure: Callable[[ResponseFormat, Exception], ApiError]) -> AsyncIterator[str]:
         """The SSE events of all choices from first on; a failure ends the stream with an error
         event. Cancels the run when done or closed (the client left)."""
         try:
@@ -205,7 +228,7 @@ class RequestService:
                     case ChoiceDone():
                         remaining -= 1
                     case ChoiceFailed(error=error):
-                        yield fmt.error_event(_failure(fmt, error))
+                        yield fmt.error_event(failure(fmt, error))
                         break
                     case ClientGone():
                         return
@@ -221,13 +244,14 @@ class RequestService:
     def _count(self, fmt: ResponseFormat, status: int) -> None:
         self.metrics.requests.labels(fmt.endpoint, str(status)).inc()
 
-
-def _failure(fmt: ResponseFormat, error: Exception) -> ApiError:
-    """The answer to a failed choice, logged under the request's id."""
-    answer = api_error_of(error, fmt.request_id)
-    logger.log(logging.WARNING if answer.status >= 500 else logging.INFO, "request %s failed: %d %s",
-               fmt.request_id, answer.status, answer.message)
-    return answer
+    def _failure(self, fmt: ResponseFormat, error: Exception) -> ApiError:
+        """The answer to a failed choice, logged under the request's id (with node addresses; the
+        client sees node names, see NodeNames)."""
+        answer = api_error_of(error, fmt.request_id)
+        logger.log(logging.WARNING if answer.status >= 500 else logging.INFO, "request %s failed: %d %s",
+                   fmt.request_id, answer.status, answer.message)
+        answer.message = self.names.redact(answer.message)
+        return answer
 
 
 async def _chain(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:

@@ -82,6 +82,7 @@ class FakeNode:
         self._thread = threading.Thread(target=self._serve, name=f"fake-{config.role.value}-{self.port}", daemon=True)
         self._proxies: set[bytes] = set()
         self._last_request_seqs: dict[bytes, int] = {}
+        self._num_iterations = 0  # reported as progress: the loop is alive (the proxy's stall check)
 
     @property
     def address(self) -> str:
@@ -123,6 +124,7 @@ class FakeNode:
         last_report = 0.0
         last_step = time.monotonic()
         while not self._is_stopping.is_set():
+            self._num_iterations += 1
             if self._socket.poll(_POLL_MS):
                 self._receive_all()
             now = time.monotonic()
@@ -274,7 +276,7 @@ class FakeNode:
             num_queued_prompt_tokens=queued, num_free_blocks=self.config.num_total_blocks - self._num_used_blocks(),
             num_total_blocks=self.config.num_total_blocks, num_leases=len(self.leases),
             num_kv_fallbacks=0, sent_at=time.time(), last_request_seq=self._last_request_seqs.get(identity, 0),
-            prefill_tokens_per_s=self.config.prefill_tokens_per_s,
+            prefill_tokens_per_s=self.config.prefill_tokens_per_s, progress=self._num_iterations,
         )
 
     def _send(self, identity: bytes, message) -> None:

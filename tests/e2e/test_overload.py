@@ -1,0 +1,257 @@
+"""Overload end to end: real node and proxy processes on the tiny model, nodes running at most 2
+requests at once. A burst of 50 long requests: those past the proxy's limits get a 429 with
+Retry-After at once, the admitted ones complete exactly as transformers' greedy output, and the
+proxy's memory stays bounded. SLO-aware admission at ~3x the sustainable rate: admitted
+requests mostly meet the TTFT target, the others are refused at once."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import httpx
+import torch
+
+from pdserve.launcher import Deployment, start_local, wait_healthy
+from tests.e2e.test_pipeline import hf  # noqa: F401 - a fixture
+
+NODE_ARGS = ("--max-num-batched-tokens", "256", "--num-blocks", "512", "--max-num-seqs", "2")
+MAX_NUM_REQUESTS = 8
+NUM_BURST = 50
+OUTPUT_LEN = 64
+# NOTE: measured on the 2-core machine (both nodes busy decoding): in a burst of 50 at once the
+# 429s took 11-14 ms (p50) and 17-26 ms (p90) from the send to the whole answer, one at a time
+# 1-4 ms; 100 ms leaves room for other work on the machine. The burst goes out over raw
+# connections opened beforehand: through httpx the client's own overhead for 50 concurrent
+# requests (100-250 ms on this machine) would be measured instead of the proxy.
+REJECT_P90_S = 0.1
+# The proxy process's resident memory, sampled every 5 ms through the burst: 62 MB before and at
+# its peak here (tokenizers, FastAPI, ZMQ); refused requests leave nothing behind, admitted ones
+# hold their prompt and output, so a burst may add a little, never a pile per request.
+MAX_PROXY_RSS_MB = 200
+MAX_RSS_GROWTH_MB = 30
+# At least this share of the admitted requests meets the TTFT target under SLO-aware admission
+# (measured: 20 of 21 on a quiet machine; the prediction cannot foresee the machine slowing down
+# after admission, which other work on the two cores does).
+MIN_SLO_MET = 2 / 3
+# NOTE: so the run is done again (up to MAX_ATTEMPTS) when the admitted requests decoded more than
+# MAX_SLOWDOWN times slower than the warm-up's (other work took the cores; seen at 10x here).
+MAX_SLOWDOWN = 3.0
+MAX_ATTEMPTS = 3
+
+
+def _hf_greedy_ignoring_eos(hf, prompt_ids: list[int], num_tokens: int) -> list[int]:  # noqa: F811
+    """transformers' greedy tokens, going on past EOS as ignore_eos does (generate() stops there)."""
+    model, _ = hf
+    ids, past, out = torch.tensor([prompt_ids]), None, []
+    with torch.inference_mode():
+        for _ in range(num_tokens):
+            step = model(input_ids=ids, past_key_values=past, use_cache=True)
+            past, ids = step.past_key_values, step.logits[:, -1:].argmax(-1)
+            out.append(int(ids))
+    return out
+
+
+def _deploy(model_dir: Path, log_dir: Path, num_prefill: int, proxy_args: list[str]) -> Deployment:
+    log_dir.mkdir(parents=True, exist_ok=True)
+    deployment = start_local(model_dir, num_prefill=num_prefill, num_decode=1, node_args=NODE_ARGS,
+                             proxy_args=proxy_args, pin_cpus=False, log_dir=log_dir)
+    try:
+        wait_healthy(deployment, 120)
+    except BaseException:
+        deployment.stop()
+        raise
+    return deployment
+
+
+def _rss_mb(deployment: Deployment) -> float:
+    pid = deployment.cluster.process("proxy").pid
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def _prompts(num: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(8, 1500) for _ in range(rng.randrange(8, 40))] for _ in range(num)]
+
+
+async def _send(client: httpx.AsyncClient, body: dict) -> tuple[httpx.Response, float, float | None]:
+    """(the response, seconds to the whole answer, seconds to the first streamed token or None)."""
+    started = time.monotonic()
+    if not body.get("stream"):
+        response = await client.post("/v1/completions", json=body)
+        return response, time.monotonic() - started, None
+    first_at = None
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            await response.aread()
+        else:
+            async for line in response.aiter_lines():
+                if first_at is None and line.startswith("data: {"):
+                    first_at = time.monotonic() - started
+    return response, time.monotonic() - started, first_at
+
+
+@dataclass
+class RawAnswer:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+    elapsed_s: float  # from the first byte sent to the last byte of the answer
+
+    def json(self) -> dict:
+        return json.loads(self.body)
+
+
+async def _raw_burst(base_url: str, bodies: list[dict], sample: Callable[[], float]) -> tuple[list[RawAnswer], list]:
+    """POST every body to /v1/completions at once, each over its own connection opened first;
+    sample() is called every 5 ms meanwhile. Returns the answers and the samples."""
+    url = urlsplit(base_url)
+    connections = [await asyncio.open_connection(url.hostname, url.port) for _ in bodies]
+    samples = [sample()]
+    sampler = asyncio.create_task(_sample_every(0.005, sample, samples))
+    try:
+        return await asyncio.gather(*(_raw_post(conn, body) for conn, body in zip(connections, bodies))), samples
+    finally:
+        sampler.cancel()
+        for _, writer in connections:
+            writer.close()
+
+
+async def _sample_every(interval_s: float, sample: Callable[[], float], samples: list) -> None:
+    while True:
+        await asyncio.sleep(interval_s)
+        samples.append(sample())
+
+
+async def _raw_post(connection, body: dict) -> RawAnswer:
+    reader, writer = connection
+    payload = json.dumps(body).encode()
+    request = (b"POST /v1/completions HTTP/1.1\r\nHost: proxy\r\nContent-Type: application/json\r\n"
+               b"Content-Length: %d\r\n\r\n" % len(payload)) + payload
+    started = time.monotonic()
+    writer.write(request)
+    await writer.drain()
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 120)
+    status_line, *lines = head.decode("latin-1").split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines if line)}
+    content = await asyncio.wait_for(reader.readexactly(int(headers["content-length"])), 120)
+    return RawAnswer(int(status_line.split()[1]), headers, content, time.monotonic() - started)
+
+
+def _client(deployment: Deployment) -> httpx.AsyncClient:
+    return httpx.AsyncClient(base_url=deployment.base_url, timeout=120,
+                             limits=httpx.Limits(max_connections=100, max_keepalive_connections=100))
+
+
+async def _warm_connections(client: httpx.AsyncClient, num: int) -> None:
+    """Open num keep-alive connections first, so the burst measures the proxy, not TCP set-up."""
+    await asyncio.gather(*(client.get("/health") for _ in range(num)))
+
+
+def _p90(values: list[float]) -> float:
+    return statistics.quantiles(values, n=10)[-1] if len(values) > 1 else values[0]
+
+
+def _check_429(status: int, headers, error_body: dict) -> str:
+    assert status == 429, error_body
+    error = error_body["error"]
+    assert error["type"] == "rate_limit_exceeded" and error["message"]
+    assert int(headers["retry-after"]) >= 1
+    return error["code"]
+
+
+def test_burst_past_the_limits_gets_fast_429s_and_admitted_ones_match_transformers(tiny_model_dir, tmp_path,
+                                                                                   hf):  # noqa: F811
+    deployment = _deploy(tiny_model_dir, tmp_path / "logs", 1,
+                         ["--max-num-requests", str(MAX_NUM_REQUESTS), "--max-queue-wait-s", "2",
+                          "--local-prefill-min-wait-s", "-1"])
+    try:
+        model = httpx.get(deployment.base_url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        prompts = _prompts(NUM_BURST, seed=1)
+        bodies = [{"model": model, "prompt": p, "max_tokens": OUTPUT_LEN, "ignore_eos": True, "temperature": 0}
+                  for p in prompts]
+
+        for body in bodies[:3]:  # warm-up (first steps compile and allocate) and a measured drain rate
+            assert httpx.post(deployment.base_url + "/v1/completions", json=body, timeout=120).status_code == 200
+        rss_before = _rss_mb(deployment)
+        results, rss_samples = asyncio.run(_raw_burst(deployment.base_url, bodies, lambda: _rss_mb(deployment)))
+        rss_peak = max(rss_samples + [_rss_mb(deployment)])
+        admitted = [(i, r) for i, r in enumerate(results) if r.status == 200]
+        refused = [r for r in results if r.status != 200]
+        reasons = {_check_429(r.status, r.headers, r.json()) for r in refused}
+        assert MAX_NUM_REQUESTS <= len(admitted) < NUM_BURST // 2, (len(admitted), len(refused))
+        assert reasons <= {"max_num_requests", "queue_wait"}, reasons
+        reject_times = [r.elapsed_s for r in refused]
+        print(f"429s: {len(refused)}, p50 {1000 * statistics.median(reject_times):.1f} ms, p90 "
+              f"{1000 * _p90(reject_times):.1f} ms; admitted {len(admitted)}; proxy RSS {rss_before:.0f} MB, peak "
+              f"{rss_peak:.0f} MB ({len(rss_samples)} samples)")
+        assert _p90(reject_times) < REJECT_P90_S
+        _, tokenizer = hf
+        for i, response in admitted:
+            want = _hf_greedy_ignoring_eos(hf, prompts[i], OUTPUT_LEN)
+            assert response.json()["choices"][0]["text"] == tokenizer.decode(want, skip_special_tokens=True), i
+        assert rss_peak < MAX_PROXY_RSS_MB and rss_peak - rss_before < MAX_RSS_GROWTH_MB
+        metrics = httpx.get(deployment.base_url + "/metrics", timeout=5).text
+        assert "pdserve_requests_in_flight 0.0" in metrics
+    finally:
+        deployment.stop()
+
+
+def test_slo_admission_at_three_times_the_sustainable_rate_keeps_admitted_ttft(tiny_model_dir, tmp_path):
+    slo_ttft_s = 0.5
+    deployment = _deploy(tiny_model_dir, tmp_path / "logs", 0, ["--slo-ttft-ms", str(int(slo_ttft_s * 1000))])
+    try:
+        model = httpx.get(deployment.base_url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        for attempt in range(MAX_ATTEMPTS):
+            results, rate, service_s = asyncio.run(_run_at_three_times_capacity(deployment, model, attempt))
+            admitted = [(elapsed, first) for r, elapsed, first in results if r.status_code == 200]
+            slowdown = statistics.median(elapsed - first for elapsed, first in admitted) / service_s
+            if slowdown <= MAX_SLOWDOWN:
+                break
+            print(f"attempt {attempt}: the machine slowed down {slowdown:.1f}x after admission; again")
+        refused = [elapsed for r, elapsed, _ in results if r.status_code != 200]
+        assert all(_check_429(r.status_code, r.headers, r.json()) == "slo_ttft" for r, _, _ in results
+                   if r.status_code != 200)
+        met = [first for _, first in admitted if first <= slo_ttft_s]
+        print(f"rate {rate:.1f}/s: admitted {len(admitted)} ({len(met)} within {1000 * slo_ttft_s:.0f} ms TTFT, "
+              f"TTFT p50 {1000 * statistics.median(f for _, f in admitted):.0f} ms, decoding {slowdown:.1f}x the "
+              f"warm-up's time), refused {len(refused)} (p90 {1000 * _p90(refused):.1f} ms)")
+        assert len(admitted) >= 3 and len(refused) >= 5
+        assert len(met) >= MIN_SLO_MET * len(admitted)
+        assert _p90(refused) < REJECT_P90_S
+    finally:
+        deployment.stop()
+
+
+async def _run_at_three_times_capacity(deployment: Deployment, model: str, seed: int) -> tuple[list, float, float]:
+    """4 requests one at a time (warm-up; their mean time is service_s, and the proxy measures
+    its drain rate), then 56 streamed at 3x the rate 2 slots sustain. Returns the answers (see
+    _send), the rate and service_s."""
+    prompts = _prompts(60, seed=100 + seed)
+
+    def body(i: int) -> dict:
+        return {"model": model, "prompt": prompts[i], "max_tokens": OUTPUT_LEN, "ignore_eos": True,
+                "temperature": 0, "stream": True}
+
+    async with _client(deployment) as client:
+        started = time.monotonic()
+        for i in range(4):
+            assert (await _send(client, body(i)))[0].status_code == 200
+        service_s = (time.monotonic() - started) / 4
+        rate = 3 * 2 / service_s
+        await _warm_connections(client, 60)
+        tasks = []
+        for i in range(4, len(prompts)):
+            tasks.append(asyncio.create_task(_send(client, body(i))))
+            await asyncio.sleep(1 / rate)
+        return await asyncio.gather(*tasks), rate, service_s
