@@ -102,7 +102,8 @@ def _local_prefill_policy(config: ProxyConfig) -> LocalPrefillPolicy | None:
 
 
 def _add_status_routes(app: FastAPI, pool: NodePool, metrics: ProxyMetrics, names: NodeNames) -> None:
-    """/health (503 naming the nodes down) and /metrics; open to all, so nodes appear by name."""
+    """/health (503 naming the nodes down), /ready (200 while a new request can be served: a
+    readiness probe) and /metrics; open to all, so nodes appear by name."""
 
     @app.get("/health")
     async def health():
@@ -110,6 +111,12 @@ def _add_status_routes(app: FastAPI, pool: NodePool, metrics: ProxyMetrics, name
         if down:
             return JSONResponse({"status": "unhealthy", "down": down}, status_code=503)
         return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready():
+        if pool.has_serving_path():
+            return {"status": "ready"}
+        return JSONResponse({"status": "not ready", "reason": "no decode node takes requests"}, status_code=503)
 
     @app.get("/metrics")
     async def metrics_endpoint():

@@ -23,6 +23,13 @@ _NODE_GAUGES = (
     ("pdserve_node_max_model_len", "longest sequence the node accepts", "max_model_len"),
 )
 
+# (metric name, help, LoadReport field): counters a node keeps since it started.
+_NODE_COUNTERS = (
+    ("pdserve_node_rejected_messages", "messages a node refused (malformed, unauthenticated, oversized, "
+     "wrong version, unexpected)", "num_rejected_messages"),
+    ("pdserve_node_orphaned_requests", "requests a node aborted because their proxy vanished", "num_orphaned_requests"),
+)
+
 
 class ProxyMetrics:
     """Owns one registry; nodes() gives the NodeClients to read load from at each scrape,
@@ -80,6 +87,17 @@ class _NodeCollector:
         for node in reporting:
             fallbacks.add_metric([self._node_name(node), node.kind], node.last_report.num_kv_fallbacks)
         yield fallbacks
+        by_reason = CounterMetricFamily("pdserve_node_kv_fallbacks_by_reason", "KV pulls that fell back to local "
+                                        "prefill, by reason", labels=[*_NODE_LABELS, "reason"])
+        for node in reporting:
+            for reason, count in sorted(node.last_report.num_kv_fallbacks_by_reason.items()):
+                by_reason.add_metric([self._node_name(node), node.kind, reason], count)
+        yield by_reason
+        for name, help_text, field in _NODE_COUNTERS:
+            counter = CounterMetricFamily(name, help_text, labels=_NODE_LABELS)
+            for node in reporting:
+                counter.add_metric([self._node_name(node), node.kind], getattr(node.last_report, field))
+            yield counter
         yield CounterMetricFamily("pdserve_local_prefills", "prompts prefilled on their decode node because the "
                                   "prefill pool was backed up (conditional disaggregation)",
                                   value=self._num_local_prefills())

@@ -197,6 +197,13 @@ def test_prefill_node_dying_is_retried_on_the_decode_node_and_health_names_it(st
     assert health.json()["down"] == ["prefill prefill0"]
     assert proxy.prefill[0].address not in health.text  # nodes go by name unless expose_node_addresses
     assert _post(proxy, {"model": MODEL_NAME, "prompt": "hi"}).status_code == 200  # the decode node prefills
+    # Ready all along: a decode node takes requests (it prefills them itself); not once it dies too.
+    assert httpx.get(proxy.base_url + "/ready", timeout=5).status_code == 200
+    proxy.decode[0].die()
+    deadline = time.monotonic() + 10
+    while httpx.get(proxy.base_url + "/ready", timeout=5).status_code == 200 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert httpx.get(proxy.base_url + "/ready", timeout=5).status_code == 503
 
 
 def test_silent_prefill_node_times_out_and_the_request_is_retried_elsewhere(start_proxy):
