@@ -69,6 +69,8 @@ class ChoiceRunner:
                 if last_at is None:
                     state.prompt_logprobs = _prompt_logprobs(sub, step.prompt_logprobs)
                 last_at = self._observe_token(arrived_at, last_at)
+                if step.kv is not None:
+                    state.kv_path = step.kv.label
                 delta = state.add(step.tokens, step.finish_reason)
                 await events.put(ChoiceDelta(sub.index, delta))
                 if delta.finish_reason is not None:

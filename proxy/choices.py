@@ -83,6 +83,9 @@ class ChoiceState:
     tokens: list[protocol.TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     prompt_logprobs: list[protocol.TokenLogprob] | None = None  # one per prompt token, when asked for
+    # How the decode node came by the prompt's KV ("pulled", "local", "fallback:<reason>"), once
+    # it said; None when the request ended on its prefill node.
+    kv_path: str | None = None
 
     def __post_init__(self) -> None:
         self.detokenizer = IncrementalDetokenizer(self.tokenizer)

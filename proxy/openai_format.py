@@ -21,6 +21,14 @@ def _sse(data: dict) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
+def _fingerprint(states) -> dict:
+    """OpenAI's system_fingerprint, saying per response how the prompts' KV reached the decode
+    node ("pdserve-kv:pulled", "...:local", "...:fallback:<reason>"; several choices' paths joined
+    by ","); absent when no decode node said (the request ended on its prefill node)."""
+    paths = sorted({state.kv_path for state in states if state.kv_path is not None})
+    return {"system_fingerprint": "pdserve-kv:" + ",".join(paths)} if paths else {}
+
+
 def _usage(subs: list[SubRequest], states: dict[int, ChoiceState]) -> dict:
     """Token counts; each prompt counts once, however many choices (n) it has."""
     num_prompt_tokens = sum(len(p.token_ids) for p in {id(s.prompt): s.prompt for s in subs}.values())
@@ -54,7 +62,7 @@ class ResponseFormat(ABC):
         """The whole (non-streaming) response once every choice is complete."""
         choices = [self._final_choice(sub, states[sub.index]) for sub in subs]
         return {"id": self.request_id, "object": self._object, "created": self.created, "model": self.model,
-                "choices": choices, "usage": _usage(subs, states)}
+                **_fingerprint(states.values()), "choices": choices, "usage": _usage(subs, states)}
 
     def opening_events(self, subs: list[SubRequest], states: dict[int, ChoiceState]) -> str:
         """The SSE events before any token (may be none)."""
@@ -66,7 +74,7 @@ class ResponseFormat(ABC):
         choice = self._delta_choice(state, delta)
         if choice["logprobs"] is None and choice["finish_reason"] is None and not delta.text:
             return ""
-        return _sse(self._chunk([choice]))
+        return _sse({**self._chunk([choice]), **_fingerprint([state])})
 
     def usage_event(self, subs: list[SubRequest], states: dict[int, ChoiceState]) -> str:
         return _sse({**self._chunk([]), "usage": _usage(subs, states)})
@@ -182,7 +190,8 @@ class ChatFormat(ResponseFormat):
 
     def _content_event(self, state: ChoiceState, text: str, tokens: list[TokenLogprob],
                        finish_reason: str | None) -> str:
-        return _sse(self._chunk([self._delta_choice(state, Delta(text, tokens, finish_reason))]))
+        return _sse({**self._chunk([self._delta_choice(state, Delta(text, tokens, finish_reason))]),
+                     **_fingerprint([state])})
 
     def _opening_choice(self, sub: SubRequest, state: ChoiceState) -> dict | None:
         return {"index": sub.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,

@@ -61,6 +61,7 @@ def test_completion_greedy_equals_transformers_streaming_and_not(disaggregated, 
 
     full = client.completions.create(model=name, prompt=PROMPT, max_tokens=20, temperature=0, logprobs=2)
     assert full.choices[0].text == want_text
+    assert full.system_fingerprint == "pdserve-kv:pulled"  # how the KV came, visible per request
     assert full.usage.prompt_tokens == len(prompt_ids)
     assert full.usage.completion_tokens == len(want_ids)
     assert full.usage.total_tokens == len(prompt_ids) + len(want_ids)
@@ -73,6 +74,7 @@ def test_completion_greedy_equals_transformers_streaming_and_not(disaggregated, 
     chunks = list(stream)
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == want_text
+    assert {c.system_fingerprint for c in chunks if c.system_fingerprint} == {"pdserve-kv:pulled"}
     assert chunks[-1].usage.completion_tokens == len(want_ids)
 
 
