@@ -21,6 +21,8 @@ class NetnsUnavailable(RuntimeError):
 
 @dataclass
 class TestHost:
+    __test__ = False  # not a pytest test class
+
     name: str  # the namespace
     address: str
 
@@ -33,6 +35,8 @@ class TestHost:
 class TestNetwork:
     """`with TestNetwork(["proxy", "prefill0", ...]) as net:` makes one namespace per name;
     net.hosts[name].address is its address, net.gateway the root namespace's."""
+
+    __test__ = False  # not a pytest test class
 
     names: list[str]
     tag: str = field(default_factory=lambda: f"pd{os.getpid() % 100000}")

@@ -397,7 +397,7 @@ def test_a_gap_in_a_nodes_token_deltas_fails_the_request_explicitly():
             queue.put_nowait(protocol.RequestDelta("r", [protocol.TokenLogprob(7)], idx))
         steps = []
         with pytest.raises(NodeDied, match="from index 4, expected 3"):
-            async for step in _decode_steps(queue, NodeClient("127.0.0.1:1", "decode", 3.0), "r", False, 5.0, 5.0):
+            async for step in _decode_steps(queue, NodeClient("127.0.0.1:1", "decode", 3.0), "r", 1, 5.0, 5.0):
                 steps.append(step)
         return steps
 
