@@ -367,13 +367,10 @@ def test_decode_matches_transformers(llama_model_dir, model_dir):
         assert ours.token_pieces(ids) == hf.convert_ids_to_tokens(ids)
 
 
-REAL_SMOLLM2_DIR = Path(__file__).resolve().parents[2] / ".cache" / "models" / "smollm2"
-
-
-@pytest.mark.skipif(not (REAL_SMOLLM2_DIR / "chat_template.jinja").exists(),
-                    reason="no real SmolLM2 checkpoint in .cache/models/smollm2 (tests/pdserve/real_model.py makes it)")
 def test_real_smollm2_checkpoint_matches_transformers():
-    ours, hf = _pair(REAL_SMOLLM2_DIR)
+    from tests.pdserve.real_model import cached_smollm2
+
+    ours, hf = _pair(cached_smollm2())  # made once per library versions, shared with the e2e tests
     assert ours.templates.sources == SMOLLM2_TEMPLATE
     for messages in CONVERSATIONS + CONTINUED:
         _assert_same(ours, hf, messages)
