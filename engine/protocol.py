@@ -9,6 +9,7 @@ Also here: the cluster's CURVE keys, derived from the shared secret (curve_keys)
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import hashlib
 import math
@@ -181,6 +182,15 @@ def _check_structured(structured: StructuredOutput) -> None:
 def _range_text(low, high, is_low_allowed: bool) -> str:
     opening = "[" if is_low_allowed else "("
     return f"{opening}{low}, {'inf)' if high is None else f'{high}]'}"
+
+
+def default_of(config_class: type, name: str) -> object:
+    """The default of a config dataclass's field, for command lines that show it: the field stays
+    the one place a default is written (here because every process may import this module)."""
+    for config_field in dataclasses.fields(config_class):
+        if config_field.name == name:
+            return config_field.default
+    raise AttributeError(f"{config_class.__name__} has no field {name!r}")
 
 
 def num_blocks_for(num_tokens: int, block_size: int) -> int:

@@ -4,21 +4,12 @@ them. Every default is read from its config dataclass field, where it is defined
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from dataclasses import dataclass
 
 from engine.config import DTYPES, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, resolve_device
-from engine.protocol import Role, curve_keys
+from engine.protocol import Role, curve_keys, default_of
 from kv_transfer.config import BACKENDS, TransferConfig
 from node.server import ServerConfig
-
-
-def default_of(config_class, name: str):
-    """The default of a dataclass field (the one place it is written)."""
-    for field in dataclasses.fields(config_class):
-        if field.name == name:
-            return field.default
-    raise AttributeError(f"{config_class.__name__} has no field {name!r}")
 
 
 def add_node_arguments(parser: argparse.ArgumentParser) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 
+from engine.protocol import default_of
 from pdserve.bench_client import RequestRecord, first_model, token_counter
 from pdserve.bench_config import (
     ARRIVALS,
@@ -126,12 +127,6 @@ def run_sweep(config: BenchConfig, rates: list[float]) -> tuple[list[dict], floa
                                 config.slo.target)
 
 
-def _default(cls: type, name: str) -> object:
-    """The default of a config field (argparse shows it; the field stays its only home)."""
-    field = next(f for f in dataclasses.fields(cls) if f.name == name)
-    return field.default
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = DEFINITIONS
@@ -143,54 +138,54 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _endpoint_arguments(group: argparse._ArgumentGroup) -> None:
     d = EndpointConfig
-    group.add_argument("--base-url", default=_default(d, "base_url"), help="endpoint root, without /v1")
+    group.add_argument("--base-url", default=default_of(d, "base_url"), help="endpoint root, without /v1")
     group.add_argument("--model", default=None, help="model name (default: the endpoint's first model)")
-    group.add_argument("--endpoint", choices=ENDPOINTS, default=_default(d, "endpoint"),
+    group.add_argument("--endpoint", choices=ENDPOINTS, default=default_of(d, "endpoint"),
                        help="/v1/completions or /v1/chat/completions")
-    group.add_argument("--stream", action=argparse.BooleanOptionalAction, default=_default(d, "is_stream"),
+    group.add_argument("--stream", action=argparse.BooleanOptionalAction, default=default_of(d, "is_stream"),
                        help="stream the answers (without: TTFT = E2E, TPOT 0, no ITL)")
-    group.add_argument("--temperature", type=float, default=_default(d, "temperature"))
+    group.add_argument("--temperature", type=float, default=default_of(d, "temperature"))
     group.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
-    group.add_argument("--timeout-s", type=float, default=_default(d, "timeout_s"), help="per request")
+    group.add_argument("--timeout-s", type=float, default=default_of(d, "timeout_s"), help="per request")
 
 
 def _dataset_arguments(group: argparse._ArgumentGroup) -> None:
     d = DatasetConfig
-    group.add_argument("--dataset", choices=DATASETS, default=_default(d, "name"),
+    group.add_argument("--dataset", choices=DATASETS, default=default_of(d, "name"),
                        help="random: token ids (chat: words); jsonl: {'prompt', 'max_tokens'?} per line; sharegpt: "
                             "first human turn, answer length as max_tokens; multiturn: users sharing a system prompt")
     group.add_argument("--dataset-path", default=None)
-    group.add_argument("--num-requests", type=int, default=_default(d, "num_requests"))
-    group.add_argument("--input-len", type=int, default=_default(d, "input_len"),
+    group.add_argument("--num-requests", type=int, default=default_of(d, "num_requests"))
+    group.add_argument("--input-len", type=int, default=default_of(d, "input_len"),
                        help="random: prompt tokens; multiturn: words per user message")
     group.add_argument("--input-len-range", default=None,
                        help="R: uniform in [L(1-R), L(1+R)] (vLLM's --random-range-ratio); LOW:HIGH: uniform in those")
-    group.add_argument("--output-len", type=int, default=_default(d, "output_len"), help="max_tokens")
+    group.add_argument("--output-len", type=int, default=default_of(d, "output_len"), help="max_tokens")
     group.add_argument("--output-len-range", default=None, help="as --input-len-range")
     group.add_argument("--sharegpt-output-len", type=int, default=None, help="sharegpt: fixed max_tokens")
     group.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
                        help="ask for exactly max_tokens (default: on for random, off otherwise)")
-    group.add_argument("--vocab-low", type=int, default=_default(d, "vocab_low"))
-    group.add_argument("--vocab-high", type=int, default=_default(d, "vocab_high"),
+    group.add_argument("--vocab-low", type=int, default=default_of(d, "vocab_low"))
+    group.add_argument("--vocab-high", type=int, default=default_of(d, "vocab_high"),
                        help="random token ids are drawn in [vocab-low, vocab-high)")
-    group.add_argument("--system-prompt-len", type=int, default=_default(d, "system_prompt_len"),
+    group.add_argument("--system-prompt-len", type=int, default=default_of(d, "system_prompt_len"),
                        help="multiturn: words of the shared system prompt")
-    group.add_argument("--turns", type=int, default=_default(d, "turns"), help="multiturn: turns per user")
+    group.add_argument("--turns", type=int, default=default_of(d, "turns"), help="multiturn: turns per user")
     group.add_argument("--num-users", type=int, default=None, help="multiturn (default: num-requests // turns)")
-    group.add_argument("--seed", type=int, default=_default(d, "seed"), help="prompts and arrival times")
+    group.add_argument("--seed", type=int, default=default_of(d, "seed"), help="prompts and arrival times")
 
 
 def _load_arguments(group: argparse._ArgumentGroup) -> None:
     d = LoadConfig
-    group.add_argument("--request-rate", type=float, default=_default(d, "request_rate"),
+    group.add_argument("--request-rate", type=float, default=default_of(d, "request_rate"),
                        help="requests (multiturn: users) per second; inf: all at once")
-    group.add_argument("--arrival", choices=ARRIVALS, default=_default(d, "arrival"))
-    group.add_argument("--burstiness", type=float, default=_default(d, "burstiness"),
+    group.add_argument("--arrival", choices=ARRIVALS, default=default_of(d, "arrival"))
+    group.add_argument("--burstiness", type=float, default=default_of(d, "burstiness"),
                        help="gamma shape (--arrival gamma): 1 Poisson, < 1 burstier, > 1 steadier")
     group.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
-    group.add_argument("--warmup-requests", type=int, default=_default(d, "num_warmup_requests"),
+    group.add_argument("--warmup-requests", type=int, default=default_of(d, "num_warmup_requests"),
                        help="sent all at once before the run, not measured")
-    group.add_argument("--progress", action=argparse.BooleanOptionalAction, default=_default(d, "show_progress"),
+    group.add_argument("--progress", action=argparse.BooleanOptionalAction, default=default_of(d, "show_progress"),
                        help="progress bar on stderr")
     group.add_argument("--sweep", default=None, metavar="RATES",
                        help="comma list of request rates: one fresh run each, and the goodput rate")
@@ -199,7 +194,7 @@ def _load_arguments(group: argparse._ArgumentGroup) -> None:
 def _output_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--slo-ttft-ms", type=float, default=None)
     group.add_argument("--slo-tpot-ms", type=float, default=None)
-    group.add_argument("--slo-target", type=float, default=_default(SloConfig, "target"),
+    group.add_argument("--slo-target", type=float, default=default_of(SloConfig, "target"),
                        help="attainment a swept rate needs to count for the goodput rate")
     group.add_argument("--result-json", default=None, metavar="PATH", help="config, every request, summary")
     group.add_argument("--plot-dir", default=None, help="PNG plots (needs matplotlib)")

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import httpx
 
+from engine.protocol import default_of
 from pdserve.bench_report import jsonable
 from pdserve.tune_measure import (
     Clock,
@@ -32,7 +33,7 @@ from pdserve.tune_measure import (
 from pdserve.tune_profile import Profile, ProfilePlan, profile_model
 from pdserve.tune_report import Candidate, format_table, result_json
 from pdserve.tune_sim import SimPlan, bench_arrivals, predict_goodput, simulate
-from pdserve.tune_space import Layout, Slo, Workload, default_of, enumerate_layouts, scheduler_default
+from pdserve.tune_space import Layout, Slo, Workload, enumerate_layouts, scheduler_default
 
 _PROFILE_SHARE = 0.2  # of --max-minutes, at most, for the prefill profile points
 _START_ESTIMATE_S = 40.0  # start-up, warm-up and one request alone (measured 30-35 s, small preset)

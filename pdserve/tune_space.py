@@ -4,22 +4,17 @@ with the nodes' batch limits), the candidates for K units, a workload, the SLO, 
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
 from engine.config import SchedulerConfig
+from engine.protocol import default_of
 
 # NOTE: disaggregated layouts run with the proxy's conditional disaggregation off (a negative
 # wait means never): the simulator models pure disaggregation, where a prompt is prefilled only
 # on a prefill node; with it on, a backed-up prefill pool sends prompts to decode nodes, which
 # is neither of the two modelled setups.
 NO_LOCAL_PREFILL = ("--local-prefill-min-wait-s", "-1")
-
-
-def default_of(config_class: type, name: str) -> object:
-    """The default of a dataclass field (the one place it is written)."""
-    return next(f.default for f in dataclasses.fields(config_class) if f.name == name)
 
 
 def scheduler_default(name: str) -> int:

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import sys
 from pathlib import Path
 
+from engine.protocol import default_of
 from proxy.config import ProxyConfig
 
 
@@ -66,8 +66,7 @@ def _add_limit_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _default(name: str):
     """ProxyConfig's default for field name (each default lives once, on its field)."""
-    [found] = [f for f in dataclasses.fields(ProxyConfig) if f.name == name]
-    return found.default
+    return default_of(ProxyConfig, name)
 
 
 def main(args: argparse.Namespace) -> int:
