@@ -69,6 +69,16 @@ class RemoteLease:
     lease_timeout_s: float
 
 
+def check_read(request_id: str, lease: RemoteLease, local_block_ids: list[int], reads_in_flight) -> None:
+    """The start_read contract every connector keeps: raises ValueError on unequal block counts or
+    a request id already in reads_in_flight."""
+    if len(lease.block_ids) != len(local_block_ids):
+        raise ValueError(f"request {request_id}: {len(lease.block_ids)} remote vs "
+                         f"{len(local_block_ids)} local blocks")
+    if request_id in reads_in_flight:
+        raise ValueError(f"request {request_id} already has a read in flight")
+
+
 def check_address(address: str) -> None:
     """Raises ValueError unless address is HOST:PORT with a port in [1, 65536)."""
     host, _, port = address.rpartition(":")

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kv_transfer.base import FailureCode, KVConnector, ReadResult, RemoteLease, check_cache
+from kv_transfer.base import FailureCode, KVConnector, ReadResult, RemoteLease, check_cache, check_read
 from kv_transfer.config import TransferConfig
 from kv_transfer.errors import LayoutMismatch
 from kv_transfer.layout import KVLayout, check_compatible
@@ -88,11 +88,7 @@ class FakeConnector(KVConnector):
             self._renew(request_id, lease)
 
     def start_read(self, request_id: str, lease: RemoteLease, local_block_ids: list[int]) -> None:
-        if len(lease.block_ids) != len(local_block_ids):
-            raise ValueError(f"request {request_id}: {len(lease.block_ids)} remote vs "
-                             f"{len(local_block_ids)} local blocks")
-        if request_id in self._reads:
-            raise ValueError(f"request {request_id} already has a read in flight")
+        check_read(request_id, lease, local_block_ids, self._reads)
         self._reads[request_id] = _FakeRead(request_id, lease, list(local_block_ids), self._clock(),
                                             self._num_polls_per_read, self._failures.pop(request_id, None))
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kv_transfer import side_channel
-from kv_transfer.base import FailureCode, KVConnector, ReadResult, RemoteLease, check_address, check_cache
+from kv_transfer.base import FailureCode, KVConnector, ReadResult, RemoteLease, check_address, check_cache, check_read
 from kv_transfer.config import TransferConfig
 from kv_transfer.errors import HandshakeFailed, KVTransferError, LayoutMismatch
 from kv_transfer.handshake import check_reply, refusal_for
@@ -115,11 +115,7 @@ class SideChannelConnector(KVConnector, ABC):
         self._keeper.hold(request_id, lease)
 
     def start_read(self, request_id: str, lease: RemoteLease, local_block_ids: list[int]) -> None:
-        if len(lease.block_ids) != len(local_block_ids):
-            raise ValueError(f"request {request_id}: {len(lease.block_ids)} remote vs "
-                             f"{len(local_block_ids)} local blocks")
-        if request_id in self._reads:
-            raise ValueError(f"request {request_id} already has a read in flight")
+        check_read(request_id, lease, local_block_ids, self._reads)
         check_address(lease.address)
         self._reads[request_id] = PendingRead(request_id, lease, list(local_block_ids))
         if lease.engine_id not in self._peers and lease.engine_id not in self._handshakes:
