@@ -198,6 +198,25 @@ def num_blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+def prefix_block_hashes(token_ids: list[int], block_size: int, salt: bytes = b"") -> list[int]:
+    """The prefix-cache key of every full block of token_ids, in order: hash i covers tokens
+    [0, (i + 1) * block_size), chained through hash i - 1, so equal hashes mean equal prefixes.
+    salt: anything besides the tokens that changes the blocks' KV (empty for a plain prompt).
+    64-bit keys from BLAKE2b (the proxy, prefill and decode nodes compute the same ones)."""
+    hashes: list[int] = []
+    parent = salt
+    for end in range(block_size, len(token_ids) + 1, block_size):
+        block = token_ids[end - block_size:end]
+        digest = hashlib.blake2b(parent + _token_bytes(block), digest_size=8).digest()
+        hashes.append(int.from_bytes(digest, "little"))
+        parent = digest
+    return hashes
+
+
+def _token_bytes(token_ids: list[int]) -> bytes:
+    return b"".join(t.to_bytes(4, "little", signed=False) for t in token_ids)
+
+
 class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
     """A sampled token, with its log-probability and the top-N alternatives as
     (token_id, logprob) when the request asked for logprobs (logprob None otherwise)."""
