@@ -21,7 +21,9 @@ import msgspec
 # and lease_timeout_s, LoadReport.kv_layout and per-reason fallbacks.
 # 6: DecodeRequest.output_token_ids (migration: a node of version 5 would ignore them and restart
 # the output), LoadReport.boot_id, progress and is_draining, ErrorReply kind "Draining".
-PROTOCOL_VERSION = 6
+# 7: LoadReport prefix-cache fields (PrefixCacheDigest, hit counters); more 7-era additions are
+# listed where they are defined.
+PROTOCOL_VERSION = 7
 _FRAME_MAGIC = b"PD"
 _FRAME_HEADER = _FRAME_MAGIC + PROTOCOL_VERSION.to_bytes(2, "big")
 # NOTE: the largest proxy -> node message a node takes: a 128k-token prompt is ~640 KB of
@@ -419,6 +421,26 @@ class LoadReport(msgspec.Struct, tag="load_report", frozen=True):
     # Draining (SIGTERM): finishing what it runs, refusing new requests (ErrorReply kind
     # DRAINING_ERROR_KIND): route elsewhere.
     is_draining: bool = False
+    # Prefix cache (version 7): the digest when it is due (None: unchanged since the last one
+    # sent), and counters since start: prompt tokens looked up, and those found cached.
+    prefix_cache: PrefixCacheDigest | None = None
+    num_prefix_query_tokens: int = 0
+    num_prefix_hit_tokens: int = 0
+
+
+MAX_DIGEST_BLOCKS = 4096  # block hashes a node lists in one PrefixCacheDigest
+
+
+class PrefixCacheDigest(msgspec.Struct, frozen=True, array_like=True):
+    """The prefix-cache blocks a node holds, for cache-aware routing: the prefix_block_hashes
+    keys of its cached full blocks, most recently used first, at most MAX_DIGEST_BLOCKS.
+    version grows whenever the set changes (a new boot id starts it again), so a receiver
+    keeps the newest digest it saw. Sent in a LoadReport when the set changed (at most about
+    once a second) and again every few seconds regardless, so a proxy that connects later
+    learns it."""
+
+    version: int
+    block_hashes: list[int]
 
 
 class Ping(msgspec.Struct, tag="ping", frozen=True):
