@@ -3,14 +3,21 @@ greedy streaming load from the openai client, a random node SIGKILLed every --ki
 restarted by a Supervisor, and random client disconnects. Every completed answer is compared with
 the same prompt's answer from before any kill.
 
-Reports: sent / completed / failed / wrong / disconnected, each kill's recovery time (until the
-killed node's kind serves again: the proxy's /health is 200 with every node up), leaked blocks
-(every node idle with all blocks free at the end), RSS of every process at start and end.
+Reports: sent / completed / failed / wrong / disconnected, leaked blocks (every node idle with all
+blocks free at the end), RSS of every process at start and end, and per kill:
+  serve_s    from the kill until the first probe request sent after it completes correctly (a
+             probe thread sends a short greedy request every 0.2 s): how long new requests are
+             not served normally;
+  stall_s    the longest pause of any stream in flight at the kill, from its last chunk before
+             the kill to its next chunk after it (migration or retry included);
+  recovery_s max(serve_s, stall_s), with its max and p50 over the kills;
+  restart_s  until the restarted process answers a ping (a new process loading the model), and
+  rejoin_s   from then until the proxy's /health is 200 with every node up (the restarted node
+             takes requests again); both reported apart from recovery.
 Target: >= 99.5% completed (of those not disconnected on purpose), 0 wrong, 0 leaked, recovery
-<= 2 s after the node is back up (its restart itself, a new process loading the model, is
-reported apart).
+<= 2 s.
 
-    .venv/bin/python benchmarks/chaos.py [--minutes 5] [--streams 4] [--kill-every-s 30]
+    .venv/bin/python benchmarks/chaos.py [--duration-s 300] [--streams 4] [--kill-every-s 30]
 
 Ends with `RESULT {json}`.
 """
@@ -20,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import sys
 import tempfile
 import threading
@@ -48,6 +56,9 @@ class Counts:
     wrong: int = 0
     disconnected: int = 0
     errors: list[str] = field(default_factory=list)
+    # Per request: (started_at, chunk arrival times, ended_at), time.monotonic().
+    timelines: list[tuple[float, list[float], float]] = field(default_factory=list)
+    probes: list[tuple[float, float, bool]] = field(default_factory=list)  # (sent_at, done_at, correct)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def add(self, name: str, error: str | None = None) -> None:
@@ -57,12 +68,16 @@ class Counts:
                 self.errors.append(error)
 
 
-def _stream(client: openai.OpenAI, model: str, prompt: str, disconnect_after: int | None) -> str | None:
-    """The streamed text; None when this client hung up on purpose after disconnect_after chunks."""
+def _stream(client: openai.OpenAI, model: str, prompt: str, disconnect_after: int | None,
+            chunk_times: list[float] | None = None) -> str | None:
+    """The streamed text; None when this client hung up on purpose after disconnect_after chunks.
+    chunk_times gets each chunk's arrival time."""
     stream = client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
                                        stream=True, extra_body={"ignore_eos": True})
     text = []
     for chunk in stream:
+        if chunk_times is not None:
+            chunk_times.append(time.monotonic())
         if chunk.choices:
             text.append(chunk.choices[0].text)
         if disconnect_after is not None and len(text) >= disconnect_after:
@@ -77,17 +92,58 @@ def _client_loop(client, model, expected, counts: Counts, stop: threading.Event,
         prompt = rng.choice(PROMPTS)
         disconnect_after = rng.randint(1, MAX_TOKENS - 1) if rng.random() < 0.05 else None
         counts.add("sent")
+        started_at, chunk_times = time.monotonic(), []
         try:
-            text = _stream(client, model, prompt, disconnect_after)
+            text = _stream(client, model, prompt, disconnect_after, chunk_times)
         except Exception as exc:  # noqa: BLE001 - a failed request is what this counts
             counts.add("failed", f"{type(exc).__name__}: {exc}"[:300])
             continue
+        finally:
+            with counts.lock:
+                counts.timelines.append((started_at, chunk_times, time.monotonic()))
         if text is None:
             counts.add("disconnected")
         elif text != expected[prompt]:
             counts.add("wrong", prompt)
         else:
             counts.add("completed")
+
+
+PROBE_PROMPT = PROMPTS[0]
+PROBE_TOKENS = 4
+_PROBE_INTERVAL_S = 0.2
+
+
+def _probe_loop(client, model, expected: str, counts: Counts, stop: threading.Event) -> None:
+    """A short greedy request every _PROBE_INTERVAL_S (one at a time), each recorded with whether
+    it came back correct (its text is the start of the prompt's full answer)."""
+    while not stop.is_set():
+        sent_at = time.monotonic()
+        try:
+            response = client.completions.create(model=model, prompt=PROBE_PROMPT, max_tokens=PROBE_TOKENS,
+                                                 temperature=0, extra_body={"ignore_eos": True}, timeout=30)
+            correct = expected.startswith(response.choices[0].text)
+        except Exception:  # noqa: BLE001 - a failed probe is what this records
+            correct = False
+        with counts.lock:
+            counts.probes.append((sent_at, time.monotonic(), correct))
+        stop.wait(max(0.0, _PROBE_INTERVAL_S - (time.monotonic() - sent_at)))
+
+
+def _recovery(kill: dict, counts: Counts) -> None:
+    """Fill kill with serve_s, stall_s and recovery_s (see the module docstring)."""
+    killed_at = kill["killed_at"]
+    served = [done for sent, done, ok in counts.probes if sent >= killed_at and ok]
+    kill["serve_s"] = round(min(served) - killed_at, 2) if served else None
+    stall = 0.0
+    for started_at, chunk_times, ended_at in counts.timelines:
+        if not started_at < killed_at < ended_at:
+            continue
+        before = max([started_at] + [t for t in chunk_times if t <= killed_at])
+        after = [t for t in chunk_times if t > killed_at]
+        stall = max(stall, (after[0] if after else ended_at) - before)
+    kill["stall_s"] = round(stall, 2)
+    kill["recovery_s"] = None if kill["serve_s"] is None else max(kill["serve_s"], kill["stall_s"])
 
 
 def _rss_mb(pid: int) -> float | None:
@@ -129,7 +185,7 @@ def _chaos(deployment, supervisor: Supervisor, deadline: float, kill_every_s: fl
 
 
 def _wait_recovered(deployment, supervisor: Supervisor, kill: dict, timeout_s: float = 120.0) -> None:
-    """Fill kill with restart_s (until the new process answers a ping) and recovery_s (from then
+    """Fill kill with restart_s (until the new process answers a ping) and rejoin_s (from then
     until the proxy reports every node healthy again)."""
     address = deployment.node_addresses[kill["node"]]
     deadline = time.monotonic() + timeout_s
@@ -144,10 +200,10 @@ def _wait_recovered(deployment, supervisor: Supervisor, kill: dict, timeout_s: f
                 pass
         if up_at is not None and health_ok(deployment.base_url + "/health"):
             kill["restart_s"] = round(up_at - kill["killed_at"], 2)
-            kill["recovery_s"] = round(time.monotonic() - up_at, 2)
+            kill["rejoin_s"] = round(time.monotonic() - up_at, 2)
             return
         time.sleep(0.05)
-    kill["recovery_s"] = None
+    kill["rejoin_s"] = None
 
 
 def _leaks(deployment) -> dict[str, int]:
@@ -165,7 +221,7 @@ def _leaks(deployment) -> dict[str, int]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--minutes", type=float, default=5.0)
+    parser.add_argument("--duration-s", type=float, default=300.0, help="how long the load and the kills run")
     parser.add_argument("--streams", type=int, default=4)
     parser.add_argument("--kill-every-s", type=float, default=30.0)
     parser.add_argument("--seed", type=int, default=0)
@@ -182,14 +238,18 @@ def main() -> int:
         counts, stop = Counts(), threading.Event()
         threads = [threading.Thread(target=_client_loop, args=(client, model, expected, counts, stop, args.seed + i),
                                     daemon=True) for i in range(args.streams)]
+        threads.append(threading.Thread(target=_probe_loop, args=(client, model, expected[PROBE_PROMPT], counts,
+                                                                  stop), daemon=True))
         for thread in threads:
             thread.start()
         supervisor = Supervisor(deployment.cluster, initial_backoff_s=0.1, max_backoff_s=1.0)
-        kills = _chaos(deployment, supervisor, time.monotonic() + args.minutes * 60, args.kill_every_s,
+        kills = _chaos(deployment, supervisor, time.monotonic() + args.duration_s, args.kill_every_s,
                        random.Random(args.seed))
         stop.set()
         for thread in threads:
             thread.join(timeout=150)
+        for kill in kills:
+            _recovery(kill, counts)
         wait_healthy(deployment, 120)
         result = _result(counts, kills, _leaks(deployment), rss_start, _rss_all(deployment), log_dir)
     finally:
@@ -201,13 +261,15 @@ def main() -> int:
 
 def _result(counts: Counts, kills, leaks, rss_start, rss_end, log_dir: Path) -> dict:
     answered = counts.sent - counts.disconnected
-    recoveries = [k["recovery_s"] for k in kills if k.get("recovery_s") is not None]
+    recoveries = sorted(k["recovery_s"] for k in kills if k.get("recovery_s") is not None)
     return {
         "sent": counts.sent, "completed": counts.completed, "failed": counts.failed, "wrong": counts.wrong,
         "disconnected": counts.disconnected,
         "completed_pct": round(100 * counts.completed / answered, 2) if answered else None,
         "kills": [{k: v for k, v in kill.items() if k != "killed_at"} for kill in kills],
         "max_recovery_s": max(recoveries) if recoveries else None,
+        "p50_recovery_s": statistics.median(recoveries) if recoveries else None,
+        "probes": len(counts.probes), "probes_failed": sum(not ok for _, _, ok in counts.probes),
         "leaked_blocks": leaks, "rss_mb_start": rss_start, "rss_mb_end": rss_end,
         "errors": counts.errors, "log_dir": str(log_dir),
     }

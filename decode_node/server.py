@@ -8,13 +8,20 @@ timeout, a lease that ended first) it falls back to prefilling locally, counted 
 layout mismatch or a malformed handle it fails with an error: those never heal by retrying.
 Every exit path tells the prefill node, so its lease never waits for its timeout in normal
 operation. A request without a handle (the proxy chose to prefill it here) is prefilled locally.
+
+Prefix cache: when a pulled request is admitted, the node takes the prompt's longest prefix of
+full blocks cached here and pulls only the handle's blocks past it (a follow-up turn pulls its new
+blocks). When every full block is cached (a full hit) nothing is pulled: the lease is released at
+once and the partial last block, if any (< block_size tokens), is computed here with the first
+token's step. Cached blocks a pull builds on hold a reference until the request ends, so they
+are never evicted under it; pulled full blocks are cached once the read is confirmed.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from engine import protocol
 from engine.engine import LLMEngine
@@ -36,6 +43,12 @@ class _Pull:
     params: SamplingParams
     lease: RemoteLease
     local_block_ids: list[int] | None = None  # set once the read started
+    cached_block_ids: list[int] = field(default_factory=list)  # the prompt's blocks found cached here
+
+    @property
+    def block_ids(self) -> list[int]:
+        """Every block the pull holds here, in prompt order."""
+        return self.cached_block_ids + (self.local_block_ids or [])
 
 
 class DecodeNode(NodeServer):
@@ -48,6 +61,8 @@ class DecodeNode(NodeServer):
         self._pulls: dict[str, _Pull] = {}
         self._layout_info = kv_layout_info(connector.layout)
         self.num_kv_refusals = 0
+        self.num_kv_blocks_pulled = 0
+        self.num_kv_blocks_skipped = 0  # handle blocks not pulled: found in this node's prefix cache
 
     def handle_decode_request(self, message: protocol.DecodeRequest) -> None:
         if message.kv_handle is None:
@@ -72,7 +87,7 @@ class DecodeNode(NodeServer):
         pull = self._pulls.pop(request_id, None)
         if pull is not None:
             self.connector.abort_read(request_id)
-            self.engine.free_blocks(pull.local_block_ids)
+            self.engine.free_blocks(pull.block_ids)
             self._release_remote(request_id, pull.lease)
             return
         self.engine.abort(request_id)
@@ -94,7 +109,8 @@ class DecodeNode(NodeServer):
                 self._fall_back(pull, result)
 
     def load_extras(self) -> dict:
-        return {"num_pending_pulls": len(self._pulls) + len(self._admission)}
+        return {"num_pending_pulls": len(self._pulls) + len(self._admission),
+                "num_kv_blocks_pulled": self.num_kv_blocks_pulled, "num_kv_blocks_skipped": self.num_kv_blocks_skipped}
 
     def kv_layout_info(self) -> protocol.KVLayoutInfo:
         return self._layout_info
@@ -137,21 +153,41 @@ class DecodeNode(NodeServer):
         max_seqs = self.engine.config.scheduler.max_num_seqs
         while self._admission and self.engine.num_unfinished + len(self._pulls) < max_seqs:
             pull = self._admission[0]
-            local_ids = self.engine.block_pool.allocate(len(pull.lease.block_ids))
+            request_id, prompt = pull.message.request_id, pull.message.prompt_token_ids
+            num_full = len(prompt) // self.engine.block_size
+            cached = self.engine.acquire_cached_prefix(request_id, prompt, num_full)
+            is_full_hit = num_full > 0 and len(cached) == num_full
+            local_ids = [] if is_full_hit else self.engine.block_pool.allocate(len(pull.lease.block_ids) - len(cached))
             if local_ids is None:
+                self.engine.free_blocks(cached)
                 return  # back-pressure: wait until running requests free blocks
             self._admission.popleft()
-            pull.local_block_ids = local_ids
-            self._pulls[pull.message.request_id] = pull
-            self.connector.start_read(pull.message.request_id, pull.lease, local_ids)
+            self._count_pull(pull, len(cached), len(local_ids))
+            pull.cached_block_ids, pull.local_block_ids = cached, local_ids
+            if is_full_hit:
+                self._release_remote(request_id, pull.lease)  # nothing to read: the holder frees it now
+                self._join_batch(pull)
+                continue
+            self._pulls[request_id] = pull
+            self.connector.start_read(request_id, replace(pull.lease, block_ids=pull.lease.block_ids[len(cached):]),
+                                      local_ids)
+
+    def _count_pull(self, pull: _Pull, num_cached: int, num_pulled: int) -> None:
+        size = self.engine.block_size
+        self.engine.count_prefix_lookup(len(pull.message.prompt_token_ids), num_cached * size)
+        self.num_kv_blocks_pulled += num_pulled
+        self.num_kv_blocks_skipped += len(pull.lease.block_ids) - num_pulled
 
     def _join_batch(self, pull: _Pull) -> None:
+        """The request runs here: with its whole prompt's KV (pulled), or, after a full hit, its
+        cached full blocks (the rest of the prompt is computed with its first token)."""
         message = pull.message
+        num_computed = None if pull.local_block_ids else len(pull.cached_block_ids) * self.engine.block_size
         try:
             self.engine.add_prefilled_request(message.request_id, message.prompt_token_ids, pull.params,
-                                              message.first_token, pull.local_block_ids)
+                                              message.first_token, pull.block_ids, num_computed)
         except ValueError as exc:
-            self.engine.free_blocks(pull.local_block_ids)
+            self.engine.free_blocks(pull.block_ids)
             self.reply_error(message.request_id, exc, is_client_error=True)
             return
         self.note_kv_outcome(message.request_id, KVOutcome(KVSource.PULLED))
@@ -160,10 +196,11 @@ class DecodeNode(NodeServer):
         """The pair cannot exchange these blocks (another layout, block ids out of range): a
         configuration or peer bug that a retry would repeat, so the request fails loudly."""
         request_id = pull.message.request_id
-        self.engine.free_blocks(pull.local_block_ids)
+        self.engine.free_blocks(pull.block_ids)
         self._release_remote(request_id, pull.lease)
         self.num_kv_refusals += 1
-        logger.error("KV pull for request %s from %s refused: %s", request_id, pull.lease.address, result.error)
+        logger.error("KV pull for request %s from %s refused: %s", request_id, pull.lease.address, result.error,
+                     extra={"request_id": request_id})
         self.reply_failure(request_id, _REFUSALS[result.failure], result.error or "", is_client_error=False)
 
     def _fall_back(self, pull: _Pull, result: ReadResult) -> None:
@@ -171,11 +208,11 @@ class DecodeNode(NodeServer):
         prefill here instead."""
         message = pull.message
         reason = KVFallbackReason(result.failure.value)
-        self.engine.free_blocks(pull.local_block_ids)
+        self.engine.free_blocks(pull.block_ids)  # its cached prefix stays cached: the local prefill reuses it
         self._release_remote(message.request_id, pull.lease)
         self.num_kv_fallbacks_by_reason[reason.value] = self.num_kv_fallbacks_by_reason.get(reason.value, 0) + 1
         logger.warning("KV pull for request %s failed (%s: %s): prefilling locally", message.request_id,
-                       reason.value, result.error)
+                       reason.value, result.error, extra={"request_id": message.request_id})
         try:
             self.engine.add_request(message.request_id, message.prompt_token_ids, pull.params,
                                     output_token_ids=[message.first_token.token_id])
@@ -188,7 +225,8 @@ class DecodeNode(NodeServer):
         try:
             self.connector.release_remote(request_id, lease)
         except ValueError as exc:  # a malformed address: nothing to tell
-            logger.warning("request %s: cannot release its lease: %s", request_id, exc)
+            logger.warning("request %s: cannot release its lease: %s", request_id, exc,
+                           extra={"request_id": request_id})
 
 
 def _lease_of(handle: protocol.KVHandle) -> RemoteLease:

@@ -178,6 +178,8 @@ class EngineConfig:
     device: str = "cpu"
     seed: int = 0
     role: Role = Role.COLOCATED  # PREFILL: each request stops after its first token (see Role)
+    # Reuse the KV of cached full blocks across requests with a common prefix (engine.block_pool).
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.role, Role):

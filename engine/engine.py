@@ -23,7 +23,7 @@ from engine.request import FinishReason, Request
 from engine.runner import ModelRunner, PromptSpan
 from engine.sampler import Sampler, prompt_token_logprobs
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.scheduler import PrefixCacheStats, Scheduler, SchedulerOutput
 from engine.weights import load_weights
 
 logger = logging.getLogger(__name__)
@@ -86,7 +86,7 @@ class LLMEngine:
         self.model = CausalLM(model_cfg, weights, config.device)
         self.kv_cache = allocate_kv_cache(model_cfg, num_blocks, self.block_size, config.device)
         self.block_pool = BlockPool(num_blocks)
-        self.scheduler = Scheduler(config.scheduler, self.block_pool, self.block_size)
+        self.scheduler = Scheduler(config.scheduler, self.block_pool, self.block_size, config.enable_prefix_caching)
         self.runner = ModelRunner(self.model, self.kv_cache, self.block_size, config.device)
         self.sampler = Sampler(model_cfg.vocab_size, model_cfg.eos_token_ids, config.seed)
         self.grammars = Grammars(model_cfg.model_dir, model_cfg.vocab_size, model_cfg.eos_token_ids)
@@ -126,20 +126,51 @@ class LLMEngine:
 
     def add_prefilled_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-        first_token: TokenLogprob, block_ids: list[int],
+        first_token: TokenLogprob, block_ids: list[int], num_computed_tokens: int | None = None,
     ) -> None:
         """Join a request whose prompt KV already sits in block_ids (decode role, after a
-        pull); the engine owns block_ids from here on and frees them when it finishes. Raises
-        ValueError as add_request (block_ids then stay the caller's)."""
+        pull, or a prefix found cached here): their first num_computed_tokens tokens (default:
+        the whole prompt); the rest is computed with the first token's step. The engine owns
+        block_ids from here on (one reference each) and frees them when it finishes; their full
+        blocks are cached. Raises ValueError as add_request (block_ids then stay the caller's)."""
         request = self._new_request(request_id, prompt_token_ids, params, [first_token.token_id])
-        needed = num_blocks_for(len(prompt_token_ids), self.block_size)
+        num_computed = len(prompt_token_ids) if num_computed_tokens is None else num_computed_tokens
+        if not 0 <= num_computed <= len(prompt_token_ids):
+            raise ValueError(f"request {request_id}: {num_computed} computed tokens of a "
+                             f"{len(prompt_token_ids)}-token prompt")
+        needed = num_blocks_for(num_computed, self.block_size)
         if len(block_ids) != needed:
-            raise ValueError(f"request {request_id}: {len(block_ids)} blocks for a prompt needing {needed}")
+            raise ValueError(f"request {request_id}: {len(block_ids)} blocks for {num_computed} tokens, "
+                             f"which need {needed}")
         request.output_logprobs.append(first_token)
         request.block_ids = list(block_ids)
-        request.num_computed_tokens = len(prompt_token_ids)
+        request.num_computed_tokens = num_computed
         self._requests[request_id] = request
+        self.scheduler.cache_full_blocks(request)
         self.scheduler.add_running(request)
+
+    def acquire_cached_prefix(self, request_id: str, token_ids: list[int], max_blocks: int) -> list[int]:
+        """The cached blocks of token_ids' longest cached prefix of whole blocks (at most
+        max_blocks), with a reference taken to each: the caller frees them (free_blocks) or
+        hands them to add_prefilled_request. [] when prefix caching is off. Counts nothing
+        (see count_prefix_lookup)."""
+        probe = Request(request_id, list(token_ids), SamplingParams(), self.max_total_tokens)
+        self.scheduler.acquire_cached_prefix(probe, min(max_blocks, len(token_ids) // self.block_size))
+        return probe.block_ids
+
+    def count_prefix_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+        """Count a lookup made outside the scheduler (a decode node's, for its pull)."""
+        if self.config.enable_prefix_caching:
+            self.scheduler.prefix_stats.count_lookup(num_query_tokens, num_hit_tokens)
+
+    @property
+    def prefix_stats(self) -> PrefixCacheStats:
+        return self.scheduler.prefix_stats
+
+    def prefix_cache_keys(self, limit: int) -> tuple[int, list[int]]:
+        """(version, keys of the cached blocks, most recently used first, at most limit): what
+        the node reports for cache-aware routing. version grows when the set changes."""
+        return self.block_pool.cache_version, self.block_pool.cached_hashes(limit)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request at any point and free its blocks; False if it is not here."""
@@ -190,6 +221,7 @@ class LLMEngine:
         # NOTE: nothing above changed a request; from here on nothing raises but a bug.
         for request, num_new in scheduled.scheduled():
             request.num_computed_tokens += num_new
+            self.scheduler.cache_full_blocks(request)
         for span, logprobs in prompt_logprobs:
             span.request.prompt_logprobs.extend(logprobs)
         return [self._append_or_fail(r, t) for r, t in zip(sampled_requests, tokens)]
@@ -328,6 +360,8 @@ class LLMEngine:
                 for output in self.step():
                     if output.finish_reason is FinishReason.PREFILLED:
                         self.free_blocks(output.block_ids)
+        self.block_pool.reset_cache()  # the throwaway prompts' blocks are nobody's prefix
+        self.scheduler.prefix_stats = PrefixCacheStats()
         self.check_leaks()
 
     def check_leaks(self) -> None:
@@ -337,6 +371,7 @@ class LLMEngine:
         assert self.num_free_blocks == self.block_pool.num_blocks, (
             f"{self.block_pool.num_blocks - self.num_free_blocks} blocks still allocated"
         )
+        self.block_pool.check_consistent()
 
 
 def _prompt_logprobs_of(span: PromptSpan) -> list[TokenLogprob]:

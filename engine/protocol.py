@@ -21,8 +21,9 @@ import msgspec
 # and lease_timeout_s, LoadReport.kv_layout and per-reason fallbacks.
 # 6: DecodeRequest.output_token_ids (migration: a node of version 5 would ignore them and restart
 # the output), LoadReport.boot_id, progress and is_draining, ErrorReply kind "Draining".
-# 7: LoadReport prefix-cache fields (PrefixCacheDigest, hit counters); more 7-era additions are
-# listed where they are defined.
+# 7: LoadReport prefix-cache fields (PrefixCacheDigest, hit counters); the Drain admin message;
+# ErrorReply kind "QueueFull" and LoadReport.max_num_waiting (a node's bounded waiting queue);
+# more 7-era additions are listed where they are defined.
 PROTOCOL_VERSION = 7
 _FRAME_MAGIC = b"PD"
 _FRAME_HEADER = _FRAME_MAGIC + PROTOCOL_VERSION.to_bytes(2, "big")
@@ -372,6 +373,11 @@ class TokenBatch(msgspec.Struct, tag="token_batch", frozen=True):
 
 # ErrorReply.kind of a request refused because its node is draining: retry it on another node.
 DRAINING_ERROR_KIND = "Draining"
+# ErrorReply.kind of a request refused because its node's waiting queue is at its bound
+# (LoadReport.max_num_waiting): retry it on another node; the node itself is fine.
+QUEUE_FULL_ERROR_KIND = "QueueFull"
+# Refusals that say nothing about the request: the proxy sends it to another node instead.
+RETRYABLE_ERROR_KINDS = frozenset({DRAINING_ERROR_KIND, QUEUE_FULL_ERROR_KIND})
 
 
 class ErrorReply(msgspec.Struct, tag="error", frozen=True):
@@ -426,6 +432,16 @@ class LoadReport(msgspec.Struct, tag="load_report", frozen=True):
     prefix_cache: PrefixCacheDigest | None = None
     num_prefix_query_tokens: int = 0
     num_prefix_hit_tokens: int = 0
+    # Also version 7, counters since start: prefill tokens this node computed (a preempted
+    # request's recompute included; the cached ones it skipped are in num_prefix_hit_tokens);
+    # on a decode node, the KV blocks of its handles that it pulled, and those it did not need
+    # to (found in its own prefix cache; a full hit's partial last block is computed locally).
+    num_computed_prefill_tokens: int = 0
+    num_kv_blocks_pulled: int = 0
+    num_kv_blocks_skipped: int = 0
+    # Version 7: the node refuses new requests (ErrorReply kind QUEUE_FULL_ERROR_KIND) while
+    # num_waiting + num_pending_pulls is at this bound; 0: unbounded (or not said).
+    max_num_waiting: int = 0
 
 
 MAX_DIGEST_BLOCKS = 4096  # block hashes a node lists in one PrefixCacheDigest
@@ -447,7 +463,16 @@ class Ping(msgspec.Struct, tag="ping", frozen=True):
     """Proxy -> node: ask for a LoadReport now (used at start-up and by /health)."""
 
 
-ToNode = PrefillRequest | DecodeRequest | Abort | ReleaseKV | Ping
+class Drain(msgspec.Struct, tag="drain", frozen=True):
+    """Proxy -> node (version 7), an admin call: drain exactly as on SIGTERM. The node refuses
+    new requests (ErrorReply kind DRAINING_ERROR_KIND), finishes the running ones, keeps its
+    leases until pulled or expired (at most its drain timeout), then exits; its reports say
+    is_draining meanwhile. A node that is draining already ignores it."""
+
+    reason: str = ""  # for the node's log
+
+
+ToNode = PrefillRequest | DecodeRequest | Abort | ReleaseKV | Ping | Drain
 FromNode = PrefillResult | TokenBatch | ErrorReply | LoadReport
 
 _encoder = msgspec.msgpack.Encoder()

@@ -45,6 +45,14 @@ class Request:
     # Prompt logprobs gathered so far (entry i: prompt token i), while they are owed: None when
     # not asked for, or once handed out with the first token.
     prompt_logprobs: list[TokenLogprob] | None = None
+    # Prefix cache: the keys of the full blocks of prompt + output hashed so far
+    # (protocol.prefix_block_hashes), the cache entry each of the leading blocks stands for
+    # (registered or matched; emptied with the blocks), and whether caching stopped for it (a
+    # colliding key in use). num_cached_tokens: tokens found cached at its first admission.
+    block_hashes: list[int] = field(default_factory=list)
+    cache_entries: list[int] = field(default_factory=list)
+    is_caching_stopped: bool = False
+    num_cached_tokens: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kv_transfer.security import CurveKeys, check_bind_host
+from kv_transfer.security import CurveKeys, check_bind_host, is_wildcard
 
 # "fake": kv_transfer.fake.FakeConnector, in-process, for node tests.
 BACKENDS = ("nixl", "gloo", "fake")
@@ -13,7 +13,10 @@ BACKENDS = ("nixl", "gloo", "fake")
 @dataclass(frozen=True)
 class TransferConfig:
     backend: str = "nixl"
-    host: str = "127.0.0.1"  # the side channel binds here and peers reach it here
+    host: str = "127.0.0.1"  # the side channel binds here (0.0.0.0: every interface)
+    # What peers are told to dial (KVHandle.agent_address, the gloo store, the interface UCX
+    # uses); "": host, which must then be a concrete address (not a wildcard).
+    advertise_host: str = ""
     side_channel_port: int = 0  # 0: pick a free port
     handshake_timeout_s: float = 5.0
     transfer_timeout_s: float = 30.0
@@ -34,3 +37,10 @@ class TransferConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.backend != "fake":
             check_bind_host(self.host, self.curve_keys, "KV side channel")
+        if is_wildcard(self.advertise_host):
+            raise ValueError(f"advertise_host must be an address peers can dial, got {self.advertise_host!r}")
+
+    @property
+    def public_host(self) -> str:
+        """The address peers reach this node's side channel (and NIXL agent, gloo store) at."""
+        return self.advertise_host or self.host

@@ -19,7 +19,7 @@ def create_connector(config: TransferConfig, kv_cache: torch.Tensor, layout: KVL
     if config.backend == "nixl":
         from kv_transfer.nixl_connector import NixlConnector, set_ucx_defaults
 
-        set_ucx_defaults(config.host)
+        set_ucx_defaults(config.public_host)
         return NixlConnector(config, kv_cache, layout, engine_id)
     if config.backend == "fake":
         if fake_registry is None:

@@ -58,7 +58,7 @@ class GlooConnector(SideChannelConnector):
                                   wait_for_workers=False)
         except RuntimeError as exc:
             raise HandshakeFailed(f"gloo store could not start on {self.config.host}: {exc}") from exc
-        return GlooStoreInfo(self.config.host, store.port), store
+        return GlooStoreInfo(self.config.public_host, store.port), store
 
     def _on_hello_accepted(self, reply: HelloReply, prepared: dist.TCPStore) -> tuple:
         """Handshake thread: join the pair's group as rank 1 (the holder joins as it answers)."""
@@ -160,13 +160,15 @@ class GlooConnector(SideChannelConnector):
         group.send([self._blocks_for(message)], _READER_RANK, message.tag).wait(self._timeout)
 
     def _blocks_for(self, message: ReadRequest) -> torch.Tensor:
-        """The lease's blocks; zeros of the asked shape when the lease is not held with exactly
-        these blocks (the reader fails its confirmation and discards them), never blocks that
-        are someone else's. Raises ValueError for a count past the cache (the reader checks
+        """The asked blocks of the lease (all of them, or those past the prefix the reader had
+        cached); zeros of the asked shape when the lease is not held or the blocks are not all
+        its own (the reader fails its confirmation and discards them), never blocks that are
+        someone else's. Raises ValueError for a count past the cache (the reader checks
         against our layout first, so only a broken peer asks that)."""
-        held = self._leases.blocks_of(message.lease.request_id, message.lease.generation) if self._leases else None
-        if held == message.block_ids:
-            return self.kv_cache[torch.tensor(held, device=self.kv_cache.device)].contiguous()
+        lease = message.lease
+        if self._leases and message.block_ids and self._leases.holds(lease.request_id, lease.generation,
+                                                                     message.block_ids):
+            return self.kv_cache[torch.tensor(message.block_ids, device=self.kv_cache.device)].contiguous()
         if len(message.block_ids) > self.layout.num_blocks:
             raise ValueError(f"{len(message.block_ids)} blocks asked of a cache of {self.layout.num_blocks}")
         return torch.zeros((len(message.block_ids), *self.kv_cache.shape[1:]), dtype=self.kv_cache.dtype,

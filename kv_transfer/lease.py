@@ -78,6 +78,13 @@ class LeaseTable:
             lease = self._held(request_id, generation)
             return list(lease.block_ids) if lease else None
 
+    def holds(self, request_id: str, generation: int, block_ids: list[int]) -> bool:
+        """Whether that lease is held and block_ids are all its blocks (a reader may read only
+        part of a lease: the blocks past the prefix it found in its own cache)."""
+        with self._lock:
+            lease = self._held(request_id, generation)
+            return lease is not None and set(block_ids) <= set(lease.block_ids)
+
     def end(self, request_id: str, generation: int) -> bool:
         """End the lease for its reader (read and confirmed, or given up); its blocks go to
         pop_ended(). True if that lease was held until now: its blocks were never freed."""

@@ -43,10 +43,28 @@ _PROGRESS_INTERVAL_S = 0.005
 
 def set_ucx_defaults(host: str) -> None:
     """Process-wide UCX settings for a node about to create its agent (call before the first
-    connector). On loopback, restrict UCX to the lo device: measured to work, whereas
-    UCX_TLS=sm,self fails to create the agent. An operator's own UCX_* settings win."""
+    connector), host being the address it advertises. On loopback, restrict UCX to the lo
+    device: measured to work, whereas UCX_TLS=sm,self fails to create the agent. Otherwise,
+    when host is one of this machine's interface addresses, restrict UCX to that interface, so
+    the agent metadata peers get names the advertised network only (UCX puts every usable
+    interface's address into it). An operator's own UCX_* settings win."""
     if host.startswith("127.") or host == "localhost":
         os.environ.setdefault("UCX_NET_DEVICES", "lo")
+        return
+    interface = interface_of(host)
+    if interface is not None:
+        os.environ.setdefault("UCX_NET_DEVICES", interface)
+
+
+def interface_of(address: str) -> str | None:
+    """The name of the local network interface holding address (None: no local interface does,
+    e.g. an address behind NAT, which UCX cannot advertise: see the README)."""
+    import psutil
+
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.address.split("%")[0] == address for a in addresses):
+            return name
+    return None
 
 
 class NixlConnector(SideChannelConnector):
@@ -140,7 +158,8 @@ class NixlConnector(SideChannelConnector):
             except Exception as exc:  # noqa: BLE001 - nixl raises its own types
                 is_in_progress = self._state(read.handle)[0] is TransferState.IN_PROGRESS
                 if not is_in_progress or time.monotonic() > deadline:
-                    logger.warning("NIXL READ of %s could not be cancelled: %s", read.request_id, exc)
+                    logger.warning("NIXL READ of %s could not be cancelled: %s", read.request_id, exc,
+                                   extra={"request_id": read.request_id})
                     break
                 time.sleep(0.001)
         read.handle = None

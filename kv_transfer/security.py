@@ -56,6 +56,12 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def is_wildcard(host: str) -> bool:
+    """Whether host is a bind-everywhere address (0.0.0.0, ::, *): fine to bind, but no
+    address a peer can dial."""
+    return host in ("0.0.0.0", "::", "[::]", "*")
+
+
 def check_bind_host(host: str, keys: CurveKeys | None, what: str) -> None:
     """Raises ValueError when a listener would take connections from other hosts without the
     cluster secret: without one, everything binds loopback only."""

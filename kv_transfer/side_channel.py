@@ -51,10 +51,11 @@ def decode(data: bytes) -> SideMessage:
 
 class SideChannelServer:
     """Serves requests on host:port from a thread; handler(message) -> reply (or None). With
-    keys, only peers holding the cluster secret get through."""
+    keys, only peers holding the cluster secret get through. address is what peers dial:
+    advertise_host (default: host) and the bound port."""
 
     def __init__(self, host: str, port: int, handler: Callable[[SideMessage], SideMessage | None],
-                 keys: CurveKeys | None = None) -> None:
+                 keys: CurveKeys | None = None, advertise_host: str = "") -> None:
         self._handler = handler
         self.rejects = RejectLog(f"KV side channel {host}:{port or '?'}")
         self._context = zmq.Context()
@@ -70,7 +71,7 @@ class SideChannelServer:
             self.port = self._socket.bind_to_random_port(f"tcp://{host}")
         if self._zap is not None:
             self._zap.watch(self._socket)
-        self.address = f"{host}:{self.port}"
+        self.address = f"{advertise_host or host}:{self.port}"
         self.rejects.where = f"KV side channel {self.address}"
         self._is_stopping = threading.Event()
         self._thread = threading.Thread(target=self._serve, name=f"kv-side-{self.port}", daemon=True)

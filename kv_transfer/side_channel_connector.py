@@ -46,6 +46,7 @@ from kv_transfer.messages import (
     RenewLeases,
     SideMessage,
 )
+from kv_transfer.security import is_wildcard
 
 logger = logging.getLogger(__name__)
 
@@ -103,8 +104,11 @@ class SideChannelConnector(KVConnector, ABC):
         self._confirmer = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-confirm")
         self._notifier = side_channel.Notifier(config.curve_keys)
         self._keeper = LeaseKeeper(config.curve_keys)
+        if is_wildcard(config.public_host):
+            raise ValueError(f"KV side channel binds {config.host!r}, which peers cannot dial: "
+                             "set --advertise-host to this node's address")
         self._server = side_channel.SideChannelServer(config.host, config.side_channel_port, self._on_side_message,
-                                                      config.curve_keys)
+                                                      config.curve_keys, config.advertise_host)
         self.agent_address = self._server.address
         self.num_handshake_failures = 0
 
@@ -325,7 +329,8 @@ class SideChannelConnector(KVConnector, ABC):
             reply = side_channel.request(lease.address, ConfirmRead(lease.engine_id, ref),
                                          self.config.handshake_timeout_s, self.config.curve_keys)
         except Exception as exc:  # noqa: BLE001 - a thread edge: no answer means not confirmed
-            logger.warning("request %s: lease confirmation from %s failed: %s", request_id, lease.address, exc)
+            logger.warning("request %s: lease confirmation from %s failed: %s", request_id, lease.address, exc,
+                           extra={"request_id": request_id})
             return False
         return isinstance(reply, ReadConfirmed) and reply.lease == ref and reply.is_held
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from engine.config import DTYPES, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, resolve_device
 from engine.protocol import Role, curve_keys, default_of
 from kv_transfer.config import BACKENDS, TransferConfig
+from kv_transfer.security import is_wildcard
 from node.server import ServerConfig
 
 
@@ -22,17 +23,25 @@ def add_node_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--orphan-timeout-s", type=float, default=default_of(ServerConfig, "orphan_timeout_s"),
                         help="abort the requests of a proxy silent this long (no message, no ping)")
     parser.add_argument("--health-port", type=int, default=default_of(ServerConfig, "health_port"),
-                        help="HTTP port of GET /health (liveness) and /ready (not draining) on --host; 0: none")
+                        help="HTTP port of GET /health (liveness), /ready (not draining) and /metrics (Prometheus) "
+                             "on --host; 0: none")
     parser.add_argument("--drain-timeout-s", type=float, default=default_of(ServerConfig, "drain_timeout_s"),
                         help="on SIGTERM, wait this long at most for running requests and unpulled leases")
+    parser.add_argument("--max-num-waiting", type=int, default=default_of(ServerConfig, "max_num_waiting"),
+                        help="refuse new requests while this many wait on this node (the proxy tries another node)")
     parser.add_argument("--cpus", default=None, help="CPU cores for this node, e.g. 0,1 (also sets torch threads)")
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-format", default="text", choices=("text", "json"),
+                        help="json: one object per line (time, level, logger, message, request_id)")
 
 
 def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="checkpoint directory")
     parser.add_argument("--host", default=default_of(ServerConfig, "host"),
-                        help="address the control socket and the KV side channel bind and advertise")
+                        help="address the control socket, the KV side channel and /health bind (0.0.0.0: all)")
+    parser.add_argument("--advertise-host", default=default_of(TransferConfig, "advertise_host"),
+                        help="address peers are told to reach this node's KV side channel and NIXL agent at "
+                             "(default: --host, which must then be a concrete address, not 0.0.0.0)")
     parser.add_argument("--port", type=int, default=default_of(ServerConfig, "port"),
                         help="control socket port (0: pick one)")
     parser.add_argument("--node-id", default=None, help="name in logs and reports (default: ROLE-PORT)")
@@ -47,6 +56,9 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int,
                         default=default_of(SchedulerConfig, "max_num_batched_tokens"))
     parser.add_argument("--seed", type=int, default=default_of(EngineConfig, "seed"))
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                        default=default_of(EngineConfig, "enable_prefix_caching"),
+                        help="reuse the KV of cached prompt prefixes (--no-enable-prefix-caching: off)")
 
 
 def _add_transfer_arguments(parser: argparse.ArgumentParser) -> None:
@@ -79,13 +91,19 @@ def node_configs_from_args(args: argparse.Namespace, role: Role) -> NodeConfigs:
         device=resolve_device(args.device),
         seed=args.seed,
         role=role,
+        enable_prefix_caching=args.enable_prefix_caching,
     )
     keys = curve_keys(args.cluster_secret) if args.cluster_secret else None
     server = ServerConfig(args.node_id or f"{role.value}-{args.port}", args.host, args.port,
                           orphan_timeout_s=args.orphan_timeout_s, curve_keys=keys,
-                          health_port=args.health_port, drain_timeout_s=args.drain_timeout_s)
+                          health_port=args.health_port, drain_timeout_s=args.drain_timeout_s,
+                          max_num_waiting=args.max_num_waiting)
+    if role is not Role.COLOCATED and is_wildcard(args.host) and not args.advertise_host:
+        raise ValueError(f"--host {args.host} binds every interface, but prefill and decode nodes dial each "
+                         "other's KV side channel: set --advertise-host to this node's address")
     transfer = TransferConfig(
-        backend=args.transfer_backend, host=args.host, side_channel_port=args.kv_port,
+        backend=args.transfer_backend, host=args.host, advertise_host=args.advertise_host,
+        side_channel_port=args.kv_port,
         handshake_timeout_s=args.handshake_timeout_s, transfer_timeout_s=args.transfer_timeout_s,
         lease_timeout_s=args.lease_timeout_s, curve_keys=keys,
     )

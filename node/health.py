@@ -1,12 +1,15 @@
-"""HealthServer: a node's HTTP /health (liveness) and /ready (readiness) for orchestrators, a
-tiny stdlib server on a daemon thread."""
+"""HealthServer: a node's HTTP /health (liveness), /ready (readiness) for orchestrators and
+/metrics (Prometheus, node.metrics), a tiny stdlib server on a daemon thread."""
 
 from __future__ import annotations
 
 import http.server
 import threading
 import time
+from collections.abc import Callable
 from typing import Protocol
+
+from prometheus_client import CONTENT_TYPE_LATEST
 
 # NOTE: one engine step of the small preset can take ~6 s on one core (a 2,048-token prefill
 # chunk): a loop is stuck only well past that.
@@ -21,11 +24,12 @@ class _Node(Protocol):
 
 class HealthServer:
     """GET /health: 200 while the node's loop progressed within LIVENESS_TIMEOUT_S, else 503.
-    GET /ready: 200 while it serves (warmed up) and is not draining, else 503. Reads only
-    attributes the loop assigns whole (no lock needed); never blocks the loop."""
+    GET /ready: 200 while it serves (warmed up) and is not draining, else 503. GET /metrics:
+    render_metrics() in Prometheus' text format (404 without it). Reads only attributes the loop
+    assigns whole (no lock needed); never blocks the loop."""
 
-    def __init__(self, host: str, port: int, node: _Node) -> None:
-        handler = _handler_for(node)
+    def __init__(self, host: str, port: int, node: _Node, render_metrics: Callable[[], bytes] | None = None) -> None:
+        handler = _handler_for(node, render_metrics)
         self._server = http.server.ThreadingHTTPServer((host, port), handler)
         self._server.daemon_threads = True
         self.port = self._server.server_address[1]
@@ -48,22 +52,25 @@ def is_ready(node: _Node) -> bool:
     return node.is_serving and not node.is_draining and is_live(node)
 
 
-def _handler_for(node: _Node) -> type[http.server.BaseHTTPRequestHandler]:
+def _handler_for(node: _Node, render_metrics: Callable[[], bytes] | None) -> type[http.server.BaseHTTPRequestHandler]:
     checks = {"/health": is_live, "/ready": is_ready}
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
-            check = checks.get(self.path.split("?", 1)[0])
-            if check is None:
+            path = self.path.split("?", 1)[0]
+            check = checks.get(path)
+            if path == "/metrics" and render_metrics is not None:
+                self._answer(200, render_metrics(), CONTENT_TYPE_LATEST)
+            elif check is None:
                 self._answer(404, b"not found\n")
             elif check(node):
                 self._answer(200, b"ok\n")
             else:
                 self._answer(503, b"unavailable\n")
 
-        def _answer(self, status: int, body: bytes) -> None:
+        def _answer(self, status: int, body: bytes, content_type: str = "text/plain") -> None:
             self.send_response(status)
-            self.send_header("Content-Type", "text/plain")
+            self.send_header("Content-Type", content_type)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)

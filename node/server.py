@@ -35,6 +35,8 @@ from engine.sampling_params import SamplingParams
 from kv_transfer.security import CurveKeys, check_bind_host
 from node.control import ControlSocket
 from node.health import HealthServer
+from node.metrics import NodeMetrics
+from node.prefix_cache import PrefixDigests
 from node.proxies import ProxyTable, short_id
 
 logger = logging.getLogger(__name__)
@@ -67,8 +69,15 @@ class ServerConfig:
     # Longest a drain (SIGTERM) waits for running requests and unpulled leases before the node
     # stops anyway (what is left is aborted with the process).
     drain_timeout_s: float = 60.0
+    # Bounded waiting queue: a new request is refused (ErrorReply kind QUEUE_FULL_ERROR_KIND,
+    # which the proxy retries on another node) while this many wait here (not yet running: in the
+    # scheduler's queue, or for a KV pull). Each proxy bounds what it sends; this bounds what
+    # several proxies together can queue on one node.
+    max_num_waiting: int = 1024
 
     def __post_init__(self) -> None:
+        if self.max_num_waiting < 1:
+            raise ValueError(f"max_num_waiting must be >= 1, got {self.max_num_waiting}")
         for name in ("port", "health_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ValueError(f"{name} must be in [0, 65536), got {getattr(self, name)}")
@@ -91,6 +100,7 @@ class NodeServer:
         self.proxies = ProxyTable()
         self._unreachable: set[bytes] = set()  # proxies a send gave up on; ended by the loop
         self._kv_outcomes: dict[str, KVOutcome] = {}  # sent with each request's first delta
+        self.prefix_digests = PrefixDigests(engine)  # the prefix-cache digest in LoadReports
         self._load = _LoadSnapshot({}, {})  # replaced whole by the loop; read by the heartbeat
         self._is_stopping = threading.Event()
         self._heartbeat = threading.Thread(target=self._send_heartbeats, name="node-heartbeat", daemon=True)
@@ -103,7 +113,11 @@ class NodeServer:
         self.is_serving = False  # set once the loop runs (after warm-up): /ready
         self._is_draining = threading.Event()
         self._drain_deadline: float | None = None  # set by the loop once it sees the drain
-        self._health = HealthServer(config.host, config.health_port, self) if config.health_port else None
+        self.metrics = NodeMetrics(engine.config.model.name, config.node_id, self.role.value, engine.max_total_tokens,
+                                   lambda: self._load.fields, lambda: engine.scheduler.num_preemptions,
+                                   lambda: getattr(self, "connector", None))
+        self._health = (HealthServer(config.host, config.health_port, self, self.metrics.render)
+                        if config.health_port else None)
 
     @property
     def is_draining(self) -> bool:
@@ -111,8 +125,15 @@ class NodeServer:
 
     def drain(self) -> None:
         """Stop taking new requests, finish the running ones (and, on a prefill node, wait until
-        its leases are pulled or expire), then leave run(). Safe from a signal handler."""
+        its leases are pulled or expire), then leave run(). Safe from a signal handler. SIGTERM
+        and the proxy's Drain message both come here."""
         self._is_draining.set()
+
+    @property
+    def num_waiting_requests(self) -> int:
+        """Requests here that do not run yet: in the scheduler's queue, or waiting for a KV pull."""
+        return len(self.engine.scheduler.waiting) + self.load_extras().get("num_pending_pulls", 0)
+
     @property
     def address(self) -> str:
         return f"{self.config.host}:{self.port}"
@@ -161,6 +182,7 @@ class NodeServer:
         busy = self.engine.has_unfinished() or self.has_pending_work()
         self._receive_all(timeout_ms=0 if self.engine.has_unfinished() else (_BUSY_POLL_MS if busy else _IDLE_POLL_MS))
         self.poll_transfers()
+        self.metrics.poll_leases(self.has_request)
         self._end_orphans()
         self._record_load()
         if self.engine.has_unfinished():
@@ -264,6 +286,7 @@ class NodeServer:
 
     def forget(self, request_id: str) -> bytes | None:
         self._kv_outcomes.pop(request_id, None)
+        self.metrics.forget(request_id)
         return self.proxies.forget(request_id)
 
     def reply_error(self, request_id: str, exc: Exception, is_client_error: bool) -> None:
@@ -271,6 +294,7 @@ class NodeServer:
 
     def reply_failure(self, request_id: str, kind: str, message: str, is_client_error: bool) -> None:
         """Tell the request's proxy it failed (the caller has freed what the request held)."""
+        self.metrics.request_ended(request_id, "error")
         owner = self.forget(request_id)
         if owner is not None:
             self.send(owner, ErrorReply(request_id, kind, message, is_client_error))
@@ -303,6 +327,13 @@ class NodeServer:
         elif isinstance(message, protocol.ReleaseKV):
             for request_id in message.request_ids:
                 self.handle_release(request_id, identity)
+        elif isinstance(message, protocol.Drain):
+            if not self.is_draining:
+                logger.info("%s node %s: drain asked by proxy %s (%s)", self.role.value, self.config.node_id,
+                            short_id(identity), message.reason or "no reason given")
+            self.drain()
+            self._record_load()
+            self._send_load_report(identity)  # NOTE: the proxy sees is_draining at once
         elif self.proxies.owner(message.request_id) is not None or self.has_request(message.request_id):
             self.proxies.last_request_seqs[identity] = message.seq  # received (and refused): acknowledged
             self.control.rejects.reject("duplicate_request_id", f"request {message.request_id} from "
@@ -315,8 +346,15 @@ class NodeServer:
             self.send(identity, ErrorReply(message.request_id, protocol.DRAINING_ERROR_KIND,
                                            f"node {self.config.node_id} is draining: request {message.request_id} "
                                            f"refused", is_client_error=False))
+        elif self.num_waiting_requests >= self.config.max_num_waiting:
+            self.proxies.last_request_seqs[identity] = message.seq  # received (and refused): acknowledged
+            self.send(identity, ErrorReply(message.request_id, protocol.QUEUE_FULL_ERROR_KIND,
+                                           f"node {self.config.node_id} has {self.num_waiting_requests} requests "
+                                           f"waiting (its limit): request {message.request_id} refused",
+                                           is_client_error=False))
         else:
             self.proxies.own(message.request_id, identity, message.seq)
+            self.metrics.request_arrived(message.request_id)
             self._admit(message)
 
     def _abort(self, request_id: str, identity: bytes) -> None:
@@ -325,6 +363,7 @@ class NodeServer:
             self.control.rejects.reject("foreign_abort", f"{short_id(identity)} aborting {request_id} of "
                                                          f"{short_id(owner)}")
             return
+        self.metrics.request_ended(request_id, "abort")
         self.forget(request_id)
         self.handle_abort(request_id, identity)
 
@@ -337,18 +376,23 @@ class NodeServer:
         except ValueError as exc:
             self.reply_error(message.request_id, exc, is_client_error=True)
         except Exception as exc:  # noqa: BLE001 - process edge: this request fails, the node serves on
-            logger.exception("admitting request %s failed", message.request_id)
+            logger.exception("admitting request %s failed", message.request_id,
+                             extra={"request_id": message.request_id})
             self.engine.abort(message.request_id)
             self.reply_error(message.request_id, exc, is_client_error=False)
 
     def _step(self) -> None:
+        waiting = self.metrics.waiting_ids(self.engine.scheduler.waiting)
+        started_at = time.monotonic()
         try:
             outputs = self.engine.step()
         except Exception as exc:  # noqa: BLE001 - scheduling itself failed: nothing to isolate
             logger.exception("engine step failed before running; failing its requests")
             self._fail_all(exc)
             return
+        self.metrics.step_done(started_at, waiting, self.engine.scheduler.waiting, outputs, self._kv_outcomes)
         self.send_step_outputs(outputs)
+        self.metrics.leases_started(outputs, self.has_request)
 
     def _fail_all(self, exc: Exception) -> None:
         for request_id in self.engine.request_ids():
@@ -369,8 +413,10 @@ class NodeServer:
             self._end_requests_of(identity, "unreachable")
 
     def _end_requests_of(self, identity: bytes, why: str) -> None:
+        self.prefix_digests.forget(identity)
         request_ids = self.proxies.owned_by(identity)
         for request_id in request_ids:
+            self.metrics.request_ended(request_id, "abort")
             self.forget(request_id)
             self.handle_abort(request_id, identity)
         num_leases = self.release_owned(identity)
@@ -410,9 +456,14 @@ class NodeServer:
             boot_id=self.boot_id,
             progress=self.progress,
             is_draining=self.is_draining,
+            max_num_waiting=self.config.max_num_waiting,
+            num_prefix_query_tokens=engine.prefix_stats.num_query_tokens,
+            num_prefix_hit_tokens=engine.prefix_stats.num_hit_tokens,
+            num_computed_prefill_tokens=engine.prefix_stats.num_computed_prefill_tokens,
             **self.load_extras(),
         )
-        self._load = _LoadSnapshot(fields, dict(self.proxies.last_request_seqs))
+        self.prefix_digests.refresh()
+        self._load = _LoadSnapshot(fields, dict(self.proxies.last_request_seqs), self.prefix_digests)
 
     def _send_load_report(self, identity: bytes) -> None:
         self.send(identity, self._load.report_for(identity))
@@ -433,7 +484,9 @@ class _LoadSnapshot:
 
     fields: dict
     last_request_seqs: dict[bytes, int] = field(default_factory=dict)
+    prefix_digests: PrefixDigests | None = None  # the prefix-cache digest, for the proxies it is due to
 
     def report_for(self, identity: bytes) -> protocol.LoadReport:
-        return protocol.LoadReport(**self.fields, sent_at=time.time(),
+        digest = self.prefix_digests.due_for(identity) if self.prefix_digests is not None else None
+        return protocol.LoadReport(**self.fields, sent_at=time.time(), prefix_cache=digest,
                                    last_request_seq=self.last_request_seqs.get(identity, 0))

@@ -12,6 +12,7 @@ from kv_transfer.config import TransferConfig
 from kv_transfer.factory import create_connector
 from kv_transfer.fake import FakeRegistry
 from kv_transfer.layout import KVLayout, fingerprint, must_match_fields
+from node.metrics import MeteredConnector, TransferMeter
 
 
 def kv_layout(engine: LLMEngine) -> KVLayout:
@@ -29,6 +30,8 @@ def kv_layout_info(layout: KVLayout) -> protocol.KVLayoutInfo:
 
 def connector_for(engine: LLMEngine, config: TransferConfig, node_id: str,
                   fake_registry: FakeRegistry | None = None) -> KVConnector:
-    """A connector over the engine's cache (see kv_transfer.factory.create_connector); the node
-    closes it when it stops."""
-    return create_connector(config, engine.kv_cache, kv_layout(engine), node_id, fake_registry)
+    """A connector over the engine's cache (see kv_transfer.factory.create_connector), metered
+    (its pulls feed the node's /metrics: node.metrics); the node closes it when it stops."""
+    connector = create_connector(config, engine.kv_cache, kv_layout(engine), node_id, fake_registry)
+    labels = {"model_name": engine.config.model.name, "engine": node_id, "role": engine.config.role.value}
+    return MeteredConnector(connector, TransferMeter(labels, engine.kv_cache[0].nbytes))

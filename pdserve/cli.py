@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import sys
 
+from pdserve.logs import configure as configure_logs
 from pdserve.settings import SettingsError, add_config_argument, apply_settings, describe
 
 # (name, module with add_arguments(parser) and main(args), help)
@@ -63,7 +65,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     if args.command in SERVERS:
-        print(f"pdserve {args.command}: {describe(args, chosen_parser, taken)}", file=sys.stderr, flush=True)
+        settings = f"pdserve {args.command}: {describe(args, chosen_parser, taken)}"
+        if getattr(args, "log_format", "text") == "json":
+            configure_logs(getattr(args, "log_level", "INFO"), "json")
+            logging.getLogger("pdserve.settings").info("%s", settings)
+        else:
+            configure_logs(getattr(args, "log_level", "INFO"), "text")
+            print(settings, file=sys.stderr, flush=True)
     return int(module.main(args) or 0)
 
 

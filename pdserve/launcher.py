@@ -143,6 +143,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     # Passed on to every node only when given: each default is the node's own (pdserve decode --help).
     for flag, kind in _NODE_FLAGS:
         parser.add_argument(flag, type=kind, default=None, help="per node (default: the node's)")
+    for flag in _NODE_SWITCHES:
+        parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
+                            help="per node (default: the node's)")
+    parser.add_argument("--log-format", choices=("text", "json"), default=None,
+                        help="every process's log lines (default: text)")
     parser.add_argument("--log-dir", default=None, help="write each process's log here")
     parser.add_argument("--ready-timeout-s", type=float, default=180.0)
     for flag, kind in _PROXY_FLAGS:
@@ -153,17 +158,25 @@ _NODE_FLAGS = (("--dtype", str), ("--transfer-backend", str), ("--kv-cache-memor
                ("--max-num-seqs", int), ("--max-num-batched-tokens", int))
 
 
+_NODE_SWITCHES = ("--enable-prefix-caching",)
+
+
 _PROXY_FLAGS = (("--served-model-name", str), ("--chat-template", str), ("--api-key", str),
                 ("--local-prefill-min-wait-s", float))
 
 
-def _given(args: argparse.Namespace, flags) -> list[str]:
-    """The flags of this list the user set, as command-line arguments for a child."""
+def _given(args: argparse.Namespace, flags, switches=()) -> list[str]:
+    """The flags (and on/off switches) of these lists the user set, as command-line arguments
+    for a child."""
     given = []
     for flag, _ in flags:
         value = getattr(args, flag.removeprefix("--").replace("-", "_"))
         if value is not None:
             given += [flag, str(value)]
+    for flag in switches:
+        value = getattr(args, flag.removeprefix("--").replace("-", "_"))
+        if value is not None:
+            given.append(flag if value else "--no-" + flag.removeprefix("--"))
     return given
 
 
@@ -178,13 +191,18 @@ def main(args: argparse.Namespace) -> int:
     if log_dir:
         log_dir.mkdir(parents=True, exist_ok=True)
     stop = _install_signal_handlers()
-    node_args, proxy_args = _given(args, _NODE_FLAGS), _given(args, _PROXY_FLAGS)
+    node_args, proxy_args = _given(args, _NODE_FLAGS, _NODE_SWITCHES), _given(args, _PROXY_FLAGS)
+    if args.log_format:
+        node_args += ["--log-format", args.log_format]
+        proxy_args += ["--log-format", args.log_format]
     print(f"pdserve up: starting {args.prefill} prefill + {args.decode} decode nodes and the proxy ...", flush=True)
     deployment = start_local(model_dir, num_prefill=args.prefill, num_decode=args.decode, host=args.host,
                              port=args.port, node_args=node_args, proxy_args=proxy_args, log_dir=log_dir)
     try:
         wait_healthy(deployment, args.ready_timeout_s, stop)
         print(f"pdserve is ready: {deployment.base_url}/v1 (model {model_dir}); Ctrl-C stops it", flush=True)
+        for name, url in deployment.health_urls.items():
+            print(f"  {name}: {url}/health, /ready, /metrics", flush=True)
         supervisor = Supervisor(deployment.cluster)
         while not stop.is_set:
             for event in supervisor.tick():
@@ -208,6 +226,7 @@ class Deployment:
     base_url: str
     node_addresses: dict[str, str] = field(default_factory=dict)
     log_dir: Path | None = None
+    health_urls: dict[str, str] = field(default_factory=dict)  # node name -> its /health, /ready, /metrics server
 
     def logs(self, tail_chars: int = 3000) -> str:
         if not self.log_dir:
@@ -231,11 +250,15 @@ def start_local(
     pdserve = [sys.executable, "-m", "pdserve.cli"]
     common = ["--model", str(model_dir), "--host", host, *node_args]
     addresses: dict[str, str] = {}
+    health_urls: dict[str, str] = {}
     for i in range(num_prefill + num_decode):
         kind = "prefill" if i < num_prefill else "decode"
         name = f"{kind}{i if kind == 'prefill' else i - num_prefill}"
         addresses[name] = f"{host}:{free_port(host)}"
-        argv = pdserve + [kind, *common, "--port", addresses[name].rsplit(":", 1)[1], "--node-id", name]
+        health_port = free_port(host)
+        health_urls[name] = f"http://{host}:{health_port}"
+        argv = pdserve + [kind, *common, "--port", addresses[name].rsplit(":", 1)[1], "--node-id", name,
+                          "--health-port", str(health_port)]
         if kind == "decode" and not num_prefill:
             argv.append("--colocated")
         if cpus:
@@ -247,7 +270,7 @@ def start_local(
     if num_prefill:
         proxy_argv += ["--prefill", _joined(addresses, "prefill")]
     cluster.start("proxy", proxy_argv, log_dir)
-    return Deployment(cluster, f"http://{host}:{http_port}", addresses, log_dir)
+    return Deployment(cluster, f"http://{host}:{http_port}", addresses, log_dir, health_urls)
 
 
 def _joined(addresses: dict[str, str], kind: str) -> str:

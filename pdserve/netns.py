@@ -9,10 +9,14 @@ import os
 import shutil
 import subprocess
 from dataclasses import dataclass, field
+from pathlib import Path
 
 # NOTE: a /24 out of 10.213.0.0/16 picked from the pid, so concurrent runs do not collide; the
 # bridge takes .1 (the test process's own address on the bridge), hosts .2 and up.
 _BASE_NETWORK = ipaddress.ip_network("10.213.0.0/16")
+# `ip netns exec NS cmd` bind-mounts /etc/netns/NS/hosts over /etc/hosts for cmd: each test host
+# resolves names from a file of its own (glibc reads it again at every lookup).
+_NETNS_ETC = Path("/etc/netns")
 
 
 class NetnsUnavailable(RuntimeError):
@@ -29,6 +33,16 @@ class TestHost:
     def command(self, argv: list[str]) -> list[str]:
         """argv run inside this host's namespace."""
         return ["ip", "netns", "exec", self.name, *argv]
+
+    def set_names(self, names: dict[str, list[str]]) -> None:
+        """What names resolve to inside this host (its /etc/hosts): name -> addresses, every one
+        an A record. Rewritten in place, so processes already running see the change at their
+        next lookup; set it once before starting them (the mount is made at start)."""
+        lines = ["127.0.0.1 localhost", "::1 localhost"]
+        lines += [f"{address} {name}" for name, addresses in names.items() for address in addresses]
+        directory = _NETNS_ETC / self.name
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "hosts").write_text("\n".join(lines) + "\n")  # NOTE: same inode: the bind mount follows
 
 
 @dataclass
@@ -60,6 +74,7 @@ class TestNetwork:
     def __exit__(self, *_exc) -> None:
         for i in range(len(self.names)):
             _ip("netns", "del", f"{self.tag}-h{i}", check=False)
+            shutil.rmtree(_NETNS_ETC / f"{self.tag}-h{i}", ignore_errors=True)
             _ip("link", "del", f"{self.tag}v{i}", check=False)  # gone with its namespace, normally
         _ip("link", "del", f"{self.tag}br", check=False)
 

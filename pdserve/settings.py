@@ -15,7 +15,7 @@ import yaml
 ENV_PREFIX = "PDSERVE_"
 CONFIG_ENV = "PDSERVE_CONFIG"  # the config file when --config is not given
 PRECEDENCE = "command line > PDSERVE_* environment > --config file > built-in default"
-_SECRET_WORDS = {"secret", "key", "password"}  # a dest with one of these words is masked
+_SECRET_WORDS = {"secret", "key", "password", "token"}  # a dest with one of these words is masked
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
@@ -104,7 +104,7 @@ def _read_config(path: Path, command: str) -> dict[str, object]:
 
 def _convert(action: argparse.Action, raw: object, source: str) -> object:
     """raw (a YAML value or an environment string) as the flag's type."""
-    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction, argparse.BooleanOptionalAction)):
         return _as_bool(raw, action.dest, source)
     if raw is None:
         return None

@@ -64,7 +64,8 @@ class PrefillNode(NodeServer):
             self.engine.free_blocks(block_ids)
         for request_id, block_ids in self.leases.pop_expired():
             self.num_expired_leases += 1
-            logger.warning("lease of request %s expired: freeing %d blocks", request_id, len(block_ids))
+            logger.warning("lease of request %s expired: freeing %d blocks", request_id, len(block_ids),
+                           extra={"request_id": request_id})
             self.engine.free_blocks(block_ids)
 
     def send_step_outputs(self, outputs: list[StepOutput]) -> None:

@@ -110,6 +110,7 @@ class Admission:
         self.pool = pool
         self.metrics = metrics
         self.num_in_flight = 0
+        self.is_draining = False  # the proxy is shutting down (proxy.drain): new requests get 503
         self.drain = DrainRate()
         # Per decode node (by address): requests it ran while others queued, its capacity as last
         # seen (max_num_seqs, or fewer when KV blocks ran short); unknown until it queues.
@@ -117,7 +118,11 @@ class Admission:
         pool.is_full = lambda node: is_full(node, limits.max_node_waiting)  # routing passes over full nodes
 
     def enter(self) -> Ticket:
-        """A ticket for one slot, taken before the body is read; raises ApiError 429 when full."""
+        """A ticket for one slot, taken before the body is read; raises ApiError 429 when full,
+        503 while the proxy drains."""
+        if self.is_draining:
+            raise ApiError(503, "the server is shutting down; send this request to another replica",
+                           kind="server_error", code="shutting_down")
         self.take(1, 1)
         return Ticket(self)
 
@@ -213,8 +218,9 @@ class Admission:
 
 def is_full(node: NodeClient, max_node_waiting: int | None) -> bool:
     """The node's latest report (and what was sent since) shows no free KV block while requests
-    queue, or max_node_waiting or more queued requests. A node that never reported is not full
-    (nor healthy)."""
+    queue, or as many queued requests as max_node_waiting or as the node's own bound
+    (LoadReport.max_num_waiting: past it the node refuses them). A node that never reported is
+    not full (nor healthy)."""
     report = node.last_report
     if report is None:
         return False
@@ -222,7 +228,8 @@ def is_full(node: NodeClient, max_node_waiting: int | None) -> bool:
     num_free_blocks = report.num_free_blocks - protocol.num_blocks_for(node.num_unreported_tokens, report.block_size)
     if num_free_blocks <= 0 and num_queued > 0:
         return True
-    return max_node_waiting is not None and num_queued >= max_node_waiting
+    limits = [n for n in (max_node_waiting, report.max_num_waiting) if n]
+    return bool(limits) and num_queued >= min(limits)
 
 
 def _prefill_wait(nodes: list[NodeClient], num_prompt_tokens: int,

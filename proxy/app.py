@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import importlib.metadata
+import logging
 import re
 from collections.abc import Callable
 from contextlib import asynccontextmanager
@@ -19,17 +20,22 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
 from engine.protocol import curve_keys
+from proxy.admin import admin_router
 from proxy.admission import Admission, AdmissionLimits
 from proxy.chat_schemas import ChatCompletionRequest, TokenizeChatRequest
 from proxy.config import ProxyConfig
+from proxy.discovery import Discovery, DiscoveryConfig, is_loopback_address
+from proxy.drain import DrainingServer, ProxyDrain
 from proxy.errors import ApiError, install_handlers
 from proxy.limits import BodyReader
+from proxy.log_context import RequestLogContext, install_record_factory
 from proxy.metrics import ProxyMetrics
 from proxy.node_names import NodeNames
-from proxy.nodes import LocalPrefillPolicy, NodePool
+from proxy.nodes import LocalPrefillPolicy, NodePool, RetryLimits
 from proxy.openai_format import ChatFormat, CompletionFormat
 from proxy.openapi_bodies import body_spec, install_openapi
 from proxy.request_id import RequestIdMiddleware
+from proxy.routing import RoutingConfig
 from proxy.schemas import (
     CompletionRequest,
     DetokenizeRequest,
@@ -49,11 +55,16 @@ _PARSE_IN_THREAD_BYTES = 256 << 10
 
 
 def run(config: ProxyConfig, log_level: str = "info") -> None:
-    """Serve the API with uvicorn (one worker) until SIGINT/SIGTERM; blocks."""
+    """Serve the API with uvicorn (one worker) until SIGINT, or SIGTERM and a drain (proxy.drain); blocks."""
     import uvicorn  # NOTE: here, not at the top: tests and importers of create_app need no server
 
-    uvicorn.run(create_app(config), host=config.host, port=config.port, log_level=log_level.lower(), workers=1,
-                timeout_graceful_shutdown=5)
+    app = create_app(config)
+    server = DrainingServer(uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level.lower(),
+                                           workers=1, timeout_graceful_shutdown=5,
+                                           # NOTE: uvicorn's loggers go to the root handler (pdserve.logs: text
+                                           # or JSON); the access line comes from proxy.log_context, with its id.
+                                           log_config=None, access_log=False), app.state.drain)
+    server.run()
 
 
 def create_app(config: ProxyConfig) -> FastAPI:
@@ -63,30 +74,53 @@ def create_app(config: ProxyConfig) -> FastAPI:
                                         config.trust_request_chat_template)
     pool = NodePool(config.prefill_addresses, config.decode_addresses, config.heartbeat_timeout_s,
                     _local_prefill_policy(config),
-                    curve_keys(config.cluster_secret) if config.cluster_secret is not None else None)
+                    curve_keys(config.cluster_secret) if config.cluster_secret is not None else None,
+                    config.stall_timeout_s, RetryLimits(config.max_attempts, config.max_migrations),
+                    RoutingConfig.of(config))
     names = NodeNames(config.prefill_addresses, config.decode_addresses, config.expose_node_addresses)
     metrics = ProxyMetrics(lambda: pool.all, lambda: pool.num_local_prefills, names.name)
     admission = Admission(_admission_limits(config), pool, metrics)
     metrics.in_flight.set_function(lambda: admission.num_in_flight)
     service = RequestService(config, tokenizer, pool, metrics, admission, names)
     reader = BodyReader(config.max_body_bytes, config.body_timeout_s, metrics)
+    discovery = _discovery(config, pool, names)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
         pool.start()
+        await discovery.start()
         yield
+        await discovery.stop()
         await pool.stop()
 
     app = FastAPI(title="pdserve", version=_version(), lifespan=lifespan)
     app.state.pool = pool
+    app.state.discovery = discovery
+    app.state.drain = ProxyDrain(admission, pool, config.drain_timeout_s)  # started by SIGTERM (run())
+    install_record_factory()
+    app.add_middleware(RequestLogContext)  # NOTE: added first, so it runs inside RequestIdMiddleware
     app.add_middleware(RequestIdMiddleware)
     install_handlers(app)
     _add_status_routes(app, pool, metrics, names)
     app.include_router(_api_router(config, service, reader))
     app.include_router(_tokenizer_router(config, service, reader))
+    if config.admin_token is not None or is_loopback_address(f"{config.host}:{config.port}"):
+        app.include_router(admin_router(discovery, config.admin_token))
+    else:
+        logging.getLogger(__name__).warning("no --admin-token: /admin/nodes is off (this proxy listens beyond "
+                                            "loopback)")
     install_openapi(app, [CompletionRequest, ChatCompletionRequest, TokenizeCompletionRequest, TokenizeChatRequest,
                           DetokenizeRequest])
     return app
+
+
+def _discovery(config: ProxyConfig, pool: NodePool, names: NodeNames) -> Discovery:
+    """Keeps the pool equal to the static nodes, the DNS names' records, the node file and the
+    admin's changes; a node beyond loopback only with a cluster secret."""
+    static = {"prefill": frozenset(config.prefill_addresses), "decode": frozenset(config.decode_addresses)}
+    settings = DiscoveryConfig(config.prefill_dns, config.decode_dns, config.nodes_file, config.discovery_interval_s)
+    return Discovery(pool, names, static, settings,
+                     lambda address: config.cluster_secret is not None or is_loopback_address(address))
 
 
 def _admission_limits(config: ProxyConfig) -> AdmissionLimits:
@@ -114,6 +148,8 @@ def _add_status_routes(app: FastAPI, pool: NodePool, metrics: ProxyMetrics, name
 
     @app.get("/ready")
     async def ready():
+        if app.state.drain.is_draining:
+            return JSONResponse({"status": "not ready", "reason": "shutting down"}, status_code=503)
         if pool.has_serving_path():
             return {"status": "ready"}
         return JSONResponse({"status": "not ready", "reason": "no decode node takes requests"}, status_code=503)

@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import enum
 import ipaddress
 from dataclasses import dataclass, field
 
 from engine.protocol import MIN_CLUSTER_SECRET_CHARS
+
+
+class RoutingPolicy(enum.StrEnum):
+    """How the proxy picks nodes (proxy.routing)."""
+
+    CACHE_AWARE = "cache-aware"  # longest cached prefix balanced against load
+    LEAST_LOADED = "least-loaded"  # prefill: fewest queued prompt tokens; decode: most free blocks
+    ROUND_ROBIN = "round-robin"  # each kind's nodes in turn (among those that take requests)
 
 
 @dataclass(frozen=True)
@@ -16,9 +25,30 @@ class ProxyConfig:
     port: int = 8000
     prefill_addresses: tuple[str, ...] = ()  # HOST:PORT of prefill nodes; none: colocated mode
     decode_addresses: tuple[str, ...] = ()  # HOST:PORT of decode (or colocated) nodes
+    # Discovery (proxy.discovery): names re-resolved every discovery_interval_s (each A record a
+    # node), a YAML/JSON file re-read when it changes; nodes join and leave without a restart.
+    prefill_dns: tuple[str, ...] = ()  # HOST:PORT
+    decode_dns: tuple[str, ...] = ()
+    nodes_file: str | None = None
+    discovery_interval_s: float = 5.0
+    # The admin endpoint (/admin/nodes: list, add, drain, remove) needs "Authorization: Bearer
+    # <admin_token>"; None: served only on a loopback proxy (unauthenticated), else not at all.
+    admin_token: str | None = field(default=None, repr=False)
     request_timeout_s: float = 600.0  # longest wait for a decoding request's next tokens
     first_token_timeout_s: float = 300.0  # longest wait for a prompt's first token
     heartbeat_timeout_s: float = 3.0  # a node silent this long is down: no new requests, its own fail
+    # A node whose loop made no progress for this long while it had work is stuck (its heartbeat
+    # thread may still report): down, its requests failed over. One engine step of the small
+    # preset takes up to ~6 s on one core (a 2,048-token prefill chunk): well past that.
+    stall_timeout_s: float = 20.0
+    # Sends of a request before its first token (a node failed, timed out, drained or was full:
+    # another one is tried), and moves of a request to another decode node after tokens were
+    # streamed; past either, its error reaches the client.
+    max_attempts: int = 3
+    max_migrations: int = 2
+    # On SIGTERM: no new requests (503, /ready 503), open streams get this long to finish, then
+    # end with an error event and [DONE]; then the proxy exits.
+    drain_timeout_s: float = 30.0
     api_key: str | None = None  # set: /v1/ needs "Authorization: Bearer <api_key>"
     max_model_len: int | None = None  # None: the nodes' reports, else config.json max_position_embeddings
     # Conditional disaggregation: a prompt is prefilled on its decode node instead when the
@@ -27,6 +57,14 @@ class ProxyConfig:
     # None: always the prefill pool.
     local_prefill_min_wait_s: float | None = 1.0
     local_prefill_penalty: float = 2.0
+    # Routing (proxy.routing): cache-aware sends a prompt to the prefill node with the lowest
+    # uncached prompt tokens + queued prefill tokens, passing over nodes queued more than
+    # routing_max_extra_prefill_tokens past the least queued one, and to the decode node caching
+    # the longest prefix of it among those within routing_max_extra_decode_requests requests of
+    # the least loaded one. least-loaded and round-robin ignore caches (for comparison).
+    routing: RoutingPolicy = RoutingPolicy.CACHE_AWARE
+    routing_max_extra_prefill_tokens: int = 2048
+    routing_max_extra_decode_requests: int = 8
     chat_template_path: str | None = None  # a Jinja file replacing the model's chat template(s)
     # NOTE: rendering a 1,000-message conversation (~60k tokens) with SmolLM2's template takes
     # 5-11 ms, 10,000 messages ~100 ms; a template still running after 1 s is looping, and is
@@ -56,9 +94,9 @@ class ProxyConfig:
     expose_node_addresses: bool = False
 
     def __post_init__(self) -> None:
-        if not self.decode_addresses:
-            raise ValueError("decode_addresses must name at least one decode node")
-        for address in (*self.prefill_addresses, *self.decode_addresses):
+        if not (self.decode_addresses or self.decode_dns or self.nodes_file):
+            raise ValueError("no decode node: give --decode, --decode-dns or --nodes-file")
+        for address in (*self.prefill_addresses, *self.decode_addresses, *self.prefill_dns, *self.decode_dns):
             host, _, port = address.rpartition(":")
             if not host or not port.isdigit():
                 raise ValueError(f"node address must be HOST:PORT, got {address!r}")
@@ -70,14 +108,25 @@ class ProxyConfig:
             raise ValueError("served_model_name must not be empty")
         if self.local_prefill_min_wait_s is not None and self.local_prefill_min_wait_s < 0:
             raise ValueError(f"local_prefill_min_wait_s must be >= 0, got {self.local_prefill_min_wait_s}")
+        if self.max_attempts < 1 or self.max_migrations < 0:
+            raise ValueError(f"max_attempts must be >= 1 and max_migrations >= 0, got {self.max_attempts} and "
+                             f"{self.max_migrations}")
         if self.local_prefill_penalty < 1:
             raise ValueError(f"local_prefill_penalty must be >= 1, got {self.local_prefill_penalty}")
+        self._check_routing()
         for name in ("request_timeout_s", "first_token_timeout_s", "heartbeat_timeout_s", "chat_template_timeout_s",
-                     "body_timeout_s"):
+                     "body_timeout_s", "stall_timeout_s", "drain_timeout_s", "discovery_interval_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         self._check_limits()
         self._check_trust()
+
+    def _check_routing(self) -> None:
+        if self.routing not in tuple(RoutingPolicy):
+            raise ValueError(f"routing must be one of {', '.join(RoutingPolicy)}, got {self.routing!r}")
+        for name in ("routing_max_extra_prefill_tokens", "routing_max_extra_decode_requests"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
     def _check_limits(self) -> None:
         for name in ("max_num_requests", "max_body_bytes", "max_node_waiting"):
@@ -97,13 +146,14 @@ class ProxyConfig:
                                  f"got {len(self.cluster_secret)}")
             return
         remote = [a for a in (f"{self.host}:{self.port}", *self.prefill_addresses, *self.decode_addresses)
-                  if not _is_loopback(a.rpartition(":")[0])]
+                  if not is_loopback_host(a.rpartition(":")[0])]
         if remote:
             raise ValueError(f"{remote[0]} is not loopback: set a cluster secret (--cluster-secret or "
                              f"PDSERVE_CLUSTER_SECRET) to serve or reach nodes beyond this machine")
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback_host(host: str) -> bool:
+    """Whether host (a name, an address, or a [bracketed] IPv6 address) is loopback."""
     if host == "localhost":
         return True
     try:

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from engine.protocol import default_of
-from proxy.config import ProxyConfig
+from proxy.config import ProxyConfig, RoutingPolicy
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -18,19 +18,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default=_default("host"))
     parser.add_argument("--port", type=int, default=_default("port"))
     parser.add_argument("--prefill", default="", help="prefill nodes, HOST:PORT,... (empty: colocated)")
-    parser.add_argument("--decode", required=True, help="decode nodes, HOST:PORT,...")
+    parser.add_argument("--decode", default="", help="decode nodes, HOST:PORT,... (or --decode-dns/--nodes-file)")
+    _add_discovery_arguments(parser)
     parser.add_argument("--api-key", default=_default("api_key"), help="require 'Authorization: Bearer KEY' on /v1/")
     parser.add_argument("--request-timeout-s", type=float, default=_default("request_timeout_s"),
                         help="longest wait for a node's next tokens once decoding")
     parser.add_argument("--first-token-timeout-s", type=float, default=_default("first_token_timeout_s"),
                         help="longest wait for a prompt's first token (queueing and prefill)")
     parser.add_argument("--heartbeat-timeout-s", type=float, default=_default("heartbeat_timeout_s"))
+    parser.add_argument("--stall-timeout-s", type=float, default=_default("stall_timeout_s"),
+                        help="a node whose loop makes no progress this long while it has work is down")
+    parser.add_argument("--max-attempts", type=int, default=_default("max_attempts"),
+                        help="sends of a request before its first token (each failure tries another node)")
+    parser.add_argument("--max-migrations", type=int, default=_default("max_migrations"),
+                        help="moves of a streaming request to another decode node when its node fails")
+    parser.add_argument("--drain-timeout-s", type=float, default=_default("drain_timeout_s"),
+                        help="on SIGTERM, how long open streams may finish (new requests get 503) before they "
+                             "end with an error event")
     parser.add_argument("--max-model-len", type=int, default=_default("max_model_len"))
     parser.add_argument("--local-prefill-min-wait-s", type=float, default=_default("local_prefill_min_wait_s"),
                         help="prefill on the decode node when the prefill pool's queue wait is at least this "
                              "and the decode node would start sooner (negative: never)")
     parser.add_argument("--local-prefill-penalty", type=float, default=_default("local_prefill_penalty"),
                         help="how much a decode node's own queue wait counts against the pool's (>= 1)")
+    parser.add_argument("--routing", choices=[p.value for p in RoutingPolicy], default=_default("routing").value,
+                        help="cache-aware: the prefill node with the fewest uncached + queued prefill tokens, the "
+                             "decode node caching the longest prefix (within the caps below); least-loaded and "
+                             "round-robin ignore caches")
+    parser.add_argument("--routing-max-extra-prefill-tokens", type=int,
+                        default=_default("routing_max_extra_prefill_tokens"),
+                        help="cache-aware: a prefill node queued more prefill tokens than this past the least "
+                             "queued one gets no request for its cache")
+    parser.add_argument("--routing-max-extra-decode-requests", type=int,
+                        default=_default("routing_max_extra_decode_requests"),
+                        help="cache-aware: a decode node with this many more requests than the least loaded one "
+                             "gets no request for its cache")
     parser.add_argument("--chat-template", default=_default("chat_template_path"), metavar="FILE",
                         help="a Jinja chat template replacing the model's (default: chat_template.jinja, "
                              "else tokenizer_config.json)")
@@ -44,6 +66,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "and its nodes must all be on loopback)")
     _add_limit_arguments(parser)
     parser.add_argument("--log-level", default="info")
+    parser.add_argument("--log-format", default="text", choices=("text", "json"),
+                        help="json: one object per line (time, level, logger, message, request_id)")
+
+
+def _add_discovery_arguments(parser: argparse.ArgumentParser) -> None:
+    """Nodes that join and leave while the proxy runs (proxy.discovery, proxy.admin)."""
+    parser.add_argument("--prefill-dns", default="", metavar="HOST:PORT,...",
+                        help="names re-resolved every --discovery-interval-s: each address a prefill node "
+                             "(a Kubernetes headless Service)")
+    parser.add_argument("--decode-dns", default="", metavar="HOST:PORT,...", help="as --prefill-dns, decode nodes")
+    parser.add_argument("--nodes-file", default=_default("nodes_file"), metavar="FILE",
+                        help="YAML/JSON {prefill: [HOST:PORT, ...], decode: [...]}, re-read when it changes")
+    parser.add_argument("--discovery-interval-s", type=float, default=_default("discovery_interval_s"),
+                        help="how often DNS names are re-resolved and the nodes file checked")
+    parser.add_argument("--admin-token", default=_default("admin_token"),
+                        help="bearer token of /admin/nodes (list/add/drain/remove nodes); without one the "
+                             "admin routes are served on a loopback proxy only")
 
 
 def _add_limit_arguments(parser: argparse.ArgumentParser) -> None:
@@ -95,13 +134,25 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         port=args.port,
         prefill_addresses=_addresses(args.prefill),
         decode_addresses=_addresses(args.decode),
+        prefill_dns=_addresses(args.prefill_dns),
+        decode_dns=_addresses(args.decode_dns),
+        nodes_file=args.nodes_file,
+        discovery_interval_s=args.discovery_interval_s,
+        admin_token=args.admin_token,
         request_timeout_s=args.request_timeout_s,
         first_token_timeout_s=args.first_token_timeout_s,
         heartbeat_timeout_s=args.heartbeat_timeout_s,
+        stall_timeout_s=args.stall_timeout_s,
+        max_attempts=args.max_attempts,
+        max_migrations=args.max_migrations,
+        drain_timeout_s=args.drain_timeout_s,
         api_key=args.api_key,
         max_model_len=args.max_model_len,
         local_prefill_min_wait_s=_never_if_negative(args.local_prefill_min_wait_s),
         local_prefill_penalty=args.local_prefill_penalty,
+        routing=RoutingPolicy(args.routing),
+        routing_max_extra_prefill_tokens=args.routing_max_extra_prefill_tokens,
+        routing_max_extra_decode_requests=args.routing_max_extra_decode_requests,
         chat_template_path=args.chat_template,
         chat_template_timeout_s=args.chat_template_timeout_s,
         trust_request_chat_template=args.trust_request_chat_template,

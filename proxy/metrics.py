@@ -1,6 +1,7 @@
 """Prometheus metrics of the proxy: request counts, latency histograms (TTFT, inter-token, end
-to end), admission (requests in flight, refusals by reason), and per-node load read from the
-nodes' latest LoadReports at scrape time, each node labelled by its public name."""
+to end), admission (requests in flight, refusals by reason), per-node load and prefix-cache
+counters read from the nodes' latest LoadReports at scrape time, each node labelled by its
+public name, and this proxy's routing decisions per node by reason."""
 
 from __future__ import annotations
 
@@ -28,6 +29,11 @@ _NODE_COUNTERS = (
     ("pdserve_node_rejected_messages", "messages a node refused (malformed, unauthenticated, oversized, "
      "wrong version, unexpected)", "num_rejected_messages"),
     ("pdserve_node_orphaned_requests", "requests a node aborted because their proxy vanished", "num_orphaned_requests"),
+    ("pdserve_node_computed_prefill_tokens", "prompt tokens a node computed (prefix-cache hits not included)",
+     "num_computed_prefill_tokens"),
+    ("pdserve_node_kv_blocks_pulled", "KV blocks a decode node pulled from prefill nodes", "num_kv_blocks_pulled"),
+    ("pdserve_node_kv_blocks_skipped", "KV blocks a decode node did not pull: its own prefix cache held them",
+     "num_kv_blocks_skipped"),
 )
 
 
@@ -98,6 +104,47 @@ class _NodeCollector:
             for node in reporting:
                 counter.add_metric([self._node_name(node), node.kind], getattr(node.last_report, field))
             yield counter
+        yield from _prefix_cache_metrics(reporting, self._node_name)
+        yield _routing_decisions(nodes, self._node_name)
         yield CounterMetricFamily("pdserve_local_prefills", "prompts prefilled on their decode node because the "
                                   "prefill pool was backed up (conditional disaggregation)",
                                   value=self._num_local_prefills())
+
+
+def _prefix_cache_metrics(reporting: list, node_name: Callable[[object], str]) -> Iterable[Metric]:
+    """Prompt tokens looked up in each node's prefix cache and found there (hit rate = hit /
+    query), cached vs uncached prompt tokens (uncached: computed on a prefill or colocated
+    node; pulled or computed on a decode node). Computed tokens and KV blocks pulled vs skipped
+    are in _NODE_COUNTERS."""
+    query = CounterMetricFamily("pdserve_node_prefix_query_tokens", "prompt tokens looked up in the node's prefix "
+                                "cache", labels=_NODE_LABELS)
+    hit = CounterMetricFamily("pdserve_node_prefix_hit_tokens", "prompt tokens found in the node's prefix cache",
+                              labels=_NODE_LABELS)
+    rate = GaugeMetricFamily("pdserve_node_prefix_hit_rate", "prefix-cache hit tokens / query tokens since the node "
+                             "started (absent before its first lookup)", labels=_NODE_LABELS)
+    tokens = CounterMetricFamily("pdserve_node_prompt_tokens_by_cache", "prompt tokens by source: cached (prefix "
+                                 "cache hit) or uncached (computed on a prefill or colocated node; pulled or computed "
+                                 "on a decode node)", labels=[*_NODE_LABELS, "source"])
+    for node in reporting:
+        labels = [node_name(node), node.kind]
+        report = node.last_report
+        query.add_metric(labels, report.num_prefix_query_tokens)
+        hit.add_metric(labels, report.num_prefix_hit_tokens)
+        if report.num_prefix_query_tokens > 0:
+            rate.add_metric(labels, report.num_prefix_hit_tokens / report.num_prefix_query_tokens)
+        tokens.add_metric([*labels, "cached"], report.num_prefix_hit_tokens)
+        tokens.add_metric([*labels, "uncached"], report.num_prefix_query_tokens - report.num_prefix_hit_tokens)
+    yield from (query, hit, rate, tokens)
+
+
+def _routing_decisions(nodes: list, node_name: Callable[[object], str]) -> Metric:
+    """Requests this proxy routed to each node, by reason (proxy.routing)."""
+    decisions = CounterMetricFamily("pdserve_routing_decisions", "requests routed to the node, by reason: cache "
+                                    "(it caches the longest prefix of the prompt), load (no node caches any, or a "
+                                    "less loaded one was worth more), cap (a node caching more was past the load "
+                                    "cap), round_robin, least_loaded, local_prefill (prefilled on this decode node)",
+                                    labels=[*_NODE_LABELS, "reason"])
+    for node in nodes:
+        for reason, count in sorted(getattr(node, "routing_decisions", {}).items()):
+            decisions.add_metric([node_name(node), node.kind, reason], count)
+    return decisions

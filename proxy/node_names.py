@@ -16,9 +16,22 @@ class NodeNames:
         self._names = {address: f"{kind}{idx}" for kind, addresses in (("prefill", prefill_addresses),
                                                                        ("decode", decode_addresses))
                        for idx, address in enumerate(addresses)}
+        self._compile()
+
+    def add(self, address: str, kind: str) -> str:
+        """Name a node that joined after start (proxy.discovery): the next free "{kind}{n}"; a
+        name, once given, stays with its address (a node removed and added again keeps it)."""
+        if address not in self._names:
+            taken = set(self._names.values())
+            self._names[address] = next(f"{kind}{n}" for n in range(len(taken) + 1) if f"{kind}{n}" not in taken)
+            self._compile()
+        return self._names[address]
+
+    def _compile(self) -> None:
         # Longest first, and not followed by a digit, so 127.0.0.1:80 never matches in 127.0.0.1:8001.
         ordered = sorted(self._names, key=len, reverse=True)
-        self._pattern = re.compile("(?:" + "|".join(map(re.escape, ordered)) + r")(?!\d)")
+        alternatives = "|".join(map(re.escape, ordered)) or r"(?!)"  # none yet: matches nothing
+        self._pattern = re.compile("(?:" + alternatives + r")(?!\d)")
 
     def name(self, node) -> str:
         """node: anything with an address (a NodeClient)."""

@@ -9,6 +9,7 @@ import contextlib
 import logging
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -17,7 +18,10 @@ import zmq
 import zmq.asyncio
 
 from engine import protocol
+from engine.protocol import default_of
+from proxy.config import ProxyConfig
 from proxy.errors import NodeDied
+from proxy.routing import PrefixView, PromptBlocks, Router, RoutingConfig, num_cached_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -31,11 +35,16 @@ _PING_INTERVAL_S = 0.5
 # is taken for dead, its requests failed (retried or migrated), if it still refuses this much
 # later: a killed node is known dead within about a second, not the heartbeat timeout.
 _UNREACHABLE_GRACE_S = 0.5
-# NOTE: a node whose loop made no progress for this long while it had work is stuck (its
-# heartbeat thread may still report). One engine step of the small preset takes up to ~6 s on
-# one core (a 2,048-token prefill chunk): well past that.
-# TODO(availability): a ProxyConfig field (--stall-timeout-s) once config.py is free to edit.
-STALL_TIMEOUT_S = 20.0
+_STALL_TIMEOUT_S = default_of(ProxyConfig, "stall_timeout_s")  # see ProxyConfig
+
+
+@dataclass(frozen=True)
+class RetryLimits:
+    """How often one request may be re-sent (ProxyConfig.max_attempts, max_migrations): read by
+    proxy.request_flow from the pool it runs on."""
+
+    max_attempts: int = default_of(ProxyConfig, "max_attempts")
+    max_migrations: int = default_of(ProxyConfig, "max_migrations")
 
 @dataclass(frozen=True)
 class _Unreported:
@@ -61,7 +70,14 @@ class NodeClient:
     boot_id: str | None = None  # the node process's, from its reports: a new one is a restarted node
     progress_changed_at: float = 0.0  # when the reported loop progress last advanced
     unreachable_since: float | None = None  # the first failed send since the last report or good send
-    stall_timeout_s: float = STALL_TIMEOUT_S
+    stall_timeout_s: float = _STALL_TIMEOUT_S
+    # A Drain this proxy sent and the node's reports do not show yet: routed around meanwhile.
+    is_drain_requested: bool = False
+    prefix: PrefixView = field(default_factory=PrefixView)  # what it caches, as this proxy knows (proxy.routing)
+    routing_decisions: Counter[str] = field(default_factory=Counter)  # requests routed here, by reason
+    # Being taken out of this proxy's pool (proxy.discovery): no new requests; removed once the
+    # requests it holds have ended. The node itself goes on serving (other proxies, say).
+    is_retiring: bool = False
 
     @property
     def kv_fingerprint(self) -> str | None:
@@ -90,22 +106,28 @@ class NodeClient:
 
     @property
     def is_draining(self) -> bool:
-        return self.last_report is not None and self.last_report.is_draining
+        return self.is_drain_requested or (self.last_report is not None and self.last_report.is_draining)
 
     @property
     def is_routable(self) -> bool:
         """Healthy, not draining and took the last message sent to it: new requests may go here."""
-        return self.is_healthy and self.unreachable_since is None and not self.is_draining
+        return self.is_healthy and self.unreachable_since is None and not self.is_draining and not self.is_retiring
 
-    def send_request(self, message: protocol.PrefillRequest | protocol.DecodeRequest) -> None:
+    def send_request(self, message: protocol.PrefillRequest | protocol.DecodeRequest,
+                     prompt: PromptBlocks | None = None) -> None:
         """Send a request stamped with the next seq; routing counts it as load until a report
-        acknowledges that seq. Raises NodeDied as send()."""
+        acknowledges that seq (the tokens it prefills: the prompt less what this node caches of
+        it). With the prompt's blocks given, they count as cached here from now on (see
+        proxy.routing.PrefixView). Raises NodeDied as send()."""
         seq = self.num_requests_sent + 1
         self.send(msgspec.structs.replace(message, seq=seq))
         self.num_requests_sent = seq
         num_tokens = len(message.prompt_token_ids)
         is_prefilled_here = isinstance(message, protocol.PrefillRequest) or message.kv_handle is None
-        self.unreported.append(_Unreported(seq, num_tokens, num_tokens if is_prefilled_here else 0))
+        num_prefill_tokens = num_tokens - num_cached_tokens(self, prompt) if is_prefilled_here else 0
+        self.unreported.append(_Unreported(seq, num_tokens, num_prefill_tokens))
+        if prompt is not None and self.last_report is not None:
+            self.prefix.add(prompt.hashes(self.last_report.block_size))
 
     @property
     def num_unreported_tokens(self) -> int:
@@ -158,20 +180,25 @@ class NodePool:
 
     def __init__(self, prefill_addresses, decode_addresses, heartbeat_timeout_s: float,
                  local_prefill: LocalPrefillPolicy | None = None,
-                 curve_keys: protocol.CurveKeys | None = None, stall_timeout_s: float = STALL_TIMEOUT_S) -> None:
+                 curve_keys: protocol.CurveKeys | None = None, stall_timeout_s: float = _STALL_TIMEOUT_S,
+                 retry_limits: RetryLimits | None = None, routing: RoutingConfig | None = None) -> None:
         self.context = zmq.asyncio.Context()
         self.prefill = [NodeClient(a, "prefill", heartbeat_timeout_s, stall_timeout_s=stall_timeout_s)
                         for a in prefill_addresses]
         self.decode = [NodeClient(a, "decode", heartbeat_timeout_s, stall_timeout_s=stall_timeout_s)
                        for a in decode_addresses]
+        self.heartbeat_timeout_s, self.stall_timeout_s = heartbeat_timeout_s, stall_timeout_s  # for add_node
         self.local_prefill = local_prefill
         self.curve_keys = curve_keys
+        self.retry_limits = retry_limits or RetryLimits()
+        self.router = Router(routing)
         self.num_local_prefills = 0
         # NOTE: one routing id for all of this proxy's sockets, kept across reconnects: a node
         # hands a reconnected socket the same requests, and tells this proxy from others.
         self.identity = f"proxy-{uuid.uuid4().hex[:12]}".encode()
         self._mismatches_logged: set[tuple[str, str]] = set()
         self._tasks: list[asyncio.Task] = []
+        self._receivers: dict[int, asyncio.Task] = {}  # id(node) -> its receiving task
 
     @property
     def all(self) -> list[NodeClient]:
@@ -179,30 +206,77 @@ class NodePool:
 
     def start(self) -> None:
         for node in self.all:
-            node.socket = self.context.socket(zmq.DEALER)
-            node.socket.setsockopt(zmq.LINGER, 0)
-            node.socket.setsockopt(zmq.SNDHWM, 100_000)
-            # NOTE: queue nothing for a node that is not connected: a request to a dead node fails
-            # at once, and a restarted node never receives requests its clients gave up on.
-            node.socket.setsockopt(zmq.IMMEDIATE, 1)
-            node.socket.setsockopt(zmq.IDENTITY, self.identity)
-            if self.curve_keys is not None:
-                keys = self.curve_keys
-                node.socket.curve_serverkey = keys.server_public
-                node.socket.curve_publickey = keys.client_public
-                node.socket.curve_secretkey = keys.client_secret
-            node.socket.connect(f"tcp://{node.address}")
-            self._tasks.append(asyncio.create_task(self._receive(node)))
+            self._connect(node)
         self._tasks.append(asyncio.create_task(self._watch()))
 
-    async def stop(self) -> None:
-        for task in self._tasks:
+    def add_node(self, address: str, kind: str) -> NodeClient:
+        """A node joining a started pool (proxy.discovery): connected and pinged at once, routed
+        to as soon as it reports. Raises ValueError if the pool has it already."""
+        if any(n.address == address and n.kind == kind for n in self.all):
+            raise ValueError(f"{kind} node {address} is in the pool already")
+        node = NodeClient(address, kind, self.heartbeat_timeout_s, stall_timeout_s=self.stall_timeout_s)
+        (self.prefill if kind == "prefill" else self.decode).append(node)
+        self._connect(node)
+        return node
+
+    def remove_node(self, node: NodeClient) -> None:
+        """Forget a node (proxy.discovery, once it holds no request of this proxy): its socket
+        closes, routing never sees it again."""
+        (self.prefill if node.kind == "prefill" else self.decode).remove(node)
+        task = self._receivers.pop(id(node), None)
+        if task is not None:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        node.fail_all(NodeDied(f"{node.kind} node {node.address} was removed from the pool"))
+        if node.socket is not None:
+            node.socket.close(linger=0)
+
+    def _connect(self, node: NodeClient) -> None:
+        """Open node's DEALER socket and start receiving from it."""
+        node.socket = self.context.socket(zmq.DEALER)
+        node.socket.setsockopt(zmq.LINGER, 0)
+        node.socket.setsockopt(zmq.SNDHWM, 100_000)
+        # NOTE: queue nothing for a node that is not connected: a request to a dead node fails
+        # at once, and a restarted node never receives requests its clients gave up on.
+        node.socket.setsockopt(zmq.IMMEDIATE, 1)
+        node.socket.setsockopt(zmq.IDENTITY, self.identity)
+        if self.curve_keys is not None:
+            keys = self.curve_keys
+            node.socket.curve_serverkey = keys.server_public
+            node.socket.curve_publickey = keys.client_public
+            node.socket.curve_secretkey = keys.client_secret
+        node.socket.connect(f"tcp://{node.address}")
+        self._receivers[id(node)] = asyncio.create_task(self._receive(node))
+
+    async def stop(self) -> None:
+        tasks = [*self._tasks, *self._receivers.values()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         for node in self.all:
             if node.socket is not None:
                 node.socket.close(linger=0)
         self.context.term()
+
+    def drain(self, node_name: str, reason: str = "") -> NodeClient:
+        """Ask one node to drain (protocol.Drain, as SIGTERM: it refuses new requests, finishes
+        the running ones, keeps its leases until pulled or expired, then exits; under `pdserve
+        up` its supervisor then starts it afresh). node_name: its HOST:PORT, or its position name
+        as in /health ("prefill0", "decode1": kind and index in this pool). Routing passes over
+        it from now on (until it reports again under a new boot id). Returns the node; raises
+        KeyError for an unknown name, NodeDied if it is not accepting messages."""
+        node = self.node_named(node_name)
+        node.send(protocol.Drain(reason))
+        node.is_drain_requested = True
+        logger.info("%s node %s: drain sent (%s)", node.kind, node.address, reason or "no reason given")
+        return node
+
+    def node_named(self, node_name: str) -> NodeClient:
+        """The node whose address or position name ("decode1") is node_name; raises KeyError."""
+        for kind, nodes in (("prefill", self.prefill), ("decode", self.decode)):
+            for idx, node in enumerate(nodes):
+                if node_name in (node.address, f"{kind}{idx}"):
+                    return node
+        raise KeyError(f"no node named {node_name!r}")
 
     def max_model_len(self) -> int | None:
         lengths = [n.last_report.max_model_len for n in self.all if n.last_report]
@@ -213,30 +287,39 @@ class NodePool:
         prefill pool down, decode nodes prefill themselves). For the proxy's /ready."""
         return any(n.is_routable for n in self.decode)
 
-    def pick_prefill(self, exclude: frozenset[int] = frozenset()) -> NodeClient | None:
-        """Least queued prompt tokens (as reported plus what this proxy has in flight), among
-        the healthy prefill nodes that some healthy decode node can pull from (same KV layout).
-        While no decode node is healthy at all, among every healthy prefill node: one may come
-        back during the prefill (if not, the request fails and its lease is released)."""
+    def pick_prefill(self, exclude: frozenset[int] = frozenset(), prompt: PromptBlocks | None = None
+                     ) -> NodeClient | None:
+        """The prefill node for this prompt by the routing policy (proxy.routing; without a
+        prompt, the fewest queued prompt tokens), among the healthy prefill nodes that some
+        healthy decode node can pull from (same KV layout). While no decode node is healthy at
+        all, among every healthy prefill node: one may come back during the prefill (if not, the
+        request fails and its lease is released). Counts the choice (routing_decisions)."""
         healthy = [n for n in self.prefill if n.is_routable and id(n) not in exclude]
         if any(n.is_routable for n in self.decode):
-            healthy = [n for n in healthy if self.pick_decode(n) is not None]
+            healthy = [n for n in healthy if self.decode_candidates(n)]
         if not healthy:
             return None
-        return min(self._not_full(healthy), key=lambda n: n.last_report.num_queued_prompt_tokens
-                   + n.num_unreported_tokens)
+        return self.router.pick_prefill(self._not_full(healthy), self.prefill, prompt)
 
-    def pick_decode(self, prefill: NodeClient | None = None,
-                    exclude: frozenset[int] = frozenset()) -> NodeClient | None:
-        """Most free blocks, then fewest running requests; with prefill given, only among the
+    def pick_decode(self, prefill: NodeClient | None = None, exclude: frozenset[int] = frozenset(),
+                    prompt: PromptBlocks | None = None) -> NodeClient | None:
+        """The decode node for this prompt by the routing policy (proxy.routing; without a prompt,
+        the most free blocks, then the fewest requests); with prefill given, only among the
         decode nodes of its KV layout (that can read its blocks). exclude: id()s of nodes not to
-        pick (ones that failed this request)."""
+        pick (ones that failed this request). Counts the choice (routing_decisions): to ask
+        whether one exists, decode_candidates()."""
+        candidates = self.decode_candidates(prefill, exclude)
+        if not candidates:
+            return None
+        return self.router.pick_decode(self._not_full(candidates), self.decode, prompt)
+
+    def decode_candidates(self, prefill: NodeClient | None = None,
+                          exclude: frozenset[int] = frozenset()) -> list[NodeClient]:
+        """The decode nodes pick_decode chooses among (before passing over full ones)."""
         healthy = [n for n in self.decode if n.is_routable and id(n) not in exclude]
         if prefill is not None:
             healthy = [n for n in healthy if n.kv_fingerprint == prefill.kv_fingerprint]
-        if not healthy:
-            return None
-        return max(self._not_full(healthy), key=_decode_score)
+        return healthy
 
     def layout_mismatches(self) -> list[LayoutMismatch]:
         """Healthy prefill/decode pairs whose KV layouts differ (never paired), each logged once."""
@@ -255,28 +338,32 @@ class NodePool:
         """Why no request can take the disaggregated path (prefill nodes exist and are healthy,
         but no decode node shares a KV layout with any of them); None when one can."""
         healthy = [n for n in self.prefill if n.is_healthy]
-        if not healthy or any(self.pick_decode(n) is not None for n in healthy):
+        if not healthy or any(self.decode_candidates(n) for n in healthy):
             return None
         mismatches = self.layout_mismatches()
         detail = "; ".join(m.describe() for m in mismatches) or "no healthy decode node"
         return f"no prefill/decode pair shares a KV layout: {detail}"
 
-    def pick_local_prefill(self, prefill: NodeClient, num_prompt_tokens: int) -> NodeClient | None:
+    def pick_local_prefill(self, prefill: NodeClient, prompt: PromptBlocks) -> NodeClient | None:
         """A decode node that should prefill this prompt itself rather than wait for the chosen
-        prefill node (see LocalPrefillPolicy); None: use the prefill node."""
+        prefill node (see LocalPrefillPolicy); None: use the prefill node. Each side's wait
+        counts only the prompt tokens it does not cache (proxy.routing.num_cached_tokens): a
+        mostly cached prompt is cheap to prefill where its cache is."""
         policy = self.local_prefill
-        remote_wait_s = prefill.prefill_wait_s(num_prompt_tokens)
+        remote_wait_s = prefill.prefill_wait_s(len(prompt) - num_cached_tokens(prefill, prompt))
         if policy is None or remote_wait_s is None or remote_wait_s < policy.min_wait_s:
             return None
         best, best_wait_s = None, remote_wait_s / policy.penalty
         for node in self.decode:
-            wait_s = node.prefill_wait_s(num_prompt_tokens) if node.is_routable else None
+            num_uncached = len(prompt) - num_cached_tokens(node, prompt)
+            wait_s = node.prefill_wait_s(num_uncached) if node.is_routable else None
             if wait_s is not None and wait_s < best_wait_s:
                 best, best_wait_s = node, wait_s
         if best is not None:
             self.num_local_prefills += 1
+            best.routing_decisions["local_prefill"] += 1
             logger.debug("prefilling %d tokens on decode node %s: %.1f s there vs %.1f s in the pool",
-                         num_prompt_tokens, best.address, best_wait_s, remote_wait_s)
+                         len(prompt), best.address, best_wait_s, remote_wait_s)
         return best
 
     def down(self) -> list[str]:
@@ -317,7 +404,7 @@ class NodePool:
                 healthy = node.is_healthy
                 if not node.is_routable or now - node.last_ping_at >= _PING_INTERVAL_S:
                     _ping(node)
-                if not healthy and (was_healthy[id(node)] or node.queues):
+                if not healthy and (was_healthy.get(id(node), False) or node.queues):
                     why = "is stuck (no progress)" if node.is_stalled else "stopped responding"
                     logger.warning("%s node %s %s", node.kind, node.address, why)
                     node.fail_all(NodeDied(f"{node.kind} node {node.address} {why}"))
@@ -383,14 +470,6 @@ def _log_version_mismatch(node: NodeClient, version: int) -> None:
         node.logged_version = version
 
 
-def _decode_score(node: NodeClient) -> tuple[int, int]:
-    """Free blocks left once the requests sent since the last report take theirs (in the node's
-    own block size), then fewest requests."""
-    report = node.last_report
-    num_free_blocks = report.num_free_blocks - protocol.num_blocks_for(node.num_unreported_tokens, report.block_size)
-    return num_free_blocks, -(report.num_running + report.num_waiting + len(node.unreported))
-
-
 def _take_report(node: NodeClient, report: protocol.LoadReport) -> None:
     """A report refreshes the heartbeat, unless the node speaks another protocol version (it
     then stays unhealthy and gets no requests). A report without a block size is malformed."""
@@ -408,10 +487,12 @@ def _take_report(node: NodeClient, report: protocol.LoadReport) -> None:
         logger.warning("%s node %s restarted (new boot id): failing its %d requests", node.kind, node.address,
                        len(node.queues))
         node.fail_all(NodeDied(f"{node.kind} node {node.address} restarted"))
+        node.is_drain_requested = False  # a new process: the drain was the old one's
     if node.last_report is None or report.progress != node.last_report.progress or report.boot_id != node.boot_id:
         node.progress_changed_at = now
     node.boot_id = report.boot_id
     node.last_report = report
+    node.prefix.take(report)  # the newest digest; forgets the old process's on a new boot id
     node.last_seen = now
     node.unreachable_since = None
     # NOTE: by seq, not by time: a report made while a request was still in flight must keep

@@ -10,8 +10,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from engine import protocol
-from proxy.errors import NodeDied, NodeRejected, NoNodeAvailable
+from proxy.errors import ApiError, NodeDied, NodeRejected, NoNodeAvailable, rate_limited
 from proxy.nodes import NodeClient, NodePool
+from proxy.routing import PromptBlocks
 
 logger = logging.getLogger(__name__)
 
@@ -30,18 +31,14 @@ class Step:
     kv: protocol.KVOutcome | None = None
 
 
-# NOTE: a request is sent this many times at most before its first token (a prefill node or a
-# decode node prefilling it failed), and moved this many times at most after tokens were
-# streamed; past that its error reaches the client.
-# TODO(availability): ProxyConfig fields once config.py is free to edit.
-MAX_ATTEMPTS_BEFORE_FIRST_TOKEN = 3
-MAX_MIGRATIONS = 2
-
 
 async def run_request(pool: NodePool, request_id: str, prompt_ids: list[int], sampling: protocol.SamplingOptions,
                       first_token_timeout_s: float, token_timeout_s: float) -> AsyncIterator[Step]:
     """Yields the request's tokens; raises NoNodeAvailable, NodeRejected, NodeDied (also when
-    a node's token deltas do not continue each other: messages were lost) or TimeoutError.
+    a node's token deltas do not continue each other: messages were lost), TimeoutError, or
+    ApiError: a 429 with Retry-After when every node that could take it refused it as full
+    (its waiting queue at the bound), or what the pool's queues were failed with (the proxy's
+    own drain ends open requests so).
 
     Disaggregated: PrefillRequest to a prefill node -> the first token (yielded at once) and a KV
     handle -> DecodeRequest to a decode node, which pulls the KV -> token batches. Colocated (no
@@ -49,13 +46,14 @@ async def run_request(pool: NodePool, request_id: str, prompt_ids: list[int], sa
     NodePool.pick_local_prefill) or because no prefill node takes requests: one DecodeRequest
     without a handle.
 
-    Failures: a node that dies, times out or is draining before the first token is replaced
-    (another prefill node, else a decode node prefilling itself; MAX_ATTEMPTS_BEFORE_FIRST_TOKEN
-    sends in all); once tokens were yielded, the request migrates to another decode node with
-    the prompt and the tokens so far (recomputed there; the next token keeps its output index,
-    so greedy and seeded output continue unchanged; MAX_MIGRATIONS at most). The stream the
-    caller sees just continues. Always leaves no request behind on any node: on an early exit
-    the node holding it gets Abort, and a prefill lease the decode side never saw gets ReleaseKV."""
+    Failures: a node that dies, times out, is draining or refuses the request as full before the
+    first token is replaced (another prefill node, else a decode node prefilling itself;
+    pool.retry_limits.max_attempts sends in all); once tokens were yielded, the request migrates
+    to another decode node with the prompt and the tokens so far (recomputed there; the next
+    token keeps its output index, so greedy and seeded output continue unchanged;
+    pool.retry_limits.max_migrations at most). The stream the caller sees just continues.
+    Always leaves no request behind on any node: on an early exit the node holding it gets
+    Abort, and a prefill lease the decode side never saw gets ReleaseKV."""
     run = _Run(pool, request_id, prompt_ids, sampling, first_token_timeout_s, token_timeout_s)
     try:
         while True:
@@ -65,6 +63,10 @@ async def run_request(pool: NodePool, request_id: str, prompt_ids: list[int], sa
                 return
             except (NodeDied, TimeoutError, NodeRejected) as exc:
                 run.recover(exc)
+            except NoNodeAvailable:
+                if run.num_refused_full:
+                    raise run.too_busy() from None
+                raise
     finally:
         run.cleanup.run()
 
@@ -113,31 +115,45 @@ class _Run:
     excluded: set[int] = field(default_factory=set)  # id()s of nodes that failed this request
     num_attempts: int = 1
     num_migrations: int = 0
+    num_refused_full: int = 0  # refusals by nodes whose waiting queue was at its bound
+    prompt: PromptBlocks = field(init=False)  # the prompt's block hashes, for routing (once per request)
 
     def __post_init__(self) -> None:
         self.cleanup = _Cleanup(self.request_id)
+        self.prompt = PromptBlocks(self.prompt_ids)
 
     def recover(self, exc: Exception) -> None:
-        """Get ready for another attempt after exc, or raise it (not retryable, or out of attempts)."""
-        if isinstance(exc, NodeRejected) and exc.reply.kind != protocol.DRAINING_ERROR_KIND:
+        """Get ready for another attempt after exc, or raise it (not retryable, or out of attempts;
+        a 429 when the last refusal was a full node's)."""
+        if isinstance(exc, NodeRejected) and exc.reply.kind not in protocol.RETRYABLE_ERROR_KINDS:
             self.cleanup.is_finished = True  # the node has dropped the request already
             raise exc
+        is_full = isinstance(exc, NodeRejected) and exc.reply.kind == protocol.QUEUE_FULL_ERROR_KIND
+        self.num_refused_full += is_full
         failed = self.cleanup.holder
         self.cleanup.release_failed()
         if failed is None:
             raise exc
         self.excluded.add(id(failed))
+        limits = self.pool.retry_limits
         if self.generated:
             self.num_migrations += 1
-            if self.num_migrations > MAX_MIGRATIONS:
-                raise exc
+            if self.num_migrations > limits.max_migrations:
+                raise self.too_busy() if is_full else exc
         else:
             self.num_attempts += 1
-            if self.num_attempts > MAX_ATTEMPTS_BEFORE_FIRST_TOKEN:
-                raise exc
+            if self.num_attempts > limits.max_attempts:
+                raise self.too_busy() if is_full else exc
         logger.warning("request %s: %s node %s failed (%s) after %d tokens: %s elsewhere", self.request_id,
                        failed.kind, failed.address, exc, len(self.generated),
                        "migrating" if self.generated else "retrying")
+
+    def too_busy(self) -> ApiError:
+        """The answer when the nodes that could take the request refused it as full."""
+        logger.info("request %s: refused as full by %d node(s), no other node takes it: 429", self.request_id,
+                    self.num_refused_full)
+        return rate_limited("every node that could serve this request has a full waiting queue; retry later",
+                            "nodes_full", 1)
 
     async def attempt(self) -> AsyncIterator[Step]:
         if self.generated:
@@ -145,7 +161,7 @@ class _Run:
                 yield step
             return
         prefill = self._pick_prefill()
-        local = self.pool.pick_local_prefill(prefill, len(self.prompt_ids)) if prefill is not None else None
+        local = self.pool.pick_local_prefill(prefill, self.prompt) if prefill is not None else None
         if prefill is None or local is not None:
             async for step in self._decode_locally(local):
                 yield step
@@ -158,11 +174,11 @@ class _Run:
         requests but a decode node does (it prefills). Raises NoNodeAvailable."""
         if not self.pool.prefill:
             return None
-        prefill = self.pool.pick_prefill(frozenset(self.excluded))
+        prefill = self.pool.pick_prefill(frozenset(self.excluded), self.prompt)
         if prefill is not None:
             return prefill
         mismatch = self.pool.no_kv_path()
-        if mismatch is not None or self.pool.pick_decode(exclude=frozenset(self.excluded)) is None:
+        if mismatch is not None or not self.pool.decode_candidates(exclude=frozenset(self.excluded)):
             raise NoNodeAvailable(mismatch or "no healthy prefill node")
         logger.info("request %s: no prefill node takes requests: prefilling on a decode node", self.request_id)
         return None
@@ -170,7 +186,7 @@ class _Run:
     async def _disaggregated(self, prefill: NodeClient) -> AsyncIterator[Step]:
         cleanup = self.cleanup
         cleanup.holder = prefill
-        result = await _prefill(prefill, self.request_id, self.prompt_ids, self.sampling, self.first_token_timeout_s)
+        result = await _prefill(prefill, self.request_id, self.prompt, self.sampling, self.first_token_timeout_s)
         cleanup.holder = None  # the prefill is done; from here on the node only holds the lease
         if result.kv_handle is not None:
             cleanup.lease_holder = prefill
@@ -178,13 +194,13 @@ class _Run:
             cleanup.is_finished = True
             yield self._record(Step([result.first_token], result.finish_reason, result.prompt_logprobs))
             return
-        decode = self.pool.pick_decode(prefill, frozenset(self.excluded))  # NOTE: the holder's KV layout
+        decode = self.pool.pick_decode(prefill, frozenset(self.excluded), self.prompt)  # NOTE: the holder's KV layout
         if decode is None:
             raise NoNodeAvailable(f"no healthy decode node shares the KV layout of prefill node {prefill.address}")
         queue = decode.open(self.request_id)
         cleanup.holder = decode
         decode.send_request(protocol.DecodeRequest(self.request_id, self.prompt_ids, self.sampling,
-                                                   result.first_token, result.kv_handle, time.time()))
+                                                   result.first_token, result.kv_handle, time.time()), self.prompt)
         # NOTE: the decode node releases the lease from here on, pulled or not (unless it fails)
         cleanup.lease_holder, cleanup.pulled_from = None, cleanup.lease_holder
         yield self._record(Step([result.first_token], prompt_logprobs=result.prompt_logprobs))
@@ -195,13 +211,14 @@ class _Run:
 
     async def _decode_locally(self, decode: NodeClient | None) -> AsyncIterator[Step]:
         """Prefill (the prompt and the tokens so far) and decode on one decode node."""
-        decode = decode or self.pool.pick_decode(exclude=frozenset(self.excluded))
+        decode = decode or self.pool.pick_decode(exclude=frozenset(self.excluded), prompt=self.prompt)
         if decode is None:
             raise NoNodeAvailable("no healthy decode node")
         queue = decode.open(self.request_id)
         self.cleanup.holder = decode
         decode.send_request(protocol.DecodeRequest(self.request_id, self.prompt_ids, self.sampling,
-                                                   sent_at=time.time(), output_token_ids=list(self.generated)))
+                                                   sent_at=time.time(), output_token_ids=list(self.generated)),
+                            self.prompt)
         async for step in _decode_steps(queue, decode, self.request_id, len(self.generated),
                                         self.first_token_timeout_s, self.token_timeout_s):
             self.cleanup.is_finished = step.finish_reason is not None
@@ -231,11 +248,11 @@ async def _decode_steps(queue: asyncio.Queue, decode: NodeClient, request_id: st
             return
 
 
-async def _prefill(node: NodeClient, request_id: str, prompt_ids: list[int], sampling: protocol.SamplingOptions,
+async def _prefill(node: NodeClient, request_id: str, prompt: PromptBlocks, sampling: protocol.SamplingOptions,
                    timeout_s: float) -> protocol.PrefillResult:
     queue = node.open(request_id)
     try:
-        node.send_request(protocol.PrefillRequest(request_id, prompt_ids, sampling, time.time()))
+        node.send_request(protocol.PrefillRequest(request_id, prompt.token_ids, sampling, time.time()), prompt)
         message = await _next(queue, timeout_s, node, request_id)
     finally:
         node.close(request_id)
@@ -250,7 +267,7 @@ async def _next(queue: asyncio.Queue, timeout_s: float, node: NodeClient, reques
     except asyncio.TimeoutError as exc:
         raise TimeoutError(f"request {request_id}: no answer from {node.kind} node {node.address} "
                            f"within {timeout_s:.0f} s") from exc
-    if isinstance(message, NodeDied):
+    if isinstance(message, Exception):  # NodeDied from the pool's watcher, or the proxy's drain ending it
         raise message
     return message
 

@@ -12,8 +12,9 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
-from pdserve.launcher import wait_healthy
-from tests.e2e.conftest import NODE_ARGS, _start, wait_blocks_free
+from pdserve.launcher import wait_healthy, wait_http_ok
+from tests.e2e.conftest import KV_PATH_ONLY, NODE_ARGS, _start, node_load, start_nodes, wait_blocks_free
+from tests.e2e.test_pipeline import hf, hf_greedy, random_prompts  # noqa: F401 - hf is a fixture
 
 MAX_TOKENS = 96
 PROMPTS = [f"request {i}: the quick brown fox jumps over the lazy dog " * (1 + i % 3) for i in range(6)]
@@ -136,17 +137,36 @@ def test_killed_prefill_node_mid_prefill_every_request_completes(cluster, client
     _assert_no_leaks(cluster)
 
 
+STOP_S = 10.0
+
+
 def test_stopped_node_is_routed_around_then_back(cluster, client, reference):
+    """SIGSTOP of a decode node for a fixed 10 s: its streams move to the other node and new
+    requests go there meanwhile; after SIGCONT it takes requests again."""
     proc = cluster.cluster.process("decode1")
     streams = _Streams(client, PROMPTS)
     streams.wait_started(min_chunks=2)
     proc.send_signal(signal.SIGSTOP)
+    stopped_at = time.monotonic()
     try:
         assert streams.results() == [reference[p] for p in PROMPTS]
         assert [_complete(client, p) for p in PROMPTS[:2]] == [reference[p] for p in PROMPTS[:2]]
+        # NOTE: all served while decode1 was still stopped (SIGCONT comes only below): routed around.
+        time.sleep(max(0.0, STOP_S - (time.monotonic() - stopped_at)))
     finally:
         proc.send_signal(signal.SIGCONT)
     wait_healthy(cluster, 30)
+    address = cluster.node_addresses["decode1"]
+    # Back: with both nodes idle, a burst spreads over both (most free blocks first), so decode1 runs some.
+    deadline = time.monotonic() + 90
+    while True:  # NOTE: bursts until one lands there (routing may first fill the other node)
+        again, took = _Streams(client, PROMPTS), False
+        while not took and not all(f.done() for f in again._futures):
+            took = node_load(address).num_running > 0
+        assert again.results() == [reference[p] for p in PROMPTS]
+        if took:
+            break
+        assert time.monotonic() < deadline, "decode1 took no request after SIGCONT"
     _assert_no_leaks(cluster)
 
 
@@ -171,3 +191,51 @@ def test_sigterm_drains_a_prefill_node_without_losing_requests_or_leases(cluster
     assert proc.wait(timeout=30) == 0  # drained: exited on its own once its leases were pulled
     _restart(cluster, "prefill1")
     _assert_no_leaks(cluster)
+
+
+def test_prefill_node_killed_while_its_kv_awaits_pulls_every_stream_completes(tiny_model_dir, tmp_path,
+                                                                               hf):  # noqa: F811
+    """The decode node runs one sequence at a time, so most requests wait there with their KV
+    still on a prefill node (leased, renewed by the decode node, the read queued behind the
+    running request): SIGKILL of that prefill node lands inside their KV transfer. Each such
+    pull fails (the holder is gone) and falls back to a local prefill; every stream equals
+    transformers' greedy output, and the survivors end with every block free."""
+    # NOTE: short KV timeouts: a pull from the dead holder fails within them (with the defaults,
+    # 5 s per handshake and 30 s per read, the queued pulls fail one after another for minutes).
+    decode_args = ["--max-num-seqs", "1", "--handshake-timeout-s", "2", "--transfer-timeout-s", "4"]
+    deployment = start_nodes(tiny_model_dir, tmp_path / "logs", [[], []], [decode_args], KV_PATH_ONLY)
+    try:
+        wait_http_ok(deployment.base_url + "/health", 120, lambda: _check_alive(deployment))
+        _, tokenizer = hf
+        prompts = random_prompts(8, [40, 70, 100], seed=1414)
+        want = [tokenizer.decode(hf_greedy(hf, p, 48)[0], skip_special_tokens=True) for p in prompts]
+        client = openai.OpenAI(base_url=deployment.base_url + "/v1", api_key="unused", max_retries=0, timeout=180)
+        addresses = deployment.node_addresses
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            futures = [pool.submit(_stream_ids, client, p, 48) for p in prompts]
+            _wait_for(lambda: node_load(addresses["decode0"]).num_pending_pulls >= 3
+                      and node_load(addresses["prefill0"]).num_leases >= 1, 60,
+                      "no pulls waiting on prefill0's leases")
+            deployment.cluster.process("prefill0").kill()
+            texts = [f.result(timeout=180) for f in futures]
+        assert texts == want
+        decode = node_load(addresses["decode0"])
+        assert decode.num_kv_fallbacks >= 1, decode  # pulls from the killed holder fell back: the kill hit them
+        assert set(decode.num_kv_fallbacks_by_reason) <= {"handshake", "transfer", "timeout", "lease_lost"}
+        for name in ("prefill1", "decode0"):
+            report = wait_blocks_free(addresses[name], timeout_s=30)
+            assert report.num_free_blocks == report.num_total_blocks and report.num_leases == 0, (name, report)
+    finally:
+        deployment.stop()
+
+
+def _stream_ids(client: openai.OpenAI, prompt: list[int], max_tokens: int) -> str:
+    stream = client.completions.create(model=_model(client), prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                       stream=True)
+    return "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
+
+
+def _check_alive(deployment) -> None:
+    dead = deployment.cluster.dead()
+    if dead:
+        raise RuntimeError(f"process ended: {dead}\n{deployment.logs()}")

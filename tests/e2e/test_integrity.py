@@ -203,6 +203,7 @@ def test_bad_messages_to_running_nodes_never_disturb_a_bystander_stream(tiny_mod
         stream: dict = {}
         bystander = threading.Thread(target=_stream_text, args=(deployment.base_url, body, stream))
         bystander.start()
+        _send_huge_top_k(deployment.base_url, body)
         prefill, decode = RawPeer(prefill_address), RawPeer(decode_address)
         peers += [prefill, decode]
         _send_garbage(prefill)
@@ -222,6 +223,17 @@ def test_bad_messages_to_running_nodes_never_disturb_a_bystander_stream(tiny_mod
         for peer in peers:
             peer.close()
         deployment.stop()
+
+
+def _send_huge_top_k(base_url: str, body: dict) -> None:
+    """Another client's top_k of 10**19 (past a signed 64-bit value: it once overflowed the
+    sampler's tensor and failed every request of the step): a 400 naming top_k, streaming or not."""
+    for stream in (False, True):
+        response = httpx.post(base_url + "/v1/completions", json={**body, "top_k": 10**19, "stream": stream},
+                              timeout=60)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["type"] == "invalid_request_error" and error["param"] == "top_k", error
 
 
 def _send_garbage(peer: RawPeer) -> None:

@@ -38,7 +38,12 @@ def assert_matches(entries, prompt: list[int], want: torch.Tensor, num_top: int)
         assert entry.token_id == prompt[idx]
         assert abs(entry.logprob - row[prompt[idx]].item()) < 1e-4, f"position {idx}"
         top_values, top_ids = row.topk(num_top)
-        assert [t for t, _ in entry.top] == top_ids.tolist(), f"position {idx}"
+        # The same ids in the same order, but for near-ties (within 1e-4, where float rounding
+        # of another batch or chunking may order them either way): each listed id's own value
+        # must then match transformers' for that id, and the values in order must match.
+        if [t for t, _ in entry.top] != top_ids.tolist():
+            assert all(abs(v - row[t].item()) < 1e-4 for t, v in entry.top), f"position {idx}"
+        assert len(entry.top) == num_top, f"position {idx}"
         assert all(abs(v - w) < 1e-4 for (_, v), w in zip(entry.top, top_values.tolist())), f"position {idx}"
 
 

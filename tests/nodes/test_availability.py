@@ -114,3 +114,70 @@ def test_health_and_ready_follow_progress_and_draining():
         assert _status(health.port, "/nope") == 404
     finally:
         health.close()
+
+
+def _start_node(tiny_model_dir, **server_fields):
+    engine = LLMEngine(EngineConfig(ModelConfig.from_pretrained(tiny_model_dir), CacheConfig(num_blocks=64),
+                                    SchedulerConfig(max_num_seqs=1)))
+    server = NodeServer(engine, ServerConfig("n", load_report_interval_s=0.05, **server_fields))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    socket = zmq.Context.instance().socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.connect(f"tcp://{server.address}")
+    return server, thread, socket
+
+
+@pytest.fixture
+def one_seq_node(tiny_model_dir):
+    """A node running one sequence at a time, with a waiting queue of at most one."""
+    server, thread, socket = _start_node(tiny_model_dir, max_num_waiting=1)
+    yield server, thread, socket
+    socket.close(linger=0)
+    server.stop()
+    thread.join(timeout=10)
+
+
+def _error_for(socket, request_id: str, timeout_s: float = 10.0) -> protocol.ErrorReply:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        message = _next(socket, protocol.ErrorReply, deadline - time.monotonic())
+        if message.request_id == request_id:
+            return message
+    raise TimeoutError(f"no ErrorReply for {request_id}")
+
+
+def test_a_full_waiting_queue_refuses_new_requests_with_a_retryable_kind(one_seq_node):
+    server, _, socket = one_seq_node
+    long = protocol.SamplingOptions(max_tokens=200, temperature=0.0, ignore_eos=True)
+    socket.send(protocol.encode(protocol.DecodeRequest("running", [5, 6, 7], long, seq=1)))
+    _next(socket, protocol.TokenBatch)  # it runs: the one slot is taken
+    socket.send(protocol.encode(protocol.DecodeRequest("waiting", [5, 6, 8], long, seq=2)))
+    socket.send(protocol.encode(protocol.DecodeRequest("refused", [5, 6, 9], long, seq=3)))
+    refused = _error_for(socket, "refused")
+    assert refused.kind == protocol.QUEUE_FULL_ERROR_KIND and not refused.is_client_error
+    assert protocol.QUEUE_FULL_ERROR_KIND in protocol.RETRYABLE_ERROR_KINDS
+    report = _report(socket)
+    assert (report.max_num_waiting, report.num_waiting, report.num_running) == (1, 1, 1)
+    socket.send(protocol.encode(protocol.Abort(["running", "waiting"])))
+    deadline = time.monotonic() + 10
+    while _report(socket).num_free_blocks != server.engine.block_pool.num_blocks:
+        assert time.monotonic() < deadline, "blocks not freed after the aborts"
+        time.sleep(0.05)
+    socket.send(protocol.encode(protocol.DecodeRequest("later", [5, 6, 9], GREEDY, seq=4)))
+    _next(socket, protocol.TokenBatch)  # room again: taken
+
+
+def test_a_drain_message_drains_as_sigterm_does(one_seq_node):
+    server, thread, socket = one_seq_node
+    socket.send(protocol.encode(protocol.DecodeRequest("running", [5, 6, 7], GREEDY, seq=1)))
+    _next(socket, protocol.TokenBatch)
+    socket.send(protocol.encode(protocol.Drain("test")))
+    deadline = time.monotonic() + 5
+    while not _next(socket, protocol.LoadReport).is_draining:  # NOTE: heartbeats sent before it may come first
+        assert time.monotonic() < deadline, "no report says draining"
+    socket.send(protocol.encode(protocol.DecodeRequest("late", [5, 6, 7], GREEDY, seq=2)))
+    assert _error_for(socket, "late").kind == protocol.DRAINING_ERROR_KIND
+    thread.join(timeout=20)
+    assert not thread.is_alive() and server.is_draining  # finished "running", then run() returned
+    assert server.engine.num_free_blocks == server.engine.block_pool.num_blocks

@@ -33,6 +33,9 @@ def test_config_file_env_and_command_line_in_that_order_of_strength(tmp_path):
 def test_environment_alone_satisfies_required_flags_and_reads_booleans(tmp_path):
     args, _, _ = parse("decode", [], {"PDSERVE_MODEL": "/m", "PDSERVE_COLOCATED": "yes", "PDSERVE_MAX_NUM_SEQS": "7"})
     assert (args.model, args.colocated, args.max_num_seqs) == ("/m", True, 7)
+    # --enable-prefix-caching / --no-enable-prefix-caching (BooleanOptionalAction): "false" is False
+    args, _, _ = parse("decode", [], {"PDSERVE_MODEL": "/m", "PDSERVE_ENABLE_PREFIX_CACHING": "false"})
+    assert args.enable_prefix_caching is False
     args, _, _ = parse("proxy", [], {"PDSERVE_CONFIG": "", "PDSERVE_MODEL": "/m", "PDSERVE_DECODE": "h:1"})
     assert args.decode == "h:1"
 

@@ -4,6 +4,7 @@ the rest keep serving, and SIGTERM stops every process it started."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -107,7 +108,8 @@ def _children_of(pid: int) -> dict[int, str]:
 def pdserve_up(tiny_model_dir, tmp_path):
     port = free_port()
     argv = [sys.executable, "-m", "pdserve.cli", "up", "--model", str(tiny_model_dir), "--port", str(port),
-            "--log-dir", str(tmp_path / "logs"), "--max-num-batched-tokens", "256", "--num-blocks", "256"]
+            "--log-dir", str(tmp_path / "logs"), "--max-num-batched-tokens", "256", "--num-blocks", "256",
+            "--no-enable-prefix-caching"]
     out = open(tmp_path / "up.log", "wb")  # noqa: SIM115 - closed in the finalizer
     proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -132,6 +134,10 @@ def test_pdserve_up_restarts_a_killed_decode_node_and_stops_everything_on_sigter
     wait_http_ok(base_url + "/health", 180, check=lambda: proc.poll() is None or pytest.fail(log.read_text()))
     assert _complete(base_url).status_code == 200
     children = _children_of(proc.pid)
+    # Node switches reach every node; each node serves /metrics on the health port it printed.
+    assert all("--no-enable-prefix-caching" in cmd for cmd in children.values() if "--node-id" in cmd)
+    [metrics_url] = re.findall(r"prefill0: (http://\S+)/health", log.read_text())
+    assert "vllm:prompt_tokens_total" in httpx.get(metrics_url + "/metrics", timeout=10).text
     [decode_pid] = [pid for pid, cmd in children.items() if "--node-id decode0" in cmd]
     os.kill(decode_pid, signal.SIGKILL)
     wait_for(lambda: "decode0 restarted" in log.read_text(), timeout_s=30)

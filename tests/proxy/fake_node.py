@@ -39,6 +39,7 @@ class _Running:
     sampling: protocol.SamplingOptions
     output_ids: list[int] = field(default_factory=list)
     owes_prompt_logprobs: bool = False  # prefilled here (no first token came with it): sent on the first delta
+    num_cached_tokens: int = 0  # of the prompt, found in the prefix cache: not reported as queued prefill work
 
 
 @dataclass
@@ -61,6 +62,52 @@ class FakeNodeConfig:
     # At most this many requests decode at once; the rest wait (reported as num_waiting) in
     # arrival order, holding no blocks. None: all at once.
     max_num_seqs: int | None = None
+    # The node's waiting-queue bound (reported; past it a request gets ErrorReply QueueFull). 0: none.
+    max_num_waiting: int = 0
+    # Refuse every request as full without reporting a bound (as when other proxies filled it).
+    refuse_as_full: bool = False
+    # Keep the block hashes of every prompt taken (no eviction), count lookups and report a
+    # PrefixCacheDigest on change and every digest_refresh_s, as a prefix-caching node.
+    prefix_caching: bool = False
+    digest_refresh_s: float = 1.0
+
+
+class FakePrefixCache:
+    """The fake's prefix cache: every block of every prompt taken, most recently used last, a
+    digest version that grows on each change, lookup counters. is_frozen: no more digests (a
+    node whose digests lag)."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.hashes: dict[int, None] = {}
+        self.version = 0
+        self.num_query_tokens = 0
+        self.num_hit_tokens = 0
+        self.is_frozen = False
+        self._sent: dict[bytes, tuple[int, float]] = {}  # proxy identity -> (version, when) last sent
+
+    def take(self, token_ids: list[int]) -> int:
+        """Look the prompt up and cache its blocks; returns the tokens found cached."""
+        hashes = protocol.prefix_block_hashes(token_ids, self.block_size)
+        num_cached = next((i for i, h in enumerate(hashes) if h not in self.hashes), len(hashes))
+        num_hit = min(num_cached * self.block_size, max(len(token_ids) - 1, 0))
+        self.num_query_tokens += len(token_ids)
+        self.num_hit_tokens += num_hit
+        for block_hash in hashes:
+            self.hashes.pop(block_hash, None)
+            self.hashes[block_hash] = None
+        self.version += 1
+        return num_hit
+
+    def digest_for(self, identity: bytes, refresh_s: float) -> protocol.PrefixCacheDigest | None:
+        """The digest when this proxy has not seen this version, or refresh_s after it last did."""
+        sent_version, sent_at = self._sent.get(identity, (-1, 0.0))
+        now = time.monotonic()
+        if self.is_frozen or (sent_version == self.version and now - sent_at < refresh_s):
+            return None
+        self._sent[identity] = (self.version, now)
+        block_hashes = list(reversed(self.hashes))[:protocol.MAX_DIGEST_BLOCKS]
+        return protocol.PrefixCacheDigest(self.version, block_hashes)
 
 
 class FakeNode:
@@ -83,6 +130,8 @@ class FakeNode:
         self._proxies: set[bytes] = set()
         self._last_request_seqs: dict[bytes, int] = {}
         self._num_iterations = 0  # reported as progress: the loop is alive (the proxy's stall check)
+        self.boot_id = ""  # reported; restart_cache() sets a new one
+        self.prefix_cache = FakePrefixCache(config.block_size)
 
     @property
     def address(self) -> str:
@@ -113,6 +162,17 @@ class FakeNode:
                 return True
             time.sleep(0.005)
         return predicate()
+
+    def cache_prompt(self, token_ids: list[int]) -> None:
+        """Cache a prompt's blocks as if this node had prefilled it (counted as a lookup too)."""
+        with self._lock:
+            self.prefix_cache.take(token_ids)
+
+    def restart_cache(self, boot_id: str) -> None:
+        """Report a new boot id with an empty cache (as a restarted node)."""
+        with self._lock:
+            self.boot_id = boot_id
+            self.prefix_cache = FakePrefixCache(self.config.block_size)
 
     def num_running(self) -> int:
         with self._lock:
@@ -168,14 +228,27 @@ class FakeNode:
             self._admit(identity, message)
 
     def _admit(self, identity: bytes, message) -> None:
+        if self._is_queue_full():
+            self._send(identity, protocol.ErrorReply(message.request_id, protocol.QUEUE_FULL_ERROR_KIND,
+                                                     "fake queue full", is_client_error=False))
+            return
+        num_cached = 0
+        if self.config.prefix_caching and not self._is_failing(message):
+            num_cached = self.prefix_cache.take(list(message.prompt_token_ids))
         if self._is_failing(message):
             self._send(identity, protocol.ErrorReply(message.request_id, "ValueError", "fake failure",
                                                      self.config.fail_is_client_error))
         elif isinstance(message, protocol.PrefillRequest):
-            running = _Running(message.request_id, identity, list(message.prompt_token_ids), message.sampling)
+            running = _Running(message.request_id, identity, list(message.prompt_token_ids), message.sampling,
+                               num_cached_tokens=num_cached)
             self._prefills.append((time.monotonic() + self.config.prefill_s, running))
         else:
             self._admit_decode(identity, message)
+
+    def _is_queue_full(self) -> bool:
+        bound = self.config.max_num_waiting
+        num_waiting = len(self._prefills) + len(self._running) - len(self._decoding())
+        return self.config.refuse_as_full or (bound > 0 and num_waiting >= bound)
 
     def _is_failing(self, message) -> bool:
         if self.config.fail_structured and message.sampling.structured is not None:
@@ -187,6 +260,7 @@ class FakeNode:
         running = _Running(message.request_id, identity, list(message.prompt_token_ids), message.sampling)
         if message.first_token is not None:
             running.output_ids.append(message.first_token.token_id)
+        running.output_ids.extend(message.output_token_ids)  # a migrated request continues its output
         running.owes_prompt_logprobs = message.first_token is None and message.sampling.prompt_logprobs is not None
         self._running[message.request_id] = running
 
@@ -266,17 +340,22 @@ class FakeNode:
         return sum(protocol.num_blocks_for(n, block_size) for n in running + leased)
 
     def _report(self, identity: bytes) -> protocol.LoadReport:
-        queued = sum(len(r.prompt_ids) for _, r in self._prefills)
+        queued = sum(len(r.prompt_ids) - r.num_cached_tokens for _, r in self._prefills)
         num_decoding = len(self._decoding())
         return protocol.LoadReport(
             node_id=f"fake-{self.port}", role=self.config.role, protocol_version=protocol.PROTOCOL_VERSION,
             model_name=self.config.model_name, max_model_len=self.config.max_model_len,
             block_size=self.config.block_size, num_running=num_decoding,
             num_waiting=len(self._prefills) + len(self._running) - num_decoding,
+            max_num_waiting=self.config.max_num_waiting,
             num_queued_prompt_tokens=queued, num_free_blocks=self.config.num_total_blocks - self._num_used_blocks(),
             num_total_blocks=self.config.num_total_blocks, num_leases=len(self.leases),
             num_kv_fallbacks=0, sent_at=time.time(), last_request_seq=self._last_request_seqs.get(identity, 0),
-            prefill_tokens_per_s=self.config.prefill_tokens_per_s, progress=self._num_iterations,
+            prefill_tokens_per_s=self.config.prefill_tokens_per_s, progress=self._num_iterations, boot_id=self.boot_id,
+            prefix_cache=self.prefix_cache.digest_for(identity, self.config.digest_refresh_s)
+            if self.config.prefix_caching else None,
+            num_prefix_query_tokens=self.prefix_cache.num_query_tokens,
+            num_prefix_hit_tokens=self.prefix_cache.num_hit_tokens,
         )
 
     def _send(self, identity: bytes, message) -> None:

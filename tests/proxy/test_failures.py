@@ -260,3 +260,101 @@ def test_requests_spread_over_decode_nodes(start_proxy):
     for thread in threads:
         thread.join()
     assert [len(node.messages(protocol.DecodeRequest)) for node in proxy.decode] == [2, 2]
+
+
+# ---- node-side queue bound, retry limits and the Drain message ----------------------------------
+
+
+def test_a_node_refusing_as_full_is_routed_around(start_proxy):
+    proxy = start_proxy(num_prefill=0, num_decode=2)
+    full, other = proxy.decode
+    full.config.refuse_as_full = True
+    for _ in range(4):
+        response = _post(proxy, {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 3})
+        assert response.status_code == 200, response.text
+    assert full.messages(protocol.DecodeRequest), "the full node was never tried: the refusal path did not run"
+    assert len(other.messages(protocol.DecodeRequest)) == 4
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_every_node_full_is_a_429_with_retry_after(start_proxy, stream):
+    proxy = start_proxy(num_prefill=0, num_decode=2, node={"refuse_as_full": True})
+    response = _post(proxy, {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 3, "stream": stream})
+    assert response.status_code == 429, response.text
+    assert int(response.headers["Retry-After"]) >= 1
+    error = response.json()["error"]
+    assert error["type"] == "rate_limit_exceeded" and error["code"] == "nodes_full"
+    assert [len(n.messages(protocol.DecodeRequest)) for n in proxy.decode] == [1, 1]  # each tried once
+    for node in proxy.decode:
+        node.config.refuse_as_full = False
+    assert _post(proxy, {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 3}).status_code == 200
+
+
+def test_max_attempts_bounds_the_sends_before_the_first_token(start_proxy):
+    proxy = start_proxy(num_prefill=0, num_decode=3, node={"refuse_as_full": True}, max_attempts=2)
+    response = _post(proxy, {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 3})
+    assert response.status_code == 429, response.text
+    assert sum(len(n.messages(protocol.DecodeRequest)) for n in proxy.decode) == 2
+
+
+def test_a_node_reporting_its_queue_at_its_bound_gets_nothing_new(start_proxy):
+    proxy = start_proxy(num_prefill=0, num_decode=2, node={"max_num_seqs": 1, "max_num_waiting": 1,
+                                                            "step_s": 0.05, "max_model_len": 4096})
+    body = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 1000, "ignore_eos": True}
+    threads = [threading.Thread(target=_post, args=(proxy, body), kwargs={"timeout": 5}, daemon=True)
+               for _ in range(4)]
+    for thread in threads:
+        thread.start()
+        time.sleep(0.3)  # NOTE: a report in between: the proxy knows each node's queue
+    # Each node runs one and has one waiting: at its bound, so the proxy answers the next at once.
+    assert all(n.wait_for(lambda n=n: n.num_running() == 2, timeout_s=10) for n in proxy.decode)
+    started = time.monotonic()
+    response = _post(proxy, {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 3})
+    assert response.status_code == 429 and response.json()["error"]["code"] == "nodes_full"
+    assert time.monotonic() - started < 5
+    assert [len(n.messages(protocol.DecodeRequest)) for n in proxy.decode] == [2, 2]  # never sent
+
+
+@pytest.mark.parametrize("max_migrations, completes", [(0, False), (2, True)])
+def test_max_migrations_bounds_the_moves_after_tokens(start_proxy, max_migrations, completes):
+    proxy = start_proxy(num_prefill=0, num_decode=2, node={"step_s": 0.05}, max_migrations=max_migrations)
+    body = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 40, "ignore_eos": True, "stream": True}
+    events = []
+    with httpx.stream("POST", proxy.base_url + "/v1/completions", json=body, timeout=15) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[len("data: "):])
+            if len(events) == 3:
+                next(n for n in proxy.decode if n.num_running()).die()
+    assert events[-1] == "[DONE]"
+    assert ("error" in json.loads(events[-2])) is not completes
+
+
+def test_pool_drain_sends_drain_and_routes_around_the_node(start_proxy):
+    import asyncio
+
+    from proxy.nodes import NodePool
+
+    proxy = start_proxy(num_prefill=0, num_decode=2)  # the fake nodes; a pool of our own below
+
+    async def scenario() -> None:
+        pool = NodePool((), tuple(n.address for n in proxy.decode), heartbeat_timeout_s=5)
+        pool.start()
+        try:
+            for _ in range(200):
+                if all(n.is_routable for n in pool.decode):
+                    break
+                await asyncio.sleep(0.02)
+            with pytest.raises(KeyError):
+                pool.drain("decode7")
+            drained = pool.drain("decode0", reason="test")
+            assert drained is pool.decode[0] and drained.is_draining and not drained.is_routable
+            assert pool.node_named(proxy.decode[1].address) is pool.decode[1]
+            assert all(pool.pick_decode() is pool.decode[1] for _ in range(3))
+        finally:
+            await pool.stop()
+
+    asyncio.run(scenario())
+    assert proxy.decode[0].wait_for(lambda: proxy.decode[0].messages(protocol.Drain))
+    assert proxy.decode[0].messages(protocol.Drain)[0].reason == "test"
+    assert not proxy.decode[1].messages(protocol.Drain)
