@@ -162,7 +162,7 @@ _NODE_SWITCHES = ("--enable-prefix-caching",)
 
 
 _PROXY_FLAGS = (("--served-model-name", str), ("--chat-template", str), ("--api-key", str),
-                ("--local-prefill-min-wait-s", float))
+                ("--local-prefill-min-wait-s", float), ("--routing", str))
 
 
 def _given(args: argparse.Namespace, flags, switches=()) -> list[str]:
