@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from engine.config import CacheConfig  # noqa: E402
 from engine.protocol import num_blocks_for  # noqa: E402
 from kernels.activation import silu_and_mul, silu_and_mul_ref  # noqa: E402
 from kernels.block_copy import gather_blocks, gather_blocks_ref  # noqa: E402
@@ -39,7 +40,7 @@ from kernels.rotary import apply_rotary, apply_rotary_ref, rotary_cos_sin_cache 
 from kernels.write_kv import write_kv, write_kv_ref  # noqa: E402
 
 DTYPE = torch.bfloat16
-BLOCK_SIZE = 16
+BLOCK_SIZE = CacheConfig.block_size  # the engine's KV block size
 GIB = 1024 ** 3
 
 

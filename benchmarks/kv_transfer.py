@@ -30,13 +30,14 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from engine.config import CacheConfig  # noqa: E402
 from engine.protocol import curve_keys  # noqa: E402
 from kv_transfer.base import RemoteLease  # noqa: E402
 from kv_transfer.config import TransferConfig  # noqa: E402
 from kv_transfer.factory import create_connector  # noqa: E402
 from kv_transfer.layout import KVLayout  # noqa: E402
 
-BLOCK_SIZE = 16
+BLOCK_SIZE = CacheConfig.block_size  # the engine's KV block size
 TOKENS = (512, 2048, 8192)
 REPEATS = 7
 LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=BLOCK_SIZE, dtype="float32",

@@ -34,6 +34,7 @@ from prometheus_client.parser import text_string_to_metric_families
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from engine.config import CacheConfig  # noqa: E402
 from engine.protocol import prefix_block_hashes  # noqa: E402
 from pdserve.bench import prepare_datasets, run_benchmark  # noqa: E402
 from pdserve.bench_client import _chat_messages  # noqa: E402
@@ -47,7 +48,7 @@ CONFIGS = {  # name -> (node flags, proxy flags)
     "cache-aware": ([], ["--routing", "cache-aware"]),
 }
 START_TIMEOUT_S = 300.0
-BLOCK_SIZE = 16  # the nodes' KV block size (CacheConfig's default; the nodes here use it)
+BLOCK_SIZE = CacheConfig.block_size  # the nodes' KV block size (the nodes here keep the default)
 # (metric, kind or None for every kind) summed into one figure per config
 _COUNTERS = {
     "prefill_query_tokens": ("pdserve_node_prefix_query_tokens", "prefill"),

@@ -30,7 +30,6 @@ import json
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -140,12 +139,6 @@ def offline_round(args, preset: str, model_dir: Path, prompts_file: Path, num_to
     return result
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def bench_endpoint(base_url: str, model: str, args: argparse.Namespace, vocab: int) -> dict:
     sys.path.insert(0, str(REPO))
     from dataclasses import replace
@@ -175,6 +168,9 @@ def served_pdserve(args, model_dir: Path, vocab: int) -> dict:
 
 
 def served_vllm(args, model_dir: Path, vocab: int) -> dict:
+    sys.path.insert(0, str(REPO))
+    from pdserve.launcher import free_port
+
     port = free_port()
     argv = [args.vllm_python, str(Path(__file__).resolve()), "--worker", "vllm-serve", "--model", str(model_dir),
             "--port", str(port), "--prompt-len", str(args.prompt_len), "--output-len", str(args.output_len)]
