@@ -82,7 +82,7 @@ class LLMEngine:
         self.config = replace(config, cache=replace(config.cache, num_blocks=num_blocks))
         self.block_size = config.cache.block_size
         # A prefill-only engine runs big batches: no packed copies of the projections for small ones.
-        weights = load_weights(model_cfg, config.device, small_batch_copies=config.role is not Role.PREFILL)
+        weights = load_weights(model_cfg, config.device)
         self.model = CausalLM(model_cfg, weights, config.device)
         self.kv_cache = allocate_kv_cache(model_cfg, num_blocks, self.block_size, config.device)
         self.block_pool = BlockPool(num_blocks)

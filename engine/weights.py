@@ -16,10 +16,8 @@ from kernels.linear import Linear, prepare_linear
 logger = logging.getLogger(__name__)
 
 
-# NOTE: projections are kernels.linear.Linear: W^T stored [in, out] for BLAS (`x @ w_t`
-# measured 1.1-1.4x faster than F.linear(x, w) on this CPU's MKL for the model's shapes) and,
-# on CPU float32 unless the engine only prefills, a oneDNN-prepacked copy for decode-sized
-# batches. The LM head only ever sees one row per sampling sequence: packed copy only.
+# NOTE: projections are kernels.linear.Linear: oneDNN-prepacked on CPU float32, else W^T for
+# BLAS (see kernels/linear.py for the measurements).
 
 
 @dataclass
@@ -40,10 +38,9 @@ class ModelWeights:
     lm_head: Linear  # hidden -> vocab
 
 
-def load_weights(config: ModelConfig, device: str = "cpu", small_batch_copies: bool = True) -> ModelWeights:
-    """Read every *.safetensors file of config.model_dir. small_batch_copies=False (an engine
-    that only prefills) skips the projections' packed copies for small batches. Raises
-    FileNotFoundError when there is none and KeyError naming a missing tensor."""
+def load_weights(config: ModelConfig, device: str = "cpu") -> ModelWeights:
+    """Read every *.safetensors file of config.model_dir. Raises FileNotFoundError when there is
+    none and KeyError naming a missing tensor."""
     tensors = _read_safetensors(Path(config.model_dir))
 
     def take(name: str) -> torch.Tensor:
@@ -54,17 +51,17 @@ def load_weights(config: ModelConfig, device: str = "cpu", small_batch_copies: b
     def take_optional(name: str) -> torch.Tensor | None:
         return take(name) if name in tensors else None
 
-    layers = [_load_layer(config, i, take, take_optional, small_batch_copies) for i in range(config.num_layers)]
+    layers = [_load_layer(config, i, take, take_optional) for i in range(config.num_layers)]
     embed = take("model.embed_tokens.weight")
     lm_head = embed if config.tie_word_embeddings else take_optional("lm_head.weight")
     if lm_head is None:
         logger.warning("no lm_head.weight in %s: tying it to the embedding", config.model_dir)
         lm_head = embed
-    head = prepare_linear(lm_head, large_batches=False)
+    head = prepare_linear(lm_head, copy=False)
     return ModelWeights(embed, layers, take("model.norm.weight"), head)
 
 
-def _load_layer(config: ModelConfig, idx: int, take, take_optional, small_batch_copies: bool) -> LayerWeights:
+def _load_layer(config: ModelConfig, idx: int, take, take_optional) -> LayerWeights:
     prefix = f"model.layers.{idx}."
     attn = prefix + "self_attn."
     qkv = torch.cat([take(attn + f"{p}_proj.weight") for p in "qkv"])
@@ -75,12 +72,11 @@ def _load_layer(config: ModelConfig, idx: int, take, take_optional, small_batch_
     o_bias = take_optional(attn + "o_proj.bias") if config.has_o_bias else None
     return LayerWeights(
         input_norm=take(prefix + "input_layernorm.weight"),
-        qkv=prepare_linear(qkv, qkv_bias, small_batch_copy=small_batch_copies),
-        o=prepare_linear(take(attn + "o_proj.weight"), o_bias, small_batch_copy=small_batch_copies),
+        qkv=prepare_linear(qkv, qkv_bias),
+        o=prepare_linear(take(attn + "o_proj.weight"), o_bias),
         post_norm=take(prefix + "post_attention_layernorm.weight"),
-        gate_up=prepare_linear(torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")]),
-                               small_batch_copy=small_batch_copies),
-        down=prepare_linear(take(mlp + "down_proj.weight"), small_batch_copy=small_batch_copies),
+        gate_up=prepare_linear(torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")])),
+        down=prepare_linear(take(mlp + "down_proj.weight")),
     )
 
 

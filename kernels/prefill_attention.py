@@ -34,17 +34,16 @@ def prefill_attention_ref(query, kv_cache_layer, block_tables, cu_query_lens, se
 def _causal_sdpa(q, key, value, group, scale):
     """q: [heads, q_len, d] at the last q_len positions of key/value: [kv_heads, seq_len, d]."""
     q_len, seq_len = q.shape[1], key.shape[1]
-    if group > 1:
-        key = key.repeat_interleave(group, dim=0)
-        value = value.repeat_interleave(group, dim=0)
     # NOTE: 4-D inputs and is_causal take SDPA's flash path on CPU: measured 4x faster than
-    # 3-D inputs and 3x faster than an explicit mask for a 256-token prompt.
+    # 3-D inputs and 3x faster than an explicit mask for a 256-token prompt. enable_gqa instead
+    # of repeating K/V per query head: the same bits, 3-12% faster (9 heads over 3, 256 tokens).
     q, key, value = q.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
+    gqa = group > 1
     if q_len == seq_len:
-        return F.scaled_dot_product_attention(q, key, value, is_causal=True, scale=scale)[0]
+        return F.scaled_dot_product_attention(q, key, value, is_causal=True, scale=scale, enable_gqa=gqa)[0]
     rows = torch.arange(q_len, device=q.device).unsqueeze(1) + (seq_len - q_len)
     mask = torch.arange(seq_len, device=q.device).unsqueeze(0) <= rows
-    return F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scale)[0]
+    return F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scale, enable_gqa=gqa)[0]
 
 
 def prefill_attention(query: torch.Tensor, kv_cache_layer: torch.Tensor, block_tables: torch.Tensor,

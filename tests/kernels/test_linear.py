@@ -1,14 +1,14 @@
-"""Dense projections: both CPU paths (BLAS on W^T, oneDNN on the prepacked copy) and the
-packed-only LM-head form against F.linear and a float64 oracle, on either side of the
-small-batch threshold."""
+"""Dense projections: the oneDNN-prepacked path (CPU float32) and the BLAS path on W^T (other
+dtypes, CUDA), a contiguous copy or a view, against F.linear and a float64 oracle, from one row
+to prefill-sized batches."""
 
 import pytest
 import torch
 
-from kernels.linear import SMALL_BATCH, can_prepack, linear, linear_ref, prepare_linear
+from kernels.linear import can_prepack, linear, linear_ref, prepare_linear
 from tests.kernels.conftest import DTYPES, assert_close, randn
 
-ROWS = [1, 7, 64, SMALL_BATCH, SMALL_BATCH + 1, 700]
+ROWS = [1, 7, 64, 256, 257, 700, 2048]
 
 
 def oracle(x, weight, bias):
@@ -19,22 +19,22 @@ def oracle(x, weight, bias):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_linear_matches_reference_on_both_paths(rows, with_bias, dtype):
+def test_linear_matches_reference(rows, with_bias, dtype):
     weight = randn(96, 160, dtype=dtype, seed=1) * 0.1
     bias = randn(96, dtype=dtype, seed=2) if with_bias else None
     x = randn(rows, 160, dtype=dtype, seed=3)
     expected = oracle(x, weight, bias)
     assert_close(linear_ref(x, weight, bias), expected, dtype)
-    for small_copy in (False, True):
-        got = linear(x, prepare_linear(weight, bias, small_batch_copy=small_copy))
+    for copy in (True, False):
+        got = linear(x, prepare_linear(weight, bias, copy=copy))
         assert got.shape == (rows, 96) and got.dtype == dtype
         assert_close(got, expected, dtype)
 
 
-@pytest.mark.parametrize("rows", [1, 5, 64, SMALL_BATCH + 3])
-def test_packed_only_weight_serves_any_number_of_rows(rows):
+@pytest.mark.parametrize("rows", [1, 5, 64, 259])
+def test_lm_head_without_a_copy_serves_any_number_of_rows(rows):
     weight = randn(3000, 64, seed=4) * 0.1  # an LM head: many outputs
-    head = prepare_linear(weight, large_batches=False)
+    head = prepare_linear(weight, copy=False)
     if can_prepack(weight):
         assert head.weight_t is None and head.packed is not None
     else:
@@ -43,16 +43,16 @@ def test_packed_only_weight_serves_any_number_of_rows(rows):
     assert_close(linear(x, head), oracle(x, weight, None), torch.float32)
 
 
-def test_small_batches_take_the_packed_copy_on_cpu_float32():
+def test_cpu_float32_is_prepacked_and_other_dtypes_use_blas():
     weight = randn(32, 48, seed=6).cpu()  # the torch wheels this project pins all carry oneDNN
     assert can_prepack(weight)
-    both = prepare_linear(weight)
-    assert both.packed is not None and both.weight_t.is_contiguous()
-    assert prepare_linear(weight, small_batch_copy=False).packed is None
-    assert prepare_linear(weight.to(torch.bfloat16)).packed is None  # float32 only
+    packed = prepare_linear(weight)
+    assert packed.packed is not None and packed.weight_t is None
+    bf16 = prepare_linear(weight.to(torch.bfloat16))
+    assert bf16.packed is None and bf16.weight_t.is_contiguous()
     # A strided input still works (the packed path needs rows contiguous).
     x = randn(10, 96, seed=7).cpu()[:, ::2]
-    assert_close(linear(x, both), oracle(x, weight, None), torch.float32)
+    assert_close(linear(x, packed), oracle(x, weight, None), torch.float32)
 
 
 def test_linear_rejects_mismatched_shapes():
