@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import ctypes
 import math
 
 import torch
 
+from kernels._cpu import cpu_function
 from kernels._triton import tl, triton, use_triton
+
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+_CPU_SIGNATURE = (_PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64)
 
 
 def rotary_cos_sin_cache(
@@ -54,6 +59,26 @@ def apply_rotary_ref(query, key, positions, cos_sin_cache) -> None:
         x1.copy_(first)
 
 
+def _rotary_cpu(query, key, positions, cos_sin_cache) -> bool:
+    """The compiled CPU kernel (one pass per token, the reference's exact roundings) for float32
+    CPU tensors; False where it does not apply (then the reference runs). Raises ValueError for
+    a position outside the cache (it reads memory directly)."""
+    tensors = (query, key, cos_sin_cache)
+    if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors) or cos_sin_cache.stride(-1) != 1:
+        return False
+    kernel = cpu_function("rotary_kv", "rotary_f32", _CPU_SIGNATURE, ctypes.c_int)
+    if kernel is None:
+        return False
+    positions = positions.to(torch.int64).contiguous()
+    status = kernel(query.data_ptr(), query.stride(0), query.stride(1), query.shape[1],
+                    key.data_ptr(), key.stride(0), key.stride(1), key.shape[1], positions.data_ptr(),
+                    cos_sin_cache.data_ptr(), cos_sin_cache.stride(0), cos_sin_cache.shape[0], query.shape[0],
+                    query.shape[-1] // 2)
+    if status != 0:
+        raise ValueError(f"apply_rotary: a position outside the cache's {cos_sin_cache.shape[0]}")
+    return True
+
+
 def apply_rotary(query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor,
                  cos_sin_cache: torch.Tensor, force_triton: bool = False) -> None:
     """In place. query: [num_tokens, num_heads, head_dim], key: [num_tokens, num_kv_heads,
@@ -69,7 +94,9 @@ def apply_rotary(query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor
     if query.stride(-1) != 1 or key.stride(-1) != 1:
         raise ValueError("apply_rotary: query and key need a unit stride in head_dim")
     if not use_triton(query, force_triton):
-        return apply_rotary_ref(query, key, positions, cos_sin_cache)
+        if not _rotary_cpu(query, key, positions, cos_sin_cache):
+            apply_rotary_ref(query, key, positions, cos_sin_cache)
+        return None
     num_tokens, num_heads, head_dim = query.shape
     if num_tokens == 0:
         return None

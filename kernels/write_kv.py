@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
+from kernels._cpu import cpu_function
 from kernels._triton import tl, triton, use_triton
+
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+_CPU_SIGNATURE = (_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _PTR, _I64, _I64,
+                  _I64)
 
 
 def write_kv_ref(key, value, kv_cache_layer, slot_mapping) -> None:
@@ -18,6 +25,26 @@ def write_kv_ref(key, value, kv_cache_layer, slot_mapping) -> None:
     kv_cache_layer[block_ids, 1, offsets] = value
 
 
+def _write_kv_cpu(key, value, kv_cache_layer, slot_mapping) -> bool:
+    """The compiled CPU kernel (row copies straight into the slots) for float32 CPU tensors;
+    False where it does not apply (then the reference runs). Raises ValueError for a slot
+    outside the cache (it writes memory directly)."""
+    tensors = (key, value, kv_cache_layer)
+    if any(t.device.type != "cpu" or t.dtype != torch.float32 or t.stride(-1) != 1 for t in tensors):
+        return False
+    kernel = cpu_function("rotary_kv", "write_kv_f32", _CPU_SIGNATURE, ctypes.c_int)
+    if kernel is None:
+        return False
+    slots = slot_mapping.to(torch.int64).contiguous()
+    num_blocks, _, block_size, num_kv_heads, head_dim = kv_cache_layer.shape
+    status = kernel(key.data_ptr(), key.stride(0), key.stride(1), value.data_ptr(), value.stride(0), value.stride(1),
+                    kv_cache_layer.data_ptr(), *kv_cache_layer.stride()[:4], num_blocks, block_size,
+                    slots.data_ptr(), key.shape[0], num_kv_heads, head_dim)
+    if status != 0:
+        raise ValueError(f"write_kv: a slot outside the cache's {num_blocks} x {block_size}")
+    return True
+
+
 def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache_layer: torch.Tensor,
              slot_mapping: torch.Tensor, force_triton: bool = False) -> None:
     """key, value: [num_tokens, num_kv_heads, head_dim]; kv_cache_layer: [num_blocks, 2,
@@ -29,7 +56,9 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache_layer: torch.Tenso
             f"{tuple(slot_mapping.shape)}, cache {tuple(kv_cache_layer.shape)}"
         )
     if not use_triton(key, force_triton):
-        return write_kv_ref(key, value, kv_cache_layer, slot_mapping)
+        if not _write_kv_cpu(key, value, kv_cache_layer, slot_mapping):
+            write_kv_ref(key, value, kv_cache_layer, slot_mapping)
+        return None
     num_tokens, num_heads, head_dim = key.shape
     if num_tokens == 0:
         return None

@@ -110,3 +110,28 @@ def test_rotary_cuda_many_tokens():
     apply_rotary(query, key, positions, cache)
     assert_close(query, q_ref, torch.bfloat16)
     assert_close(key, k_ref, torch.bfloat16)
+
+
+@pytest.mark.parametrize("scaling", [None, LLAMA3])
+@pytest.mark.parametrize("head_dim", [32, 64, 80, 128])
+def test_compiled_cpu_rotary_equals_transformers_bit_for_bit(scaling, head_dim):
+    """The C kernel (float32 on the CPU) rounds each product as transformers does: bit-equal,
+    through strided views of a fused qkv row as the model passes them."""
+    num_heads, num_kv_heads, num_tokens = 6, 2, 37
+    qkv = randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, seed=11).cpu()
+    query, key, _ = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    query, key = query.view(num_tokens, num_heads, head_dim), key.view(num_tokens, num_kv_heads, head_dim)
+    positions = torch.randint(0, 512, (num_tokens,), generator=torch.Generator().manual_seed(12))
+    want_q, want_k = transformers_rotary(query, key, positions, head_dim, 512, scaling, torch.float32)
+    cache = rotary_cos_sin_cache(head_dim, 512, 500000.0, scaling, torch.float32)
+    apply_rotary(query, key, positions, cache)
+    assert torch.equal(query, want_q) and torch.equal(key, want_k)
+
+
+def test_compiled_cpu_rotary_refuses_a_position_outside_the_cache():
+    cache = rotary_cos_sin_cache(32, 16, 10000.0, None, torch.float32)
+    query, key = torch.randn(2, 4, 32), torch.randn(2, 2, 32)
+    before = query.clone()
+    with pytest.raises(ValueError, match="position"):
+        apply_rotary(query, key, torch.tensor([3, 16]), cache)
+    assert torch.equal(query, before)  # nothing changed

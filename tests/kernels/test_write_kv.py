@@ -71,3 +71,12 @@ def test_write_kv_cuda_large_batch():
     write_kv_ref(key, value, want[:, 1], slots)
     write_kv(key, value, cache[:, 1], slots)
     assert torch.equal(cache, want)
+
+
+def test_compiled_cpu_write_refuses_a_slot_outside_the_cache():
+    cache = make_cache(2, 32).cpu()
+    before = cache.clone()
+    key, value = torch.randn(2, 2, 32), torch.randn(2, 2, 32)
+    with pytest.raises(ValueError, match="slot"):
+        write_kv(key, value, cache[:, 0], torch.tensor([1, cache.shape[0] * BLOCK_SIZE]))
+    assert torch.equal(cache, before)  # nothing written

@@ -1,0 +1,63 @@
+/* Rotary position embedding (neox style) in place on query and key, and the KV-cache write, on
+ * the CPU in float32, one pass over each token's rows (the torch references make several passes
+ * with temporaries and an index_put). Tokens are spread over the process's OpenMP threads.
+ *
+ * Rotary must round exactly as transformers does: x1 * cos - x2 * sin and x2 * cos + x1 * sin,
+ * each product rounded to float32 before the sum. This file is therefore built without
+ * -ffast-math's contraction into fused multiply-adds and without reassociation (the pragma
+ * below overrides the build's flags for every function here).
+ */
+#pragma GCC optimize("no-fast-math", "fp-contract=off")
+#include <stdint.h>
+#include <string.h>
+
+static void rotate_row(float *x, const float *cos, const float *sin, int64_t half) {
+    float *x1 = x, *x2 = x + half;
+    for (int64_t i = 0; i < half; ++i) {
+        const float a = x1[i], b = x2[i];
+        const float first = a * cos[i] - b * sin[i];
+        x2[i] = b * cos[i] + a * sin[i];
+        x1[i] = first;
+    }
+}
+
+/* query [num_tokens, num_heads, 2 * half] and key [num_tokens, num_kv_heads, 2 * half], strides
+ * in elements (unit along head_dim); positions int64; cos_sin [max_position, 2 * half]: cos of
+ * the half frequencies, then their sin. Returns 0, or -1 when a position is outside the cache
+ * (nothing is changed then). */
+int rotary_f32(float *query, int64_t stride_q_tok, int64_t stride_q_head, int64_t num_heads, float *key,
+               int64_t stride_k_tok, int64_t stride_k_head, int64_t num_kv_heads, const int64_t *positions,
+               const float *cos_sin, int64_t stride_cs, int64_t max_position, int64_t num_tokens, int64_t half) {
+    for (int64_t t = 0; t < num_tokens; ++t)
+        if (positions[t] < 0 || positions[t] >= max_position) return -1;
+#pragma omp parallel for schedule(static) if (num_tokens * (num_heads + num_kv_heads) * half > 32768)
+    for (int64_t t = 0; t < num_tokens; ++t) {
+        const float *cos = cos_sin + positions[t] * stride_cs, *sin = cos + half;
+        for (int64_t h = 0; h < num_heads; ++h) rotate_row(query + t * stride_q_tok + h * stride_q_head, cos, sin, half);
+        for (int64_t h = 0; h < num_kv_heads; ++h) rotate_row(key + t * stride_k_tok + h * stride_k_head, cos, sin, half);
+    }
+    return 0;
+}
+
+/* Each token's K and V rows [num_kv_heads, head_dim] into its slot of one layer's paged cache
+ * (strides in elements: block, K/V, token in block, head; unit along head_dim); slot = block *
+ * block_size + offset, -1 skips the token. Returns 0, or -1 when a slot is outside the cache
+ * (nothing is written then). */
+int write_kv_f32(const float *key, int64_t stride_k_tok, int64_t stride_k_head, const float *value,
+                 int64_t stride_v_tok, int64_t stride_v_head, float *cache, int64_t stride_block, int64_t stride_kv,
+                 int64_t stride_token, int64_t stride_head, int64_t num_blocks, int64_t block_size,
+                 const int64_t *slots, int64_t num_tokens, int64_t num_kv_heads, int64_t head_dim) {
+    for (int64_t t = 0; t < num_tokens; ++t)
+        if (slots[t] < -1 || slots[t] >= num_blocks * block_size) return -1;
+    const size_t row_bytes = (size_t)head_dim * sizeof(float);
+#pragma omp parallel for schedule(static) if (num_tokens * num_kv_heads * head_dim > 32768)
+    for (int64_t t = 0; t < num_tokens; ++t) {
+        if (slots[t] < 0) continue;
+        float *dst = cache + (slots[t] / block_size) * stride_block + (slots[t] % block_size) * stride_token;
+        for (int64_t h = 0; h < num_kv_heads; ++h) {
+            memcpy(dst + h * stride_head, key + t * stride_k_tok + h * stride_k_head, row_bytes);
+            memcpy(dst + stride_kv + h * stride_head, value + t * stride_v_tok + h * stride_v_head, row_bytes);
+        }
+    }
+    return 0;
+}
