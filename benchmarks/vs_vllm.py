@@ -110,7 +110,7 @@ def worker_vllm_serve(args: argparse.Namespace) -> None:
 
     sys.argv = ["vllm", "serve", args.model, "--dtype", "float32", "--host", "127.0.0.1", "--port", str(args.port),
                 "--max-model-len", str(args.prompt_len + args.output_len + 16), "--seed", "0",
-                "--served-model-name", Path(args.model).name, "--disable-log-requests"]
+                "--served-model-name", Path(args.model).name]
     vllm_main()
 
 
@@ -151,8 +151,8 @@ def bench_endpoint(base_url: str, model: str, args: argparse.Namespace, vocab: i
                          LoadConfig(show_progress=False))
     run_benchmark(replace(config, dataset=replace(config.dataset, num_requests=2, output_len=2, seed=1)))
     summary = run_benchmark(config).summary
-    return {"tok_s": summary["output_throughput"], "ttft_p50_s": summary["ttft"]["p50"],
-            "tpot_p50_s": summary["tpot"]["p50"], "failed": summary.get("num_failed", 0)}
+    return {"tok_s": summary["output_throughput"], "ttft_p50_s": summary["ttft_ms"]["p50"] / 1000.0,
+            "tpot_p50_s": summary["tpot_ms"]["p50"] / 1000.0, "failed": summary["num_failed"]}
 
 
 def served_pdserve(args, model_dir: Path, vocab: int) -> dict:
@@ -190,7 +190,7 @@ def wait_for_vllm(server: subprocess.Popen, base_url: str) -> None:
     deadline = time.monotonic() + VLLM_START_TIMEOUT_S
     while time.monotonic() < deadline:
         if server.poll() is not None:
-            raise RuntimeError(f"vllm serve exited with {server.returncode} (benchmarks/out/vs_vllm_server.log)")
+            raise RuntimeError(f"vllm serve exited with {server.returncode} (see vs_vllm_server.log in --out-dir)")
         try:
             if httpx.get(base_url + "/health", timeout=2).status_code == 200:
                 return
@@ -287,6 +287,10 @@ def make_prompts(model_dir: Path, args: argparse.Namespace, out_dir: Path) -> tu
 def main() -> None:
     args = parse_args()
     if args.worker:
+        # NOTE: python puts this script's folder first on sys.path, where benchmarks/kernels.py
+        # would shadow the `kernels` package transformers probes for inside vLLM.
+        here = Path(__file__).resolve().parent
+        sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
         run_as_worker(args)
         return
     if not args.vllm_python:

@@ -42,6 +42,8 @@ class Cluster:
 
     def start(self, name: str, argv: list[str], log_dir: Path | None = None) -> subprocess.Popen:
         self.log_dir = log_dir or self.log_dir
+        if self.log_dir:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
         stdout = open(self.log_dir / f"{name}.log", "ab") if self.log_dir else None  # noqa: SIM115
         # NOTE: children get every setting on their command line; the launcher's config file is
         # not theirs (its flat keys are `pdserve up`'s).
