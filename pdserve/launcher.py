@@ -164,7 +164,7 @@ _NODE_SWITCHES = ("--enable-prefix-caching",)
 
 
 _PROXY_FLAGS = (("--served-model-name", str), ("--chat-template", str), ("--api-key", str),
-                ("--local-prefill-min-wait-s", float), ("--routing", str))
+                ("--local-prefill-min-wait-s", float), ("--routing", str), ("--slo-ttft-ms", float))
 
 
 def _given(args: argparse.Namespace, flags, switches=()) -> list[str]:

@@ -35,3 +35,17 @@ def test_no_subcommand_prints_help_and_returns_2(capsys):
 def test_make_model_subcommand_writes_a_checkpoint(tmp_path):
     assert cli.main(["make-model", str(tmp_path / "m"), "--preset", "tiny", "--seed", "3"]) == 0
     assert (tmp_path / "m" / "model.safetensors").exists() and (tmp_path / "m" / "tokenizer.json").exists()
+
+
+def test_up_passes_the_proxy_and_node_flags_it_was_given_and_no_others():
+    import argparse
+
+    from pdserve import launcher
+
+    parser = argparse.ArgumentParser()
+    launcher.add_arguments(parser)
+    args = parser.parse_args(["--routing", "least-loaded", "--slo-ttft-ms", "2500", "--max-num-seqs", "8",
+                              "--no-enable-prefix-caching"])
+    assert launcher._given(args, launcher._PROXY_FLAGS) == ["--routing", "least-loaded", "--slo-ttft-ms", "2500.0"]
+    assert launcher._given(args, launcher._NODE_FLAGS, launcher._NODE_SWITCHES) == [
+        "--max-num-seqs", "8", "--no-enable-prefix-caching"]
