@@ -76,7 +76,8 @@ def admin_router(discovery: Discovery, token: str | None) -> APIRouter:
         logger.info("admin: removing %s node %s once its %d requests end", found.kind, found.address,
                     len(found.queues))
         listed = [n for n in discovery.describe() if n["address"] == found.address and n["kind"] == found.kind]
-        state = listed[0] if listed else {"kind": found.kind, "address": found.address, "state": "removed"}
+        state = listed[0] if listed else {"kind": found.kind, "address": found.address, "state": "removed",
+                                          "requests_sent": found.num_requests_sent, "requests_in_flight": 0}
         return JSONResponse(state, status_code=202)
 
     return router

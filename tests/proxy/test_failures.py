@@ -4,6 +4,7 @@ routing of the proxy, against fake nodes."""
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 
@@ -133,11 +134,19 @@ def test_client_disconnect_before_a_non_streaming_answer_aborts_on_the_node(star
     proxy = start_proxy(node={"step_s": 0.02, "max_model_len": 4096})
     decode = proxy.decode[0]
     # 2000 steps of 20 ms: the request cannot finish on its own within the wait below, so only
-    # an Abort can empty the node; the generous wait absorbs a loaded CI machine.
-    body = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 2000, "ignore_eos": True}
-    with pytest.raises(httpx.ReadTimeout):
-        _post(proxy, body, timeout=httpx.Timeout(5, read=0.3))
+    # an Abort can empty the node. The client hangs up only once the decode node holds the
+    # request (a fixed client timeout could fire while it was still prefilling on a loaded
+    # machine, and the Abort then rightly went to the prefill node).
+    body = json.dumps({"model": MODEL_NAME, "prompt": "hello", "max_tokens": 2000, "ignore_eos": True}).encode()
+    host, port = proxy.base_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as client:
+        client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+                       b"Content-Length: %d\r\n\r\n%s" % (host.encode(), len(body), body))
+        assert decode.wait_for(lambda: decode.messages(protocol.DecodeRequest), timeout_s=10.0)
+        assert not decode.messages(protocol.Abort)
     assert decode.wait_for(lambda: decode.messages(protocol.Abort), timeout_s=10.0)
+    [abort] = decode.messages(protocol.Abort)
+    assert abort.request_ids == [decode.messages(protocol.DecodeRequest)[0].request_id]
     assert decode.num_running() == 0
 
 
