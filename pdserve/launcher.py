@@ -189,9 +189,7 @@ def main(args: argparse.Namespace) -> int:
         print("pdserve up: --decode must be >= 1", file=sys.stderr)
         return 2
     model_dir = Path(args.model) if args.model else ensure_default_model()
-    log_dir = Path(args.log_dir) if args.log_dir else None
-    if log_dir:
-        log_dir.mkdir(parents=True, exist_ok=True)
+    log_dir = Path(args.log_dir) if args.log_dir else None  # made by the first process started
     stop = _install_signal_handlers()
     node_args, proxy_args = _given(args, _NODE_FLAGS, _NODE_SWITCHES), _given(args, _PROXY_FLAGS)
     if args.log_format:
