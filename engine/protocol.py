@@ -42,7 +42,7 @@ MAX_TOKEN_ID = 2**31 - 1  # token ids (stop_token_ids, logit_bias keys) fit int3
 MAX_STOP_TOKEN_IDS = 1024  # each is compared per sampled token: keep the list short
 
 
-class Role(str, enum.Enum):
+class Role(enum.StrEnum):
     """What a node (and its engine) does. PREFILL: each request stops after its first token and
     its blocks go to a lease. DECODE: pulls prompts' KV from prefill nodes and decodes them
     (prefilling locally when told to or when a pull fails). COLOCATED: prefills and decodes
@@ -53,7 +53,7 @@ class Role(str, enum.Enum):
     COLOCATED = "colocated"
 
 
-class StructuredKind(str, enum.Enum):
+class StructuredKind(enum.StrEnum):
     """What grammar a StructuredOutput asks for."""
 
     JSON_OBJECT = "json_object"  # any JSON object (OpenAI's response_format json_object)
@@ -245,7 +245,7 @@ class KVHandle(msgspec.Struct, frozen=True):
     lease_timeout_s: float
 
 
-class KVSource(str, enum.Enum):
+class KVSource(enum.StrEnum):
     """Where a decode node got a request's prompt KV."""
 
     PULLED = "pulled"  # read from the prefill node's lease
@@ -253,7 +253,7 @@ class KVSource(str, enum.Enum):
     LOCAL = "local"  # no KV handle: prefilled on the decode node (colocated, or by the proxy's choice)
 
 
-class KVFallbackReason(str, enum.Enum):
+class KVFallbackReason(enum.StrEnum):
     """Why a pull fell back to local prefill: only transient failures do (a layout mismatch or
     a malformed handle fails the request instead)."""
 

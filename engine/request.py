@@ -20,7 +20,7 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     STOP = "stop"  # eos or a stop token
     LENGTH = "length"  # max_tokens or the context limit
     ABORT = "abort"

@@ -19,7 +19,7 @@ from kv_transfer.layout import KVLayout
 SIDE_CHANNEL_VERSION = 3
 
 
-class HandshakeErrorCode(str, enum.Enum):
+class HandshakeErrorCode(enum.StrEnum):
     """Why a holder refused a Hello; the reader raises LayoutMismatch for LAYOUT_MISMATCH and
     HandshakeFailed for the rest."""
 

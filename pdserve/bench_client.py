@@ -101,8 +101,9 @@ async def send(client: httpx.AsyncClient, config: EndpointConfig, body: dict, re
     stream = _StreamState(start)
     sender = _send_streamed if config.is_stream else _send_whole
     try:
-        await asyncio.wait_for(sender(client, config.base_url + path, body, headers(config), stream), config.timeout_s)
-    except asyncio.TimeoutError:
+        async with asyncio.timeout(config.timeout_s):  # NOTE: not wait_for, which can drop a cancellation on 3.11
+            await sender(client, config.base_url + path, body, headers(config), stream)
+    except TimeoutError:
         stream.error = f"timed out after {config.timeout_s:g} s"
     except (httpx.HTTPError, json.JSONDecodeError, UnicodeDecodeError) as exc:
         stream.error = f"{type(exc).__name__}: {exc}"

@@ -50,8 +50,9 @@ class BodyReader:
                 raise self._too_large(f"{int(declared)} bytes")
         chunks: list[bytes] = []
         try:
-            await asyncio.wait_for(self._read_chunks(request, chunks), self.timeout_s)
-        except asyncio.TimeoutError as exc:
+            async with asyncio.timeout(self.timeout_s):  # NOTE: not wait_for (see request_flow._next)
+                await self._read_chunks(request, chunks)
+        except TimeoutError as exc:
             raise ApiError(408, f"the request body did not arrive within {self.timeout_s:g} s",
                            code="request_timeout") from exc
         finally:

@@ -262,9 +262,13 @@ async def _prefill(node: NodeClient, request_id: str, prompt: PromptBlocks, samp
 
 
 async def _next(queue: asyncio.Queue, timeout_s: float, node: NodeClient, request_id: str):
+    # NOTE: asyncio.timeout, not wait_for: on Python 3.11 wait_for drops a cancellation that
+    # lands while the queue hands over a message (returns the message instead), and a request
+    # whose client left would then stream on for nobody, never aborted on its node.
     try:
-        message = await asyncio.wait_for(queue.get(), timeout_s)
-    except asyncio.TimeoutError as exc:
+        async with asyncio.timeout(timeout_s):
+            message = await queue.get()
+    except TimeoutError as exc:
         raise TimeoutError(f"request {request_id}: no answer from {node.kind} node {node.address} "
                            f"within {timeout_s:.0f} s") from exc
     if isinstance(message, Exception):  # NodeDied from the pool's watcher, or the proxy's drain ending it

@@ -21,7 +21,7 @@ TOOL_CALL_END_TAG = "</tool_call>"
 _NO_PARAMETERS = {"type": "object", "properties": {}}  # OpenAI: a function without parameters takes none
 
 
-class ToolChoiceMode(str, enum.Enum):
+class ToolChoiceMode(enum.StrEnum):
     NONE = "none"  # tools reach the template only; the output is text
     AUTO = "auto"  # the output is parsed: a valid call becomes tool_calls, anything else content
     REQUIRED = "required"  # a grammar forces a call of some tool
