@@ -218,7 +218,7 @@ def bench_cpu_decode(repeats: int) -> dict:
     ms = {name: statistics.median(values) for name, values in times.items()}
     num_bytes = num_seqs * seq_len * num_layers * 2 * num_kv_heads * head_dim * 4
     return {
-        "device": "cpu (1 thread)", "kernel": "paged_decode_attention_f32",
+        "device": "cpu (1 thread)", "kernel": "paged_decode_attention",
         "shape": (f"{num_seqs} seqs x {seq_len} tokens, {num_heads}/{num_kv_heads} heads, "
                   f"d={head_dim}, {num_layers} layers"),
         "max_abs_err_vs_ref": err,

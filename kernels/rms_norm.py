@@ -1,4 +1,5 @@
-"""RMSNorm, alone and with the residual add fused in: Triton on CUDA, torch reference elsewhere.
+"""RMSNorm, alone and with the residual add fused in: Triton on CUDA, a compiled kernel on the
+CPU (float32, bfloat16), the torch reference elsewhere.
 
 The reference follows transformers' LlamaRMSNorm exactly: normalize in float32, cast back to
 the input dtype, then scale by the weight.
@@ -10,7 +11,7 @@ import ctypes
 
 import torch
 
-from kernels._cpu import cpu_function, is_cpu_float32_rows
+from kernels._cpu import cpu_function, row_kernel_suffix
 from kernels._triton import tl, triton, use_triton
 
 
@@ -54,17 +55,18 @@ _CPU_SIGNATURE = (_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I
 
 
 def _rms_norm_cpu(x, residual, weight, eps):
-    """The compiled CPU kernel (one pass per row) for float32 CPU rows; None where it does not
-    apply (then the reference runs). Returns (out, new_residual)."""
+    """The compiled CPU kernel (one pass per row) for float32 or bfloat16 CPU rows; None where
+    it does not apply (then the reference runs). Returns (out, new_residual)."""
     tensors = (x, weight.view(1, -1)) + ((residual,) if residual is not None else ())
-    if not is_cpu_float32_rows(*tensors) or not weight.is_contiguous():
+    suffix = row_kernel_suffix(*tensors)
+    if suffix is None or not weight.is_contiguous():
         return None
-    kernel = cpu_function("elementwise", "add_rms_norm_f32", _CPU_SIGNATURE)
+    kernel = cpu_function("elementwise", f"add_rms_norm_{suffix}", _CPU_SIGNATURE)
     if kernel is None:
         return None
     num_rows, hidden = x.shape
-    out = torch.empty(num_rows, hidden)
-    new_residual = torch.empty(num_rows, hidden) if residual is not None else x
+    out = torch.empty(num_rows, hidden, dtype=x.dtype)
+    new_residual = torch.empty(num_rows, hidden, dtype=x.dtype) if residual is not None else x
     kernel(x.data_ptr(), x.stride(0), residual.data_ptr() if residual is not None else None,
            residual.stride(0) if residual is not None else 0, weight.data_ptr(), out.data_ptr(), out.stride(0),
            new_residual.data_ptr(), new_residual.stride(0), num_rows, hidden, eps)

@@ -12,6 +12,7 @@ from kernels._triton import tl, triton, use_triton
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _CPU_SIGNATURE = (_PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64)
+_CPU_SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
 def rotary_cos_sin_cache(
@@ -60,13 +61,16 @@ def apply_rotary_ref(query, key, positions, cos_sin_cache) -> None:
 
 
 def _rotary_cpu(query, key, positions, cos_sin_cache) -> bool:
-    """The compiled CPU kernel (one pass per token, the reference's exact roundings) for float32
-    CPU tensors; False where it does not apply (then the reference runs). Raises ValueError for
-    a position outside the cache (it reads memory directly)."""
+    """The compiled CPU kernel (one pass per token, the reference's exact roundings) for CPU
+    tensors all float32 or all bfloat16; False where it does not apply (then the reference
+    runs). Raises ValueError for a position outside the cache (it reads memory directly)."""
     tensors = (query, key, cos_sin_cache)
-    if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors) or cos_sin_cache.stride(-1) != 1:
+    suffix = _CPU_SUFFIXES.get(query.dtype)
+    if suffix is None or any(t.device.type != "cpu" or t.dtype != query.dtype for t in tensors):
         return False
-    kernel = cpu_function("rotary_kv", "rotary_f32", _CPU_SIGNATURE, ctypes.c_int)
+    if cos_sin_cache.stride(-1) != 1:
+        return False
+    kernel = cpu_function("rotary_kv", f"rotary_{suffix}", _CPU_SIGNATURE, ctypes.c_int)
     if kernel is None:
         return False
     positions = positions.to(torch.int64).contiguous()

@@ -26,13 +26,14 @@ def write_kv_ref(key, value, kv_cache_layer, slot_mapping) -> None:
 
 
 def _write_kv_cpu(key, value, kv_cache_layer, slot_mapping) -> bool:
-    """The compiled CPU kernel (row copies straight into the slots) for float32 CPU tensors;
-    False where it does not apply (then the reference runs). Raises ValueError for a slot
-    outside the cache (it writes memory directly)."""
+    """The compiled CPU kernel (row copies straight into the slots) for CPU tensors all float32
+    or all bfloat16; False where it does not apply (then the reference runs). Raises ValueError
+    for a slot outside the cache (it writes memory directly)."""
     tensors = (key, value, kv_cache_layer)
-    if any(t.device.type != "cpu" or t.dtype != torch.float32 or t.stride(-1) != 1 for t in tensors):
+    suffix = {torch.float32: "f32", torch.bfloat16: "bf16"}.get(key.dtype)
+    if suffix is None or any(t.device.type != "cpu" or t.dtype != key.dtype or t.stride(-1) != 1 for t in tensors):
         return False
-    kernel = cpu_function("rotary_kv", "write_kv_f32", _CPU_SIGNATURE, ctypes.c_int)
+    kernel = cpu_function("rotary_kv", f"write_kv_{suffix}", _CPU_SIGNATURE, ctypes.c_int)
     if kernel is None:
         return False
     slots = slot_mapping.to(torch.int64).contiguous()

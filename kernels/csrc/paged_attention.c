@@ -10,6 +10,9 @@
  * Tasks are spread over the process's OpenMP threads (torch's own pool: the same libgomp.so.1).
  * Head sizes that are a multiple of 8 (up to 256) run on 8-float vectors (GCC vector
  * extensions); other sizes take a scalar loop.
+ * The cache may hold float32 or bfloat16 (the query and output are float32 either way): a
+ * bfloat16 row is widened to float32 as it is loaded (its bits shifted into a float's top half,
+ * exact), so every sum runs in float32 and the bytes read are halved.
  * Built with -ffast-math for vector expf and reassociated sums, linked without it so that
  * loading the library leaves the process's denormal handling alone.
  */
@@ -21,9 +24,11 @@
 enum { MAX_HEADS = 128, MAX_HEAD_DIM = 256, MAX_BLOCK_SIZE = 256, LANES = 8 };
 
 typedef float v8 __attribute__((vector_size(32)));
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
 
 typedef struct {
-    const float *kv_cache;
+    const void *kv_cache; /* float32, or bfloat16 (uint16_t) when kv_bf16 */
     int64_t stride_block, stride_kv, stride_token, stride_head;
     int block_size, group;
     float scale;
@@ -36,6 +41,23 @@ static inline v8 load8(const float *p) {
 }
 
 static inline void store8(float *p, v8 v) { memcpy(p, &v, sizeof v); }
+
+/* 8 cache values from element offset off, as float32. */
+static inline v8 load_kv8(const void *cache, int64_t off, const int kv_bf16) {
+    if (!kv_bf16) return load8((const float *)cache + off);
+    u16x8 half;
+    memcpy(&half, (const uint16_t *)cache + off, sizeof half);
+    const u32x8 bits = __builtin_convertvector(half, u32x8) << 16;
+    v8 v;
+    memcpy(&v, &bits, sizeof v);
+    return v;
+}
+
+static inline void prefetch_row(const void *cache, int64_t off, int64_t num, const int kv_bf16) {
+    const char *p = (const char *)cache + off * (kv_bf16 ? 2 : 4);
+    const int64_t bytes = num * (kv_bf16 ? 2 : 4);
+    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i);
+}
 
 static inline float hsum8(v8 v) {
     return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
@@ -63,11 +85,11 @@ static inline float softmax_step(float *scores, int num, float *run_max, float *
     return correction;
 }
 
-/* Vector path, one sequence, all its heads: head_dim = num_vecs * 8, num_vecs a constant in
- * each copy. */
+/* Vector path, one sequence, all its heads: head_dim = num_vecs * 8; num_vecs and kv_bf16 are
+ * constants in each copy. Cache positions are element offsets from cv->kv_cache. */
 static inline __attribute__((always_inline)) void
 attend_vec(const CacheView *cv, const float *q, int64_t stride_q_head, int num_kv_heads, const int32_t *block_table,
-           int seq_len, float *out, int64_t stride_out_head, const int num_vecs) {
+           int seq_len, float *out, int64_t stride_out_head, const int num_vecs, const int kv_bf16) {
     const int group = cv->group, block_size = cv->block_size, num_heads = num_kv_heads * group;
     const int64_t stride_token = cv->stride_token, stride_head = cv->stride_head, stride_kv = cv->stride_kv;
     v8 acc[MAX_HEADS][MAX_HEAD_DIM / LANES];
@@ -80,18 +102,17 @@ attend_vec(const CacheView *cv, const float *q, int64_t stride_q_head, int num_k
     }
     for (int start = 0; start < seq_len; start += block_size) {
         const int num = seq_len - start < block_size ? seq_len - start : block_size;
-        const float *block = cv->kv_cache + (int64_t)block_table[start / block_size] * cv->stride_block;
+        const int64_t block = (int64_t)block_table[start / block_size] * cv->stride_block;
         const int next = start + block_size;
         /* Prefetched row by row in the loops below; the last block prefetches itself (harmless). */
-        const float *ahead = next < seq_len ? cv->kv_cache + (int64_t)block_table[next / block_size] * cv->stride_block
-                                            : block;
+        const int64_t ahead = next < seq_len ? (int64_t)block_table[next / block_size] * cv->stride_block : block;
         for (int t = 0; t < num; ++t) {
-            const float *row = block + t * stride_token;
-            for (int64_t i = 0; i < stride_token; i += 16) __builtin_prefetch(ahead + t * stride_token + i);
+            const int64_t row = block + t * stride_token;
+            prefetch_row(cv->kv_cache, ahead + t * stride_token, stride_token, kv_bf16);
             for (int kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
-                const float *k = row + kv_head * stride_head;
+                const int64_t k = row + kv_head * stride_head;
                 v8 key[MAX_HEAD_DIM / LANES];
-                for (int j = 0; j < num_vecs; ++j) key[j] = load8(k + j * LANES);
+                for (int j = 0; j < num_vecs; ++j) key[j] = load_kv8(cv->kv_cache, k + j * LANES, kv_bf16);
                 for (int head = kv_head * group; head < (kv_head + 1) * group; ++head) {
                     const float *qh = q + head * stride_q_head;
                     v8 dot = load8(qh) * key[0];
@@ -106,12 +127,12 @@ attend_vec(const CacheView *cv, const float *q, int64_t stride_q_head, int num_k
                 for (int j = 0; j < num_vecs; ++j) acc[head][j] *= correction;
         }
         for (int t = 0; t < num; ++t) {
-            const float *row = block + stride_kv + t * stride_token;
-            for (int64_t i = 0; i < stride_token; i += 16) __builtin_prefetch(ahead + stride_kv + t * stride_token + i);
+            const int64_t row = block + stride_kv + t * stride_token;
+            prefetch_row(cv->kv_cache, ahead + stride_kv + t * stride_token, stride_token, kv_bf16);
             for (int kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
-                const float *v = row + kv_head * stride_head;
+                const int64_t v = row + kv_head * stride_head;
                 v8 value[MAX_HEAD_DIM / LANES];
-                for (int j = 0; j < num_vecs; ++j) value[j] = load8(v + j * LANES);
+                for (int j = 0; j < num_vecs; ++j) value[j] = load_kv8(cv->kv_cache, v + j * LANES, kv_bf16);
                 for (int head = kv_head * group; head < (kv_head + 1) * group; ++head) {
                     const float p = scores[head][t];
                     for (int j = 0; j < num_vecs; ++j) acc[head][j] += p * value[j];
@@ -125,7 +146,7 @@ attend_vec(const CacheView *cv, const float *q, int64_t stride_q_head, int num_k
     }
 }
 
-/* Scalar path for any head_dim <= MAX_HEAD_DIM, one sequence. */
+/* Scalar path for any head_dim <= MAX_HEAD_DIM, one sequence, float32 cache only. */
 static void attend_scalar(const CacheView *cv, const float *q, int64_t stride_q_head, int num_kv_heads,
                           const int32_t *block_table, int seq_len, float *out, int64_t stride_out_head,
                           int head_dim) {
@@ -138,7 +159,7 @@ static void attend_scalar(const CacheView *cv, const float *q, int64_t stride_q_
         for (int d = 0; d < head_dim; ++d) acc[d] = 0.0f;
         for (int start = 0; start < seq_len; start += block_size) {
             const int num = seq_len - start < block_size ? seq_len - start : block_size;
-            const float *keys = cv->kv_cache + (int64_t)block_table[start / block_size] * cv->stride_block
+            const float *keys = (const float *)cv->kv_cache + (int64_t)block_table[start / block_size] * cv->stride_block
                                 + (int64_t)(head / group) * cv->stride_head;
             const float *values = keys + cv->stride_kv;
             for (int t = 0; t < num; ++t) {
@@ -162,46 +183,63 @@ static void attend_scalar(const CacheView *cv, const float *q, int64_t stride_q_
     }
 }
 
-#define ATTEND_VEC(N)                                                                                     \
-    static void attend_vec##N(const CacheView *cv, const float *q, int64_t sq, int nkv, const int32_t *bt, \
-                              int len, float *o, int64_t so) {                                            \
-        attend_vec(cv, q, sq, nkv, bt, len, o, so, N);                                                    \
+#define ATTEND_VEC(N, BF16, NAME)                                                                      \
+    static void NAME(const CacheView *cv, const float *q, int64_t sq, int nkv, const int32_t *bt, int len, \
+                     float *o, int64_t so) {                                                               \
+        attend_vec(cv, q, sq, nkv, bt, len, o, so, N, BF16);                                               \
     }
-ATTEND_VEC(4)
-ATTEND_VEC(8)
-ATTEND_VEC(10)
-ATTEND_VEC(12)
-ATTEND_VEC(16)
+ATTEND_VEC(4, 0, attend_vec4)
+ATTEND_VEC(8, 0, attend_vec8)
+ATTEND_VEC(10, 0, attend_vec10)
+ATTEND_VEC(12, 0, attend_vec12)
+ATTEND_VEC(16, 0, attend_vec16)
+ATTEND_VEC(4, 1, attend_vec4_bf16)
+ATTEND_VEC(8, 1, attend_vec8_bf16)
+ATTEND_VEC(10, 1, attend_vec10_bf16)
+ATTEND_VEC(12, 1, attend_vec12_bf16)
+ATTEND_VEC(16, 1, attend_vec16_bf16)
 
-static void attend_one(const CacheView *cv, const float *q, int64_t sq, int nkv, const int32_t *bt, int len, float *o,
-                       int64_t so, int head_dim) {
+typedef void (*attend_fn)(const CacheView *, const float *, int64_t, int, const int32_t *, int, float *, int64_t);
+
+/* The vector copy for head_dim and the cache's type; NULL where there is none (then only a
+ * float32 cache has a path: the scalar one). */
+static attend_fn vector_path(int head_dim, int kv_bf16) {
     switch (head_dim) {
-    case 32: attend_vec4(cv, q, sq, nkv, bt, len, o, so); break;
-    case 64: attend_vec8(cv, q, sq, nkv, bt, len, o, so); break;
-    case 80: attend_vec10(cv, q, sq, nkv, bt, len, o, so); break;
-    case 96: attend_vec12(cv, q, sq, nkv, bt, len, o, so); break;
-    case 128: attend_vec16(cv, q, sq, nkv, bt, len, o, so); break;
-    default: attend_scalar(cv, q, sq, nkv, bt, len, o, so, head_dim);
+    case 32: return kv_bf16 ? attend_vec4_bf16 : attend_vec4;
+    case 64: return kv_bf16 ? attend_vec8_bf16 : attend_vec8;
+    case 80: return kv_bf16 ? attend_vec10_bf16 : attend_vec10;
+    case 96: return kv_bf16 ? attend_vec12_bf16 : attend_vec12;
+    case 128: return kv_bf16 ? attend_vec16_bf16 : attend_vec16;
+    default: return NULL;
     }
 }
 
-/* query [num_seqs, num_kv_heads * group, head_dim] and out alike (row strides given, unit
- * stride in head_dim); cache strides in elements; block_tables int32 [num_seqs, >= blocks
- * needed]; seq_lens int32. Returns 0, or -1 when a size is beyond this kernel's limits (the
+/* query [num_seqs, num_kv_heads * group, head_dim] float32 and out alike (row strides given,
+ * unit stride in head_dim); kv_cache float32, or bfloat16 when kv_bf16 (strides in elements);
+ * block_tables int32 [num_seqs, >= blocks needed]; seq_lens int32. Returns 0, or -1 when a size
+ * is beyond this kernel's limits or a bfloat16 cache has a head size with no vector path (the
  * caller then takes another path); a sequence of length 0 gets zeros. */
-int paged_decode_attention_f32(const float *query, int64_t stride_q_seq, int64_t stride_q_head,
-                               const float *kv_cache, int64_t stride_block, int64_t stride_kv,
-                               int64_t stride_token, int64_t stride_head,
-                               const int32_t *block_tables, int64_t stride_table, const int32_t *seq_lens,
-                               float *out, int64_t stride_out_seq, int64_t stride_out_head,
-                               int num_seqs, int num_kv_heads, int group, int head_dim, int block_size,
-                               float scale) {
+int paged_decode_attention(const float *query, int64_t stride_q_seq, int64_t stride_q_head,
+                           const void *kv_cache, int64_t stride_block, int64_t stride_kv,
+                           int64_t stride_token, int64_t stride_head,
+                           const int32_t *block_tables, int64_t stride_table, const int32_t *seq_lens,
+                           float *out, int64_t stride_out_seq, int64_t stride_out_head,
+                           int num_seqs, int num_kv_heads, int group, int head_dim, int block_size,
+                           float scale, int kv_bf16) {
     if (num_kv_heads * group > MAX_HEADS || head_dim > MAX_HEAD_DIM || block_size > MAX_BLOCK_SIZE) return -1;
+    const attend_fn vector = vector_path(head_dim, kv_bf16);
+    if (vector == NULL && kv_bf16) return -1;
     const CacheView cv = {kv_cache, stride_block, stride_kv, stride_token, stride_head, block_size, group, scale};
 #pragma omp parallel for schedule(dynamic, 1)
     for (int s = 0; s < num_seqs; ++s) {
-        attend_one(&cv, query + s * stride_q_seq, stride_q_head, num_kv_heads, block_tables + s * stride_table,
-                   seq_lens[s], out + s * stride_out_seq, stride_out_head, head_dim);
+        const float *q = query + s * stride_q_seq;
+        float *o = out + s * stride_out_seq;
+        if (vector != NULL)
+            vector(&cv, q, stride_q_head, num_kv_heads, block_tables + s * stride_table, seq_lens[s], o,
+                   stride_out_head);
+        else
+            attend_scalar(&cv, q, stride_q_head, num_kv_heads, block_tables + s * stride_table, seq_lens[s], o,
+                          stride_out_head, head_dim);
     }
     return 0;
 }

@@ -27,16 +27,17 @@ def test_silu_and_mul_reference_and_triton_match_per_token_math(num_tokens, inte
     assert_close(got, naive, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_tokens, intermediate", [(1, 8), (9, 1536), (130, 100)])
-def test_silu_and_mul_cpu_float32_kernel_matches_reference(num_tokens, intermediate):
-    """The compiled CPU kernel (float32 on CPU) against the reference, including large
+def test_silu_and_mul_cpu_kernel_matches_reference(num_tokens, intermediate, dtype):
+    """The compiled CPU kernel (float32, bfloat16 on CPU) against the reference, including large
     magnitudes (exp overflow and underflow) and a row stride wider than the row."""
     wide = randn(num_tokens, 2 * intermediate + 16, seed=4).cpu() * 4
     wide[0, :4] = torch.tensor([-200.0, 200.0, -90.0, 90.0])
-    x = wide[:, : 2 * intermediate]
+    x = wide[:, : 2 * intermediate].to(dtype)
     got = silu_and_mul(x)
-    assert got.shape == (num_tokens, intermediate) and torch.isfinite(got).all()
-    assert_close(got, silu_and_mul_ref(x), torch.float32)
+    assert got.shape == (num_tokens, intermediate) and got.dtype == dtype and torch.isfinite(got).all()
+    assert_close(got, silu_and_mul_ref(x), dtype)
 
 
 def test_silu_and_mul_empty_and_odd_width():

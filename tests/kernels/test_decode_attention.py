@@ -105,6 +105,29 @@ def test_decode_cpu_kernel_matches_reference(heads, kv_heads, head_dim):
     assert_close(decode_attention(query, kv_layer, table, lens, head_dim ** -0.5), want, torch.float32)
 
 
+@pytest.mark.parametrize("heads, kv_heads", [(4, 2), (9, 3)])
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+def test_decode_cpu_kernel_reads_a_bfloat16_cache_in_place(heads, kv_heads, head_dim):
+    """bfloat16 query and cache: the kernel widens each value exactly and sums in float32, so it
+    equals the float32 reference on the same (bfloat16-valued) inputs up to the output's rounding."""
+    seq_lens = SEQ_LENS + [33, 100]
+    query, kv_layer, table, lens = cpu_case(heads, kv_heads, head_dim, torch.bfloat16, 21, seq_lens, extra_cols=1)
+    got = decode_attention_cpu(query, kv_layer, table, lens, head_dim ** -0.5)
+    assert got is not None and got.dtype == torch.bfloat16
+    want = decode_attention_ref(query.float(), kv_layer.float(), table, lens, head_dim ** -0.5)
+    torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=8e-3)
+    assert torch.all(got[seq_lens.index(0)] == 0)
+    assert_close(decode_attention(query, kv_layer, table, lens, head_dim ** -0.5), want, torch.bfloat16)
+
+
+def test_decode_cpu_kernel_leaves_a_bfloat16_head_size_without_a_vector_path_to_the_reference():
+    query, kv_layer, table, lens = cpu_case(4, 2, 48, torch.bfloat16, 22)
+    assert decode_attention_cpu(query, kv_layer, table, lens, 0.2) is None
+    want = decode_attention_ref(query.float(), kv_layer.float(), table, lens, 0.2)
+    assert_close(decode_attention(query, kv_layer, table, lens, 0.2), want, torch.bfloat16)
+    assert decode_attention_cpu(query.float(), kv_layer, table, lens, 0.2) is None  # mixed dtypes
+
+
 def test_decode_cpu_kernel_reads_a_strided_query_and_refuses_out_of_range_tables():
     query, kv_layer, table, seq_lens = cpu_case(4, 2, 32, torch.float32, 12)
     qkv = torch.cat([query.reshape(len(SEQ_LENS), -1), randn(len(SEQ_LENS), 128, seed=13).cpu()], dim=-1)

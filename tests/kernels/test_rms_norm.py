@@ -64,22 +64,27 @@ def test_rms_norm_empty_batch_and_cpu_dispatch():
     x, weight = randn(0, 64), randn(64)
     assert rms_norm(x, weight, 1e-6, force_triton=True).shape == (0, 64)
     assert add_rms_norm(x, x, weight, 1e-6, force_triton=True)[0].shape == (0, 64)
-    if DEVICE == "cpu":  # half precision on CPU takes the reference itself
-        x, weight = randn(5, 64, dtype=torch.bfloat16), randn(64, dtype=torch.bfloat16)
+    if DEVICE == "cpu":  # float16 on CPU takes the reference itself (the C kernels: float32, bfloat16)
+        x, weight = randn(5, 64, dtype=torch.float16), randn(64, dtype=torch.float16)
         assert torch.equal(rms_norm(x, weight, 1e-6), rms_norm_ref(x, weight, 1e-6))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_tokens, hidden", [(1, 64), (7, 576), (300, 960)])
-def test_cpu_float32_kernel_matches_reference(num_tokens, hidden):
-    """The compiled one-pass CPU kernel (float32) against the reference, with and without the
-    residual, on rows with a stride wider than the row (a view into a wider buffer)."""
-    wide = randn(num_tokens, hidden + 32, seed=1).cpu() * 3
-    x, residual, weight = wide[:, :hidden], randn(num_tokens, hidden, seed=2).cpu(), randn(hidden, seed=3).cpu()
-    assert_close(rms_norm(x, weight, 1e-6), rms_norm_ref(x, weight, 1e-6), torch.float32)
+def test_cpu_kernel_matches_reference(num_tokens, hidden, dtype):
+    """The compiled one-pass CPU kernel (float32, bfloat16) against the reference, with and
+    without the residual, on rows with a stride wider than the row (a view into a wider
+    buffer). The residual sum rounds as torch's add does: bit-equal in both dtypes."""
+    wide = randn(num_tokens, hidden + 32, seed=1).cpu().to(dtype) * 3
+    x, residual = wide[:, :hidden], randn(num_tokens, hidden, seed=2).cpu().to(dtype)
+    weight = randn(hidden, seed=3).cpu().to(dtype)
+    got = rms_norm(x, weight, 1e-6)
+    assert got.dtype == dtype
+    assert_close(got, rms_norm_ref(x, weight, 1e-6), dtype)
     out, new_residual = add_rms_norm(x, residual, weight, 1e-5)
     ref_out, ref_residual = add_rms_norm_ref(x, residual, weight, 1e-5)
     assert torch.equal(new_residual, ref_residual)
-    assert_close(out, ref_out, torch.float32)
+    assert_close(out, ref_out, dtype)
     assert torch.equal(x, wide[:, :hidden]) and x.stride(0) == hidden + 32  # inputs untouched
 
 

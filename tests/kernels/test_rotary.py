@@ -112,18 +112,19 @@ def test_rotary_cuda_many_tokens():
     assert_close(key, k_ref, torch.bfloat16)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("scaling", [None, LLAMA3])
 @pytest.mark.parametrize("head_dim", [32, 64, 80, 128])
-def test_compiled_cpu_rotary_equals_transformers_bit_for_bit(scaling, head_dim):
-    """The C kernel (float32 on the CPU) rounds each product as transformers does: bit-equal,
-    through strided views of a fused qkv row as the model passes them."""
+def test_compiled_cpu_rotary_equals_transformers_bit_for_bit(scaling, head_dim, dtype):
+    """The C kernel (float32 and bfloat16 on the CPU) rounds each product and sum as transformers
+    does: bit-equal, through strided views of a fused qkv row as the model passes them."""
     num_heads, num_kv_heads, num_tokens = 6, 2, 37
-    qkv = randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, seed=11).cpu()
+    qkv = randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, seed=11).cpu().to(dtype)
     query, key, _ = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
     query, key = query.view(num_tokens, num_heads, head_dim), key.view(num_tokens, num_kv_heads, head_dim)
     positions = torch.randint(0, 512, (num_tokens,), generator=torch.Generator().manual_seed(12))
-    want_q, want_k = transformers_rotary(query, key, positions, head_dim, 512, scaling, torch.float32)
-    cache = rotary_cos_sin_cache(head_dim, 512, 500000.0, scaling, torch.float32)
+    want_q, want_k = transformers_rotary(query, key, positions, head_dim, 512, scaling, dtype)
+    cache = rotary_cos_sin_cache(head_dim, 512, 500000.0, scaling, dtype)
     apply_rotary(query, key, positions, cache)
     assert torch.equal(query, want_q) and torch.equal(key, want_k)
 
