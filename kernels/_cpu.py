@@ -2,8 +2,9 @@
 compiler for the machine itself (-march=native) and loaded with ctypes.
 
 Each build is cached under ~/.cache/pdserve/kernels, named by a hash of the source, the shared
-headers (csrc/*.h), the flags and the compiler's version, so a changed source or compiler builds anew. Without a compiler (or
-when a build fails) the loader returns None once and the op modules keep their torch path.
+headers (csrc/*.h), the flags and the compiler's version, so a changed source or compiler builds
+anew. Without a compiler (or when a build fails) the loader returns None once and the op modules
+keep their torch path.
 """
 
 from __future__ import annotations
