@@ -93,6 +93,10 @@ def cpu_function(library: str, name: str, argtypes: tuple, restype=None):
     return function
 
 
+# The C kernels' name suffix per dtype they take.
+KERNEL_SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+
 def is_cpu_rows(dtype: torch.dtype, *tensors) -> bool:
     """All CPU 2-D tensors of dtype with unit stride along their rows."""
     return all(t.device.type == "cpu" and t.dtype == dtype and t.dim() == 2 and t.stride(1) == 1 for t in tensors)
@@ -101,7 +105,5 @@ def is_cpu_rows(dtype: torch.dtype, *tensors) -> bool:
 def row_kernel_suffix(*tensors) -> str | None:
     """"f32" or "bf16": the row kernels' name suffix for these tensors (all CPU float32, or all
     CPU bfloat16, 2-D with unit stride along their rows); None when no row kernel takes them."""
-    for dtype, suffix in ((torch.float32, "f32"), (torch.bfloat16, "bf16")):
-        if is_cpu_rows(dtype, *tensors):
-            return suffix
-    return None
+    suffix = KERNEL_SUFFIXES.get(tensors[0].dtype) if tensors else None
+    return suffix if suffix is not None and is_cpu_rows(tensors[0].dtype, *tensors) else None

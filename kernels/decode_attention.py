@@ -16,7 +16,7 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
-from kernels._cpu import cpu_function
+from kernels._cpu import KERNEL_SUFFIXES, cpu_function
 from kernels._triton import LOG2E, cdiv, dot_in_fp32, tl, triton, use_triton
 
 # NOTE: split-K partitions of at least this many tokens keep each program's loop long enough
@@ -68,9 +68,6 @@ def decode_attention(query: torch.Tensor, kv_cache_layer: torch.Tensor, block_ta
     return out
 
 
-_CPU_DTYPES = (torch.float32, torch.bfloat16)
-
-
 def decode_attention_cpu(query, kv_cache_layer, block_tables, seq_lens, scale) -> torch.Tensor | None:
     """The compiled CPU kernel for CPU tensors, query and cache both float32 or both bfloat16
     (the output in the query's dtype); None when it does not apply (other dtype or device, no
@@ -78,7 +75,7 @@ def decode_attention_cpu(query, kv_cache_layer, block_tables, seq_lens, scale) -
     table or a block id outside the cache (it reads memory directly)."""
     kernel = _cpu_kernel()
     dtype = query.dtype
-    if kernel is None or query.is_cuda or dtype not in _CPU_DTYPES or kv_cache_layer.dtype != dtype:
+    if kernel is None or query.is_cuda or dtype not in KERNEL_SUFFIXES or kv_cache_layer.dtype != dtype:
         return None
     if kv_cache_layer.stride(-1) != 1:
         return None

@@ -7,12 +7,11 @@ import math
 
 import torch
 
-from kernels._cpu import cpu_function
+from kernels._cpu import KERNEL_SUFFIXES, cpu_function
 from kernels._triton import tl, triton, use_triton
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _CPU_SIGNATURE = (_PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64)
-_CPU_SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
 def rotary_cos_sin_cache(
@@ -65,7 +64,7 @@ def _rotary_cpu(query, key, positions, cos_sin_cache) -> bool:
     tensors all float32 or all bfloat16; False where it does not apply (then the reference
     runs). Raises ValueError for a position outside the cache (it reads memory directly)."""
     tensors = (query, key, cos_sin_cache)
-    suffix = _CPU_SUFFIXES.get(query.dtype)
+    suffix = KERNEL_SUFFIXES.get(query.dtype)
     if suffix is None or any(t.device.type != "cpu" or t.dtype != query.dtype for t in tensors):
         return False
     if cos_sin_cache.stride(-1) != 1:

@@ -6,7 +6,7 @@ import ctypes
 
 import torch
 
-from kernels._cpu import cpu_function
+from kernels._cpu import KERNEL_SUFFIXES, cpu_function
 from kernels._triton import tl, triton, use_triton
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
@@ -30,7 +30,7 @@ def _write_kv_cpu(key, value, kv_cache_layer, slot_mapping) -> bool:
     or all bfloat16; False where it does not apply (then the reference runs). Raises ValueError
     for a slot outside the cache (it writes memory directly)."""
     tensors = (key, value, kv_cache_layer)
-    suffix = {torch.float32: "f32", torch.bfloat16: "bf16"}.get(key.dtype)
+    suffix = KERNEL_SUFFIXES.get(key.dtype)
     if suffix is None or any(t.device.type != "cpu" or t.dtype != key.dtype or t.stride(-1) != 1 for t in tensors):
         return False
     kernel = cpu_function("rotary_kv", f"write_kv_{suffix}", _CPU_SIGNATURE, ctypes.c_int)
