@@ -251,7 +251,10 @@ def test_dry_run_on_the_tiny_model_profiles_predicts_and_ranks(tiny_model_dir, c
     result = json.loads(out.strip().splitlines()[-1].removeprefix("RESULT "))
     ranking = result["workloads"][0]["ranking"]
     assert result["dry_run"] and len(ranking) == 4
-    assert [r["predicted_req_s"] for r in ranking] == sorted([r["predicted_req_s"] for r in ranking], reverse=True)
+    # NOTE: a layout that meets the SLO even with all 16 requests at once predicts goodput inf,
+    # written "inf" (JSON has no infinity): on a fast CPU the tiny model's can.
+    predicted = [float(r["predicted_req_s"]) for r in ranking]
+    assert predicted == sorted(predicted, reverse=True)
     assert os.sched_getaffinity(0) == affinity and torch.get_num_threads() == threads
 
 
