@@ -65,12 +65,15 @@ def split_host_port(text: str) -> tuple[str, int]:
 def read_nodes_file(path: str) -> Addresses:
     """The file's nodes by kind. YAML (JSON is YAML): a mapping with the keys "prefill" and/or
     "decode", each a list of HOST:PORT. Raises ValueError naming the file for anything else,
-    OSError when it cannot be read."""
+    OSError when it cannot be read. An empty file is an error too: a writer that truncates and then
+    writes (`echo ... > nodes.yaml`, most editors) shows an empty file for a moment, and reading
+    that as "no nodes" would empty the pool; an empty pool is written `{}`."""
     try:
         data = yaml.safe_load(Path(path).read_text())
     except yaml.YAMLError as exc:
         raise ValueError(f"nodes file {path}: not YAML/JSON: {exc}") from None
-    data = {} if data is None else data
+    if data is None:
+        raise ValueError(f"nodes file {path}: empty (being rewritten?); write {{}} for no nodes")
     if not isinstance(data, dict) or not set(data) <= set(KINDS):
         raise ValueError(f"nodes file {path}: expected a mapping with keys {KINDS}, got {str(data)[:200]!r}")
     nodes = {}
@@ -183,6 +186,9 @@ class Discovery:
             if stamp == self._file_stamp:
                 return
             nodes = read_nodes_file(path)
+            after = os.stat(path)
+            if (after.st_mtime, after.st_size) != stamp:  # changed while read: read it next time
+                return
         except (OSError, ValueError) as exc:
             logger.warning("nodes file %s: %s; keeping its last nodes", path, exc)
             return

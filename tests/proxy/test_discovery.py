@@ -138,9 +138,12 @@ def test_nodes_file_is_reread_when_it_changes(start_proxy, fake_nodes, tmp_path)
     _wait(lambda: set(_listing(proxy)) == {second.address}, what="the file's new node only")
     _wait(lambda: _listing(proxy)[second.address]["state"] == "ready", what="the new node ready")
     assert _complete(proxy) and _num_requests(second) == 1 and _num_requests(first) == 1
-    nodes_file.write_text("decode: [this is not")  # a broken file keeps the last good nodes
-    time.sleep(0.6)
-    assert set(_listing(proxy)) == {second.address}
+    for broken in ("decode: [this is not", ""):  # a broken file, or one caught mid-rewrite (empty),
+        nodes_file.write_text(broken)              # keeps the last good nodes
+        time.sleep(0.6)
+        assert set(_listing(proxy)) == {second.address}
+    nodes_file.write_text("{}")  # an empty pool is said so
+    _wait(lambda: set(_listing(proxy)) == set(), what="the file's nodes gone")
 
 
 def test_dns_names_are_reresolved(start_proxy, fake_nodes, monkeypatch):
@@ -168,11 +171,14 @@ def test_dns_names_are_reresolved(start_proxy, fake_nodes, monkeypatch):
 
 def test_nodes_file_format_errors(tmp_path):
     path = tmp_path / "nodes.json"
+    path.write_text("{}")
+    assert read_nodes_file(str(path)) == {"prefill": frozenset(), "decode": frozenset()}
     path.write_text('{"prefill": ["10.0.0.1:7000"], "decode": ["10.0.0.2:7000", "h:7001"]}')
     assert read_nodes_file(str(path)) == {"prefill": frozenset({"10.0.0.1:7000"}),
                                           "decode": frozenset({"10.0.0.2:7000", "h:7001"})}
     for text, word in (("[1, 2]", "mapping"), ("colo: []", "mapping"), ("decode: [7000]", "list of HOST:PORT"),
-                       ("decode: ['nohost']", "HOST:PORT"), ("decode: [", "YAML")):
+                       ("decode: ['nohost']", "HOST:PORT"), ("decode: [", "YAML"),
+                       ("", "empty"), ("# only a comment\n", "empty")):
         path.write_text(text)
         with pytest.raises(ValueError, match=word):
             read_nodes_file(str(path))
