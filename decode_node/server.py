@@ -112,6 +112,12 @@ class DecodeNode(NodeServer):
         return {"num_pending_pulls": len(self._pulls) + len(self._admission),
                 "num_kv_blocks_pulled": self.num_kv_blocks_pulled, "num_kv_blocks_skipped": self.num_kv_blocks_skipped}
 
+    def num_promised_blocks(self) -> int:
+        """Also the prompts waiting for a pull (their blocks are taken when the pull starts)."""
+        size = self.engine.block_size
+        return super().num_promised_blocks() + sum(num_blocks_for(len(p.message.prompt_token_ids), size)
+                                                   for p in self._admission)
+
     def kv_layout_info(self) -> protocol.KVLayoutInfo:
         return self._layout_info
 

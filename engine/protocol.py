@@ -407,6 +407,10 @@ class LoadReport(msgspec.Struct, tag="load_report", frozen=True):
     num_free_blocks: int
     num_total_blocks: int
     num_pending_pulls: int = 0
+    # Blocks that accepted requests still need for their prompts and do not hold yet (waiting
+    # and chunk-prefilling requests, pulls not started): num_free_blocks less these is what a
+    # new request would find (a defaulted field: a node that does not send it reports 0).
+    num_promised_blocks: int = 0
     num_leases: int = 0
     num_kv_fallbacks: int = 0  # the sum of num_kv_fallbacks_by_reason
     sent_at: float = 0.0

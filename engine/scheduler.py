@@ -84,6 +84,16 @@ class Scheduler:
     def num_queued_prompt_tokens(self) -> int:
         return sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
 
+    @property
+    def num_promised_blocks(self) -> int:
+        """Blocks accepted requests still need for the tokens they hold (their prompt, plus the
+        outputs of a preempted one) and do not have yet: blocks are taken per prefill chunk, so a
+        node just handed a prompt reports them free until it schedules it. The proxy counts them
+        as taken when it picks the node with the most free KV."""
+        prefilling = [r for r in self.running if r.num_computed_tokens + 1 < r.num_tokens]
+        return sum(max(0, num_blocks_for(r.num_tokens, self.block_size) - len(r.block_ids))
+                   for r in (*self.waiting, *prefilling))
+
     def add_waiting(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
         self.waiting.append(request)

@@ -246,6 +246,10 @@ class NodeServer:
     def load_extras(self) -> dict:
         return {}
 
+    def num_promised_blocks(self) -> int:
+        """LoadReport.num_promised_blocks: what the engine's accepted requests still need."""
+        return self.engine.scheduler.num_promised_blocks
+
     def kv_layout_info(self) -> protocol.KVLayoutInfo | None:
         """What a KV peer must share with this node (None: it moves no KV)."""
         return None
@@ -446,6 +450,7 @@ class NodeServer:
             num_waiting=len(scheduler.waiting),
             num_queued_prompt_tokens=scheduler.num_queued_prompt_tokens,
             num_free_blocks=engine.num_free_blocks,
+            num_promised_blocks=self.num_promised_blocks(),
             num_total_blocks=engine.block_pool.num_blocks,
             num_kv_fallbacks=self.num_kv_fallbacks,
             prefill_tokens_per_s=engine.prefill_rate.tokens_per_s,

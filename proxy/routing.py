@@ -135,11 +135,17 @@ def num_cached_tokens(node: NodeClient, prompt: PromptBlocks | None) -> int:
 
 
 def decode_score(node: NodeClient) -> tuple[int, int]:
-    """Free blocks left once the requests sent since the last report take theirs (in the node's
-    own block size), then fewest requests."""
+    """Free blocks left once the requests the node accepted and those sent since its last report
+    take theirs (in the node's own block size), then fewest requests."""
+    return num_unclaimed_blocks(node), -decode_load(node)
+
+
+def num_unclaimed_blocks(node: NodeClient) -> int:
+    """The node's free KV blocks less those its accepted requests still need (they take blocks
+    only when scheduled) and those of the requests sent since its last report."""
     report = node.last_report
-    num_free_blocks = report.num_free_blocks - protocol.num_blocks_for(node.num_unreported_tokens, report.block_size)
-    return num_free_blocks, -decode_load(node)
+    return (report.num_free_blocks - report.num_promised_blocks
+            - protocol.num_blocks_for(node.num_unreported_tokens, report.block_size))
 
 
 def decode_load(node: NodeClient) -> int:

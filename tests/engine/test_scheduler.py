@@ -135,3 +135,21 @@ def test_prefilled_finish_hands_blocks_to_caller():
     assert pool.num_free_blocks == 5
     pool.free(request.block_ids)
     assert pool.num_free_blocks == 8
+
+
+def test_promised_blocks_count_what_accepted_prompts_still_need():
+    """Waiting and chunk-prefilling requests take their blocks per chunk; num_promised_blocks is
+    the rest of their prompts' blocks (the proxy counts them as taken), and 0 once decoding."""
+    pool = BlockPool(64)
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=8), pool, BLOCK_SIZE)
+    scheduler.add_waiting(make_request("a", num_prompt=30, max_tokens=2))  # 8 blocks of 4
+    scheduler.add_waiting(make_request("b", num_prompt=5, max_tokens=2))  # 2 blocks
+    assert scheduler.num_promised_blocks == 10 and pool.num_free_blocks == 64
+    run_fake_step(scheduler)  # a's first chunk of 8 tokens: 2 blocks taken
+    assert pool.num_free_blocks == 62 and scheduler.num_promised_blocks == 8
+    while any(r.num_computed_tokens + 1 < r.num_tokens for r in (*scheduler.waiting, *scheduler.running)):
+        run_fake_step(scheduler)
+    assert scheduler.num_promised_blocks == 0  # both decoding: they hold their prompts' blocks
+    while scheduler.num_unfinished:
+        run_fake_step(scheduler)
+    assert pool.num_free_blocks == 64

@@ -240,7 +240,10 @@ def test_back_pressure_queues_pulls_until_blocks_free_and_abort_while_queued_rel
         pair.send_decode(rid, result)
     pair.decode.run_once()
     assert pair.decode.connector.num_reads_in_flight + pair.decode.engine.num_unfinished == 1
+    # The two queued pulls hold no blocks yet; the load report promises them their prompts' 3 each.
+    assert pair.decode.num_promised_blocks() == 6
     pair.decode.handle_message(PROXY, protocol.Abort(["c"]))  # still queued: nothing allocated for it
+    assert pair.decode.num_promised_blocks() == 3
     pair.run(lambda: pair.tokens_of("a") is not None and pair.tokens_of("b") is not None)
     assert pair.tokens_of("a") == pair.tokens_of("b") == expected_tokens
     assert pair.tokens_of("c") is None and pair.decode.num_kv_fallbacks == 0
