@@ -36,11 +36,13 @@ from pdserve.tune_sim import SimPlan, bench_arrivals, predict_goodput, simulate
 from pdserve.tune_space import Layout, Slo, Workload, enumerate_layouts, scheduler_default
 
 _PROFILE_SHARE = 0.2  # of --max-minutes, at most, for the prefill profile points
-_START_ESTIMATE_S = 40.0  # start-up, warm-up and one request alone (measured 30-35 s, small preset)
+_START_ESTIMATE_S = 50.0  # start-up, warm-up and two requests alone (measured 30-35 s with one, small preset)
 _STOP_RESERVE_S = 15.0  # kept back at the end: stopping a deployment, the table
 _STEP_FACTOR = 1.25  # the rate search's step away from the prediction
 _CLOSE_RATIO = 1.12  # the search stops once a passing and a failing rate are this close
 _POINT_SLACK = 1.15  # a measured run lasts about its simulated duration times this, plus a few s
+_NUM_SINGLE = 2  # requests alone on each deployment, for the calibration (their medians)
+_CALIBRATION_RANGE = (0.5, 2.0)
 
 Say = Callable[[str], None]
 
@@ -281,6 +283,8 @@ def _measure(config: TuneConfig, profile: Profile, workload: Workload, candidate
                       layout.proxy_args(), log_dir) as deployment:
             warm_up(deployment.base_url, workload)
             candidate.single = _single_check(deployment.base_url, layout, profile, workload, say)
+            profile = calibrated(profile, candidate.single)
+            start_rate = _calibrated_start(config, profile, workload, candidate, num_requests, start_rate, say)
             base = bench_config(deployment.base_url, workload, num_requests, config.slo, seed=1000,
                                 arrival_seed=config.arrival_seed)
             points = bracket_search(_point_measurer(base, layout, profile, workload, config.slo, candidate, say),
@@ -297,15 +301,46 @@ def _measure(config: TuneConfig, profile: Profile, workload: Workload, candidate
 
 
 def _single_check(base_url: str, layout: Layout, profile: Profile, workload: Workload, say: Say) -> dict:
-    """One request alone, beside its simulated latency: what the model leaves out (HTTP, the
-    proxy, the node loop) shows here first."""
-    alone = single_latency(base_url, workload, num_requests=1)
+    """Requests alone (one after another), beside their simulated latency: what the profile
+    leaves out (HTTP, the proxy, the node loop, the deployment's own processes and pinning)
+    shows here, and calibrated() corrects the step times by it."""
+    alone = single_latency(base_url, workload, num_requests=_NUM_SINGLE)
     sim = simulate(layout, profile, workload, [0.0])
     check = {**alone.to_json(), "predicted_ttft_ms": 1000 * sim.ttft_s[0], "predicted_tpot_ms": 1000 * sim.tpot_s[0]}
-    say(f"measure {layout.name}: one request alone: TTFT {check['ttft_ms']:.0f} ms (predicted "
+    say(f"measure {layout.name}: requests alone: TTFT {check['ttft_ms']:.0f} ms (predicted "
         f"{check['predicted_ttft_ms']:.0f}), TPOT {check['tpot_ms']:.1f} ms "
         f"(predicted {check['predicted_tpot_ms']:.1f})")
     return check
+
+
+def calibrated(profile: Profile, single: dict) -> Profile:
+    """profile with its prefill step times scaled by measured / predicted TTFT alone and its
+    decode step times by measured / predicted TPOT alone (each factor kept within
+    _CALIBRATION_RANGE: past it the profile, not the deployment's overhead, is wrong)."""
+    def factor(measured: float, predicted: float) -> float:
+        low, high = _CALIBRATION_RANGE
+        return min(max(measured / predicted, low), high) if predicted > 0 and measured > 0 else 1.0
+
+    prefill = factor(single["ttft_ms"], single["predicted_ttft_ms"])
+    decode = factor(single["tpot_ms"], single["predicted_tpot_ms"])
+    single.update(prefill_factor=prefill, decode_factor=decode)
+    return profile.scaled(prefill, decode)
+
+
+def _calibrated_start(config: TuneConfig, profile: Profile, workload: Workload, candidate: Candidate,
+                      num_requests: int, planned_rate: float, say: Say) -> float:
+    """The goodput simulated for the measured runs' size and arrivals on the calibrated profile
+    (candidate.replay_rate, the figure the measurement checks; the uncalibrated one is kept),
+    and the rate the search starts from."""
+    candidate.uncalibrated_replay_rate = candidate.replay_rate
+    replay = predict_goodput(candidate.layout, profile, workload, config.slo,
+                             SimPlan(num_requests, (config.arrival_seed,)))
+    candidate.replay_rate = replay
+    s = candidate.single
+    say(f"measure {candidate.layout.name}: calibrated (prefill x{s['prefill_factor']:.3f}, decode "
+        f"x{s['decode_factor']:.3f}): goodput {replay:.3g} req/s for these runs' arrivals "
+        f"(uncalibrated {candidate.uncalibrated_replay_rate:.3g})")
+    return replay if 0 < replay < math.inf else planned_rate
 
 
 def _point_measurer(base, layout: Layout, profile: Profile, workload: Workload, slo: Slo, candidate: Candidate,

@@ -119,6 +119,13 @@ class Profile:
         of the measured copy speed."""
         return TRANSFER_FIXED_S + num_tokens * self.kv_bytes_per_token / (self.copy_bytes_per_s * NIXL_COPY_RATIO)
 
+    def scaled(self, prefill_factor: float, decode_factor: float) -> Profile:
+        """This profile with every prefill coefficient times prefill_factor and every decode one
+        times decode_factor (a calibration against the deployment's measured latencies)."""
+        def times(model: LinearModel, factor: float) -> LinearModel:
+            return replace(model, coefs=tuple(c * factor for c in model.coefs))
+        return replace(self, prefill=times(self.prefill, prefill_factor), decode=times(self.decode, decode_factor))
+
     @classmethod
     def from_json(cls, data: dict) -> Profile:
         """The inverse of to_json; raises KeyError / ValueError for a malformed record."""
