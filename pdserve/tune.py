@@ -42,7 +42,7 @@ _STEP_FACTOR = 1.25  # the rate search's step away from the prediction
 _CLOSE_RATIO = 1.12  # the search stops once a passing and a failing rate are this close
 _POINT_SLACK = 1.15  # a measured run lasts about its simulated duration times this, plus a few s
 _NUM_SINGLE = 2  # requests alone on each deployment, for the calibration (their medians)
-_CALIBRATION_RANGE = (0.5, 2.0)
+_CALIBRATION_SHARE = 0.5
 
 Say = Callable[[str], None]
 
@@ -314,17 +314,23 @@ def _single_check(base_url: str, layout: Layout, profile: Profile, workload: Wor
 
 
 def calibrated(profile: Profile, single: dict) -> Profile:
-    """profile with its prefill step times scaled by measured / predicted TTFT alone and its
-    decode step times by measured / predicted TPOT alone (each factor kept within
-    _CALIBRATION_RANGE: past it the profile, not the deployment's overhead, is wrong)."""
-    def factor(measured: float, predicted: float) -> float:
-        low, high = _CALIBRATION_RANGE
-        return min(max(measured / predicted, low), high) if predicted > 0 and measured > 0 else 1.0
+    """profile with the deployment's own per-step cost added: measured minus predicted TTFT alone
+    on the prefill step's fixed time, and measured minus predicted TPOT alone on the decode
+    step's (what the in-process profile leaves out: HTTP, the proxy, the node loop's messages and
+    streaming). Added, not scaled: under load that cost stays per step while the batch's compute
+    grows (scaling the whole step by the alone ratio over-predicted loaded TPOT by 5-8%). Each
+    correction is kept within +-_CALIBRATION_SHARE of the predicted latency: past it the profile,
+    not the deployment, is wrong."""
+    def delta_s(measured_ms: float, predicted_ms: float) -> float:
+        if not (predicted_ms > 0 and measured_ms > 0):
+            return 0.0
+        bound = _CALIBRATION_SHARE * predicted_ms
+        return min(max(measured_ms - predicted_ms, -bound), bound) / 1000.0
 
-    prefill = factor(single["ttft_ms"], single["predicted_ttft_ms"])
-    decode = factor(single["tpot_ms"], single["predicted_tpot_ms"])
-    single.update(prefill_factor=prefill, decode_factor=decode)
-    return profile.scaled(prefill, decode)
+    prefill = delta_s(single["ttft_ms"], single["predicted_ttft_ms"])
+    decode = delta_s(single["tpot_ms"], single["predicted_tpot_ms"])
+    single.update(prefill_extra_ms=1000 * prefill, decode_extra_ms=1000 * decode)
+    return profile.with_fixed_extra(prefill, decode)
 
 
 def _calibrated_start(config: TuneConfig, profile: Profile, workload: Workload, candidate: Candidate,
@@ -337,8 +343,8 @@ def _calibrated_start(config: TuneConfig, profile: Profile, workload: Workload, 
                              SimPlan(num_requests, (config.arrival_seed,)))
     candidate.replay_rate = replay
     s = candidate.single
-    say(f"measure {candidate.layout.name}: calibrated (prefill x{s['prefill_factor']:.3f}, decode "
-        f"x{s['decode_factor']:.3f}): goodput {replay:.3g} req/s for these runs' arrivals "
+    say(f"measure {candidate.layout.name}: calibrated (prefill step {s['prefill_extra_ms']:+.1f} ms, decode step "
+        f"{s['decode_extra_ms']:+.1f} ms): goodput {replay:.3g} req/s for these runs' arrivals "
         f"(uncalibrated {candidate.uncalibrated_replay_rate:.3g})")
     return replay if 0 < replay < math.inf else planned_rate
 

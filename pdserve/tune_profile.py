@@ -119,12 +119,12 @@ class Profile:
         of the measured copy speed."""
         return TRANSFER_FIXED_S + num_tokens * self.kv_bytes_per_token / (self.copy_bytes_per_s * NIXL_COPY_RATIO)
 
-    def scaled(self, prefill_factor: float, decode_factor: float) -> Profile:
-        """This profile with every prefill coefficient times prefill_factor and every decode one
-        times decode_factor (a calibration against the deployment's measured latencies)."""
-        def times(model: LinearModel, factor: float) -> LinearModel:
-            return replace(model, coefs=tuple(c * factor for c in model.coefs))
-        return replace(self, prefill=times(self.prefill, prefill_factor), decode=times(self.decode, decode_factor))
+    def with_fixed_extra(self, prefill_s: float, decode_s: float) -> Profile:
+        """This profile with prefill_s added to a prefill step's fixed time and decode_s to a
+        decode step's (each kept >= 0): the deployment's own per-step cost."""
+        def plus(model: LinearModel, extra_s: float) -> LinearModel:
+            return replace(model, coefs=(max(0.0, model.coefs[0] + extra_s), *model.coefs[1:]))
+        return replace(self, prefill=plus(self.prefill, prefill_s), decode=plus(self.decode, decode_s))
 
     @classmethod
     def from_json(cls, data: dict) -> Profile:

@@ -99,8 +99,8 @@ def format_table(config: TuneConfig, profile: Profile, workload: Workload, candi
         lines.append(_row(rank, candidate))
         if candidate.single:
             s = candidate.single
-            factors = (f"; calibration prefill x{s['prefill_factor']:.3f}, decode x{s['decode_factor']:.3f}"
-                       if "decode_factor" in s else "")
+            factors = (f"; calibration: prefill step {s['prefill_extra_ms']:+.1f} ms, decode step "
+                       f"{s['decode_extra_ms']:+.1f} ms" if "decode_extra_ms" in s else "")
             lines.append(" " * 6 + f"alone: TTFT {s['ttft_ms']:.0f} ms (pred {s['predicted_ttft_ms']:.0f}), "
                          f"TPOT {s['tpot_ms']:.1f} ms (pred {s['predicted_tpot_ms']:.1f}){factors}")
         if candidate.points:

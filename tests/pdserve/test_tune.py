@@ -206,19 +206,23 @@ def test_mixed_step_counts_the_fixed_cost_once():
     assert profile.step_s(4, 0, 100, 0) == pytest.approx(0.05 + 0.1 + 0.004)
 
 
-def test_calibration_scales_prefill_by_ttft_and_decode_by_tpot_alone_within_bounds():
+def test_calibration_adds_the_deployments_per_step_cost_measured_alone_within_bounds():
     profile, workload = make_profile(prefill=(0.01, 1e-3, 1e-7), decode=(0.02, 1e-4, 1e-6)), Workload(500, 11)
     alone = simulate(COLOCATED_1, profile, workload, [0.0])
-    single = {"ttft_ms": 1100 * alone.ttft_s[0], "predicted_ttft_ms": 1000 * alone.ttft_s[0],
-              "tpot_ms": 900 * alone.tpot_s[0], "predicted_tpot_ms": 1000 * alone.tpot_s[0]}
+    single = {"ttft_ms": 1000 * alone.ttft_s[0] + 30, "predicted_ttft_ms": 1000 * alone.ttft_s[0],
+              "tpot_ms": 1000 * alone.tpot_s[0] - 5, "predicted_tpot_ms": 1000 * alone.tpot_s[0]}
     fitted = calibrated(profile, single)
     again = simulate(COLOCATED_1, fitted, workload, [0.0])  # the calibrated profile reproduces the measurement
     assert 1000 * again.ttft_s[0] == pytest.approx(single["ttft_ms"])
     assert 1000 * again.tpot_s[0] == pytest.approx(single["tpot_ms"])
-    assert single["prefill_factor"] == pytest.approx(1.1) and single["decode_factor"] == pytest.approx(0.9)
+    assert single["prefill_extra_ms"] == pytest.approx(30) and single["decode_extra_ms"] == pytest.approx(-5)
+    # Under load the cost stays per step: a step of 8 decodes pays it once, as a step of 1 does.
+    assert fitted.step_s(8, 800, 0, 0) - profile.step_s(8, 800, 0, 0) == pytest.approx(-0.005)
+    assert fitted.step_s(0, 0, 300, 0) - profile.step_s(0, 0, 300, 0) == pytest.approx(0.030)
     wild = {**single, "ttft_ms": 50 * single["predicted_ttft_ms"], "tpot_ms": 0.0}
-    calibrated(profile, wild)  # a factor past the range is the profile's fault: clamped; no figure: none
-    assert wild["prefill_factor"] == 2.0 and wild["decode_factor"] == 1.0
+    calibrated(profile, wild)  # past half the prediction it is the profile's fault: bounded; no figure: none
+    assert wild["prefill_extra_ms"] == pytest.approx(0.5 * single["predicted_ttft_ms"])
+    assert wild["decode_extra_ms"] == 0.0
 
 
 # ---- rate search and crossing -------------------------------------------------------------------
