@@ -163,6 +163,11 @@ def main(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"pdserve tune: profiling failed: {exc}", file=sys.stderr)
         return 1
+    if not config.is_dry_run and profile.served_check is None:
+        profile = _served_calibration(config, profile, say)
+    if config.save_profile is not None:
+        config.save_profile.parent.mkdir(parents=True, exist_ok=True)
+        config.save_profile.write_text(json.dumps(profile.to_json(), indent=1))
     results = [_tune_workload(config, profile, w, clock, idx, say) for idx, w in enumerate(config.workloads)]
     for workload, candidates in zip(config.workloads, results):
         print(format_table(config, profile, workload, candidates), flush=True)
@@ -213,10 +218,29 @@ def _profile(config: TuneConfig, clock: Clock, say: Say) -> Profile:
         f"{d['per_context_token_s']:.3g} * context tokens (worst point {100 * d['max_rel_error']:.0f}% off)")
     say(f"profile: mixed step predicted {1000 * m['predicted_s']:.1f} ms, measured {1000 * m['seconds']:.1f} ms; "
         f"KV pull of {plan.max_prompt_len} tokens ~{1000 * profile.transfer_s(plan.max_prompt_len):.1f} ms")
-    if config.save_profile is not None:
-        config.save_profile.parent.mkdir(parents=True, exist_ok=True)
-        config.save_profile.write_text(json.dumps(profile.to_json(), indent=1))
     return profile
+
+
+def _served_calibration(config: TuneConfig, profile: Profile, say: Say) -> Profile:
+    """profile with the serving stack's own per-step cost (calibrated() on requests alone
+    through the proxy to one colocated node) added, so that every layout's prediction, and the
+    choice of what to measure, carries it; each measured deployment is then calibrated again
+    for what is its own. Unchanged, with a warning, if that node does not come up."""
+    workload = max(config.workloads, key=lambda w: w.input_len)
+    layout = Layout(0, 1)
+    log_dir = config.log_dir / "served-calibration"
+    say(f"profile: requests alone through the proxy to one node ({workload.name}; logs {log_dir})")
+    try:
+        with deployed(config.model_dir, 0, 1, layout.node_args(), layout.proxy_args(), log_dir) as deployment:
+            warm_up(deployment.base_url, workload)
+            single = _single_check(deployment.base_url, layout, profile, workload, say, "profile")
+    except (RuntimeError, TimeoutError, OSError, httpx.HTTPError) as exc:
+        say(f"profile: warning: the served calibration failed ({type(exc).__name__}: {exc}); predicting without it")
+        return profile
+    served = calibrated(profile, single)
+    say(f"profile: serving adds {single['prefill_extra_ms']:+.1f} ms per prefill step and "
+        f"{single['decode_extra_ms']:+.1f} ms per decode step")
+    return replace(served, served_check=single)
 
 
 def _tune_workload(config: TuneConfig, profile: Profile, workload: Workload, clock: Clock, workload_idx: int,
@@ -300,14 +324,15 @@ def _measure(config: TuneConfig, profile: Profile, workload: Workload, candidate
         candidate.note = "not measured: out of time"
 
 
-def _single_check(base_url: str, layout: Layout, profile: Profile, workload: Workload, say: Say) -> dict:
+def _single_check(base_url: str, layout: Layout, profile: Profile, workload: Workload, say: Say,
+                  stage: str = "measure") -> dict:
     """Requests alone (one after another), beside their simulated latency: what the profile
     leaves out (HTTP, the proxy, the node loop, the deployment's own processes and pinning)
     shows here, and calibrated() corrects the step times by it."""
     alone = single_latency(base_url, workload, num_requests=_NUM_SINGLE)
     sim = simulate(layout, profile, workload, [0.0])
     check = {**alone.to_json(), "predicted_ttft_ms": 1000 * sim.ttft_s[0], "predicted_tpot_ms": 1000 * sim.tpot_s[0]}
-    say(f"measure {layout.name}: requests alone: TTFT {check['ttft_ms']:.0f} ms (predicted "
+    say(f"{stage} {layout.name}: requests alone: TTFT {check['ttft_ms']:.0f} ms (predicted "
         f"{check['predicted_ttft_ms']:.0f}), TPOT {check['tpot_ms']:.1f} ms "
         f"(predicted {check['predicted_tpot_ms']:.1f})")
     return check

@@ -96,6 +96,9 @@ class Profile:
     copy_bytes_per_s: float  # an in-process copy of KV blocks, measured
     kv_capacity_tokens: int  # a node's cache at its default budget (sized from free memory now)
     mixed_check: dict | None = None  # one measured mixed step beside step_s
+    # Requests alone on one served node (HTTP, proxy, node loop) beside their simulation, and the
+    # per-step cost added for what the in-process timing leaves out (tune.calibrated); None: not done.
+    served_check: dict | None = None
     points: list[dict] = field(default_factory=list)
 
     def step_s(self, num_decodes: int, num_context_tokens: int, num_prefill_tokens: int, num_pairs: int) -> float:
@@ -135,13 +138,13 @@ class Profile:
         return cls(data["model"], int(data["num_threads"]), model(data["prefill"], PREFILL_FEATURES),
                    model(data["decode"], DECODE_FEATURES), int(data["kv_bytes_per_token"]),
                    float(data["copy_bytes_per_s"]), int(data["kv_capacity_tokens"]), data.get("mixed_check"),
-                   list(data.get("points", [])))
+                   list(data.get("points", [])), data.get("served_check"))
 
     def to_json(self) -> dict:
         return {"model": self.model_name, "num_threads": self.num_threads, "prefill": self.prefill.to_json(),
                 "decode": self.decode.to_json(), "kv_bytes_per_token": self.kv_bytes_per_token,
                 "copy_bytes_per_s": self.copy_bytes_per_s, "kv_capacity_tokens": self.kv_capacity_tokens,
-                "mixed_check": self.mixed_check, "points": self.points}
+                "mixed_check": self.mixed_check, "points": self.points, "served_check": self.served_check}
 
 
 @dataclass(frozen=True)
