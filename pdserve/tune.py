@@ -222,16 +222,18 @@ def _profile(config: TuneConfig, clock: Clock, say: Say) -> Profile:
 
 
 def _served_calibration(config: TuneConfig, profile: Profile, say: Say) -> Profile:
-    """profile with the serving stack's own per-step cost (calibrated() on requests alone
-    through the proxy to one colocated node) added, so that every layout's prediction, and the
-    choice of what to measure, carries it; each measured deployment is then calibrated again
-    for what is its own. Unchanged, with a warning, if that node does not come up."""
+    """profile with the serving stack's own per-step cost added: calibrated() on requests alone
+    through the proxy to K colocated nodes, one unit each (a lone node would get every core). So
+    every layout's prediction, and the choice of what to measure, carries it; each measured
+    deployment is then calibrated again for what is its own. Unchanged, with a warning, if the
+    nodes do not come up."""
     workload = max(config.workloads, key=lambda w: w.input_len)
-    layout = Layout(0, 1)
+    layout = Layout(0, config.num_units)  # one node per unit: each pinned to a unit's cores, as profiled
     log_dir = config.log_dir / "served-calibration"
-    say(f"profile: requests alone through the proxy to one node ({workload.name}; logs {log_dir})")
+    say(f"profile: requests alone through the proxy to one of {layout.name} ({workload.name}; logs {log_dir})")
     try:
-        with deployed(config.model_dir, 0, 1, layout.node_args(), layout.proxy_args(), log_dir) as deployment:
+        with deployed(config.model_dir, 0, layout.num_decode, layout.node_args(), layout.proxy_args(),
+                      log_dir) as deployment:
             warm_up(deployment.base_url, workload)
             single = _single_check(deployment.base_url, layout, profile, workload, say, "profile")
     except (RuntimeError, TimeoutError, OSError, httpx.HTTPError) as exc:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -199,6 +200,8 @@ def test_fit_needs_as_many_points_as_features():
 def test_profile_survives_a_json_round_trip():
     profile = make_profile(prefill=(0.01, 1e-3, 1e-7))
     assert Profile.from_json(json.loads(json.dumps(profile.to_json()))) == profile
+    served = replace(profile, served_check={"ttft_ms": 500.0, "decode_extra_ms": 4.5})
+    assert Profile.from_json(json.loads(json.dumps(served.to_json()))) == served
 
 
 def test_mixed_step_counts_the_fixed_cost_once():
