@@ -36,12 +36,12 @@ from pdserve.tune_sim import SimPlan, bench_arrivals, predict_goodput, simulate
 from pdserve.tune_space import Layout, Slo, Workload, enumerate_layouts, scheduler_default
 
 _PROFILE_SHARE = 0.2  # of --max-minutes, at most, for the prefill profile points
-_START_ESTIMATE_S = 50.0  # start-up, warm-up and two requests alone (measured 30-35 s with one, small preset)
+_START_ESTIMATE_S = 55.0  # start-up, warm-up and three requests alone (measured 30-35 s with one, small preset)
 _STOP_RESERVE_S = 15.0  # kept back at the end: stopping a deployment, the table
 _STEP_FACTOR = 1.25  # the rate search's step away from the prediction
 _CLOSE_RATIO = 1.12  # the search stops once a passing and a failing rate are this close
 _POINT_SLACK = 1.15  # a measured run lasts about its simulated duration times this, plus a few s
-_NUM_SINGLE = 2  # requests alone on each deployment, for the calibration (their medians)
+_NUM_SINGLE = 3  # requests alone on a deployment, for the calibration (their medians)
 _CALIBRATION_SHARE = 0.5
 
 Say = Callable[[str], None]
@@ -226,7 +226,10 @@ def _served_calibration(config: TuneConfig, profile: Profile, say: Say) -> Profi
     through the proxy to K colocated nodes, one unit each (a lone node would get every core). So
     every layout's prediction, and the choice of what to measure, carries it; each measured
     deployment is then calibrated again for what is its own. Unchanged, with a warning, if the
-    nodes do not come up."""
+    nodes do not come up. Measured deployments are not calibrated again: two requests alone vary
+    by up to 15% in TTFT between deployments of one layout, and re-calibrating on them put a
+    replay 45% off where this one calibration was 10% off; a deployment's own costs (the KV
+    pull, routing) are the simulation's to model."""
     workload = max(config.workloads, key=lambda w: w.input_len)
     layout = Layout(0, config.num_units)  # one node per unit: each pinned to a unit's cores, as profiled
     log_dir = config.log_dir / "served-calibration"
@@ -309,8 +312,9 @@ def _measure(config: TuneConfig, profile: Profile, workload: Workload, candidate
                       layout.proxy_args(), log_dir) as deployment:
             warm_up(deployment.base_url, workload)
             candidate.single = _single_check(deployment.base_url, layout, profile, workload, say)
-            profile = calibrated(profile, candidate.single)
-            start_rate = _calibrated_start(config, profile, workload, candidate, num_requests, start_rate, say)
+            if profile.served_check is None:  # NOTE: else the served calibration holds (see _served_calibration)
+                profile = calibrated(profile, candidate.single)
+                start_rate = _calibrated_start(config, profile, workload, candidate, num_requests, start_rate, say)
             base = bench_config(deployment.base_url, workload, num_requests, config.slo, seed=1000,
                                 arrival_seed=config.arrival_seed)
             points = bracket_search(_point_measurer(base, layout, profile, workload, config.slo, candidate, say),

@@ -138,7 +138,7 @@ class Profile:
         return cls(data["model"], int(data["num_threads"]), model(data["prefill"], PREFILL_FEATURES),
                    model(data["decode"], DECODE_FEATURES), int(data["kv_bytes_per_token"]),
                    float(data["copy_bytes_per_s"]), int(data["kv_capacity_tokens"]), data.get("mixed_check"),
-                   list(data.get("points", [])), data.get("served_check"))
+                   served_check=data.get("served_check"), points=list(data.get("points", [])))
 
     def to_json(self) -> dict:
         return {"model": self.model_name, "num_threads": self.num_threads, "prefill": self.prefill.to_json(),

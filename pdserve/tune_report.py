@@ -21,7 +21,8 @@ class Candidate:
     """One layout for one workload. predicted_rate: the simulated goodput rate (attainment
     averaged over the arrival draws); replay_rate: simulated for the measured runs' own arrival
     times and size, on step times calibrated by requests alone on the deployment (before any
-    loaded run); measured: read off the measured rates."""
+    loaded run; by the served calibration when the profile has one, else by this deployment's
+    requests alone); measured: read off the measured rates."""
 
     layout: Layout
     predicted_rate: float
@@ -89,8 +90,8 @@ def format_table(config: TuneConfig, profile: Profile, workload: Workload, candi
              f"core(s); SLO TTFT <= {1000 * slo.ttft_s:g} ms and TPOT <= {1000 * slo.tpot_s:g} ms for "
              f">= {100 * slo.target:g}% of requests",
              f"predicted: simulated goodput rate over {config.num_sim_seeds} Poisson draws of {config.num_requests} "
-             "requests; replay: simulated for the measured runs' arrivals, step times calibrated by",
-             "requests alone on the deployment; measured: interpolated where attainment crosses the target",
+             "requests; replay: simulated for the measured runs' arrivals; both with the serving cost measured",
+             "by requests alone (served calibration); measured: interpolated where attainment crosses the target",
              "between the rates run; errors: replay and predicted vs measured (req/s throughout)",
              "-" * _WIDTH,
              f"{'rank':>4}  {'layout':<36} {'predicted':>9} {'replay':>8} {'measured':>10} {'err':>6} "
