@@ -10,6 +10,8 @@ import math
 import os
 import random
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -99,6 +101,9 @@ class Profile:
     # Requests alone on one served node (HTTP, proxy, node loop) beside their simulation, and the
     # per-step cost added for what the in-process timing leaves out (tune.calibrated); None: not done.
     served_check: dict | None = None
+    # A step's time while another unit computes, over its time alone (shared caches, memory
+    # bandwidth and clocks); the simulation applies it while another node is busy. 1.0: not measured.
+    contention: float = 1.0
     points: list[dict] = field(default_factory=list)
 
     def step_s(self, num_decodes: int, num_context_tokens: int, num_prefill_tokens: int, num_pairs: int) -> float:
@@ -138,13 +143,15 @@ class Profile:
         return cls(data["model"], int(data["num_threads"]), model(data["prefill"], PREFILL_FEATURES),
                    model(data["decode"], DECODE_FEATURES), int(data["kv_bytes_per_token"]),
                    float(data["copy_bytes_per_s"]), int(data["kv_capacity_tokens"]), data.get("mixed_check"),
-                   served_check=data.get("served_check"), points=list(data.get("points", [])))
+                   served_check=data.get("served_check"), points=list(data.get("points", [])),
+                   contention=float(data.get("contention", 1.0)))
 
     def to_json(self) -> dict:
         return {"model": self.model_name, "num_threads": self.num_threads, "prefill": self.prefill.to_json(),
                 "decode": self.decode.to_json(), "kv_bytes_per_token": self.kv_bytes_per_token,
                 "copy_bytes_per_s": self.copy_bytes_per_s, "kv_capacity_tokens": self.kv_capacity_tokens,
-                "mixed_check": self.mixed_check, "points": self.points, "served_check": self.served_check}
+                "mixed_check": self.mixed_check, "points": self.points, "served_check": self.served_check,
+                "contention": self.contention}
 
 
 @dataclass(frozen=True)
@@ -194,15 +201,16 @@ def profile_model(model_dir: str, plan: ProfilePlan, num_threads: int = 1,
     model = ModelConfig.from_pretrained(model_dir)
     if plan.max_context_len + 1 > model.max_model_len:
         raise ValueError(f"context {plan.max_context_len} exceeds the model's max_model_len {model.max_model_len}")
+    others = sorted(os.sched_getaffinity(0))[:-num_threads]  # the cores one_unit leaves to the other units
     with one_unit(num_threads):
         prefill_points = _profile_prefill(model, plan, progress)
         prefill = _fit_prefill(prefill_points)
-        decode_points, mixed, copy_bytes_per_s = _profile_decode(model, plan, progress)
+        decode_points, mixed, copy_bytes_per_s, contention = _profile_decode(model, plan, progress, others)
     decode = fit_linear([p["features"] for p in decode_points], [p["seconds"] for p in decode_points], DECODE_FEATURES)
     kv_bytes = block_size_bytes(model, CacheConfig().block_size) // CacheConfig().block_size
     capacity = num_cache_blocks(model, CacheConfig(), "cpu") * CacheConfig().block_size
     profile = Profile(model.name, num_threads, prefill, decode, kv_bytes, copy_bytes_per_s, capacity,
-                      points=prefill_points + decode_points)
+                      points=prefill_points + decode_points, contention=contention)
     return _with_mixed_check(profile, mixed)
 
 
@@ -264,7 +272,8 @@ def _time_prefill(engine: LLMEngine, batch: list[int], rng: random.Random, vocab
     return seconds
 
 
-def _profile_decode(model: ModelConfig, plan: ProfilePlan, progress: Progress) -> tuple[list[dict], dict, float]:
+def _profile_decode(model: ModelConfig, plan: ProfilePlan, progress: Progress,
+                    others: list[int]) -> tuple[list[dict], dict, float, float]:
     """Decode points (requests joined with blocks already holding their context: the KV's
     values do not change the time), one mixed step, and the copy speed of a prompt's blocks."""
     block_size = CacheConfig().block_size
@@ -283,9 +292,51 @@ def _profile_decode(model: ModelConfig, plan: ProfilePlan, progress: Progress) -
     progress(f"profile: mixed step ({mixed['num_seqs']} decodes + {mixed_prompt} prompt tokens): "
              f"{1000 * mixed['seconds']:.1f} ms")
     copy_bytes_per_s = _copy_speed(engine, min(plan.max_prompt_len, plan.max_context_len), block_size)
+    contention = _contention(engine, max(1, plan.max_batch // 4), plan.max_context_len, rng, others, progress)
     del engine
     gc.collect()
-    return points, mixed, copy_bytes_per_s
+    return points, mixed, copy_bytes_per_s, contention
+
+
+# NOTE: what a busy neighbour does: float32 matmuls of a prefill's shape, on the cores this
+# process is not using, until its stdin closes.
+_NEIGHBOUR = """
+import os, sys, threading, torch
+os.sched_setaffinity(0, {cores})
+torch.set_num_threads({num_threads})
+a, b = torch.randn(256, 2048), torch.randn(2048, 2048)
+done = threading.Event()
+threading.Thread(target=lambda: (sys.stdin.read(), done.set()), daemon=True).start()
+print("ready", flush=True)
+while not done.is_set():
+    a @ b
+"""
+
+
+def _contention(engine: LLMEngine, num_seqs: int, context_len: int, rng: random.Random, others: list[int],
+                progress: Progress) -> float:
+    """Decode step time with the machine's other cores computing, over its time alone (median
+    of 5 steps each) on others, the cores one_unit left out; 1.0 when there are none."""
+    if not others:
+        return 1.0
+    alone = _time_decode(engine, num_seqs, context_len, 5, rng)[0]
+    code = _NEIGHBOUR.format(cores=set(others), num_threads=len(others))
+    with subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                          text=True) as neighbour:
+        try:
+            if neighbour.stdout.readline().strip() != "ready":
+                raise OSError("the contention neighbour did not start")
+            busy = _time_decode(engine, num_seqs, context_len, 5, rng)[0]
+        finally:
+            neighbour.stdin.close()
+            try:
+                neighbour.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                neighbour.kill()
+    factor = max(1.0, busy / alone)
+    progress(f"profile: decode {num_seqs} x {context_len} with the other cores busy: {1000 * busy:.1f} ms/step "
+             f"against {1000 * alone:.1f} alone (x{factor:.3f} while another unit computes)")
+    return factor
 
 
 def _join(engine: LLMEngine, num_seqs: int, context_len: int, rng: random.Random, tag: str) -> None:

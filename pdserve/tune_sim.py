@@ -17,19 +17,20 @@ from pdserve.bench_load import arrival_offsets
 from pdserve.tune_profile import Profile, attention_pairs
 from pdserve.tune_space import Layout, Slo, Workload
 
-# NOTE: what the simulation keeps and leaves out.
-# Kept: each node's step loop as engine.scheduler runs it (running requests first, a decode token
-# or the next prompt chunk each, under max_num_batched_tokens; then waiting prompts FCFS while
-# max_num_seqs and KV room last), so batched prefills finish together and colocated prefill
-# chunks stall the decodes they share a step with; step times from the profile (prefill by tokens
-# and attention pairs, decode by sequences and context tokens, a mixed step as their sum with one
-# fixed cost); the proxy's routing (prefill: fewest queued prompt tokens; decode/colocated: most
-# free KV, then fewest requests); a decode node starting pulls only between steps and below
-# max_num_seqs, each pull lasting profile.transfer_s, the request joining at the next step.
+# NOTE: what the simulation keeps and leaves out. Kept: each node's step loop as engine.scheduler
+# runs it (running requests first, a decode token or the next prompt chunk each, under
+# max_num_batched_tokens; then waiting prompts FCFS while max_num_seqs and KV room last), so batched
+# prefills finish together and colocated prefill chunks stall the decodes they share a step with;
+# step times from the profile (prefill by tokens and attention pairs, decode by sequences and
+# context tokens, a mixed step as their sum with one fixed cost), times the profile's contention
+# factor for a step started while another node is mid-step; the proxy's routing (prefill: fewest queued prompt tokens;
+# decode/colocated: most free KV, then fewest requests); a decode node starting pulls only between
+# steps and below max_num_seqs, each pull lasting profile.transfer_s, the request joining at the
+# next step.
 # Left out: preemption (a request reserves its whole KV at admission), the proxy's, HTTP's and the
-# node loop's own CPU time (a few ms per request and ~1 ms per token; they matter only for tiny
-# models), the proxy's conditional disaggregation (layouts run with it off), report staleness,
-# EOS (the workload asks for exactly output_len tokens), and other load on the machine.
+# node loop's own CPU time apart from the fixed per-step cost the served calibration adds (tune.py),
+# the proxy's conditional disaggregation (layouts run with it off), report staleness, EOS (the
+# workload asks for exactly output_len tokens), and other load on the machine.
 
 # NOTE: past this many times the units' prefill capacity the arrivals of one run are a burst;
 # an SLO still met there holds at any rate.
@@ -192,7 +193,9 @@ class _Simulation:
         batch = engine.schedule()
         if batch:
             engine.batch, engine.is_busy = batch, True
-            self.at(now_s + engine.step_s(batch), lambda now: self.step_end(engine, now))
+            shared = any(e.is_busy for e in (*self.prefill, *self.decode) if e is not engine)
+            step_s = engine.step_s(batch) * (self.profile.contention if shared else 1.0)
+            self.at(now_s + step_s, lambda now: self.step_end(engine, now))
 
     def step_end(self, engine: _Engine, now_s: float) -> None:
         for job in engine.finish_step(now_s):

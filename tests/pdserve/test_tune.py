@@ -69,6 +69,14 @@ def test_chunked_prefill_takes_one_step_per_chunk_with_attention_to_earlier_chun
     assert outcome.ttft_s[0] == pytest.approx(first + second)
 
 
+def test_a_step_started_while_another_node_computes_takes_the_contention_factor_longer():
+    profile, workload = replace(make_profile(), contention=1.5), Workload(500, 2)
+    lone = simulate(Layout(0, 2), profile, workload, [0.0])
+    assert lone.ttft_s[0] == pytest.approx(0.5)  # nothing else computing: as profiled
+    pair = simulate(Layout(0, 2), profile, workload, [0.0, 0.0])
+    assert sorted(pair.ttft_s) == pytest.approx([0.5, 0.75])  # the second node started mid-step of the first
+
+
 def test_requests_queue_behind_each_other_on_one_prefill_unit():
     profile, workload = make_profile(), Workload(1000, 1)  # 1 s of prefill each, one token: no decode
     outcome = simulate(Layout(0, 1, max_num_batched_tokens=1000), profile, workload, [0.0, 0.0, 0.0])
