@@ -224,9 +224,8 @@ def _profile(config: TuneConfig, clock: Clock, say: Say) -> Profile:
 def _served_calibration(config: TuneConfig, profile: Profile, say: Say) -> Profile:
     """profile with the serving stack's own per-step cost added: calibrated() on requests alone
     through the proxy to K colocated nodes, one unit each (a lone node would get every core). So
-    every layout's prediction, and the choice of what to measure, carries it; each measured
-    deployment is then calibrated again for what is its own. Unchanged, with a warning, if the
-    nodes do not come up. Measured deployments are not calibrated again: two requests alone vary
+    every layout's prediction, and the choice of what to measure, carries it. Unchanged, with a
+    warning, if the nodes do not come up. Measured deployments are not calibrated again: two requests alone vary
     by up to 15% in TTFT between deployments of one layout, and re-calibrating on them put a
     replay 45% off where this one calibration was 10% off; a deployment's own costs (the KV
     pull, routing) are the simulation's to model."""
@@ -312,9 +311,6 @@ def _measure(config: TuneConfig, profile: Profile, workload: Workload, candidate
                       layout.proxy_args(), log_dir) as deployment:
             warm_up(deployment.base_url, workload)
             candidate.single = _single_check(deployment.base_url, layout, profile, workload, say)
-            if profile.served_check is None:  # NOTE: else the served calibration holds (see _served_calibration)
-                profile = calibrated(profile, candidate.single)
-                start_rate = _calibrated_start(config, profile, workload, candidate, num_requests, start_rate, say)
             base = bench_config(deployment.base_url, workload, num_requests, config.slo, seed=1000,
                                 arrival_seed=config.arrival_seed)
             points = bracket_search(_point_measurer(base, layout, profile, workload, config.slo, candidate, say),
@@ -334,7 +330,7 @@ def _single_check(base_url: str, layout: Layout, profile: Profile, workload: Wor
                   stage: str = "measure") -> dict:
     """Requests alone (one after another), beside their simulated latency: what the profile
     leaves out (HTTP, the proxy, the node loop, the deployment's own processes and pinning)
-    shows here, and calibrated() corrects the step times by it."""
+    shows here (the served calibration has added it to the profile: see _served_calibration)."""
     alone = single_latency(base_url, workload, num_requests=_NUM_SINGLE)
     sim = simulate(layout, profile, workload, [0.0])
     check = {**alone.to_json(), "predicted_ttft_ms": 1000 * sim.ttft_s[0], "predicted_tpot_ms": 1000 * sim.tpot_s[0]}
@@ -362,22 +358,6 @@ def calibrated(profile: Profile, single: dict) -> Profile:
     decode = delta_s(single["tpot_ms"], single["predicted_tpot_ms"])
     single.update(prefill_extra_ms=1000 * prefill, decode_extra_ms=1000 * decode)
     return profile.with_fixed_extra(prefill, decode)
-
-
-def _calibrated_start(config: TuneConfig, profile: Profile, workload: Workload, candidate: Candidate,
-                      num_requests: int, planned_rate: float, say: Say) -> float:
-    """The goodput simulated for the measured runs' size and arrivals on the calibrated profile
-    (candidate.replay_rate, the figure the measurement checks; the uncalibrated one is kept),
-    and the rate the search starts from."""
-    candidate.uncalibrated_replay_rate = candidate.replay_rate
-    replay = predict_goodput(candidate.layout, profile, workload, config.slo,
-                             SimPlan(num_requests, (config.arrival_seed,)))
-    candidate.replay_rate = replay
-    s = candidate.single
-    say(f"measure {candidate.layout.name}: calibrated (prefill step {s['prefill_extra_ms']:+.1f} ms, decode step "
-        f"{s['decode_extra_ms']:+.1f} ms): goodput {replay:.3g} req/s for these runs' arrivals "
-        f"(uncalibrated {candidate.uncalibrated_replay_rate:.3g})")
-    return replay if 0 < replay < math.inf else planned_rate
 
 
 def _point_measurer(base, layout: Layout, profile: Profile, workload: Workload, slo: Slo, candidate: Candidate,

@@ -20,14 +20,11 @@ _WIDTH = 104
 class Candidate:
     """One layout for one workload. predicted_rate: the simulated goodput rate (attainment
     averaged over the arrival draws); replay_rate: simulated for the measured runs' own arrival
-    times and size, on step times calibrated by requests alone on the deployment (before any
-    loaded run; by the served calibration when the profile has one, else by this deployment's
-    requests alone); measured: read off the measured rates."""
+    times and size (before any loaded run); measured: read off the measured rates."""
 
     layout: Layout
     predicted_rate: float
     replay_rate: float | None = None
-    uncalibrated_replay_rate: float | None = None  # replay_rate before the calibration by single
     measured: Crossing | None = None
     num_requests: int | None = None
     points: list[dict] = field(default_factory=list)
@@ -58,7 +55,6 @@ class Candidate:
         return {"layout": layout.name, "num_prefill": layout.num_prefill, "num_decode": layout.num_decode,
                 "max_num_seqs": layout.max_num_seqs, "max_num_batched_tokens": layout.max_num_batched_tokens,
                 "predicted_req_s": self.predicted_rate, "replay_req_s": self.replay_rate,
-                "uncalibrated_replay_req_s": self.uncalibrated_replay_rate,
                 "measured": None if self.measured is None else self.measured.to_json(),
                 "error_pct": self.error_pct, "predicted_error_pct": self.predicted_error_pct,
                 "num_requests": self.num_requests, "single_request": self.single,
@@ -100,10 +96,8 @@ def format_table(config: TuneConfig, profile: Profile, workload: Workload, candi
         lines.append(_row(rank, candidate))
         if candidate.single:
             s = candidate.single
-            factors = (f"; calibration: prefill step {s['prefill_extra_ms']:+.1f} ms, decode step "
-                       f"{s['decode_extra_ms']:+.1f} ms" if "decode_extra_ms" in s else "")
             lines.append(" " * 6 + f"alone: TTFT {s['ttft_ms']:.0f} ms (pred {s['predicted_ttft_ms']:.0f}), "
-                         f"TPOT {s['tpot_ms']:.1f} ms (pred {s['predicted_tpot_ms']:.1f}){factors}")
+                         f"TPOT {s['tpot_ms']:.1f} ms (pred {s['predicted_tpot_ms']:.1f})")
         if candidate.points:
             lines.append(" " * 6 + "rates run: " + ", ".join(
                 f"{p['request_rate']:.3g} -> {100 * p['attainment']:.0f}% (pred {100 * p['predicted_attainment']:.0f}%)"
