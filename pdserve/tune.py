@@ -9,6 +9,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -21,9 +22,11 @@ import httpx
 from engine.protocol import default_of
 from pdserve.bench_report import jsonable
 from pdserve.tune_measure import (
+    BurstLatency,
     Clock,
     bench_config,
     bracket_search,
+    burst_latency,
     crossing,
     deployed,
     measure_rate,
@@ -43,6 +46,7 @@ _CLOSE_RATIO = 1.12  # the search stops once a passing and a failing rate are th
 _POINT_SLACK = 1.15  # a measured run lasts about its simulated duration times this, plus a few s
 _NUM_SINGLE = 3  # requests alone on a deployment, for the calibration (their medians)
 _CALIBRATION_SHARE = 0.5
+_BURST_PER_UNIT = 8  # requests per node sent at once for the per-sequence calibration
 
 Say = Callable[[str], None]
 
@@ -238,12 +242,17 @@ def _served_calibration(config: TuneConfig, profile: Profile, say: Say) -> Profi
                       log_dir) as deployment:
             warm_up(deployment.base_url, workload)
             single = _single_check(deployment.base_url, layout, profile, workload, say, "profile")
+            burst = burst_latency(deployment.base_url, workload, _BURST_PER_UNIT * layout.num_units)
     except (RuntimeError, TimeoutError, OSError, httpx.HTTPError) as exc:
         say(f"profile: warning: the served calibration failed ({type(exc).__name__}: {exc}); predicting without it")
         return profile
     served = calibrated(profile, single)
     say(f"profile: serving adds {single['prefill_extra_ms']:+.1f} ms per prefill step and "
         f"{single['decode_extra_ms']:+.1f} ms per decode step")
+    served = per_seq_calibrated(served, layout, workload, burst, single)
+    say(f"profile: {len(burst.start_s)} requests at once: TPOT {single['burst_tpot_ms']:.1f} ms (predicted "
+        f"{single['burst_predicted_tpot_ms']:.1f}); serving adds {single['decode_per_seq_extra_ms']:+.3f} ms "
+        "per sequence in a decode step")
     return replace(served, served_check=single)
 
 
@@ -358,6 +367,35 @@ def calibrated(profile: Profile, single: dict) -> Profile:
     decode = delta_s(single["tpot_ms"], single["predicted_tpot_ms"])
     single.update(prefill_extra_ms=1000 * prefill, decode_extra_ms=1000 * decode)
     return profile.with_fixed_extra(prefill, decode)
+
+
+def per_seq_calibrated(profile: Profile, layout: Layout, workload: Workload, burst: BurstLatency,
+                       check: dict) -> Profile:
+    """profile with a per-sequence decode cost added so that the burst, simulated on layout with
+    its own send times, has the measured mean TPOT: the serving stack's per-token work (the
+    node's token messages, the proxy's streaming on the same cores), which grows with the batch
+    and which requests alone cannot show. Mean TPOT grows with the cost, so bisection finds it,
+    within [-0.5, +1] times the profile's own per-sequence cost plus a tenth of its fixed step
+    cost. Records the figures in check."""
+    fixed, per_seq = profile.decode.coefs[:2]
+    measured = statistics.mean(burst.tpot_s)
+
+    def mean_tpot(extra_s: float) -> float:
+        return statistics.mean(simulate(layout, profile.with_per_seq_extra(extra_s), workload, burst.start_s).tpot_s)
+
+    lo, hi = -0.5 * per_seq, per_seq + 0.1 * fixed
+    if mean_tpot(hi) <= measured:
+        extra = hi
+    elif mean_tpot(lo) >= measured:
+        extra = lo
+    else:
+        for _ in range(30):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if mean_tpot(mid) < measured else (lo, mid)
+        extra = (lo + hi) / 2
+    check.update(burst={**burst.to_json()}, burst_tpot_ms=1000 * measured,
+                 burst_predicted_tpot_ms=1000 * mean_tpot(0.0), decode_per_seq_extra_ms=1000 * extra)
+    return profile.with_per_seq_extra(extra)
 
 
 def _point_measurer(base, layout: Layout, profile: Profile, workload: Workload, slo: Slo, candidate: Candidate,

@@ -86,6 +86,31 @@ def single_latency(base_url: str, workload: Workload, num_requests: int = 2) -> 
                          statistics.median(r.e2e_s for r in records), len(records))
 
 
+@dataclass(frozen=True)
+class BurstLatency:
+    """Requests sent all at once into an idle deployment: when each was sent (from the run's
+    start) and its TTFT and TPOT, in request order."""
+
+    start_s: list[float]
+    ttft_s: list[float]
+    tpot_s: list[float]
+
+    def to_json(self) -> dict:
+        return {"num_requests": len(self.start_s), "ttft_ms": 1000 * statistics.mean(self.ttft_s),
+                "tpot_ms": 1000 * statistics.mean(self.tpot_s)}
+
+
+def burst_latency(base_url: str, workload: Workload, num_requests: int) -> BurstLatency:
+    """Send num_requests at once (rate inf); raises RuntimeError if any fails."""
+    config = bench_config(base_url, workload, num_requests, None, seed=70_000)
+    records = sorted(run_benchmark(config).records, key=lambda r: r.request_idx)
+    failed = [r.error for r in records if not r.is_ok]
+    if failed:
+        raise RuntimeError(f"burst run failed: {failed[0]}")
+    return BurstLatency([r.start_s for r in records], [r.ttft_s for r in records],
+                        [r.tpot_s or 0.0 for r in records])
+
+
 def measure_rate(config: BenchConfig, rate: float, point_idx: int) -> dict:
     """One pdserve bench run at rate (run_sweep of one rate); its prompts come from dataset seed +
     point_idx, so no run repeats another's. Returns {"request_rate", "summary"}."""

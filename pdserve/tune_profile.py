@@ -134,6 +134,12 @@ class Profile:
             return replace(model, coefs=(max(0.0, model.coefs[0] + extra_s), *model.coefs[1:]))
         return replace(self, prefill=plus(self.prefill, prefill_s), decode=plus(self.decode, decode_s))
 
+    def with_per_seq_extra(self, extra_s: float) -> Profile:
+        """This profile with extra_s added to a decode step's cost per sequence (kept >= 0): the
+        serving stack's own per-token work, which grows with the batch."""
+        d = self.decode.coefs
+        return replace(self, decode=replace(self.decode, coefs=(d[0], max(0.0, d[1] + extra_s), *d[2:])))
+
     @classmethod
     def from_json(cls, data: dict) -> Profile:
         """The inverse of to_json; raises KeyError / ValueError for a malformed record."""

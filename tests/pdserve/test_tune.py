@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from pdserve import cli
-from pdserve.tune import calibrated
-from pdserve.tune_measure import bracket_search, crossing
+from pdserve.tune import calibrated, per_seq_calibrated
+from pdserve.tune_measure import BurstLatency, bracket_search, crossing
 from pdserve.tune_profile import (
     DECODE_FEATURES,
     PREFILL_FEATURES,
@@ -234,6 +234,29 @@ def test_calibration_adds_the_deployments_per_step_cost_measured_alone_within_bo
     calibrated(profile, wild)  # past half the prediction it is the profile's fault: bounded; no figure: none
     assert wild["prefill_extra_ms"] == pytest.approx(0.5 * single["predicted_ttft_ms"])
     assert wild["decode_extra_ms"] == 0.0
+
+
+def test_per_sequence_calibration_finds_the_cost_a_burst_measured_within_bounds():
+    profile, workload = make_profile(prefill=(0.01, 1e-3, 0.0), decode=(0.02, 1e-3, 1e-6)), Workload(200, 11)
+    layout = Layout(0, 2)
+    starts = [0.001 * i for i in range(16)]  # sent within a few ms, as a burst at rate inf is
+    measured = simulate(layout, profile.with_per_seq_extra(0.4e-3), workload, starts)
+    burst = BurstLatency(starts, measured.ttft_s, measured.tpot_s)
+    check: dict = {}
+    fitted = per_seq_calibrated(profile, layout, workload, burst, check)
+    assert fitted.decode.coefs == pytest.approx((0.02, 1.4e-3, 1e-6), rel=1e-4)  # only the per-sequence term moves
+    assert fitted.prefill == profile.prefill
+    assert check["decode_per_seq_extra_ms"] == pytest.approx(0.4, rel=1e-3)
+    assert check["burst_predicted_tpot_ms"] < check["burst_tpot_ms"] == pytest.approx(
+        1000 * sum(measured.tpot_s) / 16)
+    # A step pays it once per decoding sequence: 8 decodes pay 8 times what 1 does.
+    assert fitted.step_s(8, 0, 0, 0) - profile.step_s(8, 0, 0, 0) == pytest.approx(8 * 0.4e-3, rel=1e-3)
+    # Bounded: past +1x the profile's per-sequence cost (plus a tenth of its fixed cost), or
+    # below -0.5x, the profile is wrong, not the serving stack.
+    slow = BurstLatency(starts, measured.ttft_s, [10 * t for t in measured.tpot_s])
+    assert per_seq_calibrated(profile, layout, workload, slow, {}).decode.coefs[1] == pytest.approx(2e-3 + 2e-3)
+    fast = BurstLatency(starts, measured.ttft_s, [t / 10 for t in measured.tpot_s])
+    assert per_seq_calibrated(profile, layout, workload, fast, {}).decode.coefs[1] == pytest.approx(0.5e-3)
 
 
 # ---- rate search and crossing -------------------------------------------------------------------
