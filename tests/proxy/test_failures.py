@@ -367,3 +367,42 @@ def test_pool_drain_sends_drain_and_routes_around_the_node(start_proxy):
     assert proxy.decode[0].wait_for(lambda: proxy.decode[0].messages(protocol.Drain))
     assert proxy.decode[0].messages(protocol.Drain)[0].reason == "test"
     assert not proxy.decode[1].messages(protocol.Drain)
+
+
+def test_a_disconnect_report_queued_behind_the_first_event_does_not_end_a_live_stream(model_dir):
+    """The first-event watcher can queue ClientGone just behind the first token; once streaming,
+    only Starlette's own disconnect listener (which cancels the generator) ends a stream early,
+    so the stream still carries every choice's text, the usage chunk and [DONE]."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from proxy.choice_run import ChoiceRun
+    from proxy.choices import ChoiceDelta, ChoiceDone, ChoiceState, ClientGone, Delta, SubRequest
+    from proxy.openai_format import CompletionFormat
+    from proxy.request_id import RequestId
+    from proxy.schemas import Prompt
+    from proxy.service import RequestService
+    from proxy.tokenizer import ModelTokenizer
+
+    tokenizer = ModelTokenizer.from_dir(model_dir, template_timeout_s=1.0)
+    subs = [SubRequest(f"r-{i}", i, Prompt([1, 2]), protocol.SamplingOptions()) for i in range(2)]
+
+    async def stream() -> list[str]:
+        events: asyncio.Queue = asyncio.Queue()
+        for event in (ClientGone(), ChoiceDelta(1, Delta("b", [])), ChoiceDelta(0, Delta("c", [], "length")),
+                      ChoiceDelta(1, Delta("d", [], "length")), ChoiceDone(0), ChoiceDone(1)):
+            events.put_nowait(event)
+        run = ChoiceRun(subs, {i: ChoiceState(i, tokenizer, []) for i in range(2)}, events, [])
+        body = SimpleNamespace(include_usage=True)
+        fmt = CompletionFormat(MODEL_NAME, RequestId("x", is_given=False), is_echo=False)
+        chunks = RequestService._stream_events(body, fmt, run, ChoiceDelta(0, Delta("a", [])), lambda f, exc: exc)
+        return [chunk async for chunk in chunks]
+
+    chunks = asyncio.run(stream())
+    data = [json.loads(c[len("data: "):]) for c in chunks if c.startswith("data: {")]
+    texts = {0: "", 1: ""}
+    for chunk in data:
+        for choice in chunk["choices"]:
+            texts[choice["index"]] += choice["text"]
+    assert texts == {0: "ac", 1: "bd"}
+    assert data[-1]["usage"] is not None and chunks[-1] == "data: [DONE]\n\n"
