@@ -231,12 +231,7 @@ class RequestService:
                         yield fmt.error_event(failure(fmt, error))
                         break
                     case ClientGone():
-                        # NOTE: not an end. Once streaming, the disconnect is Starlette's to see:
-                        # StreamingResponse (ASGI spec < 2.4, as uvicorn reports) listens for it
-                        # and cancels this generator, whose finally cancels the run. A ClientGone
-                        # here is the first-event watcher's, queued behind the first event; ending
-                        # on it once cut a live client's stream short of [DONE] in the fuzz test.
-                        pass
+                        return
                 if not remaining:
                     break
                 event = await run.events.get()
