@@ -393,7 +393,7 @@ def per_seq_calibrated(profile: Profile, layout: Layout, workload: Workload, bur
             mid = (lo + hi) / 2
             lo, hi = (mid, hi) if mean_tpot(mid) < measured else (lo, mid)
         extra = (lo + hi) / 2
-    check.update(burst={**burst.to_json()}, burst_tpot_ms=1000 * measured,
+    check.update(burst=burst.to_json(), burst_tpot_ms=1000 * measured,
                  burst_predicted_tpot_ms=1000 * mean_tpot(0.0), decode_per_seq_extra_ms=1000 * extra)
     return profile.with_per_seq_extra(extra)
 
