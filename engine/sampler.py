@@ -15,6 +15,7 @@ import torch
 from engine.grammar import mask_logits
 from engine.protocol import TokenLogprob
 from engine.request import Request
+from kernels.argmax import argmax_rows
 
 _SEED_STRIDE = 1_000_003
 
@@ -49,9 +50,9 @@ class Sampler:
         greedy_idx = [i for i, r in enumerate(requests) if r.params.is_greedy]
         random_idx = [i for i, r in enumerate(requests) if not r.params.is_greedy]
         if len(greedy_idx) == len(requests):
-            token_ids = logits.argmax(dim=-1)  # no row gather: a copy of the whole logits
+            token_ids = argmax_rows(logits)  # no row gather: a copy of the whole logits
         elif greedy_idx:
-            token_ids[greedy_idx] = logits[greedy_idx].argmax(dim=-1)
+            token_ids[greedy_idx] = argmax_rows(logits[greedy_idx])
         if random_idx:
             chosen = [requests[i] for i in random_idx]
             token_ids[random_idx] = self._sample_random(logits[random_idx], chosen)
