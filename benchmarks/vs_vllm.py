@@ -10,9 +10,10 @@ fresh process:
            pdserve's LLM.generate vs vLLM's LLM.generate; output tokens/s of the timed call
            (after an untimed warm-up generate in the same process).
   served   the same prompts sent all at once (rate inf, streaming) by `pdserve bench` to
-           pdserve (`pdserve up`: 1 prefill + 1 decode node, one core each, the proxy) and to
-           `vllm serve` (one server, its worker bound to both cores): output tokens/s, TTFT
-           p50 and TPOT p50.
+           pdserve (`pdserve up` in each of --served-layouts: by default 1 prefill + 1 decode
+           node, one core each, and one colocated node on both cores; the proxy beside them)
+           and to `vllm serve` (one server, its worker bound to both cores): output tokens/s,
+           TTFT p50 and TPOT p50. One row per pdserve layout, each against the same vLLM runs.
 
 Reports the median of the rounds per cell and pdserve/vLLM ratios, how many outputs of the two
 engines are equal token for token, writes a table and a bar chart to benchmarks/out/, and ends
@@ -54,6 +55,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="both engines' weights, activations and KV cache (default: float32)")
+    parser.add_argument("--served-layouts", default="1:1,0:1",
+                        help="pdserve layouts served, PREFILL:DECODE nodes each (0:1 = one colocated node)")
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=64)
@@ -158,11 +161,25 @@ def bench_endpoint(base_url: str, model: str, args: argparse.Namespace, vocab: i
             "tpot_p50_s": summary["tpot_ms"]["p50"] / 1000.0, "failed": summary["num_failed"]}
 
 
-def served_pdserve(args, model_dir: Path, vocab: int) -> dict:
+def layout_name(layout: str) -> str:
+    num_prefill, num_decode = parse_layout(layout)
+    return "colocated" if not num_prefill and num_decode == 1 else f"{num_prefill}P+{num_decode}D"
+
+
+def parse_layout(layout: str) -> tuple[int, int]:
+    num_prefill, num_decode = (int(n) for n in layout.split(":"))
+    if num_prefill < 0 or num_decode < 1:
+        raise ValueError(f"served layout {layout!r}: PREFILL:DECODE with at least one decode node")
+    return num_prefill, num_decode
+
+
+def served_pdserve(args, model_dir: Path, vocab: int, layout: str) -> dict:
     sys.path.insert(0, str(REPO))
     from pdserve.launcher import start_local, wait_healthy
 
-    deployment = start_local(model_dir, num_prefill=1, num_decode=1, node_args=["--dtype", args.dtype],
+    num_prefill, num_decode = parse_layout(layout)
+    deployment = start_local(model_dir, num_prefill=num_prefill, num_decode=num_decode,
+                             node_args=["--dtype", args.dtype],
                              log_dir=Path(args.out_dir) / "vs_vllm_logs")
     try:
         wait_healthy(deployment, 300)
@@ -218,13 +235,24 @@ def stop_group(process: subprocess.Popen) -> None:
 
 
 def served_round(args, preset: str, model_dir: Path, vocab: int) -> dict:
+    """{layout: pdserve's figures, ..., "vllm": vLLM's}, pdserve's layouts first."""
+    runs = [(layout, lambda layout=layout: served_pdserve(args, model_dir, vocab, layout))
+            for layout in args.served_layouts.split(",")]
+    runs.append(("vllm", lambda: served_vllm(args, model_dir, vocab)))
     result = {}
-    for engine, run in (("pdserve", served_pdserve), ("vllm", served_vllm)):
-        print(f"  served {preset} {engine} ...", flush=True)
-        result[engine] = run(args, model_dir, vocab)
-        print(f"    {result[engine]['tok_s']:.1f} tok/s, TTFT p50 {result[engine]['ttft_p50_s']:.2f} s, "
-              f"TPOT p50 {result[engine]['tpot_p50_s'] * 1000:.1f} ms", flush=True)
+    for key, run in runs:
+        label = "vllm" if key == "vllm" else f"pdserve {layout_name(key)}"
+        print(f"  served {preset} {label} ...", flush=True)
+        result[key] = run()
+        print(f"    {result[key]['tok_s']:.1f} tok/s, TTFT p50 {result[key]['ttft_p50_s']:.2f} s, "
+              f"TPOT p50 {result[key]['tpot_p50_s'] * 1000:.1f} ms", flush=True)
     return result
+
+
+def served_rows(preset: str, rounds: list[dict], layouts: list[str]) -> list[dict]:
+    """One row per pdserve layout, each against the same vLLM runs."""
+    return [summarize(preset, f"served {layout_name(layout)}",
+                      [{"pdserve": r[layout], "vllm": r["vllm"]} for r in rounds]) for layout in layouts]
 
 
 def equal_outputs(a: list[list[int]], b: list[list[int]]) -> int:
@@ -236,7 +264,7 @@ def median_cell(rounds: list[dict], engine: str, key: str) -> float:
 
 
 def summarize(preset: str, mode: str, rounds: list[dict]) -> dict:
-    keys = ["tok_s"] + (["ttft_p50_s", "tpot_p50_s"] if mode == "served" else [])
+    keys = ["tok_s"] + (["ttft_p50_s", "tpot_p50_s"] if mode.startswith("served") else [])
     row = {"preset": preset, "mode": mode, "rounds": len(rounds)}
     for engine in ("pdserve", "vllm"):
         row[engine] = {key: median_cell(rounds, engine, key) for key in keys}
@@ -252,7 +280,7 @@ def table(rows: list[dict]) -> str:
              "|---|---|---|---|---|---|"]
     for row in rows:
         tpot = (f"{row['vllm']['tpot_p50_s'] * 1000:.1f} / {row['pdserve']['tpot_p50_s'] * 1000:.1f} ms"
-                if row["mode"] == "served" else "")
+                if row["mode"].startswith("served") else "")
         lines.append(f"| {row['preset']} | {row['mode']} | {row['vllm']['tok_s']:,.1f} | "
                      f"{row['pdserve']['tok_s']:,.1f} | **{row['ratio']:.2f}x** | {tpot} |")
     return "\n".join(lines)
@@ -300,6 +328,8 @@ def main() -> None:
         return
     if not args.vllm_python:
         sys.exit("--vllm-python is required (README: pdserve vs vLLM)")
+    for layout in args.served_layouts.split(","):
+        parse_layout(layout)
     sys.path.insert(0, str(REPO))
     from pdserve.default_model import ensure_model
 
@@ -318,7 +348,10 @@ def main() -> None:
                                                 args.num_prompts * args.output_len))
                 else:
                     rounds.append(served_round(args, preset, model_dir, vocab))
-            rows.append(summarize(preset, mode, rounds))
+            if mode == "offline":
+                rows.append(summarize(preset, mode, rounds))
+            else:
+                rows.extend(served_rows(preset, rounds, args.served_layouts.split(",")))
             print(table(rows), flush=True)
     suffix = "" if args.dtype == "float32" else f"_{args.dtype}"
     (out_dir / f"vs_vllm{suffix}.md").write_text(table(rows) + "\n")
