@@ -35,11 +35,8 @@ def keep_freed_memory() -> bool:
     """Serve every allocation from the heap and keep freed memory for reuse (no mmap per large
     tensor, no trimming below 2 GiB). Idempotent; the process's peak heap stays mapped. Returns
     False, changing nothing, where the C library is not glibc."""
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError, TypeError):
+    mallopt = getattr(_libc(), "mallopt", None)
+    if mallopt is None:
         logger.info("no glibc mallopt here; keeping the C library's heap policy")
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
@@ -74,12 +71,17 @@ def advise_huge_pages(tensor: torch.Tensor) -> int:
 
 
 @functools.cache
-def _libc_madvise():
-    if not sys.platform.startswith("linux"):
-        return None
+def _libc() -> ctypes.CDLL | None:
     try:
-        madvise = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True).madvise
-    except (OSError, AttributeError, TypeError):
+        return ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    except (OSError, TypeError):
+        return None
+
+
+@functools.cache
+def _libc_madvise():
+    madvise = getattr(_libc(), "madvise", None) if sys.platform.startswith("linux") else None
+    if madvise is None:
         return None
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     madvise.restype = ctypes.c_int
