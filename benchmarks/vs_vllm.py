@@ -237,7 +237,7 @@ def stop_group(process: subprocess.Popen) -> None:
 def served_round(args, preset: str, model_dir: Path, vocab: int) -> dict:
     """{layout: pdserve's figures, ..., "vllm": vLLM's}, pdserve's layouts first."""
     runs = [(layout, lambda layout=layout: served_pdserve(args, model_dir, vocab, layout))
-            for layout in args.served_layouts.split(",")]
+            for layout in args.layouts]
     runs.append(("vllm", lambda: served_vllm(args, model_dir, vocab)))
     result = {}
     for key, run in runs:
@@ -328,8 +328,9 @@ def main() -> None:
         return
     if not args.vllm_python:
         sys.exit("--vllm-python is required (README: pdserve vs vLLM)")
-    for layout in args.served_layouts.split(","):
-        parse_layout(layout)
+    args.layouts = args.served_layouts.split(",")
+    for layout in args.layouts:
+        parse_layout(layout)  # a bad layout fails here, before any engine runs
     sys.path.insert(0, str(REPO))
     from pdserve.default_model import ensure_model
 
@@ -351,7 +352,7 @@ def main() -> None:
             if mode == "offline":
                 rows.append(summarize(preset, mode, rounds))
             else:
-                rows.extend(served_rows(preset, rounds, args.served_layouts.split(",")))
+                rows.extend(served_rows(preset, rounds, args.layouts))
             print(table(rows), flush=True)
     suffix = "" if args.dtype == "float32" else f"_{args.dtype}"
     (out_dir / f"vs_vllm{suffix}.md").write_text(table(rows) + "\n")
