@@ -3,10 +3,18 @@
  *
  * One task per sequence: its query heads walk the sequence's blocks once, with an online softmax
  * (running max and sum, accumulator rescaled only when the max grows) per head in float32.
- * Within a block, keys and then values are read row by row, every KV head of a row before the
- * next row, so each is one forward stream, and the rows of the next block are prefetched in the
- * same rhythm, a block ahead (measured on a 2-core Zen 3, 64 sequences x 300 tokens of the small
- * preset: 1.4x faster than head-by-head passes, which stride through the block once per head).
+ * Per block, KV head by KV head: the keys give every query head of the group its scores 16 tokens
+ * at a time (16 dot-product vectors summed across lanes together, not one by one), then the
+ * values are added into accumulators held in registers for the whole block (the group's query
+ * heads in chunks of at most 16 vectors). The next block is prefetched slice by slice as this one
+ * is read, one block ahead (two ahead measured 4-5% slower).
+ * Measured on a 2-core Xeon (AVX-512), 2 threads, 64 sequences of 260-320 tokens over 30 layers'
+ * caches (each call's blocks come from memory), the small preset's heads: bfloat16 0.99 -> 0.87 ms
+ * per call, float32 1.65 -> 1.41 ms, against the previous kernel, which summed each token's dot
+ * product across lanes on its own and kept the accumulators in memory. With the blocks in cache
+ * the arithmetic alone went 0.58 -> 0.45 ms (bfloat16), so it is no longer the larger part.
+ * (Before that: row-by-row reads of every KV head measured 1.4x faster than head-by-head passes
+ * that each stride through the block, on a 2-core Zen 3, without prefetching.)
  * Tasks are spread over the process's OpenMP threads (torch's own pool: the same libgomp.so.1).
  * Head sizes 32, 64, 80, 96 and 128 run on 16-float vectors (GCC vector extensions: one AVX-512
  * register; 8-float vectors measured 5-13% slower on a 2-core Xeon, 2 threads, the small and tiny
@@ -35,6 +43,14 @@ typedef struct {
     float scale;
 } CacheView;
 
+/* A two-source lane permute (indices 16-31 pick from b): GCC before 12 has only __builtin_shuffle. */
+#if defined(__clang__) || __GNUC__ >= 12
+#define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, (i32x16){__VA_ARGS__})
+#endif
+
 static inline v16 load16(const float *p) {
     v16 v;
     memcpy(&v, p, sizeof v);
@@ -60,9 +76,23 @@ static inline void prefetch_row(const void *cache, int64_t off, int64_t num, con
     for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i);
 }
 
-static inline float hsum16(v16 v) {
-    return (((v[0] + v[8]) + (v[1] + v[9])) + ((v[2] + v[10]) + (v[3] + v[11])))
-         + (((v[4] + v[12]) + (v[5] + v[13])) + ((v[6] + v[14]) + (v[7] + v[15])));
+/* The 16 sums of d[0..15], in order, as one vector: four levels that each add the two halves of
+ * every lane segment of two vectors (segments of 8, 4, 2, 1 lanes), pairing d[i] with d[i + 8]
+ * first so that the sums come out in natural order. 15 two-source permute pairs and 15 adds for
+ * 16 dot products, against four shuffle-add levels for each one alone. */
+static inline v16 sum16x16(const v16 d[LANES]) {
+    v16 w[8], x[4], y[2];
+    for (int i = 0; i < 8; ++i)
+        w[i] = SHUFFLE(d[i], d[i + 8], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
+             + SHUFFLE(d[i], d[i + 8], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    for (int i = 0; i < 4; ++i)
+        x[i] = SHUFFLE(w[i], w[i + 4], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27)
+             + SHUFFLE(w[i], w[i + 4], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int i = 0; i < 2; ++i)
+        y[i] = SHUFFLE(x[i], x[i + 2], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29)
+             + SHUFFLE(x[i], x[i + 2], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+    return SHUFFLE(y[0], y[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30)
+         + SHUFFLE(y[0], y[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
 }
 
 /* Online-softmax step for one query head over one block's scores: returns the factor the
@@ -87,11 +117,77 @@ static inline float softmax_step(float *scores, int num, float *run_max, float *
     return correction;
 }
 
+enum { MAX_CHUNK = 4 };
+
+/* Scores of tokens [0, n) (n <= 16) of one block for gc query heads that share one KV head, each
+ * query head's 16 dot products summed across lanes together (sum16x16): scores[g *
+ * MAX_BLOCK_SIZE + t], scaled. k and ahead: this KV head's first key in this block and in the
+ * next one, whose same keys are prefetched when prefetch is set. */
+static inline __attribute__((always_inline)) void
+key_tile(const CacheView *cv, int64_t k, int64_t ahead, int prefetch, int n, const float *q, int64_t stride_q_head,
+         float *scores, const int gc, const int num_vecs, const int kv_bf16) {
+    v16 qv[MAX_CHUNK][MAX_HEAD_DIM / LANES];
+    v16 dots[MAX_CHUNK][LANES];
+    for (int g = 0; g < gc; ++g)
+        for (int j = 0; j < num_vecs; ++j) qv[g][j] = load16(q + g * stride_q_head + j * LANES);
+    for (int t = 0; t < n; ++t) {
+        const int64_t row = k + t * cv->stride_token;
+        if (prefetch) prefetch_row(cv->kv_cache, ahead + t * cv->stride_token, num_vecs * LANES, kv_bf16);
+        v16 key[MAX_HEAD_DIM / LANES];
+        for (int j = 0; j < num_vecs; ++j) key[j] = load_kv16(cv->kv_cache, row + j * LANES, kv_bf16);
+        for (int g = 0; g < gc; ++g) {
+            v16 dot = qv[g][0] * key[0];
+            for (int j = 1; j < num_vecs; ++j) dot += qv[g][j] * key[j];
+            dots[g][t] = dot;
+        }
+    }
+    for (int t = n; t < LANES; ++t)
+        for (int g = 0; g < gc; ++g) dots[g][t] = (v16){0};
+    for (int g = 0; g < gc; ++g) store16(scores + g * MAX_BLOCK_SIZE, sum16x16(dots[g]) * cv->scale);
+}
+
+/* acc[g] += sum over tokens t < num of p[g][t] * value[t], for gc query heads sharing one KV head,
+ * the accumulators held in registers across the block. v and ahead: this KV head's first value
+ * in this block and in the next one (prefetched when prefetch is set). */
+static inline __attribute__((always_inline)) void
+value_block(const CacheView *cv, int64_t v, int64_t ahead, int prefetch, int num, const float *scores,
+            v16 (*acc)[MAX_HEAD_DIM / LANES], const int gc, const int num_vecs, const int kv_bf16) {
+    v16 a[MAX_CHUNK][MAX_HEAD_DIM / LANES];
+    for (int g = 0; g < gc; ++g)
+        for (int j = 0; j < num_vecs; ++j) a[g][j] = acc[g][j];
+    for (int t = 0; t < num; ++t) {
+        const int64_t row = v + t * cv->stride_token;
+        if (prefetch) prefetch_row(cv->kv_cache, ahead + t * cv->stride_token, num_vecs * LANES, kv_bf16);
+        v16 value[MAX_HEAD_DIM / LANES];
+        for (int j = 0; j < num_vecs; ++j) value[j] = load_kv16(cv->kv_cache, row + j * LANES, kv_bf16);
+        for (int g = 0; g < gc; ++g) {
+            const float p = scores[g * MAX_BLOCK_SIZE + t];
+            for (int j = 0; j < num_vecs; ++j) a[g][j] += p * value[j];
+        }
+    }
+    for (int g = 0; g < gc; ++g)
+        for (int j = 0; j < num_vecs; ++j) acc[g][j] = a[g][j];
+}
+
+/* One call of key_tile or value_block with the chunk size gc as a constant (1..MAX_CHUNK). */
+#define WITH_CHUNK(gc, CALL)                                                                                    \
+    switch (gc) {                                                                                              \
+    case 1: CALL(1); break;                                                                                    \
+    case 2: CALL(2); break;                                                                                    \
+    case 3: CALL(3); break;                                                                                    \
+    default: CALL(4); break;                                                                                   \
+    }
+
 /* Vector path, one sequence, all its heads: head_dim = num_vecs * 16; num_vecs and kv_bf16 are
- * constants in each copy. Cache positions are element offsets from cv->kv_cache. */
+ * constants in each copy. Cache positions are element offsets from cv->kv_cache. Per block: the
+ * scores of every query head (KV head by KV head, the query heads of a group in chunks that fit
+ * in registers), the online-softmax step, then the values, KV head by KV head. The next block is
+ * prefetched slice by slice as this one is read. */
 static inline __attribute__((always_inline)) void
 attend_vec(const CacheView *cv, const float *q, int64_t stride_q_head, int num_kv_heads, const int32_t *block_table,
            int seq_len, float *out, int64_t stride_out_head, const int num_vecs, const int kv_bf16) {
+    /* Chunks of at most 16 accumulator vectors, so that value_block's stay in registers. */
+    const int chunk_cap = 16 / num_vecs > MAX_CHUNK ? MAX_CHUNK : 16 / num_vecs;
     const int group = cv->group, block_size = cv->block_size, num_heads = num_kv_heads * group;
     const int64_t stride_token = cv->stride_token, stride_head = cv->stride_head, stride_kv = cv->stride_kv;
     v16 acc[MAX_HEADS][MAX_HEAD_DIM / LANES];
@@ -106,20 +202,20 @@ attend_vec(const CacheView *cv, const float *q, int64_t stride_q_head, int num_k
         const int num = seq_len - start < block_size ? seq_len - start : block_size;
         const int64_t block = (int64_t)block_table[start / block_size] * cv->stride_block;
         const int next = start + block_size;
-        /* Prefetched row by row in the loops below; the last block prefetches itself (harmless). */
+        /* The last block prefetches itself (harmless). */
         const int64_t ahead = next < seq_len ? (int64_t)block_table[next / block_size] * cv->stride_block : block;
-        for (int t = 0; t < num; ++t) {
-            const int64_t row = block + t * stride_token;
-            prefetch_row(cv->kv_cache, ahead + t * stride_token, stride_token, kv_bf16);
-            for (int kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
-                const int64_t k = row + kv_head * stride_head;
-                v16 key[MAX_HEAD_DIM / LANES];
-                for (int j = 0; j < num_vecs; ++j) key[j] = load_kv16(cv->kv_cache, k + j * LANES, kv_bf16);
-                for (int head = kv_head * group; head < (kv_head + 1) * group; ++head) {
-                    const float *qh = q + head * stride_q_head;
-                    v16 dot = load16(qh) * key[0];
-                    for (int j = 1; j < num_vecs; ++j) dot += load16(qh + j * LANES) * key[j];
-                    scores[head][t] = hsum16(dot) * cv->scale;
+        for (int kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
+            const int64_t k = block + kv_head * stride_head, k_ahead = ahead + kv_head * stride_head;
+            for (int g0 = 0; g0 < group; g0 += chunk_cap) {
+                const int gc = group - g0 < chunk_cap ? group - g0 : chunk_cap, head = kv_head * group + g0;
+                for (int t0 = 0; t0 < num; t0 += LANES) {
+                    const int n = num - t0 < LANES ? num - t0 : LANES;
+                    const int64_t at = t0 * stride_token;
+#define KEY_TILE(GC)                                                                                               \
+    key_tile(cv, k + at, k_ahead + at, g0 == 0, n, q + head * stride_q_head, stride_q_head, &scores[head][t0], GC, \
+             num_vecs, kv_bf16)
+                    WITH_CHUNK(gc, KEY_TILE)
+#undef KEY_TILE
                 }
             }
         }
@@ -128,17 +224,13 @@ attend_vec(const CacheView *cv, const float *q, int64_t stride_q_head, int num_k
             if (correction != 1.0f)
                 for (int j = 0; j < num_vecs; ++j) acc[head][j] *= correction;
         }
-        for (int t = 0; t < num; ++t) {
-            const int64_t row = block + stride_kv + t * stride_token;
-            prefetch_row(cv->kv_cache, ahead + stride_kv + t * stride_token, stride_token, kv_bf16);
-            for (int kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
-                const int64_t v = row + kv_head * stride_head;
-                v16 value[MAX_HEAD_DIM / LANES];
-                for (int j = 0; j < num_vecs; ++j) value[j] = load_kv16(cv->kv_cache, v + j * LANES, kv_bf16);
-                for (int head = kv_head * group; head < (kv_head + 1) * group; ++head) {
-                    const float p = scores[head][t];
-                    for (int j = 0; j < num_vecs; ++j) acc[head][j] += p * value[j];
-                }
+        for (int kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
+            const int64_t v = block + stride_kv + kv_head * stride_head, v_ahead = ahead + stride_kv + kv_head * stride_head;
+            for (int g0 = 0; g0 < group; g0 += chunk_cap) {
+                const int gc = group - g0 < chunk_cap ? group - g0 : chunk_cap, head = kv_head * group + g0;
+#define VALUE_BLOCK(GC) value_block(cv, v, v_ahead, g0 == 0, num, scores[head], &acc[head], GC, num_vecs, kv_bf16)
+                WITH_CHUNK(gc, VALUE_BLOCK)
+#undef VALUE_BLOCK
             }
         }
     }

@@ -143,6 +143,34 @@ def test_decode_cpu_kernel_reads_a_strided_query_and_refuses_out_of_range_tables
     assert decode_attention_cpu(query.double(), kv_layer.double(), table, seq_lens, 0.2) is None
 
 
+@pytest.mark.parametrize("block_size", [4, 16, 32, 64])
+@pytest.mark.parametrize("group", [2, 5, 7])
+@pytest.mark.parametrize("head_dim", [32, 96, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_cpu_kernel_block_sizes_and_group_chunks(block_size, group, head_dim, dtype):
+    """The kernel scores a block in tiles of 16 tokens and walks a GQA group in chunks of at most
+    four heads (fewer for wide heads): blocks smaller than, equal to and several tiles long,
+    lengths ending inside a tile, and groups that split into uneven chunks."""
+    kv_heads = 2
+    seq_lens = [1, block_size, block_size + 1, 3 * block_size - 5, 100, 0, 37]
+    width = max(-(-n // block_size) for n in seq_lens)
+    num_blocks = len(seq_lens) * width + 3
+    generator = torch.Generator().manual_seed(block_size * 100 + group * 10 + head_dim)
+    cache = torch.randn(num_blocks, 2, block_size, kv_heads, head_dim, generator=generator).to(dtype)
+    table = torch.randperm(num_blocks, generator=generator)[: len(seq_lens) * width].view(len(seq_lens), width)
+    query = torch.randn(len(seq_lens), kv_heads * group, head_dim, generator=generator).to(dtype)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    table = table.to(torch.int32).contiguous()
+    got = decode_attention_cpu(query, cache, table, lens, head_dim ** -0.5)
+    assert got is not None, "the compiled CPU kernel did not build or load"
+    want = decode_attention_ref(query.float(), cache.float(), table, lens, head_dim ** -0.5)
+    if dtype == torch.float32:
+        assert_close(got, want, torch.float32)
+    else:
+        torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=8e-3)
+    assert torch.all(got[seq_lens.index(0)] == 0)
+
+
 def test_loading_the_cpu_kernel_keeps_denormals():
     # A library linked with -ffast-math would switch on flush-to-zero for the whole process.
     from kernels.decode_attention import _cpu_kernel
