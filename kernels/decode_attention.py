@@ -79,13 +79,13 @@ def decode_attention_cpu(query, kv_cache_layer, block_tables, seq_lens, scale) -
         return None
     if kv_cache_layer.stride(-1) != 1:
         return None
-    if dtype != torch.float32 or query.stride(-1) != 1:
-        query = query.float().contiguous()  # the kernel takes a float32 query: small, one copy
+    if query.stride(-1) != 1:
+        query = query.contiguous()
     num_seqs, num_heads, head_dim = query.shape
     num_blocks, _, block_size, num_kv_heads, _ = kv_cache_layer.shape
-    out = torch.empty(query.shape, dtype=torch.float32)
+    out = torch.empty(query.shape, dtype=dtype)
     if num_seqs == 0:
-        return out.to(dtype)
+        return out
     tables = block_tables.to(torch.int32).contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
     _check_bounds(tables, lens, num_blocks, block_size)
@@ -97,12 +97,27 @@ def decode_attention_cpu(query, kv_cache_layer, block_tables, seq_lens, scale) -
         num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim, block_size, scale,
         int(dtype == torch.bfloat16),
     )
-    if status != 0:
-        return None
-    return out if dtype == torch.float32 else out.to(dtype)
+    return out if status == 0 else None
+
+
+# NOTE: the model calls the kernel once per layer with the same block-table and length tensors;
+# the last pair that passed is kept (alive, so identity is meaningful) with torch's version
+# counters, and the same unmodified pair is not checked again. The check's reductions and syncs
+# measured ~1 ms of a 56 ms bfloat16 small decode step when run for each of the 30 layers.
+_last_checked: tuple | None = None
 
 
 def _check_bounds(tables: torch.Tensor, lens: torch.Tensor, num_blocks: int, block_size: int) -> None:
+    global _last_checked
+    versions = (tables._version, lens._version, num_blocks, block_size)
+    last = _last_checked
+    if last is not None and last[0] is tables and last[1] is lens and last[2] == versions:
+        return
+    _check_bounds_now(tables, lens, num_blocks, block_size)
+    _last_checked = (tables, lens, versions)
+
+
+def _check_bounds_now(tables: torch.Tensor, lens: torch.Tensor, num_blocks: int, block_size: int) -> None:
     longest = int(lens.max())
     if longest > tables.shape[1] * block_size or int(lens.min()) < 0:
         raise ValueError(f"decode_attention: seq_lens up to {longest} for block tables of width {tables.shape[1]}")

@@ -1,4 +1,4 @@
-/* Paged decode attention on the CPU, float32: one query token per sequence attends to the
+/* Paged decode attention on the CPU: one query token per sequence attends to the
  * first seq_len tokens of its block table, read in place from the block-major cache (no gather).
  *
  * One task per sequence: its query heads walk the sequence's blocks once, with an online softmax
@@ -19,9 +19,10 @@
  * Head sizes 32, 64, 80, 96 and 128 run on 16-float vectors (GCC vector extensions: one AVX-512
  * register; 8-float vectors measured 5-13% slower on a 2-core Xeon, 2 threads, the small and tiny
  * presets' shapes); other sizes take a scalar loop.
- * The cache may hold float32 or bfloat16 (the query and output are float32 either way): a
- * bfloat16 row is widened to float32 as it is loaded (its bits shifted into a float's top half,
- * exact), so every sum runs in float32 and the bytes read are halved.
+ * The cache, query and output are all float32 or all bfloat16: a bfloat16 row is widened to
+ * float32 as it is loaded (its bits shifted into a float's top half, exact), so every sum runs in
+ * float32 and the bytes read are halved; the output is rounded to bfloat16 once, as torch rounds
+ * (taking the bfloat16 query and output directly saved two torch conversions per layer call).
  * Built with -ffast-math for vector expf and reassociated sums, linked without it so that
  * loading the library leaves the process's denormal handling alone.
  */
@@ -68,6 +69,23 @@ static inline v16 load_kv16(const void *cache, int64_t off, const int kv_bf16) {
     v16 v;
     memcpy(&v, &bits, sizeof v);
     return v;
+}
+
+/* 16 float32 values to element offset off of out, narrowed to bfloat16 when bf16 (to nearest
+ * even, NaN kept a NaN: bf16.h's rule, as torch rounds). */
+static inline void store_out16(void *out, int64_t off, v16 v, const int bf16) {
+    if (!bf16) {
+        store16((float *)out + off, v);
+        return;
+    }
+    u32x16 bits;
+    memcpy(&bits, &v, sizeof bits);
+    const u32x16 rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+    const u32x16 quiet = (bits >> 16) | 0x40u;
+    const u32x16 nan = (u32x16)((bits & 0x7fffffffu) > 0x7f800000u); /* all ones where NaN */
+    const u32x16 narrowed = (quiet & nan) | (rounded & ~nan);
+    const u16x16 half = __builtin_convertvector(narrowed, u16x16);
+    memcpy((uint16_t *)out + off, &half, sizeof half);
 }
 
 static inline void prefetch_row(const void *cache, int64_t off, int64_t num, const int kv_bf16) {
@@ -124,12 +142,12 @@ enum { MAX_CHUNK = 4 };
  * MAX_BLOCK_SIZE + t], scaled. k and ahead: this KV head's first key in this block and in the
  * next one, whose same keys are prefetched when prefetch is set. */
 static inline __attribute__((always_inline)) void
-key_tile(const CacheView *cv, int64_t k, int64_t ahead, int prefetch, int n, const float *q, int64_t stride_q_head,
+key_tile(const CacheView *cv, int64_t k, int64_t ahead, int prefetch, int n, const void *q, int64_t q_off, int64_t stride_q_head,
          float *scores, const int gc, const int num_vecs, const int kv_bf16) {
     v16 qv[MAX_CHUNK][MAX_HEAD_DIM / LANES];
     v16 dots[MAX_CHUNK][LANES];
     for (int g = 0; g < gc; ++g)
-        for (int j = 0; j < num_vecs; ++j) qv[g][j] = load16(q + g * stride_q_head + j * LANES);
+        for (int j = 0; j < num_vecs; ++j) qv[g][j] = load_kv16(q, q_off + g * stride_q_head + j * LANES, kv_bf16);
     for (int t = 0; t < n; ++t) {
         const int64_t row = k + t * cv->stride_token;
         if (prefetch) prefetch_row(cv->kv_cache, ahead + t * cv->stride_token, num_vecs * LANES, kv_bf16);
@@ -184,8 +202,8 @@ value_block(const CacheView *cv, int64_t v, int64_t ahead, int prefetch, int num
  * in registers), the online-softmax step, then the values, KV head by KV head. The next block is
  * prefetched slice by slice as this one is read. */
 static inline __attribute__((always_inline)) void
-attend_vec(const CacheView *cv, const float *q, int64_t stride_q_head, int num_kv_heads, const int32_t *block_table,
-           int seq_len, float *out, int64_t stride_out_head, const int num_vecs, const int kv_bf16) {
+attend_vec(const CacheView *cv, const void *q, int64_t stride_q_head, int num_kv_heads, const int32_t *block_table,
+           int seq_len, void *out, int64_t stride_out_head, const int num_vecs, const int kv_bf16) {
     /* Chunks of at most 16 accumulator vectors, so that value_block's stay in registers. */
     const int chunk_cap = 16 / num_vecs > MAX_CHUNK ? MAX_CHUNK : 16 / num_vecs;
     const int group = cv->group, block_size = cv->block_size, num_heads = num_kv_heads * group;
@@ -212,7 +230,7 @@ attend_vec(const CacheView *cv, const float *q, int64_t stride_q_head, int num_k
                     const int n = num - t0 < LANES ? num - t0 : LANES;
                     const int64_t at = t0 * stride_token;
 #define KEY_TILE(GC)                                                                                               \
-    key_tile(cv, k + at, k_ahead + at, g0 == 0, n, q + head * stride_q_head, stride_q_head, &scores[head][t0], GC, \
+    key_tile(cv, k + at, k_ahead + at, g0 == 0, n, q, head * stride_q_head, stride_q_head, &scores[head][t0], GC, \
              num_vecs, kv_bf16)
                     WITH_CHUNK(gc, KEY_TILE)
 #undef KEY_TILE
@@ -236,7 +254,7 @@ attend_vec(const CacheView *cv, const float *q, int64_t stride_q_head, int num_k
     }
     for (int head = 0; head < num_heads; ++head) {
         const float inv = seq_len > 0 ? 1.0f / run_sum[head] : 0.0f;
-        for (int j = 0; j < num_vecs; ++j) store16(out + head * stride_out_head + j * LANES, acc[head][j] * inv);
+        for (int j = 0; j < num_vecs; ++j) store_out16(out, head * stride_out_head + j * LANES, acc[head][j] * inv, kv_bf16);
     }
 }
 
@@ -278,8 +296,8 @@ static void attend_scalar(const CacheView *cv, const float *q, int64_t stride_q_
 }
 
 #define ATTEND_VEC(N, BF16, NAME)                                                                      \
-    static void NAME(const CacheView *cv, const float *q, int64_t sq, int nkv, const int32_t *bt, int len, \
-                     float *o, int64_t so) {                                                               \
+    static void NAME(const CacheView *cv, const void *q, int64_t sq, int nkv, const int32_t *bt, int len,  \
+                     void *o, int64_t so) {                                                                \
         attend_vec(cv, q, sq, nkv, bt, len, o, so, N, BF16);                                               \
     }
 ATTEND_VEC(2, 0, attend_vec4)
@@ -293,7 +311,7 @@ ATTEND_VEC(5, 1, attend_vec10_bf16)
 ATTEND_VEC(6, 1, attend_vec12_bf16)
 ATTEND_VEC(8, 1, attend_vec16_bf16)
 
-typedef void (*attend_fn)(const CacheView *, const float *, int64_t, int, const int32_t *, int, float *, int64_t);
+typedef void (*attend_fn)(const CacheView *, const void *, int64_t, int, const int32_t *, int, void *, int64_t);
 
 /* The vector copy for head_dim and the cache's type; NULL where there is none (then only a
  * float32 cache has a path: the scalar one). */
@@ -308,16 +326,17 @@ static attend_fn vector_path(int head_dim, int kv_bf16) {
     }
 }
 
-/* query [num_seqs, num_kv_heads * group, head_dim] float32 and out alike (row strides given,
- * unit stride in head_dim); kv_cache float32, or bfloat16 when kv_bf16 (strides in elements);
+/* query [num_seqs, num_kv_heads * group, head_dim] and out alike (row strides given, unit stride
+ * in head_dim), kv_cache too (strides in elements): all float32, or all bfloat16 when kv_bf16
+ * (the sums in float32 either way, the output rounded to bfloat16 once, at the end);
  * block_tables int32 [num_seqs, >= blocks needed]; seq_lens int32. Returns 0, or -1 when a size
  * is beyond this kernel's limits or a bfloat16 cache has a head size with no vector path (the
  * caller then takes another path); a sequence of length 0 gets zeros. */
-int paged_decode_attention(const float *query, int64_t stride_q_seq, int64_t stride_q_head,
+int paged_decode_attention(const void *query, int64_t stride_q_seq, int64_t stride_q_head,
                            const void *kv_cache, int64_t stride_block, int64_t stride_kv,
                            int64_t stride_token, int64_t stride_head,
                            const int32_t *block_tables, int64_t stride_table, const int32_t *seq_lens,
-                           float *out, int64_t stride_out_seq, int64_t stride_out_head,
+                           void *out, int64_t stride_out_seq, int64_t stride_out_head,
                            int num_seqs, int num_kv_heads, int group, int head_dim, int block_size,
                            float scale, int kv_bf16) {
     if (num_kv_heads * group > MAX_HEADS || head_dim > MAX_HEAD_DIM || block_size > MAX_BLOCK_SIZE) return -1;
@@ -326,13 +345,14 @@ int paged_decode_attention(const float *query, int64_t stride_q_seq, int64_t str
     const CacheView cv = {kv_cache, stride_block, stride_kv, stride_token, stride_head, block_size, group, scale};
 #pragma omp parallel for schedule(dynamic, 1)
     for (int s = 0; s < num_seqs; ++s) {
-        const float *q = query + s * stride_q_seq;
-        float *o = out + s * stride_out_seq;
+        const size_t elem = kv_bf16 ? 2 : 4;
+        const void *q = (const char *)query + s * stride_q_seq * elem;
+        void *o = (char *)out + s * stride_out_seq * elem;
         if (vector != NULL)
             vector(&cv, q, stride_q_head, num_kv_heads, block_tables + s * stride_table, seq_lens[s], o,
                    stride_out_head);
         else
-            attend_scalar(&cv, q, stride_q_head, num_kv_heads, block_tables + s * stride_table, seq_lens[s], o,
+            attend_scalar(&cv, (const float *)q, stride_q_head, num_kv_heads, block_tables + s * stride_table, seq_lens[s], (float *)o,
                           stride_out_head, head_dim);
     }
     return 0;

@@ -120,6 +120,23 @@ def test_decode_cpu_kernel_reads_a_bfloat16_cache_in_place(heads, kv_heads, head
     assert_close(decode_attention(query, kv_layer, table, lens, head_dim ** -0.5), want, torch.bfloat16)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_decode_cpu_kernel_rounds_a_bfloat16_output_as_torch_does(head_dim):
+    """The bfloat16 copy takes the bfloat16 query and writes bfloat16 itself: its float32 sums are
+    the float32 copy's on the same values, so its output must be exactly that output rounded by
+    torch (to nearest even), NaN included."""
+    seq_lens = SEQ_LENS + [33, 100]
+    query, kv_layer, table, lens = cpu_case(9, 3, head_dim, torch.bfloat16, 23, seq_lens, extra_cols=1)
+    query[2, 4, 7] = float("nan")
+    got = decode_attention_cpu(query, kv_layer, table, lens, head_dim ** -0.5)
+    wide = decode_attention_cpu(query.float(), kv_layer.float(), table, lens, head_dim ** -0.5)
+    assert got is not None and wide is not None and got.dtype == torch.bfloat16
+    assert torch.isnan(got[2, 4]).all() and not torch.isnan(got[3]).any()
+    rounded, nan = wide.to(torch.bfloat16), torch.isnan(got)
+    assert torch.isnan(rounded).equal(nan)
+    assert torch.equal(got.view(torch.int16)[~nan], rounded.view(torch.int16)[~nan])
+
+
 def test_decode_cpu_kernel_leaves_a_bfloat16_head_size_without_a_vector_path_to_the_reference():
     query, kv_layer, table, lens = cpu_case(4, 2, 48, torch.bfloat16, 22)
     assert decode_attention_cpu(query, kv_layer, table, lens, 0.2) is None
@@ -191,3 +208,22 @@ def test_decode_cuda_long_sequences(head_dim, dtype):
     table = shuffled_block_tables(seq_lens, seed=10, num_blocks=1024)
     want = decode_attention_ref(query, kv_layer, table, lens, head_dim ** -0.5)
     assert_close(decode_attention(query, kv_layer, table, lens, head_dim ** -0.5), want, dtype)
+
+
+def test_decode_cpu_kernel_checks_tables_again_once_they_change():
+    """The bounds check runs once for a pair of unmodified table and length tensors (the model
+    passes the same pair to every layer), and again after either is written in place or when the
+    cache is smaller."""
+    query, kv_layer, table, lens = cpu_case(4, 2, 32, torch.float32, 14)
+    assert decode_attention_cpu(query, kv_layer, table, lens, 0.2) is not None
+    assert decode_attention_cpu(query, kv_layer, table, lens, 0.2) is not None
+    with pytest.raises(ValueError, match="block ids"):
+        decode_attention_cpu(query, kv_layer[: int(table.max())], table, lens, 0.2)
+    table[0, 0] = kv_layer.shape[0]
+    with pytest.raises(ValueError, match="block ids"):
+        decode_attention_cpu(query, kv_layer, table, lens, 0.2)
+    table[0, 0] = 0
+    assert decode_attention_cpu(query, kv_layer, table, lens, 0.2) is not None
+    lens[1] = table.shape[1] * 16 + 1
+    with pytest.raises(ValueError, match="width"):
+        decode_attention_cpu(query, kv_layer, table, lens, 0.2)
