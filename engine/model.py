@@ -56,8 +56,9 @@ class CausalLM:
         self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor,
         logits_indices: torch.Tensor,
     ) -> torch.Tensor:
-        """Run the batch, writing its K/V into kv_cache; returns float32 logits
-        [len(logits_indices), vocab] for the tokens at logits_indices."""
+        """Run the batch, writing its K/V into kv_cache; returns the logits [len(logits_indices),
+        vocab] for the tokens at logits_indices, in the model's dtype (the sampler widens them
+        to float32 where it needs to: a greedy argmax does not)."""
         hidden = self.weights.embed_tokens[input_ids]
         residual = None
         for layer_idx, layer in enumerate(self.weights.layers):
@@ -74,7 +75,7 @@ class CausalLM:
         hidden = hidden[logits_indices]
         residual = residual[logits_indices]
         normed, _ = add_rms_norm(hidden, residual, self.weights.norm, self.config.rms_norm_eps)
-        return linear(normed, self.weights.lm_head).float()
+        return linear(normed, self.weights.lm_head)
 
     def _attention(
         self, layer: LayerWeights, x: torch.Tensor, meta: AttentionMetadata,

@@ -1,5 +1,5 @@
-"""Row-wise argmax over the vocabulary (greedy sampling): a compiled C kernel for float32 CPU
-rows (csrc/argmax.c), torch.argmax elsewhere. Same answer as torch.argmax, ties and NaN
+"""Row-wise argmax over the vocabulary (greedy sampling): a compiled C kernel for float32 and
+bfloat16 CPU rows (csrc/argmax.c), torch.argmax elsewhere. Same answer as torch.argmax, ties and NaN
 included: the first index of the maximum, or of the first NaN."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import ctypes
 
 import torch
 
-from kernels._cpu import cpu_function, is_cpu_rows
+from kernels._cpu import cpu_function, row_kernel_suffix
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
@@ -16,10 +16,11 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     if x.dim() != 2:
         raise ValueError(f"argmax_rows: x must be [rows, cols], got {tuple(x.shape)}")
     rows, cols = x.shape
-    if cols == 0 or not is_cpu_rows(torch.float32, x):
+    suffix = row_kernel_suffix(x)
+    if cols == 0 or suffix is None:
         return x.argmax(dim=-1)
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    kernel = cpu_function("argmax", "argmax_rows_f32", (ptr, i64, i64, i64, ptr))
+    kernel = cpu_function("argmax", f"argmax_rows_{suffix}", (ptr, i64, i64, i64, ptr))
     if kernel is None:
         return x.argmax(dim=-1)
     out = torch.empty(rows, dtype=torch.int64)

@@ -13,7 +13,7 @@
 void add_rms_norm_f32(const float *x, int64_t stride_x, const float *residual, int64_t stride_res,
                       const float *weight, float *out, int64_t stride_out, float *new_residual,
                       int64_t stride_new, int64_t num_rows, int64_t hidden, float eps) {
-#pragma omp parallel for schedule(static) if (num_rows * hidden > 65536)
+#pragma omp parallel for schedule(static) if (num_rows * hidden > 8192)
     for (int64_t row = 0; row < num_rows; ++row) {
         const float *xr = x + row * stride_x;
         float *o = out + row * stride_out;
@@ -55,7 +55,7 @@ void silu_and_mul_f32(const float *x, int64_t stride_x, float *out, int64_t stri
 void add_rms_norm_bf16(const uint16_t *x, int64_t stride_x, const uint16_t *residual, int64_t stride_res,
                        const uint16_t *weight, uint16_t *out, int64_t stride_out, uint16_t *new_residual,
                        int64_t stride_new, int64_t num_rows, int64_t hidden, float eps) {
-#pragma omp parallel for schedule(static) if (num_rows * hidden > 65536)
+#pragma omp parallel for schedule(static) if (num_rows * hidden > 8192)
     for (int64_t row = 0; row < num_rows; ++row) {
         const uint16_t *xr = x + row * stride_x;
         uint16_t *o = out + row * stride_out;

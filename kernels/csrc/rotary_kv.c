@@ -47,7 +47,7 @@ int rotary_f32(float *query, int64_t stride_q_tok, int64_t stride_q_head, int64_
                const float *cos_sin, int64_t stride_cs, int64_t max_position, int64_t num_tokens, int64_t half) {
     for (int64_t t = 0; t < num_tokens; ++t)
         if (positions[t] < 0 || positions[t] >= max_position) return -1;
-#pragma omp parallel for schedule(static) if (num_tokens * (num_heads + num_kv_heads) * half > 32768)
+#pragma omp parallel for schedule(static) if (num_tokens * (num_heads + num_kv_heads) * half > 8192)
     for (int64_t t = 0; t < num_tokens; ++t) {
         const float *cos = cos_sin + positions[t] * stride_cs, *sin = cos + half;
         for (int64_t h = 0; h < num_heads; ++h) rotate_row(query + t * stride_q_tok + h * stride_q_head, cos, sin, half);
@@ -62,7 +62,7 @@ int rotary_bf16(uint16_t *query, int64_t stride_q_tok, int64_t stride_q_head, in
                 const uint16_t *cos_sin, int64_t stride_cs, int64_t max_position, int64_t num_tokens, int64_t half) {
     for (int64_t t = 0; t < num_tokens; ++t)
         if (positions[t] < 0 || positions[t] >= max_position) return -1;
-#pragma omp parallel for schedule(static) if (num_tokens * (num_heads + num_kv_heads) * half > 32768)
+#pragma omp parallel for schedule(static) if (num_tokens * (num_heads + num_kv_heads) * half > 8192)
     for (int64_t t = 0; t < num_tokens; ++t) {
         const uint16_t *cos = cos_sin + positions[t] * stride_cs, *sin = cos + half;
         for (int64_t h = 0; h < num_heads; ++h)

@@ -29,6 +29,27 @@ def test_temperature_zero_equals_argmax():
     assert [t.token_id for t in tokens] == logits.argmax(-1).tolist()
 
 
+def test_bfloat16_logits_give_the_float32_choices_with_and_without_the_plain_greedy_path():
+    """A batch of plain greedy requests takes the argmax of the bfloat16 logits as they are; any
+    request that needs float32 logits (logprobs, penalties, min_tokens, sampling) widens them
+    for the whole batch. Either way each row's choice is that of the float32 copy, and logprobs
+    are the float32 log-softmax of the bfloat16 values."""
+    logits = random_logits(6, seed=4).to(torch.bfloat16)
+    wide = logits.float()
+    sampler = Sampler(VOCAB, eos_token_ids=(0,))
+    plain = sampler.sample(logits, [req(SamplingParams(temperature=0.0))] * 6)
+    assert [t.token_id for t in plain] == wide.argmax(-1).tolist()
+    mixed = [req(SamplingParams(temperature=0.0)), req(SamplingParams(temperature=0.0, logprobs=2)),
+             req(SamplingParams(temperature=0.0, repetition_penalty=1.5), outputs=[7]),
+             req(SamplingParams(temperature=0.0, min_tokens=3)), req(SamplingParams(temperature=0.0)),
+             req(SamplingParams(temperature=0.8, seed=3))]
+    tokens = sampler.sample(logits, mixed)
+    assert [t.token_id for t in tokens[:2]] == wide[:2].argmax(-1).tolist()
+    assert tokens[4].token_id == wide[4].argmax().item()
+    assert tokens[1].logprob == pytest.approx(torch.log_softmax(wide[1], -1)[tokens[1].token_id].item(), abs=1e-6)
+    assert tokens[3].token_id != 0 and 0 <= tokens[5].token_id < VOCAB
+
+
 @pytest.mark.parametrize(
     "params_kwargs",
     [dict(top_k=5), dict(top_p=0.3), dict(min_p=0.2), dict(top_k=8, top_p=0.5, min_p=0.05)],

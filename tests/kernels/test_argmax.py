@@ -7,14 +7,18 @@ from kernels._cpu import load_library
 from kernels.argmax import argmax_rows
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows, cols", [(1, 1), (3, 7), (64, 2000), (5, 49152), (2, 151936)])
-def test_argmax_rows_equals_torch_argmax_on_random_rows(rows, cols):
+def test_argmax_rows_equals_torch_argmax_on_random_rows(rows, cols, dtype):
+    """bfloat16 rows (8-bit mantissas) tie often: the first of equal maxima must win there too."""
     assert load_library("argmax") is not None  # the compiled path, not torch's fallback, is under test
-    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows * cols))
+    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows * cols)).to(dtype)
     assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
+    assert torch.equal(argmax_rows(x), x.float().argmax(dim=-1))
 
 
-def test_argmax_rows_takes_the_first_of_tied_maxima_infinities_and_nan_like_torch():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_rows_takes_the_first_of_tied_maxima_infinities_and_nan_like_torch(dtype):
     x = torch.full((6, 100), -1.0)
     x[0, [17, 3, 90]] = 5.0  # tie: the first index
     x[1] = float("-inf")  # all -inf: index 0
@@ -24,6 +28,7 @@ def test_argmax_rows_takes_the_first_of_tied_maxima_infinities_and_nan_like_torc
     x[4, 99] = float("nan")
     x[5, [8, 9]] = torch.tensor([0.0, -0.0])
     x[5] = torch.where(x[5] == -1.0, torch.tensor(-2.0), x[5])
+    x = x.to(dtype)
     assert argmax_rows(x).tolist() == x.argmax(dim=-1).tolist() == [3, 0, 40, 10, 99, 8]
 
 
@@ -32,7 +37,10 @@ def test_argmax_rows_strided_rows_empty_batch_and_other_dtypes():
     view = wide[:, :257]
     assert view.stride(0) == 300 and torch.equal(argmax_rows(view), view.argmax(dim=-1))
     assert argmax_rows(torch.empty(0, 50)).shape == (0,)
-    half = wide.to(torch.bfloat16)
-    assert torch.equal(argmax_rows(half), half.argmax(dim=-1))
+    for dtype in (torch.float16, torch.float64):  # no compiled copy: torch's argmax
+        other = wide.to(dtype)
+        assert torch.equal(argmax_rows(other), other.argmax(dim=-1))
+    half = wide.to(torch.bfloat16)[:, :257]
+    assert half.stride(0) == 300 and torch.equal(argmax_rows(half), half.argmax(dim=-1))
     with pytest.raises(ValueError, match="argmax_rows"):
         argmax_rows(torch.zeros(3))
