@@ -77,6 +77,53 @@ void add_rms_norm_bf16(const uint16_t *x, int64_t stride_x, const uint16_t *resi
     }
 }
 
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+
+/* The SiLU-and-mul row in float32 chunks: SiLU vectorised as in float32 (the same expf), then the
+ * two roundings to bfloat16 by AVX512-BF16's vcvtneps2bf16 (round to nearest even, one
+ * instruction against ~8 of integer ops each; it treats denormals as zero, which can only
+ * differ from torch below 1.2e-38). Measured on a 2-core Xeon, rows 1,536 wide: 1.07 -> 0.72 us
+ * per row on one thread, 0.55 -> 0.37 on two, bit-identical to the integer rounding below on
+ * 1.57M values at four scales with +-200, +-90, NaN and inf. */
+enum { SILU_CHUNK = 256 };
+
+static inline __m512 widen_bf16(__m256i h) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+static inline __m256i narrow_bf16(__m512 f) { return (__m256i)_mm512_cvtneps_pbh(f); }
+
+static void silu_and_mul_row_bf16(const uint16_t *gate, const uint16_t *up, uint16_t *o, int64_t half) {
+    float silu[SILU_CHUNK];
+    for (int64_t start = 0; start < half; start += SILU_CHUNK) {
+        const int64_t n = half - start < SILU_CHUNK ? half - start : SILU_CHUNK;
+        const uint16_t *g = gate + start;
+#pragma omp simd
+        for (int64_t i = 0; i < n; ++i) {
+            const float x = bf16_to_f32(g[i]);
+            silu[i] = x / (1.0f + expf(fminf(-x, 80.0f)));
+        }
+        int64_t i = 0;
+        for (; i + 16 <= n; i += 16) {
+            const __m512 rounded = widen_bf16(narrow_bf16(_mm512_loadu_ps(silu + i)));
+            const __m512 u = widen_bf16(_mm256_loadu_si256((const __m256i *)(up + start + i)));
+            _mm256_storeu_si256((__m256i *)(o + start + i), narrow_bf16(_mm512_mul_ps(rounded, u)));
+        }
+        for (; i < n; ++i)
+            o[start + i] = f32_to_bf16(bf16_to_f32(f32_to_bf16(silu[i])) * bf16_to_f32(up[start + i]));
+    }
+}
+
+void silu_and_mul_bf16(const uint16_t *x, int64_t stride_x, uint16_t *out, int64_t stride_out, int64_t num_rows,
+                       int64_t half) {
+#pragma omp parallel for schedule(static) if (num_rows * half > 65536)
+    for (int64_t row = 0; row < num_rows; ++row) {
+        const uint16_t *gate = x + row * stride_x;
+        silu_and_mul_row_bf16(gate, gate + half, out + row * stride_out, half);
+    }
+}
+#else
 void silu_and_mul_bf16(const uint16_t *x, int64_t stride_x, uint16_t *out, int64_t stride_out, int64_t num_rows,
                        int64_t half) {
 #pragma omp parallel for schedule(static) if (num_rows * half > 65536)
@@ -91,3 +138,4 @@ void silu_and_mul_bf16(const uint16_t *x, int64_t stride_x, uint16_t *out, int64
         }
     }
 }
+#endif
