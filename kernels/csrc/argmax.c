@@ -10,6 +10,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
+
 static int64_t row_argmax(const float *x, int64_t cols) {
     float best = x[0];
     uint32_t nan_seen = 0;
@@ -37,20 +39,13 @@ void argmax_rows_f32(const float *x, int64_t stride, int64_t rows, int64_t cols,
     for (int64_t r = 0; r < rows; ++r) out[r] = row_argmax(x + r * stride, cols);
 }
 
-static inline float bf16_bits_to_f32(uint16_t h) {
-    const uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
 static int64_t row_argmax_bf16(const uint16_t *x, int64_t cols) {
-    float best = bf16_bits_to_f32(x[0]);
+    float best = bf16_to_f32(x[0]);
     uint32_t nan_seen = 0;
 #pragma omp simd reduction(max : best) reduction(| : nan_seen)
     for (int64_t i = 0; i < cols; ++i) {
         nan_seen |= (uint32_t)((x[i] & 0x7fffu) > 0x7f80u);
-        const float v = bf16_bits_to_f32(x[i]);
+        const float v = bf16_to_f32(x[i]);
         best = v > best ? v : best;
     }
     if (nan_seen) {
@@ -58,7 +53,7 @@ static int64_t row_argmax_bf16(const uint16_t *x, int64_t cols) {
             if ((x[i] & 0x7fffu) > 0x7f80u) return i;
     }
     for (int64_t i = 0; i < cols; ++i)
-        if (bf16_bits_to_f32(x[i]) == best) return i;
+        if (bf16_to_f32(x[i]) == best) return i;
     return 0;
 }
 
