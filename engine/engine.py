@@ -81,8 +81,8 @@ class LLMEngine:
         num_blocks = num_cache_blocks(model_cfg, config.cache, config.device)
         self.config = replace(config, cache=replace(config.cache, num_blocks=num_blocks))
         self.block_size = config.cache.block_size
-        # A prefill-only engine runs big batches: no packed copies of the projections for small ones.
-        weights = load_weights(model_cfg, config.device)
+        # A prefill-only engine runs big batches: no copies of the projections for small ones.
+        weights = load_weights(model_cfg, config.device, decode_batches=config.role is not Role.PREFILL)
         self.model = CausalLM(model_cfg, weights, config.device)
         self.kv_cache = allocate_kv_cache(model_cfg, num_blocks, self.block_size, config.device)
         self.block_pool = BlockPool(num_blocks)

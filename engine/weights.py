@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 from dataclasses import dataclass
@@ -38,9 +39,10 @@ class ModelWeights:
     lm_head: Linear  # hidden -> vocab
 
 
-def load_weights(config: ModelConfig, device: str = "cpu") -> ModelWeights:
+def load_weights(config: ModelConfig, device: str = "cpu", decode_batches: bool = True) -> ModelWeights:
     """Read every *.safetensors file of config.model_dir. Raises FileNotFoundError when there is
-    none and KeyError naming a missing tensor."""
+    none and KeyError naming a missing tensor. decode_batches=False (a prefill-only engine) skips
+    the projections' copies for decode-sized batches (see prepare_linear)."""
     tensors = _read_safetensors(Path(config.model_dir))
 
     def take(name: str) -> torch.Tensor:
@@ -51,17 +53,18 @@ def load_weights(config: ModelConfig, device: str = "cpu") -> ModelWeights:
     def take_optional(name: str) -> torch.Tensor | None:
         return take(name) if name in tensors else None
 
-    layers = [_load_layer(config, i, take, take_optional) for i in range(config.num_layers)]
+    prepare = functools.partial(prepare_linear, small_batches=decode_batches)
+    layers = [_load_layer(config, i, take, take_optional, prepare) for i in range(config.num_layers)]
     embed = take("model.embed_tokens.weight")
     lm_head = embed if config.tie_word_embeddings else take_optional("lm_head.weight")
     if lm_head is None:
         logger.warning("no lm_head.weight in %s: tying it to the embedding", config.model_dir)
         lm_head = embed
-    head = prepare_linear(lm_head, copy=False)
+    head = prepare(lm_head, copy=False)
     return ModelWeights(embed, layers, take("model.norm.weight"), head)
 
 
-def _load_layer(config: ModelConfig, idx: int, take, take_optional) -> LayerWeights:
+def _load_layer(config: ModelConfig, idx: int, take, take_optional, prepare) -> LayerWeights:
     prefix = f"model.layers.{idx}."
     attn = prefix + "self_attn."
     qkv = torch.cat([take(attn + f"{p}_proj.weight") for p in "qkv"])
@@ -72,11 +75,11 @@ def _load_layer(config: ModelConfig, idx: int, take, take_optional) -> LayerWeig
     o_bias = take_optional(attn + "o_proj.bias") if config.has_o_bias else None
     return LayerWeights(
         input_norm=take(prefix + "input_layernorm.weight"),
-        qkv=prepare_linear(qkv, qkv_bias),
-        o=prepare_linear(take(attn + "o_proj.weight"), o_bias),
+        qkv=prepare(qkv, qkv_bias),
+        o=prepare(take(attn + "o_proj.weight"), o_bias),
         post_norm=take(prefix + "post_attention_layernorm.weight"),
-        gate_up=prepare_linear(torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")])),
-        down=prepare_linear(take(mlp + "down_proj.weight")),
+        gate_up=prepare(torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")])),
+        down=prepare(take(mlp + "down_proj.weight")),
     )
 
 

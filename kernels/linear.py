@@ -7,21 +7,29 @@ rows against 124-156 for MKL on W^T (MKL does not take that AMD CPU's AVX-512 pa
 against 97-113 at 64 rows, and the 49,152-row LM head 101-154 against 72. On a 2-core Xeon with
 AMX, bfloat16: 980-1,520 GFLOP/s at 64 rows against 840-900 for a plain matmul on W^T, 1.9-2.3x
 at 1-8 rows, the same at 2,048 (float32 there: 270-340 either way).
+Decode batches in bfloat16 on CPUs with AMX: a compiled AMX kernel (csrc/amx_linear.c) on a
+second copy of W packed for AMX's tiles, up to _AMX_MAX_ROWS rows; oneDNN above (prefill), where
+it measured 2x the kernel at 2,048 rows. See amx_linear.c for what it measured.
 Elsewhere (CUDA, other dtypes): BLAS on W^T [in, out], contiguous, which measured 1.1-1.4x
 F.linear on MKL and is cuBLAS's fastest form on CUDA.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from kernels._cpu import cpu_function
+
 # NOTE: the batch-size hint oneDNN packs for. 64 measured as fast as 2,048 from 512 rows up and
 # within 10% at 64 rows; a hint of 1 lost 10-30%.
 _PACK_BATCH_HINT = 64
+# NOTE: the most rows the AMX kernel takes; oneDNN measured faster from ~128 rows on.
+_AMX_MAX_ROWS = 64
 
 
 @dataclass(frozen=True)
@@ -31,6 +39,8 @@ class Linear:
     bias: torch.Tensor | None  # [out]
     in_features: int
     out_features: int
+    amx: torch.Tensor | None = None  # W packed for the AMX kernel (CPU bfloat16 with AMX only)
+    amx_bias: torch.Tensor | None = None  # float32 bias for the AMX kernel
 
 
 def can_prepack(weight: torch.Tensor) -> bool:
@@ -50,17 +60,58 @@ def _has_bf16_kernels() -> bool:
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def prepare_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, *, copy: bool = True) -> Linear:
+def prepare_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, *, copy: bool = True,
+                   small_batches: bool = True) -> Linear:
     """weight: [out, in]. Prepacked where can_prepack allows; else W^T, a contiguous copy, or with
-    copy=False (an LM head tied to the embedding) a transposed view that costs no memory."""
+    copy=False (an LM head tied to the embedding) a transposed view that costs no memory.
+    small_batches (bfloat16 on a CPU with AMX): also a copy packed for the AMX kernel, which
+    batches of up to _AMX_MAX_ROWS rows take; it doubles the weight's memory, so an engine that
+    only prefills passes False."""
     if weight.dim() != 2 or (bias is not None and bias.shape != weight.shape[:1]):
         bias_shape = None if bias is None else tuple(bias.shape)
         raise ValueError(f"prepare_linear: weight {tuple(weight.shape)}, bias {bias_shape}")
     if can_prepack(weight):
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _PACK_BATCH_HINT)
-        return Linear(None, packed, bias, weight.shape[1], weight.shape[0])
+        amx = pack_for_amx(weight) if small_batches and _amx_takes(weight) else None
+        amx_bias = bias.float().contiguous() if amx is not None and bias is not None else None
+        return Linear(None, packed, bias, weight.shape[1], weight.shape[0], amx, amx_bias)
     weight_t = weight.t().contiguous() if copy else weight.t()
     return Linear(weight_t, None, bias, weight.shape[1], weight.shape[0])
+
+
+def _amx_takes(weight: torch.Tensor) -> bool:
+    return weight.dtype == torch.bfloat16 and weight.shape[1] % 32 == 0 and _amx_kernel() is not None
+
+
+@functools.cache
+def _amx_kernel():
+    """The AMX kernel's C function, or None where the CPU (or the compiler) has no AMX or Linux
+    refuses the process AMX's state."""
+    ready = cpu_function("amx_linear", "amx_linear_ready", (), ctypes.c_int)
+    if ready is None or not ready():
+        return None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    return cpu_function("amx_linear", "amx_linear_bf16", (ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64))
+
+
+def pack_for_amx(weight: torch.Tensor) -> torch.Tensor:
+    """weight [out, in] (in a multiple of 32) in the AMX kernel's layout: per pair of 16-output
+    tiles (out padded with zero rows to a multiple of 32) and per 32 inputs, the two tiles' 16
+    rows of (16 outputs x 2 consecutive inputs)."""
+    out_features, in_features = weight.shape
+    padded = torch.zeros((out_features + 31) // 32 * 32, in_features, dtype=weight.dtype)
+    padded[:out_features] = weight
+    # [pair, tile, output, input tile, input pair, 2] -> [pair, input tile, tile, input pair, output, 2]
+    tiles = padded.view(-1, 2, 16, in_features // 32, 16, 2)
+    return tiles.permute(0, 3, 1, 4, 2, 5).contiguous()
+
+
+def _linear_amx(x: torch.Tensor, w: Linear) -> torch.Tensor:
+    out = torch.empty(x.shape[0], w.out_features, dtype=x.dtype)
+    bias = w.amx_bias.data_ptr() if w.amx_bias is not None else None
+    _amx_kernel()(x.data_ptr(), x.stride(0), x.shape[0], w.in_features, w.amx.data_ptr(), w.out_features, bias,
+                  out.data_ptr(), out.stride(0))
+    return out
 
 
 def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -71,6 +122,8 @@ def linear(x: torch.Tensor, w: Linear) -> torch.Tensor:
     """x: [rows, in] -> [rows, out] in x's dtype."""
     if x.dim() != 2 or x.shape[1] != w.in_features:
         raise ValueError(f"linear: x {tuple(x.shape)} for a weight of {w.in_features} inputs")
+    if w.amx is not None and 0 < x.shape[0] <= _AMX_MAX_ROWS and x.dtype == torch.bfloat16 and x.stride(1) == 1:
+        return _linear_amx(x, w)
     if w.packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), w.packed, w.bias, "none", [], "")
     if w.bias is None:

@@ -1,10 +1,12 @@
-"""Dense projections: the oneDNN-prepacked path (CPU float32) and the BLAS path on W^T (other
-dtypes, CUDA), a contiguous copy or a view, against F.linear and a float64 oracle, from one row
-to prefill-sized batches."""
+"""Dense projections: the oneDNN-prepacked path (CPU float32 and bfloat16), the AMX kernel
+(bfloat16 decode batches on CPUs with AMX) and the BLAS path on W^T (other dtypes, CUDA), a
+contiguous copy or a view, against F.linear and a float64 oracle, from one row to prefill-sized
+batches."""
 
 import pytest
 import torch
 
+import kernels.linear as linear_module
 from kernels.linear import can_prepack, linear, linear_ref, prepare_linear
 from tests.kernels.conftest import DTYPES, assert_close, randn
 
@@ -65,3 +67,54 @@ def test_linear_rejects_mismatched_shapes():
         linear(randn(3, 15), w)
     with pytest.raises(ValueError, match="prepare_linear"):
         prepare_linear(randn(8, 16), randn(7))
+
+
+
+def amx_expected() -> bool:
+    """Whether this machine runs the AMX kernel (a CPU with AMX and a compiler that targets it)."""
+    return can_prepack(randn(32, 32, dtype=torch.bfloat16)) and linear_module._amx_kernel() is not None
+
+
+@pytest.fixture
+def amx_calls(monkeypatch) -> list:
+    """The row counts the AMX kernel ran on, in order."""
+    calls, real = [], linear_module._linear_amx
+
+    def spy(x, w):
+        calls.append(x.shape[0])
+        return real(x, w)
+
+    monkeypatch.setattr(linear_module, "_linear_amx", spy)
+    return calls
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 31, 32, 33, 48, 63, 64])
+@pytest.mark.parametrize(("out_features", "in_features"), [(17, 32), (40, 64), (96, 160), (100, 576)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_bfloat16_decode_batches_take_the_amx_kernel(rows, out_features, in_features, with_bias, amx_calls):
+    """Each output is the float64 product rounded once to bfloat16 (within half a unit in the last
+    place): odd output counts, row counts that leave a partial 16-row tile, x's rows strided."""
+    weight = randn(out_features, in_features, dtype=torch.bfloat16, seed=11)
+    bias = randn(out_features, dtype=torch.bfloat16, seed=12) if with_bias else None
+    x = randn(rows, in_features + 8, dtype=torch.bfloat16, seed=13)[:, :in_features]
+    w = prepare_linear(weight, bias)
+    assert (w.amx is not None) == amx_expected()
+    got = linear(x, w)
+    assert amx_calls == ([rows] if amx_expected() else [])
+    assert got.shape == (rows, out_features) and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.double(), oracle(x, weight, bias), atol=1e-4, rtol=2**-8)
+
+
+def test_amx_copy_only_where_it_is_used(amx_calls):
+    """Batches over 64 rows and inputs not a multiple of 32 stay on oneDNN; a prefill-only engine's
+    weights (small_batches=False) have no AMX copy."""
+    weight = randn(48, 64, dtype=torch.bfloat16, seed=14)
+    x = randn(65, 64, dtype=torch.bfloat16, seed=15)
+    assert_close(linear(x, prepare_linear(weight)), oracle(x, weight, None), torch.bfloat16)
+    assert amx_calls == []
+    assert prepare_linear(weight, small_batches=False).amx is None
+    odd = randn(48, 40, dtype=torch.bfloat16, seed=16)
+    assert prepare_linear(odd).amx is None
+    assert prepare_linear(weight.float()).amx is None
+    x = randn(3, 40, dtype=torch.bfloat16, seed=17)
+    assert_close(linear(x, prepare_linear(odd)), oracle(x, odd, None), torch.bfloat16)
