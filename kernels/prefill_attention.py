@@ -6,9 +6,13 @@ Everything is read from the cache: the chunk's own K/V are written before this r
 
 from __future__ import annotations
 
+import ctypes
+import functools
+
 import torch
 import torch.nn.functional as F
 
+from kernels._cpu import cpu_function
 from kernels._triton import LOG2E, cdiv, dot_in_fp32, tl, triton, use_triton
 
 
@@ -64,8 +68,59 @@ def prefill_attention(query: torch.Tensor, kv_cache_layer: torch.Tensor, block_t
             f"block tables {tuple(block_tables.shape)}"
         )
     if not use_triton(query, force_triton):
-        return prefill_attention_ref(query, kv_cache_layer, block_tables, cu_query_lens, seq_lens, scale)
+        out = prefill_attention_cpu(query, kv_cache_layer, block_tables, cu_query_lens, seq_lens, scale)
+        if out is None:
+            return prefill_attention_ref(query, kv_cache_layer, block_tables, cu_query_lens, seq_lens, scale)
+        return out
     return _prefill_triton(query, kv_cache_layer, block_tables, cu_query_lens, seq_lens, scale, max_query_len)
+
+
+def prefill_attention_cpu(query, kv_cache_layer, block_tables, cu_query_lens, seq_lens, scale) -> torch.Tensor | None:
+    """The compiled AMX kernel (csrc/amx_attention.c) for CPU bfloat16 query and cache; None when
+    it does not apply (no AMX, another dtype or device, head_dim not a multiple of 32 up to 128,
+    blocks not a multiple of 16 tokens). Raises ValueError for chunks, lengths or block ids out
+    of range (it reads memory directly)."""
+    if query.device.type != "cpu" or query.dtype != torch.bfloat16 or kv_cache_layer.dtype != torch.bfloat16:
+        return None
+    num_blocks, _, block_size, num_kv_heads, head_dim = kv_cache_layer.shape
+    if head_dim % 32 or head_dim > 128 or block_size % 16 or kv_cache_layer.stride(-1) != 1:
+        return None
+    kernel = _amx_kernel()
+    if kernel is None:
+        return None
+    if query.stride(-1) != 1:
+        query = query.contiguous()
+    out = torch.empty(query.shape, dtype=query.dtype)
+    num_seqs = seq_lens.shape[0]
+    if query.shape[0] == 0 or num_seqs == 0:
+        return out
+    tables = block_tables.to(torch.int32).contiguous()
+    cu = cu_query_lens.to(torch.int32).contiguous()
+    lens = seq_lens.to(torch.int32).contiguous()
+    status = kernel(
+        query.data_ptr(), query.stride(0), query.stride(1), kv_cache_layer.data_ptr(), *kv_cache_layer.stride()[:4],
+        num_blocks, block_size, tables.data_ptr(), tables.stride(0), tables.shape[1], cu.data_ptr(), lens.data_ptr(),
+        num_seqs, query.shape[0], query.shape[1], num_kv_heads, head_dim, scale, out.data_ptr(), out.stride(0),
+        out.stride(1),
+    )
+    if status == 1:
+        raise ValueError("prefill_attention: chunk lengths, sequence lengths or block ids out of range")
+    if status != 0:
+        raise MemoryError("prefill_attention: the AMX kernel could not allocate its buffers")
+    return out
+
+
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+_AMX_SIGNATURE = (_PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64,
+                  _I64, _I64, _I64, _I64, ctypes.c_float, _PTR, _I64, _I64)
+
+
+@functools.cache
+def _amx_kernel():
+    ready = cpu_function("amx_attention", "amx_attention_ready", (), ctypes.c_int)
+    if ready is None or not ready():
+        return None
+    return cpu_function("amx_attention", "amx_prefill_attention_bf16", _AMX_SIGNATURE, ctypes.c_int)
 
 
 def _tile_sizes(query: torch.Tensor) -> tuple[int, int, int]:

@@ -20,43 +20,18 @@
  * Built without AMX (another CPU), the library exports amx_linear_ready returning 0 and the
  * Python side keeps oneDNN.
  */
+#define _DEFAULT_SOURCE /* syscall() in amx.h */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "amx.h"
 #include "bf16.h"
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
+#ifdef PDSERVE_HAVE_AMX
 #define TILE_ELEMS 512 /* bfloat16 per weight tile: 16 rows of 32 */
 
-/* Linux hands out the AMX state only to processes that ask for it (once per process). */
-int amx_linear_ready(void) { return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0; }
-
-typedef struct {
-    uint8_t palette;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-
-/* Tiles 0-3: sums (rows of x group g, columns of tile t: 2g + t); 4-5: x; 6-7: W. */
-static void configure_tiles(void) {
-    tile_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; ++t) {
-        cfg.colsb[t] = 64;
-        cfg.rows[t] = 16;
-    }
-    _tile_loadconfig(&cfg);
-}
+int amx_linear_ready(void) { return amx_request(); }
 
 /* Rows [row, row + rows) of the sums in sums (16 x 16 float32), plus bias, to bfloat16 columns
  * [col, col + cols) of out. */
@@ -142,7 +117,7 @@ void amx_linear_bf16(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, 
             for (int64_t r = 0; r < tail_rows; ++r)
                 memcpy(tail + r * k, x + (m - tail_rows + r) * x_stride, (size_t)(k * 2));
         }
-        configure_tiles();
+        amx_configure_tiles();
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < pairs; ++p)
             column_pair(x, x_stride, m, k, tail, packed + p * k_tiles * 2 * TILE_ELEMS, n, 32 * p, bias, out,

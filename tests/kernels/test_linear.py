@@ -8,7 +8,7 @@ import torch
 
 import kernels.linear as linear_module
 from kernels.linear import can_prepack, linear, linear_ref, prepare_linear
-from tests.kernels.conftest import DTYPES, assert_close, randn
+from tests.kernels.conftest import DTYPES, EXPECT_AMX, assert_close, randn
 
 ROWS = [1, 7, 64, 256, 257, 700, 2048]
 
@@ -70,11 +70,6 @@ def test_linear_rejects_mismatched_shapes():
 
 
 
-def amx_expected() -> bool:
-    """Whether this machine runs the AMX kernel (a CPU with AMX and a compiler that targets it)."""
-    return can_prepack(randn(32, 32, dtype=torch.bfloat16)) and linear_module._amx_kernel() is not None
-
-
 @pytest.fixture
 def amx_calls(monkeypatch) -> list:
     """The row counts the AMX kernel ran on, in order."""
@@ -98,9 +93,9 @@ def test_bfloat16_decode_batches_take_the_amx_kernel(rows, out_features, in_feat
     bias = randn(out_features, dtype=torch.bfloat16, seed=12) if with_bias else None
     x = randn(rows, in_features + 8, dtype=torch.bfloat16, seed=13)[:, :in_features]
     w = prepare_linear(weight, bias)
-    assert (w.amx is not None) == amx_expected()
+    assert (w.amx is not None) == EXPECT_AMX
     got = linear(x, w)
-    assert amx_calls == ([rows] if amx_expected() else [])
+    assert amx_calls == ([rows] if EXPECT_AMX else [])
     assert got.shape == (rows, out_features) and got.dtype == torch.bfloat16
     torch.testing.assert_close(got.double(), oracle(x, weight, bias), atol=1e-4, rtol=2**-8)
 

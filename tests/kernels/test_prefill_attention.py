@@ -1,14 +1,18 @@
 """Prefill attention over a paged prefix: the per-sequence reference vs a per-token float64
-oracle, the tiled Triton kernel vs the reference; whole prompts, chunks over a cached prefix,
-one-token and empty chunks, GQA ratios 1/3/4/8, every dtype, shuffled block tables."""
+oracle, the tiled Triton kernel and the CPU's AMX kernel (bfloat16) vs the reference; whole
+prompts, chunks over a cached prefix, one-token and empty chunks, GQA ratios 1/3/4/8, every
+dtype, shuffled block tables."""
 
 import pytest
 import torch
 
+import kernels.prefill_attention as prefill_module
 from kernels.prefill_attention import prefill_attention, prefill_attention_ref
 from tests.kernels.conftest import (
+    BLOCK_SIZE,
     DEVICE,
     DTYPES,
+    EXPECT_AMX,
     GQA,
     assert_close,
     gpu,
@@ -75,6 +79,56 @@ def test_prefill_all_empty_and_bad_shapes():
         assert empty.shape == (0, 4, 32)
     with pytest.raises(ValueError, match="cu_query_lens"):
         prefill_attention(query, kv_layer, table, cu[:2], seq_lens, 0.2)
+
+
+@pytest.fixture
+def amx_calls(monkeypatch) -> list:
+    """How many times the AMX kernel ran."""
+    calls, real = [], prefill_module.prefill_attention_cpu
+
+    def spy(*args):
+        out = real(*args)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(prefill_module, "prefill_attention_cpu", spy)
+    return calls
+
+
+# Long chunks cross several 16-query and 32-key blocks; the others are Q_LENS' edge cases.
+AMX_Q_LENS, AMX_TOTALS = Q_LENS + [100, 64, 33], TOTALS + [100, 300, 97]
+
+
+@pytest.mark.parametrize("heads, kv_heads", GQA)
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128])
+def test_prefill_cpu_bfloat16_kernel_matches_reference(heads, kv_heads, head_dim, amx_calls):
+    """The AMX kernel (where the CPU has AMX) against the per-sequence reference, with the cache's
+    unused rows poisoned with NaN: keys past a sequence's end must not reach any output."""
+    query, kv_layer, table, cu, seq_lens = prefill_case(heads, kv_heads, head_dim, torch.bfloat16, 12,
+                                                        AMX_Q_LENS, AMX_TOTALS, num_blocks=80)
+    for row, total in enumerate(AMX_TOTALS):
+        last = table[row, (total - 1) // BLOCK_SIZE]
+        kv_layer[last, :, total % BLOCK_SIZE or BLOCK_SIZE:] = float("nan")
+    want = prefill_attention_ref(query, kv_layer, table, cu, seq_lens, head_dim ** -0.5)
+    got = prefill_attention(query, kv_layer, table, cu, seq_lens, head_dim ** -0.5)
+    assert amx_calls == [EXPECT_AMX]
+    assert got.dtype == torch.bfloat16 and not got.isnan().any()
+    assert_close(got, want, torch.bfloat16)
+
+
+def test_prefill_cpu_kernel_rejects_out_of_range_tables():
+    """The kernel reads the cache directly: a block id past the cache or a chunk longer than its
+    sequence is refused before anything is read (the reference fails on the former too)."""
+    query, kv_layer, table, cu, seq_lens = prefill_case(4, 2, 64, torch.bfloat16, 13)
+    bad = table.clone()
+    bad[4, 1] = 40  # the cache has 40 blocks
+    with pytest.raises((ValueError, IndexError, RuntimeError)):
+        prefill_attention(query, kv_layer, bad, cu, seq_lens, 0.125)
+    if EXPECT_AMX:
+        with pytest.raises(ValueError, match="out of range"):
+            prefill_attention(query, kv_layer, bad, cu, seq_lens, 0.125)
+        with pytest.raises(ValueError, match="out of range"):
+            prefill_attention(query, kv_layer, table, cu, seq_lens - 1, 0.125)  # a chunk past its sequence
 
 
 @gpu
