@@ -1,0 +1,57 @@
+"""Where `pdserve up` puts its nodes: cores split among them with none left over, and for small
+models one core kept for the proxy and its clients when every node still gets one of its own."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import httpx
+from safetensors.torch import load_file
+
+from pdserve import launcher
+
+
+def test_cores_are_split_evenly_and_all_used():
+    assert launcher._cpu_plan([0, 1], 1) == ["0,1"]
+    assert launcher._cpu_plan([0, 1], 2) == ["0", "1"]
+    assert launcher._cpu_plan([0, 1, 2, 3, 4], 2) == ["0,1", "2,3,4"]
+    assert launcher._cpu_plan([0, 1], 3) == ["0,1"] * 3  # fewer cores than nodes: all share
+    assert launcher._cpu_plan([0, 1], 0) == []
+
+
+def test_proxy_cores_come_off_the_front_while_a_core_is_left():
+    assert launcher._cpu_plan([0, 1], 1, proxy_cores=1) == ["1"]
+    assert launcher._cpu_plan([0, 1, 2, 3], 2, proxy_cores=1) == ["1", "2,3"]
+    assert launcher._cpu_plan([4, 5, 6, 7], 1, proxy_cores=2) == ["6,7"]
+    assert launcher._cpu_plan([0], 1, proxy_cores=1) == ["0"]  # nothing would be left: no reservation
+
+
+def test_parameters_are_counted_from_the_headers(tiny_model_dir):
+    tensors = load_file(str(Path(tiny_model_dir) / "model.safetensors"))
+    assert launcher._num_parameters(tiny_model_dir) == sum(t.numel() for t in tensors.values())
+
+
+def test_a_small_model_gets_a_proxy_core_only_when_each_node_keeps_one(tiny_model_dir, monkeypatch):
+    assert launcher._auto_proxy_cores(tiny_model_dir, num_cores=2, num_nodes=1) == 1
+    assert launcher._auto_proxy_cores(tiny_model_dir, num_cores=2, num_nodes=2) == 0
+    assert launcher._auto_proxy_cores(tiny_model_dir, num_cores=1, num_nodes=1) == 0
+    monkeypatch.setattr(launcher, "_num_parameters", lambda _: 135_000_000)  # SmolLM2-135M's size
+    assert launcher._auto_proxy_cores(tiny_model_dir, num_cores=2, num_nodes=1) == 0
+
+
+def test_a_colocated_small_model_runs_beside_the_proxy(tiny_model_dir, tmp_path):
+    """Live: the node of a colocated `tiny` deployment is pinned off the first core (on a machine
+    of one core, to that core) and answers."""
+    cores = sorted(os.sched_getaffinity(0))
+    expected = set(cores[1:]) or set(cores)
+    deployment = launcher.start_local(tiny_model_dir, num_prefill=0, num_decode=1, log_dir=tmp_path)
+    try:
+        launcher.wait_healthy(deployment, 120)
+        node = deployment.cluster.process("decode0")
+        assert os.sched_getaffinity(node.pid) == expected
+        reply = httpx.post(deployment.base_url + "/v1/completions", timeout=60,
+                           json={"model": Path(tiny_model_dir).name, "prompt": "def f(", "max_tokens": 4})
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 4
+    finally:
+        deployment.stop()
