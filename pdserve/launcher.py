@@ -252,13 +252,13 @@ def start_local(
     """Start nodes and proxy as separate processes (not waiting for health: see wait_healthy).
     On any failure the caller must stop() the returned deployment's cluster. pin_cpus: each node
     on cores of its own where there are enough (see _cpu_plan), proxy_cores of them (None: see
-    _auto_proxy_cores) left to the proxy and the clients."""
+    auto_proxy_cores) left to the proxy and the clients."""
     cluster = Cluster()
     cpus = []
     if pin_cpus:
         cores = sorted(os.sched_getaffinity(0))
         if proxy_cores is None:
-            proxy_cores = _auto_proxy_cores(model_dir, len(cores), num_prefill + num_decode)
+            proxy_cores = auto_proxy_cores(model_dir, len(cores), num_prefill + num_decode)
         cpus = _cpu_plan(cores, num_prefill + num_decode, proxy_cores)
     pdserve = [sys.executable, "-m", "pdserve.cli"]
     common = ["--model", str(model_dir), "--host", host, *node_args]
@@ -330,7 +330,7 @@ def wait_http_ok(url: str, timeout_s: float, check: Callable[[], None] | None = 
 _PROXY_CORE_BELOW_PARAMETERS = 16_000_000
 
 
-def _auto_proxy_cores(model_dir: Path, num_cores: int, num_nodes: int) -> int:
+def auto_proxy_cores(model_dir: Path, num_cores: int, num_nodes: int) -> int:
     """1 for a small model when every node still gets a core of its own, else 0."""
     if num_cores - 1 < num_nodes:
         return 0

@@ -33,11 +33,11 @@ def test_parameters_are_counted_from_the_headers(tiny_model_dir):
 
 
 def test_a_small_model_gets_a_proxy_core_only_when_each_node_keeps_one(tiny_model_dir, monkeypatch):
-    assert launcher._auto_proxy_cores(tiny_model_dir, num_cores=2, num_nodes=1) == 1
-    assert launcher._auto_proxy_cores(tiny_model_dir, num_cores=2, num_nodes=2) == 0
-    assert launcher._auto_proxy_cores(tiny_model_dir, num_cores=1, num_nodes=1) == 0
+    assert launcher.auto_proxy_cores(tiny_model_dir, num_cores=2, num_nodes=1) == 1
+    assert launcher.auto_proxy_cores(tiny_model_dir, num_cores=2, num_nodes=2) == 0
+    assert launcher.auto_proxy_cores(tiny_model_dir, num_cores=1, num_nodes=1) == 0
     monkeypatch.setattr(launcher, "_num_parameters", lambda _: 135_000_000)  # SmolLM2-135M's size
-    assert launcher._auto_proxy_cores(tiny_model_dir, num_cores=2, num_nodes=1) == 0
+    assert launcher.auto_proxy_cores(tiny_model_dir, num_cores=2, num_nodes=1) == 0
 
 
 def test_a_colocated_small_model_runs_beside_the_proxy(tiny_model_dir, tmp_path):
