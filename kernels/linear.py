@@ -91,7 +91,7 @@ def _amx_kernel():
     if ready is None or not ready():
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    return cpu_function("amx_linear", "amx_linear_bf16", (ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64))
+    return cpu_function("amx_linear", "amx_linear_bf16", (ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64), ctypes.c_int)
 
 
 def pack_for_amx(weight: torch.Tensor) -> torch.Tensor:
@@ -109,8 +109,10 @@ def pack_for_amx(weight: torch.Tensor) -> torch.Tensor:
 def _linear_amx(x: torch.Tensor, w: Linear) -> torch.Tensor:
     out = torch.empty(x.shape[0], w.out_features, dtype=x.dtype)
     bias = w.amx_bias.data_ptr() if w.amx_bias is not None else None
-    _amx_kernel()(x.data_ptr(), x.stride(0), x.shape[0], w.in_features, w.amx.data_ptr(), w.out_features, bias,
-                  out.data_ptr(), out.stride(0))
+    status = _amx_kernel()(x.data_ptr(), x.stride(0), x.shape[0], w.in_features, w.amx.data_ptr(), w.out_features,
+                           bias, out.data_ptr(), out.stride(0))
+    if status != 0:
+        raise MemoryError("linear: the AMX kernel could not allocate its buffer")
     return out
 
 

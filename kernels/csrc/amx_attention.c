@@ -25,6 +25,7 @@
  */
 #define _DEFAULT_SOURCE /* syscall() in amx.h */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -130,8 +131,8 @@ static __m512 softmax_block(float *scores, int64_t first_key, int64_t keys, __m5
     }
     const __m512 new_max = _mm512_max_ps(*run_max, block_max);
     const __m512 alpha = exp2_ps(_mm512_sub_ps(*run_max, new_max));
-    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21,
-                                           5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                           6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     __m512 sum = _mm512_setzero_ps();
     for (int64_t r = 0; r < 16; ++r) {
         const __m512 lo = exp2_ps(_mm512_sub_ps(_mm512_load_ps(scores + 32 * r), new_max));
@@ -193,9 +194,9 @@ static void query_block(const problem *p, int64_t seq, int64_t head, int64_t qb,
     const int64_t first = p->cu[seq] + 16 * qb, first_pos = len - q_len + 16 * qb;
     const int64_t kv_head = head / p->group, dim = p->head_dim, k_tiles = dim / 32;
     /* Missing queries take the last row's position: they see no key past the sequence. */
-    const __m512i positions = _mm512_min_epi32(
-        _mm512_add_epi32(_mm512_set1_epi32((int)first_pos), _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)),
-        _mm512_set1_epi32((int)(first_pos + rows - 1)));
+    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i positions = _mm512_min_epi32(_mm512_add_epi32(_mm512_set1_epi32((int)first_pos), lanes),
+                                               _mm512_set1_epi32((int)(first_pos + rows - 1)));
     const int64_t key_end = first_pos + rows; /* keys any query sees */
     const uint16_t *vt = p->vt + p->vt_off[seq] + kv_head * dim * width;
     const __m512 c = _mm512_set1_ps(p->log2_scale);
@@ -204,7 +205,8 @@ static void query_block(const problem *p, int64_t seq, int64_t head, int64_t qb,
     memset(w->ot, 0, (size_t)(dim * 16 * 4));
     for (int64_t k0 = 0; k0 < key_end; k0 += 32) {
         const int second = k0 + 16 < key_end;
-        const uint16_t *k_lo = cache_row(p, seq, k0, kv_head), *k_hi = second ? cache_row(p, seq, k0 + 16, kv_head) : NULL;
+        const uint16_t *k_lo = cache_row(p, seq, k0, kv_head);
+        const uint16_t *k_hi = second ? cache_row(p, seq, k0 + 16, kv_head) : NULL;
         _tile_zero(0);
         _tile_zero(1);
         for (int64_t t = 0; t < k_tiles; ++t) {
@@ -279,21 +281,28 @@ int amx_prefill_attention_bf16(const uint16_t *query, int64_t q_tok, int64_t q_h
         item_start[s + 1] = item_start[s] + num_heads * ((q_len + 15) / 16);
     }
     uint16_t *vt = aligned_alloc(64, (size_t)((vt_off[num_seqs] * 2 + 63) / 64 * 64 + 64));
-    if (!vt) {
+    const int threads = omp_get_max_threads();
+    scratch *scratches = aligned_alloc(64, (size_t)threads * sizeof(scratch));
+    if (!vt || !scratches) {
+        free(vt);
+        free(scratches);
         free(vt_off);
         free(item_start);
         return 2;
     }
+    const float log2_scale = scale * 1.4426950408889634f; /* log2(e) */
     const problem p = {query, cache, q_tok, q_head, s_block, s_kv, s_off, s_head, block_size, tables, cu, lens,
-                       table_stride, num_heads, num_heads / num_kv_heads, head_dim, scale * 1.4426950408889634f /* log2(e) */, out, o_tok,
-                       o_head, vt, vt_off};
+                       table_stride, num_heads, num_heads / num_kv_heads, head_dim, log2_scale, out, o_tok, o_head, vt,
+                       vt_off};
     const int64_t items = item_start[num_seqs];
-#pragma omp parallel
+#pragma omp parallel num_threads(threads)
     {
-        scratch *w = aligned_alloc(64, sizeof(scratch));
+        scratch *w = scratches + omp_get_thread_num();
 #pragma omp for schedule(dynamic)
-        for (int64_t i = 0; i < num_seqs * num_kv_heads; ++i)
-            if (cu[i / num_kv_heads + 1] > cu[i / num_kv_heads]) transpose_values(&p, i / num_kv_heads, i % num_kv_heads);
+        for (int64_t i = 0; i < num_seqs * num_kv_heads; ++i) {
+            const int64_t seq = i / num_kv_heads;
+            if (cu[seq + 1] > cu[seq]) transpose_values(&p, seq, i % num_kv_heads);
+        }
         amx_configure_tiles();
         int64_t seq = 0;
 #pragma omp for schedule(dynamic)
@@ -303,8 +312,8 @@ int amx_prefill_attention_bf16(const uint16_t *query, int64_t q_tok, int64_t q_h
             query_block(&p, seq, local / blocks, local % blocks, w);
         }
         _tile_release();
-        free(w);
     }
+    free(scratches);
     free(vt);
     free(vt_off);
     free(item_start);

@@ -101,30 +101,32 @@ static void column_pair(const uint16_t *x, int64_t x_stride, int64_t m, int64_t 
 }
 
 /* x: [m, k] bfloat16 rows x_stride apart (k a multiple of 32); packed: W [n, k] packed as above
- * (n rounded up to 16 with zero columns); bias: n float32 or NULL; out: [m, n] rows out_stride
- * apart. */
-void amx_linear_bf16(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, const uint16_t *packed, int64_t n,
-                     const float *bias, uint16_t *out, int64_t out_stride) {
-    const int64_t pairs = (n + 31) / 32, k_tiles = k / 32;
+ * (n rounded up to 32 with zero columns); bias: n float32 or NULL; out: [m, n] rows out_stride
+ * apart. Returns 0, or 2 when out of memory (nothing written). */
+int amx_linear_bf16(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, const uint16_t *packed, int64_t n,
+                    const float *bias, uint16_t *out, int64_t out_stride) {
+    const int64_t pairs = (n + 31) / 32, k_tiles = k / 32, tail_rows = m % 16;
+    /* x's last rows when they fill no whole tile, zero-padded to one: shared, read-only */
+    uint16_t *tail = NULL;
+    if (tail_rows) {
+        tail = aligned_alloc(64, (size_t)(16 * k * 2));
+        if (!tail) return 2;
+        memset(tail, 0, (size_t)(16 * k * 2));
+        for (int64_t r = 0; r < tail_rows; ++r)
+            memcpy(tail + r * k, x + (m - tail_rows + r) * x_stride, (size_t)(k * 2));
+    }
 #pragma omp parallel
     {
         float sums[4 * 256] __attribute__((aligned(64)));
-        uint16_t *tail = NULL;
-        const int64_t tail_rows = m % 16;
-        if (tail_rows) {
-            tail = aligned_alloc(64, (size_t)(16 * k * 2));
-            memset(tail, 0, (size_t)(16 * k * 2));
-            for (int64_t r = 0; r < tail_rows; ++r)
-                memcpy(tail + r * k, x + (m - tail_rows + r) * x_stride, (size_t)(k * 2));
-        }
         amx_configure_tiles();
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < pairs; ++p)
             column_pair(x, x_stride, m, k, tail, packed + p * k_tiles * 2 * TILE_ELEMS, n, 32 * p, bias, out,
                         out_stride, sums);
         _tile_release();
-        free(tail);
     }
+    free(tail);
+    return 0;
 }
 
 #else
