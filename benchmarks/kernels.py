@@ -12,7 +12,13 @@ Without a GPU (or with --cpu) it measures the compiled CPU paged decode attentio
 one thread: the small preset's shape (9 query / 3 KV heads, head dim 64, 30 layers of a
 block-major cache), 64 sequences x 300 tokens in scattered blocks, beside the torch reference
 (gather + SDPA) and a bare gather of the same bytes (index_select, which reads them in the same
-24 KB runs per block and layer and writes a copy), interleaved repeats, medians.
+24 KB runs per block and layer and writes a copy), interleaved repeats, medians. Where the CPU
+has AMX it then measures the bfloat16 AMX kernels on all threads, interleaved with what they
+replace: the projections of one decode step of the small preset (30 layers' four projections
+and the LM head, 269 MB, distinct weights so each call reads them from memory) at 1, 16 and 64
+rows against oneDNN's prepacked linear; and prefill attention (8 prompts x 256 tokens in one
+chunk, and one 2,048-token prompt) against the per-sequence SDPA reference, with each one's
+mean error against a float64 oracle.
 """
 
 from __future__ import annotations
@@ -229,6 +235,66 @@ def bench_cpu_decode(repeats: int) -> dict:
     }
 
 
+def bench_cpu_amx(repeats: int) -> dict:
+    """bfloat16 AMX kernels vs what they replace, on all threads; see the module docstring."""
+    import time
+
+    from kernels import linear as linear_module
+    from kernels.prefill_attention import prefill_attention_cpu
+
+    if linear_module._amx_kernel() is None:
+        return {"status": "no AMX (or no compiler for it): the AMX kernels are not built"}
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down
+    layers = [[linear_module.prepare_linear(torch.randn(o, i, generator=gen).to(DTYPE) * 0.02) for o, i in shapes]
+              for _ in range(30)]
+    head = linear_module.prepare_linear(torch.randn(49152, 576, generator=gen).to(DTYPE) * 0.02)
+    weights = [w for layer in layers for w in layer] + [head]
+    num_bytes = sum(w.in_features * w.out_features * 2 for w in weights)
+    onednn = [linear_module.Linear(None, w.packed, None, w.in_features, w.out_features) for w in weights]
+
+    def median_ms(ways: dict[str, Callable]) -> dict[str, float]:
+        times: dict[str, list[float]] = {name: [] for name in ways}
+        for way in ways.values():
+            way()  # warm-up
+        for _ in range(repeats):
+            for name, way in ways.items():
+                start = time.perf_counter()
+                way()
+                times[name].append(1000 * (time.perf_counter() - start))
+        return {name: round(statistics.median(values), 3) for name, values in times.items()}
+
+    projections = []
+    for rows in (1, 16, 64):
+        xs = {n: torch.randn(rows, n, generator=gen).to(DTYPE) for n in (576, 1536)}
+        ms = median_ms({
+            "amx": lambda xs=xs: [linear_module.linear(xs[w.in_features], w) for w in weights],
+            "onednn": lambda xs=xs: [linear_module.linear(xs[w.in_features], w) for w in onednn],
+        })
+        projections.append({"rows": rows, "ms_per_step": ms, "amx_gbps": round(num_bytes / ms["amx"] / 1e6, 1),
+                            "onednn_gbps": round(num_bytes / ms["onednn"] / 1e6, 1),
+                            "speedup": round(ms["onednn"] / ms["amx"], 2)})
+    attention = []
+    for num_seqs, seq_len in ((8, 256), (1, 2048)):
+        blocks = num_seqs * num_blocks_for(seq_len, BLOCK_SIZE)
+        cache = torch.randn(blocks, 2, BLOCK_SIZE, 3, 64, generator=gen).to(DTYPE)
+        tables = torch.randperm(blocks, generator=gen).view(num_seqs, -1).int()
+        cu = torch.arange(num_seqs + 1, dtype=torch.int32) * seq_len
+        lens = torch.full((num_seqs,), seq_len, dtype=torch.int32)
+        query = torch.randn(num_seqs * seq_len, 9, 64, generator=gen).to(DTYPE)
+        args = (query, cache, tables, cu, lens, 0.125)
+        ms = median_ms({"amx": lambda args=args: prefill_attention_cpu(*args),
+                        "sdpa_ref": lambda args=args: prefill_attention_ref(*args)})
+        oracle = prefill_attention_ref(query.double(), cache.double(), tables, cu, lens, 0.125)
+        errors = {name: (fn(*args).double() - oracle).abs().mean().item()
+                  for name, fn in (("amx", prefill_attention_cpu), ("sdpa_ref", prefill_attention_ref))}
+        attention.append({"shape": f"{num_seqs} x {seq_len} tokens, 9/3 heads, d=64", "ms": ms,
+                          "speedup": round(ms["sdpa_ref"] / ms["amx"], 2),
+                          "mean_abs_err_vs_float64": {k: f"{v:.2e}" for k, v in errors.items()}})
+    return {"device": f"cpu ({torch.get_num_threads()} threads)", "dtype": "bfloat16",
+            "projections_small_decode_step": projections, "prefill_attention": attention}
+
+
 def run(iters: int, only: set[str] | None) -> dict:
     ceilings = measure_ceilings(iters)
     rows: list[dict] = []
@@ -252,8 +318,12 @@ def main() -> None:
     parser.add_argument("--cpu-repeats", type=int, default=9)
     args = parser.parse_args()
     if args.cpu or not torch.cuda.is_available():
+        threads = torch.get_num_threads()
         result = bench_cpu_decode(args.cpu_repeats)
-        print(json.dumps(result))
+        print(json.dumps(result), flush=True)
+        torch.set_num_threads(threads)
+        result = {"decode_attention": result, "amx": bench_cpu_amx(args.cpu_repeats)}
+        print(json.dumps(result["amx"]))
         print("RESULT " + json.dumps(result))
         return
     only = set(args.only.split(",")) if args.only else None
