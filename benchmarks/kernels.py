@@ -17,8 +17,8 @@ has AMX it then measures the bfloat16 AMX kernels on all threads, interleaved wi
 replace: the projections of one decode step of the small preset (30 layers' four projections
 and the LM head, 269 MB, distinct weights so each call reads them from memory) at 1, 16 and 64
 rows against oneDNN's prepacked linear; and prefill attention (8 prompts x 256 tokens in one
-chunk, and one 2,048-token prompt) against the per-sequence SDPA reference, with each one's
-mean error against a float64 oracle.
+chunk, and one 2,048-token prompt; bfloat16 on AMX and float32 on AVX-512) against the
+per-sequence SDPA reference, with each one's mean error against a float64 oracle.
 """
 
 from __future__ import annotations
@@ -275,21 +275,23 @@ def bench_cpu_amx(repeats: int) -> dict:
                             "onednn_gbps": round(num_bytes / ms["onednn"] / 1e6, 1),
                             "speedup": round(ms["onednn"] / ms["amx"], 2)})
     attention = []
-    for num_seqs, seq_len in ((8, 256), (1, 2048)):
+    for num_seqs, seq_len, dtype in ((8, 256, DTYPE), (1, 2048, DTYPE), (8, 256, torch.float32),
+                                     (1, 2048, torch.float32)):
         blocks = num_seqs * num_blocks_for(seq_len, BLOCK_SIZE)
-        cache = torch.randn(blocks, 2, BLOCK_SIZE, 3, 64, generator=gen).to(DTYPE)
+        cache = torch.randn(blocks, 2, BLOCK_SIZE, 3, 64, generator=gen).to(dtype)
         tables = torch.randperm(blocks, generator=gen).view(num_seqs, -1).int()
         cu = torch.arange(num_seqs + 1, dtype=torch.int32) * seq_len
         lens = torch.full((num_seqs,), seq_len, dtype=torch.int32)
-        query = torch.randn(num_seqs * seq_len, 9, 64, generator=gen).to(DTYPE)
+        query = torch.randn(num_seqs * seq_len, 9, 64, generator=gen).to(dtype)
         args = (query, cache, tables, cu, lens, 0.125)
-        ms = median_ms({"amx": lambda args=args: prefill_attention_cpu(*args),
+        ms = median_ms({"kernel": lambda args=args: prefill_attention_cpu(*args),
                         "sdpa_ref": lambda args=args: prefill_attention_ref(*args)})
         oracle = prefill_attention_ref(query.double(), cache.double(), tables, cu, lens, 0.125)
         errors = {name: (fn(*args).double() - oracle).abs().mean().item()
-                  for name, fn in (("amx", prefill_attention_cpu), ("sdpa_ref", prefill_attention_ref))}
-        attention.append({"shape": f"{num_seqs} x {seq_len} tokens, 9/3 heads, d=64", "ms": ms,
-                          "speedup": round(ms["sdpa_ref"] / ms["amx"], 2),
+                  for name, fn in (("kernel", prefill_attention_cpu), ("sdpa_ref", prefill_attention_ref))}
+        attention.append({"shape": f"{num_seqs} x {seq_len} tokens, 9/3 heads, d=64",
+                          "dtype": str(dtype).removeprefix("torch."), "ms": ms,
+                          "speedup": round(ms["sdpa_ref"] / ms["kernel"], 2),
                           "mean_abs_err_vs_float64": {k: f"{v:.2e}" for k, v in errors.items()}})
     return {"device": f"cpu ({torch.get_num_threads()} threads)", "dtype": "bfloat16",
             "projections_small_decode_step": projections, "prefill_attention": attention}

@@ -76,17 +76,21 @@ def prefill_attention(query: torch.Tensor, kv_cache_layer: torch.Tensor, block_t
 
 
 def prefill_attention_cpu(query, kv_cache_layer, block_tables, cu_query_lens, seq_lens, scale) -> torch.Tensor | None:
-    """The compiled AMX kernel (csrc/amx_attention.c) for CPU bfloat16 query and cache; None when
-    it does not apply (no AMX, another dtype or device, head_dim not a multiple of 32 up to 128,
-    blocks not a multiple of 16 tokens). Raises ValueError for chunks, lengths or block ids out
-    of range (it reads memory directly)."""
-    if query.device.type != "cpu" or query.dtype != torch.bfloat16 or kv_cache_layer.dtype != torch.bfloat16:
+    """A compiled CPU kernel where one applies, else None: bfloat16 on AMX (csrc/amx_attention.c;
+    head_dim a multiple of 32 up to 128), float32 on AVX-512 (csrc/prefill_attention_f32.c;
+    head_dim a multiple of 16 up to 256); query and cache of one dtype, blocks a multiple of 16
+    tokens. Raises ValueError for chunks, lengths or block ids out of range (it reads memory
+    directly)."""
+    if query.device.type != "cpu" or kv_cache_layer.dtype != query.dtype or kv_cache_layer.stride(-1) != 1:
         return None
     num_blocks, _, block_size, num_kv_heads, head_dim = kv_cache_layer.shape
-    if head_dim % 32 or head_dim > 128 or block_size % 16 or kv_cache_layer.stride(-1) != 1:
+    if query.dtype == torch.bfloat16 and head_dim % 32 == 0 and head_dim <= 128:
+        kernel = _amx_kernel()
+    elif query.dtype == torch.float32 and head_dim % 16 == 0 and head_dim <= 256:
+        kernel = _f32_kernel()
+    else:
         return None
-    kernel = _amx_kernel()
-    if kernel is None:
+    if kernel is None or block_size % 16:
         return None
     if query.stride(-1) != 1:
         query = query.contiguous()
@@ -106,12 +110,12 @@ def prefill_attention_cpu(query, kv_cache_layer, block_tables, cu_query_lens, se
     if status == 1:
         raise ValueError("prefill_attention: chunk lengths, sequence lengths or block ids out of range")
     if status != 0:
-        raise MemoryError("prefill_attention: the AMX kernel could not allocate its buffers")
+        raise MemoryError("prefill_attention: the CPU kernel could not allocate its buffers")
     return out
 
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
-_AMX_SIGNATURE = (_PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64,
+_CPU_SIGNATURE = (_PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64,
                   _I64, _I64, _I64, _I64, ctypes.c_float, _PTR, _I64, _I64)
 
 
@@ -120,7 +124,15 @@ def _amx_kernel():
     ready = cpu_function("amx_attention", "amx_attention_ready", (), ctypes.c_int)
     if ready is None or not ready():
         return None
-    return cpu_function("amx_attention", "amx_prefill_attention_bf16", _AMX_SIGNATURE, ctypes.c_int)
+    return cpu_function("amx_attention", "amx_prefill_attention_bf16", _CPU_SIGNATURE, ctypes.c_int)
+
+
+@functools.cache
+def _f32_kernel():
+    ready = cpu_function("prefill_attention_f32", "prefill_attention_f32_ready", (), ctypes.c_int)
+    if ready is None or not ready():
+        return None
+    return cpu_function("prefill_attention_f32", "prefill_attention_f32", _CPU_SIGNATURE, ctypes.c_int)
 
 
 def _tile_sizes(query: torch.Tensor) -> tuple[int, int, int]:

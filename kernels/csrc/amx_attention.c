@@ -14,8 +14,9 @@
  * Queries past a chunk's end and keys past a sequence's end never reach the output: lanes of the
  * former are dropped, the latter are masked (their cache rows may hold anything).
  *
- * The caller's tensors are read directly, so the tables and lengths are checked first: a bad one
- * returns 1 before anything is read.
+ * The caller's tensors are read directly, so the tables and lengths are checked first
+ * (prefill.h, shared with the float32 kernel in prefill_attention_f32.c): a bad one returns 1
+ * before anything is read.
  *
  * Measured on a 2-core Xeon (AMX), two threads, SmolLM-135M's heads (9 over 3 KV heads, 64 dims):
  * a 2,048-token chunk of 8 whole 256-token prompts 1.43 ms against 2.31 ms for torch's flash SDPA
@@ -32,27 +33,11 @@
 
 #include "amx.h"
 #include "bf16.h"
+#include "prefill.h"
 
 #ifdef PDSERVE_HAVE_AMX
 
 int amx_attention_ready(void) { return amx_request(); }
-
-/* 2^x for x <= 128; x below -126 (masked keys: -inf) gives ~1e-38, which rounds to 0 in
- * bfloat16 and is nothing next to a sum of at least 1. Rounded to the nearest integer n and
- * 2^f for f = x - n in [-0.5, 0.5] from its Taylor series to f^6 (relative error < 2e-7). */
-static inline __m512 exp2_ps(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
-    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_set1_ps(1.5403530393381609e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
 
 typedef struct {
     const uint16_t *query, *cache;
@@ -242,21 +227,6 @@ static void query_block(const problem *p, int64_t seq, int64_t head, int64_t qb,
     }
 }
 
-/* 0 when every sequence's chunk, length and blocks are in range; 1 otherwise. */
-static int check(const int32_t *tables, int64_t table_stride, int64_t table_width, const int32_t *cu,
-                 const int32_t *lens, int64_t num_seqs, int64_t num_tokens, int64_t num_blocks, int64_t block_size) {
-    if (cu[0] < 0 || cu[num_seqs] > num_tokens) return 1;
-    for (int64_t s = 0; s < num_seqs; ++s) {
-        const int64_t q_len = (int64_t)cu[s + 1] - cu[s], len = lens[s];
-        if (q_len < 0 || q_len > len || len > table_width * block_size) return 1;
-        for (int64_t b = 0; b < (len + block_size - 1) / block_size; ++b) {
-            const int32_t id = tables[s * table_stride + b];
-            if (id < 0 || id >= num_blocks) return 1;
-        }
-    }
-    return 0;
-}
-
 /* query: [tokens, heads, head_dim]; cache: one layer, [blocks, 2, block_size, kv_heads, head_dim]
  * strided; out like query. head_dim a multiple of 32 up to 128 (256 for the output), block_size a
  * multiple of 16. Returns 0, 1 for tables or lengths out of range, 2 when out of memory. */
@@ -266,7 +236,8 @@ int amx_prefill_attention_bf16(const uint16_t *query, int64_t q_tok, int64_t q_h
                                const int32_t *cu, const int32_t *lens, int64_t num_seqs, int64_t num_tokens,
                                int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale, uint16_t *out,
                                int64_t o_tok, int64_t o_head) {
-    if (check(tables, table_stride, table_width, cu, lens, num_seqs, num_tokens, num_blocks, block_size)) return 1;
+    if (check_chunks(tables, table_stride, table_width, cu, lens, num_seqs, num_tokens, num_blocks, block_size))
+        return 1;
     int64_t *vt_off = malloc((size_t)(num_seqs + 1) * sizeof *vt_off);
     int64_t *item_start = malloc((size_t)(num_seqs + 1) * sizeof *item_start);
     if (!vt_off || !item_start) {

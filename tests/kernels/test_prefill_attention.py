@@ -13,6 +13,7 @@ from tests.kernels.conftest import (
     DEVICE,
     DTYPES,
     EXPECT_AMX,
+    EXPECT_AVX512,
     GQA,
     assert_close,
     gpu,
@@ -82,8 +83,8 @@ def test_prefill_all_empty_and_bad_shapes():
 
 
 @pytest.fixture
-def amx_calls(monkeypatch) -> list:
-    """How many times the AMX kernel ran."""
+def kernel_calls(monkeypatch) -> list:
+    """Whether a compiled CPU kernel ran, per call."""
     calls, real = [], prefill_module.prefill_attention_cpu
 
     def spy(*args):
@@ -99,32 +100,35 @@ def amx_calls(monkeypatch) -> list:
 AMX_Q_LENS, AMX_TOTALS = Q_LENS + [100, 64, 33], TOTALS + [100, 300, 97]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("heads, kv_heads", GQA)
 @pytest.mark.parametrize("head_dim", [32, 64, 96, 128])
-def test_prefill_cpu_bfloat16_kernel_matches_reference(heads, kv_heads, head_dim, amx_calls):
-    """The AMX kernel (where the CPU has AMX) against the per-sequence reference, with the cache's
-    unused rows poisoned with NaN: keys past a sequence's end must not reach any output."""
-    query, kv_layer, table, cu, seq_lens = prefill_case(heads, kv_heads, head_dim, torch.bfloat16, 12,
+def test_prefill_cpu_kernels_match_reference(heads, kv_heads, head_dim, dtype, kernel_calls):
+    """The compiled CPU kernels (bfloat16 where the CPU has AMX, float32 where it has AVX-512)
+    against the per-sequence reference, with the cache's unused rows poisoned with NaN: keys past
+    a sequence's end must not reach any output."""
+    query, kv_layer, table, cu, seq_lens = prefill_case(heads, kv_heads, head_dim, dtype, 12,
                                                         AMX_Q_LENS, AMX_TOTALS, num_blocks=80)
     for row, total in enumerate(AMX_TOTALS):
         last = table[row, (total - 1) // BLOCK_SIZE]
         kv_layer[last, :, total % BLOCK_SIZE or BLOCK_SIZE:] = float("nan")
     want = prefill_attention_ref(query, kv_layer, table, cu, seq_lens, head_dim ** -0.5)
     got = prefill_attention(query, kv_layer, table, cu, seq_lens, head_dim ** -0.5)
-    assert amx_calls == [EXPECT_AMX]
-    assert got.dtype == torch.bfloat16 and not got.isnan().any()
-    assert_close(got, want, torch.bfloat16)
+    assert kernel_calls == [EXPECT_AMX if dtype == torch.bfloat16 else EXPECT_AVX512]
+    assert got.dtype == dtype and not got.isnan().any()
+    assert_close(got, want, dtype)
 
 
-def test_prefill_cpu_kernel_rejects_out_of_range_tables():
-    """The kernel reads the cache directly: a block id past the cache or a chunk longer than its
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_prefill_cpu_kernels_reject_out_of_range_tables(dtype):
+    """The kernels read the cache directly: a block id past the cache or a chunk longer than its
     sequence is refused before anything is read (the reference fails on the former too)."""
-    query, kv_layer, table, cu, seq_lens = prefill_case(4, 2, 64, torch.bfloat16, 13)
+    query, kv_layer, table, cu, seq_lens = prefill_case(4, 2, 64, dtype, 13)
     bad = table.clone()
     bad[4, 1] = 40  # the cache has 40 blocks
     with pytest.raises((ValueError, IndexError, RuntimeError)):
         prefill_attention(query, kv_layer, bad, cu, seq_lens, 0.125)
-    if EXPECT_AMX:
+    if EXPECT_AMX if dtype == torch.bfloat16 else EXPECT_AVX512:
         with pytest.raises(ValueError, match="out of range"):
             prefill_attention(query, kv_layer, bad, cu, seq_lens, 0.125)
         with pytest.raises(ValueError, match="out of range"):

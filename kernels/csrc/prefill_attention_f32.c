@@ -1,0 +1,190 @@
+/* Prefill / extend attention in float32 on AVX-512: the scheme of amx_attention.c with vector FMAs
+ * in place of AMX's tiles. Each 16-query block of a chunk attends causally to its sequence's paged
+ * K/V (the chunk's own K/V already in the cache), 16 keys at a time, with a running max and sum
+ * per query; each query is a vector lane, so the softmax needs no horizontal reductions:
+ *   - a key's scores are the sum over the head's dims of its K[d] (broadcast) times Q^T[d] (the
+ *     16 queries' d-th values, packed once per block, pre-scaled by scale * log2(e));
+ *   - out^T[d] (16 queries) += V[key][d] (broadcast) times the key's probabilities.
+ * K and V are read in place from the cache rows. Queries past a chunk's end and keys past a
+ * sequence's end never reach the output (lanes dropped; keys masked).
+ *
+ * The caller's tensors are read directly, so the tables and lengths are checked first
+ * (prefill.h): a bad one returns 1 before anything is read.
+ *
+ * Measured on a 2-core Xeon, two threads, 8 prompts x 256 tokens in one chunk: 1.29 ms against
+ * 2.55 ms for torch's per-sequence SDPA with `tiny`'s heads (4 over 2, 64 dims), 2.94 against 5.23
+ * with SmolLM-135M's (9 over 3); one 2,048-token prompt 18.0 against 21.0 ms. Offline float32,
+ * alternated: `tiny` +2-8%, `small` +2-3%.
+ */
+#define _DEFAULT_SOURCE
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "prefill.h"
+
+#ifdef __AVX512F__
+
+int prefill_attention_f32_ready(void) { return 1; }
+
+typedef struct {
+    const float *query, *cache;
+    int64_t q_tok, q_head, s_block, s_kv, s_off, s_head, block_size;
+    const int32_t *tables, *cu, *lens;
+    int64_t table_stride, group, head_dim;
+    float log2_scale;
+    float *out;
+    int64_t o_tok, o_head;
+} problem;
+
+typedef struct {
+    float qt[256 * 16] __attribute__((aligned(64))); /* Q^T, up to 256 dims */
+    float scores[16 * 16] __attribute__((aligned(64)));
+    float ot[256 * 16] __attribute__((aligned(64))); /* out^T */
+} scratch;
+
+static const float *key_row(const problem *p, int64_t seq, int64_t token, int64_t kv_head) {
+    const int64_t block = p->tables[seq * p->table_stride + token / p->block_size];
+    return p->cache + block * p->s_block + (token % p->block_size) * p->s_off + kv_head * p->s_head;
+}
+
+/* Scores of keys [first, first + 8) (rows of k, s_off apart) for the 16 queries of qt. */
+static inline void score_keys(const float *k, int64_t s_off, const float *qt, int64_t dim, float *scores) {
+    __m512 acc[8];
+    for (int j = 0; j < 8; ++j) acc[j] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < dim; ++d) {
+        const __m512 q = _mm512_load_ps(qt + 16 * d);
+        for (int j = 0; j < 8; ++j) acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(k[j * s_off + d]), q, acc[j]);
+    }
+    for (int j = 0; j < 8; ++j) _mm512_store_ps(scores + 16 * j, acc[j]);
+}
+
+/* Masks, max and exponentials of a block's scores (keys rows); returns the rescale factor of
+ * what came before. */
+static inline __m512 softmax_keys(float *scores, int64_t first_key, int64_t keys, __m512i positions, int masked,
+                                  __m512 *run_max, __m512 *run_sum) {
+    const __m512 minus_inf = _mm512_set1_ps(-INFINITY);
+    __m512 block_max = minus_inf;
+    for (int64_t j = 0; j < keys; ++j) {
+        __m512 v = _mm512_load_ps(scores + 16 * j);
+        if (masked) {
+            const __mmask16 seen = _mm512_cmple_epi32_mask(_mm512_set1_epi32((int)(first_key + j)), positions);
+            v = _mm512_mask_blend_ps(seen, minus_inf, v);
+            _mm512_store_ps(scores + 16 * j, v);
+        }
+        block_max = _mm512_max_ps(block_max, v);
+    }
+    const __m512 new_max = _mm512_max_ps(*run_max, block_max);
+    const __m512 alpha = exp2_ps(_mm512_sub_ps(*run_max, new_max));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < keys; ++j) {
+        const __m512 e = exp2_ps(_mm512_sub_ps(_mm512_load_ps(scores + 16 * j), new_max));
+        _mm512_store_ps(scores + 16 * j, e);
+        sum = _mm512_add_ps(sum, e);
+    }
+    *run_sum = _mm512_fmadd_ps(*run_sum, alpha, sum);
+    *run_max = new_max;
+    return alpha;
+}
+
+/* out^T rows [d0, d0 + 16) = alpha * out^T + the keys' V (rows of v, s_off apart) times their
+ * probabilities. */
+static inline void accumulate_keys(const float *v, int64_t s_off, int64_t keys, const float *probs, int64_t d0,
+                                   __m512 alpha, float *ot) {
+    __m512 acc[16];
+    for (int i = 0; i < 16; ++i) acc[i] = _mm512_mul_ps(_mm512_load_ps(ot + (d0 + i) * 16), alpha);
+    for (int64_t j = 0; j < keys; ++j) {
+        const __m512 pj = _mm512_load_ps(probs + 16 * j);
+        const float *row = v + j * s_off + d0;
+        for (int i = 0; i < 16; ++i) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(row[i]), pj, acc[i]);
+    }
+    for (int i = 0; i < 16; ++i) _mm512_store_ps(ot + (d0 + i) * 16, acc[i]);
+}
+
+/* Queries [16 * qb, 16 * qb + 16) of a sequence's chunk, one head. */
+static void query_block(const problem *p, int64_t seq, int64_t head, int64_t qb, scratch *w) {
+    const int64_t q_len = p->cu[seq + 1] - p->cu[seq], len = p->lens[seq];
+    const int64_t rows = q_len - 16 * qb < 16 ? q_len - 16 * qb : 16;
+    const int64_t first = p->cu[seq] + 16 * qb, first_pos = len - q_len + 16 * qb;
+    const int64_t kv_head = head / p->group, dim = p->head_dim;
+    /* Missing queries take the last row's position: they see no key past the sequence. */
+    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i positions = _mm512_min_epi32(_mm512_add_epi32(_mm512_set1_epi32((int)first_pos), lanes),
+                                               _mm512_set1_epi32((int)(first_pos + rows - 1)));
+    const int64_t key_end = first_pos + rows; /* keys any query sees */
+    memset(w->qt, 0, (size_t)(dim * 16 * 4));
+    for (int64_t q = 0; q < rows; ++q) {
+        const float *src = p->query + (first + q) * p->q_tok + head * p->q_head;
+        for (int64_t d = 0; d < dim; ++d) w->qt[16 * d + q] = src[d] * p->log2_scale;
+    }
+    memset(w->ot, 0, (size_t)(dim * 16 * 4));
+    __m512 run_max = _mm512_set1_ps(-INFINITY), run_sum = _mm512_setzero_ps();
+    for (int64_t k0 = 0; k0 < key_end; k0 += 16) {
+        /* 16 keys from k0 lie in one cache block (block_size a multiple of 16); rows past the
+         * sequence are computed on and never used. */
+        const float *k = key_row(p, seq, k0, kv_head);
+        const int64_t keys = key_end - k0 < 16 ? key_end - k0 : 16;
+        score_keys(k, p->s_off, w->qt, dim, w->scores);
+        if (keys > 8) score_keys(k + 8 * p->s_off, p->s_off, w->qt, dim, w->scores + 128);
+        const __m512 alpha = softmax_keys(w->scores, k0, keys, positions, k0 + 15 > first_pos, &run_max, &run_sum);
+        for (int64_t d0 = 0; d0 < dim; d0 += 16)
+            accumulate_keys(k + p->s_kv, p->s_off, keys, w->scores, d0, alpha, w->ot);
+    }
+    float inv[16] __attribute__((aligned(64)));
+    _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), run_sum));
+    const __m512i column = _mm512_mullo_epi32(lanes, _mm512_set1_epi32(16)); /* out^T's column q */
+    for (int64_t q = 0; q < rows; ++q) {
+        float *dst = p->out + (first + q) * p->o_tok + head * p->o_head;
+        const __m512 scale = _mm512_set1_ps(inv[q]);
+        for (int64_t d = 0; d < dim; d += 16)
+            _mm512_storeu_ps(dst + d, _mm512_mul_ps(_mm512_i32gather_ps(column, w->ot + d * 16 + q, 4), scale));
+    }
+}
+
+/* query: [tokens, heads, head_dim] float32; cache: one layer, [blocks, 2, block_size, kv_heads,
+ * head_dim] strided; out like query. head_dim a multiple of 16 up to 256, block_size a multiple
+ * of 16. Returns 0, 1 for tables or lengths out of range, 2 when out of memory. */
+int prefill_attention_f32(const float *query, int64_t q_tok, int64_t q_head, const float *cache, int64_t s_block,
+                          int64_t s_kv, int64_t s_off, int64_t s_head, int64_t num_blocks, int64_t block_size,
+                          const int32_t *tables, int64_t table_stride, int64_t table_width, const int32_t *cu,
+                          const int32_t *lens, int64_t num_seqs, int64_t num_tokens, int64_t num_heads,
+                          int64_t num_kv_heads, int64_t head_dim, float scale, float *out, int64_t o_tok,
+                          int64_t o_head) {
+    if (check_chunks(tables, table_stride, table_width, cu, lens, num_seqs, num_tokens, num_blocks, block_size))
+        return 1;
+    int64_t *item_start = malloc((size_t)(num_seqs + 1) * sizeof *item_start);
+    const int threads = omp_get_max_threads();
+    scratch *scratches = aligned_alloc(64, (size_t)threads * sizeof(scratch));
+    if (!item_start || !scratches) {
+        free(item_start);
+        free(scratches);
+        return 2;
+    }
+    item_start[0] = 0;
+    for (int64_t s = 0; s < num_seqs; ++s)
+        item_start[s + 1] = item_start[s] + num_heads * ((cu[s + 1] - cu[s] + 15) / 16);
+    const problem p = {query, cache, q_tok, q_head, s_block, s_kv, s_off, s_head, block_size, tables, cu, lens,
+                       table_stride, num_heads / num_kv_heads, head_dim, scale * 1.4426950408889634f /* log2(e) */,
+                       out, o_tok, o_head};
+    const int64_t items = item_start[num_seqs];
+#pragma omp parallel num_threads(threads)
+    {
+        scratch *w = scratches + omp_get_thread_num();
+        int64_t seq = 0;
+#pragma omp for schedule(dynamic)
+        for (int64_t i = 0; i < items; ++i) {
+            while (item_start[seq + 1] <= i) ++seq;
+            const int64_t local = i - item_start[seq], blocks = (cu[seq + 1] - cu[seq] + 15) / 16;
+            query_block(&p, seq, local / blocks, local % blocks, w);
+        }
+    }
+    free(scratches);
+    free(item_start);
+    return 0;
+}
+
+#else
+int prefill_attention_f32_ready(void) { return 0; }
+#endif
