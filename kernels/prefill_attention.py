@@ -120,19 +120,21 @@ _CPU_SIGNATURE = (_PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _P
 
 
 @functools.cache
+def _cpu_kernel(library: str, ready: str, name: str):
+    """Function name of the compiled kernels/csrc/<library>.c, or None where the library is
+    unavailable or its ready() says the kernel cannot run here."""
+    can_run = cpu_function(library, ready, (), ctypes.c_int)
+    if can_run is None or not can_run():
+        return None
+    return cpu_function(library, name, _CPU_SIGNATURE, ctypes.c_int)
+
+
 def _amx_kernel():
-    ready = cpu_function("amx_attention", "amx_attention_ready", (), ctypes.c_int)
-    if ready is None or not ready():
-        return None
-    return cpu_function("amx_attention", "amx_prefill_attention_bf16", _CPU_SIGNATURE, ctypes.c_int)
+    return _cpu_kernel("amx_attention", "amx_attention_ready", "amx_prefill_attention_bf16")
 
 
-@functools.cache
 def _f32_kernel():
-    ready = cpu_function("prefill_attention_f32", "prefill_attention_f32_ready", (), ctypes.c_int)
-    if ready is None or not ready():
-        return None
-    return cpu_function("prefill_attention_f32", "prefill_attention_f32", _CPU_SIGNATURE, ctypes.c_int)
+    return _cpu_kernel("prefill_attention_f32", "prefill_attention_f32_ready", "prefill_attention_f32")
 
 
 def _tile_sizes(query: torch.Tensor) -> tuple[int, int, int]:

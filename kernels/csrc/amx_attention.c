@@ -100,22 +100,8 @@ static void pack_queries(const problem *p, int64_t first, int64_t rows, int64_t 
  * probabilities in pairs of keys into pt (a B tile). */
 static __m512 softmax_block(float *scores, int64_t first_key, int64_t keys, __m512i positions, int masked, __m512 c,
                             __m512 *run_max, __m512 *run_sum, uint16_t *pt) {
-    const __m512 minus_inf = _mm512_set1_ps(-INFINITY);
-    __m512 block_max = minus_inf;
-    for (int64_t j = 0; j < 32; ++j) {
-        __m512 v = minus_inf;
-        if (j < keys) {
-            v = _mm512_mul_ps(_mm512_load_ps(scores + 16 * j), c);
-            if (masked) {
-                const __mmask16 seen = _mm512_cmple_epi32_mask(_mm512_set1_epi32((int)(first_key + j)), positions);
-                v = _mm512_mask_blend_ps(seen, minus_inf, v);
-            }
-        }
-        _mm512_store_ps(scores + 16 * j, v);
-        block_max = _mm512_max_ps(block_max, v);
-    }
-    const __m512 new_max = _mm512_max_ps(*run_max, block_max);
-    const __m512 alpha = exp2_ps(_mm512_sub_ps(*run_max, new_max));
+    const __m512 alpha = mask_block(scores, 32, first_key, keys, positions, masked, c, run_max);
+    const __m512 new_max = *run_max;
     const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
                                            6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     __m512 sum = _mm512_setzero_ps();
@@ -127,7 +113,6 @@ static __m512 softmax_block(float *scores, int64_t first_key, int64_t keys, __m5
         _mm512_store_si512((__m512i *)(pt + 32 * r), _mm512_permutexvar_epi16(pairs, both));
     }
     *run_sum = _mm512_fmadd_ps(*run_sum, alpha, sum);
-    *run_max = new_max;
     return alpha;
 }
 
@@ -275,12 +260,11 @@ int amx_prefill_attention_bf16(const uint16_t *query, int64_t q_tok, int64_t q_h
             if (cu[seq + 1] > cu[seq]) transpose_values(&p, seq, i % num_kv_heads);
         }
         amx_configure_tiles();
-        int64_t seq = 0;
+        int64_t seq = 0, head, block;
 #pragma omp for schedule(dynamic)
         for (int64_t i = 0; i < items; ++i) {
-            while (item_start[seq + 1] <= i) ++seq;
-            const int64_t local = i - item_start[seq], blocks = (cu[seq + 1] - cu[seq] + 15) / 16;
-            query_block(&p, seq, local / blocks, local % blocks, w);
+            locate_item(i, item_start, cu, &seq, &head, &block);
+            query_block(&p, seq, head, block, w);
         }
         _tile_release();
     }

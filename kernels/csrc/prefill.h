@@ -3,6 +3,7 @@
  * vector 2^x for the softmax. */
 #ifndef PDSERVE_PREFILL_H
 #define PDSERVE_PREFILL_H
+#include <math.h>
 #include <stdint.h>
 
 /* 0 when every sequence's chunk, length and blocks are in range; 1 otherwise. */
@@ -19,6 +20,17 @@ static inline int check_chunks(const int32_t *tables, int64_t table_stride, int6
         }
     }
     return 0;
+}
+
+/* Work item i, one head's 16-query block of a sequence's chunk, as (sequence, head, block):
+ * item_start[s] is sequence s's first item. *seq moves on from its last value, so a thread must
+ * meet its items in increasing order (as an OpenMP loop hands them out). */
+static inline void locate_item(int64_t i, const int64_t *item_start, const int32_t *cu, int64_t *seq, int64_t *head,
+                               int64_t *block) {
+    while (item_start[*seq + 1] <= i) ++*seq;
+    const int64_t local = i - item_start[*seq], blocks = (cu[*seq + 1] - cu[*seq] + 15) / 16;
+    *head = local / blocks;
+    *block = local % blocks;
 }
 
 #ifdef __AVX512F__
@@ -40,6 +52,32 @@ static inline __m512 exp2_ps(__m512 x) {
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
     return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, n));
+}
+
+/* A block of scores in place, row j the key first_key + j, one lane per query: scaled by c, and
+ * -inf where a query may not see the key (when masked: the key past its position) and in the
+ * rows from keys on (up to rows). Folds the block into *run_max and returns the factor that
+ * rescales what was summed before. */
+static inline __m512 mask_block(float *scores, int64_t rows, int64_t first_key, int64_t keys, __m512i positions,
+                                int masked, __m512 c, __m512 *run_max) {
+    const __m512 minus_inf = _mm512_set1_ps(-INFINITY);
+    __m512 block_max = minus_inf;
+    for (int64_t j = 0; j < rows; ++j) {
+        __m512 v = minus_inf;
+        if (j < keys) {
+            v = _mm512_mul_ps(_mm512_load_ps(scores + 16 * j), c);
+            if (masked) {
+                const __mmask16 seen = _mm512_cmple_epi32_mask(_mm512_set1_epi32((int)(first_key + j)), positions);
+                v = _mm512_mask_blend_ps(seen, minus_inf, v);
+            }
+        }
+        _mm512_store_ps(scores + 16 * j, v);
+        block_max = _mm512_max_ps(block_max, v);
+    }
+    const __m512 new_max = _mm512_max_ps(*run_max, block_max);
+    const __m512 alpha = exp2_ps(_mm512_sub_ps(*run_max, new_max));
+    *run_max = new_max;
+    return alpha;
 }
 
 #endif

@@ -65,27 +65,14 @@ static inline void score_keys(const float *k, int64_t s_off, const float *qt, in
  * what came before. */
 static inline __m512 softmax_keys(float *scores, int64_t first_key, int64_t keys, __m512i positions, int masked,
                                   __m512 *run_max, __m512 *run_sum) {
-    const __m512 minus_inf = _mm512_set1_ps(-INFINITY);
-    __m512 block_max = minus_inf;
-    for (int64_t j = 0; j < keys; ++j) {
-        __m512 v = _mm512_load_ps(scores + 16 * j);
-        if (masked) {
-            const __mmask16 seen = _mm512_cmple_epi32_mask(_mm512_set1_epi32((int)(first_key + j)), positions);
-            v = _mm512_mask_blend_ps(seen, minus_inf, v);
-            _mm512_store_ps(scores + 16 * j, v);
-        }
-        block_max = _mm512_max_ps(block_max, v);
-    }
-    const __m512 new_max = _mm512_max_ps(*run_max, block_max);
-    const __m512 alpha = exp2_ps(_mm512_sub_ps(*run_max, new_max));
+    const __m512 alpha = mask_block(scores, keys, first_key, keys, positions, masked, _mm512_set1_ps(1.0f), run_max);
     __m512 sum = _mm512_setzero_ps();
     for (int64_t j = 0; j < keys; ++j) {
-        const __m512 e = exp2_ps(_mm512_sub_ps(_mm512_load_ps(scores + 16 * j), new_max));
+        const __m512 e = exp2_ps(_mm512_sub_ps(_mm512_load_ps(scores + 16 * j), *run_max));
         _mm512_store_ps(scores + 16 * j, e);
         sum = _mm512_add_ps(sum, e);
     }
     *run_sum = _mm512_fmadd_ps(*run_sum, alpha, sum);
-    *run_max = new_max;
     return alpha;
 }
 
@@ -172,12 +159,11 @@ int prefill_attention_f32(const float *query, int64_t q_tok, int64_t q_head, con
 #pragma omp parallel num_threads(threads)
     {
         scratch *w = scratches + omp_get_thread_num();
-        int64_t seq = 0;
+        int64_t seq = 0, head, block;
 #pragma omp for schedule(dynamic)
         for (int64_t i = 0; i < items; ++i) {
-            while (item_start[seq + 1] <= i) ++seq;
-            const int64_t local = i - item_start[seq], blocks = (cu[seq + 1] - cu[seq] + 15) / 16;
-            query_block(&p, seq, local / blocks, local % blocks, w);
+            locate_item(i, item_start, cu, &seq, &head, &block);
+            query_block(&p, seq, head, block, w);
         }
     }
     free(scratches);
