@@ -12,13 +12,14 @@ Without a GPU (or with --cpu) it measures the compiled CPU paged decode attentio
 one thread: the small preset's shape (9 query / 3 KV heads, head dim 64, 30 layers of a
 block-major cache), 64 sequences x 300 tokens in scattered blocks, beside the torch reference
 (gather + SDPA) and a bare gather of the same bytes (index_select, which reads them in the same
-24 KB runs per block and layer and writes a copy), interleaved repeats, medians. Where the CPU
-has AMX it then measures the bfloat16 AMX kernels on all threads, interleaved with what they
-replace: the projections of one decode step of the small preset (30 layers' four projections
-and the LM head, 269 MB, distinct weights so each call reads them from memory) at 1, 16 and 64
-rows against oneDNN's prepacked linear; and prefill attention (8 prompts x 256 tokens in one
-chunk, and one 2,048-token prompt; bfloat16 on AMX and float32 on AVX-512) against the
-per-sequence SDPA reference, with each one's mean error against a float64 oracle.
+24 KB runs per block and layer and writes a copy), interleaved repeats, medians. It then
+measures the other compiled CPU kernels this CPU runs (AMX for bfloat16, AVX-512 for float32) on
+all threads, interleaved with what they replace: the projections of one decode step of the small
+preset (AMX only; 30 layers' four projections and the LM head, 269 MB, distinct weights so each
+call reads them from memory) at 1, 16 and 64 rows against oneDNN's prepacked linear; and prefill
+attention (8 prompts x 256 tokens in one chunk, and one 2,048-token prompt; bfloat16 on AMX and
+float32 on AVX-512) against the per-sequence SDPA reference, with each one's mean error against
+a float64 oracle.
 """
 
 from __future__ import annotations
@@ -235,16 +236,25 @@ def bench_cpu_decode(repeats: int) -> dict:
     }
 
 
-def bench_cpu_amx(repeats: int) -> dict:
-    """bfloat16 AMX kernels vs what they replace, on all threads; see the module docstring."""
+def median_ms(ways: dict[str, Callable], repeats: int) -> dict[str, float]:
+    """Each way's median wall time in ms over repeats interleaved rounds, after one warm-up call."""
     import time
 
-    from kernels import linear as linear_module
-    from kernels.prefill_attention import prefill_attention_cpu
+    times: dict[str, list[float]] = {name: [] for name in ways}
+    for way in ways.values():
+        way()  # warm-up
+    for _ in range(repeats):
+        for name, way in ways.items():
+            start = time.perf_counter()
+            way()
+            times[name].append(1000 * (time.perf_counter() - start))
+    return {name: round(statistics.median(values), 3) for name, values in times.items()}
 
-    if linear_module._amx_kernel() is None:
-        return {"status": "no AMX (or no compiler for it): the AMX kernels are not built"}
-    gen = torch.Generator().manual_seed(0)
+
+def bench_amx_projections(repeats: int, gen: torch.Generator) -> list[dict]:
+    """One decode step's projections of the small preset: the AMX kernel against oneDNN."""
+    from kernels import linear as linear_module
+
     shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down
     layers = [[linear_module.prepare_linear(torch.randn(o, i, generator=gen).to(DTYPE) * 0.02) for o, i in shapes]
               for _ in range(30)]
@@ -253,27 +263,28 @@ def bench_cpu_amx(repeats: int) -> dict:
     num_bytes = sum(w.in_features * w.out_features * 2 for w in weights)
     onednn = [linear_module.Linear(None, w.packed, None, w.in_features, w.out_features) for w in weights]
 
-    def median_ms(ways: dict[str, Callable]) -> dict[str, float]:
-        times: dict[str, list[float]] = {name: [] for name in ways}
-        for way in ways.values():
-            way()  # warm-up
-        for _ in range(repeats):
-            for name, way in ways.items():
-                start = time.perf_counter()
-                way()
-                times[name].append(1000 * (time.perf_counter() - start))
-        return {name: round(statistics.median(values), 3) for name, values in times.items()}
-
     projections = []
     for rows in (1, 16, 64):
         xs = {n: torch.randn(rows, n, generator=gen).to(DTYPE) for n in (576, 1536)}
         ms = median_ms({
             "amx": lambda xs=xs: [linear_module.linear(xs[w.in_features], w) for w in weights],
             "onednn": lambda xs=xs: [linear_module.linear(xs[w.in_features], w) for w in onednn],
-        })
+        }, repeats)
         projections.append({"rows": rows, "ms_per_step": ms, "amx_gbps": round(num_bytes / ms["amx"] / 1e6, 1),
                             "onednn_gbps": round(num_bytes / ms["onednn"] / 1e6, 1),
                             "speedup": round(ms["onednn"] / ms["amx"], 2)})
+    return projections
+
+
+def bench_cpu_compiled(repeats: int) -> dict:
+    """The CPU's compiled bfloat16 (AMX) and float32 (AVX-512) kernels vs what they replace, on all
+    threads, each where this CPU runs it; see the module docstring."""
+    from kernels import linear as linear_module
+    from kernels.prefill_attention import prefill_attention_cpu
+
+    gen = torch.Generator().manual_seed(0)
+    projections = (bench_amx_projections(repeats, gen) if linear_module._amx_kernel() is not None
+                   else "no AMX (or no compiler for it): the AMX projections are not built")
     attention = []
     for num_seqs, seq_len, dtype in ((8, 256, DTYPE), (1, 2048, DTYPE), (8, 256, torch.float32),
                                      (1, 2048, torch.float32)):
@@ -284,8 +295,11 @@ def bench_cpu_amx(repeats: int) -> dict:
         lens = torch.full((num_seqs,), seq_len, dtype=torch.int32)
         query = torch.randn(num_seqs * seq_len, 9, 64, generator=gen).to(dtype)
         args = (query, cache, tables, cu, lens, 0.125)
+        if prefill_attention_cpu(*args) is None:  # no kernel for this dtype on this CPU
+            attention.append({"dtype": str(dtype).removeprefix("torch."), "status": "no kernel here"})
+            continue
         ms = median_ms({"kernel": lambda args=args: prefill_attention_cpu(*args),
-                        "sdpa_ref": lambda args=args: prefill_attention_ref(*args)})
+                        "sdpa_ref": lambda args=args: prefill_attention_ref(*args)}, repeats)
         oracle = prefill_attention_ref(query.double(), cache.double(), tables, cu, lens, 0.125)
         errors = {name: (fn(*args).double() - oracle).abs().mean().item()
                   for name, fn in (("kernel", prefill_attention_cpu), ("sdpa_ref", prefill_attention_ref))}
@@ -293,7 +307,7 @@ def bench_cpu_amx(repeats: int) -> dict:
                           "dtype": str(dtype).removeprefix("torch."), "ms": ms,
                           "speedup": round(ms["sdpa_ref"] / ms["kernel"], 2),
                           "mean_abs_err_vs_float64": {k: f"{v:.2e}" for k, v in errors.items()}})
-    return {"device": f"cpu ({torch.get_num_threads()} threads)", "dtype": "bfloat16",
+    return {"device": f"cpu ({torch.get_num_threads()} threads)",
             "projections_small_decode_step": projections, "prefill_attention": attention}
 
 
@@ -324,8 +338,8 @@ def main() -> None:
         result = bench_cpu_decode(args.cpu_repeats)
         print(json.dumps(result), flush=True)
         torch.set_num_threads(threads)
-        result = {"decode_attention": result, "amx": bench_cpu_amx(args.cpu_repeats)}
-        print(json.dumps(result["amx"]))
+        result = {"decode_attention": result, "compiled": bench_cpu_compiled(args.cpu_repeats)}
+        print(json.dumps(result["compiled"]))
         print("RESULT " + json.dumps(result))
         return
     only = set(args.only.split(",")) if args.only else None
