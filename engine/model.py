@@ -14,6 +14,7 @@ from engine.config import ModelConfig
 from engine.weights import LayerWeights, ModelWeights
 from kernels.activation import silu_and_mul
 from kernels.decode_attention import decode_attention
+from kernels.decode_layers import DecodeLayers
 from kernels.linear import linear
 from kernels.prefill_attention import prefill_attention
 from kernels.rms_norm import add_rms_norm, rms_norm
@@ -50,6 +51,13 @@ class CausalLM:
         ).to(device=device, dtype=config.dtype)
         self._q_size = config.num_heads * config.head_dim
         self._kv_size = config.num_kv_heads * config.head_dim
+        # Decode-only bfloat16 steps on AMX CPUs run their layers in one C call (same kernels,
+        # same bits); `available` is False elsewhere and every step takes the loop below.
+        self.decode_layers = DecodeLayers(
+            weights.layers, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim, intermediate=config.intermediate_size, hidden=config.hidden_size,
+            eps=config.rms_norm_eps, scale=self.scale, cos_sin_cache=self.cos_sin_cache,
+        )
 
     @torch.inference_mode()
     def forward(
@@ -60,6 +68,20 @@ class CausalLM:
         vocab] for the tokens at logits_indices, in the model's dtype (the sampler widens them
         to float32 where it needs to: a greedy argmax does not)."""
         hidden = self.weights.embed_tokens[input_ids]
+        if meta.num_decode_tokens == hidden.shape[0] and self.decode_layers.takes(hidden, kv_cache):
+            hidden, residual = self.decode_layers.run(
+                hidden, meta.positions, meta.slot_mapping, meta.decode_block_tables, meta.decode_seq_lens, kv_cache,
+            )
+        else:
+            hidden, residual = self._layers(hidden, meta, kv_cache)
+        hidden = hidden[logits_indices]
+        residual = residual[logits_indices]
+        normed, _ = add_rms_norm(hidden, residual, self.weights.norm, self.config.rms_norm_eps)
+        return linear(normed, self.weights.lm_head)
+
+    def _layers(
+        self, hidden: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         residual = None
         for layer_idx, layer in enumerate(self.weights.layers):
             if residual is None:
@@ -72,10 +94,7 @@ class CausalLM:
             hidden = self._attention(layer, normed, meta, kv_cache[:, layer_idx])
             normed, residual = add_rms_norm(hidden, residual, layer.post_norm, self.config.rms_norm_eps)
             hidden = linear(silu_and_mul(linear(normed, layer.gate_up)), layer.down)
-        hidden = hidden[logits_indices]
-        residual = residual[logits_indices]
-        normed, _ = add_rms_norm(hidden, residual, self.weights.norm, self.config.rms_norm_eps)
-        return linear(normed, self.weights.lm_head)
+        return hidden, residual
 
     def _attention(
         self, layer: LayerWeights, x: torch.Tensor, meta: AttentionMetadata,

@@ -23,6 +23,11 @@ from kernels._triton import LOG2E, cdiv, dot_in_fp32, tl, triton, use_triton
 # to hide latency while still filling the GPU when only a few long sequences decode.
 _MIN_TOKENS_PER_SPLIT = 256
 _MAX_SPLITS = 32
+# The CPU kernel's limits (csrc/paged_attention.c): beyond them it returns -1, and a bfloat16
+# cache needs one of the head sizes with a vector path.
+CPU_MAX_HEADS = 128
+CPU_MAX_BLOCK_SIZE = 256
+CPU_BF16_HEAD_DIMS = (32, 64, 80, 96, 128)
 
 
 def decode_attention_ref(query, kv_cache_layer, block_tables, seq_lens, scale) -> torch.Tensor:
@@ -88,7 +93,7 @@ def decode_attention_cpu(query, kv_cache_layer, block_tables, seq_lens, scale) -
         return out
     tables = block_tables.to(torch.int32).contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
-    _check_bounds(tables, lens, num_blocks, block_size)
+    check_bounds(tables, lens, num_blocks, block_size)
     status = kernel(
         query.data_ptr(), query.stride(0), query.stride(1),
         kv_cache_layer.data_ptr(), *kv_cache_layer.stride()[:4],
@@ -108,7 +113,7 @@ def decode_attention_cpu(query, kv_cache_layer, block_tables, seq_lens, scale) -
 _last_checked: tuple | None = None
 
 
-def _check_bounds(tables: torch.Tensor, lens: torch.Tensor, num_blocks: int, block_size: int) -> None:
+def check_bounds(tables: torch.Tensor, lens: torch.Tensor, num_blocks: int, block_size: int) -> None:
     global _last_checked
     versions = (tables._version, lens._version, num_blocks, block_size)
     last = _last_checked

@@ -8,7 +8,7 @@ against 97-113 at 64 rows, and the 49,152-row LM head 101-154 against 72. On a 2
 AMX, bfloat16: 980-1,520 GFLOP/s at 64 rows against 840-900 for a plain matmul on W^T, 1.9-2.3x
 at 1-8 rows, the same at 2,048 (float32 there: 270-340 either way).
 Decode batches in bfloat16 on CPUs with AMX: a compiled AMX kernel (csrc/amx_linear.c) on a
-second copy of W packed for AMX's tiles, up to _AMX_MAX_ROWS rows; oneDNN above (prefill), where
+second copy of W packed for AMX's tiles, up to AMX_MAX_ROWS rows; oneDNN above (prefill), where
 it measured 2x the kernel at 2,048 rows. See amx_linear.c for what it measured.
 Elsewhere (CUDA, other dtypes): BLAS on W^T [in, out], contiguous, which measured 1.1-1.4x
 F.linear on MKL and is cuBLAS's fastest form on CUDA.
@@ -29,7 +29,7 @@ from kernels._cpu import cpu_function
 # within 10% at 64 rows; a hint of 1 lost 10-30%.
 _PACK_BATCH_HINT = 64
 # NOTE: the most rows the AMX kernel takes; oneDNN measured faster from ~128 rows on.
-_AMX_MAX_ROWS = 64
+AMX_MAX_ROWS = 64
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ def prepare_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, *, co
     """weight: [out, in]. Prepacked where can_prepack allows; else W^T, a contiguous copy, or with
     copy=False (an LM head tied to the embedding) a transposed view that costs no memory.
     small_batches (bfloat16 on a CPU with AMX): also a copy packed for the AMX kernel, which
-    batches of up to _AMX_MAX_ROWS rows take; it doubles the weight's memory, so an engine that
+    batches of up to AMX_MAX_ROWS rows take; it doubles the weight's memory, so an engine that
     only prefills passes False."""
     if weight.dim() != 2 or (bias is not None and bias.shape != weight.shape[:1]):
         bias_shape = None if bias is None else tuple(bias.shape)
@@ -124,7 +124,7 @@ def linear(x: torch.Tensor, w: Linear) -> torch.Tensor:
     """x: [rows, in] -> [rows, out] in x's dtype."""
     if x.dim() != 2 or x.shape[1] != w.in_features:
         raise ValueError(f"linear: x {tuple(x.shape)} for a weight of {w.in_features} inputs")
-    if w.amx is not None and 0 < x.shape[0] <= _AMX_MAX_ROWS and x.dtype == torch.bfloat16 and x.stride(1) == 1:
+    if w.amx is not None and 0 < x.shape[0] <= AMX_MAX_ROWS and x.dtype == torch.bfloat16 and x.stride(1) == 1:
         return _linear_amx(x, w)
     if w.packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), w.packed, w.bias, "none", [], "")
