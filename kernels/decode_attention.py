@@ -27,6 +27,7 @@ _MAX_SPLITS = 32
 # cache needs one of the head sizes with a vector path.
 CPU_MAX_HEADS = 128
 CPU_MAX_BLOCK_SIZE = 256
+CPU_MAX_HEAD_DIM = 256
 CPU_BF16_HEAD_DIMS = (32, 64, 80, 96, 128)
 
 

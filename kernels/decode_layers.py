@@ -1,6 +1,7 @@
-"""A bfloat16 decode step's decoder layers in one C call (csrc/decode_layers.c), where the CPU
-has AMX: the kernels the Python layer loop calls, in its order, on buffers allocated once per
-step, so the outputs are the same bits and only the Python between the ops goes.
+"""A decode step's decoder layers in one C call (csrc/decode_layers.c): bfloat16 where the CPU
+has AMX, float32 where it has AVX-512 (the projections' small-batch kernels). The kernels the
+Python layer loop calls, in its order, on buffers allocated once per step, so the outputs are
+the same bits and only the Python between the ops goes.
 
 Measured on a 2-core Xeon (AMX), bfloat16 SmolLM-135M shape, 64 sequences of ~300 tokens: the
 ops between the projections and attention took ~9 ms of a ~51 ms step inside the Python loop
@@ -14,7 +15,13 @@ import ctypes
 import torch
 
 from kernels._cpu import load_library
-from kernels.decode_attention import CPU_BF16_HEAD_DIMS, CPU_MAX_BLOCK_SIZE, CPU_MAX_HEADS, check_bounds
+from kernels.decode_attention import (
+    CPU_BF16_HEAD_DIMS,
+    CPU_MAX_BLOCK_SIZE,
+    CPU_MAX_HEAD_DIM,
+    CPU_MAX_HEADS,
+    check_bounds,
+)
 from kernels.linear import AMX_MAX_ROWS, Linear
 
 _PTR, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -31,7 +38,8 @@ class _Layer(ctypes.Structure):
 
 class _Step(ctypes.Structure):
     _fields_ = [
-        *[(name, _I64) for name in ("rows", "hidden", "num_heads", "num_kv_heads", "head_dim", "intermediate")],
+        *[(name, _I64) for name in ("elem_size", "rows", "hidden", "num_heads", "num_kv_heads", "head_dim",
+                                    "intermediate")],
         ("eps", _F32), ("scale", _F32),
         ("kv_cache", _PTR),
         *[(name, _I64) for name in ("stride_layer", "stride_block", "stride_kv", "stride_token", "stride_head",
@@ -42,7 +50,7 @@ class _Step(ctypes.Structure):
     ]
 
 
-# Return codes of decode_layers_bf16.
+# Return codes of decode_layers.
 _BAD_POSITION, _BAD_SLOT, _NO_ATTENTION_PATH, _NO_MEMORY = 1, 2, 3, 4
 
 
@@ -53,33 +61,42 @@ def _address(library: str, name: str) -> int | None:
 
 class DecodeLayers:
     """The fused layer loop for one model, or unavailable (`available` False: another dtype or
-    device, a projection without its AMX copy, sizes the attention kernel has no path for, or a
-    kernel library that did not build); the model then keeps its Python loop."""
+    device, a projection without its small-batch copy, sizes the attention kernel has no path
+    for, or a kernel library that did not build); the model then keeps its Python loop."""
 
     def __init__(self, layers: list, *, num_heads: int, num_kv_heads: int, head_dim: int, intermediate: int,
                  hidden: int, eps: float, scale: float, cos_sin_cache: torch.Tensor) -> None:
         self.available = False
+        self.dtype = cos_sin_cache.dtype
         projections = [p for layer in layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         norms = [n for layer in layers for n in (layer.input_norm, layer.post_norm)]
-        if not layers or not all(isinstance(p, Linear) and p.amx is not None for p in projections):
+        if not layers or not all(isinstance(p, Linear) for p in projections):
             return
-        if not all(n.dtype == torch.bfloat16 and n.device.type == "cpu" and n.is_contiguous() for n in norms):
+        if self.dtype == torch.bfloat16 and all(p.amx is not None for p in projections):
+            linear_address, suffix = _address("amx_linear", "amx_linear_bf16"), "bf16"
+        elif self.dtype == torch.float32 and all(p.f32 is not None for p in projections):
+            linear_address, suffix = _address("f32_linear", "f32_linear"), "f32"
+        else:
             return
-        if cos_sin_cache.dtype != torch.bfloat16 or cos_sin_cache.device.type != "cpu" or cos_sin_cache.stride(-1) != 1:
+        if not all(n.dtype == self.dtype and n.device.type == "cpu" and n.is_contiguous() for n in norms):
             return
-        if num_heads > CPU_MAX_HEADS or num_heads % num_kv_heads or head_dim not in CPU_BF16_HEAD_DIMS:
+        if cos_sin_cache.device.type != "cpu" or cos_sin_cache.stride(-1) != 1:
             return
-        addresses = [_address("amx_linear", "amx_linear_bf16"), _address("elementwise", "add_rms_norm_bf16"),
-                     _address("elementwise", "silu_and_mul_bf16"), _address("rotary_kv", "rotary_bf16"),
-                     _address("rotary_kv", "write_kv_bf16"), _address("paged_attention", "paged_decode_attention")]
+        if num_heads > CPU_MAX_HEADS or num_heads % num_kv_heads or head_dim > CPU_MAX_HEAD_DIM:
+            return
+        if self.dtype == torch.bfloat16 and head_dim not in CPU_BF16_HEAD_DIMS:
+            return
+        addresses = [linear_address, _address("elementwise", f"add_rms_norm_{suffix}"),
+                     _address("elementwise", f"silu_and_mul_{suffix}"), _address("rotary_kv", f"rotary_{suffix}"),
+                     _address("rotary_kv", f"write_kv_{suffix}"), _address("paged_attention", "paged_decode_attention")]
         library = load_library("decode_layers")
         if library is None or None in addresses:
             return
-        self._run = library.decode_layers_bf16
+        self._run = library.decode_layers
         self._run.argtypes = [ctypes.POINTER(_Kernels), ctypes.POINTER(_Layer), _I64, ctypes.POINTER(_Step)]
         self._run.restype = ctypes.c_int
         self._kernels = _Kernels(*addresses)
-        self._layers = (_Layer * len(layers))(*[_layer_struct(layer) for layer in layers])
+        self._layers = (_Layer * len(layers))(*[_layer_struct(layer, suffix) for layer in layers])
         self._num_layers = len(layers)
         self._weights = layers  # what the layer structures point into
         self._dims = dict(hidden=hidden, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
@@ -90,8 +107,8 @@ class DecodeLayers:
 
     def takes(self, hidden: torch.Tensor, kv_cache: torch.Tensor) -> bool:
         """Whether this batch (decode tokens only, the caller's to know) can run here."""
-        return (self.available and 0 < hidden.shape[0] <= AMX_MAX_ROWS and hidden.dtype == torch.bfloat16
-                and kv_cache.dtype == torch.bfloat16 and kv_cache.device.type == "cpu" and kv_cache.stride(-1) == 1
+        return (self.available and 0 < hidden.shape[0] <= AMX_MAX_ROWS and hidden.dtype == self.dtype
+                and kv_cache.dtype == self.dtype and kv_cache.device.type == "cpu" and kv_cache.stride(-1) == 1
                 and kv_cache.shape[3] <= CPU_MAX_BLOCK_SIZE)
 
     def run(self, hidden: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
@@ -113,14 +130,14 @@ class DecodeLayers:
         q_size, kv_size = d["num_heads"] * d["head_dim"], d["num_kv_heads"] * d["head_dim"]
 
         def buffer(width: int) -> torch.Tensor:
-            return torch.empty(rows, width, dtype=torch.bfloat16)
+            return torch.empty(rows, width, dtype=self.dtype)
 
         residual, normed, o_out = buffer(d["hidden"]), buffer(d["hidden"]), buffer(d["hidden"])
         qkv, attn = buffer(q_size + 2 * kv_size), buffer(q_size)
         gate_up, act = buffer(2 * d["intermediate"]), buffer(d["intermediate"])
         stride = kv_cache.stride()
         step = _Step(
-            rows, d["hidden"], d["num_heads"], d["num_kv_heads"], d["head_dim"], d["intermediate"],
+            self.dtype.itemsize, rows, d["hidden"], d["num_heads"], d["num_kv_heads"], d["head_dim"], d["intermediate"],
             self._eps, self._scale, kv_cache.data_ptr(), stride[1], stride[0], stride[2], stride[3], stride[4],
             num_blocks, block_size, positions.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.stride(0),
             lens.data_ptr(), self._cos_sin.data_ptr(), self._cos_sin.stride(0), self._cos_sin.shape[0],
@@ -139,10 +156,14 @@ class DecodeLayers:
         return hidden, residual
 
 
-def _layer_struct(layer) -> _Layer:
-    def bias(p: Linear) -> int | None:
-        return p.amx_bias.data_ptr() if p.amx_bias is not None else None
-
-    return _Layer(layer.input_norm.data_ptr(), layer.post_norm.data_ptr(),
-                  layer.qkv.amx.data_ptr(), layer.o.amx.data_ptr(), layer.gate_up.amx.data_ptr(),
-                  layer.down.amx.data_ptr(), bias(layer.qkv), bias(layer.o), bias(layer.gate_up), bias(layer.down))
+def _layer_struct(layer, suffix: str) -> _Layer:
+    """The layer's pointers for the bfloat16 (AMX copies, float32 biases made for them) or the
+    float32 kernels (their copies, the biases as loaded)."""
+    projections = (layer.qkv, layer.o, layer.gate_up, layer.down)
+    if suffix == "bf16":
+        weights = [p.amx.data_ptr() for p in projections]
+        biases = [p.amx_bias.data_ptr() if p.amx_bias is not None else None for p in projections]
+    else:
+        weights = [p.f32.data_ptr() for p in projections]
+        biases = [p.bias.data_ptr() if p.bias is not None else None for p in projections]
+    return _Layer(layer.input_norm.data_ptr(), layer.post_norm.data_ptr(), *weights, *biases)

@@ -1,7 +1,8 @@
-"""The fused bfloat16 decode layers (kernels/decode_layers.py: one C call per decode step on CPUs
-with AMX) against the Python layer loop they replace: the same kernels in the same order, so the
-same bits, on a Llama-shaped and a Qwen2-shaped model (projection biases); and the same typed
-errors for positions, slots and block ids outside the caches."""
+"""The fused decode layers (kernels/decode_layers.py: one C call per decode step, bfloat16 on CPUs
+with AMX, float32 on CPUs with AVX-512) against the Python layer loop they replace: the same
+kernels in the same order, so the same bits, on a Llama-shaped and a Qwen2-shaped model
+(projection biases); and the same typed errors for positions, slots, block ids and lengths
+outside the caches."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
-from tests.kernels.conftest import EXPECT_AMX
+from tests.kernels.conftest import EXPECT_AMX, EXPECT_AVX512
 
 
 def _prompts(seed: int) -> list[list[int]]:
@@ -42,16 +43,19 @@ def fused_calls(monkeypatch) -> list:
     return calls
 
 
+EXPECTED = {"bfloat16": EXPECT_AMX, "float32": EXPECT_AVX512}
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("model_fixture", ["tiny_model_dir", "qwen2_tiny_model_dir"])
-def test_fused_decode_layers_equal_the_python_loop(model_fixture, request, fused_calls):
+def test_fused_decode_layers_equal_the_python_loop(model_fixture, dtype, request, fused_calls):
     model_dir = request.getfixturevalue(model_fixture)
-    llm = LLM(str(model_dir), dtype="bfloat16", device="cpu", max_num_batched_tokens=64,
-              enable_prefix_caching=False)
+    llm = LLM(str(model_dir), dtype=dtype, device="cpu", max_num_batched_tokens=64, enable_prefix_caching=False)
     decode_layers = llm.engine.model.decode_layers
-    assert decode_layers.available == EXPECT_AMX
+    assert decode_layers.available == EXPECTED[dtype]
     prompts = _prompts(3)
     fused = _generate(llm, prompts)
-    assert (len(fused_calls) > 0) == EXPECT_AMX
+    assert (len(fused_calls) > 0) == EXPECTED[dtype]
     assert all(0 < rows <= len(prompts) for rows in fused_calls)
     decode_layers.available = False
     fused_calls.clear()
@@ -61,9 +65,9 @@ def test_fused_decode_layers_equal_the_python_loop(model_fixture, request, fused
     llm.engine.check_leaks()
 
 
-@pytest.mark.skipif(not EXPECT_AMX, reason="the fused layers need AMX")
+@pytest.mark.skipif(not EXPECT_AVX512, reason="the fused float32 layers need AVX-512")
 def test_fused_decode_layers_reject_what_is_outside_the_caches(tiny_model_dir):
-    llm = LLM(str(tiny_model_dir), dtype="bfloat16", device="cpu", enable_prefix_caching=False)
+    llm = LLM(str(tiny_model_dir), dtype="float32", device="cpu", enable_prefix_caching=False)
     model, cache = llm.engine.model, llm.engine.kv_cache
     num_blocks, block_size = cache.shape[0], cache.shape[3]
     rows = 2
@@ -91,10 +95,10 @@ def test_fused_decode_layers_reject_what_is_outside_the_caches(tiny_model_dir):
     assert not torch.equal(cache, before)  # the good step wrote its K/V
 
 
-@pytest.mark.skipif(not EXPECT_AMX, reason="the fused layers need AMX")
-def test_batches_beyond_the_amx_kernel_take_the_loop(tiny_model_dir):
-    llm = LLM(str(tiny_model_dir), dtype="bfloat16", device="cpu")
+@pytest.mark.skipif(not EXPECT_AVX512, reason="the fused float32 layers need AVX-512")
+def test_batches_beyond_the_small_batch_kernels_take_the_loop(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), dtype="float32", device="cpu")
     model, cache = llm.engine.model, llm.engine.kv_cache
-    assert model.decode_layers.takes(torch.zeros(64, model.config.hidden_size, dtype=torch.bfloat16), cache)
-    assert not model.decode_layers.takes(torch.zeros(65, model.config.hidden_size, dtype=torch.bfloat16), cache)
-    assert not LLM(str(tiny_model_dir), dtype="float32", device="cpu").engine.model.decode_layers.available
+    assert model.decode_layers.takes(torch.zeros(64, model.config.hidden_size), cache)
+    assert not model.decode_layers.takes(torch.zeros(65, model.config.hidden_size), cache)
+    assert not model.decode_layers.takes(torch.zeros(8, model.config.hidden_size, dtype=torch.bfloat16), cache)

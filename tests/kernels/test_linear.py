@@ -8,7 +8,7 @@ import torch
 
 import kernels.linear as linear_module
 from kernels.linear import can_prepack, linear, linear_ref, prepare_linear
-from tests.kernels.conftest import DTYPES, EXPECT_AMX, assert_close, randn
+from tests.kernels.conftest import DTYPES, EXPECT_AMX, EXPECT_AVX512, assert_close, randn
 
 ROWS = [1, 7, 64, 256, 257, 700, 2048]
 
@@ -113,3 +113,47 @@ def test_amx_copy_only_where_it_is_used(amx_calls):
     assert prepare_linear(weight.float()).amx is None
     x = randn(3, 40, dtype=torch.bfloat16, seed=17)
     assert_close(linear(x, prepare_linear(odd)), oracle(x, odd, None), torch.bfloat16)
+
+
+@pytest.fixture
+def f32_calls(monkeypatch) -> list:
+    """The row counts the float32 small-batch kernel ran on, in order."""
+    calls, real = [], linear_module._linear_f32
+
+    def spy(x, w):
+        calls.append(x.shape[0])
+        return real(x, w)
+
+    monkeypatch.setattr(linear_module, "_linear_f32", spy)
+    return calls
+
+
+@pytest.mark.parametrize("rows", [1, 3, 7, 8, 9, 16, 31, 63, 64])
+@pytest.mark.parametrize(("out_features", "in_features"), [(17, 32), (48, 64), (100, 160), (130, 576), (49, 7)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_float32_decode_batches_take_the_float32_kernel(rows, out_features, in_features, with_bias, f32_calls):
+    """Against the float64 product, as accurate as F.linear in float32 (within 4x its worst
+    error): odd output counts (a partial 48-output panel, a partial 16-lane vector), row counts
+    that leave a partial 8-row group, odd input counts, x's rows strided."""
+    weight = randn(out_features, in_features, dtype=torch.float32, seed=21)
+    bias = randn(out_features, dtype=torch.float32, seed=22) if with_bias else None
+    x = randn(rows, in_features + 8, dtype=torch.float32, seed=23)[:, :in_features]
+    w = prepare_linear(weight, bias)
+    assert (w.f32 is not None) == EXPECT_AVX512
+    got = linear(x, w)
+    assert f32_calls == ([rows] if EXPECT_AVX512 else [])
+    assert got.shape == (rows, out_features) and got.dtype == torch.float32
+    exact = oracle(x, weight, bias)
+    reference_error = (linear_ref(x, weight, bias).double() - exact).abs().max().item()
+    assert (got.double() - exact).abs().max().item() <= 4 * reference_error + 1e-6
+
+
+def test_float32_copy_only_where_it_is_used(f32_calls):
+    """Batches over 64 rows, LM-head-sized outputs and prefill-only engines stay on oneDNN."""
+    weight = randn(48, 64, dtype=torch.float32, seed=24)
+    x = randn(65, 64, dtype=torch.float32, seed=25)
+    assert_close(linear(x, prepare_linear(weight)), oracle(x, weight, None), torch.float32)
+    assert f32_calls == []
+    assert prepare_linear(weight, small_batches=False).f32 is None
+    assert prepare_linear(randn(4097, 32, dtype=torch.float32, seed=26)).f32 is None
+    assert prepare_linear(weight.bfloat16()).f32 is None
