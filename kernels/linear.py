@@ -10,6 +10,9 @@ at 1-8 rows, the same at 2,048 (float32 there: 270-340 either way).
 Decode batches in bfloat16 on CPUs with AMX: a compiled AMX kernel (csrc/amx_linear.c) on a
 second copy of W packed for AMX's tiles, up to AMX_MAX_ROWS rows; oneDNN above (prefill), where
 it measured 2x the kernel at 2,048 rows. See amx_linear.c for what it measured.
+Decode batches in float32 on CPUs with AVX-512: a compiled kernel (csrc/f32_linear.c) on a second
+copy of W packed in panels of 48 outputs, up to AMX_MAX_ROWS rows and projections of up to
+_F32_MAX_OUTPUTS outputs (the layer projections, not the LM head); see f32_linear.c.
 Elsewhere (CUDA, other dtypes): BLAS on W^T [in, out], contiguous, which measured 1.1-1.4x
 F.linear on MKL and is cuBLAS's fastest form on CUDA.
 """
