@@ -14,9 +14,10 @@ fresh process:
            node, one core each, and one colocated node on both cores; the proxy beside them)
            and to `vllm serve` (one server, its worker bound to both cores): output tokens/s,
            TTFT p50 and TPOT p50. One row per pdserve layout, each against the same vLLM runs.
-           For models `pdserve up` keeps a core off its nodes for (under 16M parameters, where
-           every node still gets a core: the colocated `tiny` node), vLLM gets the same
-           placement: its worker on the other core, one reserved for its API server.
+           For models `pdserve up` keeps a core off its nodes for (weights under 10 MB in the
+           dtype, where every node still gets a core: the colocated `tiny` node in bfloat16),
+           vLLM gets the same placement: its worker on the other core, one reserved for its API
+           server.
 
 Reports the median of the rounds per cell and pdserve/vLLM ratios, how many outputs of the two
 engines are equal token for token, writes a table and a bar chart to benchmarks/out/, and ends
@@ -199,7 +200,7 @@ def served_vllm(args, model_dir: Path, vocab: int) -> dict:
     argv = [args.vllm_python, str(Path(__file__).resolve()), "--worker", "vllm-serve", "--model", str(model_dir),
             "--port", str(port), "--prompt-len", str(args.prompt_len), "--output-len", str(args.output_len),
             "--dtype", args.dtype]
-    env = {**os.environ, **vllm_serve_env(model_dir)}
+    env = {**os.environ, **vllm_serve_env(model_dir, args.dtype)}
     with open(Path(args.out_dir) / "vs_vllm_server.log", "w") as log:
         server = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
@@ -209,15 +210,15 @@ def served_vllm(args, model_dir: Path, vocab: int) -> dict:
             stop_group(server)
 
 
-def vllm_serve_env(model_dir: Path) -> dict[str, str]:
+def vllm_serve_env(model_dir: Path, dtype: str) -> dict[str, str]:
     """VLLM_ENV, or where `pdserve up` keeps a core for its proxy (pdserve.launcher's
-    auto_proxy_cores, for one node) the same for vLLM: its worker on the other cores and one core
-    reserved for its API server. Measured on `tiny` in bfloat16: 4,259 tok/s that way against
-    3,922 with the worker on both cores."""
+    auto_proxy_cores, for one node in this dtype) the same for vLLM: its worker on the other cores
+    and one core reserved for its API server. Measured on `tiny` in bfloat16: 4,259 tok/s that way
+    against 3,922 with the worker on both cores."""
     from pdserve.launcher import auto_proxy_cores
 
     cores = sorted(os.sched_getaffinity(0))
-    if not auto_proxy_cores(model_dir, len(cores), 1):
+    if not auto_proxy_cores(model_dir, len(cores), 1, dtype):
         return VLLM_ENV
     rest = cores[1:]  # contiguous here: vLLM takes a range
     bind = str(rest[0]) if len(rest) == 1 else f"{rest[0]}-{rest[-1]}"

@@ -154,8 +154,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-dir", default=None, help="write each process's log here")
     parser.add_argument("--ready-timeout-s", type=float, default=180.0)
     parser.add_argument("--proxy-cores", type=int, default=None,
-                        help="cores kept off the nodes for the proxy and its clients (default: 1 for models under "
-                             "16M parameters when every node still gets a core of its own, else 0)")
+                        help="cores kept off the nodes for the proxy and its clients (default: 1 for models whose "
+                             "weights take under 10 MB in the nodes' dtype when every node still gets a core "
+                             "of its own, else 0)")
     for flag, kind in _PROXY_FLAGS:
         parser.add_argument(flag, type=kind, default=None, help="for the proxy (default: the proxy's)")
 
@@ -258,7 +259,7 @@ def start_local(
     if pin_cpus:
         cores = sorted(os.sched_getaffinity(0))
         if proxy_cores is None:
-            proxy_cores = auto_proxy_cores(model_dir, len(cores), num_prefill + num_decode)
+            proxy_cores = auto_proxy_cores(model_dir, len(cores), num_prefill + num_decode, _flag(node_args, "--dtype"))
         cpus = _cpu_plan(cores, num_prefill + num_decode, proxy_cores)
     pdserve = [sys.executable, "-m", "pdserve.cli"]
     common = ["--model", str(model_dir), "--host", host, *node_args]
@@ -321,20 +322,36 @@ def wait_http_ok(url: str, timeout_s: float, check: Callable[[], None] | None = 
     raise TimeoutError(f"{url} not answering 200 after {timeout_s:.0f} s")
 
 
-# NOTE: below this many parameters a node's work per token is of the order of the proxy's and the
-# client's (~0.1-0.2 ms of CPU per streamed token), and a node whose OpenMP threads share their
-# cores with them waits at every op's barrier for the one that was preempted. Measured on 2
-# cores, bfloat16, 64 streams of 64 tokens, one colocated node: `tiny` (3.4M parameters) on one
-# core beside the proxy's 6,836-7,136 tok/s against 3,975-5,307 on both; `small` (134M) 445
-# against 650-692. Where the crossover lies between them was not measured.
-_PROXY_CORE_BELOW_PARAMETERS = 16_000_000
+# NOTE: below this many bytes of weights a node's work per token is of the order of the proxy's
+# and the client's (~0.2 ms of CPU per streamed token together), and a node whose OpenMP threads
+# share their cores with them waits at every op's barrier for the one that was preempted.
+# Measured on a 2-core Xeon with AMX, 64 streams of 64 tokens, one colocated node, 3 alternated
+# pairs, on one core beside the proxy against both: `tiny` (3.4M parameters) in bfloat16 (6.8 MB)
+# 6,377-7,338 tok/s against 4,573-5,423, in float32 (13.6 MB) 2,908-3,425 against 3,270-3,701;
+# SmolLM-135M's shape in bfloat16 (268 MB) 445 against 650-692. The crossover lies between 6.8
+# and 13.6 MB on this CPU; where exactly was not measured.
+_PROXY_CORE_BELOW_WEIGHT_BYTES = 10_000_000
+_BYTES_PER_ELEMENT = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-def auto_proxy_cores(model_dir: Path, num_cores: int, num_nodes: int) -> int:
-    """1 for a small model when every node still gets a core of its own, else 0."""
+def auto_proxy_cores(model_dir: Path, num_cores: int, num_nodes: int, dtype: str | None = None) -> int:
+    """1 for a model whose weights in the nodes' dtype (None: float32, the nodes' default) take
+    under _PROXY_CORE_BELOW_WEIGHT_BYTES, when every node still gets a core of its own; else 0."""
     if num_cores - 1 < num_nodes:
         return 0
-    return int(_num_parameters(model_dir) < _PROXY_CORE_BELOW_PARAMETERS)
+    weight_bytes = _num_parameters(model_dir) * _BYTES_PER_ELEMENT[dtype or "float32"]
+    return int(weight_bytes < _PROXY_CORE_BELOW_WEIGHT_BYTES)
+
+
+def _flag(argv: list[str] | tuple[str, ...], name: str) -> str | None:
+    """The value of `name VALUE` or `name=VALUE` in argv (the last one), or None."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg == name and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith(name + "="):
+            value = arg.split("=", 1)[1]
+    return value
 
 
 def _num_parameters(model_dir: Path) -> int:

@@ -33,19 +33,28 @@ def test_parameters_are_counted_from_the_headers(tiny_model_dir):
 
 
 def test_a_small_model_gets_a_proxy_core_only_when_each_node_keeps_one(tiny_model_dir, monkeypatch):
-    assert launcher.auto_proxy_cores(tiny_model_dir, num_cores=2, num_nodes=1) == 1
-    assert launcher.auto_proxy_cores(tiny_model_dir, num_cores=2, num_nodes=2) == 0
-    assert launcher.auto_proxy_cores(tiny_model_dir, num_cores=1, num_nodes=1) == 0
-    monkeypatch.setattr(launcher, "_num_parameters", lambda _: 135_000_000)  # SmolLM2-135M's size
+    assert launcher.auto_proxy_cores(tiny_model_dir, num_cores=2, num_nodes=1, dtype="bfloat16") == 1
+    assert launcher.auto_proxy_cores(tiny_model_dir, num_cores=2, num_nodes=2, dtype="bfloat16") == 0
+    assert launcher.auto_proxy_cores(tiny_model_dir, num_cores=1, num_nodes=1, dtype="bfloat16") == 0
+    # tiny's float32 weights (13.6 MB) are past the line: its node measured faster on both cores
     assert launcher.auto_proxy_cores(tiny_model_dir, num_cores=2, num_nodes=1) == 0
+    monkeypatch.setattr(launcher, "_num_parameters", lambda _: 135_000_000)  # SmolLM2-135M's size
+    assert launcher.auto_proxy_cores(tiny_model_dir, num_cores=2, num_nodes=1, dtype="bfloat16") == 0
+
+
+def test_the_dtype_for_the_proxy_core_rule_comes_from_the_node_flags():
+    assert launcher._flag(["--num-blocks", "8", "--dtype", "bfloat16"], "--dtype") == "bfloat16"
+    assert launcher._flag(["--dtype=float16"], "--dtype") == "float16"
+    assert launcher._flag(["--num-blocks", "8"], "--dtype") is None
 
 
 def test_a_colocated_small_model_runs_beside_the_proxy(tiny_model_dir, tmp_path):
-    """Live: the node of a colocated `tiny` deployment is pinned off the first core (on a machine
-    of one core, to that core) and answers."""
+    """Live: the node of a colocated `tiny` deployment in bfloat16 (the dtype read from the node
+    flags) is pinned off the first core (on a machine of one core, to that core) and answers."""
     cores = sorted(os.sched_getaffinity(0))
     expected = set(cores[1:]) or set(cores)
-    deployment = launcher.start_local(tiny_model_dir, num_prefill=0, num_decode=1, log_dir=tmp_path)
+    deployment = launcher.start_local(tiny_model_dir, num_prefill=0, num_decode=1, log_dir=tmp_path,
+                                      node_args=["--dtype", "bfloat16"])
     try:
         launcher.wait_healthy(deployment, 120)
         node = deployment.cluster.process("decode0")
