@@ -259,7 +259,7 @@ def start_local(
     if pin_cpus:
         cores = sorted(os.sched_getaffinity(0))
         if proxy_cores is None:
-            proxy_cores = auto_proxy_cores(model_dir, len(cores), num_prefill + num_decode, _flag(node_args, "--dtype"))
+            proxy_cores = auto_proxy_cores(model_dir, len(cores), num_prefill + num_decode, _node_dtype(node_args))
         cpus = _cpu_plan(cores, num_prefill + num_decode, proxy_cores)
     pdserve = [sys.executable, "-m", "pdserve.cli"]
     common = ["--model", str(model_dir), "--host", host, *node_args]
@@ -331,7 +331,7 @@ def wait_http_ok(url: str, timeout_s: float, check: Callable[[], None] | None = 
 # SmolLM-135M's shape in bfloat16 (268 MB) 445 against 650-692. The crossover lies between 6.8
 # and 13.6 MB on this CPU; where exactly was not measured.
 _PROXY_CORE_BELOW_WEIGHT_BYTES = 10_000_000
-_BYTES_PER_ELEMENT = {"float32": 4, "bfloat16": 2, "float16": 2}
+_BYTES_PER_ELEMENT = {"float32": 4, "bfloat16": 2, "float16": 2}  # engine.config.DTYPES' sizes, torch-free
 
 
 def auto_proxy_cores(model_dir: Path, num_cores: int, num_nodes: int, dtype: str | None = None) -> int:
@@ -343,15 +343,11 @@ def auto_proxy_cores(model_dir: Path, num_cores: int, num_nodes: int, dtype: str
     return int(weight_bytes < _PROXY_CORE_BELOW_WEIGHT_BYTES)
 
 
-def _flag(argv: list[str] | tuple[str, ...], name: str) -> str | None:
-    """The value of `name VALUE` or `name=VALUE` in argv (the last one), or None."""
-    value = None
-    for i, arg in enumerate(argv):
-        if arg == name and i + 1 < len(argv):
-            value = argv[i + 1]
-        elif arg.startswith(name + "="):
-            value = arg.split("=", 1)[1]
-    return value
+def _node_dtype(node_args: list[str] | tuple[str, ...]) -> str | None:
+    """The --dtype among a node's arguments (either spelling; the last one wins), or None."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--dtype", default=None)
+    return parser.parse_known_args(list(node_args))[0].dtype
 
 
 def _num_parameters(model_dir: Path) -> int:

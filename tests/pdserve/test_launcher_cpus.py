@@ -43,9 +43,15 @@ def test_a_small_model_gets_a_proxy_core_only_when_each_node_keeps_one(tiny_mode
 
 
 def test_the_dtype_for_the_proxy_core_rule_comes_from_the_node_flags():
-    assert launcher._flag(["--num-blocks", "8", "--dtype", "bfloat16"], "--dtype") == "bfloat16"
-    assert launcher._flag(["--dtype=float16"], "--dtype") == "float16"
-    assert launcher._flag(["--num-blocks", "8"], "--dtype") is None
+    assert launcher._node_dtype(["--num-blocks", "8", "--dtype", "bfloat16"]) == "bfloat16"
+    assert launcher._node_dtype(["--dtype=float16"]) == "float16"
+    assert launcher._node_dtype(["--num-blocks", "8"]) is None
+
+
+def test_the_launchers_dtype_sizes_are_the_engines():
+    from engine.config import DTYPES
+
+    assert {name: dtype.itemsize for name, dtype in DTYPES.items()} == launcher._BYTES_PER_ELEMENT
 
 
 def test_a_colocated_small_model_runs_beside_the_proxy(tiny_model_dir, tmp_path):
