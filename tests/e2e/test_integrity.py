@@ -25,6 +25,7 @@ import msgspec
 import openai
 import pytest
 import zmq
+from prometheus_client.parser import text_string_to_metric_families
 
 from engine import protocol
 from engine.protocol import SamplingOptions
@@ -32,7 +33,7 @@ from kv_transfer import side_channel
 from kv_transfer.errors import HandshakeFailed
 from kv_transfer.layout import KVLayout
 from kv_transfer.messages import SIDE_CHANNEL_VERSION, Hello, HelloReply
-from pdserve.launcher import wait_http_ok
+from pdserve.launcher import free_port, wait_http_ok
 from tests.e2e.conftest import (
     CLUSTER_SECRET,
     KV_PATH_ONLY,
@@ -347,24 +348,33 @@ def test_with_a_cluster_secret_a_peer_without_it_gets_nothing(secret_disaggregat
 def test_vanished_proxy_mid_stream_its_requests_end_and_every_block_comes_back(tiny_model_dir, tmp_path, how):
     """killed (SIGKILL): its connections close and the nodes see it gone at their next send.
     frozen (SIGSTOP): its connections stay open and take frames; only its silence (no pings)
-    past the orphan timeout tells the nodes."""
-    orphan_timeout_s = 2.0
+    past the orphan timeout tells the nodes. The decode node runs one request at a time and
+    keeps decoding into the frozen proxy's socket until then, so on a fast CPU the first
+    requests can end by length first: each request ends one way or the other, never both or
+    neither, and at least the last one is an orphan (4 x 1,900 tokens take far longer than
+    the timeout on one decode row)."""
+    orphan_timeout_s, num_requests = 2.0, 4
     node_args = ("--max-num-batched-tokens", "256", "--num-blocks", "128", "--max-num-seqs", "1",
                  "--orphan-timeout-s", str(orphan_timeout_s))
-    deployment = start_nodes(tiny_model_dir, tmp_path / "logs", [[]], [[]], KV_PATH_ONLY, node_args)
+    health_port = free_port()
+    deployment = start_nodes(tiny_model_dir, tmp_path / "logs", [[]], [["--health-port", str(health_port)]],
+                             KV_PATH_ONLY, node_args)
     try:
         wait_http_ok(deployment.base_url + "/health", 120, lambda: _check_alive(deployment))
         before = {name: node_load(address) for name, address in deployment.node_addresses.items()}
-        body = {"model": tiny_model_dir.name, "max_tokens": 1500, "temperature": 0, "ignore_eos": True}
-        streams = [{} for _ in range(3)]  # one decodes, the others wait for the decode node, leases held
+        lengths = [40, 70, 100, 130]
+        body = {"model": tiny_model_dir.name, "max_tokens": 1900, "temperature": 0,
+                "ignore_eos": True}
+        streams = [{} for _ in range(num_requests)]  # one decodes, the others wait for the decode node, leases held
         threads = [threading.Thread(target=_stream_quietly, args=(deployment.base_url, {**body, "prompt": p}, out),
-                                    daemon=True) for p, out in zip(random_prompts(3, [40, 70, 100], seed=404), streams)]
+                                    daemon=True)
+                   for p, out in zip(random_prompts(num_requests, lengths, seed=404), streams)]
         for thread in threads:
             thread.start()
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not _all_held(deployment, streams):
+        while time.monotonic() < deadline and not _all_held(deployment, streams, num_requests - 1):
             time.sleep(0.05)
-        assert _all_held(deployment, streams)
+        assert _all_held(deployment, streams, num_requests - 1)
         proxy = deployment.cluster.process("proxy")
         os.kill(proxy.pid, signal.SIGKILL if how == "killed" else signal.SIGSTOP)  # no Abort, no ReleaseKV comes
         killed_at = time.monotonic()
@@ -373,21 +383,32 @@ def test_vanished_proxy_mid_stream_its_requests_end_and_every_block_comes_back(t
             assert report.num_free_blocks == before[name].num_free_blocks == report.num_total_blocks, (name, report)
             assert report.num_running == report.num_leases == report.num_pending_pulls == 0, (name, report)
         took_s = time.monotonic() - killed_at
-        print(f"\nevery block back {took_s:.1f} s after the proxy was {how} (orphan timeout {orphan_timeout_s} s)")
+        orphaned = node_load(deployment.node_addresses["decode0"]).num_orphaned_requests
+        by_length = _finished_by_length(f"http://127.0.0.1:{health_port}")
+        print(f"\nevery block back {took_s:.1f} s after the proxy was {how} (orphan timeout {orphan_timeout_s} s):"
+              f" {orphaned} orphaned, {by_length} ended by length first")
         assert took_s < orphan_timeout_s + 3
-        assert sum(node_load(a).num_orphaned_requests for a in deployment.node_addresses.values()) >= 3
+        assert orphaned + by_length == num_requests and orphaned >= 1
+        if how == "killed":
+            assert orphaned == num_requests  # the next token's send finds the proxy gone
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(deployment.cluster.process("proxy").pid, signal.SIGKILL)
         deployment.stop()
 
 
-def _all_held(deployment, streams: list[dict]) -> bool:
+def _finished_by_length(health_url: str) -> int:
+    text = httpx.get(health_url + "/metrics", timeout=10).text
+    return sum(int(sample.value) for family in text_string_to_metric_families(text) for sample in family.samples
+               if sample.name == "vllm:request_success_total" and sample.labels.get("finished_reason") == "length")
+
+
+def _all_held(deployment, streams: list[dict], num_waiting: int) -> bool:
     """One request streams, the others wait on the decode node for their pull (their leases held)."""
     decode = node_load(deployment.node_addresses["decode0"])
     prefill = node_load(deployment.node_addresses["prefill0"])
     is_streaming = any(s.get("events", 0) >= 3 for s in streams)
-    return is_streaming and decode.num_running == 1 and decode.num_pending_pulls == prefill.num_leases == 2
+    return is_streaming and decode.num_running == 1 and decode.num_pending_pulls == prefill.num_leases == num_waiting
 
 
 def _stream_quietly(base_url: str, body: dict, out: dict) -> None:
