@@ -1,5 +1,5 @@
 """A decode step's decoder layers in one C call (csrc/decode_layers.c): bfloat16 where the CPU
-has AMX, float32 where it has AVX-512 (the projections' small-batch kernels). The kernels the
+has AMX or AVX512-BF16, float32 where it has AVX-512 (the projections' small-batch kernels). The kernels the
 Python layer loop calls, in its order, on buffers allocated once per step, so the outputs are
 the same bits and only the Python between the ops goes.
 
@@ -74,6 +74,8 @@ class DecodeLayers:
             return
         if self.dtype == torch.bfloat16 and all(p.amx is not None for p in projections):
             linear_address, suffix = _address("amx_linear", "amx_linear_bf16"), "bf16"
+        elif self.dtype == torch.bfloat16 and all(p.bf16 is not None for p in projections):
+            linear_address, suffix = _address("bf16_linear", "bf16_linear"), "bf16"
         elif self.dtype == torch.float32 and all(p.f32 is not None for p in projections):
             linear_address, suffix = _address("f32_linear", "f32_linear"), "f32"
         else:
@@ -157,12 +159,12 @@ class DecodeLayers:
 
 
 def _layer_struct(layer, suffix: str) -> _Layer:
-    """The layer's pointers for the bfloat16 (AMX copies, float32 biases made for them) or the
-    float32 kernels (their copies, the biases as loaded)."""
+    """The layer's pointers for the bfloat16 (AMX or AVX512-BF16 copies, float32 biases made for
+    them) or the float32 kernels (their copies, the biases as loaded)."""
     projections = (layer.qkv, layer.o, layer.gate_up, layer.down)
     if suffix == "bf16":
-        weights = [p.amx.data_ptr() for p in projections]
-        biases = [p.amx_bias.data_ptr() if p.amx_bias is not None else None for p in projections]
+        weights = [(p.amx if p.amx is not None else p.bf16).data_ptr() for p in projections]
+        biases = [p.bias_f32.data_ptr() if p.bias_f32 is not None else None for p in projections]
     else:
         weights = [p.f32.data_ptr() for p in projections]
         biases = [p.bias.data_ptr() if p.bias is not None else None for p in projections]

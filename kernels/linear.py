@@ -10,9 +10,12 @@ at 1-8 rows, the same at 2,048 (float32 there: 270-340 either way).
 Decode batches in bfloat16 on CPUs with AMX: a compiled AMX kernel (csrc/amx_linear.c) on a
 second copy of W packed for AMX's tiles, up to AMX_MAX_ROWS rows; oneDNN above (prefill), where
 it measured 2x the kernel at 2,048 rows. See amx_linear.c for what it measured.
+Decode batches in bfloat16 on CPUs with AVX512-BF16 but no AMX (AMD Zen 4 and 5): a compiled
+kernel (csrc/bf16_linear.c, vdpbf16ps) on a second copy of W packed in panels of 48 outputs x
+input pairs, up to AMX_MAX_ROWS rows and _SMALL_BATCH_MAX_OUTPUTS outputs; see bf16_linear.c.
 Decode batches in float32 on CPUs with AVX-512: a compiled kernel (csrc/f32_linear.c) on a second
 copy of W packed in panels of 48 outputs, up to AMX_MAX_ROWS rows and projections of up to
-_F32_MAX_OUTPUTS outputs (the layer projections, not the LM head); see f32_linear.c.
+_SMALL_BATCH_MAX_OUTPUTS outputs (the layer projections, not the LM head); see f32_linear.c.
 Elsewhere (CUDA, other dtypes): BLAS on W^T [in, out], contiguous, which measured 1.1-1.4x
 F.linear on MKL and is cuBLAS's fastest form on CUDA.
 """
@@ -43,8 +46,9 @@ class Linear:
     in_features: int
     out_features: int
     amx: torch.Tensor | None = None  # W packed for the AMX kernel (CPU bfloat16 with AMX only)
-    amx_bias: torch.Tensor | None = None  # float32 bias for the AMX kernel
+    bias_f32: torch.Tensor | None = None  # float32 bias for the bfloat16 small-batch kernels (amx, bf16)
     f32: torch.Tensor | None = None  # W packed for the float32 kernel (CPU float32 with AVX-512 only)
+    bf16: torch.Tensor | None = None  # W packed for the AVX512-BF16 kernel (CPU bfloat16 without AMX only)
 
 
 def can_prepack(weight: torch.Tensor) -> bool:
@@ -68,9 +72,10 @@ def prepare_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, *, co
                    small_batches: bool = True) -> Linear:
     """weight: [out, in]. Prepacked where can_prepack allows; else W^T, a contiguous copy, or with
     copy=False (an LM head tied to the embedding) a transposed view that costs no memory.
-    small_batches (bfloat16 on a CPU with AMX, float32 on one with AVX-512): also a copy packed
-    for the AMX or the float32 kernel, which batches of up to AMX_MAX_ROWS rows take; it doubles
-    the weight's memory, so an engine that only prefills passes False."""
+    small_batches (bfloat16 on a CPU with AMX or AVX512-BF16, float32 on one with AVX-512): also a
+    copy packed for the AMX, the bfloat16 or the float32 kernel, which batches of up to
+    AMX_MAX_ROWS rows take; it doubles the weight's memory, so an engine that only prefills passes
+    False."""
     if weight.dim() != 2 or (bias is not None and bias.shape != weight.shape[:1]):
         bias_shape = None if bias is None else tuple(bias.shape)
         raise ValueError(f"prepare_linear: weight {tuple(weight.shape)}, bias {bias_shape}")
@@ -78,9 +83,11 @@ def prepare_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, *, co
         bias = bias.contiguous() if bias is not None else None
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _PACK_BATCH_HINT)
         amx = pack_for_amx(weight) if small_batches and _amx_takes(weight) else None
-        amx_bias = bias.float().contiguous() if amx is not None and bias is not None else None
+        bf16 = pack_bf16_pairs(weight) if small_batches and amx is None and _bf16_takes(weight) else None
+        has_bf16_copy = amx is not None or bf16 is not None
+        bias_f32 = bias.float().contiguous() if has_bf16_copy and bias is not None else None
         f32 = pack_f32_panels(weight) if small_batches and _f32_takes(weight) else None
-        return Linear(None, packed, bias, weight.shape[1], weight.shape[0], amx, amx_bias, f32)
+        return Linear(None, packed, bias, weight.shape[1], weight.shape[0], amx, bias_f32, f32, bf16)
     weight_t = weight.t().contiguous() if copy else weight.t()
     return Linear(weight_t, None, bias, weight.shape[1], weight.shape[0])
 
@@ -89,15 +96,21 @@ def _amx_takes(weight: torch.Tensor) -> bool:
     return weight.dtype == torch.bfloat16 and weight.shape[1] % 32 == 0 and _amx_kernel() is not None
 
 
+def _small_batch_kernel(library: str, name: str):
+    """A small-batch kernel's C function (x, x_stride, m, k, packed, n, bias, out, out_stride) ->
+    status, or None where the library did not build or its <library>_ready() says no."""
+    ready = cpu_function(library, f"{library}_ready", (), ctypes.c_int)
+    if ready is None or not ready():
+        return None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    return cpu_function(library, name, (ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64), ctypes.c_int)
+
+
 @functools.cache
 def _amx_kernel():
     """The AMX kernel's C function, or None where the CPU (or the compiler) has no AMX or Linux
     refuses the process AMX's state."""
-    ready = cpu_function("amx_linear", "amx_linear_ready", (), ctypes.c_int)
-    if ready is None or not ready():
-        return None
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    return cpu_function("amx_linear", "amx_linear_bf16", (ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64), ctypes.c_int)
+    return _small_batch_kernel("amx_linear", "amx_linear_bf16")
 
 
 def pack_for_amx(weight: torch.Tensor) -> torch.Tensor:
@@ -112,26 +125,23 @@ def pack_for_amx(weight: torch.Tensor) -> torch.Tensor:
     return tiles.permute(0, 3, 1, 4, 2, 5).contiguous()
 
 
-# NOTE: the most outputs the float32 kernel takes a copy for. SmolLM-135M's LM head (49,152 x 576,
-# 64 rows, two threads) measured 14.6 ms on it against 12.6 for oneDNN; its layer projections (up
-# to 3,072 outputs) 0.96-1.34x oneDNN's speed.
-_F32_MAX_OUTPUTS = 4096
+# NOTE: the most outputs the float32 and the bfloat16 kernel take a copy for. SmolLM-135M's LM head
+# (49,152 x 576, 64 rows, two threads) measured 14.6 ms on the float32 kernel against 12.6 for
+# oneDNN (a Xeon), 5.3 on the bfloat16 kernel against 4.9 (a Zen 5 EPYC); its layer projections (up
+# to 3,072 outputs) 0.96-1.34x oneDNN's speed in float32, 1.04-1.29x in bfloat16.
+_SMALL_BATCH_MAX_OUTPUTS = 4096
 
 
 def _f32_takes(weight: torch.Tensor) -> bool:
-    return (weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.shape[0] <= _F32_MAX_OUTPUTS
-            and _f32_kernel() is not None)
+    return (weight.dtype == torch.float32 and weight.device.type == "cpu"
+            and weight.shape[0] <= _SMALL_BATCH_MAX_OUTPUTS and _f32_kernel() is not None)
 
 
 @functools.cache
 def _f32_kernel():
     """The float32 small-batch kernel's C function, or None where the CPU (or the compiler) has
     no AVX-512."""
-    ready = cpu_function("f32_linear", "f32_linear_ready", (), ctypes.c_int)
-    if ready is None or not ready():
-        return None
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    return cpu_function("f32_linear", "f32_linear", (ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64), ctypes.c_int)
+    return _small_batch_kernel("f32_linear", "f32_linear")
 
 
 def pack_f32_panels(weight: torch.Tensor) -> torch.Tensor:
@@ -141,6 +151,37 @@ def pack_f32_panels(weight: torch.Tensor) -> torch.Tensor:
     padded = torch.zeros((out_features + 47) // 48 * 48, in_features, dtype=torch.float32)
     padded[:out_features] = weight
     return padded.view(-1, 48, in_features).transpose(1, 2).contiguous()
+
+
+def _bf16_takes(weight: torch.Tensor) -> bool:
+    return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.shape[1] % 2 == 0
+            and weight.shape[0] <= _SMALL_BATCH_MAX_OUTPUTS and _bf16_kernel() is not None)
+
+
+@functools.cache
+def _bf16_kernel():
+    """The AVX512-BF16 small-batch kernel's C function, or None where the CPU (or the compiler)
+    has no AVX512-BF16."""
+    return _small_batch_kernel("bf16_linear", "bf16_linear")
+
+
+def pack_bf16_pairs(weight: torch.Tensor) -> torch.Tensor:
+    """weight [out, in] (in even) in the bfloat16 kernel's layout: per panel of 48 outputs (out
+    padded with zero rows to a multiple of 48) and per pair of inputs, the panel's 48 outputs x 2
+    consecutive inputs."""
+    out_features, in_features = weight.shape
+    padded = torch.zeros((out_features + 47) // 48 * 48, in_features, dtype=weight.dtype)
+    padded[:out_features] = weight
+    # [panel, output, input pair, 2] -> [panel, input pair, output, 2]
+    return padded.view(-1, 48, in_features // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def _linear_bf16(x: torch.Tensor, w: Linear) -> torch.Tensor:
+    out = torch.empty(x.shape[0], w.out_features, dtype=torch.bfloat16)
+    bias = w.bias_f32.data_ptr() if w.bias_f32 is not None else None
+    _bf16_kernel()(x.data_ptr(), x.stride(0), x.shape[0], w.in_features, w.bf16.data_ptr(), w.out_features, bias,
+                   out.data_ptr(), out.stride(0))
+    return out
 
 
 def _linear_f32(x: torch.Tensor, w: Linear) -> torch.Tensor:
@@ -153,7 +194,7 @@ def _linear_f32(x: torch.Tensor, w: Linear) -> torch.Tensor:
 
 def _linear_amx(x: torch.Tensor, w: Linear) -> torch.Tensor:
     out = torch.empty(x.shape[0], w.out_features, dtype=x.dtype)
-    bias = w.amx_bias.data_ptr() if w.amx_bias is not None else None
+    bias = w.bias_f32.data_ptr() if w.bias_f32 is not None else None
     status = _amx_kernel()(x.data_ptr(), x.stride(0), x.shape[0], w.in_features, w.amx.data_ptr(), w.out_features,
                            bias, out.data_ptr(), out.stride(0))
     if status != 0:
@@ -171,6 +212,8 @@ def linear(x: torch.Tensor, w: Linear) -> torch.Tensor:
         raise ValueError(f"linear: x {tuple(x.shape)} for a weight of {w.in_features} inputs")
     if w.amx is not None and 0 < x.shape[0] <= AMX_MAX_ROWS and x.dtype == torch.bfloat16 and x.stride(1) == 1:
         return _linear_amx(x, w)
+    if w.bf16 is not None and 0 < x.shape[0] <= AMX_MAX_ROWS and x.dtype == torch.bfloat16 and x.stride(1) == 1:
+        return _linear_bf16(x, w)
     if w.f32 is not None and 0 < x.shape[0] <= AMX_MAX_ROWS and x.dtype == torch.float32 and x.stride(1) == 1:
         return _linear_f32(x, w)
     if w.packed is not None:

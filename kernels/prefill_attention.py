@@ -77,19 +77,18 @@ def prefill_attention(query: torch.Tensor, kv_cache_layer: torch.Tensor, block_t
 
 def prefill_attention_cpu(query, kv_cache_layer, block_tables, cu_query_lens, seq_lens, scale) -> torch.Tensor | None:
     """A compiled CPU kernel where one applies, else None: bfloat16 on AMX (csrc/amx_attention.c;
-    head_dim a multiple of 32 up to 128), float32 on AVX-512 (csrc/prefill_attention_f32.c;
-    head_dim a multiple of 16 up to 256); query and cache of one dtype, blocks a multiple of 16
-    tokens. Raises ValueError for chunks, lengths or block ids out of range (it reads memory
-    directly)."""
+    head_dim a multiple of 32 up to 128), float32 and (without AMX) bfloat16 on AVX-512
+    (csrc/prefill_attention_f32.c; head_dim a multiple of 16 up to 256); query and cache of one
+    dtype, blocks a multiple of 16 tokens. Raises ValueError for chunks, lengths or block ids out
+    of range (it reads memory directly)."""
     if query.device.type != "cpu" or kv_cache_layer.dtype != query.dtype or kv_cache_layer.stride(-1) != 1:
         return None
     num_blocks, _, block_size, num_kv_heads, head_dim = kv_cache_layer.shape
+    kernel = None
     if query.dtype == torch.bfloat16 and head_dim % 32 == 0 and head_dim <= 128:
         kernel = _amx_kernel()
-    elif query.dtype == torch.float32 and head_dim % 16 == 0 and head_dim <= 256:
-        kernel = _f32_kernel()
-    else:
-        return None
+    if kernel is None and query.dtype in (torch.float32, torch.bfloat16) and head_dim % 16 == 0 and head_dim <= 256:
+        kernel = _f32_kernel() if query.dtype == torch.float32 else _avx512_bf16_kernel()
     if kernel is None or block_size % 16:
         return None
     if query.stride(-1) != 1:
@@ -135,6 +134,11 @@ def _amx_kernel():
 
 def _f32_kernel():
     return _cpu_kernel("prefill_attention_f32", "prefill_attention_f32_ready", "prefill_attention_f32")
+
+
+def _avx512_bf16_kernel():
+    """The float32 kernel's bfloat16 entry (K/V widened per block), for CPUs without AMX."""
+    return _cpu_kernel("prefill_attention_f32", "prefill_attention_f32_ready", "prefill_attention_bf16")
 
 
 def _tile_sizes(query: torch.Tensor) -> tuple[int, int, int]:

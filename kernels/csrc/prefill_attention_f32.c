@@ -15,6 +15,12 @@
  * 2.55 ms for torch's per-sequence SDPA with `tiny`'s heads (4 over 2, 64 dims), 2.94 against 5.23
  * with SmolLM-135M's (9 over 3); one 2,048-token prompt 18.0 against 21.0 ms. Offline float32,
  * alternated: `tiny` +2-8%, `small` +2-3%.
+ *
+ * prefill_attention_bf16 is the same computation on bfloat16 query, cache and output, for CPUs
+ * without AMX (amx_attention.c takes those with it): each 16-key block's K and V rows are widened
+ * to float32 into the thread's scratch first (exact), the rest runs in float32 as above, and the
+ * output is rounded once to bfloat16 (nearest even). Its probabilities stay float32, where torch's
+ * SDPA rounds them to bfloat16 for the value product.
  */
 #define _DEFAULT_SOURCE
 #include <math.h>
@@ -23,31 +29,48 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
 #include "prefill.h"
 
 #ifdef __AVX512F__
 
 int prefill_attention_f32_ready(void) { return 1; }
 
+/* Strides in elements; elem: 4 (float32) or 2 (bfloat16: query, cache and out). */
 typedef struct {
-    const float *query, *cache;
+    const char *query, *cache;
     int64_t q_tok, q_head, s_block, s_kv, s_off, s_head, block_size;
     const int32_t *tables, *cu, *lens;
     int64_t table_stride, group, head_dim;
     float log2_scale;
-    float *out;
-    int64_t o_tok, o_head;
+    char *out;
+    int64_t o_tok, o_head, elem;
 } problem;
 
 typedef struct {
     float qt[256 * 16] __attribute__((aligned(64))); /* Q^T, up to 256 dims */
     float scores[16 * 16] __attribute__((aligned(64)));
     float ot[256 * 16] __attribute__((aligned(64))); /* out^T */
+    float k[16 * 256] __attribute__((aligned(64)));  /* bfloat16: a block's K rows, widened */
+    float v[16 * 256] __attribute__((aligned(64)));  /* and its V rows */
 } scratch;
 
-static const float *key_row(const problem *p, int64_t seq, int64_t token, int64_t kv_head) {
+static const char *key_row(const problem *p, int64_t seq, int64_t token, int64_t kv_head) {
     const int64_t block = p->tables[seq * p->table_stride + token / p->block_size];
-    return p->cache + block * p->s_block + (token % p->block_size) * p->s_off + kv_head * p->s_head;
+    return p->cache + (block * p->s_block + (token % p->block_size) * p->s_off + kv_head * p->s_head) * p->elem;
+}
+
+static inline float element(const problem *p, const char *base, int64_t i) {
+    return p->elem == 4 ? ((const float *)base)[i] : bf16_to_f32(((const uint16_t *)base)[i]);
+}
+
+/* rows rows of bfloat16 (s_off apart) to float32 rows dim apart. */
+static void widen_rows(const uint16_t *src, int64_t s_off, int64_t rows, int64_t dim, float *dst) {
+    for (int64_t j = 0; j < rows; ++j)
+        for (int64_t d = 0; d < dim; d += 16) {
+            const __m256i h = _mm256_loadu_si256((const __m256i *)(src + j * s_off + d));
+            _mm512_store_ps(dst + j * dim + d, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+        }
 }
 
 /* Scores of keys [first, first + 8) (rows of k, s_off apart) for the 16 queries of qt. */
@@ -103,42 +126,53 @@ static void query_block(const problem *p, int64_t seq, int64_t head, int64_t qb,
     const int64_t key_end = first_pos + rows; /* keys any query sees */
     memset(w->qt, 0, (size_t)(dim * 16 * 4));
     for (int64_t q = 0; q < rows; ++q) {
-        const float *src = p->query + (first + q) * p->q_tok + head * p->q_head;
-        for (int64_t d = 0; d < dim; ++d) w->qt[16 * d + q] = src[d] * p->log2_scale;
+        const char *src = p->query + ((first + q) * p->q_tok + head * p->q_head) * p->elem;
+        for (int64_t d = 0; d < dim; ++d) w->qt[16 * d + q] = element(p, src, d) * p->log2_scale;
     }
     memset(w->ot, 0, (size_t)(dim * 16 * 4));
     __m512 run_max = _mm512_set1_ps(-INFINITY), run_sum = _mm512_setzero_ps();
     for (int64_t k0 = 0; k0 < key_end; k0 += 16) {
         /* 16 keys from k0 lie in one cache block (block_size a multiple of 16); rows past the
          * sequence are computed on and never used. */
-        const float *k = key_row(p, seq, k0, kv_head);
+        const char *row = key_row(p, seq, k0, kv_head);
         const int64_t keys = key_end - k0 < 16 ? key_end - k0 : 16;
-        score_keys(k, p->s_off, w->qt, dim, w->scores);
-        if (keys > 8) score_keys(k + 8 * p->s_off, p->s_off, w->qt, dim, w->scores + 128);
+        const float *k = (const float *)row, *v = (const float *)row + p->s_kv;
+        int64_t s_off = p->s_off;
+        if (p->elem == 2) { /* the K rows scored (8 or 16) and the V rows summed, widened */
+            widen_rows((const uint16_t *)row, p->s_off, keys > 8 ? 16 : 8, dim, w->k);
+            widen_rows((const uint16_t *)row + p->s_kv, p->s_off, keys, dim, w->v);
+            k = w->k, v = w->v, s_off = dim;
+        }
+        score_keys(k, s_off, w->qt, dim, w->scores);
+        if (keys > 8) score_keys(k + 8 * s_off, s_off, w->qt, dim, w->scores + 128);
         const __m512 alpha = softmax_keys(w->scores, k0, keys, positions, k0 + 15 > first_pos, &run_max, &run_sum);
-        for (int64_t d0 = 0; d0 < dim; d0 += 16)
-            accumulate_keys(k + p->s_kv, p->s_off, keys, w->scores, d0, alpha, w->ot);
+        for (int64_t d0 = 0; d0 < dim; d0 += 16) accumulate_keys(v, s_off, keys, w->scores, d0, alpha, w->ot);
     }
     float inv[16] __attribute__((aligned(64)));
     _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), run_sum));
     const __m512i column = _mm512_mullo_epi32(lanes, _mm512_set1_epi32(16)); /* out^T's column q */
     for (int64_t q = 0; q < rows; ++q) {
-        float *dst = p->out + (first + q) * p->o_tok + head * p->o_head;
+        char *dst = p->out + ((first + q) * p->o_tok + head * p->o_head) * p->elem;
         const __m512 scale = _mm512_set1_ps(inv[q]);
-        for (int64_t d = 0; d < dim; d += 16)
-            _mm512_storeu_ps(dst + d, _mm512_mul_ps(_mm512_i32gather_ps(column, w->ot + d * 16 + q, 4), scale));
+        for (int64_t d = 0; d < dim; d += 16) {
+            const __m512 o = _mm512_mul_ps(_mm512_i32gather_ps(column, w->ot + d * 16 + q, 4), scale);
+            if (p->elem == 4) {
+                _mm512_storeu_ps((float *)dst + d, o);
+            } else {
+                float lane[16] __attribute__((aligned(64)));
+                _mm512_store_ps(lane, o);
+                for (int i = 0; i < 16; ++i) ((uint16_t *)dst)[d + i] = f32_to_bf16(lane[i]);
+            }
+        }
     }
 }
 
-/* query: [tokens, heads, head_dim] float32; cache: one layer, [blocks, 2, block_size, kv_heads,
- * head_dim] strided; out like query. head_dim a multiple of 16 up to 256, block_size a multiple
- * of 16. Returns 0, 1 for tables or lengths out of range, 2 when out of memory. */
-int prefill_attention_f32(const float *query, int64_t q_tok, int64_t q_head, const float *cache, int64_t s_block,
-                          int64_t s_kv, int64_t s_off, int64_t s_head, int64_t num_blocks, int64_t block_size,
-                          const int32_t *tables, int64_t table_stride, int64_t table_width, const int32_t *cu,
-                          const int32_t *lens, int64_t num_seqs, int64_t num_tokens, int64_t num_heads,
-                          int64_t num_kv_heads, int64_t head_dim, float scale, float *out, int64_t o_tok,
-                          int64_t o_head) {
+static int prefill_attention(int64_t elem, const void *query, int64_t q_tok, int64_t q_head, const void *cache,
+                             int64_t s_block, int64_t s_kv, int64_t s_off, int64_t s_head, int64_t num_blocks,
+                             int64_t block_size, const int32_t *tables, int64_t table_stride, int64_t table_width,
+                             const int32_t *cu, const int32_t *lens, int64_t num_seqs, int64_t num_tokens,
+                             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale, void *out,
+                             int64_t o_tok, int64_t o_head) {
     if (check_chunks(tables, table_stride, table_width, cu, lens, num_seqs, num_tokens, num_blocks, block_size))
         return 1;
     int64_t *item_start = malloc((size_t)(num_seqs + 1) * sizeof *item_start);
@@ -154,7 +188,7 @@ int prefill_attention_f32(const float *query, int64_t q_tok, int64_t q_head, con
         item_start[s + 1] = item_start[s] + num_heads * ((cu[s + 1] - cu[s] + 15) / 16);
     const problem p = {query, cache, q_tok, q_head, s_block, s_kv, s_off, s_head, block_size, tables, cu, lens,
                        table_stride, num_heads / num_kv_heads, head_dim, scale * 1.4426950408889634f /* log2(e) */,
-                       out, o_tok, o_head};
+                       out, o_tok, o_head, elem};
     const int64_t items = item_start[num_seqs];
 #pragma omp parallel num_threads(threads)
     {
@@ -169,6 +203,32 @@ int prefill_attention_f32(const float *query, int64_t q_tok, int64_t q_head, con
     free(scratches);
     free(item_start);
     return 0;
+}
+
+/* query: [tokens, heads, head_dim] float32; cache: one layer, [blocks, 2, block_size, kv_heads,
+ * head_dim] strided; out like query. head_dim a multiple of 16 up to 256, block_size a multiple
+ * of 16. Returns 0, 1 for tables or lengths out of range, 2 when out of memory. */
+int prefill_attention_f32(const float *query, int64_t q_tok, int64_t q_head, const float *cache, int64_t s_block,
+                          int64_t s_kv, int64_t s_off, int64_t s_head, int64_t num_blocks, int64_t block_size,
+                          const int32_t *tables, int64_t table_stride, int64_t table_width, const int32_t *cu,
+                          const int32_t *lens, int64_t num_seqs, int64_t num_tokens, int64_t num_heads,
+                          int64_t num_kv_heads, int64_t head_dim, float scale, float *out, int64_t o_tok,
+                          int64_t o_head) {
+    return prefill_attention(4, query, q_tok, q_head, cache, s_block, s_kv, s_off, s_head, num_blocks, block_size,
+                             tables, table_stride, table_width, cu, lens, num_seqs, num_tokens, num_heads,
+                             num_kv_heads, head_dim, scale, out, o_tok, o_head);
+}
+
+/* The same on bfloat16 query, cache and out. */
+int prefill_attention_bf16(const uint16_t *query, int64_t q_tok, int64_t q_head, const uint16_t *cache,
+                           int64_t s_block, int64_t s_kv, int64_t s_off, int64_t s_head, int64_t num_blocks,
+                           int64_t block_size, const int32_t *tables, int64_t table_stride, int64_t table_width,
+                           const int32_t *cu, const int32_t *lens, int64_t num_seqs, int64_t num_tokens,
+                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale, uint16_t *out,
+                           int64_t o_tok, int64_t o_head) {
+    return prefill_attention(2, query, q_tok, q_head, cache, s_block, s_kv, s_off, s_head, num_blocks, block_size,
+                             tables, table_stride, table_width, cu, lens, num_seqs, num_tokens, num_heads,
+                             num_kv_heads, head_dim, scale, out, o_tok, o_head);
 }
 
 #else

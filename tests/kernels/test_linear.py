@@ -1,14 +1,15 @@
 """Dense projections: the oneDNN-prepacked path (CPU float32 and bfloat16), the AMX kernel
-(bfloat16 decode batches on CPUs with AMX) and the BLAS path on W^T (other dtypes, CUDA), a
-contiguous copy or a view, against F.linear and a float64 oracle, from one row to prefill-sized
-batches."""
+(bfloat16 decode batches on CPUs with AMX), the AVX512-BF16 kernel (bfloat16 decode batches on
+CPUs without AMX), the float32 kernel (float32 decode batches on CPUs with AVX-512) and the BLAS
+path on W^T (other dtypes, CUDA), a contiguous copy or a view, against F.linear and a float64
+oracle, from one row to prefill-sized batches."""
 
 import pytest
 import torch
 
 import kernels.linear as linear_module
-from kernels.linear import can_prepack, linear, linear_ref, prepare_linear
-from tests.kernels.conftest import DTYPES, EXPECT_AMX, EXPECT_AVX512, assert_close, randn
+from kernels.linear import Linear, can_prepack, linear, linear_ref, pack_bf16_pairs, prepare_linear
+from tests.kernels.conftest import DTYPES, EXPECT_AMX, EXPECT_AVX512, EXPECT_AVX512_BF16, assert_close, randn
 
 ROWS = [1, 7, 64, 256, 257, 700, 2048]
 
@@ -70,17 +71,22 @@ def test_linear_rejects_mismatched_shapes():
 
 
 
-@pytest.fixture
-def amx_calls(monkeypatch) -> list:
-    """The row counts the AMX kernel ran on, in order."""
-    calls, real = [], linear_module._linear_amx
+def _spy_rows(monkeypatch, function: str) -> list:
+    """The row counts linear_module.<function> runs on, in order, from now on."""
+    calls, real = [], getattr(linear_module, function)
 
     def spy(x, w):
         calls.append(x.shape[0])
         return real(x, w)
 
-    monkeypatch.setattr(linear_module, "_linear_amx", spy)
+    monkeypatch.setattr(linear_module, function, spy)
     return calls
+
+
+@pytest.fixture
+def amx_calls(monkeypatch) -> list:
+    """The row counts the AMX kernel ran on, in order."""
+    return _spy_rows(monkeypatch, "_linear_amx")
 
 
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 31, 32, 33, 48, 63, 64])
@@ -116,16 +122,63 @@ def test_amx_copy_only_where_it_is_used(amx_calls):
 
 
 @pytest.fixture
+def bf16_calls(monkeypatch) -> list:
+    """The row counts the AVX512-BF16 small-batch kernel ran on, in order."""
+    return _spy_rows(monkeypatch, "_linear_bf16")
+
+
+def _bf16_kernel_copy(weight, bias) -> Linear:
+    """The weight as prepare_linear gives it on a CPU with AVX512-BF16 and no AMX (so that CPUs
+    with AMX test the kernel too)."""
+    w = prepare_linear(weight, bias, small_batches=False)
+    return Linear(w.weight_t, w.packed, w.bias, w.in_features, w.out_features,
+                  bias_f32=None if bias is None else bias.float(), bf16=pack_bf16_pairs(weight))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 7, 8, 9, 16, 31, 63, 64])
+@pytest.mark.parametrize(("out_features", "in_features"), [(17, 32), (48, 64), (100, 160), (130, 576), (49, 6)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_bfloat16_decode_batches_on_the_avx512_bf16_kernel(rows, out_features, in_features, with_bias, bf16_calls):
+    """Each output is the float64 product rounded once to bfloat16 (within half a unit in the last
+    place): odd output counts (a partial 48-output panel, a partial 16-lane vector), row counts
+    that leave a partial 8-row group, x's rows strided. Without AVX512-BF16 the kernel is absent."""
+    if not EXPECT_AVX512_BF16:
+        assert linear_module._bf16_kernel() is None
+        return
+    weight = randn(out_features, in_features, dtype=torch.bfloat16, seed=31)
+    bias = randn(out_features, dtype=torch.bfloat16, seed=32) if with_bias else None
+    x = randn(rows, in_features + 8, dtype=torch.bfloat16, seed=33)[:, :in_features]
+    got = linear(x, _bf16_kernel_copy(weight, bias))
+    assert bf16_calls == [rows]
+    assert got.shape == (rows, out_features) and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.double(), oracle(x, weight, bias), atol=1e-4, rtol=2**-8)
+
+
+def test_bfloat16_small_batch_copy_by_cpu(bf16_calls, amx_calls):
+    """A decoding engine's bfloat16 weights get the AMX copy where the CPU has AMX, else the
+    AVX512-BF16 copy where it has that; LM-head-sized outputs, odd inputs, batches over 64 rows
+    and prefill-only engines stay on oneDNN."""
+    weight = randn(48, 64, dtype=torch.bfloat16, seed=34)
+    w = prepare_linear(weight)
+    assert (w.amx is not None) == EXPECT_AMX
+    assert (w.bf16 is not None) == (EXPECT_AVX512_BF16 and not EXPECT_AMX)
+    x = randn(5, 64, dtype=torch.bfloat16, seed=35)
+    assert_close(linear(x, w), oracle(x, weight, None), torch.bfloat16)
+    assert bf16_calls == ([5] if w.bf16 is not None else [])
+    bf16_calls.clear()
+    x = randn(65, 64, dtype=torch.bfloat16, seed=36)
+    assert_close(linear(x, w), oracle(x, weight, None), torch.bfloat16)
+    assert bf16_calls == []
+    assert prepare_linear(weight, small_batches=False).bf16 is None
+    assert prepare_linear(randn(4097, 32, dtype=torch.bfloat16, seed=37)).bf16 is None
+    assert prepare_linear(randn(48, 7, dtype=torch.bfloat16, seed=38)).bf16 is None
+    assert prepare_linear(weight.float()).bf16 is None
+
+
+@pytest.fixture
 def f32_calls(monkeypatch) -> list:
     """The row counts the float32 small-batch kernel ran on, in order."""
-    calls, real = [], linear_module._linear_f32
-
-    def spy(x, w):
-        calls.append(x.shape[0])
-        return real(x, w)
-
-    monkeypatch.setattr(linear_module, "_linear_f32", spy)
-    return calls
+    return _spy_rows(monkeypatch, "_linear_f32")
 
 
 @pytest.mark.parametrize("rows", [1, 3, 7, 8, 9, 16, 31, 63, 64])

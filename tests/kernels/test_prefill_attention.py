@@ -100,13 +100,18 @@ def kernel_calls(monkeypatch) -> list:
 AMX_Q_LENS, AMX_TOTALS = Q_LENS + [100, 64, 33], TOTALS + [100, 300, 97]
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("dtype", "path"), [(torch.bfloat16, "amx"), (torch.bfloat16, "avx512"),
+                                             (torch.float32, "avx512")])
 @pytest.mark.parametrize("heads, kv_heads", GQA)
 @pytest.mark.parametrize("head_dim", [32, 64, 96, 128])
-def test_prefill_cpu_kernels_match_reference(heads, kv_heads, head_dim, dtype, kernel_calls):
-    """The compiled CPU kernels (bfloat16 where the CPU has AMX, float32 where it has AVX-512)
-    against the per-sequence reference, with the cache's unused rows poisoned with NaN: keys past
-    a sequence's end must not reach any output."""
+def test_prefill_cpu_kernels_match_reference(heads, kv_heads, head_dim, dtype, path, kernel_calls, monkeypatch):
+    """The compiled CPU kernels (bfloat16 on AMX where the CPU has it, bfloat16 and float32 on
+    AVX-512) against the per-sequence reference, with the cache's unused rows poisoned with NaN:
+    keys past a sequence's end must not reach any output. path "avx512" hides AMX, so that CPUs
+    with it test the AVX-512 bfloat16 kernel too."""
+    if path == "avx512":
+        monkeypatch.setattr(prefill_module, "_amx_kernel", lambda: None)
+    expected = EXPECT_AVX512 or (EXPECT_AMX and path == "amx" and dtype == torch.bfloat16)
     query, kv_layer, table, cu, seq_lens = prefill_case(heads, kv_heads, head_dim, dtype, 12,
                                                         AMX_Q_LENS, AMX_TOTALS, num_blocks=80)
     for row, total in enumerate(AMX_TOTALS):
@@ -114,7 +119,7 @@ def test_prefill_cpu_kernels_match_reference(heads, kv_heads, head_dim, dtype, k
         kv_layer[last, :, total % BLOCK_SIZE or BLOCK_SIZE:] = float("nan")
     want = prefill_attention_ref(query, kv_layer, table, cu, seq_lens, head_dim ** -0.5)
     got = prefill_attention(query, kv_layer, table, cu, seq_lens, head_dim ** -0.5)
-    assert kernel_calls == [EXPECT_AMX if dtype == torch.bfloat16 else EXPECT_AVX512]
+    assert kernel_calls == [expected]
     assert got.dtype == dtype and not got.isnan().any()
     assert_close(got, want, dtype)
 
@@ -128,7 +133,7 @@ def test_prefill_cpu_kernels_reject_out_of_range_tables(dtype):
     bad[4, 1] = 40  # the cache has 40 blocks
     with pytest.raises((ValueError, IndexError, RuntimeError)):
         prefill_attention(query, kv_layer, bad, cu, seq_lens, 0.125)
-    if EXPECT_AMX if dtype == torch.bfloat16 else EXPECT_AVX512:
+    if EXPECT_AVX512 or (EXPECT_AMX and dtype == torch.bfloat16):
         with pytest.raises(ValueError, match="out of range"):
             prefill_attention(query, kv_layer, bad, cu, seq_lens, 0.125)
         with pytest.raises(ValueError, match="out of range"):

@@ -1,0 +1,99 @@
+/* bfloat16 projections y = x W^T (+ bias) for decode-sized batches (up to 64 rows) on CPUs with
+ * AVX512-BF16 but no AMX (AMD's Zen 4 and Zen 5, Intel's Cooper Lake): vdpbf16ps, which adds two
+ * bfloat16 products to each of 16 float32 sums. W is packed once, when the model loads
+ * (pack_bf16_pairs in kernels/linear.py): panels of 48 outputs, each k / 2 rows of 48 outputs x 2
+ * consecutive inputs (zero-padded past n), so a panel streams front to back. Each thread takes
+ * whole panels; each panel runs x 8 rows at a time: 8 x 48 float32 sums in 24 registers, one
+ * broadcast of an input pair of x per row and three loads of W per input pair. The first 8 rows
+ * read the panel from memory, the rest from cache (a panel is k x 96 bytes: 54 KB at k = 576).
+ * The sums are rounded to bfloat16 (nearest even) after the bias is added in float32.
+ *
+ * vdpbf16ps forms each bfloat16 product exactly in float32 and adds the pair to the sum with
+ * float32 rounding, so the sums are float32 sums of exact products, as oneDNN's are; their order
+ * differs (each output sums its inputs front to back, blocked in chunks of CHUNK inputs), so
+ * results differ in the last bits before the rounding to bfloat16.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#include "bf16.h"
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+
+enum { PANEL = 48, ROWS = 8, CHUNK = 64 };
+
+int bf16_linear_ready(void) { return 1; }
+
+static inline __m512i pair_of(const uint16_t *x) {
+    int32_t pair;
+    memcpy(&pair, x, sizeof pair);
+    return _mm512_set1_epi32(pair);
+}
+
+/* rows (1..8, a constant after inlining) of x against one panel; cols: the panel's real outputs;
+ * k even. The sums run in chunks of CHUNK inputs, each chunk's added to the running total in sums
+ * (a blocked summation, as in f32_linear.c). */
+static inline __attribute__((always_inline)) void panel_rows(const uint16_t *x, int64_t x_stride, const uint16_t *w,
+                                                             int64_t k, const float *bias, uint16_t *out,
+                                                             int64_t out_stride, int cols, const int rows) {
+    __m512 sums[ROWS][3];
+    for (int r = 0; r < rows; ++r) sums[r][0] = sums[r][1] = sums[r][2] = _mm512_setzero_ps();
+    for (int64_t start = 0; start < k; start += CHUNK) {
+        const int64_t end = k - start < CHUNK ? k : start + CHUNK;
+        __m512 acc[ROWS][3];
+        for (int r = 0; r < rows; ++r) acc[r][0] = acc[r][1] = acc[r][2] = _mm512_setzero_ps();
+        for (int64_t i = start; i < end; i += 2) {
+            const uint16_t *wi = w + i * PANEL;
+            const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wi), w1 = (__m512bh)_mm512_loadu_si512(wi + 32),
+                           w2 = (__m512bh)_mm512_loadu_si512(wi + 64);
+            for (int r = 0; r < rows; ++r) {
+                const __m512bh xv = (__m512bh)pair_of(x + r * x_stride + i);
+                acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xv, w0);
+                acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xv, w1);
+                acc[r][2] = _mm512_dpbf16_ps(acc[r][2], xv, w2);
+            }
+        }
+        for (int r = 0; r < rows; ++r)
+            for (int v = 0; v < 3; ++v) sums[r][v] = _mm512_add_ps(sums[r][v], acc[r][v]);
+    }
+    for (int v = 0; v < 3 && 16 * v < cols; ++v) {
+        const int n = cols - 16 * v < 16 ? cols - 16 * v : 16;
+        const __mmask16 mask = (__mmask16)((1u << n) - 1u);
+        const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + 16 * v) : _mm512_setzero_ps();
+        for (int r = 0; r < rows; ++r)
+            _mm256_mask_storeu_epi16(out + r * out_stride + 16 * v, mask, bf16x16_narrow(_mm512_add_ps(sums[r][v], b)));
+    }
+}
+
+/* x: [m, k] bfloat16 rows x_stride apart (k even); packed: W [n, k] as above; bias: n float32 or
+ * NULL; out: [m, n] bfloat16 rows out_stride apart. Returns 0 (the signature of amx_linear_bf16's). */
+int bf16_linear(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, const uint16_t *packed, int64_t n,
+                const float *bias, uint16_t *out, int64_t out_stride) {
+    const int64_t panels = (n + PANEL - 1) / PANEL;
+#pragma omp parallel for schedule(static) if (panels * m * k > 32768)
+    for (int64_t p = 0; p < panels; ++p) {
+        const uint16_t *w = packed + p * k * PANEL;
+        const float *b = bias ? bias + p * PANEL : NULL;
+        const int cols = n - p * PANEL < PANEL ? (int)(n - p * PANEL) : PANEL;
+        for (int64_t row = 0; row < m; row += ROWS) {
+            const uint16_t *xr = x + row * x_stride;
+            uint16_t *o = out + row * out_stride + p * PANEL;
+            switch (m - row < ROWS ? m - row : ROWS) {
+            case 1: panel_rows(xr, x_stride, w, k, b, o, out_stride, cols, 1); break;
+            case 2: panel_rows(xr, x_stride, w, k, b, o, out_stride, cols, 2); break;
+            case 3: panel_rows(xr, x_stride, w, k, b, o, out_stride, cols, 3); break;
+            case 4: panel_rows(xr, x_stride, w, k, b, o, out_stride, cols, 4); break;
+            case 5: panel_rows(xr, x_stride, w, k, b, o, out_stride, cols, 5); break;
+            case 6: panel_rows(xr, x_stride, w, k, b, o, out_stride, cols, 6); break;
+            case 7: panel_rows(xr, x_stride, w, k, b, o, out_stride, cols, 7); break;
+            default: panel_rows(xr, x_stride, w, k, b, o, out_stride, cols, 8); break;
+            }
+        }
+    }
+    return 0;
+}
+
+#else
+int bf16_linear_ready(void) { return 0; }
+#endif
