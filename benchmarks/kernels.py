@@ -13,13 +13,13 @@ one thread: the small preset's shape (9 query / 3 KV heads, head dim 64, 30 laye
 block-major cache), 64 sequences x 300 tokens in scattered blocks, beside the torch reference
 (gather + SDPA) and a bare gather of the same bytes (index_select, which reads them in the same
 24 KB runs per block and layer and writes a copy), interleaved repeats, medians. It then
-measures the other compiled CPU kernels this CPU runs (AMX for bfloat16, AVX-512 for float32) on
-all threads, interleaved with what they replace: the projections of one decode step of the small
-preset (AMX only; 30 layers' four projections and the LM head, 269 MB, distinct weights so each
-call reads them from memory) at 1, 16 and 64 rows against oneDNN's prepacked linear; and prefill
-attention (8 prompts x 256 tokens in one chunk, and one 2,048-token prompt; bfloat16 on AMX and
-float32 on AVX-512) against the per-sequence SDPA reference, with each one's mean error against
-a float64 oracle.
+measures the other compiled CPU kernels this CPU runs (AMX or else AVX512-BF16 for bfloat16,
+AVX-512 for float32) on all threads, interleaved with what they replace: the bfloat16 projections
+of one decode step of the small preset (30 layers' four projections and the LM head, 269 MB,
+distinct weights so each call reads them from memory) at 1, 16 and 64 rows against oneDNN's
+prepacked linear; and prefill attention (8 prompts x 256 tokens in one chunk, and one 2,048-token
+prompt; bfloat16 on AMX or AVX-512, float32 on AVX-512) against the per-sequence SDPA reference,
+with each one's mean error against a float64 oracle.
 """
 
 from __future__ import annotations
@@ -251,8 +251,10 @@ def median_ms(ways: dict[str, Callable], repeats: int) -> dict[str, float]:
     return {name: round(statistics.median(values), 3) for name, values in times.items()}
 
 
-def bench_amx_projections(repeats: int, gen: torch.Generator) -> list[dict]:
-    """One decode step's projections of the small preset: the AMX kernel against oneDNN."""
+def bench_bf16_projections(kernel: str, repeats: int, gen: torch.Generator) -> list[dict]:
+    """One decode step's projections of the small preset in bfloat16, as the engine runs them (the
+    layers on the small-batch kernel, kernel "amx" or "avx512_bf16"; the LM head on oneDNN where
+    that kernel takes no copy of it) against all of them on oneDNN."""
     from kernels import linear as linear_module
 
     shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down
@@ -267,24 +269,26 @@ def bench_amx_projections(repeats: int, gen: torch.Generator) -> list[dict]:
     for rows in (1, 16, 64):
         xs = {n: torch.randn(rows, n, generator=gen).to(DTYPE) for n in (576, 1536)}
         ms = median_ms({
-            "amx": lambda xs=xs: [linear_module.linear(xs[w.in_features], w) for w in weights],
+            kernel: lambda xs=xs: [linear_module.linear(xs[w.in_features], w) for w in weights],
             "onednn": lambda xs=xs: [linear_module.linear(xs[w.in_features], w) for w in onednn],
         }, repeats)
-        projections.append({"rows": rows, "ms_per_step": ms, "amx_gbps": round(num_bytes / ms["amx"] / 1e6, 1),
+        projections.append({"rows": rows, "ms_per_step": ms, f"{kernel}_gbps": round(num_bytes / ms[kernel] / 1e6, 1),
                             "onednn_gbps": round(num_bytes / ms["onednn"] / 1e6, 1),
-                            "speedup": round(ms["onednn"] / ms["amx"], 2)})
+                            "speedup": round(ms["onednn"] / ms[kernel], 2)})
     return projections
 
 
 def bench_cpu_compiled(repeats: int) -> dict:
-    """The CPU's compiled bfloat16 (AMX) and float32 (AVX-512) kernels vs what they replace, on all
+    """The CPU's compiled bfloat16 (AMX or AVX512-BF16) and float32 (AVX-512) kernels vs what they replace, on all
     threads, each where this CPU runs it; see the module docstring."""
     from kernels import linear as linear_module
     from kernels.prefill_attention import prefill_attention_cpu
 
     gen = torch.Generator().manual_seed(0)
-    projections = (bench_amx_projections(repeats, gen) if linear_module._amx_kernel() is not None
-                   else "no AMX (or no compiler for it): the AMX projections are not built")
+    kernel = ("amx" if linear_module._amx_kernel() is not None
+              else "avx512_bf16" if linear_module._bf16_kernel() is not None else None)
+    projections = (bench_bf16_projections(kernel, repeats, gen) if kernel is not None
+                   else "no AMX or AVX512-BF16 (or no compiler for them): no bfloat16 small-batch kernel is built")
     attention = []
     for num_seqs, seq_len, dtype in ((8, 256, DTYPE), (1, 2048, DTYPE), (8, 256, torch.float32),
                                      (1, 2048, torch.float32)):

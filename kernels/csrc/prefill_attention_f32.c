@@ -17,10 +17,13 @@
  * alternated: `tiny` +2-8%, `small` +2-3%.
  *
  * prefill_attention_bf16 is the same computation on bfloat16 query, cache and output, for CPUs
- * without AMX (amx_attention.c takes those with it): each 16-key block's K and V rows are widened
- * to float32 into the thread's scratch first (exact), the rest runs in float32 as above, and the
- * output is rounded once to bfloat16 (nearest even). Its probabilities stay float32, where torch's
- * SDPA rounds them to bfloat16 for the value product.
+ * without AMX (amx_attention.c takes those with it). Where the CPU has AVX512-BF16 the scores are
+ * vdpbf16ps products of the unscaled bfloat16 queries (Q^T packed in pairs of dims) and each key's
+ * pairs of dims, read in place (exact products, float32 sums; the scale applied to the sums),
+ * else the key rows are widened to float32 first; each block's V rows are widened to float32 into
+ * the thread's scratch (exact), the value product runs in float32 as above, and the output is
+ * rounded once to bfloat16 (nearest even). Its probabilities stay float32, where torch's SDPA
+ * rounds them to bfloat16 for the value product.
  */
 #define _DEFAULT_SOURCE
 #include <math.h>
@@ -53,6 +56,7 @@ typedef struct {
     float ot[256 * 16] __attribute__((aligned(64))); /* out^T */
     float k[16 * 256] __attribute__((aligned(64)));  /* bfloat16: a block's K rows, widened */
     float v[16 * 256] __attribute__((aligned(64)));  /* and its V rows */
+    uint16_t qp[256 * 16] __attribute__((aligned(64))); /* bfloat16: Q^T in pairs of dims */
 } scratch;
 
 static const char *key_row(const problem *p, int64_t seq, int64_t token, int64_t kv_head) {
@@ -84,11 +88,33 @@ static inline void score_keys(const float *k, int64_t s_off, const float *qt, in
     for (int j = 0; j < 8; ++j) _mm512_store_ps(scores + 16 * j, acc[j]);
 }
 
-/* Masks, max and exponentials of a block's scores (keys rows); returns the rescale factor of
- * what came before. */
+#ifdef __AVX512BF16__
+#define SCORES_IN_BF16 1
+/* Scores of keys [first, first + 8) (bfloat16 rows of k, s_off apart) for the 16 queries of qp
+ * (per pair of dims, the 16 queries' two values), unscaled: one vdpbf16ps per key and pair. */
+static inline void score_keys_bf16(const uint16_t *k, int64_t s_off, const uint16_t *qp, int64_t dim,
+                                   float *scores) {
+    __m512 acc[8];
+    for (int j = 0; j < 8; ++j) acc[j] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < dim; d += 2) {
+        const __m512bh q = (__m512bh)_mm512_load_si512(qp + 16 * d);
+        for (int j = 0; j < 8; ++j) {
+            int32_t pair;
+            memcpy(&pair, k + j * s_off + d, sizeof pair);
+            acc[j] = _mm512_dpbf16_ps(acc[j], q, (__m512bh)_mm512_set1_epi32(pair));
+        }
+    }
+    for (int j = 0; j < 8; ++j) _mm512_store_ps(scores + 16 * j, acc[j]);
+}
+#else
+#define SCORES_IN_BF16 0
+#endif
+
+/* Masks, max and exponentials of a block's scores (keys rows), scaled by c first; returns the
+ * rescale factor of what came before. */
 static inline __m512 softmax_keys(float *scores, int64_t first_key, int64_t keys, __m512i positions, int masked,
-                                  __m512 *run_max, __m512 *run_sum) {
-    const __m512 alpha = mask_block(scores, keys, first_key, keys, positions, masked, _mm512_set1_ps(1.0f), run_max);
+                                  __m512 c, __m512 *run_max, __m512 *run_sum) {
+    const __m512 alpha = mask_block(scores, keys, first_key, keys, positions, masked, c, run_max);
     __m512 sum = _mm512_setzero_ps();
     for (int64_t j = 0; j < keys; ++j) {
         const __m512 e = exp2_ps(_mm512_sub_ps(_mm512_load_ps(scores + 16 * j), *run_max));
@@ -124,10 +150,20 @@ static void query_block(const problem *p, int64_t seq, int64_t head, int64_t qb,
     const __m512i positions = _mm512_min_epi32(_mm512_add_epi32(_mm512_set1_epi32((int)first_pos), lanes),
                                                _mm512_set1_epi32((int)(first_pos + rows - 1)));
     const int64_t key_end = first_pos + rows; /* keys any query sees */
-    memset(w->qt, 0, (size_t)(dim * 16 * 4));
-    for (int64_t q = 0; q < rows; ++q) {
-        const char *src = p->query + ((first + q) * p->q_tok + head * p->q_head) * p->elem;
-        for (int64_t d = 0; d < dim; ++d) w->qt[16 * d + q] = element(p, src, d) * p->log2_scale;
+    const int pairs = SCORES_IN_BF16 && p->elem == 2; /* scores from bfloat16 pairs, scaled after */
+    const __m512 score_scale = _mm512_set1_ps(pairs ? p->log2_scale : 1.0f);
+    if (pairs) {
+        memset(w->qp, 0, (size_t)(dim * 16 * 2));
+        for (int64_t q = 0; q < rows; ++q) {
+            const uint16_t *src = (const uint16_t *)p->query + (first + q) * p->q_tok + head * p->q_head;
+            for (int64_t d = 0; d < dim; ++d) w->qp[16 * (d & ~(int64_t)1) + 2 * q + (d & 1)] = src[d];
+        }
+    } else {
+        memset(w->qt, 0, (size_t)(dim * 16 * 4));
+        for (int64_t q = 0; q < rows; ++q) {
+            const char *src = p->query + ((first + q) * p->q_tok + head * p->q_head) * p->elem;
+            for (int64_t d = 0; d < dim; ++d) w->qt[16 * d + q] = element(p, src, d) * p->log2_scale;
+        }
     }
     memset(w->ot, 0, (size_t)(dim * 16 * 4));
     __m512 run_max = _mm512_set1_ps(-INFINITY), run_sum = _mm512_setzero_ps();
@@ -138,14 +174,24 @@ static void query_block(const problem *p, int64_t seq, int64_t head, int64_t qb,
         const int64_t keys = key_end - k0 < 16 ? key_end - k0 : 16;
         const float *k = (const float *)row, *v = (const float *)row + p->s_kv;
         int64_t s_off = p->s_off;
-        if (p->elem == 2) { /* the K rows scored (8 or 16) and the V rows summed, widened */
-            widen_rows((const uint16_t *)row, p->s_off, keys > 8 ? 16 : 8, dim, w->k);
+#if SCORES_IN_BF16
+        if (pairs) {
+            const uint16_t *kh = (const uint16_t *)row;
+            score_keys_bf16(kh, p->s_off, w->qp, dim, w->scores);
+            if (keys > 8) score_keys_bf16(kh + 8 * p->s_off, p->s_off, w->qp, dim, w->scores + 128);
+        }
+#endif
+        if (p->elem == 2) { /* the V rows summed (and without pairs the K rows scored), widened */
+            if (!pairs) widen_rows((const uint16_t *)row, p->s_off, keys > 8 ? 16 : 8, dim, w->k);
             widen_rows((const uint16_t *)row + p->s_kv, p->s_off, keys, dim, w->v);
             k = w->k, v = w->v, s_off = dim;
         }
-        score_keys(k, s_off, w->qt, dim, w->scores);
-        if (keys > 8) score_keys(k + 8 * s_off, s_off, w->qt, dim, w->scores + 128);
-        const __m512 alpha = softmax_keys(w->scores, k0, keys, positions, k0 + 15 > first_pos, &run_max, &run_sum);
+        if (!pairs) {
+            score_keys(k, s_off, w->qt, dim, w->scores);
+            if (keys > 8) score_keys(k + 8 * s_off, s_off, w->qt, dim, w->scores + 128);
+        }
+        const __m512 alpha = softmax_keys(w->scores, k0, keys, positions, k0 + 15 > first_pos, score_scale, &run_max,
+                                          &run_sum);
         for (int64_t d0 = 0; d0 < dim; d0 += 16) accumulate_keys(v, s_off, keys, w->scores, d0, alpha, w->ot);
     }
     float inv[16] __attribute__((aligned(64)));
