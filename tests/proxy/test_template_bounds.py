@@ -54,7 +54,9 @@ def test_runaway_templates_stop_at_the_deadline(source, num_messages):
     started = time.monotonic()
     with pytest.raises(ChatTemplateError, match="did not finish within 0.3 s"):
         _render(source, messages)
-    assert time.monotonic() - started < TIMEOUT_S + 0.5
+    # NOTE: each template runs for hours unbounded; the slack covers a loaded CI machine, where
+    # the watchdog thread's wake-up came 0.65 s late once (a clean-clone run on 2 busy cores).
+    assert time.monotonic() - started < TIMEOUT_S + 5.0
 
 
 def test_output_past_the_cap_is_refused_without_waiting_for_the_deadline():
