@@ -20,16 +20,18 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(bits >> 16);
 }
 
-#if defined(__AVX512BF16__)
-/* 16 at a time where the CPU has AVX512-BF16: narrowing is one vcvtneps2bf16, which rounds to
- * nearest even as f32_to_bf16 does (against ~8 integer ops) and treats denormals as zero (a
- * difference only below 1.2e-38; NaN stays a NaN). */
+#if defined(__AVX512F__)
 #include <immintrin.h>
 
+/* 16 bfloat16 values widened to float32 (exact). */
 static inline __m512 bf16x16_load(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
 
+#if defined(__AVX512BF16__)
+/* 16 at a time where the CPU has AVX512-BF16: narrowing is one vcvtneps2bf16, which rounds to
+ * nearest even as f32_to_bf16 does (against ~8 integer ops) and treats denormals as zero (a
+ * difference only below 1.2e-38; NaN stays a NaN). */
 static inline __m256i bf16x16_narrow(__m512 f) { return (__m256i)_mm512_cvtneps_pbh(f); }
 
 static inline void bf16x16_store(uint16_t *p, __m512 f) { _mm256_storeu_si256((__m256i *)p, bf16x16_narrow(f)); }
@@ -38,6 +40,18 @@ static inline void bf16x16_store(uint16_t *p, __m512 f) { _mm256_storeu_si256((_
 static inline __m512 bf16x16_round(__m512 f) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16x16_narrow(f)), 16));
 }
+#else
+/* Without AVX512-BF16: f32_to_bf16's integer rounding on 16 lanes (the same bits). */
+static inline void bf16x16_store(uint16_t *p, __m512 f) {
+    const __m512i bits = _mm512_castps_si512(f);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+    const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, quiet)));
+}
+#endif
 #endif
 
 #endif

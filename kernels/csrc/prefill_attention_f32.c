@@ -77,17 +77,10 @@ static const char *key_row(const problem *p, int64_t seq, int64_t token, int64_t
     return p->cache + (block * p->s_block + (token % p->block_size) * p->s_off + kv_head * p->s_head) * p->elem;
 }
 
-static inline float element(const problem *p, const char *base, int64_t i) {
-    return p->elem == 4 ? ((const float *)base)[i] : bf16_to_f32(((const uint16_t *)base)[i]);
-}
-
 /* rows rows of bfloat16 (s_off apart) to float32 rows dim apart. */
 static void widen_rows(const uint16_t *src, int64_t s_off, int64_t rows, int64_t dim, float *dst) {
     for (int64_t j = 0; j < rows; ++j)
-        for (int64_t d = 0; d < dim; d += 16) {
-            const __m256i h = _mm256_loadu_si256((const __m256i *)(src + j * s_off + d));
-            _mm512_store_ps(dst + j * dim + d, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
-        }
+        for (int64_t d = 0; d < dim; d += 16) _mm512_store_ps(dst + j * dim + d, bf16x16_load(src + j * s_off + d));
 }
 
 /* r[i][j] -> r[j][i] for a 16 x 16 block of 32-bit values, in registers: within each 128-bit lane
@@ -121,20 +114,19 @@ static inline void transpose16(__m512 r[16]) {
 /* Scores of keys [at, at + 8) of a block (rows of k, s_off apart) for the 16
  * queries of each of nh heads' Q^T (w->qt), into each head's scores rows from `at`. */
 INLINE void score_keys_impl(const float *k, int64_t s_off, scratch *w, int64_t dim, int64_t at, const int nh) {
-    const int n = 8;
     __m512 acc[MAX_HEADS][8];
     for (int h = 0; h < nh; ++h)
-        for (int j = 0; j < n; ++j) acc[h][j] = _mm512_setzero_ps();
+        for (int j = 0; j < 8; ++j) acc[h][j] = _mm512_setzero_ps();
     for (int64_t d = 0; d < dim; ++d) {
         __m512 q[MAX_HEADS];
         for (int h = 0; h < nh; ++h) q[h] = _mm512_load_ps(w->qt[h] + 16 * d);
-        for (int j = 0; j < n; ++j) {
+        for (int j = 0; j < 8; ++j) {
             const __m512 kj = _mm512_set1_ps(k[j * s_off + d]);
             for (int h = 0; h < nh; ++h) acc[h][j] = _mm512_fmadd_ps(kj, q[h], acc[h][j]);
         }
     }
     for (int h = 0; h < nh; ++h)
-        for (int j = 0; j < n; ++j) _mm512_store_ps(w->scores[h] + 16 * (at + j), acc[h][j]);
+        for (int j = 0; j < 8; ++j) _mm512_store_ps(w->scores[h] + 16 * (at + j), acc[h][j]);
 }
 
 #ifdef __AVX512BF16__
@@ -142,14 +134,13 @@ INLINE void score_keys_impl(const float *k, int64_t s_off, scratch *w, int64_t d
 /* The same from bfloat16 rows of k and each head's Q^T in pairs of dims (w->qp), unscaled: one
  * vdpbf16ps per key, pair and head. */
 INLINE void score_keys_bf16_impl(const uint16_t *k, int64_t s_off, scratch *w, int64_t dim, int64_t at, const int nh) {
-    const int n = 8;
     __m512 acc[MAX_HEADS][8];
     for (int h = 0; h < nh; ++h)
-        for (int j = 0; j < n; ++j) acc[h][j] = _mm512_setzero_ps();
+        for (int j = 0; j < 8; ++j) acc[h][j] = _mm512_setzero_ps();
     for (int64_t d = 0; d < dim; d += 2) {
         __m512bh q[MAX_HEADS];
         for (int h = 0; h < nh; ++h) q[h] = (__m512bh)_mm512_load_si512(w->qp[h] + 16 * d);
-        for (int j = 0; j < n; ++j) {
+        for (int j = 0; j < 8; ++j) {
             int32_t pair;
             memcpy(&pair, k + j * s_off + d, sizeof pair);
             const __m512bh kj = (__m512bh)_mm512_set1_epi32(pair);
@@ -157,7 +148,7 @@ INLINE void score_keys_bf16_impl(const uint16_t *k, int64_t s_off, scratch *w, i
         }
     }
     for (int h = 0; h < nh; ++h)
-        for (int j = 0; j < n; ++j) _mm512_store_ps(w->scores[h] + 16 * (at + j), acc[h][j]);
+        for (int j = 0; j < 8; ++j) _mm512_store_ps(w->scores[h] + 16 * (at + j), acc[h][j]);
 }
 #else
 #define SCORES_IN_BF16 0
@@ -242,29 +233,26 @@ INLINE void query_block_heads(const problem *p, int64_t seq, int64_t head, int64
     const int64_t key_end = first_pos + rows; /* keys any query sees */
     const int pairs = SCORES_IN_BF16 && p->elem == 2; /* scores from bfloat16 pairs, scaled after */
     const __m512 score_scale = _mm512_set1_ps(pairs ? p->log2_scale : 1.0f);
-    /* Q^T per head: 16 x 16 blocks of the chunk's rows (float32 dims, or bfloat16 pairs of dims)
-     * transposed; missing queries are zeros. */
+    /* Q^T per head: 16 x 16 blocks of the chunk's rows transposed, of 32-bit values: bfloat16
+     * pairs of dims (pairs), else dims (bfloat16 ones widened), pre-scaled; missing queries are
+     * zeros. */
+    const int64_t units = pairs ? dim / 2 : dim; /* dim / 2: not always a multiple of 16 */
+    const __m512 c = _mm512_set1_ps(p->log2_scale);
     for (int h = 0; h < nh; ++h) {
         const char *src = p->query + (first * p->q_tok + (head + h) * p->q_head) * p->elem;
-        if (pairs || p->elem == 4) {
-            const __m512 c = _mm512_set1_ps(pairs ? 1.0f : p->log2_scale);
-            float *dst = pairs ? (float *)w->qp[h] : w->qt[h]; /* pairs: 32-bit units */
-            const int64_t units = dim * p->elem / 4; /* bfloat16: dim / 2, not always a multiple of 16 */
-            for (int64_t d0 = 0; d0 < units; d0 += 16) {
-                const int64_t n = units - d0 < 16 ? units - d0 : 16;
-                const __mmask16 in_row = (__mmask16)((1u << n) - 1);
-                __m512 r[16];
-                for (int q = 0; q < 16; ++q)
-                    r[q] = q < rows ? _mm512_maskz_loadu_ps(in_row, (const float *)(src + q * p->q_tok * p->elem) + d0)
-                                    : _mm512_setzero_ps();
-                transpose16(r);
-                for (int i = 0; i < n; ++i) _mm512_store_ps(dst + 16 * (d0 + i), pairs ? r[i] : _mm512_mul_ps(r[i], c));
+        float *dst = pairs ? (float *)w->qp[h] : w->qt[h];
+        for (int64_t d0 = 0; d0 < units; d0 += 16) {
+            const int64_t n = units - d0 < 16 ? units - d0 : 16;
+            const __mmask16 in_row = (__mmask16)((1u << n) - 1);
+            __m512 r[16];
+            for (int q = 0; q < 16; ++q) {
+                const char *row = src + q * p->q_tok * p->elem;
+                r[q] = q >= rows                   ? _mm512_setzero_ps()
+                       : pairs || p->elem == 4 ? _mm512_maskz_loadu_ps(in_row, (const float *)row + d0)
+                                               : bf16x16_load((const uint16_t *)row + d0);
             }
-        } else {
-            memset(w->qt[h], 0, (size_t)(dim * 16 * 4));
-            for (int64_t q = 0; q < rows; ++q)
-                for (int64_t d = 0; d < dim; ++d)
-                    w->qt[h][16 * d + q] = element(p, src + q * p->q_tok * p->elem, d) * p->log2_scale;
+            transpose16(r);
+            for (int i = 0; i < n; ++i) _mm512_store_ps(dst + 16 * (d0 + i), pairs ? r[i] : _mm512_mul_ps(r[i], c));
         }
         memset(w->ot[h], 0, (size_t)(dim * 16 * 4));
     }
@@ -309,17 +297,10 @@ INLINE void query_block_heads(const problem *p, int64_t seq, int64_t head, int64
             for (int64_t q = 0; q < rows; ++q) {
                 char *dst = p->out + ((first + q) * p->o_tok + (head + h) * p->o_head) * p->elem;
                 const __m512 o = _mm512_mul_ps(r[q], _mm512_set1_ps(scale[q]));
-                if (p->elem == 4) {
+                if (p->elem == 4)
                     _mm512_storeu_ps((float *)dst + d0, o);
-                } else {
-#if defined(__AVX512BF16__)
+                else
                     bf16x16_store((uint16_t *)dst + d0, o);
-#else
-                    float lane[16] __attribute__((aligned(64)));
-                    _mm512_store_ps(lane, o);
-                    for (int i = 0; i < 16; ++i) ((uint16_t *)dst)[d0 + i] = f32_to_bf16(lane[i]);
-#endif
-                }
             }
         }
     }
@@ -356,7 +337,7 @@ static int prefill_attention(int64_t elem, const void *query, int64_t q_tok, int
     for (int64_t s = 0; s < num_seqs; ++s)
         item_start[s + 1] = item_start[s] + units * ((cu[s + 1] - cu[s] + 15) / 16);
     const problem p = {query, cache, q_tok, q_head, s_block, s_kv, s_off, s_head, block_size, tables, cu, lens,
-                       table_stride, num_heads / num_kv_heads, head_dim, scale * 1.4426950408889634f /* log2(e) */,
+                       table_stride, group, head_dim, scale * 1.4426950408889634f /* log2(e) */,
                        out, o_tok, o_head, elem};
     const int64_t items = item_start[num_seqs];
 #pragma omp parallel num_threads(threads)
