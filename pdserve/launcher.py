@@ -384,10 +384,20 @@ def health_ok(url: str, timeout_s: float = 1.0) -> bool:
         return False
 
 
+_GIVEN_PORTS: set[tuple[str, int]] = set()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+    """A port free on host now, never one this process was given before: the kernel may hand a
+    just-released port out again, and the nodes of one deployment must not share one."""
+    for _ in range(100):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((host, 0))
+            port = sock.getsockname()[1]
+        if (host, port) not in _GIVEN_PORTS:
+            _GIVEN_PORTS.add((host, port))
+            return port
+    raise OSError(f"no port on {host} that this process was not given before")
 
 
 class _StopFlag:

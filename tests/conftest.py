@@ -3,9 +3,12 @@ waiting for health come from pdserve.launcher (free_port, wait_http_ok), defined
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import socket
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,6 +21,15 @@ if not torch.cuda.is_available():
 
 REPO = Path(__file__).resolve().parent.parent
 CACHE = REPO / ".cache" / "models"
+
+
+@contextlib.contextmanager
+def held_port(host: str = "127.0.0.1") -> Iterator[int]:
+    """A port bound (not listening) for the block: connecting to it is refused, and no server
+    started in the meantime can take it, as it can take a port free_port only looked at."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        yield sock.getsockname()[1]
 
 
 def _cached_model(preset: str) -> Path:

@@ -34,6 +34,7 @@ from kv_transfer.errors import HandshakeFailed
 from kv_transfer.layout import KVLayout
 from kv_transfer.messages import SIDE_CHANNEL_VERSION, Hello, HelloReply
 from pdserve.launcher import free_port, wait_http_ok
+from tests.conftest import held_port
 from tests.e2e.conftest import (
     CLUSTER_SECRET,
     KV_PATH_ONLY,
@@ -279,7 +280,7 @@ def _send_hostile_requests(prefill: RawPeer, decode: RawPeer) -> protocol.KVHand
     for request_id, (bad_handle, kind) in cases.items():
         decode.send(protocol.DecodeRequest(request_id, prompt, SamplingOptions(max_tokens=8), first, bad_handle))
         assert decode.until(_error_for(request_id))[-1].kind == kind, request_id
-    with socket_free_port() as free:  # an agent nobody serves: the handshake fails (bounded), then local prefill
+    with held_port() as free:  # an agent nobody serves: the handshake fails (bounded), then local prefill
         nobody = msgspec.structs.replace(handle, engine_id="nobody", agent_address=f"127.0.0.1:{free}")
         decode.send(protocol.DecodeRequest("nobody", prompt, SamplingOptions(max_tokens=8), first, nobody))
     batches = decode.until(_finished("nobody"))
@@ -292,15 +293,6 @@ def _send_hostile_requests(prefill: RawPeer, decode: RawPeer) -> protocol.KVHand
     with contextlib.suppress(zmq.ZMQError):  # past the node's message size: it drops the connection
         decode.socket.send(protocol.encode(protocol.Ping())[:4] + b"\x00" * (protocol.MAX_MESSAGE_BYTES + 1))
     return handle
-
-
-@contextlib.contextmanager
-def socket_free_port():
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        yield sock.getsockname()[1]
 
 
 def _send_side_channel_garbage(address: str) -> None:

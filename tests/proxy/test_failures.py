@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from engine import protocol
-from pdserve.launcher import free_port
+from tests.conftest import held_port
 from tests.proxy.conftest import MODEL_NAME
 
 
@@ -226,8 +226,13 @@ def test_silent_prefill_node_times_out_and_the_request_is_retried_elsewhere(star
 
 
 def test_node_that_never_reported_is_down_and_gets_no_requests(start_proxy):
-    silent = f"127.0.0.1:{free_port('127.0.0.1')}"
-    proxy = start_proxy(wait=False, num_decode=1, extra_decode_addresses=(silent,), expose_node_addresses=True)
+    with held_port() as port:  # held: the live node cannot be given the same port
+        silent = f"127.0.0.1:{port}"
+        proxy = start_proxy(wait=False, num_decode=1, extra_decode_addresses=(silent,), expose_node_addresses=True)
+        _check_silent_node_is_down(proxy, silent)
+
+
+def _check_silent_node_is_down(proxy, silent: str) -> None:
     live = proxy.decode[0].address
     assert _wait_metric(proxy, f'pdserve_node_up{{kind="decode",node="{live}"}} 1.0')
     assert _wait_metric(proxy, f'pdserve_node_up{{kind="prefill",node="{proxy.prefill[0].address}"}} 1.0')
