@@ -21,7 +21,8 @@
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 
-enum { PANEL = 48, ROWS = 8, CHUNK = 64 };
+#include "panels.h"
+
 
 int bf16_linear_ready(void) { return 1; }
 
@@ -45,6 +46,7 @@ static inline __attribute__((always_inline)) void panel_rows(const uint16_t *x, 
         for (int r = 0; r < rows; ++r) acc[r][0] = acc[r][1] = acc[r][2] = _mm512_setzero_ps();
         for (int64_t i = start; i < end; i += 2) {
             const uint16_t *wi = w + i * PANEL;
+            if (rows > 1) prefetch_panel_row(wi);
             const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wi), w1 = (__m512bh)_mm512_loadu_si512(wi + 32),
                            w2 = (__m512bh)_mm512_loadu_si512(wi + 64);
             for (int r = 0; r < rows; ++r) {

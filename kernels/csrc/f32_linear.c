@@ -16,7 +16,8 @@
 #ifdef __AVX512F__
 #include <immintrin.h>
 
-enum { PANEL = 48, ROWS = 8, CHUNK = 64 };
+#include "panels.h"
+
 
 int f32_linear_ready(void) { return 1; }
 
@@ -34,6 +35,7 @@ static inline __attribute__((always_inline)) void panel_rows(const float *x, int
         __m512 acc[ROWS][3];
         for (int r = 0; r < rows; ++r) acc[r][0] = acc[r][1] = acc[r][2] = _mm512_setzero_ps();
         for (int64_t i = start; i < end; ++i) {
+            if (rows > 1) prefetch_panel_row(w + i * PANEL);
             const __m512 w0 = _mm512_loadu_ps(w + i * PANEL), w1 = _mm512_loadu_ps(w + i * PANEL + 16),
                          w2 = _mm512_loadu_ps(w + i * PANEL + 32);
             for (int r = 0; r < rows; ++r) {
