@@ -31,6 +31,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
+
 enum { MAX_HEADS = 128, MAX_HEAD_DIM = 256, MAX_BLOCK_SIZE = 256, LANES = 16 };
 
 typedef float v16 __attribute__((vector_size(64)));
@@ -63,6 +65,12 @@ static inline void store16(float *p, v16 v) { memcpy(p, &v, sizeof v); }
 /* 16 cache values from element offset off, as float32. */
 static inline v16 load_kv16(const void *cache, int64_t off, const int kv_bf16) {
     if (!kv_bf16) return load16((const float *)cache + off);
+#ifdef __AVX512F__
+    /* One vpmovzxwd and one shift: GCC turned the vector-extension form below into two 8-lane
+     * halves and an insert (2-core Zen 5, one thread, 64 x 300 tokens over 30 layers' caches:
+     * 20.0 -> 18.6 ms per step, 4.0 -> 3.3 ms for 16 sequences with the cache in L3). */
+    return (v16)bf16x16_load((const uint16_t *)cache + off);
+#endif
     u16x16 half;
     memcpy(&half, (const uint16_t *)cache + off, sizeof half);
     const u32x16 bits = __builtin_convertvector(half, u32x16) << 16;
