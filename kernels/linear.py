@@ -15,7 +15,7 @@ kernel (csrc/bf16_linear.c, vdpbf16ps) on a second copy of W packed in panels of
 input pairs, up to AMX_MAX_ROWS rows; see bf16_linear.c.
 Decode batches in float32 on CPUs with AVX-512: a compiled kernel (csrc/f32_linear.c) on a second
 copy of W packed in panels of 48 outputs, up to AMX_MAX_ROWS rows; see f32_linear.c.
-Projections of more than _WIDE_OUTPUTS outputs (LM heads) take those two kernels only up to
+Projections of more than _WIDE_OUTPUTS outputs (LM heads) take the float32 kernel only up to
 _WIDE_MAX_ROWS rows.
 Elsewhere (CUDA, other dtypes): BLAS on W^T [in, out], contiguous, which measured 1.1-1.4x
 F.linear on MKL and is cuBLAS's fastest form on CUDA.
@@ -126,12 +126,14 @@ def pack_for_amx(weight: torch.Tensor) -> torch.Tensor:
     return tiles.permute(0, 3, 1, 4, 2, 5).contiguous()
 
 
-# NOTE: projections wider than _WIDE_OUTPUTS (LM heads) take the float32 and the bfloat16 kernel up
-# to _WIDE_MAX_ROWS rows only. SmolLM-135M's LM head (49,152 x 576), 9 alternated repeats on the
-# 2-core Zen 5, with the kernels' prefetch (panels.h), kernel against oneDNN:
+# NOTE: projections wider than _WIDE_OUTPUTS (LM heads) take the float32 kernel up to _WIDE_MAX_ROWS
+# rows only; the bfloat16 one up to AMX_MAX_ROWS, as the others. SmolLM-135M's LM head (49,152 x
+# 576), 9 alternated repeats on the 2-core Zen 5, with the kernels' prefetch (panels.h), kernel
+# against oneDNN:
 #   float32, two threads:  1.25 / 2.21 / 3.37 / 8.06 ms against 2.13 / 2.93 / 3.93 / 8.03 at 8 / 16
 #   / 25 / 64 rows; one thread: 2.59 against 2.94 at 1 row, 16.41 against 15.73 at 64;
-#   bfloat16, two threads: 0.52 / 1.10 / 1.67 / 3.99 against 1.12 / 1.64 / 2.13 / 4.36.
+#   bfloat16, two threads: 0.52 / 1.10 / 1.67 / 3.99 against 1.12 / 1.64 / 2.13 / 4.36; one
+#   thread: 7.65 against 8.17 at 64 rows.
 # Before that prefetch, at 64 rows: 14.6 ms on the float32 kernel against 12.6 for oneDNN on a
 # Xeon, 5.3 on the bfloat16 kernel against 4.9 on the Zen 5. The layer projections (up to 3,072
 # outputs) measured 0.96-1.34x oneDNN's speed in float32, 1.04-1.29x in bfloat16, up to 64 rows.
@@ -218,10 +220,10 @@ def linear(x: torch.Tensor, w: Linear) -> torch.Tensor:
         raise ValueError(f"linear: x {tuple(x.shape)} for a weight of {w.in_features} inputs")
     if w.amx is not None and 0 < x.shape[0] <= AMX_MAX_ROWS and x.dtype == torch.bfloat16 and x.stride(1) == 1:
         return _linear_amx(x, w)
-    small = 0 < x.shape[0] <= (AMX_MAX_ROWS if w.out_features <= _WIDE_OUTPUTS else _WIDE_MAX_ROWS)
-    if w.bf16 is not None and small and x.dtype == torch.bfloat16 and x.stride(1) == 1:
+    if w.bf16 is not None and 0 < x.shape[0] <= AMX_MAX_ROWS and x.dtype == torch.bfloat16 and x.stride(1) == 1:
         return _linear_bf16(x, w)
-    if w.f32 is not None and small and x.dtype == torch.float32 and x.stride(1) == 1:
+    f32_rows = AMX_MAX_ROWS if w.out_features <= _WIDE_OUTPUTS else _WIDE_MAX_ROWS
+    if w.f32 is not None and 0 < x.shape[0] <= f32_rows and x.dtype == torch.float32 and x.stride(1) == 1:
         return _linear_f32(x, w)
     if w.packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), w.packed, w.bias, "none", [], "")

@@ -156,8 +156,8 @@ def test_bfloat16_decode_batches_on_the_avx512_bf16_kernel(rows, out_features, i
 
 def test_bfloat16_small_batch_copy_by_cpu(bf16_calls, amx_calls):
     """A decoding engine's bfloat16 weights get the AMX copy where the CPU has AMX, else the
-    AVX512-BF16 copy where it has that; odd inputs, batches over 64 rows (over 32 for
-    LM-head-sized outputs) and prefill-only engines stay on oneDNN."""
+    AVX512-BF16 copy where it has that, LM-head-sized outputs too; odd inputs, batches over 64
+    rows and prefill-only engines stay on oneDNN."""
     weight = randn(48, 64, dtype=torch.bfloat16, seed=34)
     w = prepare_linear(weight)
     assert (w.amx is not None) == EXPECT_AMX
@@ -171,7 +171,7 @@ def test_bfloat16_small_batch_copy_by_cpu(bf16_calls, amx_calls):
     assert bf16_calls == []
     assert prepare_linear(weight, small_batches=False).bf16 is None
     _check_wide(randn(4097, 32, dtype=torch.bfloat16, seed=37), bf16_calls, lambda w: w.bf16,
-                EXPECT_AVX512_BF16 and not EXPECT_AMX)
+                EXPECT_AVX512_BF16 and not EXPECT_AMX, max_rows=64)
     assert prepare_linear(randn(48, 7, dtype=torch.bfloat16, seed=38)).bf16 is None
     assert prepare_linear(weight.float()).bf16 is None
 
@@ -210,16 +210,16 @@ def test_float32_copy_only_where_it_is_used(f32_calls):
     assert_close(linear(x, prepare_linear(weight)), oracle(x, weight, None), torch.float32)
     assert f32_calls == []
     assert prepare_linear(weight, small_batches=False).f32 is None
-    _check_wide(randn(4097, 32, dtype=torch.float32, seed=26), f32_calls, lambda w: w.f32, EXPECT_AVX512)
+    _check_wide(randn(4097, 32, dtype=torch.float32, seed=26), f32_calls, lambda w: w.f32, EXPECT_AVX512, max_rows=32)
     assert prepare_linear(weight.bfloat16()).f32 is None
 
 
-def _check_wide(weight: torch.Tensor, calls: list, copy_of, expect_copy: bool) -> None:
-    """An LM-head-sized weight: its small-batch copy takes 32 rows, oneDNN 33."""
+def _check_wide(weight: torch.Tensor, calls: list, copy_of, expect_copy: bool, max_rows: int) -> None:
+    """An LM-head-sized weight: its small-batch copy takes max_rows rows, oneDNN one more."""
     w = prepare_linear(weight)
     assert (copy_of(w) is not None) == expect_copy
     calls.clear()
-    for rows in (32, 33):
+    for rows in (max_rows, max_rows + 1):
         x = randn(rows, weight.shape[1], dtype=weight.dtype, seed=rows)
         assert_close(linear(x, w), oracle(x, weight, None), weight.dtype)
-    assert calls == ([32] if expect_copy else [])
+    assert calls == ([max_rows] if expect_copy else [])
