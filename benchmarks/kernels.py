@@ -10,14 +10,16 @@ bandwidth (64 seqs x 4096 tokens, 32 query / 8 KV heads, head dim 128, bf16) and
 
 Without a GPU (or with --cpu) it measures the compiled CPU paged decode attention instead, on
 one thread: the small preset's shape (9 query / 3 KV heads, head dim 64, 30 layers of a
-block-major cache), 64 sequences x 300 tokens in scattered blocks, beside the torch reference
-(gather + SDPA) and a bare gather of the same bytes (index_select, which reads them in the same
-24 KB runs per block and layer and writes a copy), interleaved repeats, medians. It then
-measures the other compiled CPU kernels this CPU runs (AMX or else AVX512-BF16 for bfloat16,
-AVX-512 for float32) on all threads, interleaved with what they replace: the bfloat16 projections
-of one decode step of the small preset (30 layers' four projections and the LM head, 269 MB,
-distinct weights so each call reads them from memory) at 1, 16 and 64 rows against oneDNN's
-prepacked linear; and prefill attention (8 prompts x 256 tokens in one chunk, and one 2,048-token
+block-major cache on huge pages, as the engine's), 64 sequences x 300 tokens in scattered
+blocks, in float32 beside the torch reference (gather + SDPA) and a bare gather of the same
+bytes (index_select, which reads them in the same 24 KB runs per block and layer and writes a
+copy), then in bfloat16; interleaved repeats, medians. It then measures the other compiled CPU
+kernels this CPU runs (AMX or else AVX512-BF16 for bfloat16, AVX-512 for float32) on all
+threads, interleaved with what they replace: the projections of one decode step of the small
+preset in each dtype with a small-batch kernel (30 layers' four projections and the LM head,
+distinct weights so each call reads them from memory, as the engine routes them: the LM head
+takes the float32 kernel up to 32 rows) at 1, 8, 16 and 64 rows against oneDNN's prepacked
+linear; and prefill attention (8 prompts x 256 tokens in one chunk, and one 2,048-token
 prompt; bfloat16 on AMX or AVX-512, float32 on AVX-512) against the per-sequence SDPA reference,
 with each one's mean error against a float64 oracle.
 """
@@ -187,7 +189,7 @@ def bench_cpu_decode(repeats: int) -> dict:
     """One thread; see the module docstring. Times are per model step (all 30 layers)."""
     import time
 
-    from engine.host_memory import keep_freed_memory
+    from engine.host_memory import advise_huge_pages, keep_freed_memory
     from kernels.decode_attention import decode_attention_cpu
 
     torch.set_num_threads(1)
@@ -195,7 +197,10 @@ def bench_cpu_decode(repeats: int) -> dict:
     num_layers, num_blocks, block_size, num_heads, num_kv_heads, head_dim = 30, 2000, 16, 9, 3, 64
     num_seqs, seq_len = 64, 300
     gen = torch.Generator().manual_seed(0)
-    cache = torch.randn(num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim, generator=gen)
+    shape = (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)
+    cache = torch.empty(shape)
+    advise_huge_pages(cache)  # as the engine's KV cache (engine/kv_cache.py)
+    cache.copy_(torch.randn(shape, generator=gen))
     blocks_per_seq = num_blocks_for(seq_len, block_size)
     tables = torch.randperm(num_blocks, generator=gen)[:num_seqs * blocks_per_seq].view(num_seqs, -1).int()
     lens = torch.full((num_seqs,), seq_len, dtype=torch.int32)
@@ -203,17 +208,22 @@ def bench_cpu_decode(repeats: int) -> dict:
     scale = head_dim ** -0.5
     flat_ids = tables.reshape(-1).long()
 
-    def step(attend: Callable) -> None:
+    def step(attend: Callable, query: torch.Tensor, cache: torch.Tensor) -> None:
         for layer in range(num_layers):
             attend(query, cache[:, layer], tables, lens, scale)
 
-    ways = {
-        "c_kernel": lambda: step(decode_attention_cpu),
-        "torch_ref": lambda: step(decode_attention_ref),
-        "gather_only": lambda: [cache[:, layer].index_select(0, flat_ids).sum() for layer in range(num_layers)],
-    }
     if decode_attention_cpu(query, cache[:, 0], tables, lens, scale) is None:
         return {"device": "cpu", "status": "no C compiler: the CPU kernel is not built"}
+    cache_bf16 = torch.empty(shape, dtype=torch.bfloat16)
+    advise_huge_pages(cache_bf16)
+    cache_bf16.copy_(cache)
+    query_bf16 = query.bfloat16()
+    ways = {
+        "c_kernel": lambda: step(decode_attention_cpu, query, cache),
+        "torch_ref": lambda: step(decode_attention_ref, query, cache),
+        "gather_only": lambda: [cache[:, layer].index_select(0, flat_ids).sum() for layer in range(num_layers)],
+        "c_kernel_bf16": lambda: step(decode_attention_cpu, query_bf16, cache_bf16),
+    }
     err = (decode_attention_cpu(query, cache[:, 3], tables, lens, scale)
            - decode_attention_ref(query, cache[:, 3], tables, lens, scale)).abs().max().item()
     times: dict[str, list[float]] = {name: [] for name in ways}
@@ -231,6 +241,7 @@ def bench_cpu_decode(repeats: int) -> dict:
         "max_abs_err_vs_ref": err,
         "ms_per_step": {name: round(value, 1) for name, value in ms.items()},
         "kv_gbps": round(num_bytes / ms["c_kernel"] / 1e6, 2),
+        "kv_gbps_bf16": round(num_bytes / 2 / ms["c_kernel_bf16"] / 1e6, 2),
         "speedup_vs_torch_ref": round(ms["torch_ref"] / ms["c_kernel"], 2),
         "ratio_to_gather_only": round(ms["gather_only"] / ms["c_kernel"], 2),
     }
@@ -251,31 +262,30 @@ def median_ms(ways: dict[str, Callable], repeats: int) -> dict[str, float]:
     return {name: round(statistics.median(values), 3) for name, values in times.items()}
 
 
-def bench_bf16_projections(kernel: str, repeats: int, gen: torch.Generator) -> list[dict]:
-    """One decode step's projections of the small preset in bfloat16, as the engine runs them (the
-    layers on the small-batch kernel, kernel "amx" or "avx512_bf16"; the LM head on oneDNN where
-    that kernel takes no copy of it) against all of them on oneDNN."""
+def bench_projections(dtype: torch.dtype, kernel: str, repeats: int, gen: torch.Generator) -> dict:
+    """One decode step's projections of the small preset in dtype, as the engine runs them (on the
+    small-batch kernel, named kernel, where linear() routes them) against all of them on oneDNN."""
     from kernels import linear as linear_module
 
     shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down
-    layers = [[linear_module.prepare_linear(torch.randn(o, i, generator=gen).to(DTYPE) * 0.02) for o, i in shapes]
+    layers = [[linear_module.prepare_linear(torch.randn(o, i, generator=gen).to(dtype) * 0.02) for o, i in shapes]
               for _ in range(30)]
-    head = linear_module.prepare_linear(torch.randn(49152, 576, generator=gen).to(DTYPE) * 0.02)
+    head = linear_module.prepare_linear(torch.randn(49152, 576, generator=gen).to(dtype) * 0.02)
     weights = [w for layer in layers for w in layer] + [head]
-    num_bytes = sum(w.in_features * w.out_features * 2 for w in weights)
+    num_bytes = sum(w.in_features * w.out_features * dtype.itemsize for w in weights)
     onednn = [linear_module.Linear(None, w.packed, None, w.in_features, w.out_features) for w in weights]
 
-    projections = []
-    for rows in (1, 16, 64):
-        xs = {n: torch.randn(rows, n, generator=gen).to(DTYPE) for n in (576, 1536)}
+    rows_measured = []
+    for rows in (1, 8, 16, 64):
+        xs = {n: torch.randn(rows, n, generator=gen).to(dtype) for n in (576, 1536)}
         ms = median_ms({
             kernel: lambda xs=xs: [linear_module.linear(xs[w.in_features], w) for w in weights],
             "onednn": lambda xs=xs: [linear_module.linear(xs[w.in_features], w) for w in onednn],
         }, repeats)
-        projections.append({"rows": rows, "ms_per_step": ms, f"{kernel}_gbps": round(num_bytes / ms[kernel] / 1e6, 1),
-                            "onednn_gbps": round(num_bytes / ms["onednn"] / 1e6, 1),
-                            "speedup": round(ms["onednn"] / ms[kernel], 2)})
-    return projections
+        rows_measured.append({"rows": rows, "ms_per_step": ms, f"{kernel}_gbps": round(num_bytes / ms[kernel] / 1e6, 1),
+                              "onednn_gbps": round(num_bytes / ms["onednn"] / 1e6, 1),
+                              "speedup": round(ms["onednn"] / ms[kernel], 2)})
+    return {"dtype": str(dtype).removeprefix("torch."), "mb": round(num_bytes / 1e6), "rows": rows_measured}
 
 
 def bench_cpu_compiled(repeats: int) -> dict:
@@ -287,8 +297,11 @@ def bench_cpu_compiled(repeats: int) -> dict:
     gen = torch.Generator().manual_seed(0)
     kernel = ("amx" if linear_module._amx_kernel() is not None
               else "avx512_bf16" if linear_module._bf16_kernel() is not None else None)
-    projections = (bench_bf16_projections(kernel, repeats, gen) if kernel is not None
-                   else "no AMX or AVX512-BF16 (or no compiler for them): no bfloat16 small-batch kernel is built")
+    projections = [bench_projections(DTYPE, kernel, repeats, gen) if kernel is not None
+                   else "no AMX or AVX512-BF16 (or no compiler for them): no bfloat16 small-batch kernel is built"]
+    projections.append(bench_projections(torch.float32, "avx512_f32", repeats, gen)
+                       if linear_module._f32_kernel() is not None
+                       else "no AVX-512 (or no compiler for it): no float32 small-batch kernel is built")
     attention = []
     for num_seqs, seq_len, dtype in ((8, 256, DTYPE), (1, 2048, DTYPE), (8, 256, torch.float32),
                                      (1, 2048, torch.float32)):
