@@ -51,8 +51,9 @@ class CausalLM:
         ).to(device=device, dtype=config.dtype)
         self._q_size = config.num_heads * config.head_dim
         self._kv_size = config.num_kv_heads * config.head_dim
-        # Decode-only bfloat16 steps on AMX CPUs run their layers in one C call (same kernels,
-        # same bits); `available` is False elsewhere and every step takes the loop below.
+        # Decode-only steps run their layers in one C call (same kernels, same bits) on CPUs with
+        # the small-batch projection kernels (bfloat16 on AMX or AVX512-BF16, float32 on AVX-512);
+        # `available` is False elsewhere and every step takes the loop below.
         self.decode_layers = DecodeLayers(
             weights.layers, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
             head_dim=config.head_dim, intermediate=config.intermediate_size, hidden=config.hidden_size,
