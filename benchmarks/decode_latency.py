@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
 import sys
 import time
@@ -27,9 +26,9 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchmarks.offline_throughput import make_prompts, model_dir_for  # noqa: E402
 from engine.llm import LLM  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
-from pdserve.default_model import ensure_model  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -47,13 +46,10 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
-    model_dir = ensure_model(REPO / ".cache" / "models" / f"{args.preset}-seed0", args.preset)
-    llm = LLM(str(model_dir), dtype=args.dtype)
-    vocab = llm.tokenizer.vocab_size
-    rng = random.Random(0)
+    llm = LLM(str(model_dir_for(args.preset)), dtype=args.dtype)
     rows = []
     for batch in (int(b) for b in args.batch_sizes.split(",")):
-        prompts = [[rng.randrange(1, vocab) for _ in range(args.prompt_len)] for _ in range(batch)]
+        prompts = make_prompts(batch, args.prompt_len, llm.tokenizer.vocab_size)
         short = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0)
         long = SamplingParams(max_tokens=args.output_len + 1, ignore_eos=True, temperature=0.0)
         llm.generate(prompts, long, use_tqdm=False)  # warm-up

@@ -197,10 +197,14 @@ def bench_cpu_decode(repeats: int) -> dict:
     num_layers, num_blocks, block_size, num_heads, num_kv_heads, head_dim = 30, 2000, 16, 9, 3, 64
     num_seqs, seq_len = 64, 300
     gen = torch.Generator().manual_seed(0)
-    shape = (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)
-    cache = torch.empty(shape)
-    advise_huge_pages(cache)  # as the engine's KV cache (engine/kv_cache.py)
-    cache.copy_(torch.randn(shape, generator=gen))
+
+    def on_huge_pages(values: torch.Tensor) -> torch.Tensor:
+        """A copy of values on huge pages, as the engine allocates its KV cache (engine/kv_cache.py)."""
+        copy = torch.empty(values.shape, dtype=values.dtype)
+        advise_huge_pages(copy)  # before the copy touches its pages
+        return copy.copy_(values)
+
+    cache = on_huge_pages(torch.randn(num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim, generator=gen))
     blocks_per_seq = num_blocks_for(seq_len, block_size)
     tables = torch.randperm(num_blocks, generator=gen)[:num_seqs * blocks_per_seq].view(num_seqs, -1).int()
     lens = torch.full((num_seqs,), seq_len, dtype=torch.int32)
@@ -214,9 +218,7 @@ def bench_cpu_decode(repeats: int) -> dict:
 
     if decode_attention_cpu(query, cache[:, 0], tables, lens, scale) is None:
         return {"device": "cpu", "status": "no C compiler: the CPU kernel is not built"}
-    cache_bf16 = torch.empty(shape, dtype=torch.bfloat16)
-    advise_huge_pages(cache_bf16)
-    cache_bf16.copy_(cache)
+    cache_bf16 = on_huge_pages(cache.bfloat16())
     query_bf16 = query.bfloat16()
     ways = {
         "c_kernel": lambda: step(decode_attention_cpu, query, cache),

@@ -1,5 +1,6 @@
 """Shared fixtures: the tiny random-weight models (made once, cached across runs). Free ports and
-waiting for health come from pdserve.launcher (free_port, wait_http_ok), defined once there."""
+waiting for health come from pdserve.launcher (free_port, wait_http_ok), defined once there;
+held_port, here, keeps a port bound for a test that must name an address nobody serves."""
 
 from __future__ import annotations
 

@@ -23,7 +23,6 @@
 
 #include "panels.h"
 
-
 int bf16_linear_ready(void) { return 1; }
 
 static inline __m512i pair_of(const uint16_t *x) {

@@ -18,7 +18,6 @@
 
 #include "panels.h"
 
-
 int f32_linear_ready(void) { return 1; }
 
 /* rows (1..8, a constant after inlining) of x against one panel; cols: the panel's real outputs.
