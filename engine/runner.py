@@ -96,6 +96,8 @@ class ModelRunner:
             prefill_block_tables=block_tables[num_decodes:],
             prefill_cu_query_lens=prefill_cu,
             prefill_seq_lens=seq_lens[num_decodes:],
+            logits_block_tables=block_tables[request_idx[logits_indices]],
+            logits_seq_lens=(positions[logits_indices] + 1).to(torch.int32),
         )
         batch = BatchInputs(
             input_ids=torch.tensor(token_ids, dtype=torch.long),
@@ -116,7 +118,8 @@ class ModelRunner:
             return batch
         meta = batch.meta
         for name in ("positions", "slot_mapping", "decode_block_tables", "decode_seq_lens",
-                     "prefill_block_tables", "prefill_cu_query_lens", "prefill_seq_lens"):
+                     "prefill_block_tables", "prefill_cu_query_lens", "prefill_seq_lens",
+                     "logits_block_tables", "logits_seq_lens"):
             setattr(meta, name, getattr(meta, name).to(self.device, non_blocking=True))
         batch.input_ids = batch.input_ids.to(self.device, non_blocking=True)
         batch.logits_indices = batch.logits_indices.to(self.device, non_blocking=True)

@@ -12,6 +12,7 @@ import transformers
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine.engine import LLMEngine
+from engine.model import CausalLM
 from engine.sampling_params import SamplingParams
 
 PROMPT_LENGTHS = [1, 2, 5, 15, 16, 17, 31, 33, 64, 100, 200, 333, 512, 700, 850, 1000]
@@ -69,10 +70,20 @@ def model_dir(request, tiny_model_dir, qwen2_tiny_model_dir):
     return tiny_model_dir if request.param == "tiny" else qwen2_tiny_model_dir
 
 
-def test_greedy_batch_with_preemption_and_chunking_equals_transformers(model_dir):
+def test_greedy_batch_with_preemption_and_chunking_equals_transformers(model_dir, monkeypatch):
     vocab = ModelConfig.from_pretrained(model_dir).vocab_size
     prompts = make_prompts(vocab)
     expected = transformers_greedy(model_dir, prompts, MAX_TOKENS)
+    # Steps with prefill chunks run the last layer past K/V on their logits rows alone: record
+    # (tokens, rows) of each such step, so that the equality below covers that path.
+    pruned = []
+    last_layer = CausalLM._last_layer
+
+    def spy(self, layer, x, residual, meta, kv_cache_layer, rows):
+        pruned.append((x.shape[0], rows.shape[0]))
+        return last_layer(self, layer, x, residual, meta, kv_cache_layer, rows)
+
+    monkeypatch.setattr(CausalLM, "_last_layer", spy)
     engine = make_engine(model_dir, num_blocks=96)
     free_at_start = engine.num_free_blocks
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=0)
@@ -83,6 +94,7 @@ def test_greedy_batch_with_preemption_and_chunking_equals_transformers(model_dir
     print(f"\n{model_dir.name}: {num_preemptions} preemptions, {num_chunked} chunked prefill steps")
     assert num_preemptions >= 1
     assert num_chunked >= 1
+    assert any(0 < rows < tokens for tokens, rows in pruned) and any(rows == 0 for _, rows in pruned)
     for i, ((want_tokens, want_logprobs), tokens) in enumerate(zip(expected, got)):
         assert [t.token_id for t in tokens] == want_tokens, f"prompt {i} ({len(prompts[i])} tokens)"
         for t, want in zip(tokens, want_logprobs):
