@@ -30,6 +30,14 @@ def add_node_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-waiting", type=int, default=default_of(ServerConfig, "max_num_waiting"),
                         help="refuse new requests while this many wait on this node (the proxy tries another node)")
     parser.add_argument("--cpus", default=None, help="CPU cores for this node, e.g. 0,1 (also sets torch threads)")
+    parser.add_argument("--lend-flag", default=None,
+                        help="prefill node: keep whether it has work in this file (node.core_lending), so that a "
+                             "decode node given the same file borrows its cores while it has none")
+    parser.add_argument("--borrow-flag", default=None,
+                        help="decode node: while the prefill node keeping this file (--lend-flag) has no work, "
+                             "run on --borrow-cpus too")
+    parser.add_argument("--borrow-cpus", default=None,
+                        help="decode node: the lender's cores, e.g. 0 (see --borrow-flag)")
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument("--log-format", default="text", choices=("text", "json"),
                         help="json: one object per line (time, level, logger, message, request_id)")

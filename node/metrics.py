@@ -117,6 +117,8 @@ class NodeMetrics:
         self.step_time = h("pdserve_node_step_seconds", "one engine step (schedule, forward, sample)", STEP_BUCKETS)
         self.decode_batch = h("pdserve_node_decode_batch_size", "requests decoded in one step (steps with any)",
                               BATCH_BUCKETS)
+        self.borrowed_steps = self._counter("pdserve_node_borrowed_core_steps", "decode node: steps run on its "
+                                            "prefill node's cores too, lent while that one had nothing to prefill")
         self.lease_hold = h("pdserve_node_kv_lease_hold_seconds", "prefill node: a finished prompt's blocks held "
                             "for its reader, from the lease to its end (read, released, expired)", PHASE_BUCKETS)
 

@@ -15,6 +15,7 @@ import torch
 from engine.engine import LLMEngine
 from engine.protocol import Role
 from node.args import NodeConfigs, node_configs_from_args
+from node.core_lending import Borrower, Lender
 from node.server import NodeServer
 
 BuildServer = Callable[[LLMEngine, NodeConfigs], NodeServer]
@@ -24,14 +25,19 @@ def serve(args: argparse.Namespace, role: Role, build_server: BuildServer) -> in
     """Build the engine and the role's server from args, serve until drained (SIGTERM) or SIGINT, then leave
     the process at once (returns only 2, for bad arguments)."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    pin_cpus(args.cpus)
     try:
+        pin_cpus(args.cpus)
         configs = node_configs_from_args(args, role)
+        _check_lending(args, role)
     except ValueError as exc:  # process edge: a readable message, not a traceback
         print(f"pdserve {role.value}: {exc}", file=sys.stderr)  # noqa: T201 - the CLI's answer
         return 2
     engine = LLMEngine(configs.engine)
     server = build_server(engine, configs)
+    if args.lend_flag:
+        server.lender = Lender(args.lend_flag)
+    if args.borrow_flag:
+        server.borrower = Borrower(args.borrow_flag, _cores(args.borrow_cpus))
     # NOTE: SIGTERM drains (no new requests, finish the running ones, keep leases until pulled);
     # SIGINT stops at once.
     signal.signal(signal.SIGTERM, lambda *_: server.drain())
@@ -50,10 +56,34 @@ def exit_now(code: int = 0) -> None:
     os._exit(code)
 
 
+def _check_lending(args: argparse.Namespace, role: Role) -> None:
+    if args.lend_flag and role != Role.PREFILL:
+        raise ValueError("--lend-flag is for prefill nodes")
+    if (args.borrow_flag or args.borrow_cpus) and role != Role.DECODE:
+        raise ValueError("--borrow-flag and --borrow-cpus are for decode nodes")
+    if bool(args.borrow_flag) != bool(args.borrow_cpus):
+        raise ValueError("--borrow-flag and --borrow-cpus go together")
+    if args.borrow_flag and not args.cpus:
+        raise ValueError("--borrow-cpus needs --cpus (the node's own cores)")
+    for name in ("lend_flag", "borrow_flag"):
+        path = getattr(args, name)
+        if path and not os.path.isfile(path):
+            raise ValueError(f"--{name.replace('_', '-')} {path}: no such file")
+    if args.borrow_cpus:
+        _cores(args.borrow_cpus)
+
+
+def _cores(cpus: str) -> set[int]:
+    try:
+        return {int(c) for c in cpus.split(",") if c.strip()}
+    except ValueError:
+        raise ValueError(f"cores {cpus!r}: a comma-separated list of core numbers") from None
+
+
 def pin_cpus(cpus: str | None) -> None:
     """Run this process on the given cores with one torch thread per core."""
     if not cpus:
         return
-    cores = {int(c) for c in cpus.split(",") if c.strip()}
+    cores = _cores(cpus)
     os.sched_setaffinity(0, cores)
     torch.set_num_threads(len(cores))

@@ -34,6 +34,7 @@ from engine.protocol import ErrorReply, KVOutcome, KVSource, RequestDelta, Role,
 from engine.sampling_params import SamplingParams
 from kv_transfer.security import CurveKeys, check_bind_host
 from node.control import ControlSocket
+from node.core_lending import Borrower, Lender
 from node.health import HealthServer
 from node.metrics import NodeMetrics
 from node.prefix_cache import PrefixDigests
@@ -118,6 +119,9 @@ class NodeServer:
                                    lambda: getattr(self, "connector", None))
         self._health = (HealthServer(config.host, config.health_port, self, self.metrics.render)
                         if config.health_port else None)
+        # Core lending on one host (node.core_lending), set by the node's process when asked for.
+        self.lender: Lender | None = None
+        self.borrower: Borrower | None = None
 
     @property
     def is_draining(self) -> bool:
@@ -185,7 +189,13 @@ class NodeServer:
         self.metrics.poll_leases(self.has_request)
         self._end_orphans()
         self._record_load()
+        if self.lender is not None:
+            self.lender.tell(self.engine.has_unfinished())
+        if self.borrower is not None:
+            self.borrower.update()
         if self.engine.has_unfinished():
+            if self.borrower is not None and self.borrower.is_borrowing:
+                self.metrics.borrowed_steps.inc()
             self._step()
 
     def close(self) -> None:
@@ -195,6 +205,9 @@ class NodeServer:
         if self._health is not None:
             self._health.close()
         self.control.close()
+        for share in (self.lender, self.borrower):
+            if share is not None:
+                share.close()
 
     # ---- hooks for the node packages ----------------------------------------------------------
 

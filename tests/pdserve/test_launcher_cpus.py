@@ -70,3 +70,23 @@ def test_a_colocated_small_model_runs_beside_the_proxy(tiny_model_dir, tmp_path)
         assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 4
     finally:
         deployment.stop()
+
+
+def test_lending_pairs_prefill_node_i_with_decode_node_i_only_where_cores_are_their_own(tmp_path):
+    cluster = launcher.Cluster()
+    flags = launcher._lending_flags(cluster, ["0", "1"], num_prefill=1, num_decode=1)
+    assert list(flags) == [0] and flags[0].read_bytes() == b"\x01" and cluster.files == [flags[0]]
+    assert list(launcher._lending_flags(cluster, ["0", "1", "2"], num_prefill=2, num_decode=1)) == [0]
+    assert launcher._lending_flags(cluster, ["0,1"] * 3, num_prefill=2, num_decode=1) == {}  # shared cores
+    assert launcher._lending_flags(cluster, ["0", "1", "2"], num_prefill=1, num_decode=2) == {}  # two borrowers
+    assert launcher._lending_flags(cluster, ["0,1"], num_prefill=0, num_decode=1) == {}  # colocated
+    assert launcher._lending_flags(cluster, [], num_prefill=1, num_decode=1) == {}  # not pinned
+    cluster.stop()
+    assert not any(path.exists() for path in cluster.files)
+
+
+def test_cores_are_lent_for_models_of_64_mb_and_up(tiny_model_dir, monkeypatch):
+    assert not launcher.auto_lend_cores(tiny_model_dir)  # 13.6 MB in float32: measured slower with it
+    assert not launcher.auto_lend_cores(tiny_model_dir, "bfloat16")
+    monkeypatch.setattr(launcher, "_num_parameters", lambda _: 111_000_000)  # `small`
+    assert launcher.auto_lend_cores(tiny_model_dir, "bfloat16") and launcher.auto_lend_cores(tiny_model_dir)
