@@ -45,7 +45,7 @@ static inline __attribute__((always_inline)) void panel_rows(const uint16_t *x, 
         for (int r = 0; r < rows; ++r) acc[r][0] = acc[r][1] = acc[r][2] = _mm512_setzero_ps();
         for (int64_t i = start; i < end; i += 2) {
             const uint16_t *wi = w + i * PANEL;
-            if (rows > 1) prefetch_panel_row(wi);
+            if (rows > 1) prefetch_panel_row(wi, rows >= 6);
             const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wi), w1 = (__m512bh)_mm512_loadu_si512(wi + 32),
                            w2 = (__m512bh)_mm512_loadu_si512(wi + 64);
             for (int r = 0; r < rows; ++r) {

@@ -34,7 +34,7 @@ static inline __attribute__((always_inline)) void panel_rows(const float *x, int
         __m512 acc[ROWS][3];
         for (int r = 0; r < rows; ++r) acc[r][0] = acc[r][1] = acc[r][2] = _mm512_setzero_ps();
         for (int64_t i = start; i < end; ++i) {
-            if (rows > 1) prefetch_panel_row(w + i * PANEL);
+            if (rows > 1) prefetch_panel_row(w + i * PANEL, 0);
             const __m512 w0 = _mm512_loadu_ps(w + i * PANEL), w1 = _mm512_loadu_ps(w + i * PANEL + 16),
                          w2 = _mm512_loadu_ps(w + i * PANEL + 32);
             for (int r = 0; r < rows; ++r) {
