@@ -29,14 +29,11 @@ enum { PREFETCH_AHEAD_BYTES = 12288 };
  * 1-64 rows) and keeps L1. */
 static inline __attribute__((always_inline)) void prefetch_panel_row(const void *p, const int into_l2) {
     const char *c = (const char *)p + PREFETCH_AHEAD_BYTES;
-    if (into_l2) {
-        _mm_prefetch(c, _MM_HINT_T1);
-        _mm_prefetch(c + 64, _MM_HINT_T1);
-        _mm_prefetch(c + 128, _MM_HINT_T1);
-    } else {
-        _mm_prefetch(c, _MM_HINT_T0);
-        _mm_prefetch(c + 64, _MM_HINT_T0);
-        _mm_prefetch(c + 128, _MM_HINT_T0);
+    for (int line = 0; line < 192; line += 64) {
+        if (into_l2)
+            _mm_prefetch(c + line, _MM_HINT_T1);
+        else
+            _mm_prefetch(c + line, _MM_HINT_T0);
     }
 }
 

@@ -68,6 +68,10 @@ typedef struct {
 /* The heads of a KV head's group that one work item takes at once (each K and V value read is
  * used for all of them): up to MAX_HEADS. */
 #define MAX_HEADS 3
+/* The output dims one value-product call (accumulate_keys, accumulate_pairs) takes for nh heads:
+ * 16 for one head, else 8, so the accumulators fill the registers either way. */
+#define ACC_DIMS(nh) ((nh) == 1 ? 16 : 8)
+enum { MAX_ACC_DIMS = 16 };
 #define INLINE static inline __attribute__((always_inline))
 
 typedef struct {
@@ -192,25 +196,24 @@ static int64_t pack_pairs(const uint16_t *v, int64_t s_off, int64_t keys, int64_
 
 /* accumulate_keys on pairs of keys (pack_pairs): one vdpbf16ps per pair, dim and head, where
  * the float32 form takes two FMAs. */
-INLINE void accumulate_pairs_impl(const uint32_t *vp, int64_t dim, int64_t pairs, scratch *w, int64_t d0,
+INLINE void accumulate_pairs_impl(const uint32_t *vp, int64_t dim, int64_t num_pairs, scratch *w, int64_t d0,
                                   const __m512 *alpha, const int nh) {
-    const int dims = nh == 1 ? 16 : 8;
-    __m512 acc[24]; /* acc[h * dims + i]: 16 or 24 in registers */
-    if (pairs < 1) __builtin_unreachable(); /* else the accumulators go through the stack */
+    const int dims = ACC_DIMS(nh);
+    __m512 acc[MAX_HEADS][MAX_ACC_DIMS];
     for (int h = 0; h < nh; ++h)
-        for (int i = 0; i < dims; ++i)
-            acc[h * dims + i] = _mm512_mul_ps(_mm512_load_ps(w->ot[h] + (d0 + i) * 16), alpha[h]);
-    for (int64_t j = 0; j < pairs; ++j) { /* pairs >= 1 */
+        for (int i = 0; i < dims; ++i) acc[h][i] = _mm512_mul_ps(_mm512_load_ps(w->ot[h] + (d0 + i) * 16), alpha[h]);
+    if (num_pairs < 1) __builtin_unreachable(); /* else the accumulators go through the stack */
+    for (int64_t j = 0; j < num_pairs; ++j) {
         __m512bh pj[MAX_HEADS];
         for (int h = 0; h < nh; ++h) pj[h] = (__m512bh)_mm512_load_si512(w->pp[h] + 16 * j);
         const uint32_t *row = vp + j * dim + d0;
         for (int i = 0; i < dims; ++i) {
             const __m512bh vi = (__m512bh)_mm512_set1_epi32((int)row[i]);
-            for (int h = 0; h < nh; ++h) acc[h * dims + i] = _mm512_dpbf16_ps(acc[h * dims + i], pj[h], vi);
+            for (int h = 0; h < nh; ++h) acc[h][i] = _mm512_dpbf16_ps(acc[h][i], pj[h], vi);
         }
     }
     for (int h = 0; h < nh; ++h)
-        for (int i = 0; i < dims; ++i) _mm512_store_ps(w->ot[h] + (d0 + i) * 16, acc[h * dims + i]);
+        for (int i = 0; i < dims; ++i) _mm512_store_ps(w->ot[h] + (d0 + i) * 16, acc[h][i]);
 }
 #else
 #define SCORES_IN_BF16 0
@@ -231,14 +234,12 @@ static inline __m512 softmax_keys(float *scores, int64_t first_key, int64_t keys
     return alpha;
 }
 
-/* For each of nh heads, out^T rows [d0, d0 + DIMS) = alpha * out^T + the keys' V (rows of v,
- * s_off apart) times the head's probabilities (its scores). DIMS: 16 for one head, else 8 (the
- * accumulators fill the registers either way). */
+/* For each of nh heads, out^T rows [d0, d0 + ACC_DIMS(nh)) = alpha * out^T + the keys' V (rows of
+ * v, s_off apart) times the head's probabilities (its scores). */
 INLINE void accumulate_keys_impl(const float *v, int64_t s_off, int64_t keys, scratch *w, int64_t d0,
                             const __m512 *alpha, const int nh) {
-    enum { MAX_DIMS = 16 };
-    const int dims = nh == 1 ? 16 : 8;
-    __m512 acc[MAX_HEADS][MAX_DIMS];
+    const int dims = ACC_DIMS(nh);
+    __m512 acc[MAX_HEADS][MAX_ACC_DIMS];
     for (int h = 0; h < nh; ++h)
         for (int i = 0; i < dims; ++i) acc[h][i] = _mm512_mul_ps(_mm512_load_ps(w->ot[h] + (d0 + i) * 16), alpha[h]);
     if (keys < 1) __builtin_unreachable(); /* else the accumulators go through the stack */
@@ -274,9 +275,9 @@ INLINE void accumulate_keys_impl(const float *v, int64_t s_off, int64_t keys, sc
                                                                int64_t dim, int64_t at) {                         \
         score_keys_bf16_impl(k, s_off, w, dim, at, NH);                                                            \
     }                                                                                                              \
-    static __attribute__((noinline)) void accumulate_pairs_##NH(const uint32_t *vp, int64_t dim, int64_t pairs,   \
-                                                                scratch *w, int64_t d0, const __m512 *alpha) {    \
-        accumulate_pairs_impl(vp, dim, pairs, w, d0, alpha, NH);                                                   \
+    static __attribute__((noinline)) void accumulate_pairs_##NH(const uint32_t *vp, int64_t dim, int64_t num_pairs, \
+                                                                scratch *w, int64_t d0, const __m512 *alpha) {      \
+        accumulate_pairs_impl(vp, dim, num_pairs, w, d0, alpha, NH);                                                 \
     }
 #else
 #define BF16_PER_HEADS(NH)
@@ -354,12 +355,12 @@ INLINE void query_block_heads(const problem *p, int64_t seq, int64_t head, int64
 #if SCORES_IN_BF16
         if (pairs) {
             const int64_t key_pairs = pack_pairs((const uint16_t *)row + p->s_kv, p->s_off, keys, dim, w, nh);
-            for (int64_t d0 = 0; d0 < dim; d0 += (nh == 1 ? 16 : 8))
+            for (int64_t d0 = 0; d0 < dim; d0 += ACC_DIMS(nh))
                 BY_HEADS(accumulate_pairs, nh, w->vp, dim, key_pairs, w, d0, alpha);
             continue;
         }
 #endif
-        for (int64_t d0 = 0; d0 < dim; d0 += (nh == 1 ? 16 : 8)) BY_HEADS(accumulate_keys, nh, v, s_off, keys, w, d0, alpha);
+        for (int64_t d0 = 0; d0 < dim; d0 += ACC_DIMS(nh)) BY_HEADS(accumulate_keys, nh, v, s_off, keys, w, d0, alpha);
     }
     for (int h = 0; h < nh; ++h) {
         const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), run_sum[h]);
