@@ -331,17 +331,26 @@ def bench_cpu_compiled(repeats: int) -> dict:
 
 
 def run(iters: int, only: set[str] | None) -> dict:
+    """Each group's rows, printed as they come; a group that fails is reported as an error row and
+    the others still run (the caller exits non-zero)."""
+    import triton
+
     ceilings = measure_ceilings(iters)
+    print(json.dumps({"ceilings": ceilings}), flush=True)
+    groups = {"elementwise": bench_elementwise, "cache": bench_cache_ops,
+              "decode": lambda c, i: [bench_decode(c, i)], "prefill": lambda c, i: [bench_prefill(c, i)]}
     rows: list[dict] = []
-    if not only or "elementwise" in only:
-        rows += bench_elementwise(ceilings, iters)
-    if not only or "cache" in only:
-        rows += bench_cache_ops(ceilings, iters)
-    if not only or "decode" in only:
-        rows.append(bench_decode(ceilings, iters))
-    if not only or "prefill" in only:
-        rows.append(bench_prefill(ceilings, iters))
-    return {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+    for name, bench in groups.items():
+        if only and name not in only:
+            continue
+        try:
+            group_rows = bench(ceilings, iters)
+        except Exception as error:  # noqa: BLE001 - reported in the result, the run exits non-zero
+            group_rows = [{"kernel": name, "error": f"{type(error).__name__}: {error}"}]
+        for row in group_rows:
+            print(json.dumps(row), flush=True)
+        rows += group_rows
+    return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "ceilings": {k: round(v, 1) for k, v in ceilings.items()}, "kernels": rows}
 
 
@@ -363,9 +372,9 @@ def main() -> None:
         return
     only = set(args.only.split(",")) if args.only else None
     result = run(args.iters, only)
-    for row in result["kernels"]:
-        print(json.dumps(row))
     print("RESULT " + json.dumps(result))
+    if any("error" in row for row in result["kernels"]):
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """Greedy outputs and logprobs equal Hugging Face transformers', token for token (float32).
 
 Sixteen prompts of 1 to 1,000 tokens go to one engine together, with a block budget small
-enough to force chunked prefill and preemption, and to a fresh engine one at a time.
+enough to force chunked prefill and preemption, and to a fresh engine one at a time. The engine
+runs on the CPU and, where there is a GPU, on CUDA (the Triton kernels, cuBLAS projections)
+against the same transformers run on the CPU.
 """
 
 import random
@@ -14,6 +16,7 @@ from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfi
 from engine.engine import LLMEngine
 from engine.model import CausalLM
 from engine.sampling_params import SamplingParams
+from tests.kernels.conftest import gpu, requires_cuda
 
 PROMPT_LENGTHS = [1, 2, 5, 15, 16, 17, 31, 33, 64, 100, 200, 333, 512, 700, 850, 1000]
 MAX_TOKENS = 12
@@ -46,11 +49,12 @@ def transformers_greedy(model_dir, prompts, max_tokens):
     return results
 
 
-def make_engine(model_dir, num_blocks, max_num_batched_tokens=256, max_num_seqs=16):
+def make_engine(model_dir, num_blocks, max_num_batched_tokens=256, max_num_seqs=16, device="cpu"):
     config = EngineConfig(
         model=ModelConfig.from_pretrained(model_dir, dtype="float32"),
         cache=CacheConfig(block_size=16, num_blocks=num_blocks),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
+        device=device,
     )
     return LLMEngine(config)
 
@@ -70,7 +74,12 @@ def model_dir(request, tiny_model_dir, qwen2_tiny_model_dir):
     return tiny_model_dir if request.param == "tiny" else qwen2_tiny_model_dir
 
 
-def test_greedy_batch_with_preemption_and_chunking_equals_transformers(model_dir, monkeypatch):
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=[gpu, requires_cuda])])
+def device(request):
+    return request.param
+
+
+def test_greedy_batch_with_preemption_and_chunking_equals_transformers(model_dir, device, monkeypatch):
     vocab = ModelConfig.from_pretrained(model_dir).vocab_size
     prompts = make_prompts(vocab)
     expected = transformers_greedy(model_dir, prompts, MAX_TOKENS)
@@ -84,7 +93,7 @@ def test_greedy_batch_with_preemption_and_chunking_equals_transformers(model_dir
         return last_layer(self, layer, x, residual, meta, kv_cache_layer, rows)
 
     monkeypatch.setattr(CausalLM, "_last_layer", spy)
-    engine = make_engine(model_dir, num_blocks=96)
+    engine = make_engine(model_dir, num_blocks=96, device=device)
     free_at_start = engine.num_free_blocks
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=0)
     got = run_to_completion(engine, prompts, params)
@@ -103,11 +112,11 @@ def test_greedy_batch_with_preemption_and_chunking_equals_transformers(model_dir
     engine.check_leaks()
 
 
-def test_greedy_each_prompt_alone_equals_transformers(model_dir):
+def test_greedy_each_prompt_alone_equals_transformers(model_dir, device):
     vocab = ModelConfig.from_pretrained(model_dir).vocab_size
     prompts = make_prompts(vocab, seed=1)
     expected = transformers_greedy(model_dir, prompts, MAX_TOKENS)
-    engine = make_engine(model_dir, num_blocks=128, max_num_batched_tokens=2048)
+    engine = make_engine(model_dir, num_blocks=128, max_num_batched_tokens=2048, device=device)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
     for i, prompt in enumerate(prompts):
         [tokens] = run_to_completion(engine, [prompt], params, prefix=f"alone{i}-")

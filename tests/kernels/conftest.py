@@ -48,17 +48,21 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
     torch.testing.assert_close(actual.float().cpu(), expected.float().cpu(), atol=atol, rtol=rtol)
 
 
-def randn(*shape, dtype=torch.float32, seed=0) -> torch.Tensor:
+def randn(*shape, dtype=torch.float32, seed=0, device=DEVICE) -> torch.Tensor:
+    """Seeded normal values on DEVICE (the GPU where there is one); the compiled CPU kernels'
+    tests ask for device="cpu"."""
     generator = torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, generator=generator).to(dtype=dtype, device=DEVICE)
+    return torch.randn(*shape, generator=generator).to(dtype=dtype, device=device)
 
 
-def make_cache(num_kv_heads: int, head_dim: int, dtype=torch.float32, seed=0, num_blocks=NUM_BLOCKS) -> torch.Tensor:
+def make_cache(num_kv_heads: int, head_dim: int, dtype=torch.float32, seed=0, num_blocks=NUM_BLOCKS,
+               device=DEVICE) -> torch.Tensor:
     """A whole random cache, [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]."""
-    return randn(num_blocks, NUM_LAYERS, 2, BLOCK_SIZE, num_kv_heads, head_dim, dtype=dtype, seed=seed)
+    return randn(num_blocks, NUM_LAYERS, 2, BLOCK_SIZE, num_kv_heads, head_dim, dtype=dtype, seed=seed, device=device)
 
 
-def shuffled_block_tables(seq_lens: list[int], seed=0, num_blocks=NUM_BLOCKS, extra_cols=0) -> torch.Tensor:
+def shuffled_block_tables(seq_lens: list[int], seed=0, num_blocks=NUM_BLOCKS, extra_cols=0,
+                          device=DEVICE) -> torch.Tensor:
     """Non-contiguous block ids, each sequence its own; unused columns point at block 0."""
     generator = torch.Generator().manual_seed(seed)
     order = torch.randperm(num_blocks, generator=generator).tolist()
@@ -67,7 +71,7 @@ def shuffled_block_tables(seq_lens: list[int], seed=0, num_blocks=NUM_BLOCKS, ex
     for row, n in enumerate(seq_lens):
         for col in range(math.ceil(n / BLOCK_SIZE)):
             table[row, col] = order.pop()
-    return table.to(DEVICE)
+    return table.to(device)
 
 
 def naive_attention(q, kv_layer, table_row, positions, scale) -> torch.Tensor:

@@ -11,6 +11,7 @@ from tests.kernels.conftest import (
     DEVICE,
     DTYPES,
     GQA,
+    NUM_BLOCKS,
     assert_close,
     gpu,
     make_cache,
@@ -23,9 +24,9 @@ from tests.kernels.conftest import (
 SEQ_LENS = [1, 16, 17, 40, 0, 5]
 
 
-def decode_case(heads, kv_heads, head_dim, dtype, seed, seq_lens=SEQ_LENS, extra_cols=0):
-    kv_layer = make_cache(kv_heads, head_dim, dtype, seed)[:, 1]
-    table = shuffled_block_tables(seq_lens, seed=seed, extra_cols=extra_cols)
+def decode_case(heads, kv_heads, head_dim, dtype, seed, seq_lens=SEQ_LENS, extra_cols=0, num_blocks=NUM_BLOCKS):
+    kv_layer = make_cache(kv_heads, head_dim, dtype, seed, num_blocks=num_blocks)[:, 1]
+    table = shuffled_block_tables(seq_lens, seed=seed, extra_cols=extra_cols, num_blocks=num_blocks)
     query = randn(len(seq_lens), heads, head_dim, dtype=dtype, seed=seed + 1)
     return query, kv_layer, table, torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
 
@@ -203,9 +204,7 @@ def test_loading_the_cpu_kernel_keeps_denormals():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_decode_cuda_long_sequences(head_dim, dtype):
     seq_lens = [1, 4096, 2049, 17, 0, 1000, 3333, 16]
-    query, kv_layer, table, lens = decode_case(32, 8, head_dim, dtype, 10, seq_lens)
-    kv_layer = make_cache(8, head_dim, dtype, 10, num_blocks=1024)[:, 1]
-    table = shuffled_block_tables(seq_lens, seed=10, num_blocks=1024)
+    query, kv_layer, table, lens = decode_case(32, 8, head_dim, dtype, 10, seq_lens, num_blocks=1024)
     want = decode_attention_ref(query, kv_layer, table, lens, head_dim ** -0.5)
     assert_close(decode_attention(query, kv_layer, table, lens, head_dim ** -0.5), want, dtype)
 

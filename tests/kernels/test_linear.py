@@ -1,15 +1,23 @@
 """Dense projections: the oneDNN-prepacked path (CPU float32 and bfloat16), the AMX kernel
 (bfloat16 decode batches on CPUs with AMX), the AVX512-BF16 kernel (bfloat16 decode batches on
 CPUs without AMX), the float32 kernel (float32 decode batches on CPUs with AVX-512) and the BLAS
-path on W^T (other dtypes, CUDA), a contiguous copy or a view, against F.linear and a float64
-oracle, from one row to prefill-sized batches."""
+path on W^T (other dtypes; on CUDA the same torch call, which the engine's CUDA tests run), a
+contiguous copy or a view, against F.linear and a float64 oracle, from one row to prefill-sized
+batches."""
+
+import functools
 
 import pytest
 import torch
 
 import kernels.linear as linear_module
 from kernels.linear import Linear, can_prepack, linear, linear_ref, pack_bf16_pairs, prepare_linear
-from tests.kernels.conftest import DTYPES, EXPECT_AMX, EXPECT_AVX512, EXPECT_AVX512_BF16, assert_close, randn
+from tests.kernels.conftest import DTYPES, EXPECT_AMX, EXPECT_AVX512, EXPECT_AVX512_BF16, assert_close
+from tests.kernels.conftest import randn as _randn
+
+# The projections under test are the CPU's (oneDNN and the compiled small-batch kernels): their
+# inputs stay on the CPU also where there is a GPU.
+randn = functools.partial(_randn, device="cpu")
 
 ROWS = [1, 7, 64, 256, 257, 700, 2048]
 

@@ -29,12 +29,12 @@ from tests.kernels.conftest import (
 Q_LENS, TOTALS = [5, 1, 0, 16, 7, 17, 1], [5, 1, 3, 16, 40, 33, 20]
 
 
-def prefill_case(heads, kv_heads, head_dim, dtype, seed, q_lens=Q_LENS, totals=TOTALS, num_blocks=40):
-    kv_layer = make_cache(kv_heads, head_dim, dtype, seed, num_blocks=num_blocks)[:, 1]
-    table = shuffled_block_tables(totals, seed=seed, num_blocks=num_blocks)
-    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
-    query = randn(int(cu[-1]), heads, head_dim, dtype=dtype, seed=seed + 1)
-    return query, kv_layer, table, cu, torch.tensor(totals, dtype=torch.int32, device=DEVICE)
+def prefill_case(heads, kv_heads, head_dim, dtype, seed, q_lens=Q_LENS, totals=TOTALS, num_blocks=40, device=DEVICE):
+    kv_layer = make_cache(kv_heads, head_dim, dtype, seed, num_blocks=num_blocks, device=device)[:, 1]
+    table = shuffled_block_tables(totals, seed=seed, num_blocks=num_blocks, device=device)
+    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=device)
+    query = randn(int(cu[-1]), heads, head_dim, dtype=dtype, seed=seed + 1, device=device)
+    return query, kv_layer, table, cu, torch.tensor(totals, dtype=torch.int32, device=device)
 
 
 @pytest.mark.parametrize("heads, kv_heads", GQA)
@@ -115,7 +115,7 @@ def test_prefill_cpu_kernels_match_reference(heads, kv_heads, head_dim, dtype, p
         monkeypatch.setattr(prefill_module, "_amx_kernel", lambda: None)
     expected = EXPECT_AVX512 or (EXPECT_AMX and path == "amx" and dtype == torch.bfloat16)
     query, kv_layer, table, cu, seq_lens = prefill_case(heads, kv_heads, head_dim, dtype, 12,
-                                                        AMX_Q_LENS, AMX_TOTALS, num_blocks=80)
+                                                        AMX_Q_LENS, AMX_TOTALS, num_blocks=80, device="cpu")
     for row, total in enumerate(AMX_TOTALS):
         last = table[row, (total - 1) // BLOCK_SIZE]
         kv_layer[last, :, total % BLOCK_SIZE or BLOCK_SIZE:] = float("nan")
@@ -130,7 +130,7 @@ def test_prefill_cpu_kernels_match_reference(heads, kv_heads, head_dim, dtype, p
 def test_prefill_cpu_kernels_reject_out_of_range_tables(dtype):
     """The kernels read the cache directly: a block id past the cache or a chunk longer than its
     sequence is refused before anything is read (the reference fails on the former too)."""
-    query, kv_layer, table, cu, seq_lens = prefill_case(4, 2, 64, dtype, 13)
+    query, kv_layer, table, cu, seq_lens = prefill_case(4, 2, 64, dtype, 13, device="cpu")
     bad = table.clone()
     bad[4, 1] = 40  # the cache has 40 blocks
     with pytest.raises((ValueError, IndexError, RuntimeError)):

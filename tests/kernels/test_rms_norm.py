@@ -20,9 +20,10 @@ def naive_rms_norm(x, weight, eps):
 
 
 def transformers_rms_norm(x, weight, eps):
-    norm = LlamaRMSNorm(x.shape[1], eps=eps).to(dtype=weight.dtype)
-    norm.weight.data.copy_(weight.cpu())
-    return norm(x.cpu())
+    """transformers' RMSNorm on x's device (bit-equality holds op for op on one device, not across)."""
+    norm = LlamaRMSNorm(x.shape[1], eps=eps).to(dtype=weight.dtype, device=x.device)
+    norm.weight.data.copy_(weight)
+    return norm(x).cpu()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
