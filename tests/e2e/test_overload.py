@@ -7,6 +7,7 @@ requests mostly meet the TTFT target, the others are refused at once."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import random
 import statistics
@@ -18,6 +19,7 @@ from urllib.parse import urlsplit
 
 import httpx
 import torch
+import transformers
 
 from pdserve.launcher import Deployment, start_local, wait_healthy
 from tests.e2e.test_pipeline import hf  # noqa: F401 - a fixture
@@ -51,14 +53,20 @@ MAX_SLOWDOWN = 3.0
 MAX_ATTEMPTS = 3
 
 
+# transformers renamed the forward's and the output's past_key_values to cache (the old name warns
+# and goes in 5.40); older releases know only past_key_values.
+CACHE_NAME = "cache" if "cache" in inspect.signature(transformers.LlamaForCausalLM.forward).parameters \
+    else "past_key_values"
+
+
 def _hf_greedy_ignoring_eos(hf, prompt_ids: list[int], num_tokens: int) -> list[int]:  # noqa: F811
     """transformers' greedy tokens, going on past EOS as ignore_eos does (generate() stops there)."""
     model, _ = hf
     ids, past, out = torch.tensor([prompt_ids]), None, []
     with torch.inference_mode():
         for _ in range(num_tokens):
-            step = model(input_ids=ids, past_key_values=past, use_cache=True)
-            past, ids = step.past_key_values, step.logits[:, -1:].argmax(-1)
+            step = model(input_ids=ids, use_cache=True, **{CACHE_NAME: past})
+            past, ids = getattr(step, CACHE_NAME), step.logits[:, -1:].argmax(-1)
             out.append(int(ids))
     return out
 
