@@ -218,12 +218,15 @@ def linear(x: torch.Tensor, w: Linear) -> torch.Tensor:
     """x: [rows, in] -> [rows, out] in x's dtype."""
     if x.dim() != 2 or x.shape[1] != w.in_features:
         raise ValueError(f"linear: x {tuple(x.shape)} for a weight of {w.in_features} inputs")
-    if w.amx is not None and 0 < x.shape[0] <= AMX_MAX_ROWS and x.dtype == torch.bfloat16 and x.stride(1) == 1:
+    # NOTE: the compiled kernels read x through its address, so only a CPU x reaches them; one on
+    # another device goes to torch, which refuses the mix of devices.
+    rows = x.shape[0] if x.is_cpu and x.stride(1) == 1 else 0
+    if w.amx is not None and 0 < rows <= AMX_MAX_ROWS and x.dtype == torch.bfloat16:
         return _linear_amx(x, w)
-    if w.bf16 is not None and 0 < x.shape[0] <= AMX_MAX_ROWS and x.dtype == torch.bfloat16 and x.stride(1) == 1:
+    if w.bf16 is not None and 0 < rows <= AMX_MAX_ROWS and x.dtype == torch.bfloat16:
         return _linear_bf16(x, w)
     f32_rows = AMX_MAX_ROWS if w.out_features <= _WIDE_OUTPUTS else _WIDE_MAX_ROWS
-    if w.f32 is not None and 0 < x.shape[0] <= f32_rows and x.dtype == torch.float32 and x.stride(1) == 1:
+    if w.f32 is not None and 0 < rows <= f32_rows and x.dtype == torch.float32:
         return _linear_f32(x, w)
     if w.packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), w.packed, w.bias, "none", [], "")

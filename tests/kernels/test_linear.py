@@ -231,3 +231,23 @@ def _check_wide(weight: torch.Tensor, calls: list, copy_of, expect_copy: bool, m
         x = randn(rows, weight.shape[1], dtype=weight.dtype, seed=rows)
         assert_close(linear(x, w), oracle(x, weight, None), weight.dtype)
     assert calls == ([max_rows] if expect_copy else [])
+
+
+def test_only_a_cpu_input_reaches_the_compiled_kernels(bf16_calls, amx_calls, monkeypatch):
+    """The kernels read x through its address: an x on another device (meta here; CUDA on a GPU
+    machine) goes to torch, not to a kernel that would read device memory as host memory."""
+    f32_calls = _spy_rows(monkeypatch, "_linear_f32")
+    for dtype in (torch.bfloat16, torch.float32):
+        weight = randn(48, 64, dtype=dtype, seed=40)
+        w = prepare_linear(weight)
+        if dtype == torch.bfloat16 and EXPECT_AVX512_BF16:
+            w = _bf16_kernel_copy(weight, None)
+        x = torch.empty(8, 64, dtype=dtype, device="meta")
+        if w.packed is not None:  # oneDNN's prepacked weight: it refuses the input
+            with pytest.raises(RuntimeError, match="CPU"):
+                linear(x, w)
+        else:
+            assert linear(x, w).shape == (8, 48)
+        linear(randn(8, 64, dtype=dtype, seed=41), w)  # the same weight on a CPU x takes its kernel
+    assert bf16_calls + amx_calls == ([8] if EXPECT_AVX512_BF16 or EXPECT_AMX else [])
+    assert f32_calls == ([8] if EXPECT_AVX512 else [])
