@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.config import CacheConfig  # noqa: E402
 from engine.protocol import num_blocks_for  # noqa: E402
+from kernels._triton import triton  # noqa: E402
 from kernels.activation import silu_and_mul, silu_and_mul_ref  # noqa: E402
 from kernels.block_copy import gather_blocks, gather_blocks_ref  # noqa: E402
 from kernels.decode_attention import decode_attention, decode_attention_ref  # noqa: E402
@@ -333,8 +334,6 @@ def bench_cpu_compiled(repeats: int) -> dict:
 def run(iters: int, only: set[str] | None) -> dict:
     """Each group's rows, printed as they come; a group that fails is reported as an error row and
     the others still run (the caller exits non-zero)."""
-    import triton
-
     ceilings = measure_ceilings(iters)
     print(json.dumps({"ceilings": ceilings}), flush=True)
     groups = {"elementwise": bench_elementwise, "cache": bench_cache_ops,

@@ -143,6 +143,19 @@ INLINE void score_keys_impl(const float *k, int64_t s_off, scratch *w, int64_t d
         for (int j = 0; j < 8; ++j) _mm512_store_ps(w->scores[h] + 16 * (at + j), acc[h][j]);
 }
 
+/* The value products' accumulators (accumulate_pairs, accumulate_keys): out^T rows [d0, d0 +
+ * ACC_DIMS(nh)) of each of nh heads, scaled by the head's alpha, in; and back out. */
+INLINE void load_out(__m512 acc[][MAX_ACC_DIMS], const scratch *w, int64_t d0, const __m512 *alpha, const int nh) {
+    for (int h = 0; h < nh; ++h)
+        for (int i = 0; i < ACC_DIMS(nh); ++i)
+            acc[h][i] = _mm512_mul_ps(_mm512_load_ps(w->ot[h] + (d0 + i) * 16), alpha[h]);
+}
+
+INLINE void store_out(__m512 acc[][MAX_ACC_DIMS], scratch *w, int64_t d0, const int nh) {
+    for (int h = 0; h < nh; ++h)
+        for (int i = 0; i < ACC_DIMS(nh); ++i) _mm512_store_ps(w->ot[h] + (d0 + i) * 16, acc[h][i]);
+}
+
 #ifdef __AVX512BF16__
 #define SCORES_IN_BF16 1
 /* The same from bfloat16 rows of k and each head's Q^T in pairs of dims (w->qp), unscaled: one
@@ -198,22 +211,19 @@ static int64_t pack_pairs(const uint16_t *v, int64_t s_off, int64_t keys, int64_
  * the float32 form takes two FMAs. */
 INLINE void accumulate_pairs_impl(const uint32_t *vp, int64_t dim, int64_t num_pairs, scratch *w, int64_t d0,
                                   const __m512 *alpha, const int nh) {
-    const int dims = ACC_DIMS(nh);
     __m512 acc[MAX_HEADS][MAX_ACC_DIMS];
-    for (int h = 0; h < nh; ++h)
-        for (int i = 0; i < dims; ++i) acc[h][i] = _mm512_mul_ps(_mm512_load_ps(w->ot[h] + (d0 + i) * 16), alpha[h]);
+    load_out(acc, w, d0, alpha, nh);
     if (num_pairs < 1) __builtin_unreachable(); /* else the accumulators go through the stack */
     for (int64_t j = 0; j < num_pairs; ++j) {
         __m512bh pj[MAX_HEADS];
         for (int h = 0; h < nh; ++h) pj[h] = (__m512bh)_mm512_load_si512(w->pp[h] + 16 * j);
         const uint32_t *row = vp + j * dim + d0;
-        for (int i = 0; i < dims; ++i) {
+        for (int i = 0; i < ACC_DIMS(nh); ++i) {
             const __m512bh vi = (__m512bh)_mm512_set1_epi32((int)row[i]);
             for (int h = 0; h < nh; ++h) acc[h][i] = _mm512_dpbf16_ps(acc[h][i], pj[h], vi);
         }
     }
-    for (int h = 0; h < nh; ++h)
-        for (int i = 0; i < dims; ++i) _mm512_store_ps(w->ot[h] + (d0 + i) * 16, acc[h][i]);
+    store_out(acc, w, d0, nh);
 }
 #else
 #define SCORES_IN_BF16 0
@@ -238,22 +248,19 @@ static inline __m512 softmax_keys(float *scores, int64_t first_key, int64_t keys
  * v, s_off apart) times the head's probabilities (its scores). */
 INLINE void accumulate_keys_impl(const float *v, int64_t s_off, int64_t keys, scratch *w, int64_t d0,
                             const __m512 *alpha, const int nh) {
-    const int dims = ACC_DIMS(nh);
     __m512 acc[MAX_HEADS][MAX_ACC_DIMS];
-    for (int h = 0; h < nh; ++h)
-        for (int i = 0; i < dims; ++i) acc[h][i] = _mm512_mul_ps(_mm512_load_ps(w->ot[h] + (d0 + i) * 16), alpha[h]);
+    load_out(acc, w, d0, alpha, nh);
     if (keys < 1) __builtin_unreachable(); /* else the accumulators go through the stack */
     for (int64_t j = 0; j < keys; ++j) {
         __m512 pj[MAX_HEADS];
         for (int h = 0; h < nh; ++h) pj[h] = _mm512_load_ps(w->scores[h] + 16 * j);
         const float *row = v + j * s_off + d0;
-        for (int i = 0; i < dims; ++i) {
+        for (int i = 0; i < ACC_DIMS(nh); ++i) {
             const __m512 vi = _mm512_set1_ps(row[i]);
             for (int h = 0; h < nh; ++h) acc[h][i] = _mm512_fmadd_ps(vi, pj[h], acc[h][i]);
         }
     }
-    for (int h = 0; h < nh; ++h)
-        for (int i = 0; i < dims; ++i) _mm512_store_ps(w->ot[h] + (d0 + i) * 16, acc[h][i]);
+    store_out(acc, w, d0, nh);
 }
 
 /* Each of the above compiled per head count on its own (noinline): inlined into the query

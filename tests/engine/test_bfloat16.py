@@ -17,7 +17,7 @@ import transformers
 
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
-from tests.kernels.conftest import gpu, requires_cuda
+from tests.kernels.conftest import ENGINE_DEVICES
 
 # The engine and transformers round at different points (fused QKV and gate/up; attention, which
 # the CPU kernels sum in float32 and round once, where torch's bfloat16 SDPA rounds on the way;
@@ -37,7 +37,7 @@ NOISE_SHARE = 0.75  # of the bfloat16-vs-float32 mean, on the CPU
 BFLOAT16_FLOOR_SHARE = 0.5  # of the same: an engine that ran in float32 would be ~0 from float32
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[gpu, requires_cuda])])
+@pytest.mark.parametrize("device", ENGINE_DEVICES)
 def test_bfloat16_logprobs_match_transformers_in_bfloat16(tiny_model_dir, device):
     rng = random.Random(5)
     prompts = [[rng.randrange(8, 2048) for _ in range(n)] for n in (7, 40, 130)]

@@ -16,7 +16,7 @@ from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfi
 from engine.engine import LLMEngine
 from engine.model import CausalLM
 from engine.sampling_params import SamplingParams
-from tests.kernels.conftest import gpu, requires_cuda
+from tests.kernels.conftest import ENGINE_DEVICES
 
 PROMPT_LENGTHS = [1, 2, 5, 15, 16, 17, 31, 33, 64, 100, 200, 333, 512, 700, 850, 1000]
 MAX_TOKENS = 12
@@ -74,7 +74,7 @@ def model_dir(request, tiny_model_dir, qwen2_tiny_model_dir):
     return tiny_model_dir if request.param == "tiny" else qwen2_tiny_model_dir
 
 
-@pytest.fixture(params=["cpu", pytest.param("cuda", marks=[gpu, requires_cuda])])
+@pytest.fixture(params=ENGINE_DEVICES)
 def device(request):
     return request.param
 

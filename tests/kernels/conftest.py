@@ -41,6 +41,8 @@ NUM_LAYERS = 2
 
 gpu = pytest.mark.gpu
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+# The devices an engine test runs on: the CPU, and CUDA where there is a GPU.
+ENGINE_DEVICES = ["cpu", pytest.param("cuda", marks=[gpu, requires_cuda])]
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
