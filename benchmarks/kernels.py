@@ -270,13 +270,13 @@ def bench_projections(dtype: torch.dtype, kernel: str, repeats: int, gen: torch.
     small-batch kernel, named kernel, where linear() routes them) against all of them on oneDNN."""
     from kernels import linear as linear_module
 
-    shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down
-    layers = [[linear_module.prepare_linear(torch.randn(o, i, generator=gen).to(dtype) * 0.02) for o, i in shapes]
-              for _ in range(30)]
-    head = linear_module.prepare_linear(torch.randn(49152, 576, generator=gen).to(dtype) * 0.02)
-    weights = [w for layer in layers for w in layer] + [head]
+    shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]  # 30 layers, LM head
+    raw = [torch.randn(o, i, generator=gen).to(dtype) * 0.02 for o, i in shapes]
+    weights = [linear_module.prepare_linear(w) for w in raw]
     num_bytes = sum(w.in_features * w.out_features * dtype.itemsize for w in weights)
-    onednn = [linear_module.Linear(None, w.packed, None, w.in_features, w.out_features) for w in weights]
+    # oneDNN's prepacked copy, which the bfloat16 kernel replaces on CPUs without AMX
+    onednn = [linear_module.Linear(None, torch.ops.mkldnn._reorder_linear_weight(w, 64), None, w.shape[1], w.shape[0])
+              for w in raw]
 
     rows_measured = []
     for rows in (1, 8, 16, 64):

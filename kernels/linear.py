@@ -10,9 +10,10 @@ at 1-8 rows, the same at 2,048 (float32 there: 270-340 either way).
 Decode batches in bfloat16 on CPUs with AMX: a compiled AMX kernel (csrc/amx_linear.c) on a
 second copy of W packed for AMX's tiles, up to AMX_MAX_ROWS rows; oneDNN above (prefill), where
 it measured 2x the kernel at 2,048 rows. See amx_linear.c for what it measured.
-Decode batches in bfloat16 on CPUs with AVX512-BF16 but no AMX (AMD Zen 4 and 5): a compiled
-kernel (csrc/bf16_linear.c, vdpbf16ps) on a second copy of W packed in panels of 48 outputs x
-input pairs, up to AMX_MAX_ROWS rows; see bf16_linear.c.
+bfloat16 on CPUs with AVX512-BF16 but no AMX (AMD Zen 4 and 5): a compiled kernel
+(csrc/bf16_linear.c, vdpbf16ps) on W packed in panels of 48 outputs x input pairs, for every batch
+size (decode batches of up to AMX_MAX_ROWS rows, prefill ones blocked for the caches), in place
+of oneDNN's copy, on prefill and decode engines alike; see bf16_linear.c.
 Decode batches in float32 on CPUs with AVX-512: a compiled kernel (csrc/f32_linear.c) on a second
 copy of W packed in panels of 48 outputs, up to AMX_MAX_ROWS rows; see f32_linear.c.
 Projections of more than _WIDE_OUTPUTS outputs (LM heads) take the float32 kernel only up to
@@ -42,14 +43,16 @@ AMX_MAX_ROWS = 64
 @dataclass(frozen=True)
 class Linear:
     weight_t: torch.Tensor | None  # [in, out]: contiguous, or a transposed view; None when packed
-    packed: torch.Tensor | None  # oneDNN-prepacked [out, in] (CPU float32 and bfloat16 only)
+    # oneDNN-prepacked [out, in] (CPU float32 and bfloat16 only; None where bf16 below serves all)
+    packed: torch.Tensor | None
     bias: torch.Tensor | None  # [out]
     in_features: int
     out_features: int
     amx: torch.Tensor | None = None  # W packed for the AMX kernel (CPU bfloat16 with AMX only)
     bias_f32: torch.Tensor | None = None  # float32 bias for the bfloat16 small-batch kernels (amx, bf16)
     f32: torch.Tensor | None = None  # W packed for the float32 kernel (CPU float32 with AVX-512 only)
-    bf16: torch.Tensor | None = None  # W packed for the AVX512-BF16 kernel (CPU bfloat16 without AMX only)
+    # W packed for the AVX512-BF16 kernel (CPU bfloat16 without AMX only), which takes every batch
+    bf16: torch.Tensor | None = None
 
 
 def can_prepack(weight: torch.Tensor) -> bool:
@@ -73,18 +76,22 @@ def prepare_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, *, co
                    small_batches: bool = True) -> Linear:
     """weight: [out, in]. Prepacked where can_prepack allows; else W^T, a contiguous copy, or with
     copy=False (an LM head tied to the embedding) a transposed view that costs no memory.
-    small_batches (bfloat16 on a CPU with AMX or AVX512-BF16, float32 on one with AVX-512): also a
-    copy packed for the AMX, the bfloat16 or the float32 kernel, which batches of up to
-    AMX_MAX_ROWS rows take; it doubles the weight's memory, so an engine that only prefills passes
-    False."""
+    small_batches (bfloat16 on a CPU with AMX, float32 on one with AVX-512): also a copy packed for
+    the AMX or the float32 kernel, which batches of up to AMX_MAX_ROWS rows take; it doubles the
+    weight's memory, so an engine that only prefills passes False. On a CPU with AVX512-BF16 and
+    no AMX, bfloat16 weights get the bfloat16 kernel's copy instead of oneDNN's (it takes every
+    batch size; see bf16_linear.c), whatever small_batches says."""
     if weight.dim() != 2 or (bias is not None and bias.shape != weight.shape[:1]):
         bias_shape = None if bias is None else tuple(bias.shape)
         raise ValueError(f"prepare_linear: weight {tuple(weight.shape)}, bias {bias_shape}")
     if can_prepack(weight):
         bias = bias.contiguous() if bias is not None else None
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _PACK_BATCH_HINT)
         amx = pack_for_amx(weight) if small_batches and _amx_takes(weight) else None
-        bf16 = pack_bf16_pairs(weight) if small_batches and amx is None and _bf16_takes(weight) else None
+        if _bf16_takes(weight) and _amx_kernel() is None:  # the bfloat16 kernel serves every batch size
+            bf16, packed = pack_bf16_pairs(weight), None
+        else:
+            bf16 = pack_bf16_pairs(weight) if small_batches and amx is None and _bf16_takes(weight) else None
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _PACK_BATCH_HINT)
         has_bf16_copy = amx is not None or bf16 is not None
         bias_f32 = bias.float().contiguous() if has_bf16_copy and bias is not None else None
         f32 = pack_f32_panels(weight) if small_batches and _f32_takes(weight) else None
@@ -223,13 +230,21 @@ def linear(x: torch.Tensor, w: Linear) -> torch.Tensor:
     rows = x.shape[0] if x.is_cpu and x.stride(1) == 1 else 0
     if w.amx is not None and 0 < rows <= AMX_MAX_ROWS and x.dtype == torch.bfloat16:
         return _linear_amx(x, w)
-    if w.bf16 is not None and 0 < rows <= AMX_MAX_ROWS and x.dtype == torch.bfloat16:
-        return _linear_bf16(x, w)
+    if w.bf16 is not None and x.dtype == torch.bfloat16 and x.is_cpu:
+        if w.packed is None:  # no oneDNN copy: the kernel takes every batch
+            if x.shape[0] == 0:
+                return x.new_empty(0, w.out_features)
+            return _linear_bf16(x if x.stride(1) == 1 else x.contiguous(), w)
+        if 0 < rows <= AMX_MAX_ROWS:
+            return _linear_bf16(x, w)
     f32_rows = AMX_MAX_ROWS if w.out_features <= _WIDE_OUTPUTS else _WIDE_MAX_ROWS
     if w.f32 is not None and 0 < rows <= f32_rows and x.dtype == torch.float32:
         return _linear_f32(x, w)
     if w.packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), w.packed, w.bias, "none", [], "")
+    if w.weight_t is None:  # the bfloat16 kernel's copy alone
+        raise RuntimeError(f"linear: a CPU bfloat16 weight takes a bfloat16 input on the CPU, got {x.dtype} "
+                           f"on {x.device}")
     if w.bias is None:
         return x @ w.weight_t
     return torch.addmm(w.bias, x, w.weight_t)

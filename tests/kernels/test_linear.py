@@ -60,7 +60,9 @@ def test_cpu_float32_is_prepacked_and_other_dtypes_use_blas():
     packed = prepare_linear(weight)
     assert packed.packed is not None and packed.weight_t is None
     bf16 = prepare_linear(weight.to(torch.bfloat16))
-    if torch.ops.mkldnn._is_mkldnn_bf16_supported():  # the CPU has AVX512-BF16 or AMX
+    if EXPECT_AVX512_BF16 and not EXPECT_AMX:  # the bfloat16 kernel's copy in place of oneDNN's
+        assert bf16.packed is None and bf16.weight_t is None and bf16.bf16 is not None
+    elif torch.ops.mkldnn._is_mkldnn_bf16_supported():  # the CPU has AVX512-BF16 or AMX
         assert bf16.packed is not None and bf16.weight_t is None
     else:
         assert bf16.packed is None and bf16.weight_t.is_contiguous()
@@ -135,52 +137,72 @@ def bf16_calls(monkeypatch) -> list:
     return _spy_rows(monkeypatch, "_linear_bf16")
 
 
-def _bf16_kernel_copy(weight, bias) -> Linear:
-    """The weight as prepare_linear gives it on a CPU with AVX512-BF16 and no AMX (so that CPUs
-    with AMX test the kernel too)."""
-    w = prepare_linear(weight, bias, small_batches=False)
-    return Linear(w.weight_t, w.packed, w.bias, w.in_features, w.out_features,
+def _bf16_kernel_only(weight, bias) -> Linear:
+    """The weight as prepare_linear gives it on a CPU with AVX512-BF16 and no AMX: the kernel's
+    copy alone, which takes every batch size (so that CPUs with AMX test the kernel too)."""
+    return Linear(None, None, bias, weight.shape[1], weight.shape[0],
                   bias_f32=None if bias is None else bias.float(), bf16=pack_bf16_pairs(weight))
 
 
-@pytest.mark.parametrize("rows", [1, 3, 7, 8, 9, 16, 31, 63, 64])
-@pytest.mark.parametrize(("out_features", "in_features"), [(17, 32), (48, 64), (100, 160), (130, 576), (49, 6)])
+@pytest.mark.parametrize("rows", [1, 3, 7, 8, 9, 16, 31, 63, 64, 65, 72, 129, 256, 700])
+@pytest.mark.parametrize(("out_features", "in_features"),
+                         [(17, 32), (48, 64), (100, 160), (130, 576), (49, 6), (50, 1538)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_bfloat16_decode_batches_on_the_avx512_bf16_kernel(rows, out_features, in_features, with_bias, bf16_calls):
+def test_bfloat16_batches_on_the_avx512_bf16_kernel(rows, out_features, in_features, with_bias, bf16_calls):
     """Each output is the float64 product rounded once to bfloat16 (within half a unit in the last
-    place): odd output counts (a partial 48-output panel, a partial 16-lane vector), row counts
-    that leave a partial 8-row group, x's rows strided. Without AVX512-BF16 the kernel is absent."""
+    place), on the decode path (up to 64 rows) and the blocked one (more: 128-row blocks, input
+    blocks of at most 256 inputs, running totals carried between them; bf16_linear.c): odd output
+    counts (a partial 48-output panel, a partial 16-lane vector), row counts that leave a partial
+    8-row group or row block, one input block or several (576 in 3 x 192, 1,538 in 7), x's rows
+    strided. Without AVX512-BF16 the kernel is absent."""
     if not EXPECT_AVX512_BF16:
         assert linear_module._bf16_kernel() is None
         return
     weight = randn(out_features, in_features, dtype=torch.bfloat16, seed=31)
     bias = randn(out_features, dtype=torch.bfloat16, seed=32) if with_bias else None
     x = randn(rows, in_features + 8, dtype=torch.bfloat16, seed=33)[:, :in_features]
-    got = linear(x, _bf16_kernel_copy(weight, bias))
+    got = linear(x, _bf16_kernel_only(weight, bias))
     assert bf16_calls == [rows]
     assert got.shape == (rows, out_features) and got.dtype == torch.bfloat16
     torch.testing.assert_close(got.double(), oracle(x, weight, bias), atol=1e-4, rtol=2**-8)
 
 
+def test_bfloat16_kernel_alone_takes_any_input_layout(bf16_calls):
+    """With only the kernel's copy: no rows give an empty output; columns strided are copied
+    first; a float32 input is refused with a clear error."""
+    if not EXPECT_AVX512_BF16:
+        return
+    weight = randn(48, 64, dtype=torch.bfloat16, seed=54)
+    w = _bf16_kernel_only(weight, None)
+    assert linear(randn(0, 64, dtype=torch.bfloat16, seed=55), w).shape == (0, 48)
+    x = randn(70, 128, dtype=torch.bfloat16, seed=56)[:, ::2]
+    assert_close(linear(x, w), oracle(x, weight, None), torch.bfloat16)
+    assert bf16_calls == [70]
+    with pytest.raises(RuntimeError, match="bfloat16 input on the CPU"):
+        linear(randn(3, 64, dtype=torch.float32, seed=57), w)
+
+
 def test_bfloat16_small_batch_copy_by_cpu(bf16_calls, amx_calls):
-    """A decoding engine's bfloat16 weights get the AMX copy where the CPU has AMX, else the
-    AVX512-BF16 copy where it has that, LM-head-sized outputs too; odd inputs, batches over 64
-    rows and prefill-only engines stay on oneDNN."""
+    """A decoding engine's bfloat16 weights get the AMX copy where the CPU has AMX (batches over
+    64 rows and prefill-only engines stay on oneDNN there); where it has AVX512-BF16 and no AMX,
+    the AVX512-BF16 kernel's copy takes oneDNN's place, for every batch size, LM-head-sized
+    outputs too, on prefill-only engines as well. Odd inputs stay on oneDNN."""
     weight = randn(48, 64, dtype=torch.bfloat16, seed=34)
     w = prepare_linear(weight)
+    only_kernel = EXPECT_AVX512_BF16 and not EXPECT_AMX
     assert (w.amx is not None) == EXPECT_AMX
-    assert (w.bf16 is not None) == (EXPECT_AVX512_BF16 and not EXPECT_AMX)
-    x = randn(5, 64, dtype=torch.bfloat16, seed=35)
-    assert_close(linear(x, w), oracle(x, weight, None), torch.bfloat16)
-    assert bf16_calls == ([5] if w.bf16 is not None else [])
-    bf16_calls.clear()
-    x = randn(65, 64, dtype=torch.bfloat16, seed=36)
-    assert_close(linear(x, w), oracle(x, weight, None), torch.bfloat16)
-    assert bf16_calls == []
-    assert prepare_linear(weight, small_batches=False).bf16 is None
+    assert (w.bf16 is not None) == only_kernel
+    assert (w.packed is None) == only_kernel
+    for rows in (5, 65):
+        x = randn(rows, 64, dtype=torch.bfloat16, seed=35 + rows)
+        assert_close(linear(x, w), oracle(x, weight, None), torch.bfloat16)
+    assert bf16_calls == ([5, 65] if only_kernel else [])
+    assert (prepare_linear(weight, small_batches=False).bf16 is not None) == only_kernel
+    assert prepare_linear(weight, small_batches=False).amx is None
     _check_wide(randn(4097, 32, dtype=torch.bfloat16, seed=37), bf16_calls, lambda w: w.bf16,
-                EXPECT_AVX512_BF16 and not EXPECT_AMX, max_rows=64)
-    assert prepare_linear(randn(48, 7, dtype=torch.bfloat16, seed=38)).bf16 is None
+                only_kernel, max_rows=64, kernel_takes_more=only_kernel)
+    odd = prepare_linear(randn(48, 7, dtype=torch.bfloat16, seed=38))
+    assert odd.bf16 is None and odd.packed is not None
     assert prepare_linear(weight.float()).bf16 is None
 
 
@@ -222,15 +244,18 @@ def test_float32_copy_only_where_it_is_used(f32_calls):
     assert prepare_linear(weight.bfloat16()).f32 is None
 
 
-def _check_wide(weight: torch.Tensor, calls: list, copy_of, expect_copy: bool, max_rows: int) -> None:
-    """An LM-head-sized weight: its small-batch copy takes max_rows rows, oneDNN one more."""
+def _check_wide(weight: torch.Tensor, calls: list, copy_of, expect_copy: bool, max_rows: int,
+                kernel_takes_more: bool = False) -> None:
+    """An LM-head-sized weight: its small-batch copy takes max_rows rows, oneDNN one more (or the
+    kernel too, with kernel_takes_more)."""
     w = prepare_linear(weight)
     assert (copy_of(w) is not None) == expect_copy
     calls.clear()
     for rows in (max_rows, max_rows + 1):
         x = randn(rows, weight.shape[1], dtype=weight.dtype, seed=rows)
         assert_close(linear(x, w), oracle(x, weight, None), weight.dtype)
-    assert calls == ([max_rows] if expect_copy else [])
+    expected = [max_rows, max_rows + 1] if kernel_takes_more else [max_rows]
+    assert calls == (expected if expect_copy else [])
 
 
 def test_only_a_cpu_input_reaches_the_compiled_kernels(bf16_calls, amx_calls, f32_calls):
@@ -240,9 +265,9 @@ def test_only_a_cpu_input_reaches_the_compiled_kernels(bf16_calls, amx_calls, f3
         weight = randn(48, 64, dtype=dtype, seed=40)
         w = prepare_linear(weight)
         if dtype == torch.bfloat16 and EXPECT_AVX512_BF16:
-            w = _bf16_kernel_copy(weight, None)
+            w = _bf16_kernel_only(weight, None)
         x = torch.empty(8, 64, dtype=dtype, device="meta")
-        if w.packed is not None:  # oneDNN's prepacked weight: it refuses the input
+        if w.packed is not None or w.weight_t is None:  # oneDNN's, or the bfloat16 kernel's alone: refused
             with pytest.raises(RuntimeError, match="CPU"):
                 linear(x, w)
         else:
