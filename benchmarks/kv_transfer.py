@@ -40,6 +40,8 @@ from kv_transfer.layout import KVLayout  # noqa: E402
 BLOCK_SIZE = CacheConfig.block_size  # the engine's KV block size
 TOKENS = (512, 2048, 8192)
 REPEATS = 7
+STORAGE = "block" if "--block-major" in sys.argv else "layer"
+os.environ["KV_BENCH_STORAGE"] = STORAGE  # for the holder processes
 LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=BLOCK_SIZE, dtype="float32",
                   num_blocks=2 * 8192 // BLOCK_SIZE + 8, model_fingerprint="bench", code_version="1")
 HOLDER = """
@@ -52,8 +54,10 @@ from engine.protocol import curve_keys
 layout = msgspec.json.decode(sys.argv[1], type=KVLayout)
 keys = curve_keys(sys.argv[4]) if len(sys.argv) > 4 else None
 shape = (layout.num_blocks, layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
-c = create_connector(TransferConfig(backend=sys.argv[2], host=sys.argv[3], curve_keys=keys), torch.randn(shape), layout,
-                     "holder")
+cache = torch.randn(shape)
+if os.environ.get("KV_BENCH_STORAGE") == "layer":
+    cache = cache.transpose(0, 1).contiguous().transpose(0, 1)
+c = create_connector(TransferConfig(backend=sys.argv[2], host=sys.argv[3], curve_keys=keys), cache, layout, "holder")
 leases = LeaseTable(600.0)
 c.serve_leases(leases)
 print(json.dumps({"address": c.agent_address, "engine_id": c.engine_id}), flush=True)
@@ -125,7 +129,7 @@ def bench_backend(backend: str, copies: dict, network=None) -> dict:
         reader_host = network.hosts["reader"].address
     keys = None if network is None else curve_keys(BENCH_SECRET)
     connector = create_connector(TransferConfig(backend=backend, host=reader_host, curve_keys=keys),
-                                 torch.full(cache_shape(), 0.5), LAYOUT, "reader")
+                                 stored(torch.full(cache_shape(), 0.5)), LAYOUT, "reader")
     try:
         read_once(connector, (proc, hello), "warm", [0], [0])
         out = {}
@@ -159,6 +163,11 @@ def _row(times: list[float], num_blocks: int, descriptors) -> dict:
     seconds = statistics.median(times)
     return {"latency_ms": seconds * 1000, "gb_s": num_blocks * block_bytes() / seconds / 1e9,
             "descriptors": descriptors}
+
+
+def stored(cache: torch.Tensor) -> torch.Tensor:
+    """The cache stored as this run's engines store theirs (see the module docstring)."""
+    return cache if STORAGE == "block" else cache.transpose(0, 1).contiguous().transpose(0, 1)
 
 
 def block_bytes() -> int:
@@ -229,7 +238,7 @@ def main() -> None:
             row = veth[tokens]
             print(f"{tokens:>6} tokens: veth {row['veth_gb_s']:5.2f} GB/s ({row['veth_latency_ms']:6.1f} ms), "
                   f"loopback {row['loopback_gb_s']:5.2f} GB/s: ratio {row['veth_to_loopback']:.2f}")
-    print("RESULT " + json.dumps({"block_bytes": block_bytes(), "rows": summary, "veth": veth}))
+    print("RESULT " + json.dumps({"block_bytes": block_bytes(), "storage": STORAGE, "rows": summary, "veth": veth}))
 
 
 def bench_veth(copies: dict) -> dict:

@@ -1,8 +1,19 @@
-"""The paged KV cache tensor: its block-major layout and its size from a memory budget.
+"""The paged KV cache tensor: its layout and its size from a memory budget.
 
-Layout: [num_blocks, num_layers, 2 (K, V), block_size, num_kv_heads, head_dim]. Block-major,
-so one block (all layers' K and V of block_size tokens) is one contiguous region: one NIXL
-descriptor per block instead of num_layers x 2, and a block copy is one memcpy.
+Shape: [num_blocks, num_layers, 2 (K, V), block_size, num_kv_heads, head_dim], indexed by block
+everywhere. On CUDA it is stored block-major (contiguous): one block (all layers' K and V of
+block_size tokens) is one region, one NIXL descriptor per block. On the CPU it is stored
+layer-major (the shape above over a [num_layers, num_blocks, ...] buffer: block b's layer l at
+(l * num_blocks + b) x its size), so that one layer's blocks handed out in a row (a prompt's, as
+the block pool hands them out) are one run of memory for decode attention, which reads a layer's
+blocks of every sequence at the memory's speed. Each (block, layer) slice stays contiguous; the
+KV connectors move blocks slice by slice where a side is not block-major (kv_transfer/base.py).
+
+Measured on a 2-core Zen 4 EPYC, decode attention over 30 layers for 64 sequences of 301 tokens
+(bfloat16, SmolLM-135M's heads, each sequence's first 16 blocks consecutive), medians of 7:
+20.2 ms block-major against 17.1 layer-major (blocks at random: 20.8 against 19.3); offline
+bfloat16 `small`, 3 alternated runs: the 63 decode-only steps 3.69-3.74 s against 3.50-3.53 in
+two, 3.74 against 3.79 in the third.
 """
 
 from __future__ import annotations
@@ -49,13 +60,14 @@ def num_cache_blocks(model: ModelConfig, cache: CacheConfig, device: str) -> int
 
 
 def allocate_kv_cache(model: ModelConfig, num_blocks: int, block_size: int, device: str) -> torch.Tensor:
-    """The zeroed cache; on the CPU on transparent huge pages where Linux gives them."""
+    """The zeroed cache; on the CPU layer-major (see above) on transparent huge pages where Linux
+    gives them."""
     shape = (num_blocks, *block_shape(model, block_size))
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=model.dtype, device=device)
-    cache = torch.empty(shape, dtype=model.dtype)
-    advise_huge_pages(cache)  # NOTE: before zeroing: the advice applies to pages not yet touched
-    return cache.zero_()
+    stored = torch.empty((shape[1], shape[0], *shape[2:]), dtype=model.dtype)  # layer-major: see above
+    advise_huge_pages(stored)  # NOTE: before zeroing: the advice applies to pages not yet touched
+    return stored.zero_().transpose(0, 1)
 
 
 def _default_budget_bytes(device: str) -> int:

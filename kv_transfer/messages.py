@@ -14,9 +14,10 @@ from kv_transfer.layout import KVLayout
 
 # 1: the unversioned handshake with an untyped `extra` dict. 2: typed backend info, refusals
 # by code. 3: a version header on every frame; leases with generations (renewed, confirmed
-# after a read, released by generation). Bump on any change an older peer could not decode or
-# would misread.
-SIDE_CHANNEL_VERSION = 3
+# after a read, released by generation). 4: NIXL's holder info describes its cache's layout
+# (block and layer strides: CPU caches are layer-major). Bump on any change an older peer could
+# not decode or would misread.
+SIDE_CHANNEL_VERSION = 4
 
 
 class HandshakeErrorCode(enum.StrEnum):
@@ -39,7 +40,12 @@ class NixlAgentInfo(msgspec.Struct, tag="nixl_agent_info", frozen=True):
 
     agent_metadata: bytes
     base_address: int
-    block_bytes: int
+    # block b's layer l is layer_bytes at base_address + b * block_stride + l * layer_stride;
+    # block_major: each block one region (kv_transfer/base.py CacheRegions)
+    block_stride: int
+    layer_stride: int
+    layer_bytes: int
+    block_major: bool
     num_blocks: int
     device_id: int
     mem_type: str  # NIXL's memory type: "DRAM" or "VRAM"

@@ -1,10 +1,12 @@
 """NIXL connector (UCX backend): the reader pulls blocks with one READ per request.
 
-The whole cache is registered once. Descriptor lists of one entry per block are prepared
-once per side (local at start, the peer's at handshake); a read names block indices into both,
-and NIXL merges runs of adjacent blocks into single descriptors. Measured (benchmarks/
-kv_transfer.py, small preset, CPU): 512 descriptors or one merged descriptor for 8,192 tokens
-move at the same 3.0 GB/s, so nothing of ours merges. The READ carries no notification: the
+The whole cache is registered once. Descriptor lists are prepared once per side and
+granularity (the local one when first needed, the peer's at handshake): one entry per block
+where both caches are block-major (CUDA), else one per block and layer (a CPU cache is stored
+layer-major: engine/kv_cache.py), and a read names indices into both, layer by layer, so that a
+layer's consecutive blocks are adjacent entries. Measured (benchmarks/kv_transfer.py, small
+preset, CPU): 512 descriptors or one merged descriptor for 8,192 tokens move at the same
+3.0 GB/s, so nothing of ours merges. The READ carries no notification: the
 reader's confirmation over the side channel (SideChannelConnector) ends the lease, so the
 holder cannot free the blocks between the READ's completion and that check.
 
@@ -27,9 +29,10 @@ import os
 import threading
 import time
 
+import numpy as np
 import torch
 
-from kv_transfer.base import FailureCode, ReadResult, TransferState, check_cache
+from kv_transfer.base import CacheRegions, FailureCode, ReadResult, TransferState, cache_regions, check_cache
 from kv_transfer.config import TransferConfig
 from kv_transfer.errors import TransferFailed
 from kv_transfer.layout import KVLayout
@@ -80,9 +83,10 @@ class NixlConnector(SideChannelConnector):
         agent_config = nixl_agent_config(enable_prog_thread=False, backends=["UCX"],
                                          sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
         self._agent = nixl_agent(engine_id, agent_config)
-        self._reg = self._agent.register_memory(self._agent.get_reg_descs(kv_cache), mem_type=self._mem_type)
-        local_descs = self._block_descs(kv_cache.data_ptr(), layout.num_blocks, kv_cache)
-        self._local_dlist = self._agent.prep_xfer_dlist("", local_descs, self._mem_type)
+        self._regions = cache_regions(kv_cache)
+        whole = [(kv_cache.data_ptr(), kv_cache.numel() * kv_cache.element_size(), self._device_id, "")]
+        self._reg = self._agent.register_memory(self._agent.get_reg_descs(whole, self._mem_type))
+        self._local_dlists: dict[bool, object] = {}  # per_layer -> prepared list, when first needed
         self.num_descriptors_last_read = 0
         super().__init__(config, kv_cache, layout, engine_id)
         self._is_stopping = threading.Event()
@@ -96,32 +100,49 @@ class NixlConnector(SideChannelConnector):
             except Exception as exc:  # noqa: BLE001 - keep progressing; report once per failure
                 logger.warning("NIXL progress: %s", exc)
 
-    def _block_descs(self, base: int, num_blocks: int, kv_cache: torch.Tensor) -> list[tuple[int, int, int]]:
-        size = kv_cache[0].numel() * kv_cache.element_size()
-        return [(base + i * size, size, self._device_id) for i in range(num_blocks)]
+    def _local_dlist(self, per_layer: bool):
+        if per_layer not in self._local_dlists:
+            descs = _descriptors(self.kv_cache.data_ptr(), self._regions, self.layout.num_blocks, per_layer,
+                                 self._device_id)
+            self._local_dlists[per_layer] = self._agent.prep_xfer_dlist("", descs, self._mem_type)
+        return self._local_dlists[per_layer]
 
     def _answer_info(self, hello: Hello) -> NixlAgentInfo:
+        r = self._regions
         return NixlAgentInfo(agent_metadata=self._agent.get_agent_metadata(), base_address=self.kv_cache.data_ptr(),
-                             block_bytes=self.block_bytes, num_blocks=self.layout.num_blocks,
+                             block_stride=r.block_stride, layer_stride=r.layer_stride, layer_bytes=r.layer_bytes,
+                             block_major=r.block_major, num_blocks=self.layout.num_blocks,
                              device_id=self._device_id, mem_type=self._mem_type)
 
     def _connect_peer(self, peer: Peer) -> None:
         info: NixlAgentInfo = peer.backend_info
+        remote = CacheRegions(info.block_stride, info.layer_stride, info.layer_bytes, self.layout.num_layers,
+                              info.block_major)
+        if remote.layer_bytes != self._regions.layer_bytes:  # the layouts matched, so a peer that lies
+            raise TransferFailed(f"NIXL peer's blocks hold {remote.layer_bytes} bytes a layer, "
+                                 f"ours {self._regions.layer_bytes}")
+        per_layer = not (remote.block_major and self._regions.block_major)
         agent_name = self._agent.add_remote_agent(info.agent_metadata)
-        size = info.block_bytes
-        descs = [(info.base_address + i * size, size, info.device_id) for i in range(info.num_blocks)]
-        peer.handle = (agent_name, self._agent.prep_xfer_dlist(agent_name, descs, info.mem_type))
+        descs = _descriptors(info.base_address, remote, info.num_blocks, per_layer, info.device_id)
+        peer.handle = (agent_name, self._agent.prep_xfer_dlist(agent_name, descs, info.mem_type), per_layer,
+                       remote)
 
     def _start_transfer(self, read: PendingRead, peer: Peer) -> None:
-        _, remote_dlist = peer.handle
+        _, remote_dlist, per_layer, remote = peer.handle
+        num_layers = self.layout.num_layers if per_layer else 1
+        local_ids = _entries(read.local_block_ids, num_layers)
+        remote_ids = _entries(read.remote_block_ids, num_layers)
         try:
-            handle = self._agent.make_prepped_xfer("READ", self._local_dlist, read.local_block_ids, remote_dlist,
-                                                   read.remote_block_ids)
+            handle = self._agent.make_prepped_xfer("READ", self._local_dlist(per_layer), local_ids, remote_dlist,
+                                                   remote_ids)
             state = _transfer_state(self._agent.transfer(handle))
         except Exception as exc:  # noqa: BLE001 - nixl raises its own types; surface as ours
             raise TransferFailed(f"NIXL READ could not start: {exc}") from exc
         read.handle = handle
-        self.num_descriptors_last_read = _count_runs(read.local_block_ids, read.remote_block_ids)
+        self.num_descriptors_last_read = _count_runs(
+            _addresses(read.local_block_ids, self._regions, per_layer),
+            _addresses(read.remote_block_ids, remote, per_layer),
+            self._regions.layer_bytes if per_layer else self._regions.layer_bytes * self.layout.num_layers)
         if state is TransferState.FAILED:
             raise TransferFailed("NIXL READ failed to post")
 
@@ -165,7 +186,7 @@ class NixlConnector(SideChannelConnector):
         read.handle = None
 
     def _forget_peer(self, peer: Peer) -> None:
-        agent_name, remote_dlist = peer.handle
+        agent_name, remote_dlist, _, _ = peer.handle
         try:
             self._agent.release_dlist_handle(remote_dlist)
             self._agent.remove_remote_agent(agent_name)
@@ -177,7 +198,8 @@ class NixlConnector(SideChannelConnector):
         self._progress.join(timeout=2)
         super().close()
         try:
-            self._agent.release_dlist_handle(self._local_dlist)
+            for dlist in self._local_dlists.values():
+                self._agent.release_dlist_handle(dlist)
             self._agent.deregister_memory(self._reg)
         except Exception as exc:  # noqa: BLE001 - shutting down
             logger.warning("NIXL deregistration: %s", exc)
@@ -193,10 +215,39 @@ def _transfer_state(nixl_state: str) -> TransferState:
     return TransferState.FAILED
 
 
-def _count_runs(local_ids: list[int], remote_ids: list[int]) -> int:
-    """Descriptors after merging: runs where both sides' block ids advance by one."""
+def _descriptors(base: int, regions: CacheRegions, num_blocks: int, per_layer: bool, device_id: int) -> np.ndarray:
+    """A cache's transfer descriptors (address, length, device) as NIXL's Nx3 array: one per block
+    (entry b), or per_layer one per block and layer (entry b * num_layers + l)."""
+    blocks = np.arange(num_blocks, dtype=np.int64) * regions.block_stride
+    if per_layer:
+        layers = np.arange(regions.num_layers, dtype=np.int64) * regions.layer_stride
+        starts, length = (blocks[:, None] + layers[None, :]).reshape(-1), regions.layer_bytes
+    else:
+        starts, length = blocks, regions.layer_bytes * regions.num_layers
+    return np.stack([base + starts, np.full_like(starts, length), np.full_like(starts, device_id)], axis=1)
+
+
+def _entries(block_ids: list[int], num_layers: int) -> list[int]:
+    """The descriptor entries of block_ids (see _descriptors), layer by layer: a layer's blocks
+    in order, then the next layer's, so that consecutive blocks of a layer-major cache are
+    adjacent entries."""
+    if num_layers == 1:
+        return list(block_ids)
+    return [b * num_layers + layer for layer in range(num_layers) for b in block_ids]
+
+
+def _addresses(block_ids: list[int], regions: CacheRegions, per_layer: bool) -> list[int]:
+    """Each entry's offset in its cache, in _entries's order."""
+    if not per_layer:
+        return [b * regions.block_stride for b in block_ids]
+    return [b * regions.block_stride + layer * regions.layer_stride
+            for layer in range(regions.num_layers) for b in block_ids]
+
+
+def _count_runs(local: list[int], remote: list[int], length: int) -> int:
+    """Descriptors after merging: runs of entries adjacent in memory on both sides."""
     runs = 0
-    for i in range(len(local_ids)):
-        if i == 0 or local_ids[i] != local_ids[i - 1] + 1 or remote_ids[i] != remote_ids[i - 1] + 1:
+    for i in range(len(local)):
+        if i == 0 or local[i] != local[i - 1] + length or remote[i] != remote[i - 1] + length:
             runs += 1
     return runs

@@ -1,4 +1,6 @@
-"""A stand-alone KV holder process for tests: python peer.py BACKEND SEED LAYOUT_JSON [PORT [SECRET]].
+"""A stand-alone KV holder process for tests: python peer.py BACKEND SEED LAYOUT_JSON [PORT [SECRET]]
+(PEER_STORAGE=layer in the environment: the cache stored layer-major, as engine/kv_cache.py
+stores a CPU engine's).
 
 Fills an engine-shaped cache with seeded random floats, serves it, prints its address and
 engine id as one JSON line. Then, for each line `lease REQUEST_ID [BLOCK_IDS]` on stdin, holds a
@@ -9,6 +11,7 @@ closes.
 """
 
 import json
+import os
 import queue
 import sys
 import threading
@@ -35,6 +38,8 @@ def main() -> None:
     layout = msgspec.json.decode(sys.argv[3], type=KVLayout)
     shape = (layout.num_blocks, layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
     cache = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+    if os.environ.get("PEER_STORAGE") == "layer":  # the same values stored layer-major, as a CPU engine's
+        cache = cache.transpose(0, 1).contiguous().transpose(0, 1)
     port = int(sys.argv[4]) if len(sys.argv) > 4 else 0
     keys = curve_keys(sys.argv[5]) if len(sys.argv) > 5 else None
     config = TransferConfig(backend=backend, side_channel_port=port, curve_keys=keys)

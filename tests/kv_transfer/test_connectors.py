@@ -48,8 +48,8 @@ class Holder:
     """A peer.py process started on its own (no shared Python parent state), killed by pid."""
 
     def __init__(self, backend: str, seed: int, layout: KVLayout = LAYOUT, port: int = 0,
-                 secret: str | None = None) -> None:
-        env = {**os.environ, "PYTHONPATH": str(REPO)}
+                 secret: str | None = None, storage: str = "block") -> None:
+        env = {**os.environ, "PYTHONPATH": str(REPO), "PEER_STORAGE": storage}
         layout_json = msgspec.json.encode(layout).decode()
         argv = [sys.executable, str(PEER), backend, str(seed), layout_json, str(port), *([secret] if secret else [])]
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
@@ -119,9 +119,13 @@ def holders():
         holder.kill()
 
 
-def reader(backend: str, layout: KVLayout = LAYOUT, **config):
+def reader(backend: str, layout: KVLayout = LAYOUT, storage: str = "block", **config):
+    """A reader over a NaN-filled cache stored block-major (as CUDA engines store it) or
+    layer-major (as CPU engines do: engine/kv_cache.py)."""
     shape = (layout.num_blocks, layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
     cache = torch.full(shape, float("nan"), dtype=getattr(torch, layout.dtype))
+    if storage == "layer":
+        cache = cache.transpose(0, 1).contiguous().transpose(0, 1)
     connector = create_connector(TransferConfig(backend=backend, **config), cache, layout, "reader")
     return connector, cache
 
@@ -142,9 +146,14 @@ def poll_until(connector, request_ids: set[str], timeout_s: float) -> dict:
 
 
 @pytest.mark.parametrize("backend", ["nixl", "gloo"])
-def test_many_reads_into_non_contiguous_blocks_arrive_bit_identical(backend, holders):
-    holder = holders(backend, seed=1)
-    connector, cache = reader(backend)
+@pytest.mark.parametrize(("holder_storage", "reader_storage"),
+                         [("block", "block"), ("layer", "layer"), ("layer", "block"), ("block", "layer")])
+def test_many_reads_into_non_contiguous_blocks_arrive_bit_identical(backend, holder_storage, reader_storage,
+                                                                     holders):
+    """Also between caches stored layer-major (CPU engines) and block-major (CUDA ones), either way."""
+    holder = holders(backend, seed=1, storage=holder_storage)
+    connector, cache = reader(backend, storage=reader_storage)
+    assert cache.is_contiguous() == (reader_storage == "block")
     try:
         rng = random.Random(0)
         free = list(range(LAYOUT.num_blocks))
