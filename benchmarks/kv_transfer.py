@@ -3,11 +3,15 @@ processes by NIXL and by gloo, beside an in-process copy of the same bytes, in o
 
 For 512, 2,048 and 8,192 tokens: GB/s, latency (median of repeats), the ratio to the in-process
 copy (memcpy of the gathered blocks: this machine's limit), and NIXL descriptors per transfer.
-The reader's blocks are scattered (every other block id, one descriptor per block) as in a busy
-cache; NIXL is also timed into contiguous blocks (NIXL merges the run into one descriptor). The
-holder's blocks are contiguous, as a fresh prefill allocates them. Ends with `RESULT {json}`.
+The reader's blocks are scattered (every other block id) as in a busy cache; NIXL is also timed
+into contiguous blocks. The holder's blocks are contiguous, as a fresh prefill allocates them.
+Both caches are stored layer-major, as CPU engines store theirs (engine/kv_cache.py: a block's
+layers are regions of their own, and the connector merges the regions adjacent on both sides,
+so scattered blocks take one descriptor per block and layer, contiguous ones one per layer);
+--block-major stores them block-major, as CUDA engines do (one descriptor per block, a
+contiguous run one). Ends with `RESULT {json}`.
 
-    .venv/bin/python benchmarks/kv_transfer.py [--veth]
+    .venv/bin/python benchmarks/kv_transfer.py [--veth] [--block-major]
 
 --veth (root): also NIXL with the holder in a network namespace of its own, read across a veth
 pair and a bridge (TCP, as between hosts), beside NIXL over loopback.
@@ -114,8 +118,8 @@ def read_once(connector, holder, request_id: str, remote: list[int], local: list
 
 
 def bench_backend(backend: str, copies: dict, network=None) -> dict:
-    """Per token count: the reader's blocks scattered (one descriptor per block) and, for NIXL,
-    contiguous (NIXL merges the run into one descriptor), to decide the descriptor scheme. Each
+    """Per token count: the reader's blocks scattered and, for NIXL, contiguous (the connector
+    merges adjacent regions: see the module docstring), to decide the descriptor scheme. Each
     repeat also times the in-process copy of the same bytes right before the reads, so machine
     noise hits both sides of the ratio alike. With network (a pdserve.netns.TestNetwork), the
     holder runs in its namespace and the reader reads across the veth link and bridge."""

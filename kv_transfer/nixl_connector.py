@@ -1,14 +1,17 @@
 """NIXL connector (UCX backend): the reader pulls blocks with one READ per request.
 
-The whole cache is registered once. Descriptor lists are prepared once per side and
-granularity (the local one when first needed, the peer's at handshake): one entry per block
-where both caches are block-major (CUDA), else one per block and layer (a CPU cache is stored
-layer-major: engine/kv_cache.py), and a read names indices into both, layer by layer, so that a
-layer's consecutive blocks are adjacent entries. Measured (benchmarks/kv_transfer.py, small
-preset, CPU): 512 descriptors or one merged descriptor for 8,192 tokens move at the same
-3.0 GB/s, so nothing of ours merges. The READ carries no notification: the
-reader's confirmation over the side channel (SideChannelConnector) ends the lease, so the
-holder cannot free the blocks between the READ's completion and that check.
+The whole cache is registered once. A read names its blocks' regions on both sides as one
+descriptor list each, built for that read: where both caches are block-major (CUDA) a block is
+one region, else (a CPU cache is stored layer-major: engine/kv_cache.py) each block's layer is,
+layer by layer; regions adjacent in memory on both sides merge into one descriptor, so a prompt's
+blocks handed out in a row on both sides move as one descriptor per layer. Measured on a 2-core
+Zen 4 EPYC (benchmarks/kv_transfer.py, small preset in float32, CPU): NIXL's time grows with the
+descriptors it is given, not the bytes alone: for 8,192 tokens one per block and layer (15,360)
+took 110 ms, one per block (512, block-major caches) 78 ms.
+
+The READ carries no notification: the reader's confirmation over the side channel
+(SideChannelConnector) ends the lease, so the holder cannot free the blocks between the READ's
+completion and that check.
 
 On one host UCX carries a READ out inside the transfer() call that posts it (measured: 148 ms
 for 200 MB, then DONE), so poll() returns after the copy. Posting from another thread does
@@ -86,7 +89,6 @@ class NixlConnector(SideChannelConnector):
         self._regions = cache_regions(kv_cache)
         whole = [(kv_cache.data_ptr(), kv_cache.numel() * kv_cache.element_size(), self._device_id, "")]
         self._reg = self._agent.register_memory(self._agent.get_reg_descs(whole, self._mem_type))
-        self._local_dlists: dict[bool, object] = {}  # per_layer -> prepared list, when first needed
         self.num_descriptors_last_read = 0
         super().__init__(config, kv_cache, layout, engine_id)
         self._is_stopping = threading.Event()
@@ -99,13 +101,6 @@ class NixlConnector(SideChannelConnector):
                 self._agent.get_new_notifs()  # NOTE: for the progress it makes; our READs send no notices
             except Exception as exc:  # noqa: BLE001 - keep progressing; report once per failure
                 logger.warning("NIXL progress: %s", exc)
-
-    def _local_dlist(self, per_layer: bool):
-        if per_layer not in self._local_dlists:
-            descs = _descriptors(self.kv_cache.data_ptr(), self._regions, self.layout.num_blocks, per_layer,
-                                 self._device_id)
-            self._local_dlists[per_layer] = self._agent.prep_xfer_dlist("", descs, self._mem_type)
-        return self._local_dlists[per_layer]
 
     def _answer_info(self, hello: Hello) -> NixlAgentInfo:
         r = self._regions
@@ -121,28 +116,26 @@ class NixlConnector(SideChannelConnector):
         if remote.layer_bytes != self._regions.layer_bytes:  # the layouts matched, so a peer that lies
             raise TransferFailed(f"NIXL peer's blocks hold {remote.layer_bytes} bytes a layer, "
                                  f"ours {self._regions.layer_bytes}")
-        per_layer = not (remote.block_major and self._regions.block_major)
-        agent_name = self._agent.add_remote_agent(info.agent_metadata)
-        descs = _descriptors(info.base_address, remote, info.num_blocks, per_layer, info.device_id)
-        peer.handle = (agent_name, self._agent.prep_xfer_dlist(agent_name, descs, info.mem_type), per_layer,
-                       remote)
+        peer.handle = (self._agent.add_remote_agent(info.agent_metadata), info, remote)
 
     def _start_transfer(self, read: PendingRead, peer: Peer) -> None:
-        _, remote_dlist, per_layer, remote = peer.handle
-        num_layers = self.layout.num_layers if per_layer else 1
-        local_ids = _entries(read.local_block_ids, num_layers)
-        remote_ids = _entries(read.remote_block_ids, num_layers)
+        agent_name, info, remote = peer.handle
+        per_layer = not (remote.block_major and self._regions.block_major)
+        length = self._regions.layer_bytes * (1 if per_layer else self.layout.num_layers)
+        local, remote_starts, lengths = _merged(_offsets(read.local_block_ids, self._regions, per_layer),
+                                                _offsets(read.remote_block_ids, remote, per_layer), length)
         try:
-            handle = self._agent.make_prepped_xfer("READ", self._local_dlist(per_layer), local_ids, remote_dlist,
-                                                   remote_ids)
+            handle = self._agent.initialize_xfer(
+                "READ", self._agent.get_xfer_descs(_rows(self.kv_cache.data_ptr() + local, lengths, self._device_id),
+                                                   self._mem_type),
+                self._agent.get_xfer_descs(_rows(info.base_address + remote_starts, lengths, info.device_id),
+                                           info.mem_type),
+                agent_name)
             state = _transfer_state(self._agent.transfer(handle))
         except Exception as exc:  # noqa: BLE001 - nixl raises its own types; surface as ours
             raise TransferFailed(f"NIXL READ could not start: {exc}") from exc
         read.handle = handle
-        self.num_descriptors_last_read = _count_runs(
-            _addresses(read.local_block_ids, self._regions, per_layer),
-            _addresses(read.remote_block_ids, remote, per_layer),
-            self._regions.layer_bytes if per_layer else self._regions.layer_bytes * self.layout.num_layers)
+        self.num_descriptors_last_read = len(lengths)
         if state is TransferState.FAILED:
             raise TransferFailed("NIXL READ failed to post")
 
@@ -186,9 +179,8 @@ class NixlConnector(SideChannelConnector):
         read.handle = None
 
     def _forget_peer(self, peer: Peer) -> None:
-        agent_name, remote_dlist, _, _ = peer.handle
+        agent_name, _, _ = peer.handle
         try:
-            self._agent.release_dlist_handle(remote_dlist)
             self._agent.remove_remote_agent(agent_name)
         except Exception as exc:  # noqa: BLE001 - the peer is gone; best effort
             logger.warning("forgetting NIXL peer %s: %s", agent_name, exc)
@@ -198,8 +190,6 @@ class NixlConnector(SideChannelConnector):
         self._progress.join(timeout=2)
         super().close()
         try:
-            for dlist in self._local_dlists.values():
-                self._agent.release_dlist_handle(dlist)
             self._agent.deregister_memory(self._reg)
         except Exception as exc:  # noqa: BLE001 - shutting down
             logger.warning("NIXL deregistration: %s", exc)
@@ -215,39 +205,27 @@ def _transfer_state(nixl_state: str) -> TransferState:
     return TransferState.FAILED
 
 
-def _descriptors(base: int, regions: CacheRegions, num_blocks: int, per_layer: bool, device_id: int) -> np.ndarray:
-    """A cache's transfer descriptors (address, length, device) as NIXL's Nx3 array: one per block
-    (entry b), or per_layer one per block and layer (entry b * num_layers + l)."""
-    blocks = np.arange(num_blocks, dtype=np.int64) * regions.block_stride
-    if per_layer:
-        layers = np.arange(regions.num_layers, dtype=np.int64) * regions.layer_stride
-        starts, length = (blocks[:, None] + layers[None, :]).reshape(-1), regions.layer_bytes
-    else:
-        starts, length = blocks, regions.layer_bytes * regions.num_layers
-    return np.stack([base + starts, np.full_like(starts, length), np.full_like(starts, device_id)], axis=1)
-
-
-def _entries(block_ids: list[int], num_layers: int) -> list[int]:
-    """The descriptor entries of block_ids (see _descriptors), layer by layer: a layer's blocks
-    in order, then the next layer's, so that consecutive blocks of a layer-major cache are
-    adjacent entries."""
-    if num_layers == 1:
-        return list(block_ids)
-    return [b * num_layers + layer for layer in range(num_layers) for b in block_ids]
-
-
-def _addresses(block_ids: list[int], regions: CacheRegions, per_layer: bool) -> list[int]:
-    """Each entry's offset in its cache, in _entries's order."""
+def _offsets(block_ids: list[int], regions: CacheRegions, per_layer: bool) -> np.ndarray:
+    """The blocks' regions' offsets in their cache: per block, or per_layer per block and layer,
+    layer by layer (a layer's blocks in order, then the next layer's), so that consecutive blocks
+    of a layer-major cache are adjacent entries."""
+    blocks = np.asarray(block_ids, dtype=np.int64) * regions.block_stride
     if not per_layer:
-        return [b * regions.block_stride for b in block_ids]
-    return [b * regions.block_stride + layer * regions.layer_stride
-            for layer in range(regions.num_layers) for b in block_ids]
+        return blocks
+    layers = np.arange(regions.num_layers, dtype=np.int64) * regions.layer_stride
+    return (layers[:, None] + blocks[None, :]).reshape(-1)
 
 
-def _count_runs(local: list[int], remote: list[int], length: int) -> int:
-    """Descriptors after merging: runs of entries adjacent in memory on both sides."""
-    runs = 0
-    for i in range(len(local)):
-        if i == 0 or local[i] != local[i - 1] + length or remote[i] != remote[i - 1] + length:
-            runs += 1
-    return runs
+def _merged(local: np.ndarray, remote: np.ndarray, length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Entries of length bytes at local[i] / remote[i], runs adjacent on both sides merged: (local
+    starts, remote starts, lengths)."""
+    breaks = np.ones(len(local), dtype=bool)
+    breaks[1:] = (local[1:] != local[:-1] + length) | (remote[1:] != remote[:-1] + length)
+    starts = np.flatnonzero(breaks)
+    counts = np.diff(np.append(starts, len(local)))
+    return local[starts], remote[starts], counts * length
+
+
+def _rows(addresses: np.ndarray, lengths: np.ndarray, device_id: int) -> np.ndarray:
+    """NIXL's descriptor list as an Nx3 array: (address, length, device)."""
+    return np.stack([addresses, lengths, np.full_like(lengths, device_id)], axis=1)
