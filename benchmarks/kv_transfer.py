@@ -35,6 +35,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from engine.config import CacheConfig  # noqa: E402
+from engine.kv_cache import stored_layer_major  # noqa: E402
 from engine.protocol import curve_keys  # noqa: E402
 from kv_transfer.base import RemoteLease  # noqa: E402
 from kv_transfer.config import TransferConfig  # noqa: E402
@@ -50,6 +51,7 @@ LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=BLOCK_S
                   num_blocks=2 * 8192 // BLOCK_SIZE + 8, model_fingerprint="bench", code_version="1")
 HOLDER = """
 import json, sys, os, time, msgspec, torch
+from engine.kv_cache import stored_layer_major
 from kv_transfer.config import TransferConfig
 from kv_transfer.factory import create_connector
 from kv_transfer.layout import KVLayout
@@ -60,7 +62,7 @@ keys = curve_keys(sys.argv[4]) if len(sys.argv) > 4 else None
 shape = (layout.num_blocks, layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
 cache = torch.randn(shape)
 if os.environ.get("KV_BENCH_STORAGE") == "layer":
-    cache = cache.transpose(0, 1).contiguous().transpose(0, 1)
+    cache = stored_layer_major(cache)
 c = create_connector(TransferConfig(backend=sys.argv[2], host=sys.argv[3], curve_keys=keys), cache, layout, "holder")
 leases = LeaseTable(600.0)
 c.serve_leases(leases)
@@ -171,7 +173,7 @@ def _row(times: list[float], num_blocks: int, descriptors) -> dict:
 
 def stored(cache: torch.Tensor) -> torch.Tensor:
     """The cache stored as this run's engines store theirs (see the module docstring)."""
-    return cache if STORAGE == "block" else cache.transpose(0, 1).contiguous().transpose(0, 1)
+    return cache if STORAGE == "block" else stored_layer_major(cache)
 
 
 def block_bytes() -> int:

@@ -59,6 +59,12 @@ def num_cache_blocks(model: ModelConfig, cache: CacheConfig, device: str) -> int
     return int(num_blocks)
 
 
+def stored_layer_major(cache: torch.Tensor) -> torch.Tensor:
+    """cache's values in a cache of the same shape stored layer-major, as allocate_kv_cache stores a
+    CPU one (for tests and benchmarks that fill a cache of their own)."""
+    return cache.transpose(0, 1).contiguous().transpose(0, 1)
+
+
 def allocate_kv_cache(model: ModelConfig, num_blocks: int, block_size: int, device: str) -> torch.Tensor:
     """The zeroed cache; on the CPU layer-major (see above) on transparent huge pages where Linux
     gives them."""

@@ -94,22 +94,25 @@ def new_engine_id(node_id: str) -> str:
 @dataclass(frozen=True)
 class CacheRegions:
     """Where a cache's blocks lie, in bytes from its first element: block b's layer l (its K and V)
-    is layer_bytes at b * block_stride + l * layer_stride. block_major: each block is one region of
-    num_layers * layer_bytes (engine/kv_cache.py: CUDA caches; CPU ones are layer-major)."""
+    is layer_bytes at b * block_stride + l * layer_stride."""
 
     block_stride: int
     layer_stride: int
     layer_bytes: int
     num_layers: int
-    block_major: bool
+
+    @property
+    def block_major(self) -> bool:
+        """Each block one region of num_layers * layer_bytes (engine/kv_cache.py: CUDA caches; CPU
+        ones are layer-major)."""
+        return self.layer_stride == self.layer_bytes and self.block_stride == self.num_layers * self.layer_bytes
 
 
 def cache_regions(kv_cache: torch.Tensor) -> CacheRegions:
     """The regions of a cache check_cache accepted."""
     elem = kv_cache.element_size()
     layer_numel = kv_cache[0, 0].numel()
-    return CacheRegions(kv_cache.stride(0) * elem, kv_cache.stride(1) * elem, layer_numel * elem, kv_cache.shape[1],
-                        kv_cache.is_contiguous())
+    return CacheRegions(kv_cache.stride(0) * elem, kv_cache.stride(1) * elem, layer_numel * elem, kv_cache.shape[1])
 
 
 def check_cache(kv_cache: torch.Tensor, layout: KVLayout) -> None:

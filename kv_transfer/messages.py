@@ -40,12 +40,11 @@ class NixlAgentInfo(msgspec.Struct, tag="nixl_agent_info", frozen=True):
 
     agent_metadata: bytes
     base_address: int
-    # block b's layer l is layer_bytes at base_address + b * block_stride + l * layer_stride;
-    # block_major: each block one region (kv_transfer/base.py CacheRegions)
+    # block b's layer l is layer_bytes at base_address + b * block_stride + l * layer_stride
+    # (kv_transfer/base.py CacheRegions)
     block_stride: int
     layer_stride: int
     layer_bytes: int
-    block_major: bool
     num_blocks: int
     device_id: int
     mem_type: str  # NIXL's memory type: "DRAM" or "VRAM"

@@ -107,13 +107,12 @@ class NixlConnector(SideChannelConnector):
         r = self._regions
         return NixlAgentInfo(agent_metadata=self._agent.get_agent_metadata(), base_address=self.kv_cache.data_ptr(),
                              block_stride=r.block_stride, layer_stride=r.layer_stride, layer_bytes=r.layer_bytes,
-                             block_major=r.block_major, num_blocks=self.layout.num_blocks,
+                             num_blocks=self.layout.num_blocks,
                              device_id=self._device_id, mem_type=self._mem_type)
 
     def _connect_peer(self, peer: Peer) -> None:
         info: NixlAgentInfo = peer.backend_info
-        remote = CacheRegions(info.block_stride, info.layer_stride, info.layer_bytes, self.layout.num_layers,
-                              info.block_major)
+        remote = CacheRegions(info.block_stride, info.layer_stride, info.layer_bytes, self.layout.num_layers)
         if remote.layer_bytes != self._regions.layer_bytes:  # the layouts matched, so a peer that lies
             raise TransferFailed(f"NIXL peer's blocks hold {remote.layer_bytes} bytes a layer, "
                                  f"ours {self._regions.layer_bytes}")

@@ -1,6 +1,6 @@
 /* bfloat16 projections y = x W^T (+ bias), decode batches (up to 64 rows) and prefill ones (see
- * blocked() below), on CPUs with AVX512-BF16 but no AMX (AMD's Zen 4 and Zen 5, Intel's Cooper Lake): vdpbf16ps, which adds two
- * bfloat16 products to each of 16 float32 sums. W is packed once, when the model loads
+ * blocked() below), on CPUs with AVX512-BF16 but no AMX (AMD's Zen 4 and Zen 5, Intel's Cooper
+ * Lake): vdpbf16ps, which adds two bfloat16 products to each of 16 float32 sums. W is packed once, when the model loads
  * (pack_bf16_pairs in kernels/linear.py): panels of 48 outputs, each k / 2 rows of 48 outputs x 2
  * consecutive inputs (zero-padded past n), so a panel streams front to back. Each thread takes
  * whole panels; each panel runs x 8 rows at a time: 8 x 48 float32 sums in 24 registers, one
@@ -87,12 +87,14 @@ static inline __attribute__((always_inline)) void panel_rows(const uint16_t *x, 
  * rows of those inputs (64 KB) in L2. Each row group's sums over an input block start at zero and
  * are added to its running totals, float32 in `carry` (ROWS x PANEL per group, 24 KB): a blocked
  * summation with blocks of BLOCK_INPUTS inputs (the small-batch path's blocks are CHUNK inputs;
- * holding both its chunk sums and its totals in registers measured ~8% slower here).
- * On a 2-core Zen 4 EPYC, two threads, SmolLM-135M's four projections, medians of 15 alternated
- * repeats, against oneDNN's prepacked bfloat16 matmul (what prefill took before): 96 rows 1.56
- * against 1.81 ms, 256 rows 4.20 against 4.50, 2,048 rows 33.4 against 33.9 (434 against 427
- * GFLOP/s; alone at 2,048 rows: qkv 444 against 412, o 449 against 406, gate-up 435 against 420,
- * down 437 against 428); the small-batch loop, each row group streaming the whole panel: 420-424. */
+ * holding both its chunk sums and its totals in registers measured 7% slower here: 397 against
+ * 425 GFLOP/s for oneDNN). On a 2-core Zen 4 EPYC, two threads, SmolLM-135M's four projections,
+ * medians of 15 alternated repeats, against oneDNN's prepacked bfloat16 matmul (what prefill took
+ * before): 96 rows 1.54 against 1.61 ms, 256 rows 4.23 against 4.32, 2,048 rows 33.6-34.0 against
+ * 33.8-34.3 (426-431 against 422-429 GFLOP/s; alone at 2,048 rows: qkv 444 against 412-429, o
+ * 446-449 against 406-429, gate-up 428-435 against 406-420, down 433-437 against 375-428); the
+ * small-batch loop, each row group streaming the whole panel: 419-426. In the engine, offline
+ * bfloat16 `small`, 3 alternated pairs: the run's projections 8.54-8.71 s against 8.70-8.75. */
 enum { SMALL_BATCH_ROWS = 64, BLOCK_ROWS = 128, BLOCK_INPUTS = 256 };
 
 /* rows (1..8, a constant after inlining) of x against one panel's inputs [k0, k1), their sums

@@ -20,6 +20,7 @@ import time
 import msgspec
 import torch
 
+from engine.kv_cache import stored_layer_major
 from engine.protocol import curve_keys
 from kv_transfer.config import TransferConfig
 from kv_transfer.factory import create_connector
@@ -39,7 +40,7 @@ def main() -> None:
     shape = (layout.num_blocks, layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
     cache = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
     if os.environ.get("PEER_STORAGE") == "layer":  # the same values stored layer-major, as a CPU engine's
-        cache = cache.transpose(0, 1).contiguous().transpose(0, 1)
+        cache = stored_layer_major(cache)
     port = int(sys.argv[4]) if len(sys.argv) > 4 else 0
     keys = curve_keys(sys.argv[5]) if len(sys.argv) > 5 else None
     config = TransferConfig(backend=backend, side_channel_port=port, curve_keys=keys)

@@ -18,6 +18,7 @@ import pytest
 import torch
 import zmq
 
+from engine.kv_cache import stored_layer_major
 from engine.protocol import curve_keys
 from kv_transfer import side_channel
 from kv_transfer.base import FailureCode, RemoteLease
@@ -125,7 +126,7 @@ def reader(backend: str, layout: KVLayout = LAYOUT, storage: str = "block", **co
     shape = (layout.num_blocks, layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
     cache = torch.full(shape, float("nan"), dtype=getattr(torch, layout.dtype))
     if storage == "layer":
-        cache = cache.transpose(0, 1).contiguous().transpose(0, 1)
+        cache = stored_layer_major(cache)
     connector = create_connector(TransferConfig(backend=backend, **config), cache, layout, "reader")
     return connector, cache
 
