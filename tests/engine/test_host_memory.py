@@ -1,5 +1,6 @@
 """Huge pages for the KV cache: the advice covers a tensor's 2 MiB-aligned interior, and the
-cache is advised before it is zeroed (the advice applies only to pages not yet touched)."""
+cache is advised before it is zeroed (the advice applies only to pages not yet touched). The CPU
+cache's storage is layer-major."""
 
 import sys
 from pathlib import Path
@@ -36,3 +37,17 @@ def test_kv_cache_is_advised_before_it_is_zeroed(monkeypatch):
     cache = kv_cache.allocate_kv_cache(model, num_blocks=300, block_size=16, device="cpu")
     assert cache.shape == (300, 2, 2, 16, 1, 32) and cache.dtype == torch.bfloat16
     assert advised == [cache.data_ptr()] and bool(torch.all(cache == 0))
+
+
+def test_cpu_kv_cache_is_stored_layer_major():
+    """Indexed by block, stored layer by layer: a layer's consecutive blocks are one run of memory
+    (what decode attention reads), each block's layer one contiguous slice; stored_layer_major
+    gives a filled cache the same storage."""
+    model = SimpleNamespace(num_layers=3, num_kv_heads=2, head_dim=32, dtype=torch.float32)
+    cache = kv_cache.allocate_kv_cache(model, num_blocks=10, block_size=16, device="cpu")
+    assert cache.shape == (10, 3, 2, 16, 2, 32) and not cache.is_contiguous()
+    assert cache.transpose(0, 1).is_contiguous() and cache[:, 1].is_contiguous()
+    assert cache[4, 1].data_ptr() - cache[3, 1].data_ptr() == cache[0, 0].nbytes
+    filled = torch.randn(10, 3, 2, 16, 2, 32)
+    stored = kv_cache.stored_layer_major(filled)
+    assert torch.equal(stored, filled) and stored.stride() == cache.stride()
