@@ -23,7 +23,6 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from engine.protocol import KVFallbackReason, KVOutcome, KVSource
-from engine.request import FinishReason
 
 LABELS = ["model_name", "engine", "role"]
 # vLLM's buckets (vllm/v1/metrics/loggers.py), with finer ones below vLLM's first where a
@@ -208,12 +207,10 @@ class NodeMetrics:
 
     # ---- leases (prefill node) --------------------------------------------------------------
 
-    def leases_started(self, outputs: list, is_held: Callable[[str], bool]) -> None:
-        """After a step's outputs were sent: the prefilled requests now on a lease."""
-        now = time.monotonic()
-        for out in outputs:
-            if out.finish_reason is FinishReason.PREFILLED and is_held(out.request_id):
-                self._leases[out.request_id] = now
+    def lease_started(self, request_id: str) -> None:
+        """A prefilled request's blocks now wait on a lease (called when the lease is added,
+        before its handle is sent: a reader may confirm, and so end it, at once)."""
+        self._leases[request_id] = time.monotonic()
 
     def poll_leases(self, is_held: Callable[[str], bool]) -> None:
         """Observe the hold time of every lease that ended since the last call (read and confirmed,

@@ -409,7 +409,6 @@ class NodeServer:
             return
         self.metrics.step_done(started_at, waiting, self.engine.scheduler.waiting, outputs, self._kv_outcomes)
         self.send_step_outputs(outputs)
-        self.metrics.leases_started(outputs, self.has_request)
 
     def _fail_all(self, exc: Exception) -> None:
         for request_id in self.engine.request_ids():

@@ -105,6 +105,7 @@ class PrefillNode(NodeServer):
     def _lease(self, out: StepOutput, owner: bytes) -> protocol.KVHandle:
         """Hold a prefilled request's blocks for its reader; its handle."""
         generation = self.leases.add(out.request_id, out.block_ids, owner)
+        self.metrics.lease_started(out.request_id)
         return protocol.KVHandle(engine_id=self.connector.engine_id, agent_address=self.connector.agent_address,
                                  block_ids=out.block_ids, num_tokens=out.num_prompt_tokens, generation=generation,
                                  lease_timeout_s=self.leases.lease_timeout_s)

@@ -160,6 +160,31 @@ def test_aborts_and_fallbacks_are_counted_and_leave_nothing_tracked(pair):
     assert_nothing_held(pair)
 
 
+def test_a_lease_confirmed_while_its_handle_is_being_sent_is_observed_once(pair):
+    """A fast reader can read and confirm a lease before the prefill node's loop gets past
+    sending the handle (the confirmation ends it on the side channel's thread). Its hold time is
+    still observed, once, and nothing stays tracked (the lease is timed from when it is added)."""
+    sent = []
+
+    def send_and_confirm_at_once(_identity, message):
+        sent.append(message)
+        if isinstance(message, protocol.PrefillResult) and message.kv_handle is not None:
+            assert pair.prefill.leases.end(message.request_id, message.kv_handle.generation)
+
+    pair.prefill.send = send_and_confirm_at_once
+    pair.prefill.handle_message(b"proxy", protocol.PrefillRequest("fast", PROMPT, GREEDY))
+    for _ in range(50):
+        if sent:
+            break
+        pair.prefill.run_once()
+    pair.prefill.run_once()  # the loop frees the ended lease's blocks and sees it gone
+    prefill = sample_values(pair.prefill.metrics.render().decode())
+    assert [type(m) for m in sent] == [protocol.PrefillResult]
+    assert value(prefill, "pdserve_node_kv_lease_hold_seconds_count") == 1
+    assert pair.prefill.metrics.num_tracked == 0
+    assert len(pair.prefill.leases) == 0
+
+
 # ---- real processes ------------------------------------------------------------------------
 
 
