@@ -146,15 +146,16 @@ def _bf16_kernel_only(weight, bias) -> Linear:
 
 @pytest.mark.parametrize("rows", [1, 3, 7, 8, 9, 16, 31, 63, 64, 65, 72, 129, 256, 700])
 @pytest.mark.parametrize(("out_features", "in_features"),
-                         [(17, 32), (48, 64), (100, 160), (130, 576), (49, 6), (50, 1538)])
+                         [(17, 32), (48, 64), (100, 160), (130, 576), (49, 6), (50, 1538), (800, 96)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_bfloat16_batches_on_the_avx512_bf16_kernel(rows, out_features, in_features, with_bias, bf16_calls):
     """Each output is the float64 product rounded once to bfloat16 (within half a unit in the last
     place), on the decode path (up to 64 rows) and the blocked one (more: 128-row blocks, input
     blocks of at most 256 inputs, running totals carried between them; bf16_linear.c): odd output
     counts (a partial 48-output panel, a partial 16-lane vector), row counts that leave a partial
-    8-row group or row block, one input block or several (576 in 3 x 192, 1,538 in 7), x's rows
-    strided. Without AVX512-BF16 the kernel is absent."""
+    8-row group or row block, one input block or several (576 in 3 x 192, 1,538 in 7), 17 panels
+    (a group of 16 and a partial group of one), x's rows strided. Without AVX512-BF16 the kernel
+    is absent."""
     if not EXPECT_AVX512_BF16:
         assert linear_module._bf16_kernel() is None
         return
