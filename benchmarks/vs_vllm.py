@@ -310,26 +310,40 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: list[dict], path: Path, dtype: str) -> None:
+def plot(rows: list[dict], path: Path, dtype: str):
+    """One panel per preset, tokens/s on a linear axis from zero (bars are the medians, dots each
+    round), each pair labelled with the ratio of the medians. Returns the matplotlib figure."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [f"{r['preset']}\n{r['mode']}" for r in rows]
-    fig, ax = plt.subplots(figsize=(1.8 * len(rows) + 2, 4))
-    xs = range(len(rows))
-    ax.bar([x - 0.2 for x in xs], [r["vllm"]["tok_s"] for r in rows], width=0.4, label="vLLM")
-    ax.bar([x + 0.2 for x in xs], [r["pdserve"]["tok_s"] for r in rows], width=0.4, label="pdserve")
-    for x, row in zip(xs, rows, strict=True):
-        ax.annotate(f"{row['ratio']:.2f}x", (x + 0.2, row["pdserve"]["tok_s"]), ha="center", va="bottom")
-    ax.set_xticks(list(xs), labels)
-    ax.set_yscale("log")
-    ax.set_ylabel("output tokens/s (median of rounds)")
-    ax.set_title(f"pdserve vs vLLM, 2 CPU cores, {dtype}, greedy")
-    ax.legend()
+    presets = list(dict.fromkeys(r["preset"] for r in rows))
+    fig, axes = plt.subplots(1, len(presets), figsize=(max(7.0, 2.2 * len(rows) + 1.5), 4.5), squeeze=False)
+    for ax, preset in zip(axes[0], presets, strict=True):
+        mine = [r for r in rows if r["preset"] == preset]
+        xs = range(len(mine))
+        for offset, engine, color in ((-0.2, "vllm", "tab:blue"), (0.2, "pdserve", "tab:orange")):
+            ax.bar([x + offset for x in xs], [r[engine]["tok_s"] for r in mine], width=0.4, color=color,
+                   label="vLLM" if engine == "vllm" else "pdserve")
+            for x, row in zip(xs, mine, strict=True):
+                rounds = row[engine].get("tok_s_each_round", [])
+                ax.plot([x + offset] * len(rounds), rounds, "k.", markersize=4)
+        for x, row in zip(xs, mine, strict=True):
+            top = max([row["pdserve"]["tok_s"], *row["pdserve"].get("tok_s_each_round", [])])
+            ax.annotate(f"{row['ratio']:.2f}x", (x + 0.2, top), ha="center", va="bottom")
+        ax.set_xticks(list(xs), [r["mode"].replace("served ", "served\n") for r in mine])
+        highest = max(v for r in mine for e in ("vllm", "pdserve")
+                      for v in [r[e]["tok_s"], *r[e].get("tok_s_each_round", [])])
+        ax.set_ylim(0, highest * 1.15)
+        ax.set_title(preset)
+    axes[0][0].set_ylabel("output tokens/s")
+    handles, names = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, names, loc="upper right")
+    fig.suptitle(f"pdserve vs vLLM, 2 CPU cores, {dtype}, greedy\n(bars: median of rounds; dots: each round)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    return fig
 
 
 def make_prompts(model_dir: Path, args: argparse.Namespace, out_dir: Path) -> tuple[Path, int]:
