@@ -330,12 +330,9 @@ def plot(rows: list[dict], path: Path, dtype: str):
                 rounds = row[engine].get("tok_s_each_round", [])
                 ax.plot([x + offset] * len(rounds), rounds, "k.", markersize=4)
         for x, row in zip(xs, mine, strict=True):
-            top = max([row["pdserve"]["tok_s"], *row["pdserve"].get("tok_s_each_round", [])])
-            ax.annotate(f"{row['ratio']:.2f}x", (x + 0.2, top), ha="center", va="bottom")
+            ax.annotate(f"{row['ratio']:.2f}x", (x + 0.2, max(_plotted(row, "pdserve"))), ha="center", va="bottom")
         ax.set_xticks(list(xs), [r["mode"].replace("served ", "served\n") for r in mine])
-        highest = max(v for r in mine for e in ("vllm", "pdserve")
-                      for v in [r[e]["tok_s"], *r[e].get("tok_s_each_round", [])])
-        ax.set_ylim(0, highest * 1.15)
+        ax.set_ylim(0, 1.15 * max(v for r in mine for engine in ("vllm", "pdserve") for v in _plotted(r, engine)))
         ax.set_title(preset)
     axes[0][0].set_ylabel("output tokens/s")
     handles, names = axes[0][0].get_legend_handles_labels()
@@ -344,6 +341,11 @@ def plot(rows: list[dict], path: Path, dtype: str):
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     return fig
+
+
+def _plotted(row: dict, engine: str) -> list[float]:
+    """An engine's values drawn for a row: the median and each round's."""
+    return [row[engine]["tok_s"], *row[engine].get("tok_s_each_round", [])]
 
 
 def make_prompts(model_dir: Path, args: argparse.Namespace, out_dir: Path) -> tuple[Path, int]:

@@ -173,10 +173,7 @@ def test_a_lease_confirmed_while_its_handle_is_being_sent_is_observed_once(pair)
 
     pair.prefill.send = send_and_confirm_at_once
     pair.prefill.handle_message(b"proxy", protocol.PrefillRequest("fast", PROMPT, GREEDY))
-    for _ in range(50):
-        if sent:
-            break
-        pair.prefill.run_once()
+    pair.run(lambda: sent)
     pair.prefill.run_once()  # the loop frees the ended lease's blocks and sees it gone
     prefill = sample_values(pair.prefill.metrics.render().decode())
     assert [type(m) for m in sent] == [protocol.PrefillResult]
