@@ -1,13 +1,20 @@
-"""Where the time goes under load: py-spy samples every process of a local deployment (proxy,
-prefill and decode nodes) while the serve_throughput load runs, and this script sums the
-samples into a few named parts per process.
+"""Where the time goes under load: the CPU each process of a local 1 prefill + 1 decode
+deployment (one core each) and the load generator use during one run, and, with py-spy, how each
+process's busy time splits into a few named parts.
 
-For each preset: start 1 prefill + 1 decode node (one core each) and the proxy, warm up, start
-`py-spy record` on each process, send N requests of P prompt tokens / O output tokens all at
-once, and report each process's busy share of the run and how its busy time splits. The raw
-stacks stay in --out-dir (flamegraph-ready "collapsed" text). Ends with `RESULT {json}`.
+For each preset: start the deployment, warm up, send N requests of P prompt tokens / O output
+tokens all at once (rate inf), and report
+- each process's CPU seconds over the run (/proc: user + system, all threads) and the load
+  generator's (this process), against the run's core-seconds (wall time x the cores it had): on a
+  machine whose cores the nodes keep busy, the run's rate is the work's total over the cores;
+- the tail: from the last request's first token to the last token, when the decode node steps
+  alone (on the prefill node's cores too where it borrows them) through shrinking batches;
+- the prompts the proxy sent to the decode node's own prefill;
+- with py-spy (the default; --no-spy for the CPU accounting alone: py-spy's own sampling takes
+  CPU on the same cores, reported as such): each process's busy share and its parts. The raw stacks stay in
+  --out-dir (flamegraph-ready "collapsed" text). Ends with `RESULT {json}`.
 
-    .venv/bin/python benchmarks/profile_serve.py --presets tiny,small
+    .venv/bin/python benchmarks/profile_serve.py --presets tiny,small [--dtype bfloat16] [--no-spy]
 """
 
 from __future__ import annotations
@@ -15,10 +22,13 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
+import resource
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import replace
 from pathlib import Path
 
@@ -32,6 +42,7 @@ from pdserve.launcher import start_local, wait_healthy  # noqa: E402
 SAMPLE_RATE_HZ = 100
 # Part name -> a substring of a stack frame; a sample counts for the first part it matches.
 NODE_PARTS = {
+    "decode-only steps' layers (one C call: matmuls, attention, the rest)": "kernels/decode_layers.py",
     "matmuls (linear)": "linear (kernels/linear.py",
     "decode attention": "decode_attention",
     "prefill attention": "prefill_attention",
@@ -59,6 +70,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                        help="the nodes' --dtype (default: theirs)")
+    parser.add_argument("--no-spy", action="store_true", help="the CPU accounting alone, without py-spy")
     parser.add_argument("--out-dir", default=str(REPO / "benchmarks" / "out" / "profiles"))
     return parser.parse_args()
 
@@ -72,7 +86,9 @@ def profile_preset(preset: str, args: argparse.Namespace) -> dict:
     model_dir = model_dir_for(preset)
     out_dir = Path(args.out_dir) / preset
     out_dir.mkdir(parents=True, exist_ok=True)
-    deployment = start_local(model_dir, num_prefill=1, num_decode=1, log_dir=out_dir)
+    node_args = ["--dtype", args.dtype] if args.dtype else []
+    deployment = start_local(model_dir, num_prefill=1, num_decode=1, node_args=node_args, log_dir=out_dir)
+    spies: dict[str, subprocess.Popen] = {}
     try:
         wait_healthy(deployment, 300)
         config = BenchConfig(EndpointConfig(base_url=deployment.base_url, model=model_dir.name),
@@ -80,22 +96,71 @@ def profile_preset(preset: str, args: argparse.Namespace) -> dict:
                                            output_len=args.output_len),
                              LoadConfig(show_progress=False))
         run_benchmark(replace(config, dataset=replace(config.dataset, num_requests=2, output_len=2, seed=1)))
-        spies = {name: _start_spy(proc.pid, out_dir / f"{name}.txt") for name, proc in deployment.cluster.procs}
+        if not args.no_spy:
+            spies = {name: _start_spy(proc.pid, out_dir / f"{name}.txt") for name, proc in deployment.cluster.procs}
+        local_before = _local_prefills(deployment.base_url)
+        cpu_before = {name: cpu_seconds(proc.pid) for name, proc in deployment.cluster.procs}
+        client_before = _own_cpu_seconds()
         started = time.monotonic()
         bench = run_benchmark(config)
+        elapsed_s = time.monotonic() - started
+        cpu_s = {name: cpu_seconds(proc.pid) - cpu_before[name] for name, proc in deployment.cluster.procs}
+        cpu_s["load generator"] = _own_cpu_seconds() - client_before
+        local_prefills = _local_prefills(deployment.base_url) - local_before
+        if spies:  # their sampling runs on the same cores
+            cpu_s["py-spy"] = sum(cpu_seconds(spy.pid) for spy in spies.values())
         for spy in spies.values():
             spy.send_signal(signal.SIGINT)  # py-spy writes its samples when interrupted
             spy.wait(timeout=60)
-        elapsed_s = time.monotonic() - started
     finally:
         deployment.stop()
-    result = {"preset": preset, "wall_s": bench.duration_s, "output_tok_s": bench.summary["output_throughput"],
-              "processes": {}}
+    result = {"preset": preset, "dtype": args.dtype, "spied": not args.no_spy, "wall_s": bench.duration_s,
+              "output_tok_s": bench.summary["output_throughput"], "num_failed": bench.summary["num_failed"],
+              **accounting(cpu_s, bench.duration_s, len(os.sched_getaffinity(0))),
+              "tail_s": tail_seconds(bench.records), "local_prefills": local_prefills, "processes": {}}
     for name in spies:
         parts = PROXY_PARTS if name == "proxy" else NODE_PARTS
         result["processes"][name] = split_samples(out_dir / f"{name}.txt", parts, elapsed_s)
     print_result(result)
     return result
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of every thread of process pid so far (/proc/<pid>/stat)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+def _own_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def accounting(cpu_s: dict[str, float], wall_s: float, num_cores: int) -> dict:
+    """Each process's CPU seconds and its share of the run's core-seconds (wall x cores), and
+    the share no process used (idle)."""
+    core_s = wall_s * num_cores
+    return {"num_cores": num_cores, "core_s": core_s, "cpu_s": cpu_s,
+            "cpu_share": {name: seconds / core_s for name, seconds in cpu_s.items()} if core_s else {},
+            "idle_share": max(0.0, 1.0 - sum(cpu_s.values()) / core_s) if core_s else 0.0}
+
+
+def tail_seconds(records) -> float | None:
+    """From the last first token of the run to its last token (None without a finished request)."""
+    done = [r for r in records if r.is_ok]
+    if not done:
+        return None
+    return max(r.end_s for r in done) - max(r.start_s + r.ttft_s for r in done)
+
+
+def _local_prefills(base_url: str) -> float:
+    """The proxy's pdserve_local_prefills_total (prompts prefilled on their decode node)."""
+    with urllib.request.urlopen(base_url + "/metrics", timeout=30) as response:
+        for line in response.read().decode().splitlines():
+            if line.startswith("pdserve_local_prefills_total "):
+                return float(line.split()[1])
+    return 0.0
 
 
 def _start_spy(pid: int, out: Path) -> subprocess.Popen:
@@ -129,7 +194,12 @@ def _part_of(stack: str, parts: dict) -> str:
 
 
 def print_result(result: dict) -> None:
-    print(f"  {result['output_tok_s']:.1f} output tok/s, {result['wall_s']:.1f} s")
+    print(f"  {result['output_tok_s']:.1f} output tok/s, {result['wall_s']:.1f} s, {result['num_cores']} cores: "
+          f"{result['core_s']:.1f} core-seconds; tail {result['tail_s'] or 0:.2f} s; "
+          f"{result['local_prefills']:.0f} prompts prefilled on the decode node")
+    for name, seconds in result["cpu_s"].items():
+        print(f"  {name}: {seconds:.2f} CPU s ({100 * result['cpu_share'][name]:.1f}% of the core-seconds)")
+    print(f"  idle: {100 * result['idle_share']:.1f}%")
     for name, proc in result["processes"].items():
         print(f"  {name}: busy {proc['busy_s']:.1f} s ({100 * proc['busy_share']:.0f}% of a core)")
         for part, share in sorted(proc["parts"].items(), key=lambda item: -item[1]):

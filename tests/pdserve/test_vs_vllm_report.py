@@ -4,20 +4,7 @@ per preset, a linear axis from zero)."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def vs_vllm():
-    spec = importlib.util.spec_from_file_location("vs_vllm", ROOT / "benchmarks" / "vs_vllm.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def offline_round(pdserve_tok_s: float, vllm_tok_s: float) -> dict:

@@ -1,0 +1,27 @@
+"""Fixtures for tests of the benchmark scripts, which are files under benchmarks/, not modules."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _benchmark(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def vs_vllm():
+    return _benchmark("vs_vllm")
+
+
+@pytest.fixture(scope="module")
+def profile_serve():
+    return _benchmark("profile_serve")

@@ -1,0 +1,36 @@
+"""benchmarks/profile_serve.py's accounting, from numbers as a run gives them (no deployment
+needed): CPU seconds against the run's core-seconds, the tail, and a process's own CPU time."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from pdserve.bench_client import RequestRecord
+
+
+def test_shares_are_of_wall_time_times_cores_and_idle_is_the_rest(profile_serve):
+    result = profile_serve.accounting({"prefill0": 9.0, "decode0": 10.0, "proxy": 0.5, "load generator": 0.5},
+                                      wall_s=10.0, num_cores=2)
+    assert result["core_s"] == 20.0
+    assert result["cpu_share"] == {"prefill0": 0.45, "decode0": 0.5, "proxy": 0.025, "load generator": 0.025}
+    assert result["idle_share"] == pytest.approx(0.0)
+    assert profile_serve.accounting({"decode0": 5.0}, wall_s=10.0, num_cores=2)["idle_share"] == 0.75
+
+
+def test_the_tail_runs_from_the_last_first_token_to_the_last_token(profile_serve):
+    records = [RequestRecord(0, is_ok=True, start_s=0.0, ttft_s=2.0, end_s=9.0),
+               RequestRecord(1, is_ok=True, start_s=0.1, ttft_s=5.0, end_s=8.0),
+               RequestRecord(2, is_ok=False, start_s=0.1, ttft_s=None, end_s=12.0)]  # failed: not counted
+    assert profile_serve.tail_seconds(records) == pytest.approx(9.0 - 5.1)
+    assert profile_serve.tail_seconds(records[2:]) is None
+
+
+def test_a_process_cpu_seconds_grow_with_the_work_it_does(profile_serve):
+    before = profile_serve.cpu_seconds(os.getpid())
+    deadline = time.process_time() + 0.2
+    while time.process_time() < deadline:
+        pass
+    assert profile_serve.cpu_seconds(os.getpid()) - before >= 0.1
