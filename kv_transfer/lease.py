@@ -37,6 +37,7 @@ class LeaseTable:
         self._leases: dict[str, _Lease] = {}
         self._ended: list[tuple[str, list[int]]] = []
         self._generations = itertools.count(1)
+        self._on_add: list[Callable[[], None]] = []
         self.num_renewals = 0
 
     def __len__(self) -> int:
@@ -51,6 +52,10 @@ class LeaseTable:
         with self._lock:
             return list(self._leases)
 
+    def on_add(self, callback: Callable[[], None]) -> None:
+        """Call callback (outside the table's lock; it must not block) after each add()."""
+        self._on_add.append(callback)
+
     def add(self, request_id: str, block_ids: list[int], owner: object = None) -> int:
         """Hold block_ids for request_id; returns the new lease's generation. Raises ValueError
         if the request holds a lease already."""
@@ -59,7 +64,9 @@ class LeaseTable:
                 raise ValueError(f"request {request_id} already holds a lease")
             generation = next(self._generations)
             self._leases[request_id] = _Lease(list(block_ids), generation, self._clock() + self.lease_timeout_s, owner)
-            return generation
+        for callback in self._on_add:
+            callback()
+        return generation
 
     def renew(self, request_id: str, generation: int) -> bool:
         """Push the lease's expiry to lease_timeout_s from now; False (nothing done) if that

@@ -390,3 +390,25 @@ def test_side_channel_survives_garbage_and_answers_after_it(holders):
         assert isinstance(reply, HelloReply) and reply.refusal is None and holder.proc.poll() is None
     finally:
         socket.close(linger=0)
+
+
+def test_a_nixl_reader_asks_for_frequent_progress_only_until_its_read_completes(holders):
+    """may_transfer() (the progress thread's pace: kv_transfer.nixl_connector): from start_read until
+    the READ is seen done, not while the holder's confirmation is awaited, nor after."""
+    holder = holders("nixl", seed=8)
+    connector, _ = reader("nixl")
+    try:
+        assert not connector.may_transfer()
+        connector.start_read("r", holder.lease("r", [3, 4]), [5, 6])
+        assert connector.may_transfer()
+        deadline = time.monotonic() + 30
+        results = []
+        while connector.may_transfer() and time.monotonic() < deadline:
+            results += connector.poll()
+            time.sleep(0.001)
+        assert not connector.may_transfer()
+        results += poll_until(connector, {"r"} - {r.request_id for r in results}, timeout_s=30).values()
+        assert [r.is_ok for r in results] == [True]
+        assert not connector.may_transfer()
+    finally:
+        connector.close()

@@ -16,6 +16,7 @@ from kv_transfer.base import RemoteLease
 from kv_transfer.config import TransferConfig
 from kv_transfer.factory import create_connector
 from kv_transfer.layout import KVLayout
+from kv_transfer.lease import LeaseTable
 
 REPO = Path(__file__).resolve().parents[2]
 LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype="float32", num_blocks=160,
@@ -25,6 +26,7 @@ import json, sys, time, os, msgspec, torch
 from kv_transfer.config import TransferConfig
 from kv_transfer.factory import create_connector
 from kv_transfer.layout import KVLayout
+from kv_transfer.lease import LeaseTable
 from kv_transfer.lease import LeaseTable
 layout = msgspec.json.decode(sys.argv[1], type=KVLayout)
 mode = sys.argv[2]
@@ -129,3 +131,45 @@ def test_transfer_completes_promptly_while_both_loops_run_model_steps():
         connector.close()
         proc.kill()
         proc.wait()
+
+
+class _CountedAgent:
+    """The connector's NIXL agent, counting get_new_notifs() calls (its progress thread's)."""
+
+    def __init__(self, agent) -> None:
+        self._agent = agent
+        self.num_progress_calls = 0
+
+    def get_new_notifs(self):
+        self.num_progress_calls += 1
+        return self._agent.get_new_notifs()
+
+    def __getattr__(self, name):
+        return getattr(self._agent, name)
+
+
+def _progress_calls_over(agent: _CountedAgent, seconds: float) -> int:
+    before = agent.num_progress_calls
+    time.sleep(seconds)
+    return agent.num_progress_calls - before
+
+
+def test_progress_is_frequent_only_while_a_lease_may_be_read():
+    shape = (LAYOUT.num_blocks, LAYOUT.num_layers, 2, LAYOUT.block_size, LAYOUT.num_kv_heads, LAYOUT.head_dim)
+    connector = create_connector(TransferConfig(), torch.zeros(shape), LAYOUT, "holder")
+    agent = connector._agent = _CountedAgent(connector._agent)
+    leases = LeaseTable(60.0)
+    connector.serve_leases(leases)
+    try:
+        assert not connector.may_transfer()
+        idle_calls = _progress_calls_over(agent, 1.0)  # every 100 ms: ~10
+        leases.add("r", [0, 1])
+        assert connector.may_transfer()
+        leased_calls = _progress_calls_over(agent, 1.0)  # every 5 ms: up to 200
+        leases.release("r")
+        assert not connector.may_transfer()
+        print(f"\nprogress calls in 1 s: {idle_calls} idle, {leased_calls} with a lease held")
+        assert idle_calls <= 15
+        assert leased_calls >= 5 * max(idle_calls, 1)
+    finally:
+        connector.close()
