@@ -28,13 +28,13 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from dataclasses import replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchmarks.serve_throughput import scrape_counters  # noqa: E402
 from pdserve.bench import BenchConfig, DatasetConfig, EndpointConfig, LoadConfig, run_benchmark  # noqa: E402
 from pdserve.default_model import ensure_model  # noqa: E402
 from pdserve.launcher import start_local, wait_healthy  # noqa: E402
@@ -98,7 +98,7 @@ def profile_preset(preset: str, args: argparse.Namespace) -> dict:
         run_benchmark(replace(config, dataset=replace(config.dataset, num_requests=2, output_len=2, seed=1)))
         if not args.no_spy:
             spies = {name: _start_spy(proc.pid, out_dir / f"{name}.txt") for name, proc in deployment.cluster.procs}
-        local_before = _local_prefills(deployment.base_url)
+        counters_before = scrape_counters(deployment.base_url)
         cpu_before = {name: cpu_seconds(proc.pid) for name, proc in deployment.cluster.procs}
         client_before = _own_cpu_seconds()
         started = time.monotonic()
@@ -106,7 +106,7 @@ def profile_preset(preset: str, args: argparse.Namespace) -> dict:
         elapsed_s = time.monotonic() - started
         cpu_s = {name: cpu_seconds(proc.pid) - cpu_before[name] for name, proc in deployment.cluster.procs}
         cpu_s["load generator"] = _own_cpu_seconds() - client_before
-        local_prefills = _local_prefills(deployment.base_url) - local_before
+        local_prefills = scrape_counters(deployment.base_url)["local_prefills"] - counters_before["local_prefills"]
         if spies:  # their sampling runs on the same cores
             cpu_s["py-spy"] = sum(cpu_seconds(spy.pid) for spy in spies.values())
         for spy in spies.values():
@@ -152,15 +152,6 @@ def tail_seconds(records) -> float | None:
     if not done:
         return None
     return max(r.end_s for r in done) - max(r.start_s + r.ttft_s for r in done)
-
-
-def _local_prefills(base_url: str) -> float:
-    """The proxy's pdserve_local_prefills_total (prompts prefilled on their decode node)."""
-    with urllib.request.urlopen(base_url + "/metrics", timeout=30) as response:
-        for line in response.read().decode().splitlines():
-            if line.startswith("pdserve_local_prefills_total "):
-                return float(line.split()[1])
-    return 0.0
 
 
 def _start_spy(pid: int, out: Path) -> subprocess.Popen:

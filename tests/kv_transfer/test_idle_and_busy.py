@@ -27,7 +27,6 @@ from kv_transfer.config import TransferConfig
 from kv_transfer.factory import create_connector
 from kv_transfer.layout import KVLayout
 from kv_transfer.lease import LeaseTable
-from kv_transfer.lease import LeaseTable
 layout = msgspec.json.decode(sys.argv[1], type=KVLayout)
 mode = sys.argv[2]
 shape = (layout.num_blocks, layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
