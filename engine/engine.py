@@ -217,7 +217,10 @@ class LLMEngine:
                          len(scheduled.prefills), self.num_free_blocks, 1000 * elapsed)
         prompt_logprobs = [(span, _prompt_logprobs_of(span)) for span in step_logits.prompt_spans]
         sampled_requests = step_logits.sampled_requests
-        tokens = self.sampler.sample(step_logits.logits, sampled_requests) if sampled_requests else []
+        if step_logits.greedy_tokens is not None:
+            tokens = self.sampler.tokens_of(step_logits.greedy_tokens, sampled_requests)
+        else:
+            tokens = self.sampler.sample(step_logits.logits, sampled_requests) if sampled_requests else []
         # NOTE: nothing above changed a request; from here on nothing raises but a bug.
         for request, num_new in scheduled.scheduled():
             request.num_computed_tokens += num_new

@@ -15,6 +15,7 @@ from engine.weights import LayerWeights, ModelWeights
 from kernels.activation import silu_and_mul
 from kernels.decode_attention import decode_attention
 from kernels.decode_layers import DecodeLayers
+from kernels.greedy_head import greedy_head_argmax
 from kernels.linear import linear
 from kernels.prefill_attention import prefill_attention
 from kernels.rms_norm import add_rms_norm, rms_norm
@@ -72,6 +73,29 @@ class CausalLM:
         """Run the batch, writing its K/V into kv_cache; returns the logits [len(logits_indices),
         vocab] for the tokens at logits_indices, in the model's dtype (the sampler widens them
         to float32 where it needs to: a greedy argmax does not)."""
+        return linear(self._final_hidden(input_ids, meta, kv_cache, logits_indices), self.weights.lm_head)
+
+    @property
+    def has_greedy_head(self) -> bool:
+        return self.weights.greedy_head is not None
+
+    @torch.inference_mode()
+    def forward_greedy(
+        self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """forward, for a batch whose logits rows all take their argmax and nothing else (plain
+        greedy): returns those tokens, int64 [len(logits_indices)], from the greedy head (the
+        argmax of the logits forward would give; see kernels/greedy_head.py). Needs
+        has_greedy_head."""
+        hidden = self._final_hidden(input_ids, meta, kv_cache, logits_indices)
+        return greedy_head_argmax(hidden, self.weights.greedy_head)
+
+    def _final_hidden(
+        self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """The layers and the final norm: the LM head's input for the rows at logits_indices."""
         hidden = self.weights.embed_tokens[input_ids]
         if meta.num_decode_tokens == hidden.shape[0] and self.decode_layers.takes(hidden, kv_cache):
             hidden, residual = self.decode_layers.run(
@@ -84,7 +108,7 @@ class CausalLM:
             hidden = hidden[logits_indices]
             residual = residual[logits_indices]
         normed, _ = add_rms_norm(hidden, residual, self.weights.norm, self.config.rms_norm_eps)
-        return linear(normed, self.weights.lm_head)
+        return normed
 
     def _layers(
         self, hidden: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor,

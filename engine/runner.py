@@ -8,6 +8,7 @@ import torch
 
 from engine.model import AttentionMetadata, CausalLM
 from engine.request import Request
+from engine.sampler import is_plain_greedy
 from engine.scheduler import SchedulerOutput
 
 
@@ -33,9 +34,14 @@ class BatchInputs:
 
 @dataclass
 class StepLogits:
-    logits: torch.Tensor  # [num_sampled, vocab] float32: each sampling request's last token
+    # [num_sampled, vocab] (the model's dtype): each sampling request's last token; None where
+    # greedy_tokens holds their tokens instead
+    logits: torch.Tensor | None
     sampled_requests: list[Request]
     prompt_spans: list[PromptSpan]  # with their logits
+    # int64 [num_sampled]: each request's token, where all are plain greedy (is_plain_greedy) and
+    # the model's greedy head gave their argmax without the logits
+    greedy_tokens: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -50,6 +56,10 @@ class ModelRunner:
         scheduled token is their last token; partial chunks sample not) and of the prompt
         positions whose logprobs are owed (Request.needs_prompt_logprobs)."""
         batch = self.prepare(scheduled)
+        if (self.model.has_greedy_head and batch.sampled_requests and not batch.prompt_spans
+                and all(is_plain_greedy(r) for r in batch.sampled_requests)):
+            tokens = self.model.forward_greedy(batch.input_ids, batch.meta, self.kv_cache, batch.logits_indices)
+            return StepLogits(None, batch.sampled_requests, [], greedy_tokens=tokens)
         logits = self.model.forward(batch.input_ids, batch.meta, self.kv_cache, batch.logits_indices)
         num_sampled = len(batch.sampled_requests)
         offset = num_sampled

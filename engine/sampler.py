@@ -41,7 +41,7 @@ class Sampler:
         """logits: [num_requests, vocab] (any dtype); returns one token per request, in order.
         A request's logit_bias is added to its row and its grammar masks the row before any
         choice (greedy included)."""
-        if logits.dtype != torch.float32 and not all(_plain_greedy(r) for r in requests):
+        if logits.dtype != torch.float32 and not all(is_plain_greedy(r) for r in requests):
             logits = logits.float()
         raw_logprobs = self._raw_logprobs(logits, requests)
         logits = self._apply_penalties(logits, requests)
@@ -58,6 +58,10 @@ class Sampler:
             chosen = [requests[i] for i in random_idx]
             token_ids[random_idx] = self._sample_random(logits[random_idx], chosen)
         return _with_logprobs(token_ids, raw_logprobs, requests)
+
+    def tokens_of(self, token_ids: torch.Tensor, requests: list[Request]) -> list[TokenLogprob]:
+        """sample's answer for plain greedy requests (is_plain_greedy) whose argmax is known."""
+        return _with_logprobs(token_ids, None, requests)
 
     def _raw_logprobs(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor | None:
         # NOTE: logprobs are those of the model's distribution (before temperature, penalties
@@ -161,7 +165,7 @@ class Sampler:
         return noise
 
 
-def _plain_greedy(request: Request) -> bool:
+def is_plain_greedy(request: Request) -> bool:
     """Greedy with nothing that edits or reports the logits: its token is the argmax of the
     model's logits in their own dtype (exact: widening to float32 keeps their order), so a batch
     of these needs no float32 copy of the logits (64 x 49,152 bfloat16: ~0.8 ms of a 55 ms step)."""

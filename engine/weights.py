@@ -12,6 +12,7 @@ import torch
 from safetensors import safe_open
 
 from engine.config import ModelConfig
+from kernels.greedy_head import GreedyHead, prepare_greedy_head
 from kernels.linear import Linear, prepare_linear
 
 logger = logging.getLogger(__name__)
@@ -37,6 +38,9 @@ class ModelWeights:
     layers: list[LayerWeights]
     norm: torch.Tensor  # [hidden]
     lm_head: Linear  # hidden -> vocab
+    # the LM head's greedy screen (float32 on CPUs with AVX512-BF16, decode-capable engines; see
+    # kernels/greedy_head.py): the token of a plain greedy row without its logits
+    greedy_head: GreedyHead | None = None
 
 
 def load_weights(config: ModelConfig, device: str = "cpu", decode_batches: bool = True) -> ModelWeights:
@@ -61,7 +65,8 @@ def load_weights(config: ModelConfig, device: str = "cpu", decode_batches: bool 
         logger.warning("no lm_head.weight in %s: tying it to the embedding", config.model_dir)
         lm_head = embed
     head = prepare(lm_head, copy=False)
-    return ModelWeights(embed, layers, take("model.norm.weight"), head)
+    greedy = prepare_greedy_head(lm_head, head) if decode_batches else None
+    return ModelWeights(embed, layers, take("model.norm.weight"), head, greedy)
 
 
 def _load_layer(config: ModelConfig, idx: int, take, take_optional, prepare) -> LayerWeights:

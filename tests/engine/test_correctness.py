@@ -16,7 +16,7 @@ from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfi
 from engine.engine import LLMEngine
 from engine.model import CausalLM
 from engine.sampling_params import SamplingParams
-from tests.kernels.conftest import ENGINE_DEVICES
+from tests.kernels.conftest import ENGINE_DEVICES, EXPECT_AVX512_BF16
 
 PROMPT_LENGTHS = [1, 2, 5, 15, 16, 17, 31, 33, 64, 100, 200, 333, 512, 700, 850, 1000]
 MAX_TOKENS = 12
@@ -79,7 +79,23 @@ def device(request):
     return request.param
 
 
-def test_greedy_batch_with_preemption_and_chunking_equals_transformers(model_dir, device, monkeypatch):
+def greedy_head_spy(monkeypatch) -> list[int]:
+    """Records the rows of each step that took the greedy head (float32 on a CPU with AVX512-BF16:
+    plain greedy rows get their argmax without the logits)."""
+    rows = []
+    forward_greedy = CausalLM.forward_greedy
+
+    def spy(self, input_ids, meta, kv_cache, logits_indices):
+        rows.append(logits_indices.shape[0])
+        return forward_greedy(self, input_ids, meta, kv_cache, logits_indices)
+
+    monkeypatch.setattr(CausalLM, "forward_greedy", spy)
+    return rows
+
+
+@pytest.mark.parametrize("logprobs", [0, None], ids=["logprobs", "plain"])
+def test_greedy_batch_with_preemption_and_chunking_equals_transformers(model_dir, device, logprobs, monkeypatch):
+    """With logprobs the logits path; without, on CPUs with AVX512-BF16, the greedy head."""
     vocab = ModelConfig.from_pretrained(model_dir).vocab_size
     prompts = make_prompts(vocab)
     expected = transformers_greedy(model_dir, prompts, MAX_TOKENS)
@@ -93,10 +109,13 @@ def test_greedy_batch_with_preemption_and_chunking_equals_transformers(model_dir
         return last_layer(self, layer, x, residual, meta, kv_cache_layer, rows)
 
     monkeypatch.setattr(CausalLM, "_last_layer", spy)
+    greedy_rows = greedy_head_spy(monkeypatch)
     engine = make_engine(model_dir, num_blocks=96, device=device)
     free_at_start = engine.num_free_blocks
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=0)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=logprobs)
     got = run_to_completion(engine, prompts, params)
+    takes_greedy_head = logprobs is None and device == "cpu" and EXPECT_AVX512_BF16
+    assert (sum(greedy_rows) == len(prompts) * MAX_TOKENS) if takes_greedy_head else not greedy_rows
 
     num_preemptions = engine.scheduler.num_preemptions
     num_chunked = engine.scheduler.num_chunked_prefill_steps
@@ -106,13 +125,14 @@ def test_greedy_batch_with_preemption_and_chunking_equals_transformers(model_dir
     assert any(0 < rows < tokens for tokens, rows in pruned) and any(rows == 0 for _, rows in pruned)
     for i, ((want_tokens, want_logprobs), tokens) in enumerate(zip(expected, got)):
         assert [t.token_id for t in tokens] == want_tokens, f"prompt {i} ({len(prompts[i])} tokens)"
-        for t, want in zip(tokens, want_logprobs):
+        for t, want in zip(tokens, want_logprobs if logprobs is not None else []):
             assert abs(t.logprob - want) < 1e-4, f"prompt {i}: logprob {t.logprob} vs {want}"
     assert engine.num_free_blocks == free_at_start
     engine.check_leaks()
 
 
-def test_greedy_each_prompt_alone_equals_transformers(model_dir, device):
+def test_greedy_each_prompt_alone_equals_transformers(model_dir, device, monkeypatch):
+    greedy_rows = greedy_head_spy(monkeypatch)
     vocab = ModelConfig.from_pretrained(model_dir).vocab_size
     prompts = make_prompts(vocab, seed=1)
     expected = transformers_greedy(model_dir, prompts, MAX_TOKENS)
@@ -121,6 +141,7 @@ def test_greedy_each_prompt_alone_equals_transformers(model_dir, device):
     for i, prompt in enumerate(prompts):
         [tokens] = run_to_completion(engine, [prompt], params, prefix=f"alone{i}-")
         assert [t.token_id for t in tokens] == expected[i][0], f"prompt {i} ({len(prompt)} tokens)"
+    assert len(greedy_rows) == (len(prompts) * MAX_TOKENS if device == "cpu" and EXPECT_AVX512_BF16 else 0)
     engine.check_leaks()
 
 

@@ -52,15 +52,16 @@ def poison_batches_with(engine: LLMEngine, where: str) -> None:
     def has_poison(scheduled) -> bool:
         return any(r.request_id == "poison" for r, _ in scheduled.scheduled())
 
-    if where == "sampler":
-        real_sample = engine.sampler.sample
+    if where == "sampler":  # both of its ways to a token: from logits, and from the greedy head's argmax
+        for name in ("sample", "tokens_of"):
+            real = getattr(engine.sampler, name)
 
-        def sample(logits, requests):
-            if any(r.request_id == "poison" for r in requests):
-                raise RuntimeError("injected fault in sampling")
-            return real_sample(logits, requests)
+            def poisoned(values, requests, real=real):
+                if any(r.request_id == "poison" for r in requests):
+                    raise RuntimeError("injected fault in sampling")
+                return real(values, requests)
 
-        engine.sampler.sample = sample
+            setattr(engine.sampler, name, poisoned)
         return
     real_execute = engine.runner.execute
 

@@ -1,0 +1,108 @@
+"""The greedy LM head (kernels/greedy_head.py): its token equals the argmax of the float32 panel
+kernel's logits (the order it sums the candidates in) bit for bit, ties included, on random heads
+and on heads built so that the bfloat16 screen alone would pick wrong."""
+
+import pytest
+import torch
+
+from kernels.argmax import argmax_rows
+from kernels.greedy_head import available, greedy_head_argmax, prepare_greedy_head
+from kernels.linear import Linear, _linear_f32, linear, pack_f32_panels, prepare_linear
+from tests.kernels.conftest import EXPECT_AVX512_BF16
+
+pytestmark = pytest.mark.skipif(not EXPECT_AVX512_BF16, reason="requires_avx512_bf16: the kernel's CPU")
+
+
+def _head(weight: torch.Tensor):
+    head = prepare_greedy_head(weight, prepare_linear(weight, copy=False))
+    assert head is not None
+    return head
+
+
+def _panel_argmax(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The reference: the float32 panel kernel's logits (f32_linear.c), their first maximum."""
+    n, k = weight.shape
+    return argmax_rows(_linear_f32(x, Linear(None, None, None, k, n, f32=pack_f32_panels(weight))))
+
+
+def test_available_where_the_cpu_has_avx512_bf16():
+    assert available()
+
+
+@pytest.mark.parametrize("vocab, hidden", [(49152, 576), (1000, 64), (4999, 130), (47, 8)])
+@pytest.mark.parametrize("rows", [1, 7, 8, 33, 64, 70])
+def test_token_equals_the_panel_kernels_argmax_on_random_heads(vocab, hidden, rows):
+    gen = torch.Generator().manual_seed(vocab * 1000 + hidden * 10 + rows)
+    weight = torch.randn(vocab, hidden, generator=gen) * 0.05
+    x = torch.randn(rows, hidden, generator=gen) * 3
+    head = _head(weight)
+    candidates = torch.empty(rows, dtype=torch.int64)
+    got = greedy_head_argmax(x, head, candidates)
+    assert torch.equal(got, _panel_argmax(x, weight))
+    assert torch.equal(got, argmax_rows(x @ weight.t()))  # random rows: no near-ties either way
+    assert bool((candidates >= 1).all()) and int(candidates.max()) < 64  # the screen narrowed every row
+
+
+def test_near_duplicate_outputs_are_decided_by_the_exact_logits():
+    """Pairs of outputs a float32 step apart: bfloat16 rounds each pair to one value, so the
+    screen cannot order them and only the exact pass can. Broken bounds (or no exact pass) pick
+    the wrong one of a pair in about half of the rows."""
+    gen = torch.Generator().manual_seed(7)
+    hidden, pairs = 256, 500
+    base = torch.randn(pairs, hidden, generator=gen) * 0.05
+    nudge = torch.randn(pairs, hidden, generator=gen) * 1e-6
+    weight = torch.stack([base, base + nudge], dim=1).reshape(2 * pairs, hidden)
+    x = torch.randn(40, hidden, generator=gen)
+    candidates = torch.empty(40, dtype=torch.int64)
+    got = greedy_head_argmax(x, _head(weight), candidates)
+    assert torch.equal(got, _panel_argmax(x, weight))
+    assert bool((candidates >= 2).all())  # both of the winning pair went to the exact pass
+    assert (got % 2 == 1).any() and (got % 2 == 0).any()  # the exact logits chose either member
+
+
+def test_tied_outputs_give_the_first_index():
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(300, 96, generator=gen) * 0.1
+    weight[[250, 40, 120]] = weight[7].clone()  # four equal rows: 7 is the first
+    x = weight[7].clone().unsqueeze(0).repeat(3, 1) * 5  # each row's maximum is those four
+    got = greedy_head_argmax(x, _head(weight))
+    assert got.tolist() == [7, 7, 7] == _panel_argmax(x, weight).tolist()
+
+
+def test_rows_the_screen_cannot_narrow_take_the_full_head():
+    """All-zero weights tie every output (over the kernel's candidate cap); inf and NaN in x are
+    the full head's to answer (NaN: the first NaN's index, as argmax_rows)."""
+    gen = torch.Generator().manual_seed(5)
+    zeros = torch.zeros(5000, 64)
+    candidates = torch.empty(2, dtype=torch.int64)
+    assert greedy_head_argmax(torch.randn(2, 64, generator=gen), _head(zeros), candidates).tolist() == [0, 0]
+    assert candidates.tolist() == [5000, 5000]
+    weight = torch.randn(5000, 64, generator=gen) * 0.1
+    x = torch.randn(4, 64, generator=gen)
+    x[1, 3] = float("inf")
+    x[2, 10] = float("nan")
+    head = _head(weight)
+    expected = argmax_rows(linear(x, head.linear))
+    assert torch.equal(greedy_head_argmax(x, head), expected)
+    assert expected[0] == _panel_argmax(x[:1], weight)[0]
+
+
+def test_strided_rows_empty_batch_and_what_it_refuses():
+    gen = torch.Generator().manual_seed(11)
+    weight = torch.randn(2000, 128, generator=gen) * 0.05
+    head = _head(weight)
+    wide = torch.randn(9, 200, generator=gen)
+    view = wide[:, :128]
+    assert torch.equal(greedy_head_argmax(view, head), _panel_argmax(view.contiguous(), weight))
+    assert greedy_head_argmax(torch.empty(0, 128), head).shape == (0,)
+    with pytest.raises(ValueError, match="greedy_head_argmax"):
+        greedy_head_argmax(torch.randn(2, 128).to(torch.bfloat16), head)
+    with pytest.raises(ValueError, match="greedy_head_argmax"):
+        greedy_head_argmax(torch.randn(2, 64), head)
+    bf16 = weight.to(torch.bfloat16)
+    assert prepare_greedy_head(bf16, prepare_linear(bf16, copy=False)) is None  # no cheaper screen for bfloat16
+    odd = torch.randn(100, 9)
+    assert prepare_greedy_head(odd, prepare_linear(odd)) is None
+    bad = weight.clone()
+    bad[3, 4] = float("nan")
+    assert prepare_greedy_head(bad, prepare_linear(bad)) is None
