@@ -20,7 +20,7 @@ from engine.kv_cache import allocate_kv_cache, num_cache_blocks
 from engine.model import CausalLM
 from engine.protocol import Role, TokenLogprob, num_blocks_for
 from engine.request import FinishReason, Request
-from engine.runner import ModelRunner, PromptSpan
+from engine.runner import ModelRunner, PromptSpan, StepLogits
 from engine.sampler import Sampler, prompt_token_logprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import PrefixCacheStats, Scheduler, SchedulerOutput
@@ -217,10 +217,7 @@ class LLMEngine:
                          len(scheduled.prefills), self.num_free_blocks, 1000 * elapsed)
         prompt_logprobs = [(span, _prompt_logprobs_of(span)) for span in step_logits.prompt_spans]
         sampled_requests = step_logits.sampled_requests
-        if step_logits.greedy_tokens is not None:
-            tokens = self.sampler.tokens_of(step_logits.greedy_tokens, sampled_requests)
-        else:
-            tokens = self.sampler.sample(step_logits.logits, sampled_requests) if sampled_requests else []
+        tokens = self._sample(step_logits)
         # NOTE: nothing above changed a request; from here on nothing raises but a bug.
         for request, num_new in scheduled.scheduled():
             request.num_computed_tokens += num_new
@@ -228,6 +225,19 @@ class LLMEngine:
         for span, logprobs in prompt_logprobs:
             span.request.prompt_logprobs.extend(logprobs)
         return [self._append_or_fail(r, t) for r, t in zip(sampled_requests, tokens)]
+
+    def _sample(self, step_logits: StepLogits) -> list[TokenLogprob]:
+        """Each sampled request's token, in order: from its logits, or from the greedy head."""
+        logits_requests = step_logits.logits_requests
+        tokens = self.sampler.sample(step_logits.logits, logits_requests) if logits_requests else []
+        if not step_logits.greedy_rows:
+            return tokens
+        sampled = step_logits.sampled_requests
+        greedy = self.sampler.tokens_of(step_logits.greedy_tokens, [sampled[i] for i in step_logits.greedy_rows])
+        merged = list(tokens)
+        for i, token in zip(step_logits.greedy_rows, greedy):  # ascending: each goes back to its place
+            merged.insert(i, token)
+        return merged
 
     def _run_one_by_one(self, scheduled: SchedulerOutput) -> list[StepOutput]:
         decode_ids = {id(r) for r in scheduled.decodes}

@@ -80,16 +80,22 @@ class CausalLM:
         return self.weights.greedy_head is not None
 
     @torch.inference_mode()
-    def forward_greedy(
+    def forward_split(
         self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor,
-        logits_indices: torch.Tensor,
-    ) -> torch.Tensor:
-        """forward, for a batch whose logits rows all take their argmax and nothing else (plain
-        greedy): returns those tokens, int64 [len(logits_indices)], from the greedy head (the
-        argmax of the logits forward would give; see kernels/greedy_head.py). Needs
-        has_greedy_head."""
+        logits_indices: torch.Tensor, greedy_rows: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """forward, for a batch some of whose logits rows (greedy_rows: positions in
+        logits_indices, ascending) only take their argmax (plain greedy): returns those rows'
+        tokens, int64 [len(greedy_rows)], from the greedy head (the argmax of the logits forward
+        would give; see kernels/greedy_head.py), and the logits of the other rows, in their
+        order (None when there are none). Needs has_greedy_head."""
         hidden = self._final_hidden(input_ids, meta, kv_cache, logits_indices)
-        return greedy_head_argmax(hidden, self.weights.greedy_head)
+        if greedy_rows.shape[0] == hidden.shape[0]:
+            return greedy_head_argmax(hidden, self.weights.greedy_head), None
+        keep = torch.ones(hidden.shape[0], dtype=torch.bool)
+        keep[greedy_rows] = False
+        tokens = greedy_head_argmax(hidden[greedy_rows], self.weights.greedy_head)
+        return tokens, linear(hidden[keep], self.weights.lm_head)
 
     def _final_hidden(
         self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor,

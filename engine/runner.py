@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -34,14 +34,23 @@ class BatchInputs:
 
 @dataclass
 class StepLogits:
-    # [num_sampled, vocab] (the model's dtype): each sampling request's last token; None where
-    # greedy_tokens holds their tokens instead
+    # [num rows, vocab] (the model's dtype): the last token's logits of each sampling request
+    # but those in greedy_rows; None when there are none
     logits: torch.Tensor | None
     sampled_requests: list[Request]
     prompt_spans: list[PromptSpan]  # with their logits
-    # int64 [num_sampled]: each request's token, where all are plain greedy (is_plain_greedy) and
-    # the model's greedy head gave their argmax without the logits
+    # Positions in sampled_requests of the plain greedy requests (is_plain_greedy) whose tokens
+    # the model's greedy head gave without their logits, ascending, and those tokens (int64)
+    greedy_rows: list[int] = field(default_factory=list)
     greedy_tokens: torch.Tensor | None = None
+
+    @property
+    def logits_requests(self) -> list[Request]:
+        """The requests of logits' rows, in order."""
+        if not self.greedy_rows:
+            return self.sampled_requests
+        greedy = set(self.greedy_rows)
+        return [r for i, r in enumerate(self.sampled_requests) if i not in greedy]
 
 
 class ModelRunner:
@@ -56,17 +65,20 @@ class ModelRunner:
         scheduled token is their last token; partial chunks sample not) and of the prompt
         positions whose logprobs are owed (Request.needs_prompt_logprobs)."""
         batch = self.prepare(scheduled)
-        if (self.model.has_greedy_head and batch.sampled_requests and not batch.prompt_spans
-                and all(is_plain_greedy(r) for r in batch.sampled_requests)):
-            tokens = self.model.forward_greedy(batch.input_ids, batch.meta, self.kv_cache, batch.logits_indices)
-            return StepLogits(None, batch.sampled_requests, [], greedy_tokens=tokens)
-        logits = self.model.forward(batch.input_ids, batch.meta, self.kv_cache, batch.logits_indices)
-        num_sampled = len(batch.sampled_requests)
+        greedy_rows = ([i for i, r in enumerate(batch.sampled_requests) if is_plain_greedy(r)]
+                       if self.model.has_greedy_head else [])
+        if greedy_rows:
+            tokens, logits = self.model.forward_split(batch.input_ids, batch.meta, self.kv_cache,
+                                                      batch.logits_indices, torch.tensor(greedy_rows))
+        else:
+            tokens, logits = None, self.model.forward(batch.input_ids, batch.meta, self.kv_cache, batch.logits_indices)
+        num_sampled = len(batch.sampled_requests) - len(greedy_rows)  # logits' rows of sampled requests
         offset = num_sampled
         for span in batch.prompt_spans:
             span.logits = logits[offset : offset + span.num_positions]
             offset += span.num_positions
-        return StepLogits(logits[:num_sampled], batch.sampled_requests, batch.prompt_spans)
+        sampled_logits = logits[:num_sampled] if num_sampled else None
+        return StepLogits(sampled_logits, batch.sampled_requests, batch.prompt_spans, greedy_rows, tokens)
 
     def prepare(self, scheduled: SchedulerOutput) -> BatchInputs:
         items = scheduled.scheduled()

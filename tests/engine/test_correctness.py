@@ -60,9 +60,10 @@ def make_engine(model_dir, num_blocks, max_num_batched_tokens=256, max_num_seqs=
 
 
 def run_to_completion(engine, prompts, params, prefix="r"):
+    """params: one SamplingParams for all prompts, or a list of one per prompt."""
     outputs = {f"{prefix}{i}": [] for i in range(len(prompts))}
     for i, prompt in enumerate(prompts):
-        engine.add_request(f"{prefix}{i}", prompt, params)
+        engine.add_request(f"{prefix}{i}", prompt, params[i] if isinstance(params, list) else params)
     while engine.has_unfinished():
         for step in engine.step():
             outputs[step.request_id].extend(step.new_tokens)
@@ -79,23 +80,24 @@ def device(request):
     return request.param
 
 
-def greedy_head_spy(monkeypatch) -> list[int]:
-    """Records the rows of each step that took the greedy head (float32 on a CPU with AVX512-BF16:
-    plain greedy rows get their argmax without the logits)."""
+def greedy_head_spy(monkeypatch) -> list[tuple[int, int]]:
+    """Records, for each step that took the greedy head (float32 on a CPU with AVX512-BF16:
+    plain greedy rows get their argmax without the logits), its rows there and its logits rows."""
     rows = []
-    forward_greedy = CausalLM.forward_greedy
+    forward_split = CausalLM.forward_split
 
-    def spy(self, input_ids, meta, kv_cache, logits_indices):
-        rows.append(logits_indices.shape[0])
-        return forward_greedy(self, input_ids, meta, kv_cache, logits_indices)
+    def spy(self, input_ids, meta, kv_cache, logits_indices, greedy_rows):
+        rows.append((greedy_rows.shape[0], logits_indices.shape[0]))
+        return forward_split(self, input_ids, meta, kv_cache, logits_indices, greedy_rows)
 
-    monkeypatch.setattr(CausalLM, "forward_greedy", spy)
+    monkeypatch.setattr(CausalLM, "forward_split", spy)
     return rows
 
 
-@pytest.mark.parametrize("logprobs", [0, None], ids=["logprobs", "plain"])
+@pytest.mark.parametrize("logprobs", ["all", "none", "half"])
 def test_greedy_batch_with_preemption_and_chunking_equals_transformers(model_dir, device, logprobs, monkeypatch):
-    """With logprobs the logits path; without, on CPUs with AVX512-BF16, the greedy head."""
+    """With logprobs every row takes the logits; without, on CPUs with AVX512-BF16, the greedy
+    head; with half of the prompts asking for them, each row its own way in the same steps."""
     vocab = ModelConfig.from_pretrained(model_dir).vocab_size
     prompts = make_prompts(vocab)
     expected = transformers_greedy(model_dir, prompts, MAX_TOKENS)
@@ -112,10 +114,11 @@ def test_greedy_batch_with_preemption_and_chunking_equals_transformers(model_dir
     greedy_rows = greedy_head_spy(monkeypatch)
     engine = make_engine(model_dir, num_blocks=96, device=device)
     free_at_start = engine.num_free_blocks
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=logprobs)
+    asks = [logprobs == "all" or (logprobs == "half" and i % 2 == 0) for i in range(len(prompts))]
+    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=0 if ask else None) for ask in asks]
     got = run_to_completion(engine, prompts, params)
-    takes_greedy_head = logprobs is None and device == "cpu" and EXPECT_AVX512_BF16
-    assert (sum(greedy_rows) == len(prompts) * MAX_TOKENS) if takes_greedy_head else not greedy_rows
+    takes_greedy_head = device == "cpu" and EXPECT_AVX512_BF16
+    assert sum(g for g, _ in greedy_rows) == (asks.count(False) * MAX_TOKENS if takes_greedy_head else 0)
 
     num_preemptions = engine.scheduler.num_preemptions
     num_chunked = engine.scheduler.num_chunked_prefill_steps
@@ -125,8 +128,9 @@ def test_greedy_batch_with_preemption_and_chunking_equals_transformers(model_dir
     assert any(0 < rows < tokens for tokens, rows in pruned) and any(rows == 0 for _, rows in pruned)
     for i, ((want_tokens, want_logprobs), tokens) in enumerate(zip(expected, got)):
         assert [t.token_id for t in tokens] == want_tokens, f"prompt {i} ({len(prompts[i])} tokens)"
-        for t, want in zip(tokens, want_logprobs if logprobs is not None else []):
+        for t, want in zip(tokens, want_logprobs if asks[i] else []):
             assert abs(t.logprob - want) < 1e-4, f"prompt {i}: logprob {t.logprob} vs {want}"
+        assert all(t.logprob is None for t in tokens) or asks[i]
     assert engine.num_free_blocks == free_at_start
     engine.check_leaks()
 
@@ -161,3 +165,42 @@ def test_abort_at_any_point_frees_every_block(tiny_model_dir):
         engine.abort(f"a{i}")
     assert not engine.has_unfinished()
     assert engine.num_free_blocks == free_at_start
+
+
+def test_greedy_head_rows_beside_sampled_logprob_and_prompt_logprob_rows_change_nothing(tiny_model_dir, monkeypatch):
+    """Plain greedy requests in the same steps as seeded sampling, logprobs and prompt logprobs:
+    every request's tokens, logprobs and prompt logprobs equal those of an engine without the
+    greedy head (the logits path for every row)."""
+    vocab = ModelConfig.from_pretrained(tiny_model_dir).vocab_size
+    prompts = make_prompts(vocab, seed=2)[:10]
+    kinds = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0),
+             SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=2),
+             SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, seed=5),
+             SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, prompt_logprobs=1)]
+    params = [kinds[i % len(kinds)] for i in range(len(prompts))]
+
+    def run(greedy_head: bool):
+        engine = make_engine(tiny_model_dir, num_blocks=96, max_num_batched_tokens=128)
+        if not greedy_head:
+            engine.model.weights.greedy_head = None
+        outputs = {f"m{i}": [] for i in range(len(prompts))}
+        prompt_logprobs = {}
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"m{i}", prompt, params[i])
+        while engine.has_unfinished():
+            for out in engine.step():
+                outputs[out.request_id].extend(out.new_tokens)
+                if out.prompt_logprobs is not None:
+                    prompt_logprobs[out.request_id] = out.prompt_logprobs
+        engine.check_leaks()
+        return outputs, prompt_logprobs
+
+    greedy_rows = greedy_head_spy(monkeypatch)
+    with_head = run(greedy_head=True)
+    mixed_steps = len(greedy_rows)
+    without = run(greedy_head=False)
+    assert with_head == without
+    assert len(greedy_rows) == mixed_steps  # the second engine took no greedy head
+    assert (mixed_steps > 0) == EXPECT_AVX512_BF16
+    if EXPECT_AVX512_BF16:  # steps where greedy rows and logits rows (sampled, prompt spans) met
+        assert any(0 < g < total for g, total in greedy_rows)
