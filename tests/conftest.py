@@ -59,3 +59,16 @@ def tiny_model_dir() -> Path:
 @pytest.fixture(scope="session")
 def qwen2_tiny_model_dir() -> Path:
     return _cached_model("qwen2-tiny")
+
+
+@pytest.fixture(autouse=True)
+def _ucx_settings_stay_in_their_test() -> Iterator[None]:
+    """A NIXL connector made in this process sets UCX_* defaults in os.environ (set_ucx_defaults:
+    UCX_NET_DEVICES=lo for a loopback node); servers started later inherit the environment and
+    take such a setting for the operator's. Measured: tests/nodes then tests/e2e in one run left
+    the multi-host nodes' UCX on lo alone, and every KV handshake between hosts failed."""
+    before = {name: value for name, value in os.environ.items() if name.startswith("UCX_")}
+    yield
+    for name in [name for name in os.environ if name.startswith("UCX_") and name not in before]:
+        del os.environ[name]
+    os.environ.update(before)

@@ -69,14 +69,17 @@ def test_step_fault_fails_its_request_alone_and_the_node_serves_on(node, tiny_mo
     reference.run(lambda: reference.tokens("a") and reference.tokens("b"))
     reference.close()
     engine = node.server.engine
-    real_sample = engine.sampler.sample
+    # a fault that belongs to one request (say, its sampling settings), on both of the sampler's
+    # ways to a token: from logits, and from the greedy head's argmax
+    for name in ("sample", "tokens_of"):
+        real = getattr(engine.sampler, name)
 
-    def sample(logits, requests):  # a fault that belongs to one request (say, its sampling settings)
-        if any(r.request_id == "poison" for r in requests):
-            raise FloatingPointError("injected per-request fault")
-        return real_sample(logits, requests)
+        def poisoned(values, requests, real=real):
+            if any(r.request_id == "poison" for r in requests):
+                raise FloatingPointError("injected per-request fault")
+            return real(values, requests)
 
-    engine.sampler.sample = sample
+        setattr(engine.sampler, name, poisoned)
     node.request(PROXY, "a", [5, 6, 7])
     node.request(PROXY, "poison", [1, 2, 3])
     node.request(PROXY, "b", [8, 9, 10, 11])
