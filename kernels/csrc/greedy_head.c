@@ -7,8 +7,9 @@
  *    each logit approximated as a_v = xb . wb_v (float32 sums of exact products). Its error is
  *    bounded from the rounding errors' norms (Cauchy-Schwarz):
  *        |x . w_v - xb . wb_v| <= |xb| |e_v| + |d| |wb_v| + |d| |e_v|
- *    plus the float32 rounding of the screen's sums and of the exact ones (below), each norm
- *    rounded up and the bound widened for the float32 arithmetic that forms it. So every logit
+ *    plus the float32 rounding of the screen's sums and of the exact ones (below) and, near zero,
+ *    vdpbf16ps's flushing of denormals, each norm rounded up and the bound widened for the
+ *    float32 arithmetic that forms it. So every logit
  *    lies in [a_v - b_v, a_v + b_v], and every output whose upper end falls below the largest
  *    lower end (L) cannot be the argmax. bfloat16 keeps 8 bits: b_v is ~0.3% of |x| |w_v|, ~5%
  *    of a logit's spread on random weights, and a row keeps a handful of candidates.
@@ -136,7 +137,10 @@ static inline __attribute__((always_inline)) void screen_rows(const uint16_t *xb
     if (k <= 0) __builtin_unreachable(); /* else the accumulators go through the stack */
     accumulate(acc, xb, k, w, rows);
     const __m512 widen = _mm512_set1_ps(1.0f + 1.0f / 512.0f), a_slack = _mm512_set1_ps(1.0f / 1048576.0f);
-    const __m512 tiny = _mm512_set1_ps(1e-37f);
+    /* near zero: vdpbf16ps treats denormal inputs and results as zero, and a float32 sum loses up
+     * to a denormal step an operation; all of it within 2^-125 (k + 2) (1 + |xb| + |wb|) */
+    const float tiny_unit = 0x1p-125f * (float)(k + 2);
+    const __m512 tiny_w = _mm512_set1_ps(tiny_unit);
     const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     for (int r = 0; r < rows; ++r) {
         Candidates *c = cands + r;
@@ -144,6 +148,7 @@ static inline __attribute__((always_inline)) void screen_rows(const uint16_t *xb
         const __m512 xb_n = _mm512_set1_ps(info[r].xb_norm), d_n = _mm512_set1_ps(info[r].d_norm);
         const __m512 screen_n = _mm512_set1_ps(info[r].xb_norm * screen_rel);
         const __m512 exact_n = _mm512_set1_ps(info[r].x_norm * exact_rel);
+        const __m512 tiny = _mm512_set1_ps(tiny_unit * (1.0f + info[r].xb_norm));
         __m512 upper[3], lo_max = _mm512_set1_ps(c->lower_max);
         __mmask16 masks[3];
         for (int v = 0; v < 3; ++v) {
@@ -156,7 +161,7 @@ static inline __attribute__((always_inline)) void screen_rows(const uint16_t *xb
             b = _mm512_fmadd_ps(d_n, _mm512_add_ps(wb, e), b);
             b = _mm512_fmadd_ps(screen_n, wb, b);
             b = _mm512_fmadd_ps(exact_n, _mm512_loadu_ps(s->w_norm + o), b);
-            b = _mm512_fmadd_ps(b, widen, _mm512_fmadd_ps(_mm512_abs_ps(a), a_slack, tiny));
+            b = _mm512_fmadd_ps(b, widen, _mm512_fmadd_ps(_mm512_abs_ps(a), a_slack, _mm512_fmadd_ps(tiny_w, wb, tiny)));
             upper[v] = _mm512_add_ps(a, b);
             lo_max = _mm512_mask_max_ps(lo_max, masks[v], lo_max, _mm512_sub_ps(a, b));
         }

@@ -60,6 +60,17 @@ def test_near_duplicate_outputs_are_decided_by_the_exact_logits():
     assert (got % 2 == 1).any() and (got % 2 == 0).any()  # the exact logits chose either member
 
 
+@pytest.mark.parametrize("vocab", [1000, 3000])
+def test_rows_near_zero_where_bfloat16_flushes_denormals(vocab):
+    """x of ~1e-38 (denormal products, which vdpbf16ps flushes to zero): the bound's absolute part
+    keeps the true maximum; over the candidate cap (3,000 outputs) the row takes the full head."""
+    gen = torch.Generator().manual_seed(vocab)
+    weight = torch.randn(vocab, 64, generator=gen) * 0.05
+    x = torch.randn(5, 64, generator=gen) * 1e-37
+    x[2] *= 1e-3  # denormal itself
+    assert torch.equal(greedy_head_argmax(x, _head(weight)), _panel_argmax(x, weight))
+
+
 def test_tied_outputs_give_the_first_index():
     gen = torch.Generator().manual_seed(3)
     weight = torch.randn(300, 96, generator=gen) * 0.1
