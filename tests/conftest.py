@@ -51,6 +51,20 @@ def _cached_model(preset: str) -> Path:
     return path
 
 
+def poison_sampling(sampler, request_id: str, error: Exception) -> None:
+    """Make the engine's sampler raise error for every batch that holds request_id, on both of its
+    ways to a token: from logits (sample) and from the greedy head's argmax (tokens_of)."""
+    for name in ("sample", "tokens_of"):
+        real = getattr(sampler, name)
+
+        def poisoned(values, requests, real=real):
+            if any(r.request_id == request_id for r in requests):
+                raise error
+            return real(values, requests)
+
+        setattr(sampler, name, poisoned)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
     return _cached_model("tiny")

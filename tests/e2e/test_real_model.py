@@ -10,9 +10,11 @@ import torch
 import transformers
 
 from engine.llm import LLM
+from engine.model import CausalLM
 from engine.sampling_params import SamplingParams
 from pdserve.launcher import start_local, wait_healthy
 from tests.e2e.conftest import KV_PATH_ONLY, assert_kv_path_only
+from tests.kernels.conftest import EXPECT_AVX512_BF16
 from tests.pdserve.real_model import cached_smollm2
 
 MAX_TOKENS = 16
@@ -65,11 +67,21 @@ def hf_greedy(hf, prompt_ids: list[int], max_tokens: int = MAX_TOKENS) -> list[i
     return out[0, len(prompt_ids):].tolist()
 
 
-def test_offline_engine_greedy_equals_transformers_and_answers_paris(smollm2_dir, hf):
+def test_offline_engine_greedy_equals_transformers_and_answers_paris(smollm2_dir, hf, monkeypatch):
+    """On CPUs with AVX512-BF16 its tokens come from the greedy LM head (counted)."""
     _, tokenizer = hf
     prompts = [tokenizer.encode(p) for p in PROMPTS] + [chat_ids(tokenizer, QUESTION)]
+    greedy_rows = []
+    forward_split = CausalLM.forward_split
+
+    def spy(self, input_ids, meta, kv_cache, logits_indices, rows):
+        greedy_rows.append(rows.shape[0])
+        return forward_split(self, input_ids, meta, kv_cache, logits_indices, rows)
+
+    monkeypatch.setattr(CausalLM, "forward_split", spy)
     llm = LLM(str(smollm2_dir), dtype="float32", num_blocks=64)
     outputs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0), use_tqdm=False)
+    assert sum(greedy_rows) == (sum(len(o.outputs[0].token_ids) for o in outputs) if EXPECT_AVX512_BF16 else 0)
     for prompt_ids, output in zip(prompts, outputs):
         assert output.outputs[0].token_ids == hf_greedy(hf, prompt_ids), tokenizer.decode(prompt_ids)
     answer = outputs[-1].outputs[0]

@@ -11,6 +11,7 @@ from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfi
 from engine.engine import LLMEngine
 from engine.request import FinishReason
 from engine.sampling_params import SamplingParams
+from tests.conftest import poison_sampling
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 SEEDED = SamplingParams(max_tokens=6, temperature=1.0, seed=7, ignore_eos=True, logprobs=2)
@@ -52,16 +53,8 @@ def poison_batches_with(engine: LLMEngine, where: str) -> None:
     def has_poison(scheduled) -> bool:
         return any(r.request_id == "poison" for r, _ in scheduled.scheduled())
 
-    if where == "sampler":  # both of its ways to a token: from logits, and from the greedy head's argmax
-        for name in ("sample", "tokens_of"):
-            real = getattr(engine.sampler, name)
-
-            def poisoned(values, requests, real=real):
-                if any(r.request_id == "poison" for r in requests):
-                    raise RuntimeError("injected fault in sampling")
-                return real(values, requests)
-
-            setattr(engine.sampler, name, poisoned)
+    if where == "sampler":
+        poison_sampling(engine.sampler, "poison", RuntimeError("injected fault in sampling"))
         return
     real_execute = engine.runner.execute
 

@@ -13,6 +13,7 @@ from engine import protocol
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine.engine import LLMEngine
 from node.server import NodeServer, ServerConfig
+from tests.conftest import poison_sampling
 
 PROXY, OTHER = b"proxy-a", b"proxy-b"
 GREEDY = protocol.SamplingOptions(max_tokens=5, temperature=0.0, ignore_eos=True)
@@ -69,17 +70,8 @@ def test_step_fault_fails_its_request_alone_and_the_node_serves_on(node, tiny_mo
     reference.run(lambda: reference.tokens("a") and reference.tokens("b"))
     reference.close()
     engine = node.server.engine
-    # a fault that belongs to one request (say, its sampling settings), on both of the sampler's
-    # ways to a token: from logits, and from the greedy head's argmax
-    for name in ("sample", "tokens_of"):
-        real = getattr(engine.sampler, name)
-
-        def poisoned(values, requests, real=real):
-            if any(r.request_id == "poison" for r in requests):
-                raise FloatingPointError("injected per-request fault")
-            return real(values, requests)
-
-        setattr(engine.sampler, name, poisoned)
+    # a fault that belongs to one request (say, its sampling settings)
+    poison_sampling(engine.sampler, "poison", FloatingPointError("injected per-request fault"))
     node.request(PROXY, "a", [5, 6, 7])
     node.request(PROXY, "poison", [1, 2, 3])
     node.request(PROXY, "b", [8, 9, 10, 11])
