@@ -5,7 +5,6 @@ from Python. Parts: bench_config, bench_datasets, bench_client, bench_load, benc
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
 import json
 import math
@@ -14,6 +13,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import httpx
+import uvloop
 
 from engine.protocol import default_of
 from pdserve.bench_client import RequestRecord, first_model, token_counter
@@ -70,13 +70,19 @@ class BenchResult:
     notes: dict[str, str]
 
 
+def _run(coroutine):
+    """Run the load on uvloop: the load generator often shares the cores it measures, so its CPU
+    per streamed token counts (README "Load generator")."""
+    return uvloop.run(coroutine)
+
+
 def run_benchmark(config: BenchConfig) -> BenchResult:
     """Warm up (if asked), then run config's load against its endpoint; blocks until done.
     Raises httpx.HTTPError / ValueError when the model or dataset cannot be had; a failed
     request is a record with an error, not an exception."""
     model = config.endpoint.model or first_model(config.endpoint)
     dataset, warmup = prepare_datasets(config, model)
-    return asyncio.run(measure(config, model, dataset, warmup))
+    return _run(measure(config, model, dataset, warmup))
 
 
 def prepare_datasets(config: BenchConfig, model: str) -> tuple[Dataset, Dataset | None]:
@@ -121,7 +127,7 @@ def run_sweep(config: BenchConfig, rates: list[float]) -> tuple[list[dict], floa
         rate_config = replace(config, load=replace(config.load, request_rate=rate),
                               dataset=replace(config.dataset, seed=config.dataset.seed + rate_idx))
         dataset, warmup = prepare_datasets(rate_config, model)
-        result = asyncio.run(measure(rate_config, model, dataset, warmup))
+        result = _run(measure(rate_config, model, dataset, warmup))
         points.append({"request_rate": rate, "summary": result.summary, "result": result})
     return points, goodput_rate([(p["request_rate"], p["summary"]["slo_attainment"]) for p in points],
                                 config.slo.target)

@@ -60,7 +60,7 @@ def run(config: ProxyConfig, log_level: str = "info") -> None:
 
     app = create_app(config)
     server = DrainingServer(uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level.lower(),
-                                           workers=1, timeout_graceful_shutdown=5,
+                                           workers=1, timeout_graceful_shutdown=5, loop="uvloop", http="httptools",
                                            # NOTE: uvicorn's loggers go to the root handler (pdserve.logs: text
                                            # or JSON); the access line comes from proxy.log_context, with its id.
                                            log_config=None, access_log=False), app.state.drain)
