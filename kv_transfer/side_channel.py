@@ -112,14 +112,93 @@ class SideChannelServer:
 
 
 def request(address: str, message: SideMessage, timeout_s: float, keys: CurveKeys | None = None) -> SideMessage:
-    """Send one message and wait for its reply. Raises HandshakeFailed on timeout, a bad
-    answer, or an address ZMQ cannot connect to."""
+    """Send one message and wait for its reply, on a connection of its own. Raises
+    HandshakeFailed on timeout, a bad answer, or an address ZMQ cannot connect to."""
+    socket = _dealer(address, keys)
+    try:
+        return _exchange(socket, address, message, timeout_s)
+    finally:
+        socket.close(linger=0)
+
+
+class Requester:
+    """request() over kept connections: each address's idle sockets wait for its next request,
+    one socket per request in flight. A socket whose request timed out or failed is closed, so a
+    late answer never meets a later request. Thread-safe (a socket moves between threads under
+    the lock, one user at a time).
+
+    A connection per request cost ~0.5 ms more CPU than a kept one (loopback, no CURVE: 0.71
+    against 0.25 ms a round trip, both ends in one process), and with a cluster secret each new
+    connection also runs a CURVE handshake."""
+
+    def __init__(self, keys: CurveKeys | None = None, max_idle_per_address: int = 4, max_addresses: int = 64) -> None:
+        self._keys = keys
+        self._max_idle = max_idle_per_address
+        self._max_addresses = max_addresses
+        self._idle: dict[str, list[zmq.Socket]] = {}  # least recently used address first
+        self._lock = threading.Lock()
+        self._is_closed = False
+
+    def request(self, address: str, message: SideMessage, timeout_s: float) -> SideMessage:
+        """As request(); raises HandshakeFailed likewise."""
+        socket = self._take(address)
+        answered = False
+        try:
+            reply = _exchange(socket, address, message, timeout_s)
+            answered = True
+            return reply
+        finally:
+            if answered:
+                self._give_back(address, socket)
+            else:
+                socket.close(linger=0)
+
+    def close(self) -> None:
+        with self._lock:
+            self._is_closed = True
+            idle, self._idle = self._idle, {}
+        for sockets in idle.values():
+            for socket in sockets:
+                socket.close(linger=0)
+
+    def _take(self, address: str) -> zmq.Socket:
+        with self._lock:
+            sockets = self._idle.get(address)
+            if sockets:
+                return sockets.pop()
+        return _dealer(address, self._keys)
+
+    def _give_back(self, address: str, socket: zmq.Socket) -> None:
+        with self._lock:
+            if not self._is_closed:
+                sockets = self._idle.pop(address, [])
+                self._idle[address] = sockets  # NOTE: re-inserted: most recently used last
+                if len(sockets) < self._max_idle:
+                    sockets.append(socket)
+                    socket = None
+                while len(self._idle) > self._max_addresses:
+                    for stale in self._idle.pop(next(iter(self._idle))):
+                        stale.close(linger=0)
+        if socket is not None:
+            socket.close(linger=0)
+
+
+def _dealer(address: str, keys: CurveKeys | None) -> zmq.Socket:
+    """A DEALER connecting to address's side channel. Raises HandshakeFailed if ZMQ cannot."""
     socket = zmq.Context.instance().socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)
     socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
     secure_client(socket, keys)
     try:
         socket.connect(f"tcp://{address}")
+    except zmq.ZMQError as exc:
+        socket.close(linger=0)
+        raise HandshakeFailed(f"KV side channel {address} cannot be reached: {exc}") from exc
+    return socket
+
+
+def _exchange(socket: zmq.Socket, address: str, message: SideMessage, timeout_s: float) -> SideMessage:
+    try:
         socket.send(encode(message))
         if not socket.poll(int(timeout_s * 1000)):
             raise HandshakeFailed(f"no answer from KV side channel {address} within {timeout_s} s")
@@ -128,8 +207,6 @@ def request(address: str, message: SideMessage, timeout_s: float, keys: CurveKey
         raise HandshakeFailed(f"bad answer from KV side channel {address}: {exc}") from exc
     except zmq.ZMQError as exc:
         raise HandshakeFailed(f"KV side channel {address} cannot be reached: {exc}") from exc
-    finally:
-        socket.close(linger=0)
 
 
 class Notifier:

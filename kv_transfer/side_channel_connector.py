@@ -103,6 +103,7 @@ class SideChannelConnector(KVConnector, ABC):
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-handshake")
         self._confirmer = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-confirm")
         self._notifier = side_channel.Notifier(config.curve_keys)
+        self._requester = side_channel.Requester(config.curve_keys)
         self._keeper = LeaseKeeper(config.curve_keys)
         if is_wildcard(config.public_host):
             raise ValueError(f"KV side channel binds {config.host!r}, which peers cannot dial: "
@@ -174,6 +175,7 @@ class SideChannelConnector(KVConnector, ABC):
         self._keeper.close()
         self._server.close()
         self._notifier.close()
+        self._requester.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
         self._confirmer.shutdown(wait=False, cancel_futures=True)
 
@@ -229,7 +231,7 @@ class SideChannelConnector(KVConnector, ABC):
         accepted reply and the new peer's handle; raises LayoutMismatch or HandshakeFailed."""
         reader_info, prepared = self._prepare_hello()
         hello = Hello(SIDE_CHANNEL_VERSION, self.engine_id, self.layout, self.backend, reader_info)
-        reply = side_channel.request(address, hello, self.config.handshake_timeout_s, self.config.curve_keys)
+        reply = self._requester.request(address, hello, self.config.handshake_timeout_s)
         reply = check_reply(reply, address, self.layout, self.holder_info_type)
         return reply, self._on_hello_accepted(reply, prepared)
 
@@ -326,8 +328,8 @@ class SideChannelConnector(KVConnector, ABC):
         """Confirmation thread: True when the holder says the lease held until now (and ended it)."""
         ref = LeaseRef(request_id, lease.generation)
         try:
-            reply = side_channel.request(lease.address, ConfirmRead(lease.engine_id, ref),
-                                         self.config.handshake_timeout_s, self.config.curve_keys)
+            reply = self._requester.request(lease.address, ConfirmRead(lease.engine_id, ref),
+                                            self.config.handshake_timeout_s)
         except Exception as exc:  # noqa: BLE001 - a thread edge: no answer means not confirmed
             logger.warning("request %s: lease confirmation from %s failed: %s", request_id, lease.address, exc,
                            extra={"request_id": request_id})
