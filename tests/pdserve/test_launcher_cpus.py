@@ -90,3 +90,37 @@ def test_cores_are_lent_for_models_of_64_mb_and_up(tiny_model_dir, monkeypatch):
     assert not launcher.auto_lend_cores(tiny_model_dir, "bfloat16")
     monkeypatch.setattr(launcher, "_num_parameters", lambda _: 111_000_000)  # `small`
     assert launcher.auto_lend_cores(tiny_model_dir, "bfloat16") and launcher.auto_lend_cores(tiny_model_dir)
+
+
+def test_free_ports_come_from_below_the_ephemeral_range():
+    """Ports the kernel hands out itself (outgoing connections, bind(0): UCX's, say) can take a
+    port between free_port and the server's bind; free_port draws below that range, distinct
+    ports, each bindable now."""
+    import socket
+
+    low = launcher._ephemeral_range()[0]
+    ports = [launcher.free_port() for _ in range(64)]
+    assert len(set(ports)) == 64
+    assert all(launcher._LOWEST_PORT <= port < low for port in ports)
+    for port in ports:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", port))
+
+
+def test_free_port_takes_the_kernels_choice_where_the_range_leaves_no_room(monkeypatch):
+    monkeypatch.setattr(launcher, "_ephemeral_range", lambda: (launcher._LOWEST_PORT + 100, 60999))
+    ports = {launcher.free_port() for _ in range(8)}
+    assert len(ports) == 8 and all(port >= launcher._LOWEST_PORT + 100 for port in ports)
+
+
+def test_free_port_skips_a_port_in_use(monkeypatch):
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        taken = busy.getsockname()[1]
+        draws = iter([taken, taken + 1 if taken < 65535 else taken - 1])
+        monkeypatch.setattr(launcher.random, "choice", lambda _: next(draws))
+        monkeypatch.setattr(launcher, "_ephemeral_range", lambda: (65536, 65536))
+        assert launcher.free_port() != taken
