@@ -114,7 +114,7 @@ class SideChannelServer:
 def request(address: str, message: SideMessage, timeout_s: float, keys: CurveKeys | None = None) -> SideMessage:
     """Send one message and wait for its reply, on a connection of its own. Raises
     HandshakeFailed on timeout, a bad answer, or an address ZMQ cannot connect to."""
-    socket = _dealer(address, keys)
+    socket = _request_socket(address, keys)
     try:
         return _exchange(socket, address, message, timeout_s)
     finally:
@@ -166,35 +166,45 @@ class Requester:
             sockets = self._idle.get(address)
             if sockets:
                 return sockets.pop()
-        return _dealer(address, self._keys)
+        return _request_socket(address, self._keys)
 
     def _give_back(self, address: str, socket: zmq.Socket) -> None:
+        """Keep socket for address's next request (closed instead once closed or full)."""
+        to_close = [socket]
         with self._lock:
             if not self._is_closed:
                 sockets = self._idle.pop(address, [])
                 self._idle[address] = sockets  # NOTE: re-inserted: most recently used last
                 if len(sockets) < self._max_idle:
-                    sockets.append(socket)
-                    socket = None
+                    sockets.append(to_close.pop())
                 while len(self._idle) > self._max_addresses:
-                    for stale in self._idle.pop(next(iter(self._idle))):
-                        stale.close(linger=0)
-        if socket is not None:
-            socket.close(linger=0)
+                    to_close += self._idle.pop(next(iter(self._idle)))
+        for stale in to_close:
+            stale.close(linger=0)
 
 
-def _dealer(address: str, keys: CurveKeys | None) -> zmq.Socket:
-    """A DEALER connecting to address's side channel. Raises HandshakeFailed if ZMQ cannot."""
+def _dealer(address: str, keys: CurveKeys | None, linger_ms: int = 0, **options: int) -> zmq.Socket:
+    """A DEALER connecting to address's side channel (with the zmq options given, e.g. SNDHWM);
+    raises zmq.ZMQError (the socket closed) if ZMQ cannot."""
     socket = zmq.Context.instance().socket(zmq.DEALER)
-    socket.setsockopt(zmq.LINGER, 0)
-    socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+    socket.setsockopt(zmq.LINGER, linger_ms)
+    for name, value in options.items():
+        socket.setsockopt(getattr(zmq, name), value)
     secure_client(socket, keys)
     try:
         socket.connect(f"tcp://{address}")
-    except zmq.ZMQError as exc:
+    except zmq.ZMQError:
         socket.close(linger=0)
-        raise HandshakeFailed(f"KV side channel {address} cannot be reached: {exc}") from exc
+        raise
     return socket
+
+
+def _request_socket(address: str, keys: CurveKeys | None) -> zmq.Socket:
+    """A DEALER for request/reply; raises HandshakeFailed if ZMQ cannot connect."""
+    try:
+        return _dealer(address, keys, MAXMSGSIZE=MAX_MESSAGE_BYTES)
+    except zmq.ZMQError as exc:
+        raise HandshakeFailed(f"KV side channel {address} cannot be reached: {exc}") from exc
 
 
 def _exchange(socket: zmq.Socket, address: str, message: SideMessage, timeout_s: float) -> SideMessage:
@@ -232,15 +242,7 @@ class Notifier:
         if socket is None:
             if len(self._sockets) >= self._max_sockets:
                 self._sockets.pop(next(iter(self._sockets))).close(linger=200)
-            socket = zmq.Context.instance().socket(zmq.DEALER)
-            socket.setsockopt(zmq.LINGER, 1000)
-            socket.setsockopt(zmq.SNDHWM, 10000)
-            secure_client(socket, self._keys)
-            try:
-                socket.connect(f"tcp://{address}")
-            except zmq.ZMQError:
-                socket.close(linger=0)
-                raise
+            socket = _dealer(address, self._keys, linger_ms=1000, SNDHWM=10000)
         self._sockets[address] = socket  # NOTE: re-inserted: the dict's order is least recently used first
         return socket
 
