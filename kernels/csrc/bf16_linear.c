@@ -128,11 +128,17 @@ static inline __attribute__((always_inline)) void block_rows(const uint16_t *x, 
     store_rounded(acc, bias, out, out_stride, cols, rows);
 }
 
+/* The blocked path's input blocks: of equal size (even), at most BLOCK_INPUTS: 576 inputs in 3 x
+ * 192, not 256 + 256 + 64. */
+static int64_t blocked_step(int64_t k) {
+    const int64_t num_steps = (k + BLOCK_INPUTS - 1) / BLOCK_INPUTS;
+    return ((k + num_steps - 1) / num_steps + 1) / 2 * 2;
+}
+
 static void blocked(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, const uint16_t *packed, int64_t n,
                     const float *bias, uint16_t *out, int64_t out_stride) {
     const int64_t panels = (n + PANEL - 1) / PANEL, blocks = (m + BLOCK_ROWS - 1) / BLOCK_ROWS;
-    /* input blocks of equal size (even), at most BLOCK_INPUTS: 576 inputs in 3 x 192, not 256 + 256 + 64 */
-    const int64_t num_steps = (k + BLOCK_INPUTS - 1) / BLOCK_INPUTS, step = ((k + num_steps - 1) / num_steps + 1) / 2 * 2;
+    const int64_t step = blocked_step(k);
 #pragma omp parallel
     {
         float carry[BLOCK_ROWS * PANEL] __attribute__((aligned(64)));
@@ -170,6 +176,11 @@ static void blocked(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, c
         }
     }
 }
+
+/* How many inputs bf16_linear sums from zero before adding them to an output's total, for m rows
+ * of k inputs (CHUNK on the small-batch path, the blocked path's step above): the greedy head
+ * (greedy_head.c) sums its candidates' logits the same way. */
+int64_t bf16_linear_chunk(int64_t m, int64_t k) { return m > SMALL_BATCH_ROWS ? blocked_step(k) : CHUNK; }
 
 /* x: [m, k] bfloat16 rows x_stride apart (k even); packed: W [n, k] as above; bias: n float32 or
  * NULL; out: [m, n] bfloat16 rows out_stride apart. Returns 0 (the signature of amx_linear_bf16's). */

@@ -1,6 +1,7 @@
-/* Greedy LM head for float32 models: each row's argmax of x W^T, the token the full head's
- * logits give, without computing them all. For rows that only need their greedy token (no
- * logprobs, no penalties, no bias, no grammar), two passes:
+/* Greedy LM head: each row's argmax of x W^T, the token the full head's logits give, without
+ * computing them all; for float32 heads here, for bfloat16 ones in the second part below (an int8
+ * screen). For rows that only need their greedy token (no logprobs, no penalties, no bias, no
+ * grammar), two passes:
  *
  * 1. A screen in bfloat16 (vdpbf16ps: two products a lane, twice float32's FMAs): W rounded to
  *    bfloat16 once (wb_v = bf16(w_v), e_v = w_v - wb_v), x per row (xb = bf16(x), d = x - xb),
@@ -98,12 +99,82 @@ typedef struct {
     Candidate at[CAP];
 } Candidates;
 
-/* Drop the candidates whose upper end fell below lower_max. */
-static void compact(Candidates *c) {
+static int cmp_int32(const void *a, const void *b) {
+    const int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* The least upper end an output needs to stay a candidate against a largest lower end l: l itself
+ * where the logits are compared as float32; where they are rounded to bfloat16 first (bf16_out),
+ * far enough below l that no value under it rounds to l's bfloat16 value or above (each rounding
+ * moves a value by at most 2^-8 of it, or 2^-126 where it flushes to zero). Monotone in l. */
+static inline float threshold_of(float l, int bf16_out) {
+    return bf16_out ? l - (fabsf(l) * (0x1p-7f + 0x1p-13f) + 0x1p-124f) : l;
+}
+
+/* Drop the candidates whose upper end fell below threshold. */
+static void compact(Candidates *c, float threshold) {
     int32_t kept = 0;
     for (int32_t j = 0; j < c->count; ++j)
-        if (!(c->at[j].upper < c->lower_max)) c->at[kept++] = c->at[j];
+        if (!(c->at[j].upper < threshold)) c->at[kept++] = c->at[j];
     c->count = kept;
+}
+
+/* Each of a panel's three vectors of 16 outputs: the lanes of its cols real outputs. */
+static inline void panel_masks(int cols, __mmask16 masks[3]) {
+    for (int v = 0; v < 3; ++v) {
+        const int n = cols - 16 * v < 0 ? 0 : (cols - 16 * v < 16 ? cols - 16 * v : 16);
+        masks[v] = (__mmask16)((1u << n) - 1u);
+    }
+}
+
+/* A panel's outputs (v0 on, three vectors of 16, masks their real ones) with their upper ends, to
+ * a row's candidates: those not below threshold (NaN upper ends, an overflowed bound, stay). */
+static inline void push_candidates(Candidates *c, const __m512 upper[3], const __mmask16 masks[3], float threshold,
+                                   int64_t v0) {
+    if (c->count + PANEL > CAP) {
+        compact(c, threshold);
+        if (c->count + PANEL > CAP) {
+            c->overflow = 1;
+            return;
+        }
+    }
+    const __m512 t = _mm512_set1_ps(threshold);
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    for (int v = 0; v < 3; ++v) {
+        const __mmask16 keep = masks[v] & ~_mm512_cmp_ps_mask(upper[v], t, _CMP_LT_OQ);
+        if (!keep) continue;
+        int32_t index[16];
+        float up_v[16];
+        _mm512_mask_compressstoreu_epi32(index, keep, _mm512_add_epi32(lane, _mm512_set1_epi32((int32_t)(v0 + 16 * v))));
+        _mm512_mask_compressstoreu_ps(up_v, keep, upper[v]);
+        for (int j = 0; j < __builtin_popcount(keep); ++j) c->at[c->count + j] = (Candidate){index[j], up_v[j]};
+        c->count += __builtin_popcount(keep);
+    }
+}
+
+/* Row r's candidates over every thread's (cands: threads x m), in index order (the first maximum
+ * wins), into cand (CAP); returns their count, or -1 when the row is left to the caller (a thread
+ * overflowed, too many candidates, or a non-finite largest lower end). */
+static int64_t gather_row(const Candidates *cands, int threads, int64_t m, int64_t r, int bf16_out, int32_t *cand) {
+    float l = -INFINITY;
+    for (int th = 0; th < threads; ++th) {
+        if (cands[th * m + r].overflow) return -1;
+        if (cands[th * m + r].lower_max > l) l = cands[th * m + r].lower_max;
+    }
+    if (not_finite(l)) return -1;
+    const float t = threshold_of(l, bf16_out);
+    int64_t count = 0;
+    for (int th = 0; th < threads; ++th) {
+        const Candidates *c = cands + th * m + r;
+        for (int32_t j = 0; j < c->count; ++j) {
+            if (c->at[j].upper < t) continue;
+            if (count == CAP) return -1;
+            cand[count++] = c->at[j].index;
+        }
+    }
+    qsort(cand, (size_t)count, sizeof cand[0], cmp_int32);
+    return count;
 }
 
 /* acc[r] += rows (1..8, a constant after inlining) of xb against the panel's k inputs. */
@@ -141,7 +212,6 @@ static inline __attribute__((always_inline)) void screen_rows(const uint16_t *xb
      * to a denormal step an operation; all of it within 2^-125 (k + 2) (1 + |xb| + |wb|) */
     const float tiny_unit = 0x1p-125f * (float)(k + 2);
     const __m512 tiny_w = _mm512_set1_ps(tiny_unit);
-    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     for (int r = 0; r < rows; ++r) {
         Candidates *c = cands + r;
         if (c->overflow) continue;
@@ -151,9 +221,8 @@ static inline __attribute__((always_inline)) void screen_rows(const uint16_t *xb
         const __m512 tiny = _mm512_set1_ps(tiny_unit * (1.0f + info[r].xb_norm));
         __m512 upper[3], lo_max = _mm512_set1_ps(c->lower_max);
         __mmask16 masks[3];
+        panel_masks(cols, masks);
         for (int v = 0; v < 3; ++v) {
-            const int n = cols - 16 * v < 0 ? 0 : (cols - 16 * v < 16 ? cols - 16 * v : 16);
-            masks[v] = (__mmask16)((1u << n) - 1u);
             const int64_t o = v0 + 16 * v;
             const __m512 a = acc[r][v], e = _mm512_loadu_ps(s->e_norm + o), wb = _mm512_loadu_ps(s->wb_norm + o);
             /* |xb| |e| + |d| (|wb| + |e|) + the screen's and the exact sums' rounding */
@@ -166,25 +235,7 @@ static inline __attribute__((always_inline)) void screen_rows(const uint16_t *xb
             lo_max = _mm512_mask_max_ps(lo_max, masks[v], lo_max, _mm512_sub_ps(a, b));
         }
         c->lower_max = _mm512_reduce_max_ps(lo_max);
-        const __m512 threshold = _mm512_set1_ps(c->lower_max);
-        if (c->count + PANEL > CAP) {
-            compact(c);
-            if (c->count + PANEL > CAP) {
-                c->overflow = 1;
-                continue;
-            }
-        }
-        for (int v = 0; v < 3; ++v) {
-            /* not below the threshold: NaN upper ends (an overflowed bound) stay candidates */
-            const __mmask16 keep = masks[v] & ~_mm512_cmp_ps_mask(upper[v], threshold, _CMP_LT_OQ);
-            if (!keep) continue;
-            int32_t index[16];
-            float up_v[16];
-            _mm512_mask_compressstoreu_epi32(index, keep, _mm512_add_epi32(lane, _mm512_set1_epi32((int32_t)(v0 + 16 * v))));
-            _mm512_mask_compressstoreu_ps(up_v, keep, upper[v]);
-            for (int j = 0; j < __builtin_popcount(keep); ++j) c->at[c->count + j] = (Candidate){index[j], up_v[j]};
-            c->count += __builtin_popcount(keep);
-        }
+        push_candidates(c, upper, masks, c->lower_max, v0);
     }
 }
 
@@ -204,11 +255,6 @@ static __m512 exact_f32(const float *x, int64_t k, const float *weight, const in
         sums = _mm512_add_ps(sums, acc);
     }
     return sums;
-}
-
-static int cmp_int32(const void *a, const void *b) {
-    const int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
-    return (x > y) - (x < y);
 }
 
 /* x: [m, k] float32 rows x_stride apart (k even); packed: bf16(W) in panels; e_norm, wb_norm,
@@ -247,47 +293,19 @@ int greedy_head(const float *x, int64_t x_stride, int64_t m, int64_t k, const ui
             for (int64_t row = 0; row < m; row += ROWS) {
                 const uint16_t *xr = xb + row * k;
 #define SCREEN_ROWS(r) screen_rows(xr, k, w, &screen, p * PANEL, info + row, screen_rel, exact_rel, mine + row, cols, r)
-                switch (m - row < ROWS ? m - row : ROWS) {
-                case 1: SCREEN_ROWS(1); break;
-                case 2: SCREEN_ROWS(2); break;
-                case 3: SCREEN_ROWS(3); break;
-                case 4: SCREEN_ROWS(4); break;
-                case 5: SCREEN_ROWS(5); break;
-                case 6: SCREEN_ROWS(6); break;
-                case 7: SCREEN_ROWS(7); break;
-                default: SCREEN_ROWS(8); break;
-                }
+                WITH_ROWS(m - row, SCREEN_ROWS)
 #undef SCREEN_ROWS
             }
         }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t r = 0; r < m; ++r) {
-            float l = -INFINITY;
-            int overflow = 0;
-            for (int th = 0; th < threads; ++th) {
-                overflow |= cands[th * m + r].overflow;
-                if (cands[th * m + r].lower_max > l) l = cands[th * m + r].lower_max;
-            }
-            /* every thread's candidates that reach the row's L, in index order (the first maximum wins) */
             int32_t cand[CAP];
-            int64_t count = 0;
-            for (int th = 0; th < threads && !overflow && !not_finite(l); ++th) {
-                const Candidates *c = cands + th * m + r;
-                for (int32_t j = 0; j < c->count; ++j) {
-                    if (c->at[j].upper < l) continue;
-                    if (count == CAP) {
-                        overflow = 1;
-                        break;
-                    }
-                    cand[count++] = c->at[j].index;
-                }
-            }
-            if (overflow || not_finite(l)) {
+            const int64_t count = gather_row(cands, threads, m, r, 0, cand);
+            if (count < 0) {
                 out[r] = -1;
                 if (candidates_out) candidates_out[r] = n;
                 continue;
             }
-            qsort(cand, (size_t)count, sizeof cand[0], cmp_int32);
             float best = 0.0f;
             int64_t best_v = -1;
             for (int64_t j = 0; j < count; j += 16) {
@@ -307,6 +325,392 @@ int greedy_head(const float *x, int64_t x_stride, int64_t m, int64_t k, const ui
     return 0;
 }
 
+
+/* ---- bfloat16 heads: an int8 screen ----
+ *
+ * A bfloat16 head's logits are vdpbf16ps sums rounded to bfloat16, and no product is cheaper than
+ * vdpbf16ps among the bfloat16 ones; int8's vpdpbusd adds four products a lane (twice
+ * vdpbf16ps's two) at the same one instruction a cycle (a 2-core Zen 4 EPYC, 24 register chains:
+ * 230 GMAC/s a core against 116). So the screen runs in int8, with the same kind of bound:
+ * - W per output v: scale s_v = max |w_v| / 127, q_v = round(w_v / s_v), e_v = w_v - s_v q_v.
+ * - x per row, but for UPAIRS input pairs the call picks (the pairs with the largest |x| relative
+ *   to each row's RMS, over the rows: trained models' final hidden states have a few channels at
+ *   10-20x the rest, which would set the int8 step for all): x_rest (x with those pairs zeroed)
+ *   as s_x qx + dx the same way, qx + 128 in unsigned bytes.
+ * - a_v = s_x s_v (qx . q_v) (integer sums, exact) + x_U . w_v (vdpbf16ps over the picked pairs'
+ *   bfloat16 weights: exact products, float32 sums), and
+ *       |x . w_v - a_v| <= s_x |qx| |e_v| + |dx| |w_v| + the float32 roundings of a_v,
+ *   plus, as in the float32 head, the rounding of the exact sums and the denormals vdpbf16ps
+ *   flushes.
+ * - The logits are compared after their rounding to bfloat16: an output stays a candidate while
+ *   its upper end could round to the largest lower end's bfloat16 value or above
+ *   (threshold_of).
+ * - The candidates' logits are then computed as bf16_linear.c computes them (vdpbf16ps over input
+ *   pairs in chunks of `chunk` inputs, each chunk's sum added to the total, rounded to bfloat16),
+ *   one candidate per lane, gathered from W's rows: the token is the first index of their
+ *   largest bfloat16 value, bit for bit the argmax of that kernel's logits.
+ * A row with a non-finite x, with over CAP candidates, or whose candidates' logits hold a NaN is
+ * left to the caller (-1).
+ *
+ * Packed W (kernels/greedy_head.py): q in panels of PANEL outputs, per 4 inputs one 192-byte row
+ * of 48 outputs x 4 bytes; per output s_v, sum_i q_vi, |e_v| and |w_v|; and the head's own
+ * bfloat16 panels (pack_bf16_pairs), for the picked pairs; W itself for the exact logits. */
+#if defined(__AVX512VNNI__)
+int greedy_head_bf16_ready(void) { return 1; }
+
+enum { UPAIRS = 8 };
+
+/* acc + each lane's four products of u8's unsigned bytes and s8's signed ones (vpdpbusd). In
+ * assembly: GCC 12 keeps a copy of each accumulator of the intrinsic in memory, a store per
+ * instruction, which ran the screen at a third of the instruction's rate. */
+static inline __attribute__((always_inline)) __m512i dpbusd(__m512i acc, __m512i u8, __m512i s8) {
+    __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u8), "v"(s8));
+    return acc;
+}
+
+typedef struct {
+    float sx;       /* x_rest's int8 step */
+    float qx_norm;  /* |qx|, rounded up */
+    float dx_norm;  /* |x_rest - sx qx|, rounded up */
+    float x_norm;   /* |x|, rounded up */
+    float u_norm;   /* |x_U|, rounded up */
+    int all;        /* left to the caller */
+} Row8;
+
+typedef struct {
+    const float *scale;    /* s_v */
+    const int32_t *qsum;   /* sum_i q_vi */
+    const float *e_norm;   /* |w_v - s_v q_v| */
+    const float *w_norm;   /* |w_v| */
+} Screen8;
+
+/* 16 bfloat16 values (n of them; the rest read as 0) widened to float32. */
+static inline __m512 load_bf16(const uint16_t *p, __mmask16 n_mask) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(n_mask, p)), 16));
+}
+
+static inline __mmask16 lanes_below(int64_t n) { return n >= 16 ? (__mmask16)0xffffu : (__mmask16)((1u << n) - 1u); }
+
+/* The lanes of v that hold an inf or a NaN (on the bits: -ffast-math assumes there are none). */
+static inline __mmask16 non_finite_lanes(__m512 v) {
+    return _mm512_cmpge_epu32_mask(_mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(0x7fffffff)),
+                                   _mm512_set1_epi32(0x7f800000));
+}
+
+/* Sum of squares of v's 16 lanes, added to acc in float64 (two halves). */
+static inline __m512d add_squares(__m512d acc, __m512 v) {
+    const __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(v)), hi = _mm512_cvtps_pd(_mm512_extractf32x8_ps(v, 1));
+    return _mm512_fmadd_pd(hi, hi, _mm512_fmadd_pd(lo, lo, acc));
+}
+
+/* The call's UPAIRS pairs (fewer where k / 2 is smaller), one at a time: each row votes for the
+ * pair of its largest |x| (relative to its RMS) among the pairs not yet taken, with that value,
+ * and the pair with the most votes is taken; so the picks cover the largest values of as many rows
+ * as they can (a row's int8 step is its largest value left). Rows with a non-finite x vote for
+ * nothing (they are left to the caller). rest: k floats, 0 at the picked pairs' inputs and 1
+ * elsewhere. Returns the count, or -1 when a buffer could not be allocated. */
+static int pick_pairs(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, int32_t *pairs, float *rest) {
+    const int64_t num_pairs = k / 2;
+    const int count = num_pairs < UPAIRS ? (int)num_pairs : UPAIRS;
+    const int64_t padded = (k + 15) / 16 * 16;
+    float *scaled = malloc(sizeof(float) * (size_t)(m * padded)), *votes = malloc(sizeof(float) * (size_t)num_pairs);
+    if (!scaled || !votes) {
+        free(scaled);
+        free(votes);
+        return -1;
+    }
+    int64_t voters = 0; /* rows with a finite, nonzero x, in scaled's first rows */
+    for (int64_t r = 0; r < m; ++r) {
+        const uint16_t *xr = x + r * x_stride;
+        __m512 ss = _mm512_setzero_ps();
+        __mmask16 bad = 0;
+        for (int64_t i = 0; i < k; i += 16) {
+            const __m512 v = load_bf16(xr + i, lanes_below(k - i));
+            bad |= non_finite_lanes(v);
+            ss = _mm512_fmadd_ps(v, v, ss);
+        }
+        const float sum = _mm512_reduce_add_ps(ss);
+        if (bad || !(sum > 0.0f) || not_finite(sum)) continue;
+        const __m512 inv_rms = _mm512_set1_ps((float)(1.0 / sqrt((double)sum / (double)k)));
+        for (int64_t i = 0; i < padded; i += 16)
+            _mm512_storeu_ps(scaled + voters * padded + i,
+                             _mm512_mul_ps(_mm512_abs_ps(load_bf16(xr + i, lanes_below(k - i))), inv_rms));
+        ++voters;
+    }
+    for (int64_t i = 0; i < k; ++i) rest[i] = 1.0f;
+    for (int c = 0; c < count; ++c) {
+        memset(votes, 0, sizeof(float) * (size_t)num_pairs);
+        for (int64_t r = 0; r < voters; ++r) {
+            const float *sr = scaled + r * padded;
+            __m512 best = _mm512_setzero_ps();
+            for (int64_t i = 0; i < padded; i += 16)
+                best = _mm512_max_ps(best, _mm512_mul_ps(_mm512_loadu_ps(sr + i), _mm512_maskz_loadu_ps(lanes_below(k - i), rest + i)));
+            const float top = _mm512_reduce_max_ps(best);
+            if (!(top > 0.0f)) continue;
+            for (int64_t i = 0; i < k; ++i)
+                if (rest[i] > 0.0f && sr[i] == top) {
+                    votes[i / 2] += top;
+                    break;
+                }
+        }
+        int64_t pick = -1;
+        for (int64_t j = 0; j < num_pairs; ++j)
+            if (rest[2 * j] > 0.0f && (pick < 0 || votes[j] > votes[pick])) pick = j;
+        pairs[c] = (int32_t)pick;
+        rest[2 * pick] = rest[2 * pick + 1] = 0.0f;
+    }
+    free(scaled);
+    free(votes);
+    /* in order: the screen reads their weights front to back */
+    qsort(pairs, (size_t)count, sizeof pairs[0], cmp_int32);
+    return count;
+}
+
+/* x's row (bfloat16, k) -> its int8 rest as unsigned bytes (qx + 128; qx = 0 at the picked
+ * pairs, where rest is 0), its picked pairs' bfloat16 values (each pair's two as one int32) and
+ * its Row8. The norms are summed in float64 from exact float32 values (x, x - sx qx formed in
+ * float64: sx qx has at most 31 significant bits) and rounded up. */
+static void quantize_row(const uint16_t *x, int64_t k, const float *rest, const int32_t *pairs, int num_pairs,
+                         uint8_t *xq, int32_t *xu, Row8 *info) {
+    memset(info, 0, sizeof *info);
+    __m512 amax = _mm512_setzero_ps();
+    __m512d xx = _mm512_setzero_pd(), uu = _mm512_setzero_pd();
+    __mmask16 bad = 0;
+    for (int64_t i = 0; i < k; i += 16) {
+        const __mmask16 n = lanes_below(k - i);
+        const __m512 v = load_bf16(x + i, n), keep = _mm512_maskz_loadu_ps(n, rest + i);
+        bad |= non_finite_lanes(v);
+        xx = add_squares(xx, v);
+        uu = add_squares(uu, _mm512_sub_ps(v, _mm512_mul_ps(v, keep)));
+        amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_mul_ps(v, keep)));
+    }
+    if (bad) {
+        info->all = 1;
+        memset(xq, 128, (size_t)k);
+        memset(xu, 0, sizeof(int32_t) * UPAIRS);
+        return;
+    }
+    const float sx = _mm512_reduce_max_ps(amax) / 127.0f;
+    const __m512 sxv = _mm512_set1_ps(sx), lim = _mm512_set1_ps(127.0f);
+    const __m512d sxd = _mm512_set1_pd((double)sx);
+    __m512d qq = _mm512_setzero_pd(), dd = _mm512_setzero_pd();
+    for (int64_t i = 0; i < k; i += 16) {
+        const __mmask16 n = lanes_below(k - i);
+        const __m512 v = _mm512_mul_ps(load_bf16(x + i, n), _mm512_maskz_loadu_ps(n, rest + i));
+        __m512 q = _mm512_setzero_ps();
+        if (sx > 0.0f)
+            q = _mm512_min_ps(lim, _mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), lim),
+                                                 _mm512_roundscale_ps(_mm512_div_ps(v, sxv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
+        qq = add_squares(qq, q);
+        /* x - sx q in float64, exact, by halves */
+        const __m512d dlo = _mm512_fnmadd_pd(sxd, _mm512_cvtps_pd(_mm512_castps512_ps256(q)),
+                                             _mm512_cvtps_pd(_mm512_castps512_ps256(v)));
+        const __m512d dhi = _mm512_fnmadd_pd(sxd, _mm512_cvtps_pd(_mm512_extractf32x8_ps(q, 1)),
+                                             _mm512_cvtps_pd(_mm512_extractf32x8_ps(v, 1)));
+        dd = _mm512_fmadd_pd(dhi, dhi, _mm512_fmadd_pd(dlo, dlo, dd));
+        const __m128i bytes = _mm512_cvtepi32_epi8(_mm512_add_epi32(_mm512_cvtps_epi32(q), _mm512_set1_epi32(128)));
+        _mm_mask_storeu_epi8(xq + i, n, bytes);
+    }
+    for (int j = 0; j < num_pairs; ++j) memcpy(xu + j, x + 2 * (int64_t)pairs[j], sizeof(int32_t));
+    info->sx = sx;
+    info->qx_norm = up(sqrt(_mm512_reduce_add_pd(qq)) * (1.0 + 1e-12));
+    info->dx_norm = up(sqrt(_mm512_reduce_add_pd(dd)) * (1.0 + 1e-12));
+    info->x_norm = up(sqrt(_mm512_reduce_add_pd(xx)) * (1.0 + 1e-12));
+    info->u_norm = up(sqrt(_mm512_reduce_add_pd(uu)) * (1.0 + 1e-12));
+    if (not_finite(info->qx_norm) || not_finite(info->dx_norm) || not_finite(info->x_norm) || not_finite(info->u_norm))
+        info->all = 1;
+}
+
+/* rows (1..8, a constant after inlining) against one panel: the int8 sums over the k / 4 input
+ * quads, scaled, then the picked pairs' products in vdpbf16ps; each output's bounds; the row's
+ * lower_max raised and its candidates added (as screen_rows). */
+static inline __attribute__((always_inline)) void screen8_rows(
+    const uint8_t *xq, const int32_t *xu, int64_t k, const int8_t *w8, const uint16_t *wb, const int32_t *pairs,
+    int num_pairs, const Screen8 *s, int64_t v0, const Row8 *info, float exact_rel, Candidates *cands, int cols,
+    const int rows) {
+    __m512i acc[ROWS][3];
+    for (int r = 0; r < rows; ++r) acc[r][0] = acc[r][1] = acc[r][2] = _mm512_setzero_si512();
+    if (k <= 0) __builtin_unreachable();
+    for (int64_t i = 0; i < k; i += 4) {
+        const int8_t *wi = w8 + i * PANEL;
+        if (rows > 1) prefetch_panel_row(wi, rows >= 6);
+        const __m512i w0 = _mm512_loadu_si512(wi), w1 = _mm512_loadu_si512(wi + 64), w2 = _mm512_loadu_si512(wi + 128);
+        for (int r = 0; r < rows; ++r) {
+            int32_t quad;
+            memcpy(&quad, xq + r * k + i, sizeof quad);
+            const __m512i xv = _mm512_set1_epi32(quad);
+            acc[r][0] = dpbusd(acc[r][0], xv, w0);
+            acc[r][1] = dpbusd(acc[r][1], xv, w1);
+            acc[r][2] = dpbusd(acc[r][2], xv, w2);
+        }
+    }
+    __m512 a[ROWS][3];
+    for (int v = 0; v < 3; ++v) {
+        const __m512i offset = _mm512_slli_epi32(_mm512_loadu_si512(s->qsum + v0 + 16 * v), 7); /* 128 sum q */
+        const __m512 scale = _mm512_loadu_ps(s->scale + v0 + 16 * v);
+        for (int r = 0; r < rows; ++r)
+            a[r][v] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][v], offset)),
+                                    _mm512_mul_ps(scale, _mm512_set1_ps(info[r].sx)));
+    }
+    for (int j = 0; j < num_pairs; ++j) {
+        const uint16_t *wj = wb + (int64_t)pairs[j] * 2 * PANEL;
+        const __m512bh u0 = (__m512bh)_mm512_loadu_si512(wj), u1 = (__m512bh)_mm512_loadu_si512(wj + 32),
+                       u2 = (__m512bh)_mm512_loadu_si512(wj + 64);
+        for (int r = 0; r < rows; ++r) {
+            const __m512bh xv = (__m512bh)_mm512_set1_epi32(xu[r * UPAIRS + j]);
+            a[r][0] = _mm512_dpbf16_ps(a[r][0], xv, u0);
+            a[r][1] = _mm512_dpbf16_ps(a[r][1], xv, u1);
+            a[r][2] = _mm512_dpbf16_ps(a[r][2], xv, u2);
+        }
+    }
+    /* a_v's own roundings: the int32 -> float32 conversion and two products (3 units of 2^-24
+     * of |a0|), then 2 a pair for the picked pairs, of at most |a| + 2 |x_U| |w_v|; generously */
+    const __m512 widen = _mm512_set1_ps(1.0f + 1.0f / 512.0f);
+    const __m512 a_rel = _mm512_set1_ps((float)(num_pairs + 4) * 0x1p-23f + 0x1p-20f);
+    const float tiny_unit = 0x1p-125f * (float)(k + 2);
+    const __m512 tiny_w = _mm512_set1_ps(tiny_unit);
+    for (int r = 0; r < rows; ++r) {
+        Candidates *c = cands + r;
+        if (c->overflow) continue;
+        const __m512 sq = _mm512_set1_ps(info[r].sx * info[r].qx_norm * (1.0f + 0x1p-20f));
+        const __m512 dn = _mm512_set1_ps(info[r].dx_norm);
+        const __m512 un2 = _mm512_set1_ps(2.0f * info[r].u_norm);
+        const __m512 exact_n = _mm512_set1_ps(info[r].x_norm * exact_rel);
+        const __m512 tiny = _mm512_set1_ps(tiny_unit * (1.0f + info[r].x_norm));
+        __m512 upper[3], lo_max = _mm512_set1_ps(c->lower_max);
+        __mmask16 masks[3];
+        panel_masks(cols, masks);
+        for (int v = 0; v < 3; ++v) {
+            const int64_t o = v0 + 16 * v;
+            const __m512 e = _mm512_loadu_ps(s->e_norm + o), wn = _mm512_loadu_ps(s->w_norm + o);
+            /* s_x |qx| |e| + |dx| |w| + the exact sums' rounding + a's own, + near zero */
+            __m512 b = _mm512_mul_ps(sq, e);
+            b = _mm512_fmadd_ps(dn, wn, b);
+            b = _mm512_fmadd_ps(exact_n, wn, b);
+            b = _mm512_fmadd_ps(a_rel, _mm512_fmadd_ps(un2, wn, _mm512_abs_ps(a[r][v])), b);
+            b = _mm512_fmadd_ps(b, widen, _mm512_fmadd_ps(tiny_w, wn, tiny));
+            upper[v] = _mm512_add_ps(a[r][v], b);
+            lo_max = _mm512_mask_max_ps(lo_max, masks[v], lo_max, _mm512_sub_ps(a[r][v], b));
+        }
+        c->lower_max = _mm512_reduce_max_ps(lo_max);
+        push_candidates(c, upper, masks, threshold_of(c->lower_max, 1), v0);
+    }
+}
+
+/* The bfloat16 logits of up to 16 candidates (lanes < count; the rest read output 0), as
+ * bf16_linear.c sums them: vdpbf16ps over the input pairs in chunks of `chunk` inputs, each chunk
+ * from zero and added to the total, plus a zero bias, rounded to bfloat16 (widened back). The
+ * weight pairs are gathered from W's rows (weight: [n, k] bfloat16), where each candidate's next
+ * 16 pairs share one cache line (from the panels, each pair read a line of its own: a quarter
+ * of the call's time at 48 rows, ~19 candidates a row). */
+static __m512 exact_bf16(const uint16_t *x, int64_t k, const uint16_t *weight, const int32_t *cand, int count,
+                         int64_t chunk) {
+    const __mmask16 live = (__mmask16)(count >= 16 ? 0xffffu : (1u << count) - 1u);
+    const __m512i rows = _mm512_mullo_epi32(_mm512_maskz_loadu_epi32(live, cand), _mm512_set1_epi32((int32_t)(k / 2)));
+    const int32_t *pairs = (const int32_t *)weight;
+    __m512 sums = _mm512_setzero_ps();
+    for (int64_t start = 0; start < k; start += chunk) {
+        const int64_t end = k - start < chunk ? k : start + chunk;
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t i = start; i < end; i += 2) {
+            const __m512i w = _mm512_i32gather_epi32(rows, pairs + i / 2, 4);
+            int32_t pair;
+            memcpy(&pair, x + i, sizeof pair);
+            acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(pair), (__m512bh)w);
+        }
+        sums = _mm512_add_ps(sums, acc);
+    }
+    return bf16x16_round(_mm512_add_ps(sums, _mm512_setzero_ps()));
+}
+
+/* x: [m, k] bfloat16 rows x_stride apart (k a multiple of 4, at most 65,536); q8: int8 W in
+ * panels; scale, qsum, e_norm, w_norm: per output, padded to whole panels; wb: the head's
+ * bfloat16 panels; weight: W [n, k] bfloat16, contiguous; chunk: the inputs bf16_linear.c sums in one go for m rows (its CHUNK up to its
+ * small-batch rows, its blocked path's input step above); out: m int64 tokens, -1 for a row left
+ * to the caller; candidates_out (or NULL): each row's count of exact logits. Returns 0, or -1
+ * when a buffer could not be allocated. */
+int greedy_head_bf16(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, const int8_t *q8, const float *scale,
+                     const int32_t *qsum, const float *e_norm, const float *w_norm, const uint16_t *wb,
+                     const uint16_t *weight, int64_t n, int64_t chunk, int64_t *out, int64_t *candidates_out) {
+    const Screen8 screen = {scale, qsum, e_norm, w_norm};
+    const int64_t panels = (n + PANEL - 1) / PANEL;
+    const int threads = omp_get_max_threads();
+    int32_t pairs[UPAIRS];
+    float *rest = malloc(sizeof(float) * (size_t)k);
+    const int num_pairs = rest ? pick_pairs(x, x_stride, m, k, pairs, rest) : -1;
+    uint8_t *xq = malloc((size_t)(m * k));
+    int32_t *xu = malloc(sizeof(int32_t) * (size_t)(m * UPAIRS));
+    Row8 *info = malloc(sizeof(Row8) * (size_t)m);
+    Candidates *cands = malloc(sizeof(Candidates) * (size_t)(m * threads));
+    if (num_pairs < 0 || !xq || !xu || !info || !cands) {
+        free(rest);
+        free(xq);
+        free(xu);
+        free(info);
+        free(cands);
+        return -1;
+    }
+    /* the exact sums' rounding relative to |x| |w_v|: 2 a pair within a chunk, one a chunk after */
+    const float exact_rel = (float)((chunk + k / chunk + 4) * 0x1p-23);
+#pragma omp parallel
+    {
+        const int me = omp_get_thread_num();
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < m; ++r)
+            quantize_row(x + r * x_stride, k, rest, pairs, num_pairs, xq + r * k, xu + r * UPAIRS, info + r);
+        Candidates *mine = cands + (int64_t)me * m;
+        for (int64_t r = 0; r < m; ++r) mine[r].lower_max = -INFINITY, mine[r].count = 0, mine[r].overflow = info[r].all;
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < panels; ++p) {
+            const int8_t *w8 = q8 + p * k * PANEL;
+            const uint16_t *wbp = wb + p * k * PANEL;
+            const int cols = n - p * PANEL < PANEL ? (int)(n - p * PANEL) : PANEL;
+            /* the next panel's picked pairs into L2 (scattered rows: the hardware's prefetch misses them) */
+            for (int j = 0; j < num_pairs && p + 1 < panels; ++j) {
+                const char *next = (const char *)(wbp + k * PANEL + (int64_t)pairs[j] * 2 * PANEL);
+                for (int line = 0; line < 192; line += 64) _mm_prefetch(next + line, _MM_HINT_T1);
+            }
+            for (int64_t row = 0; row < m; row += ROWS) {
+#define SCREEN8_ROWS(r) screen8_rows(xq + row * k, xu + row * UPAIRS, k, w8, wbp, pairs, num_pairs, &screen, p * PANEL, \
+                                     info + row, exact_rel, mine + row, cols, r)
+                WITH_ROWS(m - row, SCREEN8_ROWS)
+#undef SCREEN8_ROWS
+            }
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t r = 0; r < m; ++r) {
+            int32_t cand[CAP];
+            const int64_t count = gather_row(cands, threads, m, r, 1, cand);
+            int64_t best_v = count < 0 ? -1 : 0;
+            float best = 0.0f;
+            for (int64_t j = 0; j < count && best_v >= 0; j += 16) {
+                const int lanes = count - j < 16 ? (int)(count - j) : 16;
+                float vals[16];
+                _mm512_storeu_ps(vals, exact_bf16(x + r * x_stride, k, weight, cand + j, lanes, chunk));
+                for (int l2 = 0; l2 < lanes; ++l2) {
+                    if ((bits_of(vals[l2]) & 0x7fffffffu) > 0x7f800000u) { /* a NaN: the caller's argmax finds the first */
+                        best_v = -1;
+                        break;
+                    }
+                    if ((j == 0 && l2 == 0) || vals[l2] > best) best = vals[l2], best_v = cand[j + l2];
+                }
+            }
+            out[r] = best_v;
+            if (candidates_out) candidates_out[r] = best_v < 0 ? n : count;
+        }
+    }
+    free(rest);
+    free(xq);
+    free(xu);
+    free(info);
+    free(cands);
+    return 0;
+}
+#else
+int greedy_head_bf16_ready(void) { return 0; }
+#endif
+
 #else
 int greedy_head_ready(void) { return 0; }
+int greedy_head_bf16_ready(void) { return 0; }
 #endif

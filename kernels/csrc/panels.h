@@ -8,6 +8,20 @@
 
 enum { PANEL = 48, ROWS = 8, CHUNK = 64 };
 
+/* CALL(r) with r the constant 1..ROWS that count (at least 1) is, or ROWS when count is larger:
+ * the row-group kernels are inlined once for each row count. */
+#define WITH_ROWS(count, CALL)                                                                                         \
+    switch ((count) < ROWS ? (count) : ROWS) {                                                                         \
+    case 1: CALL(1); break;                                                                                            \
+    case 2: CALL(2); break;                                                                                            \
+    case 3: CALL(3); break;                                                                                            \
+    case 4: CALL(4); break;                                                                                            \
+    case 5: CALL(5); break;                                                                                            \
+    case 6: CALL(6); break;                                                                                            \
+    case 7: CALL(7); break;                                                                                            \
+    default: CALL(8); break;                                                                                           \
+    }
+
 /* How far ahead of its reads a panel's W rows are prefetched, in bytes. On the 2-core Zen 5, with
  * 3-64 rows of x the FMAs between reads left the hardware prefetcher behind. SmolLM-135M's 30
  * layers' projections, one thread, medians of 9 alternated repeats, 3 / 8 / 16 / 64 rows:

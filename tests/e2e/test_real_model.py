@@ -12,9 +12,12 @@ import transformers
 from engine.llm import LLM
 from engine.model import CausalLM
 from engine.sampling_params import SamplingParams
+from kernels.argmax import argmax_rows
+from kernels.greedy_head import greedy_head_argmax, prepare_greedy_head
+from kernels.linear import linear, prepare_linear
 from pdserve.launcher import start_local, wait_healthy
 from tests.e2e.conftest import KV_PATH_ONLY, assert_kv_path_only
-from tests.kernels.conftest import EXPECT_AVX512_BF16
+from tests.kernels.conftest import EXPECT_AVX512_BF16, EXPECT_VNNI_BF16
 from tests.pdserve.real_model import cached_smollm2
 
 MAX_TOKENS = 16
@@ -117,3 +120,29 @@ def test_chat_through_the_deployment_equals_transformers_and_answers_paris(deplo
     stream = client.chat.completions.create(model=name, messages=QUESTION, max_tokens=MAX_TOKENS, temperature=0,
                                             stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == want_text
+
+
+def test_bfloat16_greedy_head_narrows_the_real_heads_rows_and_agrees(hf):
+    """The int8 screen of bfloat16 heads on SmolLM2's head and its final hidden states, whose
+    channels run to ~13-20x their RMS: the pairs the screen takes out in bfloat16 keep it to a few
+    dozen exact logits a row (thousands without them), and each token is the logits' argmax. The
+    prompts' first positions (their hidden states the most extreme, and never a decode step's row)
+    are checked for the token only: batched with the others, a few of them have more near-maxima
+    than the candidate cap and take the full head."""
+    model, tokenizer = hf
+    texts = PROMPTS + ["Once upon a time there was a little girl who lived near the forest. Every day she",
+                       "Q: What is 17 times 23? A: 17 times 20 is 340, and 17 times 3 is 51, so"]
+    with torch.inference_mode():
+        states = [model(torch.tensor([tokenizer.encode(t)]), output_hidden_states=True).hidden_states[-1][0]
+                  for t in texts]
+    weight = model.lm_head.weight.detach().to(torch.bfloat16).contiguous()
+    full = prepare_linear(weight, copy=False)
+    head = prepare_greedy_head(weight, full)
+    assert (head is not None) == (EXPECT_VNNI_BF16 and full.bf16 is not None)
+    if head is None:
+        return
+    for hidden in (torch.cat(states), torch.cat([s[1:] for s in states])):
+        hidden = hidden.to(torch.bfloat16)
+        candidates = torch.empty(hidden.shape[0], dtype=torch.int64)
+        assert torch.equal(greedy_head_argmax(hidden, head, candidates), argmax_rows(linear(hidden, full)))
+    assert float(candidates.float().mean()) < 64 and int(candidates.max()) < 1000, candidates.tolist()

@@ -16,7 +16,8 @@ from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfi
 from engine.engine import LLMEngine
 from engine.model import CausalLM
 from engine.sampling_params import SamplingParams
-from tests.kernels.conftest import ENGINE_DEVICES, EXPECT_AVX512_BF16
+from kernels import greedy_head
+from tests.kernels.conftest import ENGINE_DEVICES, EXPECT_AVX512_BF16, EXPECT_VNNI_BF16
 
 PROMPT_LENGTHS = [1, 2, 5, 15, 16, 17, 31, 33, 64, 100, 200, 333, 512, 700, 850, 1000]
 MAX_TOKENS = 12
@@ -49,9 +50,9 @@ def transformers_greedy(model_dir, prompts, max_tokens):
     return results
 
 
-def make_engine(model_dir, num_blocks, max_num_batched_tokens=256, max_num_seqs=16, device="cpu"):
+def make_engine(model_dir, num_blocks, max_num_batched_tokens=256, max_num_seqs=16, device="cpu", dtype="float32"):
     config = EngineConfig(
-        model=ModelConfig.from_pretrained(model_dir, dtype="float32"),
+        model=ModelConfig.from_pretrained(model_dir, dtype=dtype),
         cache=CacheConfig(block_size=16, num_blocks=num_blocks),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
         device=device,
@@ -167,10 +168,15 @@ def test_abort_at_any_point_frees_every_block(tiny_model_dir):
     assert engine.num_free_blocks == free_at_start
 
 
-def test_greedy_head_rows_beside_sampled_logprob_and_prompt_logprob_rows_change_nothing(tiny_model_dir, monkeypatch):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_greedy_head_rows_beside_sampled_logprob_and_prompt_logprob_rows_change_nothing(tiny_model_dir, monkeypatch,
+                                                                                       dtype):
     """Plain greedy requests in the same steps as seeded sampling, logprobs and prompt logprobs:
     every request's tokens, logprobs and prompt logprobs equal those of an engine without the
-    greedy head (the logits path for every row)."""
+    greedy head (the logits path for every row). bfloat16: the int8 screen, on CPUs with
+    AVX512-BF16 and VNNI whose head has bfloat16 panels (no AMX); the engine builds it from
+    BF16_MIN_VOCAB outputs, here for the tiny model's 2,048 too."""
+    monkeypatch.setattr(greedy_head, "BF16_MIN_VOCAB", 0)
     vocab = ModelConfig.from_pretrained(tiny_model_dir).vocab_size
     prompts = make_prompts(vocab, seed=2)[:10]
     kinds = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0),
@@ -178,9 +184,12 @@ def test_greedy_head_rows_beside_sampled_logprob_and_prompt_logprob_rows_change_
              SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, seed=5),
              SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, prompt_logprobs=1)]
     params = [kinds[i % len(kinds)] for i in range(len(prompts))]
+    expect_head = []
 
     def run(greedy_head: bool):
-        engine = make_engine(tiny_model_dir, num_blocks=96, max_num_batched_tokens=128)
+        engine = make_engine(tiny_model_dir, num_blocks=96, max_num_batched_tokens=128, dtype=dtype)
+        expect_head.append(EXPECT_AVX512_BF16 if dtype == "float32"
+                           else EXPECT_VNNI_BF16 and engine.model.weights.lm_head.bf16 is not None)
         if not greedy_head:
             engine.model.weights.greedy_head = None
         outputs = {f"m{i}": [] for i in range(len(prompts))}
@@ -201,6 +210,6 @@ def test_greedy_head_rows_beside_sampled_logprob_and_prompt_logprob_rows_change_
     without = run(greedy_head=False)
     assert with_head == without
     assert len(greedy_rows) == mixed_steps  # the second engine took no greedy head
-    assert (mixed_steps > 0) == EXPECT_AVX512_BF16
-    if EXPECT_AVX512_BF16:  # steps where greedy rows and logits rows (sampled, prompt spans) met
+    assert (mixed_steps > 0) == expect_head[0]
+    if expect_head[0]:  # steps where greedy rows and logits rows (sampled, prompt spans) met
         assert any(0 < g < total for g, total in greedy_rows)

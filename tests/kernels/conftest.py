@@ -30,6 +30,7 @@ def _cpu_flags() -> set[str]:
 EXPECT_AMX = {"amx_tile", "amx_bf16", "avx512_bf16"} <= _cpu_flags() and shutil.which("cc") is not None
 EXPECT_AVX512 = "avx512f" in _cpu_flags() and shutil.which("cc") is not None
 EXPECT_AVX512_BF16 = "avx512_bf16" in _cpu_flags() and shutil.which("cc") is not None
+EXPECT_VNNI_BF16 = EXPECT_AVX512_BF16 and "avx512_vnni" in _cpu_flags()
 # Kernel vs reference (atol, rtol) per dtype: a few units in the last place of the output
 # dtype, since kernel and reference sum in different orders and round at different points.
 TOLERANCES = {torch.float32: (2e-5, 2e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (2e-2, 2e-2)}
