@@ -291,22 +291,23 @@ def bench_projections(dtype: torch.dtype, kernel: str, repeats: int, gen: torch.
     return {"dtype": str(dtype).removeprefix("torch."), "mb": round(num_bytes / 1e6), "rows": rows_measured}
 
 
-def bench_greedy_head(repeats: int, gen: torch.Generator) -> dict | str:
-    """The float32 greedy head (kernels/greedy_head.py) against what it replaces, the LM head's
-    logits and their argmax, on the small preset's 49,152 x 576 head: time per step and the
-    exact logits it computed per row."""
+def bench_greedy_head(repeats: int, gen: torch.Generator, dtype: torch.dtype) -> dict | str:
+    """The greedy head (kernels/greedy_head.py; float32: the bfloat16 screen, bfloat16: the int8
+    one) against what it replaces, the LM head's logits and their argmax, on the small preset's
+    49,152 x 576 head: time per step and the exact logits it computed per row."""
     from kernels import greedy_head
     from kernels import linear as linear_module
     from kernels.argmax import argmax_rows
 
-    weight = torch.randn(49152, 576, generator=gen) * 0.05
+    weight = (torch.randn(49152, 576, generator=gen) * 0.05).to(dtype)
     full = linear_module.prepare_linear(weight, copy=False)
     head = greedy_head.prepare_greedy_head(weight, full)
     if head is None:
-        return "no AVX512-BF16 (or no compiler for it): no greedy head is built"
+        return (f"no greedy head for a {dtype} head here (float32: needs AVX512-BF16; bfloat16: AVX512-VNNI too and "
+                "no AMX, or no compiler for them)")
     measured = []
-    for rows in (1, 8, 32, 64):
-        x = torch.randn(rows, 576, generator=gen)
+    for rows in (1, 8, 32, 48, 64):
+        x = torch.randn(rows, 576, generator=gen).to(dtype)
         candidates = torch.empty(rows, dtype=torch.int64)
         tokens = greedy_head.greedy_head_argmax(x, head, candidates)
         same = torch.equal(tokens, argmax_rows(linear_module.linear(x, full)))
@@ -314,7 +315,7 @@ def bench_greedy_head(repeats: int, gen: torch.Generator) -> dict | str:
                         "logits_argmax": lambda x=x: argmax_rows(linear_module.linear(x, full))}, repeats)
         measured.append({"rows": rows, "ms": ms, "speedup": round(ms["logits_argmax"] / ms["greedy_head"], 2),
                          "exact_logits_per_row": round(candidates.float().mean().item(), 1), "same_tokens": same})
-    return {"head": "49152 x 576 float32", "rows": measured}
+    return {"head": f"49152 x 576 {str(dtype).removeprefix('torch.')}", "rows": measured}
 
 
 def bench_cpu_compiled(repeats: int) -> dict:
@@ -355,7 +356,7 @@ def bench_cpu_compiled(repeats: int) -> dict:
                           "mean_abs_err_vs_float64": {k: f"{v:.2e}" for k, v in errors.items()}})
     return {"device": f"cpu ({torch.get_num_threads()} threads)",
             "projections_small_decode_step": projections, "prefill_attention": attention,
-            "greedy_head": bench_greedy_head(repeats, gen)}
+            "greedy_head": [bench_greedy_head(repeats, gen, dtype) for dtype in (torch.float32, DTYPE)]}
 
 
 def run(iters: int, only: set[str] | None) -> dict:

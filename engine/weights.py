@@ -38,7 +38,7 @@ class ModelWeights:
     layers: list[LayerWeights]
     norm: torch.Tensor  # [hidden]
     lm_head: Linear  # hidden -> vocab
-    # the LM head's greedy screen (float32 on CPUs with AVX512-BF16, decode-capable engines; see
+    # the LM head's greedy screen (CPUs with AVX512-BF16 and VNNI, decode-capable engines; see
     # kernels/greedy_head.py): the token of a plain greedy row without its logits
     greedy_head: GreedyHead | None = None
 

@@ -1,36 +1,45 @@
 /* Greedy LM head: each row's argmax of x W^T, the token the full head's logits give, without
- * computing them all; for float32 heads here, for bfloat16 ones in the second part below (an int8
- * screen). For rows that only need their greedy token (no logprobs, no penalties, no bias, no
- * grammar), two passes:
+ * computing them all, for float32 and bfloat16 heads. For rows that only need their greedy token
+ * (no logprobs, no penalties, no bias, no grammar), two passes:
  *
- * 1. A screen in bfloat16 (vdpbf16ps: two products a lane, twice float32's FMAs): W rounded to
- *    bfloat16 once (wb_v = bf16(w_v), e_v = w_v - wb_v), x per row (xb = bf16(x), d = x - xb),
- *    each logit approximated as a_v = xb . wb_v (float32 sums of exact products). Its error is
- *    bounded from the rounding errors' norms (Cauchy-Schwarz):
- *        |x . w_v - xb . wb_v| <= |xb| |e_v| + |d| |wb_v| + |d| |e_v|
- *    plus the float32 rounding of the screen's sums and of the exact ones (below) and, near zero,
- *    vdpbf16ps's flushing of denormals, each norm rounded up and the bound widened for the
- *    float32 arithmetic that forms it. So every logit
- *    lies in [a_v - b_v, a_v + b_v], and every output whose upper end falls below the largest
- *    lower end (L) cannot be the argmax. bfloat16 keeps 8 bits: b_v is ~0.3% of |x| |w_v|, ~5%
- *    of a logit's spread on random weights, and a row keeps a handful of candidates.
- * 2. The outputs left computed exactly, in the order f32_linear.c sums them (float32 FMAs in
- *    chunks of CHUNK inputs), one candidate per vector lane, so each has the bits that kernel
- *    gives it; the row's token is the first index of their maximum, as argmax_rows takes it.
+ * 1. A screen in int8 (vpdpbusd: four products a lane at one instruction a cycle, twice
+ *    vdpbf16ps's two and four times float32's FMA; a 2-core Zen 4 EPYC, 24 register chains: 230
+ *    GMAC/s a core against 116 and 58), with error bounds:
+ *    - W per output v: scale s_v = max |w_v| / 127, q_v = round(w_v / s_v), e_v = w_v - s_v q_v.
+ *    - x per row, but for UPAIRS input pairs the call picks (trained models' final hidden states
+ *      have a few channels at 10-20x the rest, which would set the int8 step for all; see
+ *      pick_pairs): x_rest (x with those pairs zeroed) as s_x qx + dx the same way, qx + 128 in
+ *      unsigned bytes.
+ *    - a_v = s_x s_v (qx . q_v) (integer sums, exact) + x_U . w_v (the picked pairs in the head's
+ *      own dtype: vdpbf16ps on bfloat16 weights, FMAs on float32 ones), and (Cauchy-Schwarz)
+ *          |x . w_v - a_v| <= s_x |qx| |e_v| + |dx| |w_v| + the float32 roundings of a_v,
+ *      plus the rounding of the exact sums (below) and, near zero, the denormals vdpbf16ps
+ *      flushes, each norm rounded up and the bound widened for the float32 arithmetic that forms
+ *      it. So every logit lies in [a_v - b_v, a_v + b_v], and an output whose upper end falls
+ *      below the largest lower end (L) cannot be the argmax; for bfloat16 heads, whose logits are
+ *      compared after their rounding to bfloat16, below the lowest value that rounds to L's
+ *      bfloat16 value (threshold_of). Random heads keep ~15-20 outputs a row, SmolLM2-135M's too.
+ * 2. The outputs left computed exactly as the head's own kernel computes them, one candidate per
+ *    vector lane, gathered from W's rows: float32, f32_linear.c's FMAs in chunks of CHUNK inputs;
+ *    bfloat16, bf16_linear.c's vdpbf16ps over input pairs in chunks of `chunk` inputs (its
+ *    small-batch CHUNK or its blocked path's step), rounded to bfloat16. The row's token is the
+ *    first index of their maximum, as argmax_rows takes it: bit for bit that kernel's argmax.
  *
- * A row whose x holds an inf or NaN, or with over CAP outputs near its maximum (thousands of
- * near-ties, as all-zero weights give), is left to the caller (-1), which computes its logits in
- * full.
+ * A row whose x holds an inf or NaN, with over CAP outputs near its maximum (thousands of
+ * near-ties, as all-zero weights give), or whose candidates' logits hold a NaN is left to the
+ * caller (-1), which computes its logits in full.
  *
- * Packed W (kernels/greedy_head.py): bfloat16 in bf16_linear.c's layout (panels of PANEL outputs,
- * per input pair one 192-byte row of 48 outputs x 2 inputs), and per output |e_v|, |wb_v| and |w_v|.
+ * Packed W (kernels/greedy_head.py): q in panels of PANEL outputs, per 4 inputs one 192-byte row
+ * of 48 outputs x 4 bytes (inputs padded with zeros to whole quads); per output s_v, sum_i q_vi,
+ * |e_v| and |w_v|; the head's own panels (pack_bf16_pairs or pack_f32_panels), for the picked
+ * pairs; W itself for the exact logits.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 #include <omp.h>
 
@@ -38,14 +47,6 @@
 #include "panels.h"
 
 int greedy_head_ready(void) { return 1; }
-
-/* Per-row quantities of x, from x's float values. */
-typedef struct {
-    float xb_norm;    /* |bf16(x)|, rounded up */
-    float d_norm;     /* |x - bf16(x)|, rounded up */
-    float x_norm;     /* |x|, rounded up */
-    int all;          /* left to the caller (non-finite x or norms) */
-} RowInfo;
 
 static inline float up(double v) { return nextafterf((float)v, INFINITY); }
 
@@ -56,34 +57,6 @@ static inline uint32_t bits_of(float f) {
     return b;
 }
 static inline int not_finite(float f) { return (bits_of(f) & 0x7fffffffu) >= 0x7f800000u; }
-
-/* x's row (k floats) -> its bfloat16 copy xb and its RowInfo. */
-static void round_row(const float *x, int64_t k, uint16_t *xb, RowInfo *info) {
-    memset(info, 0, sizeof *info);
-    double bb = 0.0, dd = 0.0, xx = 0.0;
-    for (int64_t i = 0; i < k; ++i) {
-        if (not_finite(x[i])) {
-            info->all = 1;
-            return;
-        }
-        xb[i] = f32_to_bf16(x[i]);
-        const double b = bf16_to_f32(xb[i]), d = (double)x[i] - b;
-        bb += b * b;
-        dd += d * d;
-        xx += (double)x[i] * x[i];
-    }
-    info->xb_norm = up(sqrt(bb) * (1.0 + 1e-12));
-    info->d_norm = up(sqrt(dd) * (1.0 + 1e-12));
-    info->x_norm = up(sqrt(xx) * (1.0 + 1e-12));
-    if (not_finite(info->xb_norm) || not_finite(info->d_norm) || not_finite(info->x_norm)) info->all = 1;
-}
-
-/* The screen's per-output data, n floats (ints) each, padded to whole panels. */
-typedef struct {
-    const float *e_norm;  /* |w_v - bf16(w_v)| */
-    const float *wb_norm; /* |bf16(w_v)| */
-    const float *w_norm;  /* |w_v| */
-} Screen;
 
 /* A thread's candidates of one row: the outputs whose upper end reached the row's largest lower
  * end seen so far (by this thread), with their upper ends, CAP at most. */
@@ -177,68 +150,6 @@ static int64_t gather_row(const Candidates *cands, int threads, int64_t m, int64
     return count;
 }
 
-/* acc[r] += rows (1..8, a constant after inlining) of xb against the panel's k inputs. */
-static inline __attribute__((always_inline)) void accumulate(__m512 acc[][3], const uint16_t *xb, int64_t k,
-                                                             const uint16_t *w, const int rows) {
-    for (int64_t i = 0; i < k; i += 2) {
-        const uint16_t *wi = w + i * PANEL;
-        if (rows > 1) prefetch_panel_row(wi, rows >= 6);
-        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wi), w1 = (__m512bh)_mm512_loadu_si512(wi + 32),
-                       w2 = (__m512bh)_mm512_loadu_si512(wi + 64);
-        for (int r = 0; r < rows; ++r) {
-            int32_t pair;
-            memcpy(&pair, xb + r * k + i, sizeof pair);
-            const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
-            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xv, w0);
-            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xv, w1);
-            acc[r][2] = _mm512_dpbf16_ps(acc[r][2], xv, w2);
-        }
-    }
-}
-
-/* rows (1..8, a constant after inlining) of xb against one panel: each output's bounds [a - b,
- * a + b]; the row's lower_max raised to the largest a - b, and the outputs whose a + b reaches
- * it added to its candidates. */
-static inline __attribute__((always_inline)) void screen_rows(const uint16_t *xb, int64_t k, const uint16_t *w,
-                                                              const Screen *s, int64_t v0, const RowInfo *info,
-                                                              float screen_rel, float exact_rel, Candidates *cands,
-                                                              int cols, const int rows) {
-    __m512 acc[ROWS][3];
-    for (int r = 0; r < rows; ++r) acc[r][0] = acc[r][1] = acc[r][2] = _mm512_setzero_ps();
-    if (k <= 0) __builtin_unreachable(); /* else the accumulators go through the stack */
-    accumulate(acc, xb, k, w, rows);
-    const __m512 widen = _mm512_set1_ps(1.0f + 1.0f / 512.0f), a_slack = _mm512_set1_ps(1.0f / 1048576.0f);
-    /* near zero: vdpbf16ps treats denormal inputs and results as zero, and a float32 sum loses up
-     * to a denormal step an operation; all of it within 2^-125 (k + 2) (1 + |xb| + |wb|) */
-    const float tiny_unit = 0x1p-125f * (float)(k + 2);
-    const __m512 tiny_w = _mm512_set1_ps(tiny_unit);
-    for (int r = 0; r < rows; ++r) {
-        Candidates *c = cands + r;
-        if (c->overflow) continue;
-        const __m512 xb_n = _mm512_set1_ps(info[r].xb_norm), d_n = _mm512_set1_ps(info[r].d_norm);
-        const __m512 screen_n = _mm512_set1_ps(info[r].xb_norm * screen_rel);
-        const __m512 exact_n = _mm512_set1_ps(info[r].x_norm * exact_rel);
-        const __m512 tiny = _mm512_set1_ps(tiny_unit * (1.0f + info[r].xb_norm));
-        __m512 upper[3], lo_max = _mm512_set1_ps(c->lower_max);
-        __mmask16 masks[3];
-        panel_masks(cols, masks);
-        for (int v = 0; v < 3; ++v) {
-            const int64_t o = v0 + 16 * v;
-            const __m512 a = acc[r][v], e = _mm512_loadu_ps(s->e_norm + o), wb = _mm512_loadu_ps(s->wb_norm + o);
-            /* |xb| |e| + |d| (|wb| + |e|) + the screen's and the exact sums' rounding */
-            __m512 b = _mm512_mul_ps(xb_n, e);
-            b = _mm512_fmadd_ps(d_n, _mm512_add_ps(wb, e), b);
-            b = _mm512_fmadd_ps(screen_n, wb, b);
-            b = _mm512_fmadd_ps(exact_n, _mm512_loadu_ps(s->w_norm + o), b);
-            b = _mm512_fmadd_ps(b, widen, _mm512_fmadd_ps(_mm512_abs_ps(a), a_slack, _mm512_fmadd_ps(tiny_w, wb, tiny)));
-            upper[v] = _mm512_add_ps(a, b);
-            lo_max = _mm512_mask_max_ps(lo_max, masks[v], lo_max, _mm512_sub_ps(a, b));
-        }
-        c->lower_max = _mm512_reduce_max_ps(lo_max);
-        push_candidates(c, upper, masks, c->lower_max, v0);
-    }
-}
-
 /* Exact logits of up to 16 candidates (lanes < count; the rest read output 0), float32: x . w_v
  * summed as f32_linear.c sums it. */
 static __m512 exact_f32(const float *x, int64_t k, const float *weight, const int32_t *cand, int count) {
@@ -256,107 +167,6 @@ static __m512 exact_f32(const float *x, int64_t k, const float *weight, const in
     }
     return sums;
 }
-
-/* x: [m, k] float32 rows x_stride apart (k even); packed: bf16(W) in panels; e_norm, wb_norm,
- * w_norm: per output, padded to whole panels; weight: W [n, k] float32, contiguous; out: m int64
- * tokens, -1 for a row left to the caller (see above); candidates_out (or NULL): m int64, each
- * row's count of exact logits. Returns 0, or -1 when a buffer could not be allocated. */
-int greedy_head(const float *x, int64_t x_stride, int64_t m, int64_t k, const uint16_t *packed, const float *e_norm,
-                const float *wb_norm, const float *w_norm, const float *weight, int64_t n, int64_t *out,
-                int64_t *candidates_out) {
-    const Screen screen = {e_norm, wb_norm, w_norm};
-    const int64_t panels = (n + PANEL - 1) / PANEL;
-    const int threads = omp_get_max_threads();
-    uint16_t *xb = malloc(sizeof(uint16_t) * (size_t)(m * k));
-    RowInfo *info = malloc(sizeof(RowInfo) * (size_t)m);
-    Candidates *cands = malloc(sizeof(Candidates) * (size_t)(m * threads));
-    if (!xb || !info || !cands) {
-        free(xb);
-        free(info);
-        free(cands);
-        return -1;
-    }
-    /* the float32 sums' rounding, relative to the products' norms: the screen's, k products
-     * summed in turn; the exact ones', a blocked sum in chunks of CHUNK */
-    const float screen_rel = (float)((k + 4) * 0x1p-23), exact_rel = (float)((CHUNK + k / CHUNK + 4) * 0x1p-23);
-#pragma omp parallel
-    {
-        const int me = omp_get_thread_num();
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < m; ++r) round_row(x + r * x_stride, k, xb + r * k, info + r);
-        Candidates *mine = cands + (int64_t)me * m;
-        for (int64_t r = 0; r < m; ++r) mine[r].lower_max = -INFINITY, mine[r].count = 0, mine[r].overflow = info[r].all;
-#pragma omp for schedule(static)
-        for (int64_t p = 0; p < panels; ++p) {
-            const uint16_t *w = packed + p * k * PANEL;
-            const int cols = n - p * PANEL < PANEL ? (int)(n - p * PANEL) : PANEL;
-            for (int64_t row = 0; row < m; row += ROWS) {
-                const uint16_t *xr = xb + row * k;
-#define SCREEN_ROWS(r) screen_rows(xr, k, w, &screen, p * PANEL, info + row, screen_rel, exact_rel, mine + row, cols, r)
-                WITH_ROWS(m - row, SCREEN_ROWS)
-#undef SCREEN_ROWS
-            }
-        }
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t r = 0; r < m; ++r) {
-            int32_t cand[CAP];
-            const int64_t count = gather_row(cands, threads, m, r, 0, cand);
-            if (count < 0) {
-                out[r] = -1;
-                if (candidates_out) candidates_out[r] = n;
-                continue;
-            }
-            float best = 0.0f;
-            int64_t best_v = -1;
-            for (int64_t j = 0; j < count; j += 16) {
-                const int lanes = count - j < 16 ? (int)(count - j) : 16;
-                float vals[16];
-                _mm512_storeu_ps(vals, exact_f32(x + r * x_stride, k, weight, cand + j, lanes));
-                for (int l2 = 0; l2 < lanes; ++l2)
-                    if (best_v < 0 || vals[l2] > best) best = vals[l2], best_v = cand[j + l2];
-            }
-            out[r] = best_v;
-            if (candidates_out) candidates_out[r] = count;
-        }
-    }
-    free(xb);
-    free(info);
-    free(cands);
-    return 0;
-}
-
-
-/* ---- bfloat16 heads: an int8 screen ----
- *
- * A bfloat16 head's logits are vdpbf16ps sums rounded to bfloat16, and no product is cheaper than
- * vdpbf16ps among the bfloat16 ones; int8's vpdpbusd adds four products a lane (twice
- * vdpbf16ps's two) at the same one instruction a cycle (a 2-core Zen 4 EPYC, 24 register chains:
- * 230 GMAC/s a core against 116). So the screen runs in int8, with the same kind of bound:
- * - W per output v: scale s_v = max |w_v| / 127, q_v = round(w_v / s_v), e_v = w_v - s_v q_v.
- * - x per row, but for UPAIRS input pairs the call picks (the pairs with the largest |x| relative
- *   to each row's RMS, over the rows: trained models' final hidden states have a few channels at
- *   10-20x the rest, which would set the int8 step for all): x_rest (x with those pairs zeroed)
- *   as s_x qx + dx the same way, qx + 128 in unsigned bytes.
- * - a_v = s_x s_v (qx . q_v) (integer sums, exact) + x_U . w_v (vdpbf16ps over the picked pairs'
- *   bfloat16 weights: exact products, float32 sums), and
- *       |x . w_v - a_v| <= s_x |qx| |e_v| + |dx| |w_v| + the float32 roundings of a_v,
- *   plus, as in the float32 head, the rounding of the exact sums and the denormals vdpbf16ps
- *   flushes.
- * - The logits are compared after their rounding to bfloat16: an output stays a candidate while
- *   its upper end could round to the largest lower end's bfloat16 value or above
- *   (threshold_of).
- * - The candidates' logits are then computed as bf16_linear.c computes them (vdpbf16ps over input
- *   pairs in chunks of `chunk` inputs, each chunk's sum added to the total, rounded to bfloat16),
- *   one candidate per lane, gathered from W's rows: the token is the first index of their
- *   largest bfloat16 value, bit for bit the argmax of that kernel's logits.
- * A row with a non-finite x, with over CAP candidates, or whose candidates' logits hold a NaN is
- * left to the caller (-1).
- *
- * Packed W (kernels/greedy_head.py): q in panels of PANEL outputs, per 4 inputs one 192-byte row
- * of 48 outputs x 4 bytes; per output s_v, sum_i q_vi, |e_v| and |w_v|; and the head's own
- * bfloat16 panels (pack_bf16_pairs), for the picked pairs; W itself for the exact logits. */
-#if defined(__AVX512VNNI__)
-int greedy_head_bf16_ready(void) { return 1; }
 
 enum { UPAIRS = 8 };
 
@@ -391,6 +201,12 @@ static inline __m512 load_bf16(const uint16_t *p, __mmask16 n_mask) {
 
 static inline __mmask16 lanes_below(int64_t n) { return n >= 16 ? (__mmask16)0xffffu : (__mmask16)((1u << n) - 1u); }
 
+/* 16 values of x from index i (n_mask of them), bfloat16 or (f32, a constant after inlining)
+ * float32, as float32. */
+static inline __attribute__((always_inline)) __m512 load_x(const void *x, int64_t i, __mmask16 n_mask, const int f32) {
+    return f32 ? _mm512_maskz_loadu_ps(n_mask, (const float *)x + i) : load_bf16((const uint16_t *)x + i, n_mask);
+}
+
 /* The lanes of v that hold an inf or a NaN (on the bits: -ffast-math assumes there are none). */
 static inline __mmask16 non_finite_lanes(__m512 v) {
     return _mm512_cmpge_epu32_mask(_mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(0x7fffffff)),
@@ -409,7 +225,8 @@ static inline __m512d add_squares(__m512d acc, __m512 v) {
  * as they can (a row's int8 step is its largest value left). Rows with a non-finite x vote for
  * nothing (they are left to the caller). rest: k floats, 0 at the picked pairs' inputs and 1
  * elsewhere. Returns the count, or -1 when a buffer could not be allocated. */
-static int pick_pairs(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, int32_t *pairs, float *rest) {
+static inline __attribute__((always_inline)) int pick_pairs(const void *x, int64_t x_stride, int64_t m, int64_t k,
+                                                            int32_t *pairs, float *rest, const int f32) {
     const int64_t num_pairs = k / 2;
     const int count = num_pairs < UPAIRS ? (int)num_pairs : UPAIRS;
     const int64_t padded = (k + 15) / 16 * 16;
@@ -421,11 +238,11 @@ static int pick_pairs(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k,
     }
     int64_t voters = 0; /* rows with a finite, nonzero x, in scaled's first rows */
     for (int64_t r = 0; r < m; ++r) {
-        const uint16_t *xr = x + r * x_stride;
+        const void *xr = f32 ? (const void *)((const float *)x + r * x_stride) : (const void *)((const uint16_t *)x + r * x_stride);
         __m512 ss = _mm512_setzero_ps();
         __mmask16 bad = 0;
         for (int64_t i = 0; i < k; i += 16) {
-            const __m512 v = load_bf16(xr + i, lanes_below(k - i));
+            const __m512 v = load_x(xr, i, lanes_below(k - i), f32);
             bad |= non_finite_lanes(v);
             ss = _mm512_fmadd_ps(v, v, ss);
         }
@@ -434,7 +251,7 @@ static int pick_pairs(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k,
         const __m512 inv_rms = _mm512_set1_ps((float)(1.0 / sqrt((double)sum / (double)k)));
         for (int64_t i = 0; i < padded; i += 16)
             _mm512_storeu_ps(scaled + voters * padded + i,
-                             _mm512_mul_ps(_mm512_abs_ps(load_bf16(xr + i, lanes_below(k - i))), inv_rms));
+                             _mm512_mul_ps(_mm512_abs_ps(load_x(xr, i, lanes_below(k - i), f32)), inv_rms));
         ++voters;
     }
     for (int64_t i = 0; i < k; ++i) rest[i] = 1.0f;
@@ -466,19 +283,20 @@ static int pick_pairs(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k,
     return count;
 }
 
-/* x's row (bfloat16, k) -> its int8 rest as unsigned bytes (qx + 128; qx = 0 at the picked
- * pairs, where rest is 0), its picked pairs' bfloat16 values (each pair's two as one int32) and
- * its Row8. The norms are summed in float64 from exact float32 values (x, x - sx qx formed in
+/* x's row (k values, bfloat16 or with f32 float32) -> its int8 rest as unsigned bytes (qx + 128;
+ * qx = 0 at the picked pairs, where rest is 0), its picked pairs' values (xu: bfloat16, each
+ * pair's two as one int32; float32, the two as two) and its Row8. The norms are summed in float64 from exact float32 values (x, x - sx qx formed in
  * float64: sx qx has at most 31 significant bits) and rounded up. */
-static void quantize_row(const uint16_t *x, int64_t k, const float *rest, const int32_t *pairs, int num_pairs,
-                         uint8_t *xq, int32_t *xu, Row8 *info) {
+static inline __attribute__((always_inline)) void quantize_row(const void *x, int64_t k, const float *rest,
+                                                              const int32_t *pairs, int num_pairs, uint8_t *xq,
+                                                              int32_t *xu, Row8 *info, const int f32) {
     memset(info, 0, sizeof *info);
     __m512 amax = _mm512_setzero_ps();
     __m512d xx = _mm512_setzero_pd(), uu = _mm512_setzero_pd();
     __mmask16 bad = 0;
     for (int64_t i = 0; i < k; i += 16) {
         const __mmask16 n = lanes_below(k - i);
-        const __m512 v = load_bf16(x + i, n), keep = _mm512_maskz_loadu_ps(n, rest + i);
+        const __m512 v = load_x(x, i, n, f32), keep = _mm512_maskz_loadu_ps(n, rest + i);
         bad |= non_finite_lanes(v);
         xx = add_squares(xx, v);
         uu = add_squares(uu, _mm512_sub_ps(v, _mm512_mul_ps(v, keep)));
@@ -487,7 +305,7 @@ static void quantize_row(const uint16_t *x, int64_t k, const float *rest, const 
     if (bad) {
         info->all = 1;
         memset(xq, 128, (size_t)k);
-        memset(xu, 0, sizeof(int32_t) * UPAIRS);
+        memset(xu, 0, sizeof(int32_t) * 2 * UPAIRS);
         return;
     }
     const float sx = _mm512_reduce_max_ps(amax) / 127.0f;
@@ -496,7 +314,7 @@ static void quantize_row(const uint16_t *x, int64_t k, const float *rest, const 
     __m512d qq = _mm512_setzero_pd(), dd = _mm512_setzero_pd();
     for (int64_t i = 0; i < k; i += 16) {
         const __mmask16 n = lanes_below(k - i);
-        const __m512 v = _mm512_mul_ps(load_bf16(x + i, n), _mm512_maskz_loadu_ps(n, rest + i));
+        const __m512 v = _mm512_mul_ps(load_x(x, i, n, f32), _mm512_maskz_loadu_ps(n, rest + i));
         __m512 q = _mm512_setzero_ps();
         if (sx > 0.0f)
             q = _mm512_min_ps(lim, _mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), lim),
@@ -511,7 +329,12 @@ static void quantize_row(const uint16_t *x, int64_t k, const float *rest, const 
         const __m128i bytes = _mm512_cvtepi32_epi8(_mm512_add_epi32(_mm512_cvtps_epi32(q), _mm512_set1_epi32(128)));
         _mm_mask_storeu_epi8(xq + i, n, bytes);
     }
-    for (int j = 0; j < num_pairs; ++j) memcpy(xu + j, x + 2 * (int64_t)pairs[j], sizeof(int32_t));
+    for (int j = 0; j < num_pairs; ++j) {
+        if (f32)
+            memcpy(xu + 2 * j, (const float *)x + 2 * (int64_t)pairs[j], 2 * sizeof(float));
+        else
+            memcpy(xu + j, (const uint16_t *)x + 2 * (int64_t)pairs[j], sizeof(int32_t));
+    }
     info->sx = sx;
     info->qx_norm = up(sqrt(_mm512_reduce_add_pd(qq)) * (1.0 + 1e-12));
     info->dx_norm = up(sqrt(_mm512_reduce_add_pd(dd)) * (1.0 + 1e-12));
@@ -522,22 +345,23 @@ static void quantize_row(const uint16_t *x, int64_t k, const float *rest, const 
 }
 
 /* rows (1..8, a constant after inlining) against one panel: the int8 sums over the k / 4 input
- * quads, scaled, then the picked pairs' products in vdpbf16ps; each output's bounds; the row's
- * lower_max raised and its candidates added (as screen_rows). */
+ * quads, scaled, then the picked pairs' products (bfloat16: vdpbf16ps on the head's bfloat16
+ * panel wu; f32: FMAs on its float32 panel, both constants after inlining); each output's bounds;
+ * the row's lower_max raised and its candidates added (push_candidates). */
 static inline __attribute__((always_inline)) void screen8_rows(
-    const uint8_t *xq, const int32_t *xu, int64_t k, const int8_t *w8, const uint16_t *wb, const int32_t *pairs,
-    int num_pairs, const Screen8 *s, int64_t v0, const Row8 *info, float exact_rel, Candidates *cands, int cols,
-    const int rows) {
+    const uint8_t *xq, const int32_t *xu, int64_t k, int64_t k4, const int8_t *w8, const void *wu, const int32_t *pairs,
+    int num_pairs, const Screen8 *s, int64_t v0, const Row8 *info, float exact_rel, int bf16_out, Candidates *cands,
+    int cols, const int rows, const int f32) {
     __m512i acc[ROWS][3];
     for (int r = 0; r < rows; ++r) acc[r][0] = acc[r][1] = acc[r][2] = _mm512_setzero_si512();
     if (k <= 0) __builtin_unreachable();
-    for (int64_t i = 0; i < k; i += 4) {
+    for (int64_t i = 0; i < k4; i += 4) {
         const int8_t *wi = w8 + i * PANEL;
         if (rows > 1) prefetch_panel_row(wi, rows >= 6);
         const __m512i w0 = _mm512_loadu_si512(wi), w1 = _mm512_loadu_si512(wi + 64), w2 = _mm512_loadu_si512(wi + 128);
         for (int r = 0; r < rows; ++r) {
             int32_t quad;
-            memcpy(&quad, xq + r * k + i, sizeof quad);
+            memcpy(&quad, xq + r * k4 + i, sizeof quad);
             const __m512i xv = _mm512_set1_epi32(quad);
             acc[r][0] = dpbusd(acc[r][0], xv, w0);
             acc[r][1] = dpbusd(acc[r][1], xv, w1);
@@ -552,15 +376,26 @@ static inline __attribute__((always_inline)) void screen8_rows(
             a[r][v] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][v], offset)),
                                     _mm512_mul_ps(scale, _mm512_set1_ps(info[r].sx)));
     }
-    for (int j = 0; j < num_pairs; ++j) {
-        const uint16_t *wj = wb + (int64_t)pairs[j] * 2 * PANEL;
+    for (int j = 0; j < num_pairs && !f32; ++j) {
+        const uint16_t *wj = (const uint16_t *)wu + (int64_t)pairs[j] * 2 * PANEL;
         const __m512bh u0 = (__m512bh)_mm512_loadu_si512(wj), u1 = (__m512bh)_mm512_loadu_si512(wj + 32),
                        u2 = (__m512bh)_mm512_loadu_si512(wj + 64);
         for (int r = 0; r < rows; ++r) {
-            const __m512bh xv = (__m512bh)_mm512_set1_epi32(xu[r * UPAIRS + j]);
+            const __m512bh xv = (__m512bh)_mm512_set1_epi32(xu[r * 2 * UPAIRS + j]);
             a[r][0] = _mm512_dpbf16_ps(a[r][0], xv, u0);
             a[r][1] = _mm512_dpbf16_ps(a[r][1], xv, u1);
             a[r][2] = _mm512_dpbf16_ps(a[r][2], xv, u2);
+        }
+    }
+    for (int j = 0; j < 2 * num_pairs && f32; ++j) { /* the pairs' inputs one by one, in order */
+        const float *wj = (const float *)wu + (2 * (int64_t)pairs[j / 2] + j % 2) * PANEL;
+        const __m512 u0 = _mm512_loadu_ps(wj), u1 = _mm512_loadu_ps(wj + 16), u2 = _mm512_loadu_ps(wj + 32);
+        for (int r = 0; r < rows; ++r) {
+            float xv;
+            memcpy(&xv, xu + r * 2 * UPAIRS + j, sizeof xv);
+            a[r][0] = _mm512_fmadd_ps(_mm512_set1_ps(xv), u0, a[r][0]);
+            a[r][1] = _mm512_fmadd_ps(_mm512_set1_ps(xv), u1, a[r][1]);
+            a[r][2] = _mm512_fmadd_ps(_mm512_set1_ps(xv), u2, a[r][2]);
         }
     }
     /* a_v's own roundings: the int32 -> float32 conversion and two products (3 units of 2^-24
@@ -593,7 +428,7 @@ static inline __attribute__((always_inline)) void screen8_rows(
             lo_max = _mm512_mask_max_ps(lo_max, masks[v], lo_max, _mm512_sub_ps(a[r][v], b));
         }
         c->lower_max = _mm512_reduce_max_ps(lo_max);
-        push_candidates(c, upper, masks, threshold_of(c->lower_max, 1), v0);
+        push_candidates(c, upper, masks, threshold_of(c->lower_max, bf16_out), v0);
     }
 }
 
@@ -623,23 +458,20 @@ static __m512 exact_bf16(const uint16_t *x, int64_t k, const uint16_t *weight, c
     return bf16x16_round(_mm512_add_ps(sums, _mm512_setzero_ps()));
 }
 
-/* x: [m, k] bfloat16 rows x_stride apart (k a multiple of 4, at most 65,536); q8: int8 W in
- * panels; scale, qsum, e_norm, w_norm: per output, padded to whole panels; wb: the head's
- * bfloat16 panels; weight: W [n, k] bfloat16, contiguous; chunk: the inputs bf16_linear.c sums in one go for m rows (its CHUNK up to its
- * small-batch rows, its blocked path's input step above); out: m int64 tokens, -1 for a row left
- * to the caller; candidates_out (or NULL): each row's count of exact logits. Returns 0, or -1
- * when a buffer could not be allocated. */
-int greedy_head_bf16(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, const int8_t *q8, const float *scale,
-                     const int32_t *qsum, const float *e_norm, const float *w_norm, const uint16_t *wb,
-                     const uint16_t *weight, int64_t n, int64_t chunk, int64_t *out, int64_t *candidates_out) {
-    const Screen8 screen = {scale, qsum, e_norm, w_norm};
+/* The int8 screen's call, for bfloat16 x or (f32, a constant after inlining) float32 x; see
+ * greedy_head_int8. */
+static inline __attribute__((always_inline)) int screen_int8(
+    const void *x, int64_t x_stride, int64_t m, int64_t k, const int8_t *q8, const Screen8 *screen, const void *wu,
+    const void *weight, int64_t n, int64_t chunk, int64_t *out, int64_t *candidates_out, const int f32) {
     const int64_t panels = (n + PANEL - 1) / PANEL;
     const int threads = omp_get_max_threads();
+    const size_t x_size = f32 ? sizeof(float) : sizeof(uint16_t);
     int32_t pairs[UPAIRS];
     float *rest = malloc(sizeof(float) * (size_t)k);
-    const int num_pairs = rest ? pick_pairs(x, x_stride, m, k, pairs, rest) : -1;
-    uint8_t *xq = malloc((size_t)(m * k));
-    int32_t *xu = malloc(sizeof(int32_t) * (size_t)(m * UPAIRS));
+    const int num_pairs = rest ? pick_pairs(x, x_stride, m, k, pairs, rest, f32) : -1;
+    const int64_t k4 = (k + 3) / 4 * 4; /* the int8 copies' inputs: k padded with zeros to whole quads */
+    uint8_t *xq = malloc((size_t)(m * k4));
+    int32_t *xu = malloc(sizeof(int32_t) * 2 * UPAIRS * (size_t)m);
     Row8 *info = malloc(sizeof(Row8) * (size_t)m);
     Candidates *cands = malloc(sizeof(Candidates) * (size_t)(m * threads));
     if (num_pairs < 0 || !xq || !xu || !info || !cands) {
@@ -656,23 +488,27 @@ int greedy_head_bf16(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, 
     {
         const int me = omp_get_thread_num();
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < m; ++r)
-            quantize_row(x + r * x_stride, k, rest, pairs, num_pairs, xq + r * k, xu + r * UPAIRS, info + r);
+        for (int64_t r = 0; r < m; ++r) {
+            quantize_row((const char *)x + r * x_stride * x_size, k, rest, pairs, num_pairs, xq + r * k4,
+                         xu + r * 2 * UPAIRS, info + r, f32);
+            memset(xq + r * k4 + k, 128, (size_t)(k4 - k)); /* qx = 0 */
+        }
         Candidates *mine = cands + (int64_t)me * m;
         for (int64_t r = 0; r < m; ++r) mine[r].lower_max = -INFINITY, mine[r].count = 0, mine[r].overflow = info[r].all;
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < panels; ++p) {
-            const int8_t *w8 = q8 + p * k * PANEL;
-            const uint16_t *wbp = wb + p * k * PANEL;
+            const int8_t *w8 = q8 + p * k4 * PANEL;
+            /* the head's own panel (bfloat16: k / 2 pair rows of 96 values; float32: k rows of 48) */
+            const char *wup = (const char *)wu + p * k * PANEL * x_size;
             const int cols = n - p * PANEL < PANEL ? (int)(n - p * PANEL) : PANEL;
             /* the next panel's picked pairs into L2 (scattered rows: the hardware's prefetch misses them) */
             for (int j = 0; j < num_pairs && p + 1 < panels; ++j) {
-                const char *next = (const char *)(wbp + k * PANEL + (int64_t)pairs[j] * 2 * PANEL);
-                for (int line = 0; line < 192; line += 64) _mm_prefetch(next + line, _MM_HINT_T1);
+                const char *next = wup + (k * PANEL + (int64_t)pairs[j] * 2 * PANEL) * x_size;
+                for (int line = 0; line < (int)(2 * PANEL * x_size); line += 64) _mm_prefetch(next + line, _MM_HINT_T1);
             }
             for (int64_t row = 0; row < m; row += ROWS) {
-#define SCREEN8_ROWS(r) screen8_rows(xq + row * k, xu + row * UPAIRS, k, w8, wbp, pairs, num_pairs, &screen, p * PANEL, \
-                                     info + row, exact_rel, mine + row, cols, r)
+#define SCREEN8_ROWS(r) screen8_rows(xq + row * k4, xu + row * 2 * UPAIRS, k, k4, w8, wup, pairs, num_pairs, screen, \
+                                     p * PANEL, info + row, exact_rel, !f32, mine + row, cols, r, f32)
                 WITH_ROWS(m - row, SCREEN8_ROWS)
 #undef SCREEN8_ROWS
             }
@@ -680,13 +516,15 @@ int greedy_head_bf16(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, 
 #pragma omp for schedule(dynamic, 1)
         for (int64_t r = 0; r < m; ++r) {
             int32_t cand[CAP];
-            const int64_t count = gather_row(cands, threads, m, r, 1, cand);
+            const int64_t count = gather_row(cands, threads, m, r, !f32, cand);
+            const char *xr = (const char *)x + r * x_stride * x_size;
             int64_t best_v = count < 0 ? -1 : 0;
             float best = 0.0f;
             for (int64_t j = 0; j < count && best_v >= 0; j += 16) {
                 const int lanes = count - j < 16 ? (int)(count - j) : 16;
                 float vals[16];
-                _mm512_storeu_ps(vals, exact_bf16(x + r * x_stride, k, weight, cand + j, lanes, chunk));
+                _mm512_storeu_ps(vals, f32 ? exact_f32((const float *)xr, k, weight, cand + j, lanes)
+                                           : exact_bf16((const uint16_t *)xr, k, weight, cand + j, lanes, chunk));
                 for (int l2 = 0; l2 < lanes; ++l2) {
                     if ((bits_of(vals[l2]) & 0x7fffffffu) > 0x7f800000u) { /* a NaN: the caller's argmax finds the first */
                         best_v = -1;
@@ -706,11 +544,21 @@ int greedy_head_bf16(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, 
     free(cands);
     return 0;
 }
-#else
-int greedy_head_bf16_ready(void) { return 0; }
-#endif
 
+/* x: [m, k] rows x_stride apart (elements), bfloat16, or float32 with f32 (k even, at most
+ * 65,536); q8: int8 W in panels (its inputs padded with zeros to a multiple of 4); scale, qsum, e_norm, w_norm: per output, padded to whole
+ * panels; wu: the head's own panels (bfloat16: pack_bf16_pairs; float32: pack_f32_panels), for
+ * the picked pairs; weight: W [n, k] in x's dtype, contiguous, for the exact logits; chunk: the
+ * inputs the reference kernel sums in one go (bfloat16: bf16_linear.c's for m rows; float32:
+ * f32_linear.c's CHUNK); out: m int64 tokens, -1 for a row left to the caller; candidates_out (or
+ * NULL): each row's count of exact logits. Returns 0, or -1 when a buffer could not be allocated. */
+int greedy_head_int8(const void *x, int64_t x_stride, int64_t m, int64_t k, const int8_t *q8, const float *scale,
+                     const int32_t *qsum, const float *e_norm, const float *w_norm, const void *wu, const void *weight,
+                     int64_t n, int64_t chunk, int f32, int64_t *out, int64_t *candidates_out) {
+    const Screen8 screen = {scale, qsum, e_norm, w_norm};
+    if (f32) return screen_int8(x, x_stride, m, k, q8, &screen, wu, weight, n, CHUNK, out, candidates_out, 1);
+    return screen_int8(x, x_stride, m, k, q8, &screen, wu, weight, n, chunk, out, candidates_out, 0);
+}
 #else
 int greedy_head_ready(void) { return 0; }
-int greedy_head_bf16_ready(void) { return 0; }
 #endif

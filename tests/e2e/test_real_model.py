@@ -17,7 +17,7 @@ from kernels.greedy_head import greedy_head_argmax, prepare_greedy_head
 from kernels.linear import linear, prepare_linear
 from pdserve.launcher import start_local, wait_healthy
 from tests.e2e.conftest import KV_PATH_ONLY, assert_kv_path_only
-from tests.kernels.conftest import EXPECT_AVX512_BF16, EXPECT_VNNI_BF16
+from tests.kernels.conftest import EXPECT_VNNI_BF16
 from tests.pdserve.real_model import cached_smollm2
 
 MAX_TOKENS = 16
@@ -71,7 +71,7 @@ def hf_greedy(hf, prompt_ids: list[int], max_tokens: int = MAX_TOKENS) -> list[i
 
 
 def test_offline_engine_greedy_equals_transformers_and_answers_paris(smollm2_dir, hf, monkeypatch):
-    """On CPUs with AVX512-BF16 its tokens come from the greedy LM head (counted)."""
+    """On CPUs with AVX512-BF16 and VNNI its tokens come from the greedy LM head (counted)."""
     _, tokenizer = hf
     prompts = [tokenizer.encode(p) for p in PROMPTS] + [chat_ids(tokenizer, QUESTION)]
     greedy_rows = []
@@ -84,7 +84,7 @@ def test_offline_engine_greedy_equals_transformers_and_answers_paris(smollm2_dir
     monkeypatch.setattr(CausalLM, "forward_split", spy)
     llm = LLM(str(smollm2_dir), dtype="float32", num_blocks=64)
     outputs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0), use_tqdm=False)
-    assert sum(greedy_rows) == (sum(len(o.outputs[0].token_ids) for o in outputs) if EXPECT_AVX512_BF16 else 0)
+    assert sum(greedy_rows) == (sum(len(o.outputs[0].token_ids) for o in outputs) if EXPECT_VNNI_BF16 else 0)
     for prompt_ids, output in zip(prompts, outputs):
         assert output.outputs[0].token_ids == hf_greedy(hf, prompt_ids), tokenizer.decode(prompt_ids)
     answer = outputs[-1].outputs[0]

@@ -17,7 +17,7 @@ from engine.engine import LLMEngine
 from engine.model import CausalLM
 from engine.sampling_params import SamplingParams
 from kernels import greedy_head
-from tests.kernels.conftest import ENGINE_DEVICES, EXPECT_AVX512_BF16, EXPECT_VNNI_BF16
+from tests.kernels.conftest import ENGINE_DEVICES, EXPECT_VNNI_BF16
 
 PROMPT_LENGTHS = [1, 2, 5, 15, 16, 17, 31, 33, 64, 100, 200, 333, 512, 700, 850, 1000]
 MAX_TOKENS = 12
@@ -82,7 +82,7 @@ def device(request):
 
 
 def greedy_head_spy(monkeypatch) -> list[tuple[int, int]]:
-    """Records, for each step that took the greedy head (float32 on a CPU with AVX512-BF16:
+    """Records, for each step that took the greedy head (on a CPU with AVX512-BF16 and VNNI:
     plain greedy rows get their argmax without the logits), its rows there and its logits rows."""
     rows = []
     forward_split = CausalLM.forward_split
@@ -97,7 +97,7 @@ def greedy_head_spy(monkeypatch) -> list[tuple[int, int]]:
 
 @pytest.mark.parametrize("logprobs", ["all", "none", "half"])
 def test_greedy_batch_with_preemption_and_chunking_equals_transformers(model_dir, device, logprobs, monkeypatch):
-    """With logprobs every row takes the logits; without, on CPUs with AVX512-BF16, the greedy
+    """With logprobs every row takes the logits; without, on CPUs with AVX512-BF16 and VNNI, the greedy
     head; with half of the prompts asking for them, each row its own way in the same steps."""
     vocab = ModelConfig.from_pretrained(model_dir).vocab_size
     prompts = make_prompts(vocab)
@@ -118,7 +118,7 @@ def test_greedy_batch_with_preemption_and_chunking_equals_transformers(model_dir
     asks = [logprobs == "all" or (logprobs == "half" and i % 2 == 0) for i in range(len(prompts))]
     params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=0 if ask else None) for ask in asks]
     got = run_to_completion(engine, prompts, params)
-    takes_greedy_head = device == "cpu" and EXPECT_AVX512_BF16
+    takes_greedy_head = device == "cpu" and EXPECT_VNNI_BF16
     assert sum(g for g, _ in greedy_rows) == (asks.count(False) * MAX_TOKENS if takes_greedy_head else 0)
 
     num_preemptions = engine.scheduler.num_preemptions
@@ -146,7 +146,7 @@ def test_greedy_each_prompt_alone_equals_transformers(model_dir, device, monkeyp
     for i, prompt in enumerate(prompts):
         [tokens] = run_to_completion(engine, [prompt], params, prefix=f"alone{i}-")
         assert [t.token_id for t in tokens] == expected[i][0], f"prompt {i} ({len(prompt)} tokens)"
-    assert len(greedy_rows) == (len(prompts) * MAX_TOKENS if device == "cpu" and EXPECT_AVX512_BF16 else 0)
+    assert len(greedy_rows) == (len(prompts) * MAX_TOKENS if device == "cpu" and EXPECT_VNNI_BF16 else 0)
     engine.check_leaks()
 
 
@@ -188,8 +188,8 @@ def test_greedy_head_rows_beside_sampled_logprob_and_prompt_logprob_rows_change_
 
     def run(greedy_head: bool):
         engine = make_engine(tiny_model_dir, num_blocks=96, max_num_batched_tokens=128, dtype=dtype)
-        expect_head.append(EXPECT_AVX512_BF16 if dtype == "float32"
-                           else EXPECT_VNNI_BF16 and engine.model.weights.lm_head.bf16 is not None)
+        expect_head.append(EXPECT_VNNI_BF16 and (engine.model.weights.lm_head.f32 if dtype == "float32"
+                                                 else engine.model.weights.lm_head.bf16) is not None)
         if not greedy_head:
             engine.model.weights.greedy_head = None
         outputs = {f"m{i}": [] for i in range(len(prompts))}

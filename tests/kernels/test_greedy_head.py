@@ -1,8 +1,9 @@
-"""The greedy LM head (kernels/greedy_head.py): its token equals the argmax of the float32 panel
-kernel's logits (the order it sums the candidates in) bit for bit, ties included, on random heads
-and on heads built so that the bfloat16 screen alone would pick wrong. On a CPU without
-AVX512-BF16 (or without a C compiler) there is no greedy head: each test then checks that
-prepare_greedy_head builds none, so the engine keeps the logits path there."""
+"""The greedy LM head (kernels/greedy_head.py) on float32 heads: its token equals the argmax of the
+float32 panel kernel's logits (the order it sums the candidates in) bit for bit, ties included, on
+random heads and on heads built so that the int8 screen alone would pick wrong. On a CPU without
+AVX512-BF16 and VNNI (or without a C compiler) there is no greedy head: each test then checks that
+prepare_greedy_head builds none, so the engine keeps the logits path there. bfloat16 heads:
+test_greedy_head_bf16.py."""
 
 import pytest
 import torch
@@ -10,13 +11,13 @@ import torch
 from kernels.argmax import argmax_rows
 from kernels.greedy_head import available, greedy_head_argmax, prepare_greedy_head
 from kernels.linear import Linear, _linear_f32, linear, pack_f32_panels, prepare_linear
-from tests.kernels.conftest import EXPECT_AVX512_BF16
+from tests.kernels.conftest import EXPECT_VNNI_BF16
 
 
 def _head(weight: torch.Tensor):
-    """The greedy head of weight: built exactly where the CPU has AVX512-BF16 and a compiler."""
+    """The greedy head of weight: built exactly where the CPU has AVX512-BF16 and VNNI and a compiler."""
     head = prepare_greedy_head(weight, prepare_linear(weight, copy=False))
-    assert (head is not None) == EXPECT_AVX512_BF16
+    assert (head is not None) == EXPECT_VNNI_BF16
     return head
 
 
@@ -26,8 +27,8 @@ def _panel_argmax(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return argmax_rows(_linear_f32(x, Linear(None, None, None, k, n, f32=pack_f32_panels(weight))))
 
 
-def test_available_exactly_where_the_cpu_has_avx512_bf16():
-    assert available() == EXPECT_AVX512_BF16
+def test_available_exactly_where_the_cpu_has_avx512_bf16_and_vnni():
+    assert available() == EXPECT_VNNI_BF16
 
 
 @pytest.mark.parametrize("vocab, hidden", [(49152, 576), (1000, 64), (4999, 130), (47, 8)])
@@ -43,13 +44,14 @@ def test_token_equals_the_panel_kernels_argmax_on_random_heads(vocab, hidden, ro
     got = greedy_head_argmax(x, head, candidates)
     assert torch.equal(got, _panel_argmax(x, weight))
     assert torch.equal(got, argmax_rows(x @ weight.t()))  # random rows: no near-ties either way
-    assert bool((candidates >= 1).all()) and int(candidates.max()) < 64  # the screen narrowed every row
+    assert bool((candidates >= 1).all()) and int(candidates.max()) < 1000  # the screen narrowed every row
+    assert float(candidates.float().mean()) < 64
 
 
 def test_near_duplicate_outputs_are_decided_by_the_exact_logits():
-    """Pairs of outputs a float32 step apart: bfloat16 rounds each pair to one value, so the
-    screen cannot order them and only the exact pass can. Broken bounds (or no exact pass) pick
-    the wrong one of a pair in about half of the rows."""
+    """Pairs of outputs a float32 step apart: int8 rounds each pair to one value, so the screen
+    cannot order them and only the exact pass can. Broken bounds (or no exact pass) pick the
+    wrong one of a pair in about half of the rows."""
     gen = torch.Generator().manual_seed(7)
     hidden, pairs = 256, 500
     base = torch.randn(pairs, hidden, generator=gen) * 0.05
@@ -68,7 +70,7 @@ def test_near_duplicate_outputs_are_decided_by_the_exact_logits():
 
 @pytest.mark.parametrize("vocab", [1000, 3000])
 def test_rows_near_zero_where_bfloat16_flushes_denormals(vocab):
-    """x of ~1e-38 (denormal products, which vdpbf16ps flushes to zero): the bound's absolute part
+    """x of ~1e-38 (denormal products; vdpbf16ps, for the picked pairs, flushes them to zero): the bound's absolute part
     keeps the true maximum; over the candidate cap (3,000 outputs) the row takes the full head."""
     gen = torch.Generator().manual_seed(vocab)
     weight = torch.randn(vocab, 64, generator=gen) * 0.05
