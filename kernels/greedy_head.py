@@ -134,10 +134,11 @@ def greedy_head_argmax(x: torch.Tensor, head: GreedyHead, candidates: torch.Tens
     if x.shape[0] == 0:
         return out
     kernel, chunk = _kernel()
+    f32 = head.dtype == torch.float32
     status = kernel(
         x.data_ptr(), x.stride(0), x.shape[0], head.in_features, head.q8.data_ptr(), head.scale.data_ptr(),
         head.qsum.data_ptr(), head.e_norm.data_ptr(), head.w_norm.data_ptr(), head.panels.data_ptr(),
-        head.weight.data_ptr(), head.out_features, chunk(x.shape[0], head.in_features), head.dtype == torch.float32,
+        head.weight.data_ptr(), head.out_features, 0 if f32 else chunk(x.shape[0], head.in_features), f32,
         out.data_ptr(), candidates.data_ptr() if candidates is not None else None,
     )
     if status != 0:

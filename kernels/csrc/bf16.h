@@ -28,6 +28,13 @@ static inline __m512 bf16x16_load(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
 
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+/* The same for the lanes of mask (the rest read as 0, and nothing past them is touched). */
+static inline __m512 bf16x16_maskz_load(__mmask16 mask, const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
+}
+#endif
+
 #if defined(__AVX512BF16__)
 /* 16 at a time where the CPU has AVX512-BF16: narrowing is one vcvtneps2bf16, which rounds to
  * nearest even as f32_to_bf16 does (against ~8 integer ops) and treats denormals as zero (a

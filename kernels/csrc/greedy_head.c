@@ -93,12 +93,14 @@ static void compact(Candidates *c, float threshold) {
     c->count = kept;
 }
 
+/* The first n lanes of 16 (none for n <= 0). */
+static inline __mmask16 lanes_below(int64_t n) {
+    return n >= 16 ? (__mmask16)0xffffu : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1u);
+}
+
 /* Each of a panel's three vectors of 16 outputs: the lanes of its cols real outputs. */
 static inline void panel_masks(int cols, __mmask16 masks[3]) {
-    for (int v = 0; v < 3; ++v) {
-        const int n = cols - 16 * v < 0 ? 0 : (cols - 16 * v < 16 ? cols - 16 * v : 16);
-        masks[v] = (__mmask16)((1u << n) - 1u);
-    }
+    for (int v = 0; v < 3; ++v) masks[v] = lanes_below(cols - 16 * v);
 }
 
 /* A panel's outputs (v0 on, three vectors of 16, masks their real ones) with their upper ends, to
@@ -153,8 +155,7 @@ static int64_t gather_row(const Candidates *cands, int threads, int64_t m, int64
 /* Exact logits of up to 16 candidates (lanes < count; the rest read output 0), float32: x . w_v
  * summed as f32_linear.c sums it. */
 static __m512 exact_f32(const float *x, int64_t k, const float *weight, const int32_t *cand, int count) {
-    const __mmask16 live = (__mmask16)(count >= 16 ? 0xffffu : (1u << count) - 1u);
-    const __m512i rows = _mm512_mullo_epi32(_mm512_maskz_loadu_epi32(live, cand), _mm512_set1_epi32((int32_t)k));
+    const __m512i rows = _mm512_mullo_epi32(_mm512_maskz_loadu_epi32(lanes_below(count), cand), _mm512_set1_epi32((int32_t)k));
     __m512 sums = _mm512_setzero_ps();
     for (int64_t start = 0; start < k; start += CHUNK) {
         const int64_t end = k - start < CHUNK ? k : start + CHUNK;
@@ -185,26 +186,19 @@ typedef struct {
     float x_norm;   /* |x|, rounded up */
     float u_norm;   /* |x_U|, rounded up */
     int all;        /* left to the caller */
-} Row8;
+} RowInfo;
 
 typedef struct {
     const float *scale;    /* s_v */
     const int32_t *qsum;   /* sum_i q_vi */
     const float *e_norm;   /* |w_v - s_v q_v| */
     const float *w_norm;   /* |w_v| */
-} Screen8;
-
-/* 16 bfloat16 values (n of them; the rest read as 0) widened to float32. */
-static inline __m512 load_bf16(const uint16_t *p, __mmask16 n_mask) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(n_mask, p)), 16));
-}
-
-static inline __mmask16 lanes_below(int64_t n) { return n >= 16 ? (__mmask16)0xffffu : (__mmask16)((1u << n) - 1u); }
+} Screen;
 
 /* 16 values of x from index i (n_mask of them), bfloat16 or (f32, a constant after inlining)
  * float32, as float32. */
 static inline __attribute__((always_inline)) __m512 load_x(const void *x, int64_t i, __mmask16 n_mask, const int f32) {
-    return f32 ? _mm512_maskz_loadu_ps(n_mask, (const float *)x + i) : load_bf16((const uint16_t *)x + i, n_mask);
+    return f32 ? _mm512_maskz_loadu_ps(n_mask, (const float *)x + i) : bf16x16_maskz_load(n_mask, (const uint16_t *)x + i);
 }
 
 /* The lanes of v that hold an inf or a NaN (on the bits: -ffast-math assumes there are none). */
@@ -285,11 +279,12 @@ static inline __attribute__((always_inline)) int pick_pairs(const void *x, int64
 
 /* x's row (k values, bfloat16 or with f32 float32) -> its int8 rest as unsigned bytes (qx + 128;
  * qx = 0 at the picked pairs, where rest is 0), its picked pairs' values (xu: bfloat16, each
- * pair's two as one int32; float32, the two as two) and its Row8. The norms are summed in float64 from exact float32 values (x, x - sx qx formed in
- * float64: sx qx has at most 31 significant bits) and rounded up. */
+ * pair's two as one int32; float32, the two as two) and its RowInfo. The norms are summed in
+ * float64 from exact float32 values (x, and x - sx qx formed in float64: sx qx has at most 31
+ * significant bits) and rounded up. */
 static inline __attribute__((always_inline)) void quantize_row(const void *x, int64_t k, const float *rest,
                                                               const int32_t *pairs, int num_pairs, uint8_t *xq,
-                                                              int32_t *xu, Row8 *info, const int f32) {
+                                                              int32_t *xu, RowInfo *info, const int f32) {
     memset(info, 0, sizeof *info);
     __m512 amax = _mm512_setzero_ps();
     __m512d xx = _mm512_setzero_pd(), uu = _mm512_setzero_pd();
@@ -348,9 +343,9 @@ static inline __attribute__((always_inline)) void quantize_row(const void *x, in
  * quads, scaled, then the picked pairs' products (bfloat16: vdpbf16ps on the head's bfloat16
  * panel wu; f32: FMAs on its float32 panel, both constants after inlining); each output's bounds;
  * the row's lower_max raised and its candidates added (push_candidates). */
-static inline __attribute__((always_inline)) void screen8_rows(
+static inline __attribute__((always_inline)) void screen_rows(
     const uint8_t *xq, const int32_t *xu, int64_t k, int64_t k4, const int8_t *w8, const void *wu, const int32_t *pairs,
-    int num_pairs, const Screen8 *s, int64_t v0, const Row8 *info, float exact_rel, int bf16_out, Candidates *cands,
+    int num_pairs, const Screen *s, int64_t v0, const RowInfo *info, float exact_rel, int bf16_out, Candidates *cands,
     int cols, const int rows, const int f32) {
     __m512i acc[ROWS][3];
     for (int r = 0; r < rows; ++r) acc[r][0] = acc[r][1] = acc[r][2] = _mm512_setzero_si512();
@@ -440,8 +435,8 @@ static inline __attribute__((always_inline)) void screen8_rows(
  * of the call's time at 48 rows, ~19 candidates a row). */
 static __m512 exact_bf16(const uint16_t *x, int64_t k, const uint16_t *weight, const int32_t *cand, int count,
                          int64_t chunk) {
-    const __mmask16 live = (__mmask16)(count >= 16 ? 0xffffu : (1u << count) - 1u);
-    const __m512i rows = _mm512_mullo_epi32(_mm512_maskz_loadu_epi32(live, cand), _mm512_set1_epi32((int32_t)(k / 2)));
+    const __m512i rows =
+        _mm512_mullo_epi32(_mm512_maskz_loadu_epi32(lanes_below(count), cand), _mm512_set1_epi32((int32_t)(k / 2)));
     const int32_t *pairs = (const int32_t *)weight;
     __m512 sums = _mm512_setzero_ps();
     for (int64_t start = 0; start < k; start += chunk) {
@@ -461,7 +456,7 @@ static __m512 exact_bf16(const uint16_t *x, int64_t k, const uint16_t *weight, c
 /* The int8 screen's call, for bfloat16 x or (f32, a constant after inlining) float32 x; see
  * greedy_head_int8. */
 static inline __attribute__((always_inline)) int screen_int8(
-    const void *x, int64_t x_stride, int64_t m, int64_t k, const int8_t *q8, const Screen8 *screen, const void *wu,
+    const void *x, int64_t x_stride, int64_t m, int64_t k, const int8_t *q8, const Screen *screen, const void *wu,
     const void *weight, int64_t n, int64_t chunk, int64_t *out, int64_t *candidates_out, const int f32) {
     const int64_t panels = (n + PANEL - 1) / PANEL;
     const int threads = omp_get_max_threads();
@@ -472,7 +467,7 @@ static inline __attribute__((always_inline)) int screen_int8(
     const int64_t k4 = (k + 3) / 4 * 4; /* the int8 copies' inputs: k padded with zeros to whole quads */
     uint8_t *xq = malloc((size_t)(m * k4));
     int32_t *xu = malloc(sizeof(int32_t) * 2 * UPAIRS * (size_t)m);
-    Row8 *info = malloc(sizeof(Row8) * (size_t)m);
+    RowInfo *info = malloc(sizeof(RowInfo) * (size_t)m);
     Candidates *cands = malloc(sizeof(Candidates) * (size_t)(m * threads));
     if (num_pairs < 0 || !xq || !xu || !info || !cands) {
         free(rest);
@@ -507,10 +502,10 @@ static inline __attribute__((always_inline)) int screen_int8(
                 for (int line = 0; line < (int)(2 * PANEL * x_size); line += 64) _mm_prefetch(next + line, _MM_HINT_T1);
             }
             for (int64_t row = 0; row < m; row += ROWS) {
-#define SCREEN8_ROWS(r) screen8_rows(xq + row * k4, xu + row * 2 * UPAIRS, k, k4, w8, wup, pairs, num_pairs, screen, \
+#define SCREEN_ROWS(r) screen_rows(xq + row * k4, xu + row * 2 * UPAIRS, k, k4, w8, wup, pairs, num_pairs, screen, \
                                      p * PANEL, info + row, exact_rel, !f32, mine + row, cols, r, f32)
-                WITH_ROWS(m - row, SCREEN8_ROWS)
-#undef SCREEN8_ROWS
+                WITH_ROWS(m - row, SCREEN_ROWS)
+#undef SCREEN_ROWS
             }
         }
 #pragma omp for schedule(dynamic, 1)
@@ -549,13 +544,13 @@ static inline __attribute__((always_inline)) int screen_int8(
  * 65,536); q8: int8 W in panels (its inputs padded with zeros to a multiple of 4); scale, qsum, e_norm, w_norm: per output, padded to whole
  * panels; wu: the head's own panels (bfloat16: pack_bf16_pairs; float32: pack_f32_panels), for
  * the picked pairs; weight: W [n, k] in x's dtype, contiguous, for the exact logits; chunk: the
- * inputs the reference kernel sums in one go (bfloat16: bf16_linear.c's for m rows; float32:
- * f32_linear.c's CHUNK); out: m int64 tokens, -1 for a row left to the caller; candidates_out (or
+ * inputs bf16_linear.c sums in one go for m rows (bfloat16 only: float32 heads are summed in
+ * f32_linear.c's CHUNK whatever it says); out: m int64 tokens, -1 for a row left to the caller; candidates_out (or
  * NULL): each row's count of exact logits. Returns 0, or -1 when a buffer could not be allocated. */
 int greedy_head_int8(const void *x, int64_t x_stride, int64_t m, int64_t k, const int8_t *q8, const float *scale,
                      const int32_t *qsum, const float *e_norm, const float *w_norm, const void *wu, const void *weight,
                      int64_t n, int64_t chunk, int f32, int64_t *out, int64_t *candidates_out) {
-    const Screen8 screen = {scale, qsum, e_norm, w_norm};
+    const Screen screen = {scale, qsum, e_norm, w_norm};
     if (f32) return screen_int8(x, x_stride, m, k, q8, &screen, wu, weight, n, CHUNK, out, candidates_out, 1);
     return screen_int8(x, x_stride, m, k, q8, &screen, wu, weight, n, chunk, out, candidates_out, 0);
 }
