@@ -292,9 +292,9 @@ def bench_projections(dtype: torch.dtype, kernel: str, repeats: int, gen: torch.
 
 
 def bench_greedy_head(repeats: int, gen: torch.Generator, dtype: torch.dtype) -> dict | str:
-    """The greedy head (kernels/greedy_head.py; float32: the bfloat16 screen, bfloat16: the int8
-    one) against what it replaces, the LM head's logits and their argmax, on the small preset's
-    49,152 x 576 head: time per step and the exact logits it computed per row."""
+    """The greedy head (kernels/greedy_head.py, the int8 screen) on a head of this dtype against
+    what it replaces, the LM head's logits and their argmax, on the small preset's 49,152 x 576
+    head: time per step and the exact logits it computed per row."""
     from kernels import greedy_head
     from kernels import linear as linear_module
     from kernels.argmax import argmax_rows
@@ -303,8 +303,8 @@ def bench_greedy_head(repeats: int, gen: torch.Generator, dtype: torch.dtype) ->
     full = linear_module.prepare_linear(weight, copy=False)
     head = greedy_head.prepare_greedy_head(weight, full)
     if head is None:
-        return (f"no greedy head for a {dtype} head here (float32: needs AVX512-BF16; bfloat16: AVX512-VNNI too and "
-                "no AMX, or no compiler for them)")
+        return (f"no greedy head for a {dtype} head here (it needs AVX512-BF16 and AVX512-VNNI, and for bfloat16 "
+                "no AMX; or no compiler for them)")
     measured = []
     for rows in (1, 8, 32, 48, 64):
         x = torch.randn(rows, 576, generator=gen).to(dtype)

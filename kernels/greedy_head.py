@@ -34,12 +34,24 @@ class GreedyHead:
     qsum: torch.Tensor  # int32: sum_i q_vi
     e_norm: torch.Tensor  # float32: |w_v - s_v q_v|, rounded up
     w_norm: torch.Tensor  # |w_v|, rounded up
-    panels: torch.Tensor  # the head's own panels (linear's bf16 or f32 copy): the picked pairs' weights
     weight: torch.Tensor  # W [n, k] in the head's dtype, contiguous: the candidates' exact logits
-    linear: Linear  # the head itself, for the rows the screen leaves (inf or NaN in x, mass ties)
-    dtype: torch.dtype
+    linear: Linear  # the head itself: its own panels (the picked pairs) and the rows the screen leaves
     out_features: int
     in_features: int
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.weight.dtype
+
+    @property
+    def panels(self) -> torch.Tensor:
+        return _own_panels(self.linear, self.dtype)
+
+
+def _own_panels(head: Linear, dtype: torch.dtype) -> torch.Tensor | None:
+    """The head's small-batch panels in its dtype (linear's bf16 or f32 copy), which the screen
+    reads the picked pairs' weights from; None where it has none."""
+    return head.bf16 if dtype == torch.bfloat16 else head.f32
 
 
 @functools.cache
@@ -97,9 +109,8 @@ def prepare_greedy_head(weight: torch.Tensor, head: Linear) -> GreedyHead | None
             or weight.shape[1] % 2 or weight.shape[1] > 65536 or weight.numel() >= 1 << 31):
         return None
     n, k = weight.shape
-    panels = head.bf16 if weight.dtype == torch.bfloat16 else head.f32
-    if (panels is None or not available() or (weight.dtype == torch.bfloat16 and n < BF16_MIN_VOCAB)
-            or not bool(torch.isfinite(weight).all())):
+    if (_own_panels(head, weight.dtype) is None or not available()
+            or (weight.dtype == torch.bfloat16 and n < BF16_MIN_VOCAB) or not bool(torch.isfinite(weight).all())):
         return None
     w = weight.double()
     scale = (weight.float().abs().amax(dim=1) / 127).float()
@@ -115,8 +126,8 @@ def prepare_greedy_head(weight: torch.Tensor, head: Linear) -> GreedyHead | None
     return GreedyHead(
         q8=pack_int8_quads(q.to(torch.int8)), scale=per_output(scale), qsum=per_output(q.sum(dim=1), torch.int32),
         e_norm=per_output(_rounded_up((w - s * q).norm(dim=1) * (1 + 1e-12))),
-        w_norm=per_output(_rounded_up(w.norm(dim=1) * (1 + 1e-12))), panels=panels, weight=weight.contiguous(),
-        linear=head, dtype=weight.dtype, out_features=n, in_features=k,
+        w_norm=per_output(_rounded_up(w.norm(dim=1) * (1 + 1e-12))), weight=weight.contiguous(), linear=head,
+        out_features=n, in_features=k,
     )
 
 

@@ -195,6 +195,11 @@ typedef struct {
     const float *w_norm;   /* |w_v| */
 } Screen;
 
+/* Row r of x (rows stride elements apart), bfloat16 or (f32, a constant after inlining) float32. */
+static inline const void *x_row(const void *x, int64_t r, int64_t stride, const int f32) {
+    return (const char *)x + r * stride * (f32 ? sizeof(float) : sizeof(uint16_t));
+}
+
 /* 16 values of x from index i (n_mask of them), bfloat16 or (f32, a constant after inlining)
  * float32, as float32. */
 static inline __attribute__((always_inline)) __m512 load_x(const void *x, int64_t i, __mmask16 n_mask, const int f32) {
@@ -232,7 +237,7 @@ static inline __attribute__((always_inline)) int pick_pairs(const void *x, int64
     }
     int64_t voters = 0; /* rows with a finite, nonzero x, in scaled's first rows */
     for (int64_t r = 0; r < m; ++r) {
-        const void *xr = f32 ? (const void *)((const float *)x + r * x_stride) : (const void *)((const uint16_t *)x + r * x_stride);
+        const void *xr = x_row(x, r, x_stride, f32);
         __m512 ss = _mm512_setzero_ps();
         __mmask16 bad = 0;
         for (int64_t i = 0; i < k; i += 16) {
@@ -345,8 +350,8 @@ static inline __attribute__((always_inline)) void quantize_row(const void *x, in
  * the row's lower_max raised and its candidates added (push_candidates). */
 static inline __attribute__((always_inline)) void screen_rows(
     const uint8_t *xq, const int32_t *xu, int64_t k, int64_t k4, const int8_t *w8, const void *wu, const int32_t *pairs,
-    int num_pairs, const Screen *s, int64_t v0, const RowInfo *info, float exact_rel, int bf16_out, Candidates *cands,
-    int cols, const int rows, const int f32) {
+    int num_pairs, const Screen *s, int64_t v0, const RowInfo *info, float exact_rel, Candidates *cands, int cols,
+    const int rows, const int f32) {
     __m512i acc[ROWS][3];
     for (int r = 0; r < rows; ++r) acc[r][0] = acc[r][1] = acc[r][2] = _mm512_setzero_si512();
     if (k <= 0) __builtin_unreachable();
@@ -423,7 +428,7 @@ static inline __attribute__((always_inline)) void screen_rows(
             lo_max = _mm512_mask_max_ps(lo_max, masks[v], lo_max, _mm512_sub_ps(a[r][v], b));
         }
         c->lower_max = _mm512_reduce_max_ps(lo_max);
-        push_candidates(c, upper, masks, threshold_of(c->lower_max, bf16_out), v0);
+        push_candidates(c, upper, masks, threshold_of(c->lower_max, !f32), v0);
     }
 }
 
@@ -484,7 +489,7 @@ static inline __attribute__((always_inline)) int screen_int8(
         const int me = omp_get_thread_num();
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < m; ++r) {
-            quantize_row((const char *)x + r * x_stride * x_size, k, rest, pairs, num_pairs, xq + r * k4,
+            quantize_row(x_row(x, r, x_stride, f32), k, rest, pairs, num_pairs, xq + r * k4,
                          xu + r * 2 * UPAIRS, info + r, f32);
             memset(xq + r * k4 + k, 128, (size_t)(k4 - k)); /* qx = 0 */
         }
@@ -503,7 +508,7 @@ static inline __attribute__((always_inline)) int screen_int8(
             }
             for (int64_t row = 0; row < m; row += ROWS) {
 #define SCREEN_ROWS(r) screen_rows(xq + row * k4, xu + row * 2 * UPAIRS, k, k4, w8, wup, pairs, num_pairs, screen, \
-                                     p * PANEL, info + row, exact_rel, !f32, mine + row, cols, r, f32)
+                                     p * PANEL, info + row, exact_rel, mine + row, cols, r, f32)
                 WITH_ROWS(m - row, SCREEN_ROWS)
 #undef SCREEN_ROWS
             }
@@ -512,7 +517,7 @@ static inline __attribute__((always_inline)) int screen_int8(
         for (int64_t r = 0; r < m; ++r) {
             int32_t cand[CAP];
             const int64_t count = gather_row(cands, threads, m, r, !f32, cand);
-            const char *xr = (const char *)x + r * x_stride * x_size;
+            const void *xr = x_row(x, r, x_stride, f32);
             int64_t best_v = count < 0 ? -1 : 0;
             float best = 0.0f;
             for (int64_t j = 0; j < count && best_v >= 0; j += 16) {
