@@ -160,16 +160,7 @@ static void blocked(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, c
                     uint16_t *o = out + row * out_stride + p * PANEL;
                     float *c = carry + (row - row0) * PANEL;
 #define BLOCK_ROWS_OF(r) block_rows(xr, x_stride, w, k0, k1, c, k0 == 0, k1 == k, b, o, out_stride, cols, r)
-                    switch (row1 - row < ROWS ? row1 - row : ROWS) {
-                    case 1: BLOCK_ROWS_OF(1); break;
-                    case 2: BLOCK_ROWS_OF(2); break;
-                    case 3: BLOCK_ROWS_OF(3); break;
-                    case 4: BLOCK_ROWS_OF(4); break;
-                    case 5: BLOCK_ROWS_OF(5); break;
-                    case 6: BLOCK_ROWS_OF(6); break;
-                    case 7: BLOCK_ROWS_OF(7); break;
-                    default: BLOCK_ROWS_OF(8); break;
-                    }
+                    WITH_ROWS(row1 - row, BLOCK_ROWS_OF)
 #undef BLOCK_ROWS_OF
                 }
             }
@@ -199,16 +190,9 @@ int bf16_linear(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, const
         for (int64_t row = 0; row < m; row += ROWS) {
             const uint16_t *xr = x + row * x_stride;
             uint16_t *o = out + row * out_stride + p * PANEL;
-            switch (m - row < ROWS ? m - row : ROWS) {
-            case 1: panel_rows(xr, x_stride, w, k, b, o, out_stride, cols, 1); break;
-            case 2: panel_rows(xr, x_stride, w, k, b, o, out_stride, cols, 2); break;
-            case 3: panel_rows(xr, x_stride, w, k, b, o, out_stride, cols, 3); break;
-            case 4: panel_rows(xr, x_stride, w, k, b, o, out_stride, cols, 4); break;
-            case 5: panel_rows(xr, x_stride, w, k, b, o, out_stride, cols, 5); break;
-            case 6: panel_rows(xr, x_stride, w, k, b, o, out_stride, cols, 6); break;
-            case 7: panel_rows(xr, x_stride, w, k, b, o, out_stride, cols, 7); break;
-            default: panel_rows(xr, x_stride, w, k, b, o, out_stride, cols, 8); break;
-            }
+#define PANEL_ROWS(r) panel_rows(xr, x_stride, w, k, b, o, out_stride, cols, r)
+            WITH_ROWS(m - row, PANEL_ROWS)
+#undef PANEL_ROWS
         }
     }
     return 0;

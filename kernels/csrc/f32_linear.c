@@ -68,16 +68,9 @@ int f32_linear(const float *x, int64_t x_stride, int64_t m, int64_t k, const flo
         for (int64_t row = 0; row < m; row += ROWS) {
             const float *xr = x + row * x_stride;
             float *o = out + row * out_stride + p * PANEL;
-            switch (m - row < ROWS ? m - row : ROWS) {
-            case 1: panel_rows(xr, x_stride, w, k, b, o, out_stride, cols, 1); break;
-            case 2: panel_rows(xr, x_stride, w, k, b, o, out_stride, cols, 2); break;
-            case 3: panel_rows(xr, x_stride, w, k, b, o, out_stride, cols, 3); break;
-            case 4: panel_rows(xr, x_stride, w, k, b, o, out_stride, cols, 4); break;
-            case 5: panel_rows(xr, x_stride, w, k, b, o, out_stride, cols, 5); break;
-            case 6: panel_rows(xr, x_stride, w, k, b, o, out_stride, cols, 6); break;
-            case 7: panel_rows(xr, x_stride, w, k, b, o, out_stride, cols, 7); break;
-            default: panel_rows(xr, x_stride, w, k, b, o, out_stride, cols, 8); break;
-            }
+#define PANEL_ROWS(r) panel_rows(xr, x_stride, w, k, b, o, out_stride, cols, r)
+            WITH_ROWS(m - row, PANEL_ROWS)
+#undef PANEL_ROWS
         }
     }
     return 0;
