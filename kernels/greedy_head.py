@@ -36,12 +36,18 @@ class GreedyHead:
     w_norm: torch.Tensor  # |w_v|, rounded up
     weight: torch.Tensor  # W [n, k] in the head's dtype, contiguous: the candidates' exact logits
     linear: Linear  # the head itself: its own panels (the picked pairs) and the rows the screen leaves
-    out_features: int
-    in_features: int
 
     @property
     def dtype(self) -> torch.dtype:
         return self.weight.dtype
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1]
 
     @property
     def panels(self) -> torch.Tensor:
@@ -108,7 +114,7 @@ def prepare_greedy_head(weight: torch.Tensor, head: Linear) -> GreedyHead | None
     if (weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16) or weight.dim() != 2
             or weight.shape[1] % 2 or weight.shape[1] > 65536 or weight.numel() >= 1 << 31):
         return None
-    n, k = weight.shape
+    n = weight.shape[0]
     if (_own_panels(head, weight.dtype) is None or not available()
             or (weight.dtype == torch.bfloat16 and n < BF16_MIN_VOCAB) or not bool(torch.isfinite(weight).all())):
         return None
@@ -127,7 +133,6 @@ def prepare_greedy_head(weight: torch.Tensor, head: Linear) -> GreedyHead | None
         q8=pack_int8_quads(q.to(torch.int8)), scale=per_output(scale), qsum=per_output(q.sum(dim=1), torch.int32),
         e_norm=per_output(_rounded_up((w - s * q).norm(dim=1) * (1 + 1e-12))),
         w_norm=per_output(_rounded_up(w.norm(dim=1) * (1 + 1e-12))), weight=weight.contiguous(), linear=head,
-        out_features=n, in_features=k,
     )
 
 
