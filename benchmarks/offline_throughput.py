@@ -5,9 +5,10 @@ For each preset: N prompts of P random tokens, O greedy output tokens each (floa
   2. transformers generate, all prompts as one batch;
   3. pdserve's engine (LLM.generate) on all prompts at once.
 Reports output tokens/s of each and the ratios to (1), checks the engine's tokens equal (1)'s,
-saves a bar chart, and ends with one line `RESULT {json}`.
+saves a bar chart, and ends with one line `RESULT {json}`. `--device auto` (the default) runs both
+the engine and transformers on CUDA when there is one, else on the CPU.
 
-    .venv/bin/python benchmarks/offline_throughput.py --presets small,tiny
+    .venv/bin/python benchmarks/offline_throughput.py --presets small,tiny [--device cuda]
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import transformers
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from engine.config import resolve_device  # noqa: E402
 from engine.llm import LLM  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from pdserve.default_model import ensure_model  # noqa: E402
@@ -37,8 +39,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--device", default="auto", help="auto, cpu or cuda: the engine's and transformers' both")
     parser.add_argument("--out-dir", default=str(REPO / "benchmarks" / "out"))
-    return parser.parse_args()
+    args = parser.parse_args()
+    args.device = resolve_device(args.device)
+    return args
 
 
 def model_dir_for(preset: str) -> Path:
@@ -57,7 +62,7 @@ def run_transformers(model, prompts: list[list[int]], output_len: int, batch: bo
     start = time.perf_counter()
     with torch.inference_mode():
         for idx, group in enumerate(groups):
-            input_ids = torch.tensor(group)
+            input_ids = torch.tensor(group, device=model.device)
             sequences = model.generate(
                 input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
                 max_new_tokens=output_len, min_new_tokens=output_len,
@@ -71,7 +76,7 @@ def run_transformers(model, prompts: list[list[int]], output_len: int, batch: bo
 def warm_up_transformers(model, prompt: list[int]) -> None:
     """One untimed short generate: first-call costs are not the baseline's steady speed."""
     with torch.inference_mode():
-        ids = torch.tensor([prompt[:16]])
+        ids = torch.tensor([prompt[:16]], device=model.device)
         model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=2)
 
 
@@ -85,12 +90,18 @@ def run_engine(llm: LLM, prompts: list[list[int]], output_len: int) -> tuple[flo
 def bench_preset(preset: str, args: argparse.Namespace) -> dict:
     print(f"== {preset}", flush=True)
     model_dir = model_dir_for(preset)
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval().to(args.device)
     prompts = make_prompts(args.num_prompts, args.prompt_len, model.config.vocab_size)
     num_out = args.num_prompts * args.output_len
 
-    llm = LLM(str(model_dir), max_num_seqs=args.num_prompts, max_num_batched_tokens=args.max_num_batched_tokens)
-    run_engine(llm, prompts[:2], 2)  # warm-up
+    llm = LLM(str(model_dir), max_num_seqs=args.num_prompts, max_num_batched_tokens=args.max_num_batched_tokens,
+              device=args.device)
+    # Warm-up. On CUDA the Triton kernels compile for each new batch shape, so the whole workload
+    # runs once untimed there; on the CPU the compiled kernels are built by a short run.
+    if args.device == "cuda":
+        run_engine(llm, prompts, args.output_len)
+    else:
+        run_engine(llm, prompts[:2], 2)
     engine_s, engine_out = run_engine(llm, prompts, args.output_len)
     print(f"  engine: {engine_s:.1f} s", flush=True)
     batch_s, _ = run_transformers(model, prompts, args.output_len, batch=True)
@@ -101,6 +112,7 @@ def bench_preset(preset: str, args: argparse.Namespace) -> dict:
     num_equal = sum(a == b for a, b in zip(engine_out, single_out))
     result = {
         "preset": preset,
+        "device": args.device,
         "engine_tok_s": num_out / engine_s,
         "hf_batch_tok_s": num_out / batch_s,
         "hf_single_tok_s": num_out / single_s,
@@ -128,10 +140,10 @@ def plot(results: list[dict], out_dir: Path) -> Path | None:
         labels = ["transformers\none at a time", "transformers\nbatch", "pdserve\nengine"]
         values = [r["hf_single_tok_s"], r["hf_batch_tok_s"], r["engine_tok_s"]]
         ax.bar(labels, values, color=["#999", "#69c", "#e73"])
-        ax.set_title(f"{r['preset']}: engine {r['engine_over_single']:.1f}x one-at-a-time")
+        ax.set_title(f"{r['preset']} ({r['device']}): engine {r['engine_over_single']:.1f}x one-at-a-time")
         ax.set_ylabel("output tokens/s")
     fig.tight_layout()
-    path = out_dir / "offline_throughput.png"
+    path = out_dir / f"offline_throughput{'' if results[0]['device'] == 'cpu' else '_' + results[0]['device']}.png"
     fig.savefig(path, dpi=100)
     return path
 
@@ -142,7 +154,9 @@ def main() -> None:
     path = plot(results, Path(args.out_dir))
     if path:
         print(f"plot: {path}")
-    print("RESULT " + json.dumps({"device": "cpu", "threads": torch.get_num_threads(), "results": results}))
+    name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    summary = {"device": args.device, "device_name": name, "threads": torch.get_num_threads(), "results": results}
+    print("RESULT " + json.dumps(summary))
 
 
 if __name__ == "__main__":
