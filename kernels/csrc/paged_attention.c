@@ -8,7 +8,8 @@
  * values are added into accumulators held in registers for the whole block (the group's query
  * heads in chunks of at most 16 vectors). The next block is prefetched slice by slice as this one
  * is read, one block ahead (two ahead measured 4-5% slower), and a sequence's last block
- * prefetches the next sequence's first. Without the prefetches the kernel took twice as long.
+ * prefetches the next sequence's first; each row read also brings the next KV head's row of the
+ * same token into L1 (prefetch_row_l1). Without the prefetches the kernel took twice as long.
  * On a 2-core Zen 4, one thread, float32, SmolLM-135M's heads: ~30 GB/s of K/V with the blocks
  * in cache (8 sequences x 300 tokens, one layer, repeated) and ~16-17 GB/s from memory (48
  * sequences, 30 layers' caches), so from memory the arithmetic and the reads barely overlap.
@@ -117,6 +118,21 @@ static inline void prefetch_row(const void *cache, int64_t off, int64_t num, con
     for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i, 0, 2);
 }
 
+/* Into L1 (prefetcht0): the same token's row of the next KV head, which the next head's pass
+ * reads ~16 tokens later (past the last head: the next token's first head, already read; a
+ * prefetch never faults, so the block's very last row may point past the cache harmlessly).
+ * On a 2-core Zen 5, one thread, float32, 64 sequences x 300 tokens over 30 layers' caches (each
+ * call's blocks from memory), the builds alternated in one process, medians of 9: 41.4-44.2 ->
+ * 37.8-40.5 ms a step (-8%); two threads 26.7 -> 26.3; bfloat16 19.1 -> 18.7 (one thread) and
+ * 14.3 -> 14.0 (two); with the blocks in cache the same either way. The same hint-2 prefetch (into
+ * L2, where the block-ahead prefetch already put the row) gained nothing; prefetching the next
+ * token's row instead, or the rest of the token's row on the first head, measured slower. */
+static inline void prefetch_row_l1(const void *cache, int64_t off, int64_t num, const int kv_bf16) {
+    const char *p = (const char *)cache + off * (kv_bf16 ? 2 : 4);
+    const int64_t bytes = num * (kv_bf16 ? 2 : 4);
+    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i, 0, 3);
+}
+
 /* The 16 sums of d[0..15], in order, as one vector: four levels that each add the two halves of
  * every lane segment of two vectors (segments of 8, 4, 2, 1 lanes), pairing d[i] with d[i + 8]
  * first so that the sums come out in natural order. 15 two-source permute pairs and 15 adds for
@@ -163,7 +179,8 @@ enum { MAX_CHUNK = 4 };
 /* Scores of tokens [0, n) (n <= 16) of one block for gc query heads that share one KV head, each
  * query head's 16 dot products summed across lanes together (sum16x16): scores[g *
  * MAX_BLOCK_SIZE + t], scaled. k and ahead: this KV head's first key in this block and in the
- * next one, whose same keys are prefetched when prefetch is set. */
+ * next one, whose same keys are prefetched when prefetch is set (and the next KV head's keys of
+ * this block into L1). */
 static inline __attribute__((always_inline)) void
 key_tile(const CacheView *cv, int64_t k, int64_t ahead, int prefetch, int n, const void *q, int64_t q_off, int64_t stride_q_head,
          float *scores, const int gc, const int num_vecs, const int kv_bf16) {
@@ -173,7 +190,10 @@ key_tile(const CacheView *cv, int64_t k, int64_t ahead, int prefetch, int n, con
         for (int j = 0; j < num_vecs; ++j) qv[g][j] = load_kv16(q, q_off + g * stride_q_head + j * LANES, kv_bf16);
     for (int t = 0; t < n; ++t) {
         const int64_t row = k + t * cv->stride_token;
-        if (prefetch) prefetch_row(cv->kv_cache, ahead + t * cv->stride_token, num_vecs * LANES, kv_bf16);
+        if (prefetch) {
+            prefetch_row(cv->kv_cache, ahead + t * cv->stride_token, num_vecs * LANES, kv_bf16);
+            prefetch_row_l1(cv->kv_cache, row + cv->stride_head, num_vecs * LANES, kv_bf16);
+        }
         v16 key[MAX_HEAD_DIM / LANES];
         for (int j = 0; j < num_vecs; ++j) key[j] = load_kv16(cv->kv_cache, row + j * LANES, kv_bf16);
         for (int g = 0; g < gc; ++g) {
@@ -189,7 +209,8 @@ key_tile(const CacheView *cv, int64_t k, int64_t ahead, int prefetch, int n, con
 
 /* acc[g] += sum over tokens t < num of p[g][t] * value[t], for gc query heads sharing one KV head,
  * the accumulators held in registers across the block. v and ahead: this KV head's first value
- * in this block and in the next one (prefetched when prefetch is set). */
+ * in this block and in the next one (prefetched when prefetch is set, and the next KV head's
+ * values of this block into L1). */
 static inline __attribute__((always_inline)) void
 value_block(const CacheView *cv, int64_t v, int64_t ahead, int prefetch, int num, const float *scores,
             v16 (*acc)[MAX_HEAD_DIM / LANES], const int gc, const int num_vecs, const int kv_bf16) {
@@ -198,7 +219,10 @@ value_block(const CacheView *cv, int64_t v, int64_t ahead, int prefetch, int num
         for (int j = 0; j < num_vecs; ++j) a[g][j] = acc[g][j];
     for (int t = 0; t < num; ++t) {
         const int64_t row = v + t * cv->stride_token;
-        if (prefetch) prefetch_row(cv->kv_cache, ahead + t * cv->stride_token, num_vecs * LANES, kv_bf16);
+        if (prefetch) {
+            prefetch_row(cv->kv_cache, ahead + t * cv->stride_token, num_vecs * LANES, kv_bf16);
+            prefetch_row_l1(cv->kv_cache, row + cv->stride_head, num_vecs * LANES, kv_bf16);
+        }
         v16 value[MAX_HEAD_DIM / LANES];
         for (int j = 0; j < num_vecs; ++j) value[j] = load_kv16(cv->kv_cache, row + j * LANES, kv_bf16);
         for (int g = 0; g < gc; ++g) {
