@@ -25,7 +25,14 @@
  * the arithmetic alone went 0.58 -> 0.45 ms (bfloat16), so it is no longer the larger part.
  * (Before that: row-by-row reads of every KV head measured 1.4x faster than head-by-head passes
  * that each stride through the block, on a 2-core Zen 3, without prefetching.)
- * Tasks are spread over the process's OpenMP threads (torch's own pool: the same libgomp.so.1).
+ * Tasks are spread over the process's OpenMP threads (torch's own pool: the same libgomp.so.1),
+ * guided: each thread first takes a run of consecutive sequences, so the next sequence whose
+ * first block a sequence prefetches (`then`) is mostly its own, and the runs shrink toward the
+ * end, so a thread held up (by another process on its core) is caught up by the other. On the
+ * 2-core Zen 5, two threads, float32, 64 x 300 tokens over 30 layers' caches, alternated builds:
+ * 21.1-21.5 -> 20.5 ms a step while the host's memory ran fast and 27.5-29.2 -> 27.1-28.3 while
+ * it ran slow (one sequence at a time, dynamically, before; static 19.6-20.1 / 27.2-28.0 but
+ * without the catching up; chunks of 4 or 8 in between); bfloat16 13.7-14.6 -> 13.6-14.4.
  * Head sizes 32, 64, 80, 96 and 128 run on 16-float vectors (GCC vector extensions: one AVX-512
  * register; 8-float vectors measured 5-13% slower on a 2-core Xeon, 2 threads, the small and tiny
  * presets' shapes); other sizes take a scalar loop.
@@ -392,7 +399,7 @@ int paged_decode_attention(const void *query, int64_t stride_q_seq, int64_t stri
     const attend_fn vector = vector_path(head_dim, kv_bf16);
     if (vector == NULL && kv_bf16) return -1;
     const CacheView cv = {kv_cache, stride_block, stride_kv, stride_token, stride_head, block_size, group, scale};
-#pragma omp parallel for schedule(dynamic, 1)
+#pragma omp parallel for schedule(guided)
     for (int s = 0; s < num_seqs; ++s) {
         const size_t elem = kv_bf16 ? 2 : 4;
         const void *q = (const char *)query + s * stride_q_seq * elem;
@@ -401,9 +408,9 @@ int paged_decode_attention(const void *query, int64_t stride_q_seq, int64_t stri
          * block was otherwise read on demand. One thread, 48 sequences x 300 tokens over 30 layers'
          * caches, the two builds alternated in one process on the same data (2-core Zen 4, medians
          * of 21): float32 39.0 -> 37.1 ms a step with each sequence's blocks in order, 46.4 ->
-         * 45.2 with blocks at random, bfloat16 22.5 -> 21.7; same bits. Two threads take the
-         * sequences dynamically, so s + 1 is often the other thread's: the same time either way
-         * (float32 26.0 -> 25.2, bfloat16 14.8 -> 14.9). */
+         * 45.2 with blocks at random, bfloat16 22.5 -> 21.7; same bits. (Two threads then took the
+         * sequences one at a time, so s + 1 was often the other thread's: the same time either
+         * way, float32 26.0 -> 25.2, bfloat16 14.8 -> 14.9; see the schedule above.) */
         const int64_t then = s + 1 < num_seqs && seq_lens[s + 1] > 0
                                  ? (int64_t)block_tables[(s + 1) * stride_table] * stride_block : -1;
         if (vector != NULL)
