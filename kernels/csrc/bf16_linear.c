@@ -82,7 +82,7 @@ static inline __attribute__((always_inline)) void panel_rows(const uint16_t *x, 
         const int64_t end = k - start < CHUNK ? k : start + CHUNK;
         __m512 acc[ROWS][3];
         for (int r = 0; r < rows; ++r) acc[r][0] = acc[r][1] = acc[r][2] = _mm512_setzero_ps();
-        if (next != NULL && group >= 1 && group <= 3)
+        if (fetches_next_panel(next, group))
             accumulate(acc, x, x_stride, w, start, end, rows, 1, next, group, k, 1);
         else
             accumulate(acc, x, x_stride, w, start, end, rows, 1, NULL, 0, 0, 0);

@@ -9,7 +9,7 @@
  * heads in chunks of at most 16 vectors). The next block is prefetched slice by slice as this one
  * is read, one block ahead (two ahead measured 4-5% slower), and a sequence's last block
  * prefetches the next sequence's first; each row read also brings the next KV head's row of the
- * same token into L1 (prefetch_row_l1). Without the prefetches the kernel took twice as long.
+ * same token into L1 (prefetch_for_row). Without the prefetches the kernel took twice as long.
  * On a 2-core Zen 4, one thread, float32, SmolLM-135M's heads: ~30 GB/s of K/V with the blocks
  * in cache (8 sequences x 300 tokens, one layer, repeated) and ~16-17 GB/s from memory (48
  * sequences, 30 layers' caches), so from memory the arithmetic and the reads barely overlap.
@@ -114,30 +114,39 @@ static inline void store_out16(void *out, int64_t off, v16 v, const int bf16) {
     memcpy((uint16_t *)out + off, &half, sizeof half);
 }
 
-/* Into L2 (prefetcht1), not L1: on a 2-core Zen 4 (Genoa) the L1 prefetches of a block ahead
- * waited on the L1's few miss buffers, so the reads did not overlap the arithmetic (30 layers'
- * bfloat16 caches, 64 sequences x 300 tokens, one thread: 25-27 ms per step with the blocks in
- * cache, 65-68 from memory with prefetcht0, 38-41 with prefetcht1; two threads 33-39 -> 21-24).
- * On the Zen 5 float32 measured the same either way. */
-static inline void prefetch_row(const void *cache, int64_t off, int64_t num, const int kv_bf16) {
+/* num elements from element offset off of the cache: into L2 (prefetcht1), or with into_l1 (a
+ * constant after inlining) into L1 (prefetcht0). */
+static inline __attribute__((always_inline)) void prefetch_span(const void *cache, int64_t off, int64_t num,
+                                                                const int kv_bf16, const int into_l1) {
     const char *p = (const char *)cache + off * (kv_bf16 ? 2 : 4);
     const int64_t bytes = num * (kv_bf16 ? 2 : 4);
-    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i, 0, 2);
+    for (int64_t i = 0; i < bytes; i += 64) {
+        if (into_l1)
+            __builtin_prefetch(p + i, 0, 3);
+        else
+            __builtin_prefetch(p + i, 0, 2);
+    }
 }
 
-/* Into L1 (prefetcht0): the same token's row of the next KV head, which the next head's pass
- * reads ~16 tokens later (past the last head: the next token's first head, already read; a
- * prefetch never faults, so the block's very last row may point past the cache harmlessly).
- * On a 2-core Zen 5, one thread, float32, 64 sequences x 300 tokens over 30 layers' caches (each
- * call's blocks from memory), the builds alternated in one process, medians of 9: 41.4-44.2 ->
- * 37.8-40.5 ms a step (-8%); two threads 26.7 -> 26.3; bfloat16 19.1 -> 18.7 (one thread) and
- * 14.3 -> 14.0 (two); with the blocks in cache the same either way. The same hint-2 prefetch (into
- * L2, where the block-ahead prefetch already put the row) gained nothing; prefetching the next
- * token's row instead, or the rest of the token's row on the first head, measured slower. */
-static inline void prefetch_row_l1(const void *cache, int64_t off, int64_t num, const int kv_bf16) {
-    const char *p = (const char *)cache + off * (kv_bf16 ? 2 : 4);
-    const int64_t bytes = num * (kv_bf16 ? 2 : 4);
-    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i, 0, 3);
+/* What each K or V row read (row, num elements) prefetches:
+ * - the same row of the next block (ahead) into L2, not L1: on a 2-core Zen 4 (Genoa) the L1
+ *   prefetches of a block ahead waited on the L1's few miss buffers, so the reads did not overlap
+ *   the arithmetic (30 layers' bfloat16 caches, 64 sequences x 300 tokens, one thread: 25-27 ms
+ *   per step with the blocks in cache, 65-68 from memory with prefetcht0, 38-41 with prefetcht1;
+ *   two threads 33-39 -> 21-24). On the Zen 5 float32 measured the same either way.
+ * - the same token's row of the next KV head into L1, which the next head's pass reads ~16
+ *   tokens later (past the last head: the next token's first head, already read; a prefetch
+ *   never faults, so the block's very last row may point past the cache harmlessly). On a 2-core
+ *   Zen 5, one thread, float32, 64 sequences x 300 tokens over 30 layers' caches (each call's
+ *   blocks from memory), the builds alternated in one process, medians of 9: 41.4-44.2 ->
+ *   37.8-40.5 ms a step (-8%); two threads 26.7 -> 26.3; bfloat16 19.1 -> 18.7 (one thread) and
+ *   14.3 -> 14.0 (two); with the blocks in cache the same either way. The same row into L2
+ *   (where the block-ahead prefetch already put it) gained nothing; prefetching the next token's
+ *   row instead, or the rest of the token's row on the first head, measured slower. */
+static inline __attribute__((always_inline)) void prefetch_for_row(const CacheView *cv, int64_t ahead, int64_t row,
+                                                                   int64_t num, const int kv_bf16) {
+    prefetch_span(cv->kv_cache, ahead, num, kv_bf16, 0);
+    prefetch_span(cv->kv_cache, row + cv->stride_head, num, kv_bf16, 1);
 }
 
 /* The 16 sums of d[0..15], in order, as one vector: four levels that each add the two halves of
@@ -197,10 +206,7 @@ key_tile(const CacheView *cv, int64_t k, int64_t ahead, int prefetch, int n, con
         for (int j = 0; j < num_vecs; ++j) qv[g][j] = load_kv16(q, q_off + g * stride_q_head + j * LANES, kv_bf16);
     for (int t = 0; t < n; ++t) {
         const int64_t row = k + t * cv->stride_token;
-        if (prefetch) {
-            prefetch_row(cv->kv_cache, ahead + t * cv->stride_token, num_vecs * LANES, kv_bf16);
-            prefetch_row_l1(cv->kv_cache, row + cv->stride_head, num_vecs * LANES, kv_bf16);
-        }
+        if (prefetch) prefetch_for_row(cv, ahead + t * cv->stride_token, row, num_vecs * LANES, kv_bf16);
         v16 key[MAX_HEAD_DIM / LANES];
         for (int j = 0; j < num_vecs; ++j) key[j] = load_kv16(cv->kv_cache, row + j * LANES, kv_bf16);
         for (int g = 0; g < gc; ++g) {
@@ -226,10 +232,7 @@ value_block(const CacheView *cv, int64_t v, int64_t ahead, int prefetch, int num
         for (int j = 0; j < num_vecs; ++j) a[g][j] = acc[g][j];
     for (int t = 0; t < num; ++t) {
         const int64_t row = v + t * cv->stride_token;
-        if (prefetch) {
-            prefetch_row(cv->kv_cache, ahead + t * cv->stride_token, num_vecs * LANES, kv_bf16);
-            prefetch_row_l1(cv->kv_cache, row + cv->stride_head, num_vecs * LANES, kv_bf16);
-        }
+        if (prefetch) prefetch_for_row(cv, ahead + t * cv->stride_token, row, num_vecs * LANES, kv_bf16);
         v16 value[MAX_HEAD_DIM / LANES];
         for (int j = 0; j < num_vecs; ++j) value[j] = load_kv16(cv->kv_cache, row + j * LANES, kv_bf16);
         for (int g = 0; g < gc; ++g) {

@@ -61,9 +61,13 @@ static inline __attribute__((always_inline)) void prefetch_panel_row(const void 
  * threads 12.7-13.0 -> 12.1-12.3, 19.7 -> 16.2-16.3, 26.7-27.2 -> 23.3-23.5, 33.6-34.1 ->
  * 30.2-30.5. Measured and not kept: starting in group 0 (9 rows 5-7% slower on one thread), and
  * two or three lines a row where there are fewer groups (9-16 rows up to 16% slower). */
+static inline int fetches_next_panel(const void *next, int64_t group) {
+    return next != NULL && group >= 1 && group <= 3;
+}
+
 static inline __attribute__((always_inline)) void prefetch_next_panel(const void *next, int64_t group,
                                                                       int64_t num_w_rows, int64_t i) {
-    if (next != NULL && group >= 1 && group <= 3)
+    if (fetches_next_panel(next, group))
         _mm_prefetch((const char *)next + ((group - 1) * num_w_rows + i) * 64, _MM_HINT_T1);
 }
 
