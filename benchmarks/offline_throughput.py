@@ -43,6 +43,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--out-dir", default=str(REPO / "benchmarks" / "out"))
     args = parser.parse_args()
     args.device = resolve_device(args.device)
+    args.on_cuda = torch.device(args.device).type == "cuda"  # cuda or cuda:N
     return args
 
 
@@ -100,7 +101,7 @@ def bench_preset(preset: str, args: argparse.Namespace) -> dict:
     # in the prefix cache. On CUDA the Triton kernels compile for each new batch shape, so a whole
     # workload runs once untimed there; on the CPU the compiled kernels are built by a short run.
     warm_up = make_prompts(args.num_prompts, args.prompt_len, model.config.vocab_size, seed=1)
-    if args.device == "cuda":
+    if args.on_cuda:
         run_engine(llm, warm_up, args.output_len)
     else:
         run_engine(llm, warm_up[:2], 2)
@@ -145,7 +146,8 @@ def plot(results: list[dict], out_dir: Path) -> Path | None:
         ax.set_title(f"{r['preset']} ({r['device']}): engine {r['engine_over_single']:.1f}x one-at-a-time")
         ax.set_ylabel("output tokens/s")
     fig.tight_layout()
-    path = out_dir / f"offline_throughput{'' if results[0]['device'] == 'cpu' else '_' + results[0]['device']}.png"
+    device_type = torch.device(results[0]["device"]).type
+    path = out_dir / f"offline_throughput{'' if device_type == 'cpu' else '_' + device_type}.png"
     fig.savefig(path, dpi=100)
     return path
 
@@ -156,7 +158,7 @@ def main() -> None:
     path = plot(results, Path(args.out_dir))
     if path:
         print(f"plot: {path}")
-    name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    name = torch.cuda.get_device_name(args.device) if args.on_cuda else "cpu"
     summary = {"device": args.device, "device_name": name, "threads": torch.get_num_threads(), "results": results}
     print("RESULT " + json.dumps(summary))
 

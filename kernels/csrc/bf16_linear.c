@@ -33,8 +33,9 @@ static inline __m512i pair_of(const uint16_t *x) {
 
 /* acc[r] += rows (1..8, a constant after inlining) of x against the panel's input pairs [i0, i1),
  * each pair's W row (three vectors) prefetched ahead with prefetch (a constant too; see panels.h),
- * and with fetch_next (a constant) a line of the next panel per pair (prefetch_next_panel; its
- * test inside the loop, where fetch_next is not a constant, measured 1-3% slower at 8-16 rows). */
+ * and with fetch_next (a constant; the caller tests fetches_next_panel once) a line of the next
+ * panel per pair (prefetch_next_panel_line; the test inside the loop, where fetch_next is not a
+ * constant, measured 1-3% slower at 8-16 rows). */
 static inline __attribute__((always_inline)) void accumulate(__m512 acc[][3], const uint16_t *x, int64_t x_stride,
                                                              const uint16_t *w, int64_t i0, int64_t i1, const int rows,
                                                              const int prefetch, const uint16_t *next, int64_t group,
@@ -42,7 +43,7 @@ static inline __attribute__((always_inline)) void accumulate(__m512 acc[][3], co
     for (int64_t i = i0; i < i1; i += 2) {
         const uint16_t *wi = w + i * PANEL;
         if (prefetch && rows > 1) prefetch_panel_row(wi, rows >= 6);
-        if (fetch_next) prefetch_next_panel(next, group, k / 2, i / 2);
+        if (fetch_next) prefetch_next_panel_line(next, group, k / 2, i / 2);
         const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wi), w1 = (__m512bh)_mm512_loadu_si512(wi + 32),
                        w2 = (__m512bh)_mm512_loadu_si512(wi + 64);
         for (int r = 0; r < rows; ++r) {

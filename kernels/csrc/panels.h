@@ -65,10 +65,15 @@ static inline int fetches_next_panel(const void *next, int64_t group) {
     return next != NULL && group >= 1 && group <= 3;
 }
 
+/* The line of the next panel that row group `group` (1-3) fetches at its W row i. */
+static inline __attribute__((always_inline)) void prefetch_next_panel_line(const void *next, int64_t group,
+                                                                           int64_t num_w_rows, int64_t i) {
+    _mm_prefetch((const char *)next + ((group - 1) * num_w_rows + i) * 64, _MM_HINT_T1);
+}
+
 static inline __attribute__((always_inline)) void prefetch_next_panel(const void *next, int64_t group,
                                                                       int64_t num_w_rows, int64_t i) {
-    if (fetches_next_panel(next, group))
-        _mm_prefetch((const char *)next + ((group - 1) * num_w_rows + i) * 64, _MM_HINT_T1);
+    if (fetches_next_panel(next, group)) prefetch_next_panel_line(next, group, num_w_rows, i);
 }
 
 #endif
