@@ -10,11 +10,11 @@ import sys
 import time
 from dataclasses import dataclass
 
-import httpx
+import aiohttp
 import numpy as np
 from tqdm import tqdm
 
-from pdserve.bench_client import RequestRecord, request_body, send
+from pdserve.bench_client import RequestRecord, http_session, request_body, send
 from pdserve.bench_config import BenchConfig, LoadConfig
 from pdserve.bench_datasets import Dataset, Session
 
@@ -60,14 +60,12 @@ class _Run:
         limit = config.load.max_concurrency
         self.slots = asyncio.Semaphore(limit) if limit else contextlib.nullcontext()
         self.records: list[RequestRecord] = []
-        self.http: httpx.AsyncClient | None = None
+        self.http: aiohttp.ClientSession | None = None
         self.start = 0.0
 
     @contextlib.asynccontextmanager
     async def client(self):
-        limit = self.config.load.max_concurrency
-        limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
-        async with httpx.AsyncClient(timeout=self.config.endpoint.timeout_s, limits=limits) as http:
+        async with http_session(self.config.load.max_concurrency, self.config.endpoint.timeout_s) as http:
             self.http = http
             yield
 

@@ -8,9 +8,12 @@ import asyncio
 import json
 import math
 import socket
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -427,3 +430,15 @@ def test_real_deployment_run_has_no_failures_and_agrees_with_the_proxys_metrics(
         # it (2 ms for clock reads), and above it by the loopback overhead, 10-50 ms measured on
         # two cores shared with the nodes; 100 ms or 25% allows for a busier machine.
         assert proxy_ms - 2 <= client_ms <= proxy_ms + max(100.0, 0.25 * proxy_ms), (key, client_ms, proxy_ms)
+
+
+def test_load_client_benchmark_streams_every_chunk_through_both_clients():
+    """benchmarks/load_client.py (the load generator's CPU per chunk) on a few short streams: each
+    client process checks that it read every chunk, and the result reports both clients."""
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "load_client.py"
+    out = subprocess.run([sys.executable, str(script), "--streams", "4", "--chunks", "5", "--rounds", "2",
+                          "--repeats", "1", "--gap-ms", "0"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1].removeprefix("RESULT "))
+    for client in ("httpx", "aiohttp"):
+        assert result[client]["first_round_us_per_chunk"] > 0 and result[client]["later_rounds_us_per_chunk"] > 0
