@@ -106,7 +106,8 @@ READ_BUFSIZE = 1 << 20
 
 def http_session(limit: int | None, timeout_s: float) -> aiohttp.ClientSession:
     """The load's HTTP session: at most limit connections (None: no limit), kept alive between
-    requests; timeout_s bounds connecting and each read (send() bounds the whole request)."""
+    requests; timeout_s bounds connecting and each read (send() bounds the whole request).
+    Requests do not follow redirects (as with httpx before): a 3xx is the run's failure to see."""
     connector = aiohttp.TCPConnector(limit=limit or 0)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeout_s, sock_read=timeout_s)
     return aiohttp.ClientSession(connector=connector, timeout=timeout, read_bufsize=READ_BUFSIZE)
@@ -133,7 +134,7 @@ async def send(client: aiohttp.ClientSession, config: EndpointConfig, body: dict
 
 async def _send_streamed(client: aiohttp.ClientSession, url: str, body: dict, extra: dict,
                          stream: _StreamState) -> None:
-    async with client.post(url, json=body, headers=extra) as response:
+    async with client.post(url, json=body, headers=extra, allow_redirects=False) as response:
         if response.status != 200:
             stream.error = f"HTTP {response.status}: {(await response.read())[:_ERROR_BODY_CHARS]!r}"
             return
@@ -152,7 +153,7 @@ async def _send_streamed(client: aiohttp.ClientSession, url: str, body: dict, ex
 
 
 async def _send_whole(client: aiohttp.ClientSession, url: str, body: dict, extra: dict, stream: _StreamState) -> None:
-    async with client.post(url, json=body, headers=extra) as response:
+    async with client.post(url, json=body, headers=extra, allow_redirects=False) as response:
         content = await response.read()
     now = time.perf_counter()
     if response.status != 200:
