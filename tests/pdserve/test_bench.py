@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, RedirectResponse, StreamingResponse
 
 from pdserve import cli
 from pdserve.bench import prepare_datasets, run_benchmark
@@ -42,7 +42,7 @@ class FakeSchedule:
     has_usage: bool = True
     has_tokenize: bool = False
     fail_every: int | None = None  # every k-th request fails
-    failure: str = "http_500"  # or "error_event": an SSE error after the first chunk
+    failure: str = "http_500"  # or "error_event": an SSE error after the first chunk; or "redirect" (307)
 
 
 @dataclass
@@ -80,6 +80,8 @@ class FakeOpenAI:
         is_failing = self.schedule.fail_every is not None and number % self.schedule.fail_every == 0
         if is_failing and self.schedule.failure == "http_500":
             return JSONResponse({"error": {"message": "fake overload"}}, status_code=500)
+        if is_failing and self.schedule.failure == "redirect":  # to an answer it would count, if followed
+            return RedirectResponse("/v1/models", status_code=307)
         self.bodies.append(body)
         self.in_flight += 1
         self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
@@ -218,7 +220,8 @@ def test_without_streaming_ttft_is_e2e_and_tokens_come_from_usage(fake_server):
         assert record.output_tokens_source == "usage" and record.text == "whole"
 
 
-@pytest.mark.parametrize("failure, reason", [("http_500", "HTTP 500"), ("error_event", "error event")])
+@pytest.mark.parametrize("failure, reason", [("http_500", "HTTP 500"), ("error_event", "error event"),
+                                             ("redirect", "HTTP 307")])
 def test_failed_requests_are_listed_with_their_reason(fake_server, failure, reason):
     _, url = fake_server(ttft_s=0.01, gap_s=0.005, fail_every=3, failure=failure)
     result = run_benchmark(_config(url, num_requests=6, output_len=4))
