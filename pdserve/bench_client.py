@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 import httpx
+from aiohttp.http_exceptions import HttpProcessingError
 
 from pdserve.bench_config import EndpointConfig
 from pdserve.bench_datasets import Session, TokenCounter
@@ -100,7 +101,7 @@ def headers(config: EndpointConfig) -> dict[str, str]:
 
 
 # NOTE: one SSE line may be long (a chunk with logprobs): aiohttp's line reader refuses lines over
-# twice its read buffer.
+# twice its read buffer (LineTooLong, an HttpProcessingError: the request's error, see send()).
 READ_BUFSIZE = 1 << 20
 
 
@@ -126,7 +127,7 @@ async def send(client: aiohttp.ClientSession, config: EndpointConfig, body: dict
             await sender(client, config.base_url + path, body, headers(config), stream)
     except TimeoutError:
         stream.error = f"timed out after {config.timeout_s:g} s"
-    except (aiohttp.ClientError, ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
+    except (aiohttp.ClientError, HttpProcessingError, ValueError) as exc:  # JSON and UTF-8 errors are ValueErrors
         stream.error = f"{type(exc).__name__}: {exc}"
     stream.fill(record)
     record.end_s = (stream.last_at or time.perf_counter()) - run_start

@@ -21,7 +21,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, RedirectResponse, StreamingResponse
 
-from pdserve import cli
+from pdserve import bench_client, cli
 from pdserve.bench import prepare_datasets, run_benchmark
 from pdserve.bench_client import RequestRecord
 from pdserve.bench_config import BenchConfig, DatasetConfig, EndpointConfig, LoadConfig, SloConfig
@@ -230,6 +230,15 @@ def test_failed_requests_are_listed_with_their_reason(fake_server, failure, reas
     assert s["failure_reasons"] == {reason: 2}
     assert all(f["error"].startswith(reason) for f in s["failures"])
     assert s["request_throughput"] == pytest.approx(4 / s["duration_s"])
+
+
+def test_a_line_past_the_clients_limit_fails_its_request_not_the_run(fake_server, monkeypatch):
+    """aiohttp refuses an SSE line over twice its read buffer (LineTooLong): that request is
+    recorded as failed with the reason, and the run goes on to its end."""
+    monkeypatch.setattr(bench_client, "READ_BUFSIZE", 16)  # lines over 32 bytes: every chunk
+    _, url = fake_server(ttft_s=0.01, gap_s=0.005)
+    s = run_benchmark(_config(url, num_requests=3, output_len=4)).summary
+    assert s["num_failed"] == 3 and s["failure_reasons"] == {"LineTooLong": 3}
 
 
 def test_healthy_server_gives_zero_failures_and_full_attainment(fake_server):
