@@ -14,8 +14,10 @@ round (the first round, which opens the connections, is reported apart). Ends wi
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import resource
+import socket
 import statistics
 import subprocess
 import sys
@@ -97,8 +99,6 @@ async def _client_rounds(args: argparse.Namespace) -> list[float]:
                 return sum([count(line.encode()) async for line in response.aiter_lines()])
         session = httpx.AsyncClient(timeout=60.0, limits=httpx.Limits(max_connections=None,
                                                                       max_keepalive_connections=None))
-    import asyncio
-
     per_chunk = []
     async with session as client:
         for _ in range(args.rounds):
@@ -154,8 +154,6 @@ def main() -> None:
 
 
 def _wait_listening(port: int, timeout_s: float = 30.0) -> None:
-    import socket
-
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         with socket.socket() as sock:
