@@ -17,11 +17,9 @@ import argparse
 import asyncio
 import json
 import resource
-import socket
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -32,7 +30,7 @@ _SERVER = r'''
 import asyncio, json, sys
 import uvicorn
 from starlette.applications import Starlette
-from starlette.responses import StreamingResponse
+from starlette.responses import PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
 port, chunks, gap_s = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
@@ -50,7 +48,10 @@ async def completions(request):
     await request.body()
     return StreamingResponse(events(), media_type="text/event-stream")
 
-app = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"])])
+async def health(request):
+    return PlainTextResponse("ok")
+
+app = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]), Route("/health", health)])
 uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", loop="uvloop", http="httptools")
 '''
 
@@ -75,13 +76,13 @@ def _cpu_s() -> float:
 
 async def _client_rounds(args: argparse.Namespace) -> list[float]:
     """CPU seconds per chunk of each round, in this process."""
-    from pdserve.bench_client import http_session
+    from pdserve.bench_client import http_session, sse_data
 
     url = f"http://127.0.0.1:{args.port}/v1/completions"
     body = {"model": "m", "prompt": [1] * 256, "max_tokens": args.chunks, "stream": True}
 
     def count(line: bytes) -> int:
-        data = line[5:].strip() if line.startswith(b"data:") else b""
+        data = sse_data(line)
         if not data or data == b"[DONE]":
             return 0
         return 1 if json.loads(data).get("choices") else 0
@@ -126,12 +127,17 @@ def main() -> None:
 
         print(json.dumps(uvloop.run(_client_rounds(args))))
         return
-    from pdserve.launcher import free_port
+    from pdserve.launcher import free_port, wait_http_ok
 
     port = free_port()
     server = subprocess.Popen([sys.executable, "-c", _SERVER, str(port), str(args.chunks), str(args.gap_ms / 1e3)])
+
+    def check_alive() -> None:
+        if server.poll() is not None:
+            raise RuntimeError(f"the stream server exited with {server.returncode} while starting")
+
     try:
-        _wait_listening(port)
+        wait_http_ok(f"http://127.0.0.1:{port}/health", 30.0, check_alive)
         rounds: dict[str, list[list[float]]] = {"httpx": [], "aiohttp": []}
         for repeat in range(args.repeats):
             for client in rounds:
@@ -151,16 +157,6 @@ def main() -> None:
         print(f"{client}: {result[client]['later_rounds_us_per_chunk']} us of CPU a chunk (median of the later "
               f"rounds), first round {result[client]['first_round_us_per_chunk']}")
     print("RESULT " + json.dumps(result))
-
-
-def _wait_listening(port: int, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        with socket.socket() as sock:
-            if sock.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.1)
-    raise TimeoutError(f"the stream server did not listen on {port} within {timeout_s:.0f} s")
 
 
 if __name__ == "__main__":

@@ -142,15 +142,20 @@ async def _send_streamed(client: aiohttp.ClientSession, url: str, body: dict, ex
         # NOTE: read to the end of the body, past [DONE]: a connection closed mid-body cannot go
         # back to the pool, and a new connection per request would add to the next one's TTFT.
         is_done = False
-        async for raw in response.content:  # one line at a time, its b"\n" kept
-            if is_done or not raw.startswith(b"data:"):
+        async for line in response.content:  # one line at a time, its b"\n" kept
+            data = None if is_done else sse_data(line)
+            if data is None:
                 continue  # blank separators, ": ping" comments, event names
             now = time.perf_counter()
-            data = raw[5:].strip()
             is_done = data == b"[DONE]"
             if not is_done:
                 stream.add(json.loads(data), now)
                 is_done = bool(stream.error)
+
+
+def sse_data(line: bytes) -> bytes | None:
+    """The payload of an SSE "data:" line (stripped), None for any other line."""
+    return line[5:].strip() if line.startswith(b"data:") else None
 
 
 async def _send_whole(client: aiohttp.ClientSession, url: str, body: dict, extra: dict, stream: _StreamState) -> None:
