@@ -22,7 +22,7 @@ from kernels.decode_attention import (
     CPU_MAX_HEADS,
     check_bounds,
 )
-from kernels.linear import AMX_MAX_ROWS, Linear
+from kernels.linear import AMX_MAX_ROWS, Linear, bf16_kernel_name
 
 _PTR, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
@@ -75,7 +75,7 @@ class DecodeLayers:
         if self.dtype == torch.bfloat16 and all(p.amx is not None for p in projections):
             linear_address, suffix = _address("amx_linear", "amx_linear_bf16"), "bf16"
         elif self.dtype == torch.bfloat16 and all(p.bf16 is not None for p in projections):
-            linear_address, suffix = _address("bf16_linear", "bf16_linear"), "bf16"
+            linear_address, suffix = _address("bf16_linear", bf16_kernel_name()), "bf16"
         elif self.dtype == torch.float32 and all(p.f32 is not None for p in projections):
             linear_address, suffix = _address("f32_linear", "f32_linear"), "f32"
         else:

@@ -3,9 +3,10 @@ int8 screen with error bounds and the exact logits of the few outputs it cannot 
 (csrc/greedy_head.c says how, and why the answer is the same). For CPUs with AVX512-BF16 and
 AVX512-VNNI (AMD Zen 4 and 5, Intel Cooper Lake and Sapphire Rapids on), float32 and bfloat16
 heads: the candidates' logits are summed as the head's own kernel sums them (f32_linear.c;
-bf16_linear.c, rounded to bfloat16), so the token equals the argmax of that kernel's logits bit
-for bit, ties included. (bfloat16 heads on CPUs with AMX have no such kernel and get none: their
-logits come from AMX, cheaper than any screen.)
+bf16_linear.c, rounded to bfloat16, with vdpbf16ps or widened pairs' FMAs as it does), so the
+token equals the argmax of that kernel's logits bit for bit, ties included. (bfloat16 heads on
+CPUs with AMX have no such kernel and get none: their logits come from AMX, cheaper than any
+screen.)
 
 The screen's vpdpbusd adds four products a lane at one instruction a cycle: twice vdpbf16ps's,
 four times float32's FMAs. SmolLM-135M's 49,152 x 576 head on a 2-core Zen 4, one thread, 48 rows
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import linear as linear_module
 from kernels._cpu import cpu_function
 from kernels.argmax import argmax_rows
 from kernels.linear import Linear, linear
@@ -70,7 +72,8 @@ def _kernel():
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     kernel = cpu_function("greedy_head", "greedy_head_int8",
-                          (ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_int, ptr, ptr),
+                          (ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_int, ctypes.c_int,
+                           ptr, ptr),
                           ctypes.c_int)
     return kernel, chunk
 
@@ -154,7 +157,8 @@ def greedy_head_argmax(x: torch.Tensor, head: GreedyHead, candidates: torch.Tens
     status = kernel(
         x.data_ptr(), x.stride(0), x.shape[0], head.in_features, head.q8.data_ptr(), head.scale.data_ptr(),
         head.qsum.data_ptr(), head.e_norm.data_ptr(), head.w_norm.data_ptr(), head.panels.data_ptr(),
-        head.weight.data_ptr(), head.out_features, 0 if f32 else chunk(x.shape[0], head.in_features), f32,
+        head.weight.data_ptr(), head.out_features, 0 if f32 else chunk(x.shape[0], head.in_features),
+        not f32 and linear_module.bf16_widens(), f32,
         out.data_ptr(), candidates.data_ptr() if candidates is not None else None,
     )
     if status != 0:

@@ -26,12 +26,15 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from kernels._cpu import cpu_function
+
+logger = logging.getLogger(__name__)
 
 # NOTE: the batch-size hint oneDNN packs for. 64 measured as fast as 2,048 from 512 rows up and
 # within 10% at 64 rows; a hint of 1 lost 10-30%.
@@ -173,11 +176,41 @@ def _bf16_takes(weight: torch.Tensor) -> bool:
             and _bf16_kernel() is not None)
 
 
-@functools.cache
 def _bf16_kernel():
-    """The AVX512-BF16 small-batch kernel's C function, or None where the CPU (or the compiler)
-    has no AVX512-BF16."""
-    return _small_batch_kernel("bf16_linear", "bf16_linear")
+    """The AVX512-BF16 kernel's C function, or None where the CPU (or the compiler) has no
+    AVX512-BF16: vdpbf16ps, or float32 FMAs on the weight pairs widened where bf16_widens()."""
+    return _bf16_entry(bf16_kernel_name())
+
+
+@functools.cache
+def _bf16_entry(name: str):
+    return _small_batch_kernel("bf16_linear", name)
+
+
+def bf16_kernel_name() -> str:
+    """The bfloat16 kernel's entry in csrc/bf16_linear.c this CPU takes."""
+    return "bf16_linear_wide" if bf16_widens() else "bf16_linear"
+
+
+# NOTE: where vdpbf16ps's rate in flops is below this share of float32 FMAs', the bfloat16 kernel
+# widens its weights and runs FMAs. 2-core Xeon (Emerald Rapids, no AMX): 0.49 (vdpbf16ps at one
+# in two cycles), and the widened kernel ~1.6x faster (bf16_linear.c). AMD's Zen 4 runs 512-bit
+# FMAs at half its vdpbf16ps rate in flops, so it keeps vdpbf16ps.
+_WIDEN_BELOW = 0.8
+
+
+@functools.cache
+def bf16_widens() -> bool:
+    """Whether the bfloat16 kernel runs float32 FMAs on widened pairs rather than vdpbf16ps: where
+    this core's vdpbf16ps is measured (bf16_linear_dot_ratio, ~2 ms, once a process) at under
+    _WIDEN_BELOW of its FMAs' rate in flops. Both give the same sums but in denormals."""
+    ratio = cpu_function("bf16_linear", "bf16_linear_dot_ratio", (), ctypes.c_double)
+    if ratio is None:
+        return False
+    measured = ratio()
+    logger.info("bfloat16 kernel: vdpbf16ps at %.2fx float32 FMAs' flops: %s", measured,
+                "float32 FMAs on widened pairs" if measured < _WIDEN_BELOW else "vdpbf16ps")
+    return measured < _WIDEN_BELOW
 
 
 def pack_bf16_pairs(weight: torch.Tensor) -> torch.Tensor:
@@ -194,8 +227,10 @@ def pack_bf16_pairs(weight: torch.Tensor) -> torch.Tensor:
 def _linear_bf16(x: torch.Tensor, w: Linear) -> torch.Tensor:
     out = torch.empty(x.shape[0], w.out_features, dtype=torch.bfloat16)
     bias = w.bias_f32.data_ptr() if w.bias_f32 is not None else None
-    _bf16_kernel()(x.data_ptr(), x.stride(0), x.shape[0], w.in_features, w.bf16.data_ptr(), w.out_features, bias,
-                   out.data_ptr(), out.stride(0))
+    status = _bf16_kernel()(x.data_ptr(), x.stride(0), x.shape[0], w.in_features, w.bf16.data_ptr(), w.out_features,
+                            bias, out.data_ptr(), out.stride(0))
+    if status != 0:
+        raise MemoryError("linear: the bfloat16 kernel could not allocate its float32 copy of x")
     return out
 
 

@@ -28,6 +28,21 @@ static inline __m512 bf16x16_load(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
 
+/* 16 lanes of bfloat16 input pairs (input 2i in a lane's low half, 2i + 1 in its high half, as
+ * vdpbf16ps reads them) widened to float32: the even inputs, then the odd ones (exact). */
+static inline __m512 bf16_pairs_even(__m512i pairs) { return _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16)); }
+static inline __m512 bf16_pairs_odd(__m512i pairs) {
+    return _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32((int)0xffff0000u)));
+}
+
+/* vdpbf16ps's sum with float32 FMAs: acc + the odd product, rounded, + the even product, rounded
+ * (each product of two bfloat16 values is exact in float32), the order Intel's manual gives for
+ * vdpbf16ps; it differs from that instruction only in denormals, which vdpbf16ps reads and writes
+ * as zero. x_even and x_odd: the pair's two inputs, broadcast and widened. */
+static inline __m512 bf16_pair_fma(__m512 acc, __m512 x_even, __m512 x_odd, __m512i w_pairs) {
+    return _mm512_fmadd_ps(x_even, bf16_pairs_even(w_pairs), _mm512_fmadd_ps(x_odd, bf16_pairs_odd(w_pairs), acc));
+}
+
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
 /* The same for the lanes of mask (the rest read as 0, and nothing past them is touched). */
 static inline __m512 bf16x16_maskz_load(__mmask16 mask, const uint16_t *p) {

@@ -14,7 +14,9 @@
  * results differ in the last bits before the rounding to bfloat16.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "bf16.h"
 
@@ -25,25 +27,93 @@
 
 int bf16_linear_ready(void) { return 1; }
 
+/* The calling thread's buffer for x widened to float32 (bf16_linear_wide), grown to at least
+ * count floats; NULL when it cannot be. Kept between calls: allocating 12 MB (a 2,048-token
+ * chunk's 1,536 inputs) anew would page-fault it in on every call. */
+static float *wide_x(size_t count) {
+    static __thread float *buffer;
+    static __thread size_t capacity;
+    if (count > capacity) {
+        const size_t bytes = (count * sizeof(float) + 63) / 64 * 64;
+        float *grown = aligned_alloc(64, bytes);
+        if (grown == NULL) return NULL;
+        free(buffer);
+        buffer = grown, capacity = bytes / sizeof(float);
+    }
+    return buffer;
+}
+
+/* x's m rows (k inputs, x_stride apart) widened into dst in groups of ROWS rows: group g's pair j
+ * (inputs 2j, 2j + 1) of its row r at dst[(g * k / 2 + j) * 2 * ROWS + 2 * r], so that a row
+ * group's inputs for one pair are one 64-byte line, read by broadcasts at fixed offsets
+ * (fma_broadcast; x rows a stride apart made the compiler keep the broadcasts in registers and
+ * spill). Split among the calling team's threads (a worksharing loop: call it from all of them,
+ * or outside a parallel region). */
+static void widen_rows(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, float *dst) {
+    const __m512i lanes = _mm512_set_epi64(7 * ROWS, 6 * ROWS, 5 * ROWS, 4 * ROWS, 3 * ROWS, 2 * ROWS, ROWS, 0);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < m; ++r) {
+        const uint16_t *src = x + r * x_stride;
+        double *group = (double *)(dst + (r / ROWS) * ROWS * k); /* a pair of floats as one 8-byte lane */
+        const __m512i row = _mm512_add_epi64(lanes, _mm512_set1_epi64(r % ROWS));
+        for (int64_t i = 0; i < k; i += 16) {
+            const __m512i at = _mm512_add_epi64(row, _mm512_set1_epi64((i / 2) * ROWS));
+            if (i + 16 <= k) {
+                _mm512_i64scatter_pd(group, at, _mm512_castps_pd(bf16x16_load(src + i)), 8);
+            } else {
+                const __mmask16 tail = (__mmask16)((1u << (k - i)) - 1u);
+                const __mmask8 pairs = (__mmask8)((1u << ((k - i) / 2)) - 1u);
+                _mm512_mask_i64scatter_pd(group, pairs, at, _mm512_castps_pd(bf16x16_maskz_load(tail, src + i)), 8);
+            }
+        }
+    }
+}
+
+/* acc + w * x[0] broadcast, the broadcast read by the FMA itself (an embedded broadcast), which
+ * the compiler does not keep in a register. */
+static inline __attribute__((always_inline)) __m512 fma_broadcast(__m512 acc, __m512 w, const float *x) {
+    __asm__("vfmadd231ps %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*x));
+    return acc;
+}
+
+/* Row `row` of x: bfloat16, rows x_stride elements apart; with wide, the first of a widened row
+ * group (row a multiple of ROWS; x_stride k). */
+static inline const void *row_of(const void *x, int64_t row, int64_t x_stride, const int wide) {
+    return wide ? (const void *)((const float *)x + row * x_stride) : (const void *)((const uint16_t *)x + row * x_stride);
+}
+
 static inline __m512i pair_of(const uint16_t *x) {
     int32_t pair;
     memcpy(&pair, x, sizeof pair);
     return _mm512_set1_epi32(pair);
 }
 
-/* acc[r] += rows (1..8, a constant after inlining) of x against the panel's input pairs [i0, i1),
+/* acc[r] += rows (1..8, a constant after inlining) of x against the panel's input pairs [i0, i1)
+ * (x_rows: bfloat16 rows x_stride elements apart, or with wide (a constant) the row group widened in
+ * widen_rows' layout),
  * each pair's W row (three vectors) prefetched ahead with prefetch (a constant too; see panels.h),
  * and with fetch_next (a constant; the caller tests fetches_next_panel once) a line of the next
  * panel per pair (prefetch_next_panel_line; the test inside the loop, where fetch_next is not a
  * constant, measured 1-3% slower at 8-16 rows). */
-static inline __attribute__((always_inline)) void accumulate(__m512 acc[][3], const uint16_t *x, int64_t x_stride,
+static inline __attribute__((always_inline)) void accumulate(__m512 acc[][3], const void *x_rows, int64_t x_stride,
                                                              const uint16_t *w, int64_t i0, int64_t i1, const int rows,
                                                              const int prefetch, const uint16_t *next, int64_t group,
-                                                             int64_t k, const int fetch_next) {
+                                                             int64_t k, const int fetch_next, const int wide) {
+    const uint16_t *x = (const uint16_t *)x_rows;
     for (int64_t i = i0; i < i1; i += 2) {
         const uint16_t *wi = w + i * PANEL;
         if (prefetch && rows > 1) prefetch_panel_row(wi, rows >= 6);
         if (fetch_next) prefetch_next_panel_line(next, group, k / 2, i / 2);
+        if (wide) { /* x's row group widened (widen_rows' layout): FMAs on the pairs widened here */
+            const float *xp = (const float *)x_rows + (i / 2) * 2 * ROWS;
+            for (int v = 0; v < 3; ++v) {
+                const __m512i pairs = _mm512_loadu_si512(wi + 32 * v);
+                const __m512 odd = bf16_pairs_odd(pairs), even = bf16_pairs_even(pairs);
+                for (int r = 0; r < rows; ++r)
+                    acc[r][v] = fma_broadcast(fma_broadcast(acc[r][v], odd, xp + 2 * r + 1), even, xp + 2 * r);
+            }
+            continue;
+        }
         const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wi), w1 = (__m512bh)_mm512_loadu_si512(wi + 32),
                        w2 = (__m512bh)_mm512_loadu_si512(wi + 64);
         for (int r = 0; r < rows; ++r) {
@@ -73,10 +143,10 @@ static inline __attribute__((always_inline)) void store_rounded(__m512 sums[][3]
  * 26.1 / 33.3 -> 14.2 / 23.8 / 31.3 ms, two threads 8.0 / 13.6 / 17.3 -> 7.5 / 12.6 / 16.3;
  * 8-16 rows the same). The sums run in chunks of CHUNK inputs, each chunk's added to the running
  * total in sums (a blocked summation, as in f32_linear.c). */
-static inline __attribute__((always_inline)) void panel_rows(const uint16_t *x, int64_t x_stride, const uint16_t *w,
+static inline __attribute__((always_inline)) void panel_rows(const void *x, int64_t x_stride, const uint16_t *w,
                                                              int64_t k, const float *bias, uint16_t *out,
                                                              int64_t out_stride, int cols, const int rows,
-                                                             const uint16_t *next, int64_t group) {
+                                                             const uint16_t *next, int64_t group, const int wide) {
     __m512 sums[ROWS][3];
     for (int r = 0; r < rows; ++r) sums[r][0] = sums[r][1] = sums[r][2] = _mm512_setzero_ps();
     for (int64_t start = 0; start < k; start += CHUNK) {
@@ -84,9 +154,9 @@ static inline __attribute__((always_inline)) void panel_rows(const uint16_t *x, 
         __m512 acc[ROWS][3];
         for (int r = 0; r < rows; ++r) acc[r][0] = acc[r][1] = acc[r][2] = _mm512_setzero_ps();
         if (fetches_next_panel(next, group))
-            accumulate(acc, x, x_stride, w, start, end, rows, 1, next, group, k, 1);
+            accumulate(acc, x, x_stride, w, start, end, rows, 1, next, group, k, 1, wide);
         else
-            accumulate(acc, x, x_stride, w, start, end, rows, 1, NULL, 0, 0, 0);
+            accumulate(acc, x, x_stride, w, start, end, rows, 1, NULL, 0, 0, 0, wide);
         for (int r = 0; r < rows; ++r)
             for (int v = 0; v < 3; ++v) sums[r][v] = _mm512_add_ps(sums[r][v], acc[r][v]);
     }
@@ -121,14 +191,14 @@ enum { GROUP_PANELS = 16 };
 /* rows (1..8, a constant after inlining) of x against one panel's inputs [k0, k1), their sums
  * added to carry (float32 [rows][PANEL]; set instead with first); with last, the totals rounded
  * to out (as panel_rows). */
-static inline __attribute__((always_inline)) void block_rows(const uint16_t *x, int64_t x_stride, const uint16_t *w,
+static inline __attribute__((always_inline)) void block_rows(const void *x, int64_t x_stride, const uint16_t *w,
                                                              int64_t k0, int64_t k1, float *carry, int first, int last,
                                                              const float *bias, uint16_t *out, int64_t out_stride,
-                                                             int cols, const int rows) {
+                                                             int cols, const int rows, const int wide) {
     __m512 acc[ROWS][3];
     for (int r = 0; r < rows; ++r) acc[r][0] = acc[r][1] = acc[r][2] = _mm512_setzero_ps();
     if (k1 <= k0) __builtin_unreachable(); /* else the accumulators go through the stack */
-    accumulate(acc, x, x_stride, w, k0, k1, rows, 0, NULL, 0, 0, 0);
+    accumulate(acc, x, x_stride, w, k0, k1, rows, 0, NULL, 0, 0, 0, wide);
     if (!first)
         for (int r = 0; r < rows; ++r)
             for (int v = 0; v < 3; ++v) acc[r][v] = _mm512_add_ps(_mm512_load_ps(carry + r * PANEL + 16 * v), acc[r][v]);
@@ -147,13 +217,18 @@ static int64_t blocked_step(int64_t k) {
     return ((k + num_steps - 1) / num_steps + 1) / 2 * 2;
 }
 
-static void blocked(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, const uint16_t *packed, int64_t n,
-                    const float *bias, uint16_t *out, int64_t out_stride) {
+static inline __attribute__((always_inline)) void blocked(const uint16_t *x_in, int64_t x_in_stride, float *x_wide,
+                                                          int64_t m, int64_t k, const uint16_t *packed, int64_t n,
+                                                          const float *bias, uint16_t *out, int64_t out_stride,
+                                                          const int wide) {
     const int64_t panels = (n + PANEL - 1) / PANEL, blocks = (m + BLOCK_ROWS - 1) / BLOCK_ROWS;
     const int64_t step = blocked_step(k);
+    const void *x = wide ? (const void *)x_wide : (const void *)x_in;
+    const int64_t x_stride = wide ? k : x_in_stride;
 #pragma omp parallel
     {
         float carry[BLOCK_ROWS * PANEL] __attribute__((aligned(64)));
+        if (wide) widen_rows(x_in, x_in_stride, m, k, x_wide);
 #pragma omp for schedule(static)
         for (int64_t item = 0; item < panels * blocks; ++item) {
             const int64_t group = item / (GROUP_PANELS * blocks), first_item = group * GROUP_PANELS * blocks;
@@ -168,10 +243,10 @@ static void blocked(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, c
             for (int64_t k0 = 0; k0 < k; k0 += step) {
                 const int64_t k1 = k - k0 < step ? k : k0 + step;
                 for (int64_t row = row0; row < row1; row += ROWS) {
-                    const uint16_t *xr = x + row * x_stride;
+                    const void *xr = row_of(x, row, x_stride, wide);
                     uint16_t *o = out + row * out_stride + p * PANEL;
                     float *c = carry + (row - row0) * PANEL;
-#define BLOCK_ROWS_OF(r) block_rows(xr, x_stride, w, k0, k1, c, k0 == 0, k1 == k, b, o, out_stride, cols, r)
+#define BLOCK_ROWS_OF(r) block_rows(xr, x_stride, w, k0, k1, c, k0 == 0, k1 == k, b, o, out_stride, cols, r, wide)
                     WITH_ROWS(row1 - row, BLOCK_ROWS_OF)
 #undef BLOCK_ROWS_OF
                 }
@@ -186,30 +261,109 @@ static void blocked(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, c
 int64_t bf16_linear_chunk(int64_t m, int64_t k) { return m > SMALL_BATCH_ROWS ? blocked_step(k) : CHUNK; }
 
 /* x: [m, k] bfloat16 rows x_stride apart (k even); packed: W [n, k] as above; bias: n float32 or
- * NULL; out: [m, n] bfloat16 rows out_stride apart. Returns 0 (the signature of amx_linear_bf16's). */
-int bf16_linear(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, const uint16_t *packed, int64_t n,
-                const float *bias, uint16_t *out, int64_t out_stride) {
+ * NULL; out: [m, n] bfloat16 rows out_stride apart; wide (a constant): FMAs on x widened to
+ * float32 (wide_x) instead of vdpbf16ps. Returns 0, or -1 when x's float32 copy could not be
+ * allocated (the signature of amx_linear_bf16's). */
+static inline __attribute__((always_inline)) int run(const uint16_t *x_in, int64_t x_in_stride, int64_t m, int64_t k,
+                                                     const uint16_t *packed, int64_t n, const float *bias,
+                                                     uint16_t *out, int64_t out_stride, const int wide) {
+    float *x_wide = NULL;
+    if (wide && m > 0 && (x_wide = wide_x((size_t)((m + ROWS - 1) / ROWS * ROWS) * (size_t)k)) == NULL) return -1;
     if (m > SMALL_BATCH_ROWS) {
-        blocked(x, x_stride, m, k, packed, n, bias, out, out_stride);
+        blocked(x_in, x_in_stride, x_wide, m, k, packed, n, bias, out, out_stride, wide);
         return 0;
     }
+    const void *x = wide ? (const void *)x_wide : (const void *)x_in;
+    const int64_t x_stride = wide ? k : x_in_stride;
     const int64_t panels = (n + PANEL - 1) / PANEL;
-#pragma omp parallel for schedule(static) if (panels * m * k > 32768)
-    for (int64_t p = 0; p < panels; ++p) {
-        const uint16_t *w = packed + p * k * PANEL;
-        const float *b = bias ? bias + p * PANEL : NULL;
-        const int cols = n - p * PANEL < PANEL ? (int)(n - p * PANEL) : PANEL;
-        const uint16_t *next = p + 1 < panels ? w + k * PANEL : NULL; /* this thread's next one (static schedule) */
-        for (int64_t row = 0; row < m; row += ROWS) {
-            const uint16_t *xr = x + row * x_stride;
-            uint16_t *o = out + row * out_stride + p * PANEL;
-#define PANEL_ROWS(r) panel_rows(xr, x_stride, w, k, b, o, out_stride, cols, r, next, row / ROWS)
-            WITH_ROWS(m - row, PANEL_ROWS)
+#pragma omp parallel if (panels * m * k > 32768)
+    {
+        if (wide) widen_rows(x_in, x_in_stride, m, k, x_wide);
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < panels; ++p) {
+            const uint16_t *w = packed + p * k * PANEL;
+            const float *b = bias ? bias + p * PANEL : NULL;
+            const int cols = n - p * PANEL < PANEL ? (int)(n - p * PANEL) : PANEL;
+            const uint16_t *next = p + 1 < panels ? w + k * PANEL : NULL; /* this thread's next one (static schedule) */
+            for (int64_t row = 0; row < m; row += ROWS) {
+                const void *xr = row_of(x, row, x_stride, wide);
+                uint16_t *o = out + row * out_stride + p * PANEL;
+#define PANEL_ROWS(r) panel_rows(xr, x_stride, w, k, b, o, out_stride, cols, r, next, row / ROWS, wide)
+                WITH_ROWS(m - row, PANEL_ROWS)
 #undef PANEL_ROWS
+            }
         }
     }
     return 0;
 }
+
+int bf16_linear(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, const uint16_t *packed, int64_t n,
+                const float *bias, uint16_t *out, int64_t out_stride) {
+    return run(x, x_stride, m, k, packed, n, bias, out, out_stride, 0);
+}
+
+/* bf16_linear with float32 FMAs (bf16_pair_fma) in place of vdpbf16ps, for CPUs where vdpbf16ps
+ * runs at half the FMAs' rate (bf16_linear_dot_ratio); the same sums but for denormals. */
+int bf16_linear_wide(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, const uint16_t *packed, int64_t n,
+                     const float *bias, uint16_t *out, int64_t out_stride) {
+    return run(x, x_stride, m, k, packed, n, bias, out, out_stride, 1);
+}
+
+/* vdpbf16ps's rate in flops against float32 FMAs' on this core (each counted as two flops a
+ * product): 12 independent sums of each, alternated 5 times, the fastest of each (about 2 ms in
+ * all). A 2-core Xeon (Emerald Rapids, no AMX) measured 86 against 176 GFLOP/s: vdpbf16ps issues
+ * at one in two cycles there, FMAs at two a cycle, so its 64 flops take 2x the FMAs' time, and
+ * bf16_linear's projections ran at ~85 GFLOP/s a thread against ~150 for float32 ones. */
+#define SUMS(M) M(0) M(1) M(2) M(3) M(4) M(5) M(6) M(7) M(8) M(9) M(10) M(11)
+static double seconds(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+double bf16_linear_dot_ratio(void) {
+    enum { ITERATIONS = 20000, REPEATS = 5 };
+    double best_fma = 1e30, best_dot = 1e30;
+    float sink = 0.0f;
+    for (int repeat = 0; repeat < REPEATS; ++repeat) {
+#define START(j) __m512 a##j = _mm512_set1_ps((float)(j) * 1e-3f); __asm__ volatile("" : "+v"(a##j));
+#define FINISH(j) sink += _mm512_reduce_add_ps(a##j);
+        {
+            SUMS(START)
+            const __m512 x = _mm512_set1_ps(1e-9f);
+            const double t0 = seconds();
+            for (int i = 0; i < ITERATIONS; ++i) {
+#define FMA(j) a##j = _mm512_fmadd_ps(x, x, a##j);
+                SUMS(FMA)
+#undef FMA
+                __asm__ volatile("" ::"v"(x));
+            }
+            const double t = seconds() - t0;
+            best_fma = t < best_fma ? t : best_fma;
+            SUMS(FINISH)
+        }
+        {
+            SUMS(START)
+            const __m512bh x = (__m512bh)_mm512_set1_epi32(0x30003000);
+            const double t0 = seconds();
+            for (int i = 0; i < ITERATIONS; ++i) {
+#define DOT(j) a##j = _mm512_dpbf16_ps(a##j, x, x);
+                SUMS(DOT)
+#undef DOT
+                __asm__ volatile("" ::"v"(x));
+            }
+            const double t = seconds() - t0;
+            best_dot = t < best_dot ? t : best_dot;
+            SUMS(FINISH)
+        }
+#undef START
+#undef FINISH
+    }
+    __asm__ volatile("" ::"x"(sink));
+    /* per instruction: an FMA 32 flops, a vdpbf16ps 64 */
+    return (64.0 / best_dot) / (32.0 / best_fma);
+}
+#undef SUMS
 
 #else
 int bf16_linear_ready(void) { return 0; }

@@ -433,13 +433,13 @@ static inline __attribute__((always_inline)) void screen_rows(
 }
 
 /* The bfloat16 logits of up to 16 candidates (lanes < count; the rest read output 0), as
- * bf16_linear.c sums them: vdpbf16ps over the input pairs in chunks of `chunk` inputs, each chunk
+ * bf16_linear.c sums them: vdpbf16ps (with wide, bf16_linear_wide's FMAs) over the input pairs in chunks of `chunk` inputs, each chunk
  * from zero and added to the total, plus a zero bias, rounded to bfloat16 (widened back). The
  * weight pairs are gathered from W's rows (weight: [n, k] bfloat16), where each candidate's next
  * 16 pairs share one cache line (from the panels, each pair read a line of its own: a quarter
  * of the call's time at 48 rows, ~19 candidates a row). */
 static __m512 exact_bf16(const uint16_t *x, int64_t k, const uint16_t *weight, const int32_t *cand, int count,
-                         int64_t chunk) {
+                         int64_t chunk, int wide) {
     const __m512i rows =
         _mm512_mullo_epi32(_mm512_maskz_loadu_epi32(lanes_below(count), cand), _mm512_set1_epi32((int32_t)(k / 2)));
     const int32_t *pairs = (const int32_t *)weight;
@@ -449,6 +449,10 @@ static __m512 exact_bf16(const uint16_t *x, int64_t k, const uint16_t *weight, c
         __m512 acc = _mm512_setzero_ps();
         for (int64_t i = start; i < end; i += 2) {
             const __m512i w = _mm512_i32gather_epi32(rows, pairs + i / 2, 4);
+            if (wide) { /* bf16_linear_wide's sums */
+                acc = bf16_pair_fma(acc, _mm512_set1_ps(bf16_to_f32(x[i])), _mm512_set1_ps(bf16_to_f32(x[i + 1])), w);
+                continue;
+            }
             int32_t pair;
             memcpy(&pair, x + i, sizeof pair);
             acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(pair), (__m512bh)w);
@@ -462,7 +466,7 @@ static __m512 exact_bf16(const uint16_t *x, int64_t k, const uint16_t *weight, c
  * greedy_head_int8. */
 static inline __attribute__((always_inline)) int screen_int8(
     const void *x, int64_t x_stride, int64_t m, int64_t k, const int8_t *q8, const Screen *screen, const void *wu,
-    const void *weight, int64_t n, int64_t chunk, int64_t *out, int64_t *candidates_out, const int f32) {
+    const void *weight, int64_t n, int64_t chunk, int wide, int64_t *out, int64_t *candidates_out, const int f32) {
     const int64_t panels = (n + PANEL - 1) / PANEL;
     const int threads = omp_get_max_threads();
     const size_t x_size = f32 ? sizeof(float) : sizeof(uint16_t);
@@ -524,7 +528,7 @@ static inline __attribute__((always_inline)) int screen_int8(
                 const int lanes = count - j < 16 ? (int)(count - j) : 16;
                 float vals[16];
                 _mm512_storeu_ps(vals, f32 ? exact_f32((const float *)xr, k, weight, cand + j, lanes)
-                                           : exact_bf16((const uint16_t *)xr, k, weight, cand + j, lanes, chunk));
+                                           : exact_bf16((const uint16_t *)xr, k, weight, cand + j, lanes, chunk, wide));
                 for (int l2 = 0; l2 < lanes; ++l2) {
                     if ((bits_of(vals[l2]) & 0x7fffffffu) > 0x7f800000u) { /* a NaN: the caller's argmax finds the first */
                         best_v = -1;
@@ -549,15 +553,15 @@ static inline __attribute__((always_inline)) int screen_int8(
  * 65,536); q8: int8 W in panels (its inputs padded with zeros to a multiple of 4); scale, qsum, e_norm, w_norm: per output, padded to whole
  * panels; wu: the head's own panels (bfloat16: pack_bf16_pairs; float32: pack_f32_panels), for
  * the picked pairs; weight: W [n, k] in x's dtype, contiguous, for the exact logits; chunk: the
- * inputs bf16_linear.c sums in one go for m rows (bfloat16 only: float32 heads are summed in
- * f32_linear.c's CHUNK whatever it says); out: m int64 tokens, -1 for a row left to the caller; candidates_out (or
+ * inputs bf16_linear.c sums in one go for m rows and wide: whether it is bf16_linear_wide
+ * (bfloat16 only: float32 heads are summed in f32_linear.c's CHUNK whatever they say); out: m int64 tokens, -1 for a row left to the caller; candidates_out (or
  * NULL): each row's count of exact logits. Returns 0, or -1 when a buffer could not be allocated. */
 int greedy_head_int8(const void *x, int64_t x_stride, int64_t m, int64_t k, const int8_t *q8, const float *scale,
                      const int32_t *qsum, const float *e_norm, const float *w_norm, const void *wu, const void *weight,
-                     int64_t n, int64_t chunk, int f32, int64_t *out, int64_t *candidates_out) {
+                     int64_t n, int64_t chunk, int wide, int f32, int64_t *out, int64_t *candidates_out) {
     const Screen screen = {scale, qsum, e_norm, w_norm};
-    if (f32) return screen_int8(x, x_stride, m, k, q8, &screen, wu, weight, n, CHUNK, out, candidates_out, 1);
-    return screen_int8(x, x_stride, m, k, q8, &screen, wu, weight, n, chunk, out, candidates_out, 0);
+    if (f32) return screen_int8(x, x_stride, m, k, q8, &screen, wu, weight, n, CHUNK, 0, out, candidates_out, 1);
+    return screen_int8(x, x_stride, m, k, q8, &screen, wu, weight, n, chunk, wide, out, candidates_out, 0);
 }
 #else
 int greedy_head_ready(void) { return 0; }

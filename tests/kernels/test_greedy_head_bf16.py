@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kernels import greedy_head
+from kernels import linear as linear_module
 from kernels.argmax import argmax_rows
 from kernels.greedy_head import GreedyHead, greedy_head_argmax, prepare_greedy_head
 from kernels.linear import linear, prepare_linear
@@ -21,6 +22,13 @@ def any_vocabulary(monkeypatch):
     """The engine builds the bfloat16 greedy head from BF16_MIN_VOCAB outputs on (a speed
     choice); these tests check its answers on small heads too."""
     monkeypatch.setattr(greedy_head, "BF16_MIN_VOCAB", 0)
+
+
+@pytest.fixture(autouse=True, params=[False, True], ids=["vdpbf16ps", "widened"])
+def bf16_entry(request, monkeypatch):
+    """Both of the bfloat16 kernel's entries (linear.bf16_widens), whichever this CPU takes: the
+    head's exact logits follow the entry the full head runs."""
+    monkeypatch.setattr(linear_module, "bf16_widens", lambda: request.param)
 
 
 def _heads(weight: torch.Tensor):

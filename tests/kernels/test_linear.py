@@ -5,6 +5,7 @@ path on W^T (other dtypes; on CUDA the same torch call, which the engine's CUDA 
 contiguous copy or a view, against F.linear and a float64 oracle, from one row to prefill-sized
 batches."""
 
+import ctypes
 import functools
 
 import pytest
@@ -137,6 +138,25 @@ def bf16_calls(monkeypatch) -> list:
     return _spy_rows(monkeypatch, "_linear_bf16")
 
 
+@pytest.fixture(params=[False, True], ids=["vdpbf16ps", "widened"])
+def bf16_entry(request, monkeypatch) -> bool:
+    """Both of the bfloat16 kernel's entries, whichever this CPU takes (linear.bf16_widens)."""
+    monkeypatch.setattr(linear_module, "bf16_widens", lambda: request.param)
+    return request.param
+
+
+def test_the_bfloat16_kernels_entry_is_chosen_by_measurement():
+    """Where the kernel builds, its entry follows vdpbf16ps's measured rate against FMAs'."""
+    if not EXPECT_AVX512_BF16:
+        return
+    ratio = linear_module.cpu_function("bf16_linear", "bf16_linear_dot_ratio", (), ctypes.c_double)()
+    assert 0.05 < ratio < 20
+    linear_module.bf16_widens.cache_clear()
+    widens = linear_module.bf16_widens()
+    assert isinstance(widens, bool)
+    assert linear_module.bf16_kernel_name() == ("bf16_linear_wide" if widens else "bf16_linear")
+
+
 def _bf16_kernel_only(weight, bias) -> Linear:
     """The weight as prepare_linear gives it on a CPU with AVX512-BF16 and no AMX: the kernel's
     copy alone, which takes every batch size (so that CPUs with AMX test the kernel too)."""
@@ -148,14 +168,16 @@ def _bf16_kernel_only(weight, bias) -> Linear:
 @pytest.mark.parametrize(("out_features", "in_features"),
                          [(17, 32), (48, 64), (100, 160), (130, 576), (49, 6), (50, 1538), (800, 96)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_bfloat16_batches_on_the_avx512_bf16_kernel(rows, out_features, in_features, with_bias, bf16_calls):
+def test_bfloat16_batches_on_the_avx512_bf16_kernel(rows, out_features, in_features, with_bias, bf16_calls,
+                                                    bf16_entry):
     """Each output is the float64 product rounded once to bfloat16 (within half a unit in the last
     place), on the decode path (up to 64 rows) and the blocked one (more: 128-row blocks, input
     blocks of at most 256 inputs, running totals carried between them; bf16_linear.c): odd output
     counts (a partial 48-output panel, a partial 16-lane vector), row counts that leave a partial
     8-row group or row block, one input block or several (576 in 3 x 192, 1,538 in 7), 17 panels
-    (a group of 16 and a partial group of one), x's rows strided. Without AVX512-BF16 the kernel
-    is absent."""
+    (a group of 16 and a partial group of one), x's rows strided; vdpbf16ps and widened pairs
+    (6 and 1,538 inputs: a partial 16-input vector in the widening). Without AVX512-BF16 the
+    kernel is absent."""
     if not EXPECT_AVX512_BF16:
         assert linear_module._bf16_kernel() is None
         return
@@ -168,7 +190,7 @@ def test_bfloat16_batches_on_the_avx512_bf16_kernel(rows, out_features, in_featu
     torch.testing.assert_close(got.double(), oracle(x, weight, bias), atol=1e-4, rtol=2**-8)
 
 
-def test_bfloat16_kernel_alone_takes_any_input_layout(bf16_calls):
+def test_bfloat16_kernel_alone_takes_any_input_layout(bf16_calls, bf16_entry):
     """With only the kernel's copy: no rows give an empty output; columns strided are copied
     first; a float32 input is refused with a clear error."""
     if not EXPECT_AVX512_BF16:
