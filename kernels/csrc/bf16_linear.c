@@ -302,10 +302,12 @@ int bf16_linear(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, const
     return run(x, x_stride, m, k, packed, n, bias, out, out_stride, 0);
 }
 
-/* bf16_linear with float32 FMAs (bf16_pair_fma) in place of vdpbf16ps, for CPUs where vdpbf16ps
- * runs at half the FMAs' rate (bf16_linear_dot_ratio); the same sums but for denormals. */
+/* bf16_linear with float32 FMAs (bf16_pair_fma) in place of vdpbf16ps from BF16_WIDE_MIN_ROWS
+ * rows on, for CPUs where vdpbf16ps runs at half the FMAs' rate (bf16_linear_dot_ratio); the same
+ * sums but for denormals. */
 int bf16_linear_wide(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, const uint16_t *packed, int64_t n,
                      const float *bias, uint16_t *out, int64_t out_stride) {
+    if (m < BF16_WIDE_MIN_ROWS) return run(x, x_stride, m, k, packed, n, bias, out, out_stride, 0);
     return run(x, x_stride, m, k, packed, n, bias, out, out_stride, 1);
 }
 

@@ -561,7 +561,8 @@ int greedy_head_int8(const void *x, int64_t x_stride, int64_t m, int64_t k, cons
                      int64_t n, int64_t chunk, int wide, int f32, int64_t *out, int64_t *candidates_out) {
     const Screen screen = {scale, qsum, e_norm, w_norm};
     if (f32) return screen_int8(x, x_stride, m, k, q8, &screen, wu, weight, n, CHUNK, 0, out, candidates_out, 1);
-    return screen_int8(x, x_stride, m, k, q8, &screen, wu, weight, n, chunk, wide, out, candidates_out, 0);
+    return screen_int8(x, x_stride, m, k, q8, &screen, wu, weight, n, chunk, wide && m >= BF16_WIDE_MIN_ROWS, out,
+                       candidates_out, 0);
 }
 #else
 int greedy_head_ready(void) { return 0; }
