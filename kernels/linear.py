@@ -10,10 +10,11 @@ at 1-8 rows, the same at 2,048 (float32 there: 270-340 either way).
 Decode batches in bfloat16 on CPUs with AMX: a compiled AMX kernel (csrc/amx_linear.c) on a
 second copy of W packed for AMX's tiles, up to AMX_MAX_ROWS rows; oneDNN above (prefill), where
 it measured 2x the kernel at 2,048 rows. See amx_linear.c for what it measured.
-bfloat16 on CPUs with AVX512-BF16 but no AMX (AMD Zen 4 and 5): a compiled kernel
-(csrc/bf16_linear.c, vdpbf16ps) on W packed in panels of 48 outputs x input pairs, for every batch
-size (decode batches of up to AMX_MAX_ROWS rows, prefill ones blocked for the caches), in place
-of oneDNN's copy, on prefill and decode engines alike; see bf16_linear.c.
+bfloat16 on CPUs with AVX512-BF16 but no AMX (AMD Zen 4 and 5, Intel Xeons without AMX): a compiled
+kernel (csrc/bf16_linear.c: vdpbf16ps, or float32 FMAs on widened pairs where vdpbf16ps is slow, see
+bf16_widens) on W packed in panels of 48 outputs x input pairs, for every batch size (decode
+batches of up to AMX_MAX_ROWS rows, prefill ones blocked for the caches), in place of oneDNN's
+copy, on prefill and decode engines alike; see bf16_linear.c.
 Decode batches in float32 on CPUs with AVX-512: a compiled kernel (csrc/f32_linear.c) on a second
 copy of W packed in panels of 48 outputs, up to AMX_MAX_ROWS rows; see f32_linear.c.
 Projections of more than _WIDE_OUTPUTS outputs (LM heads) take the float32 kernel only up to

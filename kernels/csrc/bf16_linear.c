@@ -8,6 +8,9 @@
  * read the panel from memory, the rest from cache (a panel is k x 96 bytes: 54 KB at k = 576).
  * The sums are rounded to bfloat16 (nearest even) after the bias is added in float32.
  *
+ * bf16_linear_wide (below) is the same kernel with float32 FMAs on the pairs widened in registers,
+ * for CPUs where vdpbf16ps runs at half the FMAs' rate in flops (kernels/linear.py measures it).
+ *
  * vdpbf16ps forms each bfloat16 product exactly in float32 and adds the pair to the sum with
  * float32 rounding, so the sums are float32 sums of exact products, as oneDNN's are; their order
  * differs (each output sums its inputs front to back, blocked in chunks of CHUNK inputs), so
