@@ -206,9 +206,10 @@ def bf16_widens() -> bool:
     """Whether the bfloat16 kernel runs float32 FMAs on widened pairs rather than vdpbf16ps: where
     this core's vdpbf16ps is measured (bf16_linear_dot_ratio, ~2 ms, once a process) at under
     _WIDEN_BELOW of its FMAs' rate in flops. Both give the same sums but in denormals."""
-    ratio = cpu_function("bf16_linear", "bf16_linear_dot_ratio", (), ctypes.c_double)
-    if ratio is None:
+    ready = cpu_function("bf16_linear", "bf16_linear_ready", (), ctypes.c_int)
+    if ready is None or not ready():  # no AVX512-BF16 (the library then has no ratio to measure)
         return False
+    ratio = cpu_function("bf16_linear", "bf16_linear_dot_ratio", (), ctypes.c_double)
     measured = ratio()
     logger.info("bfloat16 kernel: vdpbf16ps at %.2fx float32 FMAs' flops: %s", measured,
                 "float32 FMAs on widened pairs" if measured < _WIDEN_BELOW else "vdpbf16ps")

@@ -146,8 +146,12 @@ def bf16_entry(request, monkeypatch) -> bool:
 
 
 def test_the_bfloat16_kernels_entry_is_chosen_by_measurement():
-    """Where the kernel builds, its entry follows vdpbf16ps's measured rate against FMAs'."""
+    """Where the kernel builds, its entry follows vdpbf16ps's measured rate against FMAs'; where
+    it does not (no AVX512-BF16: the library has neither entry nor the measurement), nothing is
+    measured and the kernel is absent."""
+    linear_module.bf16_widens.cache_clear()
     if not EXPECT_AVX512_BF16:
+        assert linear_module.bf16_widens() is False and linear_module._bf16_kernel() is None
         return
     ratio = linear_module.cpu_function("bf16_linear", "bf16_linear_dot_ratio", (), ctypes.c_double)()
     assert 0.05 < ratio < 20
@@ -155,6 +159,22 @@ def test_the_bfloat16_kernels_entry_is_chosen_by_measurement():
     widens = linear_module.bf16_widens()
     assert isinstance(widens, bool)
     assert linear_module.bf16_kernel_name() == ("bf16_linear_wide" if widens else "bf16_linear")
+
+
+def test_nothing_is_measured_without_avx512_bf16(monkeypatch):
+    """A kernel library built without AVX512-BF16 says so (bf16_linear_ready() == 0) and has
+    neither entry nor bf16_linear_dot_ratio: bf16_widens() is False without looking for them."""
+    def library_without_bf16(library, name, argtypes, restype=None):
+        if name == "bf16_linear_ready":
+            return lambda: 0
+        raise AttributeError(f"undefined symbol: {name}")
+
+    monkeypatch.setattr(linear_module, "cpu_function", library_without_bf16)
+    linear_module.bf16_widens.cache_clear()
+    try:
+        assert linear_module.bf16_widens() is False
+    finally:
+        linear_module.bf16_widens.cache_clear()
 
 
 def _bf16_kernel_only(weight, bias) -> Linear:
