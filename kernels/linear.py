@@ -196,8 +196,9 @@ def bf16_kernel_name() -> str:
 # NOTE: where vdpbf16ps's rate in flops is below this share of float32 FMAs', the bfloat16 kernel
 # widens its weights and runs FMAs (from 4 rows on: csrc/bf16.h). 2-core Xeon (Emerald Rapids, no
 # AMX): 0.48-0.50 (vdpbf16ps at one in two cycles); SmolLM-135M's projections, one thread, 138-147
-# against 84-87 GFLOP/s at 16-2,048 rows; two threads 265-269 against 174-176 at 64. AMD's Zen 4
-# runs 512-bit FMAs at half its vdpbf16ps rate in flops, so it keeps vdpbf16ps.
+# against 84-87 GFLOP/s at 16-2,048 rows; two threads 265-269 against 174-176 at 64. On the Zen 4
+# the vdpbf16ps kernel ran ~2x float32's oneDNN (426-431 against 190-216 GFLOP/s, two threads, 2,048
+# rows; earlier sessions), so a ratio there would keep vdpbf16ps (not measured on AMD this time).
 _WIDEN_BELOW = 0.8
 
 
