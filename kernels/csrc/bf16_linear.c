@@ -330,40 +330,33 @@ double bf16_linear_dot_ratio(void) {
     enum { ITERATIONS = 20000, REPEATS = 5 };
     double best_fma = 1e30, best_dot = 1e30;
     float sink = 0.0f;
-    for (int repeat = 0; repeat < REPEATS; ++repeat) {
+/* One timing of 12 independent chains a##j = STEP(a##j, x), x = X (kept opaque), into best. */
 #define START(j) __m512 a##j = _mm512_set1_ps((float)(j) * 1e-3f); __asm__ volatile("" : "+v"(a##j));
 #define FINISH(j) sink += _mm512_reduce_add_ps(a##j);
-        {
-            SUMS(START)
-            const __m512 x = _mm512_set1_ps(1e-9f);
-            const double t0 = seconds();
-            for (int i = 0; i < ITERATIONS; ++i) {
+#define TIME_CHAINS(best, X, STEP)                                                                                     \
+    {                                                                                                                  \
+        SUMS(START)                                                                                                    \
+        const __typeof__(X) x = (X);                                                                                   \
+        const double t0 = seconds();                                                                                   \
+        for (int i = 0; i < ITERATIONS; ++i) {                                                                         \
+            SUMS(STEP)                                                                                                 \
+            __asm__ volatile("" ::"v"(x));                                                                             \
+        }                                                                                                              \
+        const double t = seconds() - t0;                                                                               \
+        best = t < best ? t : best;                                                                                    \
+        SUMS(FINISH)                                                                                                   \
+    }
 #define FMA(j) a##j = _mm512_fmadd_ps(x, x, a##j);
-                SUMS(FMA)
-#undef FMA
-                __asm__ volatile("" ::"v"(x));
-            }
-            const double t = seconds() - t0;
-            best_fma = t < best_fma ? t : best_fma;
-            SUMS(FINISH)
-        }
-        {
-            SUMS(START)
-            const __m512bh x = (__m512bh)_mm512_set1_epi32(0x30003000);
-            const double t0 = seconds();
-            for (int i = 0; i < ITERATIONS; ++i) {
 #define DOT(j) a##j = _mm512_dpbf16_ps(a##j, x, x);
-                SUMS(DOT)
+    for (int repeat = 0; repeat < REPEATS; ++repeat) {
+        TIME_CHAINS(best_fma, _mm512_set1_ps(1e-9f), FMA)
+        TIME_CHAINS(best_dot, (__m512bh)_mm512_set1_epi32(0x30003000), DOT)
+    }
+#undef FMA
 #undef DOT
-                __asm__ volatile("" ::"v"(x));
-            }
-            const double t = seconds() - t0;
-            best_dot = t < best_dot ? t : best_dot;
-            SUMS(FINISH)
-        }
+#undef TIME_CHAINS
 #undef START
 #undef FINISH
-    }
     __asm__ volatile("" ::"x"(sink));
     /* per instruction: an FMA 32 flops, a vdpbf16ps 64 */
     return (64.0 / best_dot) / (32.0 / best_fma);
