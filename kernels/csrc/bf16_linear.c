@@ -95,18 +95,18 @@ static inline __m512i pair_of(const uint16_t *x) {
  * (x_rows: bfloat16 rows x_stride elements apart, or with wide (a constant) the row group widened in
  * widen_rows' layout),
  * each pair's W row (three vectors) prefetched ahead with prefetch (a constant too; see panels.h),
- * and with fetch_next (a constant; the caller tests fetches_next_panel once) a line of the next
- * panel per pair (prefetch_next_panel_line; the test inside the loop, where fetch_next is not a
- * constant, measured 1-3% slower at 8-16 rows). */
+ * and with fetch_next (a constant; the caller tests share's groups once) the row group's share
+ * of the next panel's lines (next_panel_step per pair; the test inside the loop, where fetch_next
+ * is not a constant, measured 1-3% slower at 8-16 rows). */
 static inline __attribute__((always_inline)) void accumulate(__m512 acc[][3], const void *x_rows, int64_t x_stride,
                                                              const uint16_t *w, int64_t i0, int64_t i1, const int rows,
-                                                             const int prefetch, const uint16_t *next, int64_t group,
-                                                             int64_t k, const int fetch_next, const int wide) {
+                                                             const int prefetch, NextPanel *share,
+                                                             const int fetch_next, const int wide) {
     const uint16_t *x = (const uint16_t *)x_rows;
     for (int64_t i = i0; i < i1; i += 2) {
         const uint16_t *wi = w + i * PANEL;
         if (prefetch && rows > 1) prefetch_panel_row(wi, rows >= 6);
-        if (fetch_next) prefetch_next_panel_line(next, group, k / 2, i / 2);
+        if (fetch_next) next_panel_step(share);
         if (wide) { /* x's row group widened (widen_rows' layout): FMAs on the pairs widened here */
             const float *xp = (const float *)x_rows + (i / 2) * 2 * ROWS;
             for (int v = 0; v < 3; ++v) {
@@ -141,7 +141,7 @@ static inline __attribute__((always_inline)) void store_rounded(__m512 sums[][3]
 }
 
 /* rows (1..8, a constant after inlining) of x against one panel; cols: the panel's real outputs;
- * k even; next and group: the panel after this one and this row group's index, as in f32_linear.c
+ * k even; next: this row group's share of the next panel's prefetches, as in f32_linear.c
  * (bfloat16, 2-core Zen 5, the 30 layers' projections, 24 / 48 / 64 rows: one thread 15.4 /
  * 26.1 / 33.3 -> 14.2 / 23.8 / 31.3 ms, two threads 8.0 / 13.6 / 17.3 -> 7.5 / 12.6 / 16.3;
  * 8-16 rows the same). The sums run in chunks of CHUNK inputs, each chunk's added to the running
@@ -149,17 +149,17 @@ static inline __attribute__((always_inline)) void store_rounded(__m512 sums[][3]
 static inline __attribute__((always_inline)) void panel_rows(const void *x, int64_t x_stride, const uint16_t *w,
                                                              int64_t k, const float *bias, uint16_t *out,
                                                              int64_t out_stride, int cols, const int rows,
-                                                             const uint16_t *next, int64_t group, const int wide) {
+                                                             NextPanel next, const int wide) {
     __m512 sums[ROWS][3];
     for (int r = 0; r < rows; ++r) sums[r][0] = sums[r][1] = sums[r][2] = _mm512_setzero_ps();
     for (int64_t start = 0; start < k; start += CHUNK) {
         const int64_t end = k - start < CHUNK ? k : start + CHUNK;
         __m512 acc[ROWS][3];
         for (int r = 0; r < rows; ++r) acc[r][0] = acc[r][1] = acc[r][2] = _mm512_setzero_ps();
-        if (fetches_next_panel(next, group))
-            accumulate(acc, x, x_stride, w, start, end, rows, 1, next, group, k, 1, wide);
+        if (next.groups)
+            accumulate(acc, x, x_stride, w, start, end, rows, 1, &next, 1, wide);
         else
-            accumulate(acc, x, x_stride, w, start, end, rows, 1, NULL, 0, 0, 0, wide);
+            accumulate(acc, x, x_stride, w, start, end, rows, 1, NULL, 0, wide);
         for (int r = 0; r < rows; ++r)
             for (int v = 0; v < 3; ++v) sums[r][v] = _mm512_add_ps(sums[r][v], acc[r][v]);
     }
@@ -201,7 +201,7 @@ static inline __attribute__((always_inline)) void block_rows(const void *x, int6
     __m512 acc[ROWS][3];
     for (int r = 0; r < rows; ++r) acc[r][0] = acc[r][1] = acc[r][2] = _mm512_setzero_ps();
     if (k1 <= k0) __builtin_unreachable(); /* else the accumulators go through the stack */
-    accumulate(acc, x, x_stride, w, k0, k1, rows, 0, NULL, 0, 0, 0, wide);
+    accumulate(acc, x, x_stride, w, k0, k1, rows, 0, NULL, 0, wide);
     if (!first)
         for (int r = 0; r < rows; ++r)
             for (int v = 0; v < 3; ++v) acc[r][v] = _mm512_add_ps(_mm512_load_ps(carry + r * PANEL + 16 * v), acc[r][v]);
@@ -291,7 +291,8 @@ static inline __attribute__((always_inline)) int run(const uint16_t *x_in, int64
             for (int64_t row = 0; row < m; row += ROWS) {
                 const void *xr = row_of(x, row, x_stride, wide);
                 uint16_t *o = out + row * out_stride + p * PANEL;
-#define PANEL_ROWS(r) panel_rows(xr, x_stride, w, k, b, o, out_stride, cols, r, next, row / ROWS, wide)
+                const NextPanel share = next_panel_share(next, row / ROWS, (m + ROWS - 1) / ROWS, k / 2);
+#define PANEL_ROWS(r) panel_rows(xr, x_stride, w, k, b, o, out_stride, cols, r, share, wide)
                 WITH_ROWS(m - row, PANEL_ROWS)
 #undef PANEL_ROWS
             }

@@ -12,6 +12,7 @@
  * oneDNN's (each output sums its inputs front to back), so results differ in the last bits.
  */
 #include <stdint.h>
+#include <stdlib.h>
 
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -21,14 +22,14 @@
 int f32_linear_ready(void) { return 1; }
 
 /* rows (1..8, a constant after inlining) of x against one panel; cols: the panel's real outputs;
- * next and group: the panel after this one and this row group's index (prefetch_next_panel).
+ * next: this row group's share of the next panel's prefetches (panels.h).
  * The sums run in chunks of CHUNK inputs, each chunk's added to the running total in sums: a
  * blocked summation, whose rounding error grows with CHUNK + k / CHUNK rather than k (summed
  * front to back over 576 inputs, the error measured 7.5x F.linear's worst). */
 static inline __attribute__((always_inline)) void panel_rows(const float *x, int64_t x_stride, const float *w,
                                                              int64_t k, const float *bias, float *out,
                                                              int64_t out_stride, int cols, const int rows,
-                                                             const float *next, int64_t group) {
+                                                             NextPanel next) {
     __m512 sums[ROWS][3];
     for (int r = 0; r < rows; ++r) sums[r][0] = sums[r][1] = sums[r][2] = _mm512_setzero_ps();
     for (int64_t start = 0; start < k; start += CHUNK) {
@@ -37,7 +38,7 @@ static inline __attribute__((always_inline)) void panel_rows(const float *x, int
         for (int r = 0; r < rows; ++r) acc[r][0] = acc[r][1] = acc[r][2] = _mm512_setzero_ps();
         for (int64_t i = start; i < end; ++i) {
             if (rows > 1) prefetch_panel_row(w + i * PANEL, 0);
-            prefetch_next_panel(next, group, k, i);
+            if (next.groups) next_panel_step(&next);
             const __m512 w0 = _mm512_loadu_ps(w + i * PANEL), w1 = _mm512_loadu_ps(w + i * PANEL + 16),
                          w2 = _mm512_loadu_ps(w + i * PANEL + 32);
             for (int r = 0; r < rows; ++r) {
@@ -72,11 +73,31 @@ int f32_linear(const float *x, int64_t x_stride, int64_t m, int64_t k, const flo
         for (int64_t row = 0; row < m; row += ROWS) {
             const float *xr = x + row * x_stride;
             float *o = out + row * out_stride + p * PANEL;
-#define PANEL_ROWS(r) panel_rows(xr, x_stride, w, k, b, o, out_stride, cols, r, next, row / ROWS)
+            const NextPanel share = next_panel_share(next, row / ROWS, (m + ROWS - 1) / ROWS, k);
+#define PANEL_ROWS(r) panel_rows(xr, x_stride, w, k, b, o, out_stride, cols, r, share)
             WITH_ROWS(m - row, PANEL_ROWS)
 #undef PANEL_ROWS
         }
     }
+    return 0;
+}
+
+/* For tests: the lines of the next panel that each of num_groups row groups fetches over
+ * num_w_rows W rows (first line into first[g], count into count[g]), as the kernels run them. */
+int next_panel_plan(int64_t num_groups, int64_t num_w_rows, int64_t *first, int64_t *count) {
+    char *panel = malloc((size_t)(3 * num_w_rows * 64)); /* a panel of num_w_rows 192-byte W rows */
+    if (panel == NULL) return -1;
+    for (int64_t g = 0; g < num_groups; ++g) {
+        NextPanel share = next_panel_share(panel, g, num_groups, num_w_rows);
+        first[g] = share.groups ? (share.line - panel) / 64 : 0;
+        count[g] = 0;
+        for (int64_t i = 0; i < num_w_rows && share.groups; ++i) {
+            const char *before = share.line;
+            next_panel_step(&share);
+            count[g] += share.line != before;
+        }
+    }
+    free(panel);
     return 0;
 }
 

@@ -5,6 +5,8 @@
 #define PDSERVE_PANELS_H
 
 #include <immintrin.h>
+#include <stddef.h>
+#include <stdint.h>
 
 enum { PANEL = 48, ROWS = 8, CHUNK = 64 };
 
@@ -51,29 +53,55 @@ static inline __attribute__((always_inline)) void prefetch_panel_row(const void 
     }
 }
 
-/* The panel after this one, into L2 (prefetcht1), one cache line per W row read while row groups
- * 1-3 of this panel run (group g fetches lines (g - 1) * num_w_rows + i, so three groups cover
- * the next panel's 3 * num_w_rows lines); next is NULL past the last panel. Group 0 streams this
- * panel from memory while later groups read it from cache, so the next panel's read then
- * overlaps FMAs instead of stalling the next group 0. float32 on the 2-core Zen 5, SmolLM-135M's
- * 30 layers' projections, medians of 9 alternated repeats, 16 / 32 / 48 / 64 rows: one thread
- * 19.5-19.9 -> 18.6-18.9, 34.2 -> 29.7, 48.4-48.7 -> 43.6-43.7, 62.4-62.8 -> 57.5-59.1 ms; two
- * threads 12.7-13.0 -> 12.1-12.3, 19.7 -> 16.2-16.3, 26.7-27.2 -> 23.3-23.5, 33.6-34.1 ->
- * 30.2-30.5. Measured and not kept: starting in group 0 (9 rows 5-7% slower on one thread), and
- * two or three lines a row where there are fewer groups (9-16 rows up to 16% slower). */
-static inline int fetches_next_panel(const void *next, int64_t group) {
-    return next != NULL && group >= 1 && group <= 3;
+/* The panel after this one, into L2 (prefetcht1), while the row groups after the first run this
+ * one: group 0 streams this panel from memory while later groups read it from cache, so the next
+ * panel's read then overlaps FMAs instead of stalling the next group 0. float32 on the 2-core
+ * Zen 5, SmolLM-135M's 30 layers' projections, medians of 9 alternated repeats, 16 / 32 / 48 / 64
+ * rows: one thread 19.5-19.9 -> 18.6-18.9, 34.2 -> 29.7, 48.4-48.7 -> 43.6-43.7, 62.4-62.8 ->
+ * 57.5-59.1 ms; two threads 12.7-13.0 -> 12.1-12.3, 19.7 -> 16.2-16.3, 26.7-27.2 -> 23.3-23.5,
+ * 33.6-34.1 -> 30.2-30.5 (then groups 1-3 fetched one line per W row each). Measured and not
+ * kept there: starting in group 0 (9 rows 5-7% slower on one thread), and two or three lines a W
+ * row where there are fewer groups (9-16 rows up to 16% slower).
+ * With more than four groups (over 32 rows) the lines are spread evenly over all of them, 3 /
+ * (groups - 1) lines a W row, rather than one a row in groups 1-3: on a 2-core Xeon (Emerald
+ * Rapids) each software prefetch holds one of the L1's few miss buffers until memory answers, so
+ * a line every W row (12 cycles of FMAs at 8 rows) left the FMAs waiting on them. float32, a
+ * whole decode step's 30 layers (kernels/decode_layers.c, 64 sequences of ~290 tokens), alternated
+ * builds: one thread 64 rows 166.5-172.5 -> 160.0-163.0 ms, 48 rows 131.5-139.4 -> 123.2-123.3;
+ * two threads 64 rows 88.4-89.9 -> 86.0-89.8, 48 rows 68.9-69.6 -> 66.0-66.9; 16 and 32 rows
+ * (four groups or fewer, where nothing changed) the same. */
+typedef struct {
+    const char *line; /* the next line to fetch */
+    int64_t owed;     /* thirds of W rows run toward the next line (a line each `groups` of them) */
+    int64_t groups;   /* the row groups the panel's lines are spread over; 0: this group fetches none */
+} NextPanel;
+
+/* Row group `group`'s share of the next panel's lines (next: NULL past the last panel). With more
+ * than four groups, groups 1 .. num_groups - 1 each take 3 * num_w_rows / (num_groups - 1) of
+ * them in order; with fewer, groups 1-3 (those there are) take num_w_rows each, one a W row. */
+static inline NextPanel next_panel_share(const void *next, int64_t group, int64_t num_groups, int64_t num_w_rows) {
+    NextPanel share = {NULL, 0, 0};
+    if (next == NULL || group < 1) return share;
+    if (num_groups > 4) {
+        const int64_t first = (group - 1) * 3 * num_w_rows; /* in thirds of a line */
+        share.groups = num_groups - 1;
+        share.line = (const char *)next + first / share.groups * 64;
+        share.owed = first % share.groups;
+    } else if (group <= 3) {
+        share.groups = 3;
+        share.line = (const char *)next + (group - 1) * num_w_rows * 64;
+    }
+    return share;
 }
 
-/* The line of the next panel that row group `group` (1-3) fetches at its W row i. */
-static inline __attribute__((always_inline)) void prefetch_next_panel_line(const void *next, int64_t group,
-                                                                           int64_t num_w_rows, int64_t i) {
-    _mm_prefetch((const char *)next + ((group - 1) * num_w_rows + i) * 64, _MM_HINT_T1);
-}
-
-static inline __attribute__((always_inline)) void prefetch_next_panel(const void *next, int64_t group,
-                                                                      int64_t num_w_rows, int64_t i) {
-    if (fetches_next_panel(next, group)) prefetch_next_panel_line(next, group, num_w_rows, i);
+/* One W row's step of share (whose groups is not 0). */
+static inline __attribute__((always_inline)) void next_panel_step(NextPanel *share) {
+    share->owed += 3;
+    if (share->owed >= share->groups) {
+        _mm_prefetch(share->line, _MM_HINT_T1);
+        share->line += 64;
+        share->owed -= share->groups;
+    }
 }
 
 #endif

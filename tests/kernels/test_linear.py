@@ -275,6 +275,28 @@ def test_float32_decode_batches_take_the_float32_kernel(rows, out_features, in_f
     assert (got.double() - exact).abs().max().item() <= 4 * reference_error + 1e-6
 
 
+@pytest.mark.skipif(not EXPECT_AVX512, reason="the float32 kernel needs AVX-512")
+@pytest.mark.parametrize("num_groups", range(1, 9))
+@pytest.mark.parametrize("num_w_rows", [1, 5, 32, 576, 1536])
+def test_row_groups_prefetch_the_whole_next_panel_once(num_groups, num_w_rows):
+    """The small-batch kernels' row groups after the first fetch the next panel's 3 lines a W row
+    between them (panels.h): with more than four groups every line once, in order, spread evenly
+    over all of them; with fewer, one line a W row in groups 1-3, as many thirds as there are."""
+    plan = linear_module.cpu_function("f32_linear", "next_panel_plan", (ctypes.c_int64, ctypes.c_int64,
+                                      ctypes.c_void_p, ctypes.c_void_p), ctypes.c_int)
+    first = torch.zeros(num_groups, dtype=torch.int64)
+    count = torch.zeros(num_groups, dtype=torch.int64)
+    assert plan(num_groups, num_w_rows, first.data_ptr(), count.data_ptr()) == 0
+    lines = [list(range(f, f + c)) for f, c in zip(first.tolist(), count.tolist())]
+    assert lines[0] == []
+    fetched = [line for group in lines for line in group]
+    if num_groups > 4:
+        assert fetched == list(range(3 * num_w_rows))
+        assert max(count.tolist()[1:]) - min(count.tolist()[1:]) <= 1
+    else:
+        assert fetched == list(range((num_groups - 1) * num_w_rows))
+
+
 def test_float32_copy_only_where_it_is_used(f32_calls):
     """Batches over 64 rows (over 32 for LM-head-sized outputs) and prefill-only engines stay on
     oneDNN."""
