@@ -72,8 +72,9 @@ static inline __attribute__((always_inline)) void prefetch_panel_row(const void 
  * (four groups or fewer, where nothing changed) the same. */
 typedef struct {
     const char *line; /* the next line to fetch */
-    int64_t owed;     /* thirds of W rows run toward the next line (a line each `groups` of them) */
-    int64_t groups;   /* the row groups the panel's lines are spread over; 0: this group fetches none */
+    int64_t owed;     /* the pace's count: each W row adds 3, and each `groups` of it fetch a line */
+    int64_t groups;   /* a line every groups / 3 W rows (the row groups the lines are spread over,
+                         or 3 for one a W row); 0: this group fetches none */
 } NextPanel;
 
 /* Row group `group`'s share of the next panel's lines (next: NULL past the last panel). With more
