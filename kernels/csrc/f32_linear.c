@@ -14,10 +14,32 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#if defined(__x86_64__) || defined(__i386__)
+#include "panels.h"
+
+/* For tests (on any x86 CPU, with AVX-512 or not): the lines of the next panel that each of
+ * num_groups row groups fetches over num_w_rows W rows (first line into first[g], count into
+ * count[g]), as the kernels run them. */
+int next_panel_plan(int64_t num_groups, int64_t num_w_rows, int64_t *first, int64_t *count) {
+    char *panel = malloc((size_t)(3 * num_w_rows * 64)); /* a panel of num_w_rows 192-byte W rows */
+    if (panel == NULL) return -1;
+    for (int64_t g = 0; g < num_groups; ++g) {
+        NextPanel share = next_panel_share(panel, g, num_groups, num_w_rows);
+        first[g] = share.groups ? (share.line - panel) / 64 : 0;
+        count[g] = 0;
+        for (int64_t i = 0; i < num_w_rows && share.groups; ++i) {
+            const char *before = share.line;
+            next_panel_step(&share);
+            count[g] += share.line != before;
+        }
+    }
+    free(panel);
+    return 0;
+}
+#endif
+
 #ifdef __AVX512F__
 #include <immintrin.h>
-
-#include "panels.h"
 
 int f32_linear_ready(void) { return 1; }
 
@@ -79,25 +101,6 @@ int f32_linear(const float *x, int64_t x_stride, int64_t m, int64_t k, const flo
 #undef PANEL_ROWS
         }
     }
-    return 0;
-}
-
-/* For tests: the lines of the next panel that each of num_groups row groups fetches over
- * num_w_rows W rows (first line into first[g], count into count[g]), as the kernels run them. */
-int next_panel_plan(int64_t num_groups, int64_t num_w_rows, int64_t *first, int64_t *count) {
-    char *panel = malloc((size_t)(3 * num_w_rows * 64)); /* a panel of num_w_rows 192-byte W rows */
-    if (panel == NULL) return -1;
-    for (int64_t g = 0; g < num_groups; ++g) {
-        NextPanel share = next_panel_share(panel, g, num_groups, num_w_rows);
-        first[g] = share.groups ? (share.line - panel) / 64 : 0;
-        count[g] = 0;
-        for (int64_t i = 0; i < num_w_rows && share.groups; ++i) {
-            const char *before = share.line;
-            next_panel_step(&share);
-            count[g] += share.line != before;
-        }
-    }
-    free(panel);
     return 0;
 }
 

@@ -275,7 +275,6 @@ def test_float32_decode_batches_take_the_float32_kernel(rows, out_features, in_f
     assert (got.double() - exact).abs().max().item() <= 4 * reference_error + 1e-6
 
 
-@pytest.mark.skipif(not EXPECT_AVX512, reason="the float32 kernel needs AVX-512")
 @pytest.mark.parametrize("num_groups", range(1, 9))
 @pytest.mark.parametrize("num_w_rows", [1, 5, 32, 576, 1536])
 def test_row_groups_prefetch_the_whole_next_panel_once(num_groups, num_w_rows):
