@@ -108,11 +108,17 @@ def _amx_takes(weight: torch.Tensor) -> bool:
     return weight.dtype == torch.bfloat16 and weight.shape[1] % 32 == 0 and _amx_kernel() is not None
 
 
+def _library_ready(library: str) -> bool:
+    """Whether the compiled csrc/<library>.c built and its <library>_ready() says its CPU
+    instructions are there."""
+    ready = cpu_function(library, f"{library}_ready", (), ctypes.c_int)
+    return ready is not None and bool(ready())
+
+
 def _small_batch_kernel(library: str, name: str):
     """A small-batch kernel's C function (x, x_stride, m, k, packed, n, bias, out, out_stride) ->
     status, or None where the library did not build or its <library>_ready() says no."""
-    ready = cpu_function(library, f"{library}_ready", (), ctypes.c_int)
-    if ready is None or not ready():
+    if not _library_ready(library):
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     return cpu_function(library, name, (ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64), ctypes.c_int)
@@ -207,8 +213,7 @@ def bf16_widens() -> bool:
     """Whether the bfloat16 kernel runs float32 FMAs on widened pairs rather than vdpbf16ps: where
     this core's vdpbf16ps is measured (bf16_linear_dot_ratio, ~2 ms, once a process) at under
     _WIDEN_BELOW of its FMAs' rate in flops. Both give the same sums but in denormals."""
-    ready = cpu_function("bf16_linear", "bf16_linear_ready", (), ctypes.c_int)
-    if ready is None or not ready():  # no AVX512-BF16 (the library then has no ratio to measure)
+    if not _library_ready("bf16_linear"):  # no AVX512-BF16 (the library then has no ratio to measure)
         return False
     ratio = cpu_function("bf16_linear", "bf16_linear_dot_ratio", (), ctypes.c_double)
     measured = ratio()

@@ -73,25 +73,22 @@ static inline __attribute__((always_inline)) void prefetch_panel_row(const void 
 typedef struct {
     const char *line; /* the next line to fetch */
     int64_t owed;     /* the pace's count: each W row adds 3, and each `groups` of it fetch a line */
-    int64_t groups;   /* a line every groups / 3 W rows (the row groups the lines are spread over,
-                         or 3 for one a W row); 0: this group fetches none */
+    int64_t groups;   /* the share's spread (next_panel_share): a line every groups / 3 W rows;
+                         0: this group fetches none */
 } NextPanel;
 
-/* Row group `group`'s share of the next panel's lines (next: NULL past the last panel). With more
- * than four groups, groups 1 .. num_groups - 1 each take 3 * num_w_rows / (num_groups - 1) of
- * them in order; with fewer, groups 1-3 (those there are) take num_w_rows each, one a W row. */
+/* Row group `group`'s share of the next panel's lines (next: NULL past the last panel): the
+ * panel's 3 * num_w_rows lines in order over groups 1 .. spread, spread = the groups after the
+ * first but at least 3, so each takes 3 * num_w_rows / spread of them, a line every spread / 3 W
+ * rows. With four groups or fewer that is one line a W row in groups 1-3, those there are. */
 static inline NextPanel next_panel_share(const void *next, int64_t group, int64_t num_groups, int64_t num_w_rows) {
     NextPanel share = {NULL, 0, 0};
-    if (next == NULL || group < 1) return share;
-    if (num_groups > 4) {
-        const int64_t first = (group - 1) * 3 * num_w_rows; /* in thirds of a line */
-        share.groups = num_groups - 1;
-        share.line = (const char *)next + first / share.groups * 64;
-        share.owed = first % share.groups;
-    } else if (group <= 3) {
-        share.groups = 3;
-        share.line = (const char *)next + (group - 1) * num_w_rows * 64;
-    }
+    const int64_t spread = num_groups - 1 > 3 ? num_groups - 1 : 3;
+    if (next == NULL || group < 1 || group > spread) return share;
+    const int64_t first = (group - 1) * 3 * num_w_rows; /* in 1 / spread of a line */
+    share.groups = spread;
+    share.line = (const char *)next + first / spread * 64;
+    share.owed = first % spread;
     return share;
 }
 
