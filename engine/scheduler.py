@@ -15,6 +15,7 @@ and look nothing up (their blocks are still cached for others).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from engine.block_pool import ROOT_ENTRY, BlockPool
@@ -81,6 +82,16 @@ class Scheduler:
         return len(self.waiting) + len(self.running)
 
     @property
+    def has_prompt_work(self) -> bool:
+        """Whether a request here still has prompt tokens to compute (queued, mid-prefill, or
+        preempted and waiting to be recomputed): the next steps prefill."""
+        return bool(self.waiting) or any(True for _ in self._prefilling())
+
+    def _prefilling(self) -> Iterator[Request]:
+        """The running requests with more than their next token to compute (mid-prefill)."""
+        return (r for r in self.running if r.num_computed_tokens + 1 < r.num_tokens)
+
+    @property
     def num_queued_prompt_tokens(self) -> int:
         return sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
 
@@ -90,9 +101,8 @@ class Scheduler:
         outputs of a preempted one) and do not have yet: blocks are taken per prefill chunk, so a
         node just handed a prompt reports them free until it schedules it. The proxy counts them
         as taken when it picks the node with the most free KV."""
-        prefilling = [r for r in self.running if r.num_computed_tokens + 1 < r.num_tokens]
         return sum(max(0, num_blocks_for(r.num_tokens, self.block_size) - len(r.block_ids))
-                   for r in (*self.waiting, *prefilling))
+                   for r in (*self.waiting, *self._prefilling()))
 
     def add_waiting(self, request: Request) -> None:
         request.status = RequestStatus.WAITING

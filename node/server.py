@@ -192,7 +192,7 @@ class NodeServer:
         if self.lender is not None:
             self.lender.tell(self.engine.has_unfinished())
         if self.borrower is not None:
-            self.borrower.update()
+            self.borrower.update(prefilling=self.engine.scheduler.has_prompt_work)
         if self.engine.has_unfinished():
             if self.borrower is not None and self.borrower.is_borrowing:
                 self.metrics.borrowed_steps.inc()

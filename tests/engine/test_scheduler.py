@@ -137,6 +137,27 @@ def test_prefilled_finish_hands_blocks_to_caller():
     assert pool.num_free_blocks == 8
 
 
+def test_prompt_work_lasts_until_every_prompt_is_computed():
+    """has_prompt_work (the decode node borrows no cores while it holds): a queued prompt, one
+    mid-prefill, and a preempted one back in the queue; not decoding requests."""
+    pool = BlockPool(6)
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=12), pool, BLOCK_SIZE)
+    assert not scheduler.has_prompt_work
+    scheduler.add_waiting(make_request("a", num_prompt=8, max_tokens=8))
+    scheduler.add_waiting(make_request("b", num_prompt=8, max_tokens=8))
+    assert scheduler.has_prompt_work  # queued
+    run_fake_step(scheduler)  # a's 8 tokens and 4 of b's
+    assert not scheduler.waiting and scheduler.has_prompt_work  # b mid-prefill
+    run_fake_step(scheduler)  # b's rest; a decodes
+    assert not scheduler.has_prompt_work  # both decoding
+    while not scheduler.num_preemptions:  # 2 + 2 blocks of prompt; the decodes outgrow 6
+        run_fake_step(scheduler)
+    assert scheduler.waiting[0].request_id == "b" and scheduler.has_prompt_work  # recomputed from its prompt
+    while scheduler.num_unfinished:
+        run_fake_step(scheduler)
+    assert not scheduler.has_prompt_work and pool.num_free_blocks == 6
+
+
 def test_promised_blocks_count_what_accepted_prompts_still_need():
     """Waiting and chunk-prefilling requests take their blocks per chunk; num_promised_blocks is
     the rest of their prompts' blocks (the proxy counts them as taken), and 0 once decoding."""

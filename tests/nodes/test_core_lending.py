@@ -1,6 +1,7 @@
 """node.core_lending's two sides on one shared byte: the borrower runs on the lender's cores too
 (its stepping thread's affinity and torch's thread count) exactly while the lender says it is
-idle, and back on its own cores once it has work. In a child process, so that pytest's own
+idle and its own next step has no prompt to prefill, and back on its own cores once the lender
+has work or it has a prompt. In a child process, so that pytest's own
 affinity and threads stay as they are."""
 
 from __future__ import annotations
@@ -18,15 +19,16 @@ CHILD = textwrap.dedent("""
     torch.set_num_threads(1)
     lender, borrower = Lender(path), Borrower(path, lent)
     seen = []
-    for busy in (True, False, False, True, False):
+    for busy, prefilling in ((True, False), (False, False), (False, False), (True, False), (False, False),
+                             (False, True), (True, True), (False, False)):
         lender.tell(busy)
-        borrower.update()
+        borrower.update(prefilling=prefilling)
         seen.append((sorted(os.sched_getaffinity(0)), torch.get_num_threads(), borrower.is_borrowing))
     print(seen, borrower.num_switches)
 """)
 
 
-def test_the_borrower_follows_the_lenders_flag(tmp_path):
+def test_the_borrower_follows_the_lenders_flag_and_its_own_prompts(tmp_path):
     assert len(os.sched_getaffinity(0)) >= 2, "lending needs two cores (CI has two)"
     own, lent = sorted(os.sched_getaffinity(0))[:2]
     flag = tmp_path / "flag"
@@ -35,4 +37,4 @@ def test_the_borrower_follows_the_lenders_flag(tmp_path):
                           text=True, timeout=120, cwd=os.getcwd())
     assert done.returncode == 0, done.stderr
     alone, both = ([own], 1, False), ([own, lent], 2, True)
-    assert done.stdout.strip() == f"{[alone, both, both, alone, both]} 3"
+    assert done.stdout.strip() == f"{[alone, both, both, alone, both, alone, alone, both]} 5"
