@@ -4,6 +4,7 @@ and a fast exit. Both `pdserve prefill` and `pdserve decode` run through serve()
 from __future__ import annotations
 
 import argparse
+import ctypes
 import logging
 import os
 import signal
@@ -32,6 +33,7 @@ def serve(args: argparse.Namespace, role: Role, build_server: BuildServer) -> in
     except ValueError as exc:  # process edge: a readable message, not a traceback
         print(f"pdserve {role.value}: {exc}", file=sys.stderr)  # noqa: T201 - the CLI's answer
         return 2
+    keep_freed_memory()
     engine = LLMEngine(configs.engine)
     server = build_server(engine, configs)
     if args.lend_flag:
@@ -42,10 +44,32 @@ def serve(args: argparse.Namespace, role: Role, build_server: BuildServer) -> in
     # SIGINT stops at once.
     signal.signal(signal.SIGTERM, lambda *_: server.drain())
     signal.signal(signal.SIGINT, lambda *_: server.stop())
-    engine.warm_up()  # NOTE: before the first report, so routing sees a measured prefill rate
+    engine.warm_up()  # NOTE: a full step, before the first report (routing sees a measured prefill rate)
     server.run()
     exit_now()  # NOTE: skips UCX's teardown, which aborts when a peer died first
     return 0
+
+
+# glibc's mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_KEEP_BYTES = 2**31 - 1  # mallopt takes an int: the heap keeps up to 2 GiB of free top
+_HEAP_UP_TO_BYTES = 32 << 20  # glibc's largest mmap threshold: blocks up to this come from the heap
+
+
+def keep_freed_memory() -> bool:
+    """Have glibc's malloc keep the memory a step's activations freed, for the next step, rather
+    than give it back to the kernel and fault it in afresh (a node is one long-lived engine, and
+    its warm-up's full step sets the high-water mark). By default glibc trims the heap's free top
+    and serves blocks over a moving threshold from mmap, so a step larger than the last ones
+    faulted in fresh, zeroed pages: measured on a 2-core Xeon VM, float32 `small`, a 2,048-token
+    chunk after the warm-up's step of the same size still faulted ~3k pages (its SiLU output),
+    11 with this. False where the C library has no mallopt (not glibc)."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (AttributeError, OSError):
+        return False
+    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+    return bool(mallopt(_M_TRIM_THRESHOLD, _KEEP_BYTES) and mallopt(_M_MMAP_THRESHOLD, _HEAP_UP_TO_BYTES))
 
 
 def exit_now(code: int = 0) -> None:

@@ -1,0 +1,45 @@
+"""LLMEngine.warm_up: by default one full step (the scheduler's token budget) of throwaway
+prompts, within the cache; nothing left allocated or cached."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine.engine import LLMEngine
+
+
+def warmed_steps(model_dir, num_blocks: int, num_tokens: int | None = None) -> tuple[LLMEngine, list[tuple[int, int]]]:
+    """The warm-up's steps as (prompts prefilled, prefill tokens), with max_model_len 100, a
+    256-token step budget and 16-token blocks."""
+    engine = LLMEngine(EngineConfig(ModelConfig.from_pretrained(model_dir, dtype="float32", max_model_len=100),
+                                    CacheConfig(num_blocks=num_blocks), SchedulerConfig(max_num_batched_tokens=256)))
+    steps = []
+    run_batch = engine._run_batch
+
+    def recording(scheduled):
+        steps.append((len(scheduled.prefills), scheduled.num_prefill_tokens))
+        return run_batch(scheduled)
+
+    engine._run_batch = recording
+    engine.warm_up(num_tokens)
+    return engine, steps
+
+
+def test_the_warm_up_fills_one_step_with_prompts_that_share_no_block(tiny_model_dir):
+    engine, steps = warmed_steps(tiny_model_dir, num_blocks=64)
+    assert steps[0] == (3, 256)  # 98 + 98 + 60: each prompt leaves room for 2 output tokens
+    assert sum(tokens for _, tokens in steps[1:]) < 256  # the second run's full blocks are cached
+    assert engine.prefill_rate.tokens_per_s > 0
+    assert engine.scheduler.prefix_stats.num_query_tokens == 0  # reset: the throwaway prompts count nowhere
+    engine.check_leaks()
+
+
+@pytest.mark.parametrize(("num_blocks", "num_tokens", "first_step"), [
+    (64, 40, (1, 40)),  # asked for fewer
+    (10, None, (2, 128)),  # a cache of 10 blocks: 98 + 30 tokens and their outputs
+])
+def test_the_warm_up_takes_what_it_is_asked_for_within_the_cache(tiny_model_dir, num_blocks, num_tokens, first_step):
+    engine, steps = warmed_steps(tiny_model_dir, num_blocks, num_tokens)
+    assert steps[0] == first_step
+    engine.check_leaks()
