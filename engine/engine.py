@@ -380,7 +380,7 @@ class LLMEngine:
                 break
             first = len(prompts)
             prompts.append([(first + t) % self.config.model.vocab_size for t in range(length)])
-            free_blocks -= (length + 2 + self.block_size - 1) // self.block_size
+            free_blocks -= num_blocks_for(length + 2, self.block_size)
             budget -= length
         if not prompts:
             prompts = [[0]]

@@ -61,7 +61,7 @@ class Borrower(_Flag):
         self.is_borrowing = False
         self.num_switches = 0
 
-    def update(self, prefilling: bool = False) -> None:
+    def update(self, *, prefilling: bool) -> None:
         """Run on the lender's cores too if it is idle now and the next step has no prompt tokens
         to prefill (prefilling False), on our own if not. Call from the thread that runs the
         engine's steps.

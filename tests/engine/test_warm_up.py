@@ -26,7 +26,7 @@ def warmed_steps(model_dir, num_blocks: int, num_tokens: int | None = None) -> t
     return engine, steps
 
 
-def test_the_warm_up_fills_one_step_with_prompts_that_share_no_block(tiny_model_dir):
+def test_the_warm_up_fills_one_step(tiny_model_dir):
     engine, steps = warmed_steps(tiny_model_dir, num_blocks=64)
     assert steps[0] == (3, 256)  # 98 + 98 + 60: each prompt leaves room for 2 output tokens
     assert sum(tokens for _, tokens in steps[1:]) < 256  # the second run's full blocks are cached
