@@ -8,6 +8,7 @@ import importlib
 import logging
 import sys
 
+from pdserve.huge_heap import restart_with_huge_heap
 from pdserve.logs import configure as configure_logs
 from pdserve.settings import SettingsError, add_config_argument, apply_settings, describe
 
@@ -25,6 +26,9 @@ COMMANDS = [
 
 
 SERVERS = ("up", "proxy", "prefill", "decode")  # print their effective settings at start
+# The commands that run the model: run as the program, they restart at once with glibc's heap on
+# huge pages (pdserve.huge_heap).
+MODEL_COMMANDS = ("prefill", "decode", "generate")
 
 
 def _parser(chosen: str | None) -> tuple[argparse.ArgumentParser, object | None, argparse.ArgumentParser | None]:
@@ -50,8 +54,12 @@ def _parser(chosen: str | None) -> tuple[argparse.ArgumentParser, object | None,
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line argv (None: this program's own, sys.argv[1:]); returns the exit code."""
+    is_program = argv is None
     argv = sys.argv[1:] if argv is None else argv
     chosen = next((a for a in argv if not a.startswith("-")), None)
+    if is_program and chosen in MODEL_COMMANDS:
+        restart_with_huge_heap()
     parser, module, chosen_parser = _parser(chosen if chosen in {c[0] for c in COMMANDS} else None)
     taken = []
     if chosen_parser is not None:

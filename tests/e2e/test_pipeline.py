@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -14,6 +16,7 @@ import pytest
 import torch
 import transformers
 
+from pdserve.huge_heap import huge_heap_environ_here
 from tests.e2e.conftest import node_load, wait_blocks_free
 
 
@@ -229,3 +232,19 @@ def test_killed_prefill_node_is_named_by_health_and_the_decode_node_prefills(dep
     response = httpx.post(deployment.base_url + "/v1/completions", json={"model": name, "prompt": "x", "max_tokens": 2},
                           timeout=30)
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 2  # prefilled on decode
+
+
+def environ_of(pid: int) -> dict[str, str]:
+    entries = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0")
+    return dict(entry.partition("=")[::2] for entry in entries if entry)
+
+
+def test_the_nodes_restarted_with_their_heap_on_huge_pages(disaggregated):
+    """The node processes run with glibc's heap on huge pages where this machine has it
+    (pdserve.huge_heap: the tunable added to what they inherited); the proxy, which runs no
+    model, with the environment it inherited."""
+    inherited = os.environ.get("GLIBC_TUNABLES", "")
+    expected = (huge_heap_environ_here(os.environ) or os.environ).get("GLIBC_TUNABLES", "")
+    for name in ("prefill0", "decode0"):
+        assert environ_of(disaggregated.cluster.process(name).pid).get("GLIBC_TUNABLES", "") == expected
+    assert environ_of(disaggregated.cluster.process("proxy").pid).get("GLIBC_TUNABLES", "") == inherited
