@@ -2,17 +2,16 @@
 cache is advised before it is zeroed (the advice applies only to pages not yet touched). The CPU
 cache's storage is layer-major."""
 
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
 from engine import kv_cache
 from engine.host_memory import advise_huge_pages
+from pdserve.huge_heap import thp_mode
 
 HUGE = 2 << 20
-THP_SUPPORTED = sys.platform.startswith("linux") and Path("/sys/kernel/mm/transparent_hugepage/enabled").exists()
+THP_SUPPORTED = thp_mode() is not None
 
 
 def test_advise_huge_pages_covers_the_aligned_interior_of_a_fresh_tensor():

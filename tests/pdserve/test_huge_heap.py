@@ -49,7 +49,7 @@ def test_thp_mode_reads_the_bracketed_word(tmp_path):
 # A child that restarts itself, then reports its GLIBC_TUNABLES and the huge pages under a 64 MB
 # tensor it filled (smaps' AnonHugePages of the mappings the tensor spans).
 CHILD = textwrap.dedent("""
-    import os, sys
+    import os
     from pdserve.huge_heap import restart_with_huge_heap
     restart_with_huge_heap()
     import torch
@@ -64,7 +64,7 @@ CHILD = textwrap.dedent("""
             inside = low < end and start < high
         elif inside and head == "AnonHugePages:":
             huge_kb += int(line.split()[1])
-    print(os.environ.get("GLIBC_TUNABLES", ""), huge_kb)
+    print(huge_kb, os.environ.get("GLIBC_TUNABLES", ""))
 """)
 
 
@@ -72,8 +72,8 @@ def run_child(environ: dict[str, str]) -> tuple[str, int]:
     done = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=120,
                           cwd=os.getcwd(), env=environ)
     assert done.returncode == 0, done.stderr
-    tunables, huge_kb = done.stdout.rsplit(maxsplit=1) if " " in done.stdout.strip() else ("", done.stdout)
-    return tunables.strip(), int(huge_kb)
+    huge_kb, _, tunables = done.stdout.strip().partition(" ")
+    return tunables, int(huge_kb)
 
 
 def test_a_restarted_process_has_its_tensors_on_huge_pages():
