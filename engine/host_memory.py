@@ -5,6 +5,10 @@ fresh mmap and returns them to the OS on free, so each step page-faults its work
 again. Measured on the 2-core dev machine: a fresh 100 MB tensor took 45 ms against 7 ms to
 copy into an existing one, and the offline tiny benchmark (64 x 256 prompt tokens, 64 output
 tokens) ran in 7.1 s with glibc's defaults and 3.2 s with mmap off and trimming raised.
+
+The heap itself goes onto transparent huge pages by a glibc tunable that only a process's start
+reads: the node and `generate` commands restart themselves with it (pdserve/huge_heap.py, which
+stays free of torch so that the command line can run it first).
 """
 
 from __future__ import annotations
