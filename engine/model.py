@@ -12,11 +12,10 @@ import torch
 
 from engine.config import ModelConfig
 from engine.weights import LayerWeights, ModelWeights
-from kernels.activation import silu_and_mul
 from kernels.decode_attention import decode_attention
 from kernels.decode_layers import DecodeLayers
 from kernels.greedy_head import greedy_head_argmax
-from kernels.linear import linear
+from kernels.linear import linear, linear_silu_and_mul
 from kernels.prefill_attention import prefill_attention
 from kernels.rms_norm import add_rms_norm, rms_norm
 from kernels.rotary import apply_rotary, rotary_cos_sin_cache
@@ -137,7 +136,7 @@ class CausalLM:
                 return self._last_layer(layer, normed, residual, meta, kv_cache[:, layer_idx], last_layer_rows)
             hidden = self._attention(layer, normed, meta, kv_cache[:, layer_idx])
             normed, residual = add_rms_norm(hidden, residual, layer.post_norm, self.config.rms_norm_eps)
-            hidden = linear(silu_and_mul(linear(normed, layer.gate_up)), layer.down)
+            hidden = linear(linear_silu_and_mul(normed, layer.gate_up), layer.down)
         return hidden, residual
 
     def _last_layer(
@@ -159,7 +158,7 @@ class CausalLM:
         normed, residual = add_rms_norm(
             hidden, residual[logits_indices], layer.post_norm, self.config.rms_norm_eps
         )
-        return linear(silu_and_mul(linear(normed, layer.gate_up)), layer.down), residual
+        return linear(linear_silu_and_mul(normed, layer.gate_up), layer.down), residual
 
     def _qkv_to_cache(
         self, layer: LayerWeights, x: torch.Tensor, meta: AttentionMetadata, kv_cache_layer: torch.Tensor,

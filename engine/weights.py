@@ -83,7 +83,7 @@ def _load_layer(config: ModelConfig, idx: int, take, take_optional, prepare) -> 
         qkv=prepare(qkv, qkv_bias),
         o=prepare(take(attn + "o_proj.weight"), o_bias),
         post_norm=take(prefix + "post_attention_layernorm.weight"),
-        gate_up=prepare(torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")])),
+        gate_up=prepare(torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")]), gate_up=True),
         down=prepare(take(mlp + "down_proj.weight")),
     )
 

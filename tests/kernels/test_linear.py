@@ -1,6 +1,7 @@
 """Dense projections: the oneDNN-prepacked path (CPU float32 and bfloat16), the AMX kernel
 (bfloat16 decode batches on CPUs with AMX), the AVX512-BF16 kernel (bfloat16 decode batches on
-CPUs without AMX), the float32 kernel (float32 decode batches on CPUs with AVX-512) and the BLAS
+CPUs without AMX), the float32 kernel (float32 decode batches on CPUs with AVX-512), the float32
+gate/up kernel (a gated MLP's first half, its activation fused, on CPUs with AVX-512) and the BLAS
 path on W^T (other dtypes; on CUDA the same torch call, which the engine's CUDA tests run), a
 contiguous copy or a view, against F.linear and a float64 oracle, from one row to prefill-sized
 batches."""
@@ -12,7 +13,16 @@ import pytest
 import torch
 
 import kernels.linear as linear_module
-from kernels.linear import Linear, can_prepack, linear, linear_ref, pack_bf16_pairs, prepare_linear
+from kernels.activation import silu_and_mul_ref
+from kernels.linear import (
+    Linear,
+    can_prepack,
+    linear,
+    linear_ref,
+    linear_silu_and_mul,
+    pack_bf16_pairs,
+    prepare_linear,
+)
 from tests.kernels.conftest import DTYPES, EXPECT_AMX, EXPECT_AVX512, EXPECT_AVX512_BF16, assert_close
 from tests.kernels.conftest import randn as _randn
 
@@ -339,3 +349,75 @@ def test_only_a_cpu_input_reaches_the_compiled_kernels(bf16_calls, amx_calls, f3
         linear(randn(8, 64, dtype=dtype, seed=41), w)  # the same weight on a CPU x takes its kernel
     assert bf16_calls + amx_calls == ([8] if EXPECT_AVX512_BF16 or EXPECT_AMX else [])
     assert f32_calls == ([8] if EXPECT_AVX512 else [])
+
+
+@pytest.fixture
+def gate_up_calls(monkeypatch) -> list:
+    """(rows, gated) of each float32 gate/up kernel run, in order."""
+    calls, real = [], linear_module._gate_up_f32
+
+    def spy(x, w, gated):
+        calls.append((x.shape[0], gated))
+        return real(x, w, gated)
+
+    monkeypatch.setattr(linear_module, "_gate_up_f32", spy)
+    return calls
+
+
+def _gate_up_error(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, gated: bool) -> tuple[float, float]:
+    """got's worst error against the float64 product (then SiLU-and-mul in float64 where gated),
+    and the float32 reference path's."""
+    exact = oracle(x, weight, None)
+    reference = linear_ref(x, weight)
+    if gated:
+        exact, reference = silu_and_mul_ref(exact), silu_and_mul_ref(reference)
+    return (got.double() - exact).abs().max().item(), (reference.double() - exact).abs().max().item()
+
+
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 65, 100, 252, 253, 600])
+@pytest.mark.parametrize(("inter", "in_features"), [(32, 64), (37, 65), (70, 130), (96, 576), (1, 7)])
+@pytest.mark.parametrize("small_batches", [True, False])
+def test_gate_up_kernel_fuses_silu_and_mul(rows, inter, in_features, small_batches, gate_up_calls):
+    """A gated MLP's stacked gate and up weights: linear_silu_and_mul equals silu(x Wg^T) * (x Wu^T)
+    and linear the plain projection, as accurate as the float32 reference path (within 4x its
+    worst error): odd intermediate sizes (a partial 32-output panel, a partial 16-lane vector),
+    row counts that leave a partial 6-row tile and cross the 252-row blocks, odd input counts
+    (a partial 64-input chunk), x's rows strided. Without AVX-512 oneDNN serves both."""
+    weight = randn(2 * inter, in_features, dtype=torch.float32, seed=50) * 0.2
+    x = randn(rows, in_features + 8, dtype=torch.float32, seed=51)[:, :in_features]
+    w = prepare_linear(weight, gate_up=True, small_batches=small_batches)
+    assert (w.gate_up is not None) == EXPECT_AVX512
+    assert (w.packed is None) == EXPECT_AVX512  # the kernel's copy in place of oneDNN's
+    takes = EXPECT_AVX512 and not (small_batches and rows <= 64)  # the small-batch kernel takes those
+    act = linear_silu_and_mul(x, w)
+    assert act.shape == (rows, inter) and act.dtype == torch.float32
+    error, reference_error = _gate_up_error(act, x, weight, gated=True)
+    assert error <= 4 * reference_error + 1e-6
+    both = linear(x, w)
+    assert both.shape == (rows, 2 * inter)
+    error, reference_error = _gate_up_error(both, x, weight, gated=False)
+    assert error <= 4 * reference_error + 1e-6
+    assert gate_up_calls == ([(rows, True), (rows, False)] if takes else [])
+
+
+def test_gate_up_copy_only_for_float32_without_bias(gate_up_calls):
+    """A biased gate/up, another dtype or an ordinary projection keep oneDNN's copy; an empty batch
+    gives an empty result."""
+    weight = randn(64, 32, dtype=torch.float32, seed=52)
+    assert prepare_linear(weight, randn(64, dtype=torch.float32, seed=53), gate_up=True).gate_up is None
+    assert prepare_linear(weight.bfloat16(), gate_up=True).gate_up is None
+    assert prepare_linear(weight).gate_up is None
+    w = prepare_linear(weight, gate_up=True)
+    assert linear_silu_and_mul(torch.empty(0, 32), w).shape == (0, 32)
+    assert linear(torch.empty(0, 32), w).shape == (0, 64)
+
+
+def test_gate_up_kernel_does_not_take_a_non_cpu_input():
+    """An x on another device (meta here) is refused, not read as host memory: by the gate/up
+    kernel's path, or by oneDNN's where the CPU has no AVX-512."""
+    w = prepare_linear(randn(64, 32, dtype=torch.float32, seed=54), gate_up=True)
+    assert (w.gate_up is not None) == EXPECT_AVX512
+    x = torch.empty(80, 32, dtype=torch.float32, device="meta")
+    for run in (linear, linear_silu_and_mul):
+        with pytest.raises(RuntimeError, match="CPU"):
+            run(x, w)
