@@ -19,7 +19,8 @@ threads, interleaved with what they replace: the projections of one decode step 
 preset in each dtype with a small-batch kernel (30 layers' four projections and the LM head,
 distinct weights so each call reads them from memory, as the engine routes them: the LM head
 takes the float32 kernel up to 32 rows) at 1, 8, 16 and 64 rows against oneDNN's prepacked
-linear; and prefill attention (8 prompts x 256 tokens in one chunk, and one 2,048-token
+linear; the float32 gate/up kernel (30 layers' gate and up projections with SiLU-and-mul fused)
+at 128, 512 and 2,048 rows against oneDNN's linear and then silu_and_mul; and prefill attention (8 prompts x 256 tokens in one chunk, and one 2,048-token
 prompt; bfloat16 on AMX or AVX-512, float32 on AVX-512) against the per-sequence SDPA reference,
 with each one's mean error against a float64 oracle.
 """
@@ -291,6 +292,39 @@ def bench_projections(dtype: torch.dtype, kernel: str, repeats: int, gen: torch.
     return {"dtype": str(dtype).removeprefix("torch."), "mb": round(num_bytes / 1e6), "rows": rows_measured}
 
 
+def bench_gate_up(repeats: int, gen: torch.Generator) -> dict | str:
+    """The float32 gate/up kernel (csrc/f32_gate_up.c: the MLP's gate and up projections with
+    SiLU-and-mul in the same pass) against what it replaces, oneDNN's prepacked linear and then
+    silu_and_mul, over the small preset's 30 layers' gate/up weights (1,536 x 2 outputs over 576
+    inputs) at prefill-sized batches; each row's error against the float64 result."""
+    from kernels import linear as linear_module
+    from kernels.activation import silu_and_mul, silu_and_mul_ref
+
+    if linear_module._gate_up_kernel() is None:
+        return "no AVX-512 (or no compiler for it): no float32 gate/up kernel is built"
+    raw = [torch.randn(3072, 576, generator=gen) * 0.05 for _ in range(30)]
+    kernel = [linear_module.prepare_linear(w, gate_up=True, small_batches=False) for w in raw]
+    onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in raw]
+    measured = []
+    for rows in (128, 512, 2048):
+        x = torch.randn(rows, 576, generator=gen)
+        ms = median_ms({
+            "kernel": lambda x=x: [linear_module.linear_silu_and_mul(x, w) for w in kernel],
+            "onednn_then_silu_and_mul": lambda x=x: [
+                silu_and_mul(torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")) for w in onednn],
+        }, repeats)
+        exact = silu_and_mul_ref(x.double() @ raw[0].double().t())
+        errors = {"kernel": linear_module.linear_silu_and_mul(x, kernel[0]),
+                  "onednn_then_silu_and_mul": silu_and_mul(
+                      torch.ops.mkldnn._linear_pointwise(x, onednn[0], None, "none", [], ""))}
+        flops = 2 * rows * 576 * 3072 * 30
+        measured.append({"rows": rows, "ms_30_layers": ms, "kernel_gflops": round(flops / ms["kernel"] / 1e6, 1),
+                         "speedup": round(ms["onednn_then_silu_and_mul"] / ms["kernel"], 2),
+                         "max_abs_err_vs_float64": {k: f"{(v.double() - exact).abs().max().item():.2e}"
+                                                    for k, v in errors.items()}})
+    return {"weights": "30 x (3072 x 576) float32", "rows": measured}
+
+
 def bench_greedy_head(repeats: int, gen: torch.Generator, dtype: torch.dtype) -> dict | str:
     """The greedy head (kernels/greedy_head.py, the int8 screen) on a head of this dtype against
     what it replaces, the LM head's logits and their argmax, on the small preset's 49,152 x 576
@@ -355,7 +389,8 @@ def bench_cpu_compiled(repeats: int) -> dict:
                           "speedup": round(ms["sdpa_ref"] / ms["kernel"], 2),
                           "mean_abs_err_vs_float64": {k: f"{v:.2e}" for k, v in errors.items()}})
     return {"device": f"cpu ({torch.get_num_threads()} threads)",
-            "projections_small_decode_step": projections, "prefill_attention": attention,
+            "projections_small_decode_step": projections, "gate_up_prefill": bench_gate_up(repeats, gen),
+            "prefill_attention": attention,
             "greedy_head": [bench_greedy_head(repeats, gen, dtype) for dtype in (torch.float32, DTYPE)]}
 
 
