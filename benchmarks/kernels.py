@@ -20,9 +20,10 @@ preset in each dtype with a small-batch kernel (30 layers' four projections and 
 distinct weights so each call reads them from memory, as the engine routes them: the LM head
 takes the float32 kernel up to 32 rows) at 1, 8, 16 and 64 rows against oneDNN's prepacked
 linear; the float32 gate/up kernel (30 layers' gate and up projections with SiLU-and-mul fused)
-at 128, 512 and 2,048 rows against oneDNN's linear and then silu_and_mul; and prefill attention (8 prompts x 256 tokens in one chunk, and one 2,048-token
-prompt; bfloat16 on AMX or AVX-512, float32 on AVX-512) against the per-sequence SDPA reference,
-with each one's mean error against a float64 oracle.
+at 128, 512 and 2,048 rows against oneDNN's linear and then silu_and_mul; and prefill attention
+(8 prompts x 256 tokens in one chunk, and one 2,048-token prompt; bfloat16 on AMX or AVX-512,
+float32 on AVX-512) against the per-sequence SDPA reference, with each one's mean error against a
+float64 oracle.
 """
 
 from __future__ import annotations
