@@ -4,22 +4,23 @@
  *
  * W is packed once, when the model loads (kernels/linear.py: pack_f32_gate_up), in panels of 32
  * gate outputs and the same 32 up outputs, each k rows of 64 floats (W^T's rows cut to the panel,
- * zero-padded past inter). Each thread takes
- * a share of the panels; rows run in blocks of MB (x's block stays in L2 while the thread's
- * panels stream past it), 6 rows x 64 outputs at a time: 24 sums in registers, one broadcast of
- * x per row and four loads of W per input, the panel read from L2 after the block's first tile,
- * the next panel prefetched into L2 meanwhile, a few lines each tile. The sums run in chunks of
- * CHUNK inputs, each chunk's added to the running total, as in f32_linear.c (blocked summation:
- * its error grows with CHUNK + k / CHUNK rather than k). The gated epilogue computes SiLU as
- * elementwise.c's silu_and_mul_f32 does (the same libmvec expf, the same expression), from sums
- * in registers, so the gate/up product [rows, 2 * inter] is never written.
+ * zero-padded past inter). Each thread takes a share of the panels; rows run in blocks of MB (x's
+ * block stays in L2 while the thread's panels stream past it), 6 rows x 64 outputs at a time: 24
+ * sums in registers, one broadcast of x per row and four loads of W per input, the panel read from
+ * L2 after the block's first tile, the next panel prefetched into L2 meanwhile, a few lines each
+ * tile. The sums run in chunks of CHUNK inputs, each chunk's added to the running total, as in
+ * f32_linear.c (blocked summation: its error grows with CHUNK + k / CHUNK rather than k). The gated
+ * epilogue computes SiLU as elementwise.c's silu_and_mul_f32 does (the same libmvec expf, the same
+ * expression), from sums in registers, so the gate/up product [rows, 2 * inter] is never written.
  *
  * Measured on a 2-core Xeon (Emerald Rapids), one thread, 2,048 rows, SmolLM-135M's gate/up
  * (1,536 x 2 outputs over 576 inputs): 43.1-45.5 ms against 48.0-50.3 for oneDNN's prepacked
  * linear plus silu_and_mul; a whole 2,048-token prefill chunk of the 30 layers 2,986-3,019 ms
  * against 3,167-3,276 (alternated). The microkernel alone, hot: 172-181 GFLOP/s for 6 x 64,
  * 14 x 32 and 8 x 48 tiles alike; the prefetch and the vector expf (a scalar expf loop cost 25%)
- * are what took the whole pass from 125 to 160-168 GFLOP/s.
+ * are what took the whole pass from 125 to 160-168 GFLOP/s. Two threads, 30 layers' weights
+ * (benchmarks/kernels.py --cpu): 1.21x oneDNN + silu_and_mul at 128 rows, 1.04x at 512, 1.06x at
+ * 2,048. At decode sizes (up to 64 rows) f32_linear.c's kernel stays faster and takes them.
  */
 #include <stdint.h>
 
