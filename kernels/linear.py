@@ -219,7 +219,13 @@ def pack_f32_gate_up(weight: torch.Tensor) -> torch.Tensor:
     return halves.view(2, -1, 32, in_features).permute(1, 3, 0, 2).contiguous()
 
 
+def _gate_up_takes_x(x: torch.Tensor, w: Linear) -> bool:
+    """Whether x can run on w's gate/up kernel copy (a float32 x on the CPU, w with the copy)."""
+    return w.gate_up is not None and x.dtype == torch.float32 and x.is_cpu
+
+
 def _gate_up_f32(x: torch.Tensor, w: Linear, gated: bool) -> torch.Tensor:
+    x = x if x.stride(1) == 1 else x.contiguous()
     inter = w.out_features // 2
     out = torch.empty(x.shape[0], inter if gated else w.out_features, dtype=torch.float32)
     _gate_up_kernel()(x.data_ptr(), x.stride(0), x.shape[0], w.in_features, w.gate_up.data_ptr(), inter, int(gated),
@@ -230,8 +236,8 @@ def _gate_up_f32(x: torch.Tensor, w: Linear, gated: bool) -> torch.Tensor:
 def linear_silu_and_mul(x: torch.Tensor, w: Linear) -> torch.Tensor:
     """silu_and_mul(linear(x, w)) for w a gated MLP's stacked gate and up weights: in one pass of
     the gate/up kernel where w has its copy (the batches the small-batch kernel does not take)."""
-    if w.gate_up is not None and x.dtype == torch.float32 and x.is_cpu and not _small_batch_f32(x, w):
-        return _gate_up_f32(x if x.stride(1) == 1 else x.contiguous(), w, gated=True)
+    if _gate_up_takes_x(x, w) and not _small_batch_f32(x, w):
+        return _gate_up_f32(x, w, gated=True)
     return silu_and_mul(linear(x, w))
 
 
@@ -347,8 +353,8 @@ def linear(x: torch.Tensor, w: Linear) -> torch.Tensor:
             return _linear_bf16(x, w)
     if _small_batch_f32(x, w):
         return _linear_f32(x, w)
-    if w.gate_up is not None and x.dtype == torch.float32 and x.is_cpu:
-        return _gate_up_f32(x if x.stride(1) == 1 else x.contiguous(), w, gated=False)
+    if _gate_up_takes_x(x, w):
+        return _gate_up_f32(x, w, gated=False)
     if w.packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), w.packed, w.bias, "none", [], "")
     if w.weight_t is None:  # a compiled kernel's copy alone: the bfloat16 kernel's, or the float32 gate/up's

@@ -86,3 +86,18 @@ def _ucx_settings_stay_in_their_test() -> Iterator[None]:
     for name in [name for name in os.environ if name.startswith("UCX_") and name not in before]:
         del os.environ[name]
     os.environ.update(before)
+
+
+@pytest.fixture
+def gate_up_calls(monkeypatch) -> list:
+    """(rows, gated) of each float32 gate/up kernel run (kernels/csrc/f32_gate_up.c), in order."""
+    import kernels.linear as linear_module
+
+    calls, real = [], linear_module._gate_up_f32
+
+    def spy(x, w, gated):
+        calls.append((x.shape[0], gated))
+        return real(x, w, gated)
+
+    monkeypatch.setattr(linear_module, "_gate_up_f32", spy)
+    return calls

@@ -351,19 +351,6 @@ def test_only_a_cpu_input_reaches_the_compiled_kernels(bf16_calls, amx_calls, f3
     assert f32_calls == ([8] if EXPECT_AVX512 else [])
 
 
-@pytest.fixture
-def gate_up_calls(monkeypatch) -> list:
-    """(rows, gated) of each float32 gate/up kernel run, in order."""
-    calls, real = [], linear_module._gate_up_f32
-
-    def spy(x, w, gated):
-        calls.append((x.shape[0], gated))
-        return real(x, w, gated)
-
-    monkeypatch.setattr(linear_module, "_gate_up_f32", spy)
-    return calls
-
-
 def _gate_up_error(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, gated: bool) -> tuple[float, float]:
     """got's worst error against the float64 product (then SiLU-and-mul in float64 where gated),
     and the float32 reference path's."""
