@@ -14,7 +14,7 @@ RUN (command -v python3 >/dev/null || (apt-get update && apt-get install -y --no
     && rm -rf /var/lib/apt/lists/* \
     && python3 -m venv /opt/venv
 WORKDIR /app
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY engine engine
 COPY kernels kernels
 COPY kv_transfer kv_transfer

@@ -12,7 +12,8 @@ PORT ?= 8000
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml Makefile
+# setup.py builds the compiled CPU kernels (kernels/csrc) here, one library per instruction-set level.
+$(VENV)/.installed: pyproject.toml setup.py Makefile $(wildcard kernels/csrc/*.c kernels/csrc/*.h)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch is pinned exactly: a CPU wheel lies on disk here, the CUDA build on a GPU box.

@@ -255,7 +255,9 @@ def main() -> int:
     finally:
         deployment.stop()
     print(json.dumps({k: v for k, v in result.items() if k != "errors"}, indent=1))  # noqa: T201 - the CLI's output
-    print("RESULT " + json.dumps(result))  # noqa: T201
+    from results_io import write_result
+
+    write_result("chaos", result)
     return 0
 
 

@@ -15,7 +15,6 @@ Ends with one line `RESULT {json}`. Run by itself: other work on the cores moves
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -64,7 +63,9 @@ def main() -> None:
         print(f"batch {batch:3d}: TPOT {tpot_ms:6.2f} ms ({batch * 1000 / tpot_ms:7.1f} tok/s)", flush=True)
     result = {"preset": args.preset, "dtype": args.dtype, "threads": args.threads, "prompt_len": args.prompt_len,
               "output_len": args.output_len, "rows": rows}
-    print("RESULT " + json.dumps(result))
+    from results_io import write_result
+
+    write_result("decode_latency", result)
 
 
 if __name__ == "__main__":

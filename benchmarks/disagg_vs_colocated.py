@@ -232,7 +232,9 @@ def report(results: list[SetupResult], workload: Workload, state: dict, args: ar
               "plot": str(plot_path) if plot_path else None, "elapsed_s": clock.elapsed_s}
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "result.json").write_text(json.dumps(jsonable(result), indent=1))
-    print("RESULT " + json.dumps(jsonable(result)), flush=True)
+    from results_io import write_result
+
+    write_result("disagg_vs_colocated", jsonable(result))
 
 
 def print_tables(results: list[SetupResult], summaries: dict, workload: Workload, state: dict,

@@ -79,7 +79,9 @@ def _print(report: FuzzReport, args: argparse.Namespace) -> int:
     result = {"num_cases": report.num_cases, "by_status": table, "num_problems": len(report.problems),
               "num_negative_accepted": len(report.accepted_negative), "elapsed_s": round(report.elapsed_s, 1),
               "time_s": args.time_s, "seed": args.seed}
-    print("RESULT " + json.dumps(result))
+    from results_io import write_result
+
+    write_result("fuzz", result)
     return 1 if report.problems else 0
 
 

@@ -424,6 +424,8 @@ def main() -> None:
     parser.add_argument("--cpu", action="store_true", help="measure the CPU decode kernel even where a GPU is present")
     parser.add_argument("--cpu-repeats", type=int, default=9)
     args = parser.parse_args()
+    from results_io import write_result
+
     if args.cpu or not torch.cuda.is_available():
         threads = torch.get_num_threads()
         result = bench_cpu_decode(args.cpu_repeats)
@@ -431,11 +433,11 @@ def main() -> None:
         torch.set_num_threads(threads)
         result = {"decode_attention": result, "compiled": bench_cpu_compiled(args.cpu_repeats)}
         print(json.dumps(result["compiled"]))
-        print("RESULT " + json.dumps(result))
+        write_result("kernels_cpu", result)
         return
     only = set(args.only.split(",")) if args.only else None
     result = run(args.iters, only)
-    print("RESULT " + json.dumps(result))
+    write_result("kernels_gpu", result)
     if any("error" in row for row in result["kernels"]):
         sys.exit(1)
 

@@ -244,7 +244,9 @@ def main() -> None:
             row = veth[tokens]
             print(f"{tokens:>6} tokens: veth {row['veth_gb_s']:5.2f} GB/s ({row['veth_latency_ms']:6.1f} ms), "
                   f"loopback {row['loopback_gb_s']:5.2f} GB/s: ratio {row['veth_to_loopback']:.2f}")
-    print("RESULT " + json.dumps({"block_bytes": block_bytes(), "storage": STORAGE, "rows": summary, "veth": veth}))
+    from results_io import write_result
+
+    write_result("kv_transfer", {"block_bytes": block_bytes(), "storage": STORAGE, "rows": summary, "veth": veth})
 
 
 def bench_veth(copies: dict) -> dict:

@@ -156,7 +156,9 @@ def main() -> None:
                           "later_rounds_us_per_chunk": round(statistics.median(later), 1) if later else None}
         print(f"{client}: {result[client]['later_rounds_us_per_chunk']} us of CPU a chunk (median of the later "
               f"rounds), first round {result[client]['first_round_us_per_chunk']}")
-    print("RESULT " + json.dumps(result))
+    from results_io import write_result
+
+    write_result("load_client", result)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Prefix caching and cache-aware routing on a multi-turn chat workload (issue 17).
+"""Prefix caching and cache-aware routing on a multi-turn chat workload.
 
 8 users at once (`pdserve bench --dataset multiturn`: every user shares one system prompt of
 --system-words words, ~1,000 tokens by default, and sends --turns user messages, each turn
@@ -74,7 +74,9 @@ def main() -> None:
                "vs_off": _ratios(results)}
     (out / f"multiturn-{args.preset}.json").write_text(json.dumps(summary, indent=2))
     _plot(results, out / f"multiturn-{args.preset}.png", args.preset)
-    print("RESULT " + json.dumps(summary))
+    from results_io import write_result
+
+    write_result("multiturn", summary)
 
 
 def run_config(name: str, model_dir: Path, args: argparse.Namespace, out: Path) -> dict:

@@ -160,7 +160,9 @@ def main() -> None:
         print(f"plot: {path}")
     name = torch.cuda.get_device_name(args.device) if args.on_cuda else "cpu"
     summary = {"device": args.device, "device_name": name, "threads": torch.get_num_threads(), "results": results}
-    print("RESULT " + json.dumps(summary))
+    from results_io import write_result
+
+    write_result("offline_throughput", summary)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import resource
 import signal
@@ -201,7 +200,9 @@ def print_result(result: dict) -> None:
 def main() -> None:
     args = parse_args()
     results = [profile_preset(p, args) for p in args.presets.split(",")]
-    print("RESULT " + json.dumps({"results": results}))
+    from results_io import write_result
+
+    write_result("profile_serve", {"results": results})
 
 
 if __name__ == "__main__":

@@ -132,7 +132,9 @@ def bench_preset(preset: str, args: argparse.Namespace) -> dict:
 def main() -> None:
     args = parse_args()
     results = [bench_preset(p, args) for p in args.presets.split(",")]
-    print("RESULT " + json.dumps({"device": "cpu", "results": results}))
+    from results_io import write_result
+
+    write_result("serve_throughput", {"device": "cpu", "results": results})
 
 
 if __name__ == "__main__":

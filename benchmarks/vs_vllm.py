@@ -1,7 +1,7 @@
 """pdserve beside vLLM at equal cores, offline and served, side by side in one run.
 
 vLLM is not a project dependency: install it in a venv of its own and pass its python with
---vllm-python (README, "pdserve vs vLLM"). For each preset and each of --rounds rounds, the
+--vllm-python (docs/benchmarks.md, "pdserve vs vLLM"). For each preset and each of --rounds rounds, the
 engines run one after the other (interleaved, so the machine's drift hits both), each in a
 fresh process:
 
@@ -221,8 +221,8 @@ def served_vllm(args, model_dir: Path, vocab: int) -> dict:
 def vllm_serve_env(model_dir: Path, dtype: str) -> dict[str, str]:
     """VLLM_ENV, or where `pdserve up` keeps a core for its proxy (pdserve.launcher's
     auto_proxy_cores, for one node in this dtype) the same for vLLM: its worker on the other cores
-    and one core reserved for its API server. Measured on `tiny` in bfloat16: 4,259 tok/s that way
-    against 3,922 with the worker on both cores."""
+    and one core reserved for its API server (faster that way on `tiny` in bfloat16 than with the
+    worker on both cores)."""
     from pdserve.launcher import auto_proxy_cores
 
     cores = sorted(os.sched_getaffinity(0))
@@ -374,7 +374,7 @@ def main() -> None:
         run_as_worker(args)
         return
     if not args.vllm_python:
-        sys.exit("--vllm-python is required (README: pdserve vs vLLM)")
+        sys.exit("--vllm-python is required (docs/benchmarks.md: pdserve vs vLLM)")
     args.layouts = args.served_layouts.split(",")
     for layout in args.layouts:
         parse_layout(layout)  # a bad layout fails here, before any engine runs
@@ -405,7 +405,9 @@ def main() -> None:
     (out_dir / f"vs_vllm{suffix}.md").write_text(table(rows) + "\n")
     plot(rows, out_dir / f"vs_vllm{suffix}.png", args.dtype)
     print(table(rows))
-    print("RESULT " + json.dumps({"device": "cpu", "dtype": args.dtype, "rows": rows}))
+    from results_io import write_result
+
+    write_result("vs_vllm", {"device": "cpu", "dtype": args.dtype, "rows": rows})
 
 
 def run_as_worker(args: argparse.Namespace) -> None:

@@ -12,6 +12,7 @@ from engine.protocol import Role
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KERNEL_BACKENDS = ("auto", "cpu", "triton", "reference")  # kernels/select.py
 DEFAULT_DTYPE = "float32"  # greedy output equals transformers' token for token in float32
 
 
@@ -180,7 +181,12 @@ class EngineConfig:
     role: Role = Role.COLOCATED  # PREFILL: each request stops after its first token (see Role)
     # Reuse the KV of cached full blocks across requests with a common prefix (engine.block_pool).
     enable_prefix_caching: bool = True
+    # The compute backend (kernels/select.py): auto (Triton on CUDA, the compiled CPU kernels on the
+    # CPU), cpu, triton or reference (plain torch, the test oracle).
+    kernel_backend: str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.role, Role):
             raise ValueError(f"role must be a Role, got {self.role!r}")
+        if self.kernel_backend not in KERNEL_BACKENDS:
+            raise ValueError(f"kernel_backend must be one of {', '.join(KERNEL_BACKENDS)}, got {self.kernel_backend!r}")

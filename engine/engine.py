@@ -25,6 +25,7 @@ from engine.sampler import Sampler, prompt_token_logprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import PrefixCacheStats, Scheduler, SchedulerOutput
 from engine.weights import load_weights
+from kernels.select import select_backend
 
 logger = logging.getLogger(__name__)
 
@@ -82,13 +83,14 @@ class LLMEngine:
         self.config = replace(config, cache=replace(config.cache, num_blocks=num_blocks))
         self.block_size = config.cache.block_size
         # A prefill-only engine runs big batches: no copies of the projections for small ones.
-        weights = load_weights(model_cfg, config.device, decode_batches=config.role is not Role.PREFILL)
-        self.model = CausalLM(model_cfg, weights, config.device)
+        self.backend = select_backend(config.device, config.kernel_backend)
+        weights = load_weights(model_cfg, self.backend, decode_batches=config.role is not Role.PREFILL)
+        self.model = CausalLM(model_cfg, weights, self.backend)
         self.kv_cache = allocate_kv_cache(model_cfg, num_blocks, self.block_size, config.device)
         self.block_pool = BlockPool(num_blocks)
         self.scheduler = Scheduler(config.scheduler, self.block_pool, self.block_size, config.enable_prefix_caching)
         self.runner = ModelRunner(self.model, self.kv_cache, self.block_size, config.device)
-        self.sampler = Sampler(model_cfg.vocab_size, model_cfg.eos_token_ids, config.seed)
+        self.sampler = Sampler(model_cfg.vocab_size, model_cfg.eos_token_ids, config.seed, self.backend.argmax)
         self.grammars = Grammars(model_cfg.model_dir, model_cfg.vocab_size, model_cfg.eos_token_ids)
         # A lone request must always fit, or it would preempt itself forever.
         self.max_total_tokens = min(model_cfg.max_model_len, num_blocks * self.block_size)

@@ -67,11 +67,8 @@ class ModelRunner:
         batch = self.prepare(scheduled)
         greedy_rows = ([i for i, r in enumerate(batch.sampled_requests) if is_plain_greedy(r)]
                        if self.model.has_greedy_head else [])
-        if greedy_rows:
-            tokens, logits = self.model.forward_split(batch.input_ids, batch.meta, self.kv_cache,
-                                                      batch.logits_indices, torch.tensor(greedy_rows))
-        else:
-            tokens, logits = None, self.model.forward(batch.input_ids, batch.meta, self.kv_cache, batch.logits_indices)
+        hidden = self.model.forward(batch.input_ids, batch.meta, self.kv_cache, batch.logits_indices)
+        tokens, logits = self._head(hidden, greedy_rows)
         num_sampled = len(batch.sampled_requests) - len(greedy_rows)  # logits' rows of sampled requests
         offset = num_sampled
         for span in batch.prompt_spans:
@@ -79,6 +76,17 @@ class ModelRunner:
             offset += span.num_positions
         sampled_logits = logits[:num_sampled] if num_sampled else None
         return StepLogits(sampled_logits, batch.sampled_requests, batch.prompt_spans, greedy_rows, tokens)
+
+    def _head(self, hidden: torch.Tensor, greedy_rows: list[int]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(the greedy head's tokens for greedy_rows, the logits of the other rows in order; None
+        where there are none)."""
+        if not greedy_rows:
+            return None, self.model.logits(hidden)
+        if len(greedy_rows) == hidden.shape[0]:
+            return self.model.greedy_tokens(hidden), None
+        keep = torch.ones(hidden.shape[0], dtype=torch.bool)
+        keep[greedy_rows] = False
+        return self.model.greedy_tokens(hidden[greedy_rows]), self.model.logits(hidden[keep])
 
     def prepare(self, scheduled: SchedulerOutput) -> BatchInputs:
         items = scheduled.scheduled()

@@ -8,6 +8,7 @@ node for the first token, decode node after).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -15,7 +16,6 @@ import torch
 from engine.grammar import mask_logits
 from engine.protocol import TokenLogprob
 from engine.request import Request
-from kernels.argmax import argmax_rows
 
 _SEED_STRIDE = 1_000_003
 
@@ -31,7 +31,10 @@ class _Rows:
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, eos_token_ids: tuple[int, ...], seed: int = 0) -> None:
+    def __init__(self, vocab_size: int, eos_token_ids: tuple[int, ...], seed: int = 0,
+                 argmax: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        # the backend's row argmax (Backend.argmax): torch.argmax's answer, ties and NaN alike
+        self._argmax = argmax if argmax is not None else (lambda x: x.argmax(dim=-1))
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self._generator = torch.Generator().manual_seed(seed)
@@ -51,9 +54,9 @@ class Sampler:
         greedy_idx = [i for i, r in enumerate(requests) if r.params.is_greedy]
         random_idx = [i for i, r in enumerate(requests) if not r.params.is_greedy]
         if len(greedy_idx) == len(requests):
-            token_ids = argmax_rows(logits)  # no row gather: a copy of the whole logits
+            token_ids = self._argmax(logits)  # no row gather: a copy of the whole logits
         elif greedy_idx:
-            token_ids[greedy_idx] = argmax_rows(logits[greedy_idx])
+            token_ids[greedy_idx] = self._argmax(logits[greedy_idx])
         if random_idx:
             chosen = [requests[i] for i in random_idx]
             token_ids[random_idx] = self._sample_random(logits[random_idx], chosen)

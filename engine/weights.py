@@ -7,29 +7,28 @@ import hashlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 
 from engine.config import ModelConfig
-from kernels.greedy_head import GreedyHead, prepare_greedy_head
-from kernels.linear import Linear, prepare_linear
+from kernels.interface import Backend
 
 logger = logging.getLogger(__name__)
 
 
-# NOTE: projections are kernels.linear.Linear: oneDNN-prepacked on CPU float32, else W^T for
-# BLAS (see kernels/linear.py for the measurements).
+# NOTE: each projection is in the engine's backend's own form (Backend.prepare_linear).
 
 
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor  # [hidden]
-    qkv: Linear  # hidden -> (num_heads + 2 * num_kv_heads) * head_dim, optional bias
-    o: Linear  # num_heads * head_dim -> hidden, optional bias
+    qkv: Any  # hidden -> (num_heads + 2 * num_kv_heads) * head_dim, optional bias
+    o: Any  # num_heads * head_dim -> hidden, optional bias
     post_norm: torch.Tensor  # [hidden]
-    gate_up: Linear  # hidden -> 2 * intermediate
-    down: Linear  # intermediate -> hidden
+    gate_up: Any  # hidden -> 2 * intermediate
+    down: Any  # intermediate -> hidden
 
 
 @dataclass
@@ -37,16 +36,18 @@ class ModelWeights:
     embed_tokens: torch.Tensor  # [vocab, hidden]
     layers: list[LayerWeights]
     norm: torch.Tensor  # [hidden]
-    lm_head: Linear  # hidden -> vocab
-    # the LM head's greedy screen (CPUs with AVX512-BF16 and VNNI, decode-capable engines; see
-    # kernels/greedy_head.py): the token of a plain greedy row without its logits
-    greedy_head: GreedyHead | None = None
+    lm_head: Any  # hidden -> vocab
+    # the backend's greedy-head capability for the LM head (decode-capable engines): the token of a
+    # plain greedy row without its logits; None where the backend has none
+    greedy_head: Any | None = None
 
 
-def load_weights(config: ModelConfig, device: str = "cpu", decode_batches: bool = True) -> ModelWeights:
-    """Read every *.safetensors file of config.model_dir. Raises FileNotFoundError when there is
-    none and KeyError naming a missing tensor. decode_batches=False (a prefill-only engine) skips
-    the projections' copies for decode-sized batches (see prepare_linear)."""
+def load_weights(config: ModelConfig, backend: Backend, decode_batches: bool = True) -> ModelWeights:
+    """Read every *.safetensors file of config.model_dir onto the backend's device, each projection
+    prepared in its form. Raises FileNotFoundError when there is none and KeyError naming a missing
+    tensor. decode_batches=False (a prefill-only engine) skips the projections' copies for
+    decode-sized batches (Backend.prepare_linear's small_batches)."""
+    device = backend.device
     tensors = _read_safetensors(Path(config.model_dir))
 
     def take(name: str) -> torch.Tensor:
@@ -57,7 +58,7 @@ def load_weights(config: ModelConfig, device: str = "cpu", decode_batches: bool 
     def take_optional(name: str) -> torch.Tensor | None:
         return take(name) if name in tensors else None
 
-    prepare = functools.partial(prepare_linear, small_batches=decode_batches)
+    prepare = functools.partial(backend.prepare_linear, small_batches=decode_batches)
     layers = [_load_layer(config, i, take, take_optional, prepare) for i in range(config.num_layers)]
     embed = take("model.embed_tokens.weight")
     lm_head = embed if config.tie_word_embeddings else take_optional("lm_head.weight")
@@ -65,7 +66,7 @@ def load_weights(config: ModelConfig, device: str = "cpu", decode_batches: bool 
         logger.warning("no lm_head.weight in %s: tying it to the embedding", config.model_dir)
         lm_head = embed
     head = prepare(lm_head, copy=False)
-    greedy = prepare_greedy_head(lm_head, head) if decode_batches else None
+    greedy = backend.prepare_greedy_head(lm_head, head) if decode_batches else None
     return ModelWeights(embed, layers, take("model.norm.weight"), head, greedy)
 
 

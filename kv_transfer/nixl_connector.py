@@ -79,7 +79,7 @@ def set_ucx_defaults(host: str) -> None:
 
 def interface_of(address: str) -> str | None:
     """The name of the local network interface holding address (None: no local interface does,
-    e.g. an address behind NAT, which UCX cannot advertise: see the README)."""
+    e.g. an address behind NAT, which UCX cannot advertise: docs/deployment.md)."""
     import psutil
 
     for name, addresses in psutil.net_if_addrs().items():

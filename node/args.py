@@ -6,7 +6,15 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from engine.config import DTYPES, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, resolve_device
+from engine.config import (
+    DTYPES,
+    KERNEL_BACKENDS,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    resolve_device,
+)
 from engine.protocol import Role, curve_keys, default_of
 from kv_transfer.config import BACKENDS, TransferConfig
 from kv_transfer.security import is_wildcard
@@ -56,6 +64,10 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default: float32")
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto (CUDA when available)")
     parser.add_argument("--max-model-len", type=int, default=None, help="default: the checkpoint's")
+    parser.add_argument("--kernel-backend", default=default_of(EngineConfig, "kernel_backend"),
+                        choices=KERNEL_BACKENDS,
+                        help="compute backend: auto (Triton on CUDA, the compiled CPU kernels on the CPU), cpu, "
+                             "triton, or reference (plain torch)")
     parser.add_argument("--block-size", type=int, default=default_of(CacheConfig, "block_size"))
     parser.add_argument("--num-blocks", type=int, default=default_of(CacheConfig, "num_blocks"))
     parser.add_argument("--kv-cache-memory-gb", type=float, default=None,
@@ -100,6 +112,7 @@ def node_configs_from_args(args: argparse.Namespace, role: Role) -> NodeConfigs:
         seed=args.seed,
         role=role,
         enable_prefix_caching=args.enable_prefix_caching,
+        kernel_backend=args.kernel_backend,
     )
     keys = curve_keys(args.cluster_secret) if args.cluster_secret else None
     server = ServerConfig(args.node_id or f"{role.value}-{args.port}", args.host, args.port,

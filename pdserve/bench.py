@@ -72,7 +72,7 @@ class BenchResult:
 
 def _run(coroutine):
     """Run the load on uvloop: the load generator often shares the cores it measures, so its CPU
-    per streamed token counts (README "Load generator")."""
+    per streamed token counts (docs/slo-tuning.md, benchmarks/load_client.py)."""
     return uvloop.run(coroutine)
 
 

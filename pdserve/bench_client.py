@@ -5,7 +5,7 @@ The requests go through aiohttp, as vLLM's benchmark_serving sends them: the loa
 shares the cores of the servers it measures, so its CPU per streamed chunk counts. On a 2-core
 Zen 5, 64 streams of 65 SSE chunks each from a local server, one core: httpx's AsyncClient took
 127-142 us of CPU a chunk once its pool held the 64 connections (52 on the first round), aiohttp
-12-16 (README, "Load generator")."""
+12-16 (benchmarks/load_client.py; docs/benchmarks.md)."""
 
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ from engine.protocol import Role, TokenLogprob
 from engine.sampling_params import SamplingParams
 
 # NOTE: a NIXL (UCX) pull moved KV at 0.61-0.62 of an in-process copy's speed for 512 to 8,192
-# tokens of the small preset (benchmarks/kv_transfer.py, README); the fixed part covers the
+# tokens of the small preset (benchmarks/kv_transfer.py; docs/benchmarks.md); the fixed part covers the
 # messages around a pull (proxy -> decode node -> prefill node's agent), a few ms on loopback.
 NIXL_COPY_RATIO = 0.62
 TRANSFER_FIXED_S = 0.005

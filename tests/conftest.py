@@ -1,6 +1,8 @@
 """Shared fixtures: the tiny random-weight models (made once, cached across runs). Free ports and
 waiting for health come from pdserve.launcher (free_port, wait_http_ok), defined once there;
-held_port, here, keeps a port bound for a test that must name an address nobody serves."""
+held_port, here, keeps a port bound for a test that must name an address nobody serves. Also
+shared: dealer (a proxy's DEALER socket on a node's or a KV holder's ZMQ address) and
+UvicornServer (an ASGI app served on a thread, on a loopback socket bound before it starts)."""
 
 from __future__ import annotations
 
@@ -9,11 +11,14 @@ import hashlib
 import os
 import socket
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+import zmq
 
 # NOTE: Triton decides at kernel definition whether to interpret, so this must run before any
 # kernels module is imported. Without CUDA, the kernel tests then run Triton on CPU tensors.
@@ -31,6 +36,50 @@ def held_port(host: str = "127.0.0.1") -> Iterator[int]:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         yield sock.getsockname()[1]
+
+
+def dealer(address: str, keys=None, **options) -> zmq.Socket:
+    """A DEALER connected to tcp://address as a proxy's (LINGER 0: closing never waits), a CURVE
+    client of the cluster when given its keys (engine.protocol.curve_keys), with options set as
+    pyzmq socket attributes (rcvhwm=1) before it connects. The caller closes it."""
+    socket = zmq.Context.instance().socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    for name, value in options.items():
+        setattr(socket, name, value)
+    if keys is not None:
+        socket.curve_serverkey, socket.curve_publickey = keys.server_public, keys.client_public
+        socket.curve_secretkey = keys.client_secret
+    socket.connect(f"tcp://{address}")
+    return socket
+
+
+class UvicornServer:
+    """app served by uvicorn on a daemon thread, on a 127.0.0.1 socket bound here (its port is
+    known before start and no other server can take it); config: more uvicorn.Config fields."""
+
+    def __init__(self, app, **config) -> None:
+        import uvicorn
+
+        self.socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.socket.bind(("127.0.0.1", 0))
+        self.port = self.socket.getsockname()[1]
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2, **config))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]}, daemon=True)
+
+    def start(self, timeout_s: float = 10.0) -> None:
+        """Start serving; return once uvicorn says it has started (RuntimeError after timeout_s)."""
+        self.thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        self.socket.close()
 
 
 def _cached_model(preset: str) -> Path:
@@ -91,13 +140,13 @@ def _ucx_settings_stay_in_their_test() -> Iterator[None]:
 @pytest.fixture
 def gate_up_calls(monkeypatch) -> list:
     """(rows, gated) of each float32 gate/up kernel run (kernels/csrc/f32_gate_up.c), in order."""
-    import kernels.linear as linear_module
+    from kernels.cpu.linear import ProjectionKernels
 
-    calls, real = [], linear_module._gate_up_f32
+    calls, real = [], ProjectionKernels.gate_up
 
-    def spy(x, w, gated):
+    def spy(self, x, w, gated):
         calls.append((x.shape[0], gated))
-        return real(x, w, gated)
+        return real(self, x, w, gated)
 
-    monkeypatch.setattr(linear_module, "_gate_up_f32", spy)
+    monkeypatch.setattr(ProjectionKernels, "gate_up", spy)
     return calls

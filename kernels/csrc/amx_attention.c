@@ -25,6 +25,7 @@
  * the softmax's exponentials (one per key and query), then storing and rescaling out^T per block.
  */
 #define _DEFAULT_SOURCE /* syscall() in amx.h */
+#include "pdserve_kernels.h"
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -214,7 +215,7 @@ static void query_block(const problem *p, int64_t seq, int64_t head, int64_t qb,
 
 /* query: [tokens, heads, head_dim]; cache: one layer, [blocks, 2, block_size, kv_heads, head_dim]
  * strided; out like query. head_dim a multiple of 32 up to 128 (256 for the output), block_size a
- * multiple of 16. Returns 0, 1 for tables or lengths out of range, 2 when out of memory. */
+ * multiple of 16. Returns PDS_OK, PDS_ERR_RANGE for tables or lengths out of range, PDS_ERR_MEMORY. */
 int amx_prefill_attention_bf16(const uint16_t *query, int64_t q_tok, int64_t q_head, const uint16_t *cache,
                                int64_t s_block, int64_t s_kv, int64_t s_off, int64_t s_head, int64_t num_blocks,
                                int64_t block_size, const int32_t *tables, int64_t table_stride, int64_t table_width,
@@ -222,13 +223,13 @@ int amx_prefill_attention_bf16(const uint16_t *query, int64_t q_tok, int64_t q_h
                                int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale, uint16_t *out,
                                int64_t o_tok, int64_t o_head) {
     if (check_chunks(tables, table_stride, table_width, cu, lens, num_seqs, num_tokens, num_blocks, block_size))
-        return 1;
+        return PDS_ERR_RANGE;
     int64_t *vt_off = malloc((size_t)(num_seqs + 1) * sizeof *vt_off);
     int64_t *item_start = malloc((size_t)(num_seqs + 1) * sizeof *item_start);
     if (!vt_off || !item_start) {
         free(vt_off);
         free(item_start);
-        return 2;
+        return PDS_ERR_MEMORY;
     }
     vt_off[0] = item_start[0] = 0;
     for (int64_t s = 0; s < num_seqs; ++s) {
@@ -244,7 +245,7 @@ int amx_prefill_attention_bf16(const uint16_t *query, int64_t q_tok, int64_t q_h
         free(scratches);
         free(vt_off);
         free(item_start);
-        return 2;
+        return PDS_ERR_MEMORY;
     }
     const float log2_scale = scale * 1.4426950408889634f; /* log2(e) */
     const problem p = {query, cache, q_tok, q_head, s_block, s_kv, s_off, s_head, block_size, tables, cu, lens,

@@ -21,6 +21,7 @@
  * Python side keeps oneDNN.
  */
 #define _DEFAULT_SOURCE /* syscall() in amx.h */
+#include "pdserve_kernels.h"
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -102,7 +103,7 @@ static void column_pair(const uint16_t *x, int64_t x_stride, int64_t m, int64_t 
 
 /* x: [m, k] bfloat16 rows x_stride apart (k a multiple of 32); packed: W [n, k] packed as above
  * (n rounded up to 32 with zero columns); bias: n float32 or NULL; out: [m, n] rows out_stride
- * apart. Returns 0, or 2 when out of memory (nothing written). */
+ * apart. Returns PDS_OK, or PDS_ERR_MEMORY (nothing written). */
 int amx_linear_bf16(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, const uint16_t *packed, int64_t n,
                     const float *bias, uint16_t *out, int64_t out_stride) {
     const int64_t pairs = (n + 31) / 32, k_tiles = k / 32, tail_rows = m % 16;
@@ -110,7 +111,7 @@ int amx_linear_bf16(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, c
     uint16_t *tail = NULL;
     if (tail_rows) {
         tail = aligned_alloc(64, (size_t)(16 * k * 2));
-        if (!tail) return 2;
+        if (!tail) return PDS_ERR_MEMORY;
         memset(tail, 0, (size_t)(16 * k * 2));
         for (int64_t r = 0; r < tail_rows; ++r)
             memcpy(tail + r * k, x + (m - tail_rows + r) * x_stride, (size_t)(k * 2));

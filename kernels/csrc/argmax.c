@@ -7,6 +7,7 @@
  * process's OpenMP threads (torch's pool). A bfloat16 row is widened as it is read (exact, so
  * the answer is that of its float32 copy), which spares the model a float32 copy of its logits.
  */
+#include "pdserve_kernels.h"
 #include <stdint.h>
 #include <string.h>
 

@@ -16,6 +16,7 @@
  * differs (each output sums its inputs front to back, blocked in chunks of CHUNK inputs), so
  * results differ in the last bits before the rounding to bfloat16.
  */
+#include "pdserve_kernels.h"
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -180,7 +181,7 @@ static inline __attribute__((always_inline)) void panel_rows(const void *x, int6
  * 446-449 against 406-429, gate-up 428-435 against 406-420, down 433-437 against 375-428); the
  * small-batch loop, each row group streaming the whole panel: 419-426. In the engine, offline
  * bfloat16 `small`, 3 alternated pairs: the run's projections 8.54-8.71 s against 8.70-8.75. */
-enum { SMALL_BATCH_ROWS = 64, BLOCK_ROWS = 128, BLOCK_INPUTS = 256 };
+enum { SMALL_BATCH_ROWS = PDS_LIMIT_small_batch_rows, BLOCK_ROWS = 128, BLOCK_INPUTS = 256 };
 
 /* The items run GROUP_PANELS panels at a time: within a group, row block by row block, each over
  * the group's panels, so a row block of x is read from L2 by all the group's panels and the
@@ -265,13 +266,13 @@ int64_t bf16_linear_chunk(int64_t m, int64_t k) { return m > SMALL_BATCH_ROWS ? 
 
 /* x: [m, k] bfloat16 rows x_stride apart (k even); packed: W [n, k] as above; bias: n float32 or
  * NULL; out: [m, n] bfloat16 rows out_stride apart; wide (a constant): FMAs on x widened to
- * float32 (wide_x) instead of vdpbf16ps. Returns 0, or -1 when x's float32 copy could not be
+ * float32 (wide_x) instead of vdpbf16ps. Returns PDS_OK, or PDS_ERR_MEMORY when x's float32 copy could not be
  * allocated (the signature of amx_linear_bf16's). */
 static inline __attribute__((always_inline)) int run(const uint16_t *x_in, int64_t x_in_stride, int64_t m, int64_t k,
                                                      const uint16_t *packed, int64_t n, const float *bias,
                                                      uint16_t *out, int64_t out_stride, const int wide) {
     float *x_wide = NULL;
-    if (wide && m > 0 && (x_wide = wide_x((size_t)((m + ROWS - 1) / ROWS * ROWS) * (size_t)k)) == NULL) return -1;
+    if (wide && m > 0 && (x_wide = wide_x((size_t)((m + ROWS - 1) / ROWS * ROWS) * (size_t)k)) == NULL) return PDS_ERR_MEMORY;
     if (m > SMALL_BATCH_ROWS) {
         blocked(x_in, x_in_stride, x_wide, m, k, packed, n, bias, out, out_stride, wide);
         return 0;

@@ -3,6 +3,7 @@
  * and SiLU-and-mul. Rows are spread over the process's OpenMP threads (torch's own pool).
  * Built with -ffast-math (vector expf, reassociated sums), linked without it.
  */
+#include "pdserve_kernels.h"
 #include <math.h>
 #include <stdint.h>
 

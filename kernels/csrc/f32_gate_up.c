@@ -22,6 +22,7 @@
  * (benchmarks/kernels.py --cpu): 1.21x oneDNN + silu_and_mul at 128 rows, 1.04x at 512, 1.06x at
  * 2,048. At decode sizes (up to 64 rows) f32_linear.c's kernel stays faster and takes them.
  */
+#include "pdserve_kernels.h"
 #include <stdint.h>
 
 #ifdef __AVX512F__
@@ -33,7 +34,7 @@ int f32_gate_up_ready(void) { return 1; }
 /* libmvec's 16-lane expf: the one GCC calls for elementwise.c's vectorised expf (-ffast-math). */
 __m512 _ZGVeN16v_expf(__m512);
 
-enum { PANEL = 64, HALF = 32, MR = 6, CHUNK = 64, MB = 252 };
+enum { HALF = PDS_LIMIT_gate_up_half, PANEL = 2 * HALF, MR = 6, CHUNK = 64, MB = 252 };
 /* One line of the next panel every PF_EVERY inputs (prefetcht1), a tile's share of them. */
 enum { PF_EVERY = 4 };
 

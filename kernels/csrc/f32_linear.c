@@ -11,6 +11,7 @@
  * against oneDNN's prepacked linear at 196, 213, 257 and 196. The order of the sums differs from
  * oneDNN's (each output sums its inputs front to back), so results differ in the last bits.
  */
+#include "pdserve_kernels.h"
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -22,7 +23,7 @@
  * count[g]), as the kernels run them. */
 int next_panel_plan(int64_t num_groups, int64_t num_w_rows, int64_t *first, int64_t *count) {
     char *panel = malloc((size_t)(3 * num_w_rows * 64)); /* a panel of num_w_rows 192-byte W rows */
-    if (panel == NULL) return -1;
+    if (panel == NULL) return PDS_ERR_MEMORY;
     for (int64_t g = 0; g < num_groups; ++g) {
         NextPanel share = next_panel_share(panel, g, num_groups, num_w_rows);
         first[g] = share.groups ? (share.line - panel) / 64 : 0;

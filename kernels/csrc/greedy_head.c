@@ -34,6 +34,7 @@
  * |e_v| and |w_v|; the head's own panels (pack_bf16_pairs or pack_f32_panels), for the picked
  * pairs; W itself for the exact logits.
  */
+#include "pdserve_kernels.h"
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -484,7 +485,7 @@ static inline __attribute__((always_inline)) int screen_int8(
         free(xu);
         free(info);
         free(cands);
-        return -1;
+        return PDS_ERR_MEMORY;
     }
     /* the exact sums' rounding relative to |x| |w_v|: 2 a pair within a chunk, one a chunk after */
     const float exact_rel = (float)((chunk + k / chunk + 4) * 0x1p-23);
@@ -555,7 +556,7 @@ static inline __attribute__((always_inline)) int screen_int8(
  * the picked pairs; weight: W [n, k] in x's dtype, contiguous, for the exact logits; chunk: the
  * inputs bf16_linear.c sums in one go for m rows and wide: whether it is bf16_linear_wide
  * (bfloat16 only: float32 heads are summed in f32_linear.c's CHUNK whatever they say); out: m int64 tokens, -1 for a row left to the caller; candidates_out (or
- * NULL): each row's count of exact logits. Returns 0, or -1 when a buffer could not be allocated. */
+ * NULL): each row's count of exact logits. Returns PDS_OK, or PDS_ERR_MEMORY when a buffer could not be allocated. */
 int greedy_head_int8(const void *x, int64_t x_stride, int64_t m, int64_t k, const int8_t *q8, const float *scale,
                      const int32_t *qsum, const float *e_norm, const float *w_norm, const void *wu, const void *weight,
                      int64_t n, int64_t chunk, int wide, int f32, int64_t *out, int64_t *candidates_out) {

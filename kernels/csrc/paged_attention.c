@@ -43,6 +43,7 @@
  * Built with -ffast-math for vector expf and reassociated sums, linked without it so that
  * loading the library leaves the process's denormal handling alone.
  */
+#include "pdserve_kernels.h"
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
@@ -50,7 +51,8 @@
 
 #include "bf16.h"
 
-enum { MAX_HEADS = 128, MAX_HEAD_DIM = 256, MAX_BLOCK_SIZE = 256, LANES = 16 };
+enum { MAX_HEADS = PDS_LIMIT_max_heads, MAX_HEAD_DIM = PDS_LIMIT_max_head_dim,
+       MAX_BLOCK_SIZE = PDS_LIMIT_max_block_size, LANES = 16 };
 
 typedef float v16 __attribute__((vector_size(64)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
@@ -391,6 +393,11 @@ static attend_fn vector_path(int head_dim, int kv_bf16) {
  * block_tables int32 [num_seqs, >= blocks needed]; seq_lens int32. Returns 0, or -1 when a size
  * is beyond this kernel's limits or a bfloat16 cache has a head size with no vector path (the
  * caller then takes another path); a sequence of length 0 gets zeros. */
+int paged_decode_attention_takes(int num_heads, int head_dim, int block_size, int kv_bf16) {
+    if (num_heads > MAX_HEADS || head_dim > MAX_HEAD_DIM || block_size > MAX_BLOCK_SIZE) return 0;
+    return vector_path(head_dim, kv_bf16) != NULL || !kv_bf16;
+}
+
 int paged_decode_attention(const void *query, int64_t stride_q_seq, int64_t stride_q_head,
                            const void *kv_cache, int64_t stride_block, int64_t stride_kv,
                            int64_t stride_token, int64_t stride_head,
@@ -398,9 +405,8 @@ int paged_decode_attention(const void *query, int64_t stride_q_seq, int64_t stri
                            void *out, int64_t stride_out_seq, int64_t stride_out_head,
                            int num_seqs, int num_kv_heads, int group, int head_dim, int block_size,
                            float scale, int kv_bf16) {
-    if (num_kv_heads * group > MAX_HEADS || head_dim > MAX_HEAD_DIM || block_size > MAX_BLOCK_SIZE) return -1;
+    if (!paged_decode_attention_takes(num_kv_heads * group, head_dim, block_size, kv_bf16)) return PDS_ERR_UNSUPPORTED;
     const attend_fn vector = vector_path(head_dim, kv_bf16);
-    if (vector == NULL && kv_bf16) return -1;
     const CacheView cv = {kv_cache, stride_block, stride_kv, stride_token, stride_head, block_size, group, scale};
 #pragma omp parallel for schedule(guided)
     for (int s = 0; s < num_seqs; ++s) {

@@ -8,7 +8,9 @@
 #include <stddef.h>
 #include <stdint.h>
 
-enum { PANEL = 48, ROWS = 8, CHUNK = 64 };
+#include "pdserve_kernels.h"
+
+enum { PANEL = PDS_LIMIT_panel, ROWS = 8, CHUNK = 64 };
 
 /* CALL(r) with r the constant 1..ROWS that count (at least 1) is, or ROWS when count is larger:
  * the row-group kernels are inlined once for each row count. */

@@ -41,6 +41,7 @@
  * `tiny`'s (4 over 2) 0.76-0.80 against 0.94-0.98 and 0.63 against 1.05-1.08.
  */
 #define _DEFAULT_SOURCE
+#include "pdserve_kernels.h"
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -404,14 +405,14 @@ static int prefill_attention(int64_t elem, const void *query, int64_t q_tok, int
                              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale, void *out,
                              int64_t o_tok, int64_t o_head) {
     if (check_chunks(tables, table_stride, table_width, cu, lens, num_seqs, num_tokens, num_blocks, block_size))
-        return 1;
+        return PDS_ERR_RANGE;
     int64_t *item_start = malloc((size_t)(num_seqs + 1) * sizeof *item_start);
     const int threads = omp_get_max_threads();
     scratch *scratches = aligned_alloc(64, (size_t)threads * sizeof(scratch));
     if (!item_start || !scratches) {
         free(item_start);
         free(scratches);
-        return 2;
+        return PDS_ERR_MEMORY;
     }
     /* A unit is up to MAX_HEADS heads of one KV head's group, split evenly (4 heads: 2 + 2). */
     const int64_t group = num_heads / num_kv_heads, per_kv = (group + MAX_HEADS - 1) / MAX_HEADS;

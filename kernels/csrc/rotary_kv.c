@@ -8,6 +8,7 @@
  * below overrides the build's flags for every function here).
  */
 #pragma GCC optimize("no-fast-math", "fp-contract=off")
+#include "pdserve_kernels.h"
 #include <stdint.h>
 #include <string.h>
 
@@ -61,7 +62,7 @@ int rotary_f32(float *query, int64_t stride_q_tok, int64_t stride_q_head, int64_
                int64_t stride_k_tok, int64_t stride_k_head, int64_t num_kv_heads, const int64_t *positions,
                const float *cos_sin, int64_t stride_cs, int64_t max_position, int64_t num_tokens, int64_t half) {
     for (int64_t t = 0; t < num_tokens; ++t)
-        if (positions[t] < 0 || positions[t] >= max_position) return -1;
+        if (positions[t] < 0 || positions[t] >= max_position) return PDS_ERR_RANGE;
 #pragma omp parallel for schedule(static) if (num_tokens * (num_heads + num_kv_heads) * half > 8192)
     for (int64_t t = 0; t < num_tokens; ++t) {
         const float *cos = cos_sin + positions[t] * stride_cs, *sin = cos + half;
@@ -76,7 +77,7 @@ int rotary_bf16(uint16_t *query, int64_t stride_q_tok, int64_t stride_q_head, in
                 int64_t stride_k_tok, int64_t stride_k_head, int64_t num_kv_heads, const int64_t *positions,
                 const uint16_t *cos_sin, int64_t stride_cs, int64_t max_position, int64_t num_tokens, int64_t half) {
     for (int64_t t = 0; t < num_tokens; ++t)
-        if (positions[t] < 0 || positions[t] >= max_position) return -1;
+        if (positions[t] < 0 || positions[t] >= max_position) return PDS_ERR_RANGE;
 #pragma omp parallel for schedule(static) if (num_tokens * (num_heads + num_kv_heads) * half > 8192)
     for (int64_t t = 0; t < num_tokens; ++t) {
         const uint16_t *cos = cos_sin + positions[t] * stride_cs, *sin = cos + half;
@@ -98,7 +99,7 @@ static int write_kv_rows(const char *key, int64_t stride_k_tok, int64_t stride_k
                          int64_t block_size, const int64_t *slots, int64_t num_tokens, int64_t num_kv_heads,
                          int64_t head_dim, int64_t elem_size) {
     for (int64_t t = 0; t < num_tokens; ++t)
-        if (slots[t] < -1 || slots[t] >= num_blocks * block_size) return -1;
+        if (slots[t] < -1 || slots[t] >= num_blocks * block_size) return PDS_ERR_RANGE;
     const size_t row_bytes = (size_t)(head_dim * elem_size);
 #pragma omp parallel for schedule(static) if (num_tokens * num_kv_heads * head_dim > 32768)
     for (int64_t t = 0; t < num_tokens; ++t) {

@@ -12,12 +12,9 @@ import transformers
 from engine.llm import LLM
 from engine.model import CausalLM
 from engine.sampling_params import SamplingParams
-from kernels.argmax import argmax_rows
-from kernels.greedy_head import greedy_head_argmax, prepare_greedy_head
-from kernels.linear import linear, prepare_linear
+from kernels.select import select_backend
 from pdserve.launcher import start_local, wait_healthy
 from tests.e2e.conftest import KV_PATH_ONLY, assert_kv_path_only
-from tests.kernels.conftest import EXPECT_VNNI_BF16
 from tests.pdserve.real_model import cached_smollm2
 
 MAX_TOKENS = 16
@@ -71,20 +68,21 @@ def hf_greedy(hf, prompt_ids: list[int], max_tokens: int = MAX_TOKENS) -> list[i
 
 
 def test_offline_engine_greedy_equals_transformers_and_answers_paris(smollm2_dir, hf, monkeypatch):
-    """On CPUs with AVX512-BF16 and VNNI its tokens come from the greedy LM head (counted)."""
+    """Where the CPU backend's build has the greedy head, its tokens come from it (counted)."""
     _, tokenizer = hf
     prompts = [tokenizer.encode(p) for p in PROMPTS] + [chat_ids(tokenizer, QUESTION)]
     greedy_rows = []
-    forward_split = CausalLM.forward_split
+    greedy_tokens = CausalLM.greedy_tokens
 
-    def spy(self, input_ids, meta, kv_cache, logits_indices, rows):
-        greedy_rows.append(rows.shape[0])
-        return forward_split(self, input_ids, meta, kv_cache, logits_indices, rows)
+    def spy(self, hidden):
+        greedy_rows.append(hidden.shape[0])
+        return greedy_tokens(self, hidden)
 
-    monkeypatch.setattr(CausalLM, "forward_split", spy)
+    monkeypatch.setattr(CausalLM, "greedy_tokens", spy)
     llm = LLM(str(smollm2_dir), dtype="float32", num_blocks=64)
     outputs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0), use_tqdm=False)
-    assert sum(greedy_rows) == (sum(len(o.outputs[0].token_ids) for o in outputs) if EXPECT_VNNI_BF16 else 0)
+    takes_head = "greedy_head" in llm.engine.backend.capabilities  # the backend's own probe
+    assert sum(greedy_rows) == (sum(len(o.outputs[0].token_ids) for o in outputs) if takes_head else 0)
     for prompt_ids, output in zip(prompts, outputs):
         assert output.outputs[0].token_ids == hf_greedy(hf, prompt_ids), tokenizer.decode(prompt_ids)
     answer = outputs[-1].outputs[0]
@@ -136,13 +134,16 @@ def test_bfloat16_greedy_head_narrows_the_real_heads_rows_and_agrees(hf):
         states = [model(torch.tensor([tokenizer.encode(t)]), output_hidden_states=True).hidden_states[-1][0]
                   for t in texts]
     weight = model.lm_head.weight.detach().to(torch.bfloat16).contiguous()
-    full = prepare_linear(weight, copy=False)
-    head = prepare_greedy_head(weight, full)
-    assert (head is not None) == (EXPECT_VNNI_BF16 and full.bf16 is not None)
+    backend = select_backend("cpu")
+    full = backend.prepare_linear(weight, copy=False)
+    head = backend.prepare_greedy_head(weight, full)
+    # the backend's own probe: a screen where its build has one and the head has bfloat16 panels
+    assert (head is not None) == ("greedy_head" in backend.capabilities and full.bf16 is not None)
     if head is None:
         return
     for hidden in (torch.cat(states), torch.cat([s[1:] for s in states])):
         hidden = hidden.to(torch.bfloat16)
         candidates = torch.empty(hidden.shape[0], dtype=torch.int64)
-        assert torch.equal(greedy_head_argmax(hidden, head, candidates), argmax_rows(linear(hidden, full)))
+        assert torch.equal(backend.greedy_argmax(hidden, head, candidates),
+                           backend.argmax(backend.linear(hidden, full)))
     assert float(candidates.float().mean()) < 64 and int(candidates.max()) < 1000, candidates.tolist()

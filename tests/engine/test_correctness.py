@@ -15,9 +15,10 @@ import transformers
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine.engine import LLMEngine
 from engine.model import CausalLM
+from engine.runner import ModelRunner
 from engine.sampling_params import SamplingParams
-from kernels import greedy_head
-from tests.kernels.conftest import ENGINE_DEVICES, EXPECT_VNNI_BF16
+from kernels.cpu import greedy_head
+from tests.kernels.conftest import ENGINE_DEVICES
 
 PROMPT_LENGTHS = [1, 2, 5, 15, 16, 17, 31, 33, 64, 100, 200, 333, 512, 700, 850, 1000]
 MAX_TOKENS = 12
@@ -82,17 +83,24 @@ def device(request):
 
 
 def greedy_head_spy(monkeypatch) -> list[tuple[int, int]]:
-    """Records, for each step that took the greedy head (on a CPU with AVX512-BF16 and VNNI:
-    plain greedy rows get their argmax without the logits), its rows there and its logits rows."""
+    """Records, for each step that took the greedy head (the CPU backend's capability where its
+    build has it: plain greedy rows get their argmax without the logits), its rows there and its
+    logits rows."""
     rows = []
-    forward_split = CausalLM.forward_split
+    head = ModelRunner._head
 
-    def spy(self, input_ids, meta, kv_cache, logits_indices, greedy_rows):
-        rows.append((greedy_rows.shape[0], logits_indices.shape[0]))
-        return forward_split(self, input_ids, meta, kv_cache, logits_indices, greedy_rows)
+    def spy(self, hidden, greedy_rows):
+        if greedy_rows:
+            rows.append((len(greedy_rows), hidden.shape[0]))
+        return head(self, hidden, greedy_rows)
 
-    monkeypatch.setattr(CausalLM, "forward_split", spy)
+    monkeypatch.setattr(ModelRunner, "_head", spy)
     return rows
+
+
+def has_greedy_head(engine) -> bool:
+    """The backend's own probe: whether its build runs the greedy head."""
+    return "greedy_head" in getattr(engine.backend, "capabilities", ())
 
 
 @pytest.mark.parametrize("logprobs", ["all", "none", "half"])
@@ -105,20 +113,21 @@ def test_greedy_batch_with_preemption_and_chunking_equals_transformers(model_dir
     # Steps with prefill chunks run the last layer past K/V on their logits rows alone: record
     # (tokens, rows) of each such step, so that the equality below covers that path.
     pruned = []
-    last_layer = CausalLM._last_layer
+    last_layer = CausalLM._attend_logits_rows
 
-    def spy(self, layer, x, residual, meta, kv_cache_layer, rows):
-        pruned.append((x.shape[0], rows.shape[0]))
-        return last_layer(self, layer, x, residual, meta, kv_cache_layer, rows)
+    def spy(self, query, meta, kv_cache_layer, rows):
+        if rows.shape[0] < query.shape[0]:
+            pruned.append((query.shape[0], rows.shape[0]))
+        return last_layer(self, query, meta, kv_cache_layer, rows)
 
-    monkeypatch.setattr(CausalLM, "_last_layer", spy)
+    monkeypatch.setattr(CausalLM, "_attend_logits_rows", spy)
     greedy_rows = greedy_head_spy(monkeypatch)
     engine = make_engine(model_dir, num_blocks=96, device=device)
     free_at_start = engine.num_free_blocks
     asks = [logprobs == "all" or (logprobs == "half" and i % 2 == 0) for i in range(len(prompts))]
     params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=0 if ask else None) for ask in asks]
     got = run_to_completion(engine, prompts, params)
-    takes_greedy_head = device == "cpu" and EXPECT_VNNI_BF16
+    takes_greedy_head = has_greedy_head(engine)
     assert sum(g for g, _ in greedy_rows) == (asks.count(False) * MAX_TOKENS if takes_greedy_head else 0)
 
     num_preemptions = engine.scheduler.num_preemptions
@@ -146,7 +155,7 @@ def test_greedy_each_prompt_alone_equals_transformers(model_dir, device, monkeyp
     for i, prompt in enumerate(prompts):
         [tokens] = run_to_completion(engine, [prompt], params, prefix=f"alone{i}-")
         assert [t.token_id for t in tokens] == expected[i][0], f"prompt {i} ({len(prompt)} tokens)"
-    assert len(greedy_rows) == (len(prompts) * MAX_TOKENS if device == "cpu" and EXPECT_VNNI_BF16 else 0)
+    assert len(greedy_rows) == (len(prompts) * MAX_TOKENS if has_greedy_head(engine) else 0)
     engine.check_leaks()
 
 
@@ -188,7 +197,7 @@ def test_greedy_head_rows_beside_sampled_logprob_and_prompt_logprob_rows_change_
 
     def run(greedy_head: bool):
         engine = make_engine(tiny_model_dir, num_blocks=96, max_num_batched_tokens=128, dtype=dtype)
-        expect_head.append(EXPECT_VNNI_BF16 and (engine.model.weights.lm_head.f32 if dtype == "float32"
+        expect_head.append(has_greedy_head(engine) and (engine.model.weights.lm_head.f32 if dtype == "float32"
                                                  else engine.model.weights.lm_head.bf16) is not None)
         if not greedy_head:
             engine.model.weights.greedy_head = None

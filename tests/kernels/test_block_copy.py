@@ -4,7 +4,7 @@ reference vs plain indexing, blocks not named stay untouched."""
 import pytest
 import torch
 
-from kernels.block_copy import copy_blocks, gather_blocks, scatter_blocks
+from kernels.triton.block_copy import copy_blocks, gather_blocks, scatter_blocks
 from tests.kernels.conftest import DEVICE, DTYPES, NUM_BLOCKS, gpu, make_cache, randn, requires_cuda
 
 IDS = [7, 0, 33, 12]

@@ -5,8 +5,8 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from kernels.rms_norm import add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_ref
 from tests.kernels.conftest import DEVICE, DTYPES, assert_close, gpu, randn, requires_cuda
+from tests.kernels.ops import add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_ref
 
 SHAPES = [(1, 64), (7, 96), (33, 256)]
 

@@ -6,8 +6,8 @@ import torch
 import transformers
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from kernels.rotary import apply_rotary, apply_rotary_ref, rotary_cos_sin_cache
 from tests.kernels.conftest import DEVICE, DTYPES, assert_close, gpu, randn, requires_cuda
+from tests.kernels.ops import apply_rotary, apply_rotary_ref, rotary_cos_sin_cache
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 64}

@@ -4,8 +4,8 @@ vs a per-token loop; slot -1 skips; other layers and blocks stay untouched."""
 import pytest
 import torch
 
-from kernels.write_kv import write_kv, write_kv_ref
 from tests.kernels.conftest import BLOCK_SIZE, DEVICE, DTYPES, gpu, make_cache, randn, requires_cuda
+from tests.kernels.ops import write_kv, write_kv_ref
 
 
 def naive_write(cache, layer, key, value, slots):

@@ -25,3 +25,10 @@ def vs_vllm():
 @pytest.fixture(scope="module")
 def profile_serve():
     return _benchmark("profile_serve")
+
+
+@pytest.fixture(autouse=True)
+def _results_elsewhere(tmp_path, monkeypatch):
+    """Benchmark scripts run by these tests write their result files to a temporary folder, never
+    into benchmarks/results/ (benchmarks/results_io.py)."""
+    monkeypatch.setenv("PDSERVE_RESULTS_DIR", str(tmp_path / "results"))

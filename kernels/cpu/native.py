@@ -1,0 +1,282 @@
+"""The compiled CPU kernels' one typed boundary, generated from kernels/csrc/pdserve_kernels.h.
+
+The header declares every entry point, shared structure, status code and limit once. This module
+parses it and wraps each entry point of the library built for this CPU's best instruction-set level
+(setup.py builds one per level, kernels/cpu/levels.py): tensors go in for pointers and are checked
+for type, device, dtype and the span of memory the header says the call touches; integers and
+floats are checked for type; a status code comes back as an exception (kernels.errors). Nothing
+here chooses what to run: kernels/cpu/backend.py does, once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib.machinery
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kernels.cpu.levels import LEVELS, Level, runnable_levels
+from kernels.errors import (
+    KernelArgumentError,
+    KernelError,
+    KernelMemoryError,
+    KernelRangeError,
+    KernelUnsupported,
+)
+
+logger = logging.getLogger(__name__)
+
+HEADER = Path(__file__).resolve().parent.parent / "csrc" / "pdserve_kernels.h"
+_LIB_DIR = Path(__file__).resolve().parent
+
+_SCALARS = {"int": ctypes.c_int, "int64_t": ctypes.c_int64, "float": ctypes.c_float, "double": ctypes.c_double}
+_DTYPES = {
+    "float": (torch.float32,), "uint16_t": (torch.bfloat16,), "void": (torch.float32, torch.bfloat16),
+    "int8_t": (torch.int8,), "int32_t": (torch.int32,), "int64_t": (torch.int64,),
+}
+_STATUS_ERRORS = {"PDS_ERR_RANGE": KernelRangeError, "PDS_ERR_MEMORY": KernelMemoryError,
+                  "PDS_ERR_UNSUPPORTED": KernelUnsupported}
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    ctype: str  # the base type: int, int64_t, float, double, void, uint16_t, ..., or a struct's name
+    is_pointer: bool
+    nullable: bool
+    span: str | None  # PDS_SPAN's expression, over the integer parameters
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    returns: str  # int, int64_t, double, void
+    params: tuple[Param, ...]
+
+    @property
+    def returns_status(self) -> bool:
+        """int results are status codes but for the capability probes (*_ready, *_takes)."""
+        return self.returns == "int" and not self.name.endswith(("_ready", "_takes"))
+
+
+@dataclass(frozen=True)
+class Declarations:
+    entries: dict[str, Entry]
+    structs: dict[str, tuple[tuple[str, str], ...]]  # name -> ((C type, field), ...)
+    statuses: dict[int, str]
+    limits: tuple[str, ...]
+    constants: dict[str, int]  # the other enums' members (e.g. PDS_LINEAR_F32)
+
+
+def _strip_comments(text: str) -> str:
+    return re.sub(r"/\*.*?\*/", "", text, flags=re.S)
+
+
+def _parse_param(text: str) -> Param:
+    span = re.search(r"PDS_SPAN\((.*)\)\s*$", text)
+    nullable = "PDS_NULLABLE" in text
+    text = re.sub(r"PDS_SPAN\(.*\)\s*$", "", text).replace("PDS_NULLABLE", "").replace("const ", "").strip()
+    match = re.fullmatch(r"(\w+)\s*(\*?)\s*(\w+)", text)
+    if match is None:
+        raise ValueError(f"{HEADER.name}: cannot parse parameter {text!r}")
+    ctype, star, name = match.groups()
+    return Param(name, ctype, bool(star), nullable, span.group(1) if span else None)
+
+
+@functools.cache
+def declarations(header: Path = HEADER) -> Declarations:
+    """Everything the header declares; raises ValueError on a line it cannot parse."""
+    text = _strip_comments(header.read_text())
+    entries = {}
+    for returns, name, args in re.findall(r"PDS_API\s+(\w+)\s+(\w+)\s*\((.*?)\)\s*;", text, flags=re.S):
+        args = " ".join(args.split())
+        params = () if args == "void" else tuple(_parse_param(a) for a in _split_args(args))
+        entries[name] = Entry(name, returns, params)
+    structs = {}
+    for body, name in re.findall(r"typedef struct\s*\{(.*?)\}\s*(\w+)\s*;", text, flags=re.S):
+        fields = []
+        for line in body.split(";"):
+            line = line.replace("const ", "").strip()
+            if line:
+                ctype, star, field = re.fullmatch(r"(\w+)\s*(\*?)\s*(\w+)", line).groups()
+                fields.append((ctype + star, field))
+        structs[name] = tuple(fields)
+    statuses = {int(v): k for k, v in re.findall(r"(PDS_(?:OK|ERR_\w+))\s*=\s*(\d+)", text)}
+    constants = {k: int(v) for k, v in re.findall(r"(PDS_LINEAR_\w+)\s*=\s*(\d+)", text)}
+    limits = tuple(re.findall(r"X\((\w+),\s*\d+\)", text))
+    return Declarations(entries, structs, statuses, limits, constants)
+
+
+def _split_args(args: str) -> list[str]:
+    """Split on the commas outside PDS_SPAN's parentheses."""
+    parts, depth, current = [], 0, ""
+    for char in args:
+        depth += char == "("
+        depth -= char == ")"
+        if char == "," and depth == 0:
+            parts.append(current.strip())
+            current = ""
+        else:
+            current += char
+    return [*parts, current.strip()]
+
+
+_STRUCT_TYPES = {"int64_t": ctypes.c_int64, "float": ctypes.c_float}
+
+
+@functools.cache
+def struct_type(name: str) -> type[ctypes.Structure]:
+    """The ctypes structure for the header's typedef struct `name` (pointers as c_void_p)."""
+    fields = [(field, _STRUCT_TYPES.get(ctype, ctypes.c_void_p)) for ctype, field in declarations().structs[name]]
+    return type(name, (ctypes.Structure,), {"_fields_": fields})
+
+
+def cpu_features() -> frozenset[str]:
+    """The CPU's feature flags as Linux names them (/proc/cpuinfo); empty where unreadable."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    match = re.search(r"^flags\s*:(.*)$", text, flags=re.M)
+    return frozenset(match.group(1).split()) if match else frozenset()
+
+
+def library_path(level: Level) -> Path | None:
+    """The built library of this level (setup.py), or None when it was not built."""
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = _LIB_DIR / f"_native_{level.name}{suffix}"
+        if path.exists():
+            return path
+    return None
+
+
+def available_levels() -> list[Level]:
+    """The levels this CPU can run and this install built, lowest first."""
+    return [level for level in runnable_levels(cpu_features()) if library_path(level) is not None]
+
+
+class _Function:
+    """One entry point: checks its arguments against the header's declaration, calls, and turns a
+    status code into an exception."""
+
+    def __init__(self, entry: Entry, function, statuses: dict[int, str]) -> None:
+        self.entry = entry
+        self._function = function
+        self._statuses = statuses
+        function.argtypes = [ctypes.c_void_p if p.is_pointer else _SCALARS[p.ctype] for p in entry.params]
+        function.restype = None if entry.returns == "void" else _SCALARS[entry.returns]
+        names = [p.name for p in entry.params]
+        self._spans = [(i, p, compile(p.span, f"<{entry.name}.{p.name}>", "eval"))
+                       for i, p in enumerate(entry.params) if p.span is not None]
+        self._names = names
+
+    def __call__(self, *args):
+        params = self.entry.params
+        if len(args) != len(params):
+            raise KernelArgumentError(f"{self.entry.name}: {len(args)} arguments for {len(params)} parameters")
+        values = [self._convert(p, a) for p, a in zip(params, args)]
+        if self._spans:
+            self._check_spans(args, values)
+        result = self._function(*values)
+        if self.entry.returns_status and result != 0:
+            name = self._statuses.get(result, f"status {result}")
+            raise _STATUS_ERRORS.get(name, KernelError)(self.entry.name, name)
+        return result
+
+    def _convert(self, param: Param, value):
+        if not param.is_pointer:
+            if param.ctype in ("float", "double"):
+                if not isinstance(value, (int, float)):
+                    raise KernelArgumentError(f"{self.entry.name}: {param.name} takes a number, got {type(value)}")
+                return value
+            if not isinstance(value, int):
+                raise KernelArgumentError(f"{self.entry.name}: {param.name} takes an int, got {type(value)}")
+            return value
+        if value is None:
+            if not param.nullable:
+                raise KernelArgumentError(f"{self.entry.name}: {param.name} may not be None")
+            return None
+        if param.ctype in declarations().structs:
+            if not isinstance(value, (struct_type(param.ctype), ctypes.Array)):
+                raise KernelArgumentError(f"{self.entry.name}: {param.name} takes a {param.ctype}")
+            return ctypes.addressof(value)
+        if not isinstance(value, torch.Tensor):
+            raise KernelArgumentError(f"{self.entry.name}: {param.name} takes a tensor, got {type(value)}")
+        if value.dtype not in _DTYPES[param.ctype] or value.device.type != "cpu":
+            raise KernelArgumentError(f"{self.entry.name}: {param.name} takes a CPU tensor of "
+                                      f"{' or '.join(map(str, _DTYPES[param.ctype]))}, got {value.dtype} on "
+                                      f"{value.device}")
+        return value.data_ptr()
+
+    def _check_spans(self, args, values) -> None:
+        scope = {p.name: a for p, a in zip(self.entry.params, args) if not p.is_pointer}
+        for idx, param, code in self._spans:
+            tensor = args[idx]
+            if tensor is None:
+                continue
+            span = eval(code, {"__builtins__": {}}, scope)  # noqa: S307 (the header's own expressions)
+            if span <= 0:
+                continue
+            storage = tensor.untyped_storage()
+            end = storage.data_ptr() + storage.nbytes()
+            if values[idx] + span * tensor.element_size() > end:
+                raise KernelArgumentError(
+                    f"{self.entry.name}: {param.name} must cover {span} elements ({param.span}); its storage "
+                    f"holds {(end - values[idx]) // tensor.element_size()} from there")
+
+
+class NativeLibrary:
+    """The kernels of one built level: each entry point the build has as a checked attribute (a
+    missing one: AttributeError; `has` asks first), and the header's limits read from it."""
+
+    def __init__(self, level: Level, path: Path) -> None:
+        self.level = level
+        self.path = path
+        self._lib = ctypes.CDLL(str(path))
+        decl = declarations()
+        self.limits = {name: ctypes.c_int64.in_dll(self._lib, f"pds_limit_{name}").value for name in decl.limits}
+        self.constants = decl.constants
+        self._functions: dict[str, _Function] = {}
+        for name, entry in decl.entries.items():
+            try:
+                function = getattr(self._lib, name)
+            except AttributeError:
+                continue  # a higher level's entry point
+            self._functions[name] = _Function(entry, function, decl.statuses)
+
+    def has(self, name: str) -> bool:
+        return name in self._functions
+
+    def __getattr__(self, name: str) -> _Function:
+        functions = self.__dict__.get("_functions", {})
+        if name not in functions:
+            raise AttributeError(f"the {self.__dict__.get('level')} kernels have no entry point {name!r}")
+        return functions[name]
+
+    def entry_points(self) -> list[str]:
+        return sorted(self._functions)
+
+
+@functools.cache
+def load(level_name: str | None = None) -> NativeLibrary | None:
+    """The library of level_name (None: the best this CPU runs and this install built); None where
+    there is none (logged once). Raises ValueError for a level this CPU cannot run or not built."""
+    levels = available_levels()
+    if level_name is None:
+        if not levels:
+            logger.warning("no compiled CPU kernels for this CPU (not built at install, or not x86-64)")
+            return None
+        level = levels[-1]
+    else:
+        level = next((lv for lv in levels if lv.name == level_name), None)
+        if level is None:
+            raise ValueError(f"CPU kernel level {level_name!r} is not runnable here or not built "
+                             f"(available: {[lv.name for lv in levels]}; known: {[lv.name for lv in LEVELS]})")
+    library = NativeLibrary(level, library_path(level))
+    logger.info("compiled CPU kernels: %s (%s)", level.name, library.path.name)
+    return library

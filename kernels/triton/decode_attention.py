@@ -1,0 +1,158 @@
+"""Paged decode attention in Triton: one query token per sequence over its block table (GQA,
+split-K: each (sequence, KV head, split) program writes a partial softmax, a second kernel merges
+them). Shapes are checked by the backend interface (kernels/interface.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.triton.common import LOG2E, cdiv, dot_in_fp32, tl, triton
+
+# NOTE: split-K partitions of at least this many tokens keep each program's loop long enough
+# to hide latency while still filling the GPU when only a few long sequences decode.
+_MIN_TOKENS_PER_SPLIT = 256
+_MAX_SPLITS = 32
+
+
+def decode_attention(query, kv_cache_layer, block_tables, seq_lens, scale, num_splits: int | None = None):
+    """As Backend.decode_attention; num_splits fixes the split-K partition count instead of
+    sizing it to the device. seq_lens must not exceed the block table's width."""
+    return _decode_triton(query, kv_cache_layer, block_tables, seq_lens, scale, num_splits)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8  # the interpreter: any small number exercises the split-K path
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _plan_splits(num_seqs: int, num_kv_heads: int, max_len: int, block_n: int, device: torch.device,
+                 num_splits: int | None) -> tuple[int, int]:
+    """(num_splits, tokens_per_split): enough programs to fill the device a few times over,
+    each over at least _MIN_TOKENS_PER_SPLIT tokens, split ends on BLOCK_N boundaries when long."""
+    if num_splits is None:
+        wanted = cdiv(4 * _num_sms(device), max(1, num_seqs * num_kv_heads))
+        num_splits = min(_MAX_SPLITS, wanted, cdiv(max_len, _MIN_TOKENS_PER_SPLIT))
+    tokens_per_split = cdiv(max_len, max(1, num_splits))
+    if tokens_per_split > block_n:
+        tokens_per_split = cdiv(tokens_per_split, block_n) * block_n
+    return cdiv(max_len, tokens_per_split), tokens_per_split
+
+
+def _decode_triton(query, kv_cache_layer, block_tables, seq_lens, scale, num_splits):
+    num_seqs, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = kv_cache_layer.shape[2], kv_cache_layer.shape[3]
+    group = num_heads // num_kv_heads
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if num_seqs == 0:
+        return out
+    block_n = 64 if query.is_cuda else 32
+    # NOTE: the planned length is the block table's width, not max(seq_lens): no host sync.
+    max_len = max(1, block_tables.shape[1] * block_size)
+    num_splits, tokens_per_split = _plan_splits(num_seqs, num_kv_heads, max_len, block_n, query.device, num_splits)
+    partial_acc = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=query.device)
+    partial_max = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
+    partial_sum = torch.empty_like(partial_max)
+    block_d = triton.next_power_of_2(head_dim)
+    _decode_attention_kernel[(num_seqs, num_kv_heads, num_splits)](
+        query, kv_cache_layer, block_tables, seq_lens, partial_acc, partial_max, partial_sum,
+        scale * LOG2E, tokens_per_split,
+        query.stride(0), query.stride(1), *kv_cache_layer.stride()[:4], block_tables.stride(0),
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
+        BLOCK_GROUP=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
+        DOT_FP32=dot_in_fp32(query), num_warps=4, num_stages=2,
+    )
+    _decode_reduce_kernel[(num_seqs, num_heads)](
+        partial_acc, partial_max, partial_sum, out, out.stride(0), out.stride(1),
+        NUM_SPLITS=num_splits, BLOCK_SPLITS=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim, BLOCK_D=block_d,
+    )
+    return out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _decode_attention_kernel(
+        query_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, acc_ptr, max_ptr, sum_ptr,
+        qk_scale, tokens_per_split,
+        stride_query_seq, stride_query_head, stride_cache_block, stride_cache_kv, stride_cache_offset,
+        stride_cache_head, stride_table_seq,
+        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+        BLOCK_GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr,
+    ):
+        """One (sequence, KV head, split): the GROUP query heads sharing that KV head against the
+        split's tokens, BLOCK_N at a time, each token's block looked up in the block table.
+        Writes the split's running max and sum (base 2) and unnormalized accumulator."""
+        # NOTE: over 40 lines because the online softmax reads best as one loop body.
+        seq = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        split = tl.program_id(2)
+        seq_len = tl.load(seq_lens_ptr + seq)
+        split_start = split * tokens_per_split
+        split_end = tl.minimum(split_start + tokens_per_split, seq_len)
+        offs_g = tl.arange(0, BLOCK_GROUP)
+        offs_d = tl.arange(0, BLOCK_D)
+        mask_g = offs_g < GROUP
+        mask_d = offs_d < HEAD_DIM
+        heads = kv_head * GROUP + offs_g
+        q = tl.load(query_ptr + seq.to(tl.int64) * stride_query_seq + heads[:, None] * stride_query_head
+                    + offs_d[None, :], mask=mask_g[:, None] & mask_d[None, :], other=0.0)
+        if DOT_FP32:
+            q = q.to(tl.float32)
+        m_i = tl.full([BLOCK_GROUP], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_GROUP], tl.float32)
+        acc = tl.zeros([BLOCK_GROUP, BLOCK_D], tl.float32)
+        table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_table_seq
+        head_ptr = cache_ptr + kv_head.to(tl.int64) * stride_cache_head
+        for start in range(split_start, split_end, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < split_end
+            block_ids = tl.load(table_ptr + offs_n // BLOCK_SIZE, mask=mask_n, other=0).to(tl.int64)
+            token_offs = block_ids * stride_cache_block + (offs_n % BLOCK_SIZE) * stride_cache_offset
+            kv_ptrs = head_ptr + token_offs[:, None] + offs_d[None, :]
+            mask_kv = mask_n[:, None] & mask_d[None, :]
+            k = tl.load(kv_ptrs, mask=mask_kv, other=0.0)
+            v = tl.load(kv_ptrs + stride_cache_kv, mask=mask_kv, other=0.0)
+            if DOT_FP32:
+                scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+            else:
+                scores = tl.dot(q, tl.trans(k))
+            scores = tl.where(mask_n[None, :], scores * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(scores - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            if DOT_FP32:
+                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        out_offs = (seq * GROUP * tl.num_programs(1) + heads).to(tl.int64) * NUM_SPLITS + split
+        tl.store(max_ptr + out_offs, m_i, mask=mask_g)
+        tl.store(sum_ptr + out_offs, l_i, mask=mask_g)
+        tl.store(acc_ptr + out_offs[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=mask_g[:, None] & mask_d[None, :])
+
+    @triton.jit
+    def _decode_reduce_kernel(acc_ptr, max_ptr, sum_ptr, out_ptr, stride_out_seq, stride_out_head,
+                              NUM_SPLITS: tl.constexpr, BLOCK_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                              BLOCK_D: tl.constexpr):
+        """One (sequence, head): merge the splits' partial softmaxes; an empty sequence gives 0."""
+        seq = tl.program_id(0)
+        head = tl.program_id(1)
+        offs_s = tl.arange(0, BLOCK_SPLITS)
+        offs_d = tl.arange(0, BLOCK_D)
+        mask_s = offs_s < NUM_SPLITS
+        mask_d = offs_d < HEAD_DIM
+        row = (seq * tl.num_programs(1) + head).to(tl.int64) * NUM_SPLITS
+        m = tl.load(max_ptr + row + offs_s, mask=mask_s, other=float("-inf"))
+        split_sums = tl.load(sum_ptr + row + offs_s, mask=mask_s, other=0.0)
+        m_all = tl.max(m, axis=0)
+        # An empty split has max -inf; where every split is empty (seq_len 0) so is m_all.
+        has_tokens = m > float("-inf")
+        weight = tl.where(has_tokens, tl.exp2(tl.where(has_tokens, m, 0.0) - tl.where(has_tokens, m_all, 0.0)), 0.0)
+        total = tl.sum(split_sums * weight, axis=0)
+        acc = tl.load(acc_ptr + (row + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+                      mask=mask_s[:, None] & mask_d[None, :], other=0.0)
+        result = tl.sum(acc * weight[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+        tl.store(out_ptr + seq.to(tl.int64) * stride_out_seq + head * stride_out_head + offs_d,
+                 result.to(out_ptr.dtype.element_ty), mask=mask_d)

@@ -1,0 +1,131 @@
+"""Triton's row-wise ops: SiLU-and-mul, RMSNorm (with the residual add fused in), rotary (neox style,
+in place) and the KV-cache write. Shapes are checked by the backend interface (kernels/interface.py);
+these run on CUDA tensors, and on CPU tensors under TRITON_INTERPRET=1 (tests)."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.triton.common import tl, triton
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    num_tokens, width = x.shape
+    half = width // 2
+    out = torch.empty(num_tokens, half, dtype=x.dtype, device=x.device)
+    if num_tokens == 0:
+        return out
+    block = min(1024, triton.next_power_of_2(half))
+    grid = (num_tokens, triton.cdiv(half, block))
+    _silu_and_mul_kernel[grid](x, out, half, x.stride(0), out.stride(0), BLOCK=block)
+    return out
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual); without a residual (rms_norm(x), the same tensor)."""
+    x = x.contiguous()
+    num_tokens, hidden = x.shape
+    out = torch.empty_like(x)
+    new_residual = torch.empty_like(x) if residual is not None else out
+    if num_tokens:
+        residual_in = residual.contiguous() if residual is not None else x
+        _rms_norm_kernel[(num_tokens,)](
+            x, residual_in, weight, out, new_residual, hidden, eps,
+            HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(hidden),
+        )
+    return out, new_residual
+
+
+def apply_rotary(query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> None:
+    num_tokens, _, head_dim = query.shape
+    if num_tokens == 0:
+        return
+    for x, heads in ((query, query.shape[1]), (key, key.shape[1])):
+        _rotary_kernel[(num_tokens, heads)](
+            x, positions, cos_sin_cache, x.stride(0), x.stride(1), cos_sin_cache.stride(0),
+            HALF=head_dim // 2, BLOCK=triton.next_power_of_2(head_dim // 2),
+        )
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache_layer: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    num_tokens, num_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    _write_kv_kernel[(num_tokens, num_heads)](
+        key, value, kv_cache_layer, slot_mapping,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        *kv_cache_layer.stride()[:4],
+        BLOCK_SIZE=kv_cache_layer.shape[2], HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+    )
+
+
+if triton is not None:
+
+    @triton.jit
+    def _silu_and_mul_kernel(x_ptr, out_ptr, half, stride_x_token, stride_out_token, BLOCK: tl.constexpr):
+        token = tl.program_id(0)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < half
+        gate = tl.load(x_ptr + token * stride_x_token + offs, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(x_ptr + token * stride_x_token + half + offs, mask=mask, other=0.0).to(tl.float32)
+        result = gate / (1.0 + tl.exp(-gate)) * up
+        tl.store(out_ptr + token * stride_out_token + offs, result.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, new_residual_ptr, hidden, eps,
+                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        offs = tl.arange(0, BLOCK)
+        mask = offs < hidden
+        x = tl.load(x_ptr + row * hidden + offs, mask=mask, other=0.0)
+        if HAS_RESIDUAL:
+            # Add in float32 and round once: what torch's half-precision add does.
+            residual = tl.load(residual_ptr + row * hidden + offs, mask=mask, other=0.0)
+            x = (x.to(tl.float32) + residual.to(tl.float32)).to(x.dtype)
+            tl.store(new_residual_ptr + row * hidden + offs, x, mask=mask)
+        xf = x.to(tl.float32)
+        variance = tl.sum(xf * xf, axis=0) / hidden
+        normed = (xf * tl.rsqrt(variance + eps)).to(x.dtype)
+        weight = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        # Multiply in float32 and round once (torch rounds its half-precision product the same way).
+        result = (normed.to(tl.float32) * weight).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + row * hidden + offs, result, mask=mask)
+
+    @triton.jit
+    def _rotary_kernel(x_ptr, positions_ptr, cache_ptr, stride_x_token, stride_x_head, stride_cache_pos,
+                       HALF: tl.constexpr, BLOCK: tl.constexpr):
+        token = tl.program_id(0)
+        head = tl.program_id(1)
+        offs = tl.arange(0, BLOCK)
+        mask = offs < HALF
+        pos = tl.load(positions_ptr + token)
+        cos = tl.load(cache_ptr + pos * stride_cache_pos + offs, mask=mask, other=0.0).to(tl.float32)
+        sin = tl.load(cache_ptr + pos * stride_cache_pos + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+        base = x_ptr + token * stride_x_token + head * stride_x_head
+        x1 = tl.load(base + offs, mask=mask, other=0.0)
+        x2 = tl.load(base + HALF + offs, mask=mask, other=0.0)
+        x1f = x1.to(tl.float32)
+        x2f = x2.to(tl.float32)
+        tl.store(base + offs, (x1f * cos - x2f * sin).to(x1.dtype), mask=mask)
+        tl.store(base + HALF + offs, (x2f * cos + x1f * sin).to(x1.dtype), mask=mask)
+
+    @triton.jit
+    def _write_kv_kernel(key_ptr, value_ptr, cache_ptr, slot_ptr,
+                         stride_key_token, stride_key_head, stride_value_token, stride_value_head,
+                         stride_cache_block, stride_cache_kv, stride_cache_offset, stride_cache_head,
+                         BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+        token = tl.program_id(0)
+        head = tl.program_id(1)
+        slot = tl.load(slot_ptr + token)
+        if slot >= 0:
+            offs_d = tl.arange(0, BLOCK_D)
+            mask_d = offs_d < HEAD_DIM
+            block = slot // BLOCK_SIZE
+            offset = slot % BLOCK_SIZE
+            dst = (cache_ptr + block * stride_cache_block + offset * stride_cache_offset
+                   + head * stride_cache_head + offs_d)
+            k = tl.load(key_ptr + token * stride_key_token + head * stride_key_head + offs_d, mask=mask_d)
+            v = tl.load(value_ptr + token * stride_value_token + head * stride_value_head + offs_d, mask=mask_d)
+            tl.store(dst, k, mask=mask_d)
+            tl.store(dst + stride_cache_kv, v, mask=mask_d)
