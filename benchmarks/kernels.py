@@ -42,14 +42,71 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.config import CacheConfig  # noqa: E402
 from engine.protocol import num_blocks_for  # noqa: E402
-from kernels._triton import triton  # noqa: E402
-from kernels.activation import silu_and_mul, silu_and_mul_ref  # noqa: E402
-from kernels.block_copy import gather_blocks, gather_blocks_ref  # noqa: E402
-from kernels.decode_attention import decode_attention, decode_attention_ref  # noqa: E402
-from kernels.prefill_attention import prefill_attention, prefill_attention_ref  # noqa: E402
-from kernels.rms_norm import add_rms_norm, add_rms_norm_ref  # noqa: E402
-from kernels.rotary import apply_rotary, apply_rotary_ref, rotary_cos_sin_cache  # noqa: E402
-from kernels.write_kv import write_kv, write_kv_ref  # noqa: E402
+from kernels.cpu import ops as cpu_ops  # noqa: E402
+from kernels.cpu.linear import Linear  # noqa: E402
+from kernels.reference.ops import (  # noqa: E402
+    add_rms_norm_ref,
+    apply_rotary_ref,
+    decode_attention_ref,
+    gather_blocks_ref,
+    prefill_attention_ref,
+    rotary_cos_sin_cache,
+    silu_and_mul_ref,
+    write_kv_ref,
+)
+from kernels.select import select_backend  # noqa: E402
+from kernels.triton import elementwise as triton_elementwise  # noqa: E402
+from kernels.triton.block_copy import gather_blocks  # noqa: E402
+from kernels.triton.common import triton  # noqa: E402
+from kernels.triton.prefill_attention import prefill_attention as triton_prefill_attention  # noqa: E402
+
+CPU = select_backend("cpu")  # the compiled kernels of this CPU's best level
+
+
+def _backend(tensor: torch.Tensor):
+    """The backend the engine picks for this tensor's device."""
+    return select_backend(str(tensor.device)) if tensor.is_cuda else CPU
+
+
+def add_rms_norm(x, residual, weight, eps):
+    return _backend(x).add_rms_norm(x, residual, weight, eps)
+
+
+def silu_and_mul(x):
+    return _backend(x).silu_and_mul(x)
+
+
+def apply_rotary(query, key, positions, cos_sin_cache):
+    if query.is_cuda:
+        return triton_elementwise.apply_rotary(query, key, positions, cos_sin_cache)
+    if not cpu_ops.apply_rotary(CPU.lib, query, key, positions, cos_sin_cache):
+        apply_rotary_ref(query, key, positions, cos_sin_cache)
+
+
+def write_kv(key, value, layer, slots):
+    if key.is_cuda:
+        return triton_elementwise.write_kv(key, value, layer, slots)
+    if not cpu_ops.write_kv(CPU.lib, key, value, layer, slots):
+        write_kv_ref(key, value, layer, slots)
+
+
+def decode_attention(query, layer, block_tables, seq_lens, scale):
+    return _backend(query).decode_attention(query, layer, block_tables, seq_lens, scale)
+
+
+def prefill_attention(query, layer, block_tables, cu_query_lens, seq_lens, scale, max_query_len=None):
+    if query.is_cuda:
+        return triton_prefill_attention(query, layer, block_tables, cu_query_lens, seq_lens, scale, max_query_len)
+    return CPU.prefill_attention(query, layer, block_tables, cu_query_lens, seq_lens, scale)
+
+
+def decode_attention_cpu(query, layer, block_tables, seq_lens, scale):
+    return cpu_ops.decode_attention(CPU.lib, query, layer, block_tables, seq_lens, scale)
+
+
+def prefill_attention_cpu(query, layer, block_tables, cu_query_lens, seq_lens, scale):
+    return cpu_ops.prefill_attention(CPU.lib, query, layer, block_tables, cu_query_lens, seq_lens, scale)
+
 
 DTYPE = torch.bfloat16
 BLOCK_SIZE = CacheConfig.block_size  # the engine's KV block size
@@ -193,7 +250,6 @@ def bench_cpu_decode(repeats: int) -> dict:
     import time
 
     from engine.host_memory import advise_huge_pages, keep_freed_memory
-    from kernels.decode_attention import decode_attention_cpu
 
     torch.set_num_threads(1)
     keep_freed_memory()  # as the engine does: the gather's copies then reuse heap pages, no faults
@@ -270,22 +326,21 @@ def median_ms(ways: dict[str, Callable], repeats: int) -> dict[str, float]:
 def bench_projections(dtype: torch.dtype, kernel: str, repeats: int, gen: torch.Generator) -> dict:
     """One decode step's projections of the small preset in dtype, as the engine runs them (on the
     small-batch kernel, named kernel, where linear() routes them) against all of them on oneDNN."""
-    from kernels import linear as linear_module
 
     shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]  # 30 layers, LM head
     raw = [torch.randn(o, i, generator=gen).to(dtype) * 0.02 for o, i in shapes]
-    weights = [linear_module.prepare_linear(w) for w in raw]
+    weights = [CPU.prepare_linear(w) for w in raw]
     num_bytes = sum(w.in_features * w.out_features * dtype.itemsize for w in weights)
     # oneDNN's prepacked copy, which the bfloat16 kernel replaces on CPUs without AMX
-    onednn = [linear_module.Linear(None, torch.ops.mkldnn._reorder_linear_weight(w, 64), None, w.shape[1], w.shape[0])
+    onednn = [Linear(None, torch.ops.mkldnn._reorder_linear_weight(w, 64), None, w.shape[1], w.shape[0])
               for w in raw]
 
     rows_measured = []
     for rows in (1, 8, 16, 64):
         xs = {n: torch.randn(rows, n, generator=gen).to(dtype) for n in (576, 1536)}
         ms = median_ms({
-            kernel: lambda xs=xs: [linear_module.linear(xs[w.in_features], w) for w in weights],
-            "onednn": lambda xs=xs: [linear_module.linear(xs[w.in_features], w) for w in onednn],
+            kernel: lambda xs=xs: [CPU.linear(xs[w.in_features], w) for w in weights],
+            "onednn": lambda xs=xs: [CPU.linear(xs[w.in_features], w) for w in onednn],
         }, repeats)
         rows_measured.append({"rows": rows, "ms_per_step": ms, f"{kernel}_gbps": round(num_bytes / ms[kernel] / 1e6, 1),
                               "onednn_gbps": round(num_bytes / ms["onednn"] / 1e6, 1),
@@ -298,18 +353,16 @@ def bench_gate_up(repeats: int, gen: torch.Generator) -> dict | str:
     SiLU-and-mul in the same pass) against what it replaces, oneDNN's prepacked linear and then
     silu_and_mul, over the small preset's 30 layers' gate/up weights (1,536 x 2 outputs over 576
     inputs) at prefill-sized batches; each row's error against the float64 result."""
-    from kernels import linear as linear_module
-    from kernels.activation import silu_and_mul, silu_and_mul_ref
 
-    if linear_module._gate_up_kernel() is None:
+    if not CPU.projections.has_gate_up:
         return "no AVX-512 (or no compiler for it): no float32 gate/up kernel is built"
     raw = [torch.randn(3072, 576, generator=gen) * 0.05 for _ in range(30)]
-    kernel = [linear_module.prepare_linear(w, gate_up=True, small_batches=False) for w in raw]
+    kernel = [CPU.prepare_linear(w, gate_up=True, small_batches=False) for w in raw]
     # oneDNN's prepacked copy alone, which the kernel's replaces (as bench_projections builds it)
-    onednn = [linear_module.Linear(None, torch.ops.mkldnn._reorder_linear_weight(w, 64), None, w.shape[1], w.shape[0])
+    onednn = [Linear(None, torch.ops.mkldnn._reorder_linear_weight(w, 64), None, w.shape[1], w.shape[0])
               for w in raw]
-    ways = {"kernel": linear_module.linear_silu_and_mul,
-            "onednn_then_silu_and_mul": lambda x, w: silu_and_mul(linear_module.linear(x, w))}
+    ways = {"kernel": CPU.gate_up_silu,
+            "onednn_then_silu_and_mul": lambda x, w: silu_and_mul(CPU.linear(x, w))}
     weights = {"kernel": kernel, "onednn_then_silu_and_mul": onednn}
     measured = []
     for rows in (128, 512, 2048):
@@ -327,16 +380,13 @@ def bench_gate_up(repeats: int, gen: torch.Generator) -> dict | str:
 
 
 def bench_greedy_head(repeats: int, gen: torch.Generator, dtype: torch.dtype) -> dict | str:
-    """The greedy head (kernels/greedy_head.py, the int8 screen) on a head of this dtype against
+    """The greedy head (kernels/cpu/greedy_head.py, the int8 screen) on a head of this dtype against
     what it replaces, the LM head's logits and their argmax, on the small preset's 49,152 x 576
     head: time per step and the exact logits it computed per row."""
-    from kernels import greedy_head
-    from kernels import linear as linear_module
-    from kernels.argmax import argmax_rows
 
     weight = (torch.randn(49152, 576, generator=gen) * 0.05).to(dtype)
-    full = linear_module.prepare_linear(weight, copy=False)
-    head = greedy_head.prepare_greedy_head(weight, full)
+    full = CPU.prepare_linear(weight, copy=False)
+    head = CPU.prepare_greedy_head(weight, full)
     if head is None:
         return (f"no greedy head for a {dtype} head here (it needs AVX512-BF16 and AVX512-VNNI, and for bfloat16 "
                 "no AMX; or no compiler for them)")
@@ -344,10 +394,10 @@ def bench_greedy_head(repeats: int, gen: torch.Generator, dtype: torch.dtype) ->
     for rows in (1, 8, 32, 48, 64):
         x = torch.randn(rows, 576, generator=gen).to(dtype)
         candidates = torch.empty(rows, dtype=torch.int64)
-        tokens = greedy_head.greedy_head_argmax(x, head, candidates)
-        same = torch.equal(tokens, argmax_rows(linear_module.linear(x, full)))
-        ms = median_ms({"greedy_head": lambda x=x: greedy_head.greedy_head_argmax(x, head),
-                        "logits_argmax": lambda x=x: argmax_rows(linear_module.linear(x, full))}, repeats)
+        tokens = CPU.greedy_argmax(x, head, candidates)
+        same = torch.equal(tokens, CPU.argmax(CPU.linear(x, full)))
+        ms = median_ms({"greedy_head": lambda x=x: CPU.greedy_argmax(x, head),
+                        "logits_argmax": lambda x=x: CPU.argmax(CPU.linear(x, full))}, repeats)
         measured.append({"rows": rows, "ms": ms, "speedup": round(ms["logits_argmax"] / ms["greedy_head"], 2),
                          "exact_logits_per_row": round(candidates.float().mean().item(), 1), "same_tokens": same})
     return {"head": f"49152 x 576 {str(dtype).removeprefix('torch.')}", "rows": measured}
@@ -356,16 +406,14 @@ def bench_greedy_head(repeats: int, gen: torch.Generator, dtype: torch.dtype) ->
 def bench_cpu_compiled(repeats: int) -> dict:
     """The CPU's compiled bfloat16 (AMX or AVX512-BF16) and float32 (AVX-512) kernels vs what they replace, on all
     threads, each where this CPU runs it; see the module docstring."""
-    from kernels import linear as linear_module
-    from kernels.prefill_attention import prefill_attention_cpu
 
     gen = torch.Generator().manual_seed(0)
-    kernel = ("amx" if linear_module._amx_kernel() is not None
-              else "avx512_bf16" if linear_module._bf16_kernel() is not None else None)
+    kernel = ("amx" if CPU.projections.has_amx
+              else "avx512_bf16" if CPU.projections.has_bf16 else None)
     projections = [bench_projections(DTYPE, kernel, repeats, gen) if kernel is not None
                    else "no AMX or AVX512-BF16 (or no compiler for them): no bfloat16 small-batch kernel is built"]
     projections.append(bench_projections(torch.float32, "avx512_f32", repeats, gen)
-                       if linear_module._f32_kernel() is not None
+                       if CPU.projections.has_f32
                        else "no AVX-512 (or no compiler for it): no float32 small-batch kernel is built")
     attention = []
     for num_seqs, seq_len, dtype in ((8, 256, DTYPE), (1, 2048, DTYPE), (8, 256, torch.float32),

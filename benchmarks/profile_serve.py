@@ -41,8 +41,8 @@ from pdserve.launcher import start_local, wait_healthy  # noqa: E402
 SAMPLE_RATE_HZ = 100
 # Part name -> a substring of a stack frame; a sample counts for the first part it matches.
 NODE_PARTS = {
-    "decode-only steps' layers (one C call: matmuls, attention, the rest)": "kernels/decode_layers.py",
-    "matmuls (linear)": "linear (kernels/linear.py",
+    "decode-only steps' layers (one C call: matmuls, attention, the rest)": "kernels/cpu/decode_layers.py",
+    "matmuls (linear)": ("linear (kernels/cpu/linear.py", "_linear (kernels/"),
     "decode attention": "decode_attention",
     "prefill attention": "prefill_attention",
     "norms, rotary, activation, KV write": ("rms_norm", "apply_rotary", "silu_and_mul", "write_kv"),

@@ -9,10 +9,10 @@ from pathlib import Path
 import torch
 
 from engine.protocol import Role
+from kernels.select import BACKENDS as KERNEL_BACKENDS
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-KERNEL_BACKENDS = ("auto", "cpu", "triton", "reference")  # kernels/select.py
 DEFAULT_DTYPE = "float32"  # greedy output equals transformers' token for token in float32
 
 

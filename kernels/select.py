@@ -1,11 +1,13 @@
 """The one place a compute backend is chosen: once per engine, from the device and the CPU's features,
-or as the operator names it (--kernel-backend)."""
+or as the operator names it (--kernel-backend). Importing it loads no torch."""
 
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
-from kernels.interface import Backend
+if TYPE_CHECKING:
+    from kernels.interface import Backend
 
 logger = logging.getLogger(__name__)
 

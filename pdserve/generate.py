@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from kernels.select import BACKENDS as KERNEL_BACKENDS
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompts", nargs="+", help="prompt texts")
@@ -16,6 +18,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                         help="weights and KV cache (default: float32)")
+    parser.add_argument("--kernel-backend", default="auto", choices=KERNEL_BACKENDS,
+                        help="compute backend: auto (Triton on CUDA, the compiled CPU kernels on the CPU), cpu, "
+                             "triton, or reference (plain torch)")
     parser.add_argument("--chat", action="store_true", help="wrap each prompt as a user message")
 
 
@@ -25,7 +30,7 @@ def main(args: argparse.Namespace) -> int:
     from pdserve.default_model import ensure_default_model
 
     model_dir = args.model or str(ensure_default_model())
-    llm = LLM(model_dir, dtype=args.dtype)
+    llm = LLM(model_dir, dtype=args.dtype, kernel_backend=args.kernel_backend)
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
         top_k=args.top_k, seed=args.seed,

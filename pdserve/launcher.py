@@ -172,7 +172,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 _NODE_FLAGS = (("--dtype", str), ("--transfer-backend", str), ("--kv-cache-memory-gb", float), ("--num-blocks", int),
-               ("--max-num-seqs", int), ("--max-num-batched-tokens", int))
+               ("--max-num-seqs", int), ("--max-num-batched-tokens", int), ("--kernel-backend", str))
 
 
 _NODE_SWITCHES = ("--enable-prefix-caching",)

@@ -20,6 +20,7 @@ class CpuBackend(Backend):
         super().__init__(device)
         self.lib = lib
         self.projections = ProjectionKernels(lib)
+        self._bounds = ops.BoundsMemo()
 
     def describe(self) -> str:
         if self.lib is None:
@@ -78,7 +79,9 @@ class CpuBackend(Backend):
             ref.write_kv_ref(key, value, kv_cache_layer, slot_mapping)
 
     def _decode_attention(self, query, kv_cache_layer, block_tables, seq_lens, scale):
-        out = ops.decode_attention(self.lib, query, kv_cache_layer, block_tables, seq_lens, scale) if self.lib else None
+        out = None
+        if self.lib:
+            out = ops.decode_attention(self.lib, query, kv_cache_layer, block_tables, seq_lens, scale, self._bounds)
         if out is None:
             return ref.decode_attention_ref(query, kv_cache_layer, block_tables, seq_lens, scale)
         return out

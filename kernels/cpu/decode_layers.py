@@ -31,6 +31,7 @@ class DecodeLayers:
         self._layers = (layer_type * len(layers))(*[_layer_struct(layer_type, layer, self.dtype) for layer in layers])
         self._num_layers = len(layers)
         self._weights = layers  # what the layer structures point into
+        self._bounds = ops.BoundsMemo()
 
     @classmethod
     def create(cls, kernels: ProjectionKernels, layers: list, shape: LayerShape,
@@ -80,7 +81,7 @@ class DecodeLayers:
             raise ValueError(f"decode_layers: a cache of {num_layers} layers for {self._num_layers}")
         tables = block_tables.to(torch.int32).contiguous()
         lens = seq_lens.to(torch.int32).contiguous()
-        ops.check_bounds(tables, lens, num_blocks, block_size)
+        ops.check_bounds(tables, lens, num_blocks, block_size, self._bounds)
         if tables.shape[0] != rows or lens.shape[0] != rows or positions.shape[0] != rows:
             raise ValueError(f"decode_layers: {rows} rows, tables {tuple(tables.shape)}, lens {tuple(lens.shape)}")
         positions = positions.to(torch.int64).contiguous()

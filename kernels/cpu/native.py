@@ -280,3 +280,32 @@ def load(level_name: str | None = None) -> NativeLibrary | None:
     library = NativeLibrary(level, library_path(level))
     logger.info("compiled CPU kernels: %s (%s)", level.name, library.path.name)
     return library
+
+
+def describe() -> str:
+    """The boundary as a table: every entry point the header declares, its typed parameters (spans),
+    and the built levels that export it; then the levels this CPU runs and the limits."""
+    decl = declarations()
+    exported = {}
+    for level in LEVELS:
+        path = library_path(level)
+        if path is not None:
+            lib = ctypes.CDLL(str(path))
+            exported[level.name] = {name for name in decl.entries if hasattr(lib, name)}
+    lines = ["| entry point | returns | parameters | levels |", "|---|---|---|---|"]
+    for name, entry in decl.entries.items():
+        params = ", ".join(f"{p.ctype}{'*' if p.is_pointer else ''} {p.name}"
+                           + (f" [{p.span}]" if p.span else "") + (" or None" if p.nullable else "")
+                           for p in entry.params) or "-"
+        levels = ", ".join(level for level, names in exported.items() if name in names) or "none built"
+        lines.append(f"| `{name}` | {'status' if entry.returns_status else entry.returns} | {params} | {levels} |")
+    best = available_levels()
+    lines.append("")
+    lines.append(f"this CPU runs: {', '.join(lv.name for lv in best) or 'none'}")
+    if best:
+        lines.append(f"limits: {load().limits}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(describe())  # noqa: T201 (python -m kernels.cpu.native: the boundary, for people)

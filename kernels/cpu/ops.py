@@ -97,7 +97,8 @@ def write_kv(lib: NativeLibrary, key, value, kv_cache_layer, slot_mapping) -> bo
     return True
 
 
-def decode_attention(lib: NativeLibrary, query, kv_cache_layer, block_tables, seq_lens, scale) -> torch.Tensor | None:
+def decode_attention(lib: NativeLibrary, query, kv_cache_layer, block_tables, seq_lens, scale,
+                     memo: BoundsMemo | None = None) -> torch.Tensor | None:
     """Reads the blocks in place (a bfloat16 cache widened as it is read, sums in float32); None
     where it has no path. Raises ValueError for a length past its block table or a block id outside
     the cache (it reads memory directly)."""
@@ -116,7 +117,7 @@ def decode_attention(lib: NativeLibrary, query, kv_cache_layer, block_tables, se
         return out
     tables = block_tables.to(torch.int32).contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
-    check_bounds(tables, lens, num_blocks, block_size)
+    check_bounds(tables, lens, num_blocks, block_size, memo)
     lib.paged_decode_attention(
         query, query.stride(0), query.stride(1), kv_cache_layer, *kv_cache_layer.stride()[:4], tables,
         tables.stride(0), lens, out, out.stride(0), out.stride(1), num_seqs, num_kv_heads, num_heads // num_kv_heads,
@@ -124,17 +125,20 @@ def decode_attention(lib: NativeLibrary, query, kv_cache_layer, block_tables, se
     return out
 
 
-class _BoundsMemo:
+class BoundsMemo:
     """The last block-table and length tensors that passed check_bounds, with torch's version
-    counters: the model calls attention once per layer with the same pair, checked once."""
+    counters: the model calls attention once per layer with the same pair, checked once. One per
+    backend (and so per engine)."""
 
-    last: tuple | None = None
+    def __init__(self) -> None:
+        self.last: tuple | None = None
 
 
-def check_bounds(tables: torch.Tensor, lens: torch.Tensor, num_blocks: int, block_size: int) -> None:
+def check_bounds(tables: torch.Tensor, lens: torch.Tensor, num_blocks: int, block_size: int,
+                 memo: BoundsMemo | None = None) -> None:
     """Raises ValueError for a length past the table's width or a block id outside [0, num_blocks)."""
     versions = (tables._version, lens._version, num_blocks, block_size)
-    last = _BoundsMemo.last
+    last = memo.last if memo is not None else None
     if last is not None and last[0] is tables and last[1] is lens and last[2] == versions:
         return
     longest = int(lens.max())
@@ -143,7 +147,8 @@ def check_bounds(tables: torch.Tensor, lens: torch.Tensor, num_blocks: int, bloc
     used = tables[:, :cdiv(longest, block_size)]
     if used.numel() and (int(used.min()) < 0 or int(used.max()) >= num_blocks):
         raise ValueError(f"decode_attention: block ids outside [0, {num_blocks})")
-    _BoundsMemo.last = (tables, lens, versions)
+    if memo is not None:
+        memo.last = (tables, lens, versions)
 
 
 def prefill_kernel(lib: NativeLibrary, dtype: torch.dtype, head_dim: int) -> str | None:

@@ -222,29 +222,24 @@ int amx_prefill_attention_bf16(const uint16_t *query, int64_t q_tok, int64_t q_h
                                const int32_t *cu, const int32_t *lens, int64_t num_seqs, int64_t num_tokens,
                                int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale, uint16_t *out,
                                int64_t o_tok, int64_t o_head) {
-    if (check_chunks(tables, table_stride, table_width, cu, lens, num_seqs, num_tokens, num_blocks, block_size))
-        return PDS_ERR_RANGE;
+    prefill_plan plan;
+    const int status = prefill_plan_make(&plan, tables, table_stride, table_width, cu, lens, num_seqs, num_tokens,
+                                         num_blocks, block_size, num_heads, sizeof(scratch));
+    if (status != PDS_OK) return status;
+    const int64_t *item_start = plan.item_start;
+    /* each sequence's V^T (its KV heads' values transposed for the tiles), at vt + vt_off[s] */
     int64_t *vt_off = malloc((size_t)(num_seqs + 1) * sizeof *vt_off);
-    int64_t *item_start = malloc((size_t)(num_seqs + 1) * sizeof *item_start);
-    if (!vt_off || !item_start) {
-        free(vt_off);
-        free(item_start);
+    if (!vt_off) {
+        prefill_plan_free(&plan);
         return PDS_ERR_MEMORY;
     }
-    vt_off[0] = item_start[0] = 0;
-    for (int64_t s = 0; s < num_seqs; ++s) {
-        const int64_t q_len = cu[s + 1] - cu[s];
-        vt_off[s + 1] = vt_off[s] + (q_len ? num_kv_heads * head_dim * padded_len(lens[s]) : 0);
-        item_start[s + 1] = item_start[s] + num_heads * ((q_len + 15) / 16);
-    }
+    vt_off[0] = 0;
+    for (int64_t s = 0; s < num_seqs; ++s)
+        vt_off[s + 1] = vt_off[s] + (cu[s + 1] > cu[s] ? num_kv_heads * head_dim * padded_len(lens[s]) : 0);
     uint16_t *vt = aligned_alloc(64, (size_t)((vt_off[num_seqs] * 2 + 63) / 64 * 64 + 64));
-    const int threads = omp_get_max_threads();
-    scratch *scratches = aligned_alloc(64, (size_t)threads * sizeof(scratch));
-    if (!vt || !scratches) {
-        free(vt);
-        free(scratches);
+    if (!vt) {
         free(vt_off);
-        free(item_start);
+        prefill_plan_free(&plan);
         return PDS_ERR_MEMORY;
     }
     const float log2_scale = scale * 1.4426950408889634f; /* log2(e) */
@@ -252,9 +247,9 @@ int amx_prefill_attention_bf16(const uint16_t *query, int64_t q_tok, int64_t q_h
                        table_stride, num_heads, num_heads / num_kv_heads, head_dim, log2_scale, out, o_tok, o_head, vt,
                        vt_off};
     const int64_t items = item_start[num_seqs];
-#pragma omp parallel num_threads(threads)
+#pragma omp parallel num_threads(plan.threads)
     {
-        scratch *w = scratches + omp_get_thread_num();
+        scratch *w = (scratch *)plan.scratches + omp_get_thread_num();
 #pragma omp for schedule(dynamic)
         for (int64_t i = 0; i < num_seqs * num_kv_heads; ++i) {
             const int64_t seq = i / num_kv_heads;
@@ -269,11 +264,10 @@ int amx_prefill_attention_bf16(const uint16_t *query, int64_t q_tok, int64_t q_h
         }
         _tile_release();
     }
-    free(scratches);
     free(vt);
     free(vt_off);
-    free(item_start);
-    return 0;
+    prefill_plan_free(&plan);
+    return PDS_OK;
 }
 
 #else

@@ -115,32 +115,41 @@ PDS_API void silu_and_mul_f32(const float *x PDS_SPAN((num_rows - 1) * stride_x 
 PDS_API void silu_and_mul_bf16(const uint16_t *x PDS_SPAN((num_rows - 1) * stride_x + 2 * half), int64_t stride_x,
                                uint16_t *out PDS_SPAN((num_rows - 1) * stride_out + half), int64_t stride_out,
                                int64_t num_rows, int64_t half);
-PDS_API int rotary_f32(float *query, int64_t stride_q_tok, int64_t stride_q_head, int64_t num_heads, float *key,
+PDS_API int rotary_f32(float *query PDS_SPAN((num_tokens - 1) * stride_q_tok + (num_heads - 1) * stride_q_head + 2 * half),
+                       int64_t stride_q_tok, int64_t stride_q_head, int64_t num_heads,
+                       float *key PDS_SPAN((num_tokens - 1) * stride_k_tok + (num_kv_heads - 1) * stride_k_head + 2 * half),
                        int64_t stride_k_tok, int64_t stride_k_head, int64_t num_kv_heads,
                        const int64_t *positions PDS_SPAN(num_tokens),
                        const float *cos_sin PDS_SPAN((max_position - 1) * stride_cs + 2 * half), int64_t stride_cs,
                        int64_t max_position, int64_t num_tokens, int64_t half);
-PDS_API int rotary_bf16(uint16_t *query, int64_t stride_q_tok, int64_t stride_q_head, int64_t num_heads,
-                        uint16_t *key, int64_t stride_k_tok, int64_t stride_k_head, int64_t num_kv_heads,
+PDS_API int rotary_bf16(uint16_t *query PDS_SPAN((num_tokens - 1) * stride_q_tok + (num_heads - 1) * stride_q_head + 2 * half),
+                        int64_t stride_q_tok, int64_t stride_q_head, int64_t num_heads,
+                        uint16_t *key PDS_SPAN((num_tokens - 1) * stride_k_tok + (num_kv_heads - 1) * stride_k_head + 2 * half),
+                        int64_t stride_k_tok, int64_t stride_k_head, int64_t num_kv_heads,
                         const int64_t *positions PDS_SPAN(num_tokens),
                         const uint16_t *cos_sin PDS_SPAN((max_position - 1) * stride_cs + 2 * half),
                         int64_t stride_cs, int64_t max_position, int64_t num_tokens, int64_t half);
-PDS_API int write_kv_f32(const float *key, int64_t stride_k_tok, int64_t stride_k_head, const float *value,
+PDS_API int write_kv_f32(const float *key PDS_SPAN((num_tokens - 1) * stride_k_tok + (num_kv_heads - 1) * stride_k_head + head_dim),
+                         int64_t stride_k_tok, int64_t stride_k_head, const float *value PDS_SPAN((num_tokens - 1) * stride_v_tok + (num_kv_heads - 1) * stride_v_head + head_dim),
                          int64_t stride_v_tok, int64_t stride_v_head,
                          float *cache PDS_SPAN((num_blocks - 1) * stride_block + 1), int64_t stride_block,
                          int64_t stride_kv, int64_t stride_token, int64_t stride_head, int64_t num_blocks,
                          int64_t block_size, const int64_t *slots PDS_SPAN(num_tokens), int64_t num_tokens,
                          int64_t num_kv_heads, int64_t head_dim);
-PDS_API int write_kv_bf16(const uint16_t *key, int64_t stride_k_tok, int64_t stride_k_head, const uint16_t *value,
+PDS_API int write_kv_bf16(const uint16_t *key PDS_SPAN((num_tokens - 1) * stride_k_tok + (num_kv_heads - 1) * stride_k_head + head_dim),
+                         int64_t stride_k_tok, int64_t stride_k_head, const uint16_t *value PDS_SPAN((num_tokens - 1) * stride_v_tok + (num_kv_heads - 1) * stride_v_head + head_dim),
                           int64_t stride_v_tok, int64_t stride_v_head,
                           uint16_t *cache PDS_SPAN((num_blocks - 1) * stride_block + 1), int64_t stride_block,
                           int64_t stride_kv, int64_t stride_token, int64_t stride_head, int64_t num_blocks,
                           int64_t block_size, const int64_t *slots PDS_SPAN(num_tokens), int64_t num_tokens,
                           int64_t num_kv_heads, int64_t head_dim);
-PDS_API int paged_decode_attention(const void *query, int64_t stride_q_seq, int64_t stride_q_head,
+PDS_API int paged_decode_attention(const void *query PDS_SPAN((num_seqs - 1) * stride_q_seq + (num_kv_heads * group - 1) * stride_q_head + head_dim),
+                                   int64_t stride_q_seq, int64_t stride_q_head,
                                    const void *kv_cache, int64_t stride_block, int64_t stride_kv, int64_t stride_token,
-                                   int64_t stride_head, const int32_t *block_tables, int64_t stride_table,
-                                   const int32_t *seq_lens PDS_SPAN(num_seqs), void *out, int64_t stride_out_seq,
+                                   int64_t stride_head, const int32_t *block_tables PDS_SPAN((num_seqs - 1) * stride_table + 1),
+                                   int64_t stride_table, const int32_t *seq_lens PDS_SPAN(num_seqs),
+                                   void *out PDS_SPAN((num_seqs - 1) * stride_out_seq + (num_kv_heads * group - 1) * stride_out_head + head_dim),
+                                   int64_t stride_out_seq,
                                    int64_t stride_out_head, int num_seqs, int num_kv_heads, int group, int head_dim,
                                    int block_size, float scale, int kv_bf16);
 /* Whether paged_decode_attention has a path for these sizes (1) or answers PDS_ERR_UNSUPPORTED (0). */
@@ -159,12 +168,12 @@ PDS_API int f32_gate_up(const float *x PDS_SPAN((m - 1) * x_stride + k), int64_t
                         const float *packed PDS_SPAN(2 * inter * k), int64_t inter, int gated,
                         float *out PDS_SPAN((m - 1) * out_stride + inter), int64_t out_stride);
 PDS_API int prefill_attention_f32_ready(void);
-PDS_API int prefill_attention_f32(const float *query, int64_t q_tok, int64_t q_head, const float *cache,
+PDS_API int prefill_attention_f32(const float *query PDS_SPAN((num_tokens - 1) * q_tok + (num_heads - 1) * q_head + head_dim), int64_t q_tok, int64_t q_head, const float *cache PDS_SPAN((num_blocks - 1) * s_block + 1),
                                   int64_t s_block, int64_t s_kv, int64_t s_off, int64_t s_head, int64_t num_blocks,
-                                  int64_t block_size, const int32_t *tables, int64_t table_stride,
+                                  int64_t block_size, const int32_t *tables PDS_SPAN((num_seqs - 1) * table_stride + table_width), int64_t table_stride,
                                   int64_t table_width, const int32_t *cu PDS_SPAN(num_seqs + 1),
                                   const int32_t *lens PDS_SPAN(num_seqs), int64_t num_seqs, int64_t num_tokens,
-                                  int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale, float *out,
+                                  int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale, float *out PDS_SPAN((num_tokens - 1) * o_tok + (num_heads - 1) * o_head + head_dim),
                                   int64_t o_tok, int64_t o_head);
 PDS_API int decode_layers(int linear_kind, const pds_layer *layers, int64_t num_layers, const pds_step *step);
 
@@ -178,13 +187,13 @@ PDS_API int bf16_linear(const uint16_t *x PDS_SPAN((m - 1) * x_stride + k), int6
 PDS_API int bf16_linear_wide(const uint16_t *x PDS_SPAN((m - 1) * x_stride + k), int64_t x_stride, int64_t m,
                              int64_t k, const uint16_t *packed PDS_SPAN(n * k), int64_t n, const float *bias PDS_NULLABLE,
                              uint16_t *out PDS_SPAN((m - 1) * out_stride + n), int64_t out_stride);
-PDS_API int prefill_attention_bf16(const uint16_t *query, int64_t q_tok, int64_t q_head, const uint16_t *cache,
+PDS_API int prefill_attention_bf16(const uint16_t *query PDS_SPAN((num_tokens - 1) * q_tok + (num_heads - 1) * q_head + head_dim), int64_t q_tok, int64_t q_head, const uint16_t *cache PDS_SPAN((num_blocks - 1) * s_block + 1),
                                    int64_t s_block, int64_t s_kv, int64_t s_off, int64_t s_head, int64_t num_blocks,
-                                   int64_t block_size, const int32_t *tables, int64_t table_stride,
+                                   int64_t block_size, const int32_t *tables PDS_SPAN((num_seqs - 1) * table_stride + table_width), int64_t table_stride,
                                    int64_t table_width, const int32_t *cu PDS_SPAN(num_seqs + 1),
                                    const int32_t *lens PDS_SPAN(num_seqs), int64_t num_seqs, int64_t num_tokens,
                                    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale,
-                                   uint16_t *out, int64_t o_tok, int64_t o_head);
+                                   uint16_t *out PDS_SPAN((num_tokens - 1) * o_tok + (num_heads - 1) * o_head + head_dim), int64_t o_tok, int64_t o_head);
 PDS_API int greedy_head_ready(void);
 PDS_API int greedy_head_int8(const void *x PDS_SPAN((m - 1) * x_stride + k), int64_t x_stride, int64_t m, int64_t k,
                              const int8_t *q8 PDS_SPAN(n * k), const float *scale PDS_SPAN(n),
@@ -199,12 +208,12 @@ PDS_API int amx_linear_bf16(const uint16_t *x PDS_SPAN((m - 1) * x_stride + k), 
                             int64_t k, const uint16_t *packed PDS_SPAN(n * k), int64_t n, const float *bias PDS_NULLABLE,
                             uint16_t *out PDS_SPAN((m - 1) * out_stride + n), int64_t out_stride);
 PDS_API int amx_attention_ready(void);
-PDS_API int amx_prefill_attention_bf16(const uint16_t *query, int64_t q_tok, int64_t q_head, const uint16_t *cache,
+PDS_API int amx_prefill_attention_bf16(const uint16_t *query PDS_SPAN((num_tokens - 1) * q_tok + (num_heads - 1) * q_head + head_dim) PDS_SPAN((num_tokens - 1) * q_tok + (num_heads - 1) * q_head + head_dim), int64_t q_tok, int64_t q_head, const uint16_t *cache PDS_SPAN((num_blocks - 1) * s_block + 1),
                                        int64_t s_block, int64_t s_kv, int64_t s_off, int64_t s_head,
-                                       int64_t num_blocks, int64_t block_size, const int32_t *tables,
+                                       int64_t num_blocks, int64_t block_size, const int32_t *tables PDS_SPAN((num_seqs - 1) * table_stride + table_width),
                                        int64_t table_stride, int64_t table_width,
                                        const int32_t *cu PDS_SPAN(num_seqs + 1), const int32_t *lens PDS_SPAN(num_seqs),
                                        int64_t num_seqs, int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads,
-                                       int64_t head_dim, float scale, uint16_t *out, int64_t o_tok, int64_t o_head);
+                                       int64_t head_dim, float scale, uint16_t *out PDS_SPAN((num_tokens - 1) * o_tok + (num_heads - 1) * o_head + head_dim), int64_t o_tok, int64_t o_head);
 
 #endif

@@ -4,7 +4,11 @@
 #ifndef PDSERVE_PREFILL_H
 #define PDSERVE_PREFILL_H
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
+
+#include "pdserve_kernels.h"
 
 /* 0 when every sequence's chunk, length and blocks are in range; 1 otherwise. */
 static inline int check_chunks(const int32_t *tables, int64_t table_stride, int64_t table_width, const int32_t *cu,
@@ -20,6 +24,39 @@ static inline int check_chunks(const int32_t *tables, int64_t table_stride, int6
         }
     }
     return 0;
+}
+
+/* The work both kernels hand out: item_start[s], sequence s's first item (units_per_block items for
+ * each of its chunk's 16-query blocks), and one scratch of scratch_size bytes per OpenMP thread. */
+typedef struct {
+    int64_t *item_start;
+    void *scratches;
+    int threads;
+} prefill_plan;
+
+static inline void prefill_plan_free(prefill_plan *plan) {
+    free(plan->item_start);
+    free(plan->scratches);
+}
+
+/* PDS_OK, PDS_ERR_RANGE (the caller's tables or lengths: nothing allocated) or PDS_ERR_MEMORY. */
+static inline int prefill_plan_make(prefill_plan *plan, const int32_t *tables, int64_t table_stride,
+                                    int64_t table_width, const int32_t *cu, const int32_t *lens, int64_t num_seqs,
+                                    int64_t num_tokens, int64_t num_blocks, int64_t block_size,
+                                    int64_t units_per_block, size_t scratch_size) {
+    if (check_chunks(tables, table_stride, table_width, cu, lens, num_seqs, num_tokens, num_blocks, block_size))
+        return PDS_ERR_RANGE;
+    plan->threads = omp_get_max_threads();
+    plan->item_start = malloc((size_t)(num_seqs + 1) * sizeof *plan->item_start);
+    plan->scratches = aligned_alloc(64, (size_t)plan->threads * scratch_size);
+    if (!plan->item_start || !plan->scratches) {
+        prefill_plan_free(plan);
+        return PDS_ERR_MEMORY;
+    }
+    plan->item_start[0] = 0;
+    for (int64_t s = 0; s < num_seqs; ++s)
+        plan->item_start[s + 1] = plan->item_start[s] + units_per_block * ((cu[s + 1] - cu[s] + 15) / 16);
+    return PDS_OK;
 }
 
 /* Work item i, one head's 16-query block of a sequence's chunk, as (sequence, head, block):

@@ -404,29 +404,21 @@ static int prefill_attention(int64_t elem, const void *query, int64_t q_tok, int
                              const int32_t *cu, const int32_t *lens, int64_t num_seqs, int64_t num_tokens,
                              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale, void *out,
                              int64_t o_tok, int64_t o_head) {
-    if (check_chunks(tables, table_stride, table_width, cu, lens, num_seqs, num_tokens, num_blocks, block_size))
-        return PDS_ERR_RANGE;
-    int64_t *item_start = malloc((size_t)(num_seqs + 1) * sizeof *item_start);
-    const int threads = omp_get_max_threads();
-    scratch *scratches = aligned_alloc(64, (size_t)threads * sizeof(scratch));
-    if (!item_start || !scratches) {
-        free(item_start);
-        free(scratches);
-        return PDS_ERR_MEMORY;
-    }
     /* A unit is up to MAX_HEADS heads of one KV head's group, split evenly (4 heads: 2 + 2). */
     const int64_t group = num_heads / num_kv_heads, per_kv = (group + MAX_HEADS - 1) / MAX_HEADS;
     const int64_t unit_heads = (group + per_kv - 1) / per_kv, units = num_kv_heads * per_kv;
-    item_start[0] = 0;
-    for (int64_t s = 0; s < num_seqs; ++s)
-        item_start[s + 1] = item_start[s] + units * ((cu[s + 1] - cu[s] + 15) / 16);
+    prefill_plan plan;
+    const int status = prefill_plan_make(&plan, tables, table_stride, table_width, cu, lens, num_seqs, num_tokens,
+                                         num_blocks, block_size, units, sizeof(scratch));
+    if (status != PDS_OK) return status;
+    const int64_t *item_start = plan.item_start;
     const problem p = {query, cache, q_tok, q_head, s_block, s_kv, s_off, s_head, block_size, tables, cu, lens,
                        table_stride, group, head_dim, scale * 1.4426950408889634f /* log2(e) */,
                        out, o_tok, o_head, elem};
     const int64_t items = item_start[num_seqs];
-#pragma omp parallel num_threads(threads)
+#pragma omp parallel num_threads(plan.threads)
     {
-        scratch *w = scratches + omp_get_thread_num();
+        scratch *w = (scratch *)plan.scratches + omp_get_thread_num();
         int64_t seq = 0, head, block;
 #pragma omp for schedule(dynamic)
         for (int64_t i = 0; i < items; ++i) {
@@ -437,14 +429,13 @@ static int prefill_attention(int64_t elem, const void *query, int64_t q_tok, int
             query_block(&p, seq, head, nh < unit_heads ? nh : unit_heads, block, w);
         }
     }
-    free(scratches);
-    free(item_start);
-    return 0;
+    prefill_plan_free(&plan);
+    return PDS_OK;
 }
 
 /* query: [tokens, heads, head_dim] float32; cache: one layer, [blocks, 2, block_size, kv_heads,
  * head_dim] strided; out like query. head_dim a multiple of 16 up to 256, block_size a multiple
- * of 16. Returns 0, 1 for tables or lengths out of range, 2 when out of memory. */
+ * of 16. Returns PDS_OK, PDS_ERR_RANGE for tables or lengths out of range, or PDS_ERR_MEMORY. */
 int prefill_attention_f32(const float *query, int64_t q_tok, int64_t q_head, const float *cache, int64_t s_block,
                           int64_t s_kv, int64_t s_off, int64_t s_head, int64_t num_blocks, int64_t block_size,
                           const int32_t *tables, int64_t table_stride, int64_t table_width, const int32_t *cu,

@@ -83,4 +83,13 @@ def decode_attention_cpu(query, kv_cache_layer, block_tables, seq_lens, scale):
     reference)."""
     from kernels.cpu import ops as cpu_ops
 
-    return cpu_ops.decode_attention(CPU.lib, query, kv_cache_layer, block_tables, seq_lens, scale)
+    return cpu_ops.decode_attention(CPU.lib, query, kv_cache_layer, block_tables, seq_lens, scale, _MEMO)
+
+
+def _memo():
+    from kernels.cpu.ops import BoundsMemo
+
+    return BoundsMemo()
+
+
+_MEMO = _memo()  # one memo for these tests' calls, as a backend keeps one

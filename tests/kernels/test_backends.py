@@ -140,3 +140,39 @@ def test_the_backend_is_chosen_once_by_name_and_device():
         select_backend("cpu", "triton")
     with pytest.raises(ValueError, match="CPU"):
         select_backend("cuda", "cpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_kernel_copy_is_made_and_runs_where_the_backends_probe_says(backend, dtype, monkeypatch):
+    """The compiled kernels' copies of W exist exactly where the build's probes say they run, and
+    each batch runs on the kernel that takes it (a lost copy would leave the results right and the
+    speed gone: this fails instead)."""
+    kernels = backend.projections
+    ran = []
+    real_run, real_gate_up = type(kernels)._run_kernel, type(kernels).gate_up
+    monkeypatch.setattr(type(kernels), "_run_kernel",
+                        lambda self, entry, *a: ran.append(entry) or real_run(self, entry, *a))
+    monkeypatch.setattr(type(kernels), "gate_up",
+                        lambda self, x, w, gated: ran.append(f"gate_up:{gated}") or real_gate_up(self, x, w, gated))
+    weight = _rand(64, 64, dtype=dtype, seed=30) / 8
+    w = backend.prepare_linear(weight)
+    gate_up = backend.prepare_linear(weight, gate_up=True, small_batches=False)
+    is_f32 = dtype == torch.float32
+    assert (w.f32 is not None) == (is_f32 and kernels.has_f32)
+    assert (w.amx is not None) == (not is_f32 and kernels.has_amx)
+    assert (w.bf16 is not None) == (not is_f32 and kernels.has_bf16 and not kernels.has_amx)
+    assert (gate_up.gate_up is not None) == (is_f32 and kernels.has_gate_up)
+    backend.linear(_rand(8, 64, dtype=dtype), w)
+    backend.gate_up_silu(_rand(200, 64, dtype=dtype), gate_up)
+    expected = []
+    if w.amx is not None:
+        expected.append("amx_linear_bf16")
+    elif w.bf16 is not None:
+        expected.append(kernels.bf16_entry)
+    elif w.f32 is not None:
+        expected.append("f32_linear")
+    if gate_up.gate_up is not None:
+        expected.append("gate_up:True")
+    elif gate_up.bf16 is not None and gate_up.packed is None:
+        expected.append(kernels.bf16_entry)
+    assert ran == expected
