@@ -19,16 +19,7 @@ from kv_transfer.base import RemoteLease
 from kv_transfer.config import TransferConfig
 from kv_transfer.factory import create_connector
 from kv_transfer.layout import KVLayout
-
-
-def poll_all(connector, ids, timeout_s):
-    results = {}
-    deadline = time.monotonic() + timeout_s
-    while set(results) != ids and time.monotonic() < deadline:
-        for result in connector.poll():
-            results[result.request_id] = result
-        time.sleep(0.001)
-    return results
+from tests.kv_transfer.helpers import poll_until
 
 
 def main() -> None:
@@ -38,7 +29,7 @@ def main() -> None:
     config = TransferConfig(backend=backend, transfer_timeout_s=3.0, handshake_timeout_s=2.0)
     connector = create_connector(config, torch.zeros(shape), layout, "reader")
     connector.start_read("warm", RemoteLease(engine_id, address, [0], int(warm_generation), 600.0), [0])
-    warm = poll_all(connector, {"warm"}, 20)
+    warm = poll_until(connector, {"warm"}, 20)
     print(json.dumps({"warm": bool(warm) and warm["warm"].is_ok}), flush=True)
     sys.stdin.readline()
     allocated = {}
@@ -47,7 +38,7 @@ def main() -> None:
         allocated[f"dead-{i}"] = [10 + 2 * i, 11 + 2 * i]  # what a node would have allocated
         lease = RemoteLease(engine_id, address, [1, 2], 100 + i, 600.0)
         connector.start_read(f"dead-{i}", lease, allocated[f"dead-{i}"])
-    results = poll_all(connector, set(allocated), 10)
+    results = poll_until(connector, set(allocated), 10)
     for request_id, result in results.items():
         if not result.is_ok:
             del allocated[request_id]  # the node frees a failed read's blocks

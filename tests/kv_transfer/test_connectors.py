@@ -16,7 +16,6 @@ from pathlib import Path
 import msgspec
 import pytest
 import torch
-import zmq
 
 from engine.kv_cache import stored_layer_major
 from engine.protocol import curve_keys
@@ -38,6 +37,8 @@ from kv_transfer.messages import (
     ReadConfirmed,
     RenewLeases,
 )
+from tests.conftest import dealer
+from tests.kv_transfer.helpers import json_line, poll_until
 
 PEER = Path(__file__).with_name("peer.py")
 REPO = Path(__file__).resolve().parents[2]
@@ -136,16 +137,6 @@ def unleased(holder: Holder, block_ids: list[int], generation: int = 999) -> Rem
     return RemoteLease(holder.engine_id, holder.address, block_ids, generation, 600.0)
 
 
-def poll_until(connector, request_ids: set[str], timeout_s: float) -> dict:
-    results = {}
-    deadline = time.monotonic() + timeout_s
-    while set(results) != request_ids and time.monotonic() < deadline:
-        for result in connector.poll():
-            results[result.request_id] = result
-        time.sleep(0.001)
-    return results
-
-
 @pytest.mark.parametrize("backend", ["nixl", "gloo"])
 @pytest.mark.parametrize(("holder_storage", "reader_storage"),
                          [("block", "block"), ("layer", "layer"), ("layer", "block"), ("block", "layer")])
@@ -224,11 +215,11 @@ def test_killed_holder_fails_reads_within_timeout_and_blocks_come_back(backend, 
         start_new_session=True,
     )
     try:
-        assert _json_line(reader_proc) == {"warm": True}
+        assert json_line(reader_proc) == {"warm": True}
         holder.kill()
         reader_proc.stdin.write("go\n")
         reader_proc.stdin.flush()
-        report = _json_line(reader_proc)
+        report = json_line(reader_proc)
         assert report["failed"] == [f"dead-{i}" for i in range(4)], report
         assert report["seconds"] < 3.0 + 2.0  # transfer_timeout_s plus slack
         assert report["still_allocated"] == {} and report["in_flight"] == 0
@@ -236,16 +227,6 @@ def test_killed_holder_fails_reads_within_timeout_and_blocks_come_back(backend, 
         if reader_proc.poll() is None:
             reader_proc.kill()
         reader_proc.wait()
-
-
-def _json_line(proc: subprocess.Popen) -> dict:
-    """The next JSON line of a child's stdout (NIXL logs its own lines there too)."""
-    while True:
-        line = proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"child ended (exit {proc.poll()}) before printing a result")
-        if line.startswith("{"):
-            return json.loads(line)
 
 
 def test_holder_restarted_on_the_same_port_is_handshaken_again(holders):
@@ -366,9 +347,7 @@ def test_with_a_cluster_secret_only_its_holders_get_answers_and_blocks(holders):
 
 def test_side_channel_survives_garbage_and_answers_after_it(holders):
     holder = holders("nixl", seed=10)
-    socket = zmq.Context.instance().socket(zmq.DEALER)
-    socket.setsockopt(zmq.LINGER, 0)
-    socket.connect(f"tcp://{holder.address}")
+    socket = dealer(holder.address)
     try:
         frame = side_channel.encode
         bad = [b"", b"\xff" * 64, b"KV\x00\x01" + msgspec.msgpack.encode({"x": 1}),  # another version

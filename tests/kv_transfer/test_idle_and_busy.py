@@ -2,7 +2,6 @@
 (measured over 10 s), and a transfer completes promptly while both sides' loops are busy with
 (simulated) model steps that never call into NIXL."""
 
-import json
 import os
 import subprocess
 import sys
@@ -17,6 +16,7 @@ from kv_transfer.config import TransferConfig
 from kv_transfer.factory import create_connector
 from kv_transfer.layout import KVLayout
 from kv_transfer.lease import LeaseTable
+from tests.kv_transfer.helpers import json_line
 
 REPO = Path(__file__).resolve().parents[2]
 LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype="float32", num_blocks=160,
@@ -60,16 +60,7 @@ def start_holder(mode: str, *args: str) -> tuple[subprocess.Popen, dict]:
     proc = subprocess.Popen([sys.executable, "-c", HOLDER, msgspec.json.encode(LAYOUT).decode(), mode, *args],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                             cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, start_new_session=True)
-    return proc, _json_line(proc)
-
-
-def _json_line(proc) -> dict:
-    while True:
-        line = proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"holder ended with {proc.poll()}")
-        if line.startswith("{"):
-            return json.loads(line)
+    return proc, json_line(proc)
 
 
 def _lease(hello: dict, request_id: str, block_ids: list[int]) -> RemoteLease:
@@ -125,7 +116,7 @@ def test_transfer_completes_promptly_while_both_loops_run_model_steps():
         assert elapsed < 1.0  # the holder's 300 ms steps never stall it
         expected = torch.randn(shape, generator=torch.Generator().manual_seed(4))
         assert torch.equal(cache[blocks], expected[blocks])
-        assert "busy" in _json_line(proc)["released"]
+        assert "busy" in json_line(proc)["released"]
     finally:
         connector.close()
         proc.kill()

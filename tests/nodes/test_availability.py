@@ -4,52 +4,30 @@ requests refused with a retryable code, running ones finished, then run() return
 
 from __future__ import annotations
 
-import threading
 import time
 import urllib.error
 import urllib.request
 
 import pytest
-import zmq
 
 from engine import protocol
-from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from engine.engine import LLMEngine
 from node.health import HealthServer
 from node.server import NodeServer, ServerConfig
+from tests.nodes.conftest import DEFAULT_MAX_NUM_SEQS, make_engine, next_message
 
 GREEDY = protocol.SamplingOptions(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture
-def node(tiny_model_dir):
-    engine = LLMEngine(EngineConfig(ModelConfig.from_pretrained(tiny_model_dir), CacheConfig(num_blocks=64),
-                                    SchedulerConfig()))
-    server = NodeServer(engine, ServerConfig("n", load_report_interval_s=0.05))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    socket = zmq.Context.instance().socket(zmq.DEALER)
-    socket.setsockopt(zmq.LINGER, 0)
-    socket.connect(f"tcp://{server.address}")
-    yield server, thread, socket
-    socket.close(linger=0)
-    server.stop()
-    thread.join(timeout=10)
-
-
-def _next(socket, kind: type, timeout_s: float = 10.0):
-    deadline = time.monotonic() + timeout_s
-    while (left_ms := int((deadline - time.monotonic()) * 1000)) > 0:
-        if socket.poll(left_ms):
-            message = protocol.decode_from_node(socket.recv())
-            if isinstance(message, kind):
-                return message
-    raise TimeoutError(f"no {kind.__name__} within {timeout_s} s")
+def node(tiny_model_dir, serve_node):
+    server = NodeServer(make_engine(tiny_model_dir, max_num_seqs=DEFAULT_MAX_NUM_SEQS),
+                        ServerConfig("n", load_report_interval_s=0.05))
+    return serve_node(server)
 
 
 def _report(socket) -> protocol.LoadReport:
     socket.send(protocol.encode(protocol.Ping()))
-    return _next(socket, protocol.LoadReport)
+    return next_message(socket, protocol.LoadReport)
 
 
 def test_reports_carry_a_fixed_boot_id_and_advancing_progress(node):
@@ -65,7 +43,7 @@ def test_reports_carry_a_fixed_boot_id_and_advancing_progress(node):
 def test_draining_refuses_new_requests_finishes_running_ones_then_returns(node):
     server, thread, socket = node
     socket.send(protocol.encode(protocol.DecodeRequest("running", [5, 6, 7], GREEDY, seq=1)))
-    _next(socket, protocol.TokenBatch)  # it runs
+    next_message(socket, protocol.TokenBatch)  # it runs
     server.drain()
     socket.send(protocol.encode(protocol.DecodeRequest("late", [5, 6, 7], GREEDY, seq=2)))
     num_tokens, refused = 0, None
@@ -116,32 +94,18 @@ def test_health_and_ready_follow_progress_and_draining():
         health.close()
 
 
-def _start_node(tiny_model_dir, **server_fields):
-    engine = LLMEngine(EngineConfig(ModelConfig.from_pretrained(tiny_model_dir), CacheConfig(num_blocks=64),
-                                    SchedulerConfig(max_num_seqs=1)))
-    server = NodeServer(engine, ServerConfig("n", load_report_interval_s=0.05, **server_fields))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    socket = zmq.Context.instance().socket(zmq.DEALER)
-    socket.setsockopt(zmq.LINGER, 0)
-    socket.connect(f"tcp://{server.address}")
-    return server, thread, socket
-
-
 @pytest.fixture
-def one_seq_node(tiny_model_dir):
+def one_seq_node(tiny_model_dir, serve_node):
     """A node running one sequence at a time, with a waiting queue of at most one."""
-    server, thread, socket = _start_node(tiny_model_dir, max_num_waiting=1)
-    yield server, thread, socket
-    socket.close(linger=0)
-    server.stop()
-    thread.join(timeout=10)
+    server = NodeServer(make_engine(tiny_model_dir, max_num_seqs=1),
+                        ServerConfig("n", load_report_interval_s=0.05, max_num_waiting=1))
+    return serve_node(server)
 
 
 def _error_for(socket, request_id: str, timeout_s: float = 10.0) -> protocol.ErrorReply:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        message = _next(socket, protocol.ErrorReply, deadline - time.monotonic())
+        message = next_message(socket, protocol.ErrorReply, deadline - time.monotonic())
         if message.request_id == request_id:
             return message
     raise TimeoutError(f"no ErrorReply for {request_id}")
@@ -151,7 +115,7 @@ def test_a_full_waiting_queue_refuses_new_requests_with_a_retryable_kind(one_seq
     server, _, socket = one_seq_node
     long = protocol.SamplingOptions(max_tokens=200, temperature=0.0, ignore_eos=True)
     socket.send(protocol.encode(protocol.DecodeRequest("running", [5, 6, 7], long, seq=1)))
-    _next(socket, protocol.TokenBatch)  # it runs: the one slot is taken
+    next_message(socket, protocol.TokenBatch)  # it runs: the one slot is taken
     socket.send(protocol.encode(protocol.DecodeRequest("waiting", [5, 6, 8], long, seq=2)))
     socket.send(protocol.encode(protocol.DecodeRequest("refused", [5, 6, 9], long, seq=3)))
     refused = _error_for(socket, "refused")
@@ -165,16 +129,16 @@ def test_a_full_waiting_queue_refuses_new_requests_with_a_retryable_kind(one_seq
         assert time.monotonic() < deadline, "blocks not freed after the aborts"
         time.sleep(0.05)
     socket.send(protocol.encode(protocol.DecodeRequest("later", [5, 6, 9], GREEDY, seq=4)))
-    _next(socket, protocol.TokenBatch)  # room again: taken
+    next_message(socket, protocol.TokenBatch)  # room again: taken
 
 
 def test_a_drain_message_drains_as_sigterm_does(one_seq_node):
     server, thread, socket = one_seq_node
     socket.send(protocol.encode(protocol.DecodeRequest("running", [5, 6, 7], GREEDY, seq=1)))
-    _next(socket, protocol.TokenBatch)
+    next_message(socket, protocol.TokenBatch)
     socket.send(protocol.encode(protocol.Drain("test")))
     deadline = time.monotonic() + 5
-    while not _next(socket, protocol.LoadReport).is_draining:  # NOTE: heartbeats sent before it may come first
+    while not next_message(socket, protocol.LoadReport).is_draining:  # NOTE: heartbeats sent before it may come first
         assert time.monotonic() < deadline, "no report says draining"
     socket.send(protocol.encode(protocol.DecodeRequest("late", [5, 6, 7], GREEDY, seq=2)))
     assert _error_for(socket, "late").kind == protocol.DRAINING_ERROR_KIND

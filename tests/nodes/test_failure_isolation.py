@@ -10,10 +10,9 @@ import time
 import pytest
 
 from engine import protocol
-from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from engine.engine import LLMEngine
 from node.server import NodeServer, ServerConfig
-from tests.conftest import poison_sampling
+from tests.conftest import dealer, poison_sampling
+from tests.nodes.conftest import DEFAULT_MAX_NUM_SEQS, make_engine
 
 PROXY, OTHER = b"proxy-a", b"proxy-b"
 GREEDY = protocol.SamplingOptions(max_tokens=5, temperature=0.0, ignore_eos=True)
@@ -23,8 +22,7 @@ class Node:
     """A colocated NodeServer driven by hand; what it sends lands in sent as (identity, message)."""
 
     def __init__(self, model_dir, orphan_timeout_s: float = 10.0) -> None:
-        engine = LLMEngine(EngineConfig(ModelConfig.from_pretrained(model_dir), CacheConfig(num_blocks=64),
-                                        SchedulerConfig()))
+        engine = make_engine(model_dir, max_num_seqs=DEFAULT_MAX_NUM_SEQS)
         self.server = NodeServer(engine, ServerConfig("iso", orphan_timeout_s=orphan_timeout_s))
         self.sent: list[tuple[bytes, object]] = []
         self.server.send = lambda identity, message: self.sent.append((identity, message))
@@ -57,18 +55,21 @@ class Node:
 
 
 @pytest.fixture
-def node(tiny_model_dir):
-    built = Node(tiny_model_dir)
-    yield built
-    built.close()
+def make_node(tiny_model_dir, close_at_end):
+    """make_node(orphan_timeout_s=10.0) -> Node; every node made is closed when the test ends."""
+    return lambda **kwargs: close_at_end(Node(tiny_model_dir, **kwargs))
 
 
-def test_step_fault_fails_its_request_alone_and_the_node_serves_on(node, tiny_model_dir):
-    reference = Node(tiny_model_dir)
+@pytest.fixture
+def node(make_node):
+    return make_node()
+
+
+def test_step_fault_fails_its_request_alone_and_the_node_serves_on(node, make_node):
+    reference = make_node()
     reference.request(PROXY, "a", [5, 6, 7])
     reference.request(PROXY, "b", [8, 9, 10, 11])
     reference.run(lambda: reference.tokens("a") and reference.tokens("b"))
-    reference.close()
     engine = node.server.engine
     # a fault that belongs to one request (say, its sampling settings)
     poison_sampling(engine.sampler, "poison", FloatingPointError("injected per-request fault"))
@@ -114,38 +115,30 @@ def test_out_of_range_options_are_client_errors_of_that_request_alone(node, samp
     node.server.engine.check_leaks()
 
 
-def test_requests_of_a_silent_proxy_end_after_the_orphan_timeout(tiny_model_dir):
-    node = Node(tiny_model_dir, orphan_timeout_s=1.0)
-    try:
-        long = protocol.SamplingOptions(max_tokens=10_000, temperature=0.0, ignore_eos=True)
-        node.request(PROXY, "orphan", [5, 6, 7], long)
-        node.request(OTHER, "alive", [5, 6, 7], long)
+def test_requests_of_a_silent_proxy_end_after_the_orphan_timeout(make_node):
+    node = make_node(orphan_timeout_s=1.0)
+    long = protocol.SamplingOptions(max_tokens=10_000, temperature=0.0, ignore_eos=True)
+    node.request(PROXY, "orphan", [5, 6, 7], long)
+    node.request(OTHER, "alive", [5, 6, 7], long)
+    node.server.run_once()
+    engine = node.server.engine
+    assert engine.num_unfinished == 2 and engine.num_free_blocks < engine.block_pool.num_blocks
+    deadline = time.monotonic() + 10
+    while "orphan" in engine.request_ids() and time.monotonic() < deadline:
+        node.server.proxies.heard(OTHER)  # OTHER keeps pinging
         node.server.run_once()
-        engine = node.server.engine
-        assert engine.num_unfinished == 2 and engine.num_free_blocks < engine.block_pool.num_blocks
-        deadline = time.monotonic() + 10
-        while "orphan" in engine.request_ids() and time.monotonic() < deadline:
-            node.server.proxies.heard(OTHER)  # OTHER keeps pinging
-            node.server.run_once()
-            time.sleep(0.01)  # paced: unpaced, a fast CPU decodes "orphan" to its length limit within 1 s
-        assert engine.request_ids() == ["alive"] and node.server.num_orphaned_requests == 1
-        node.server.handle_message(OTHER, protocol.Abort(["alive"]))
-        engine.check_leaks()
-    finally:
-        node.close()
+        time.sleep(0.01)  # paced: unpaced, a fast CPU decodes "orphan" to its length limit within 1 s
+    assert engine.request_ids() == ["alive"] and node.server.num_orphaned_requests == 1
+    node.server.handle_message(OTHER, protocol.Abort(["alive"]))
+    engine.check_leaks()
 
 
 def test_send_to_a_proxy_that_stops_reading_waits_a_bounded_time_and_never_drops_a_frame(monkeypatch):
-    import zmq
-
     from node import control
 
     monkeypatch.setattr(control, "_SNDHWM", 8)
     socket = control.ControlSocket("127.0.0.1", 0, None)
-    proxy = zmq.Context.instance().socket(zmq.DEALER)
-    proxy.setsockopt(zmq.RCVHWM, 1)
-    proxy.setsockopt(zmq.LINGER, 0)
-    proxy.connect(f"tcp://{socket.address}")
+    proxy = dealer(socket.address, rcvhwm=1)
     try:
         proxy.send(protocol.encode(protocol.Ping()))
         assert socket.poll(5000)
@@ -170,26 +163,22 @@ def test_send_to_a_proxy_that_stops_reading_waits_a_bounded_time_and_never_drops
         socket.close()
 
 
-def test_requests_of_a_proxy_a_send_gave_up_on_end_and_others_go_on(tiny_model_dir):
-    node = Node(tiny_model_dir)
-    try:
-        long = protocol.SamplingOptions(max_tokens=10_000, temperature=0.0, ignore_eos=True)
-        node.request(PROXY, "stuck", [5, 6, 7], long)
-        node.request(OTHER, "fine", [5, 6, 7], GREEDY)
-        server = node.server
-        real_send = NodeServer.send.__get__(server)
+def test_requests_of_a_proxy_a_send_gave_up_on_end_and_others_go_on(node):
+    long = protocol.SamplingOptions(max_tokens=10_000, temperature=0.0, ignore_eos=True)
+    node.request(PROXY, "stuck", [5, 6, 7], long)
+    node.request(OTHER, "fine", [5, 6, 7], GREEDY)
+    server = node.server
+    real_send = NodeServer.send.__get__(server)
 
-        def send(identity, message):
-            if identity == PROXY:  # its queue stays full past send_timeout_s
-                server.control.send = lambda *_: False
-                real_send(identity, message)
-                del server.control.send
-            else:
-                node.sent.append((identity, message))
+    def send(identity, message):
+        if identity == PROXY:  # its queue stays full past send_timeout_s
+            server.control.send = lambda *_: False
+            real_send(identity, message)
+            del server.control.send
+        else:
+            node.sent.append((identity, message))
 
-        server.send = send
-        node.run(lambda: node.tokens("fine") and "stuck" not in server.engine.request_ids())
-        assert server.num_orphaned_requests == 1 and len(node.tokens("fine")) == GREEDY.max_tokens
-        server.engine.check_leaks()
-    finally:
-        node.close()
+    server.send = send
+    node.run(lambda: node.tokens("fine") and "stuck" not in server.engine.request_ids())
+    assert server.num_orphaned_requests == 1 and len(node.tokens("fine")) == GREEDY.max_tokens
+    server.engine.check_leaks()

@@ -3,25 +3,21 @@ timeout (a long CPU prefill chunk), and its reports count the requests it has re
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
-import zmq
 
 from engine import protocol
-from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from engine.engine import LLMEngine
 from node.server import NodeServer, ServerConfig
+from tests.nodes.conftest import DEFAULT_MAX_NUM_SEQS, make_engine
 
 STEP_S = 1.5
 REPORT_INTERVAL_S = 0.1
 
 
 @pytest.fixture
-def slow_node(tiny_model_dir):
-    engine = LLMEngine(EngineConfig(ModelConfig.from_pretrained(tiny_model_dir), CacheConfig(num_blocks=64),
-                                    SchedulerConfig()))
+def slow_node(tiny_model_dir, serve_node):
+    engine = make_engine(tiny_model_dir, max_num_seqs=DEFAULT_MAX_NUM_SEQS)
     real_step = engine.step
 
     def slow_step():
@@ -29,16 +25,8 @@ def slow_node(tiny_model_dir):
         return real_step()
 
     engine.step = slow_step
-    node = NodeServer(engine, ServerConfig("slow", load_report_interval_s=REPORT_INTERVAL_S))
-    thread = threading.Thread(target=node.run, daemon=True)
-    thread.start()
-    socket = zmq.Context.instance().socket(zmq.DEALER)
-    socket.setsockopt(zmq.LINGER, 0)
-    socket.connect(f"tcp://{node.address}")
-    yield engine, socket
-    socket.close(linger=0)
-    node.stop()
-    thread.join(timeout=10)
+    node = serve_node(NodeServer(engine, ServerConfig("slow", load_report_interval_s=REPORT_INTERVAL_S)))
+    return engine, node.socket
 
 
 def _receive(socket, timeout_s: float) -> list:

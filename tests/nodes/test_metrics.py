@@ -13,24 +13,14 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from decode_node.server import DecodeNode
 from engine import protocol
 from engine.config import ModelConfig
-from engine.protocol import Role
-from kv_transfer.config import TransferConfig
-from kv_transfer.fake import FakeRegistry
-from node.server import ServerConfig
-from node.transfer import connector_for
 from pdserve.launcher import free_port, wait_healthy
-from prefill_node.server import PrefillNode
 from tests.e2e.conftest import KV_PATH_ONLY, start_nodes
-from tests.nodes.test_node_transfers import (
+from tests.nodes.conftest import (
     GREEDY,
     PROMPT,
-    Clock,
-    Pair,
     assert_nothing_held,
-    make_engine,
     release_notices_processed,
 )
 
@@ -64,31 +54,17 @@ def block_bytes(model_dir, block_size: int = 16) -> int:
     return model.num_layers * 2 * block_size * model.num_kv_heads * model.head_dim * model.dtype.itemsize
 
 
-def metered_pair(model_dir) -> Pair:
+@pytest.fixture
+def pair(pair_factory):
     """A prefill and a decode node over the fake transport, their connectors built as a node
     process builds them (node.transfer.connector_for: metered)."""
-    registry = FakeRegistry()
-    prefill_engine, decode_engine = make_engine(model_dir, Role.PREFILL), make_engine(model_dir, Role.DECODE)
-    holder = connector_for(prefill_engine, TransferConfig(backend="fake"), "prefill", registry)
-    reader = connector_for(decode_engine, TransferConfig(backend="fake"), "decode", registry)
-    pair = Pair(PrefillNode(prefill_engine, ServerConfig("prefill"), holder, 30.0),
-                DecodeNode(decode_engine, ServerConfig("decode"), reader), registry, Clock())
-    for node in (pair.prefill, pair.decode):
-        node.send = lambda _identity, message: pair.sent.append(message)
-    return pair
-
-
-@pytest.fixture
-def pair(tiny_model_dir):
-    pair = metered_pair(tiny_model_dir)
-    yield pair
-    pair.close()
+    return pair_factory(metered=True)
 
 
 def test_in_process_pair_counts_every_token_request_phase_and_pulled_byte(pair, tiny_model_dir):
     request_ids = ["a", "b", "c"]
     for k, request_id in enumerate(request_ids):
-        pair.send_decode(request_id, pair.prefill_prompt(request_id, prompt_of(k)), prompt_of(k))
+        pair.pull(request_id, prompt_of(k))
     pair.decode.handle_message(b"proxy", protocol.PrefillRequest("never-pulled", PROMPT, GREEDY))  # refused
     pair.run(lambda: all(pair.tokens_of(r) is not None for r in request_ids))
     pair.run(release_notices_processed(pair))
@@ -140,8 +116,8 @@ def test_in_process_pair_counts_every_token_request_phase_and_pulled_byte(pair, 
 
 def test_aborts_and_fallbacks_are_counted_and_leave_nothing_tracked(pair):
     pair.decode.connector.inject("falls-back", "fail")
-    pair.send_decode("falls-back", pair.prefill_prompt("falls-back", prompt_of(0)), prompt_of(0))
-    pair.send_decode("aborted", pair.prefill_prompt("aborted", prompt_of(1)), prompt_of(1))
+    pair.pull("falls-back", prompt_of(0))
+    pair.pull("aborted", prompt_of(1))
     pair.run(lambda: pair.deltas_of("aborted"))  # decoding
     pair.decode.handle_message(b"proxy", protocol.Abort(["aborted"]))
     pair.run(lambda: pair.tokens_of("falls-back") is not None)
@@ -259,7 +235,7 @@ def test_prefix_cache_counters_come_from_the_load_report(pair):
     """A prompt repeated on the decode node is found in its prefix cache: the hit shows in
     vllm:prefix_cache_hits_total (tokens), taken from the node's load snapshot."""
     for request_id in ("first", "repeat"):
-        pair.send_decode(request_id, pair.prefill_prompt(request_id, prompt_of(7)), prompt_of(7))
+        pair.pull(request_id, prompt_of(7))
         pair.run(lambda r=request_id: pair.tokens_of(r) is not None)
     pair.run(release_notices_processed(pair))
     pair.decode.run_once()  # a load snapshot taken after both

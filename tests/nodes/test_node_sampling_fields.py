@@ -14,16 +14,14 @@ import transformers
 
 from engine import protocol
 from engine.protocol import Role, SamplingOptions, StructuredKind, StructuredOutput
-from engine.sampling_params import SamplingParams
 from node.server import NodeServer, ServerConfig
-from tests.nodes.test_node_transfers import (
+from tests.nodes.conftest import (
     PROMPT,
     PROXY,
     Pair,
-    assert_nothing_held,
-    build_pair,
+    assert_nothing_held_once_released,
+    colocated_tokens,
     make_engine,
-    release_notices_processed,
 )
 
 SCHEMA = {
@@ -45,25 +43,6 @@ MAX_ROUNDS = 3000
 def seeded(seed: int) -> SamplingOptions:
     return SamplingOptions(temperature=1.0, seed=seed, max_tokens=512, structured=STRUCTURED,
                            logit_bias={96: 1.5, 5: -0.5})  # a little towards "}", away from '"'
-
-
-@pytest.fixture
-def pair(tiny_model_dir):
-    built = build_pair(tiny_model_dir)
-    yield built
-    built.close()
-
-
-def colocated_tokens(model_dir, sampling: dict[str, SamplingOptions]) -> dict[str, list[int]]:
-    engine = make_engine(model_dir, Role.COLOCATED)
-    for request_id, options in sampling.items():
-        engine.add_request(request_id, PROMPT, SamplingParams.from_options(options))
-    tokens = {request_id: [] for request_id in sampling}
-    while engine.has_unfinished():
-        for out in engine.step():
-            tokens[out.request_id] += [t.token_id for t in out.new_tokens]
-    engine.check_leaks()
-    return tokens
 
 
 def prefill_all(pair: Pair, sampling: dict[str, SamplingOptions]) -> dict[str, protocol.PrefillResult]:
@@ -101,8 +80,7 @@ def test_seeded_json_schema_is_the_same_colocated_disaggregated_and_after_a_fail
         value = json.loads(tokenizer.decode(tokens[:-1]))
         assert set(value) == {"name", "age", "color"} and value["color"] in ("red", "green", "blue")
     assert all(d.prompt_logprobs is None for d in deltas_of(pair))
-    pair.run(release_notices_processed(pair))
-    assert_nothing_held(pair)
+    assert_nothing_held_once_released(pair)
 
 
 @pytest.fixture(scope="module")
@@ -133,8 +111,7 @@ def test_prompt_logprobs_come_once_from_the_node_that_prefilled(pair, tiny_model
     local = [d for d in deltas_of(pair) if d.request_id == "local"]
     assert_prompt_logprobs(local[0].prompt_logprobs, transformers_logprobs, 2)
     assert all(d.prompt_logprobs is None for d in local[1:])
-    pair.run(release_notices_processed(pair))
-    assert_nothing_held(pair)
+    assert_nothing_held_once_released(pair)
 
 
 def test_colocated_node_sends_prompt_logprobs_on_the_first_delta(tiny_model_dir, transformers_logprobs):
@@ -174,5 +151,4 @@ def test_bad_new_values_are_per_request_client_errors_and_free_everything(pair):
                                                              result.kv_handle))
     [error] = [e for e in pair.results(protocol.ErrorReply) if e.request_id == "good"]
     assert error.is_client_error and "does not follow" in error.message
-    pair.run(release_notices_processed(pair))
-    assert_nothing_held(pair)
+    assert_nothing_held_once_released(pair)

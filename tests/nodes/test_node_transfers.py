@@ -8,150 +8,31 @@ no block and no request."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 import pytest
 import torch
 
-from decode_node.server import DecodeNode
 from engine import protocol
-from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from engine.engine import LLMEngine
-from engine.protocol import Role
-from engine.sampling_params import SamplingParams
 from kv_transfer.base import RemoteLease
 from kv_transfer.config import TransferConfig
-from kv_transfer.fake import FakeConnector, FakeRegistry
-from node.server import ServerConfig
+from kv_transfer.fake import FakeConnector
 from node.transfer import kv_layout
-from prefill_node.server import PrefillNode
-
-PROXY = b"proxy"
-GREEDY = protocol.SamplingOptions(max_tokens=6, temperature=0.0, ignore_eos=True)
-PROMPT = [(7 * i + 3) % 2000 + 8 for i in range(37)]  # 3 blocks of 16, the last one partial
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def make_engine(model_dir, role: Role, num_blocks: int = 64, dtype: str = "float32",
-                max_num_seqs: int = 8) -> LLMEngine:
-    model = ModelConfig.from_pretrained(model_dir, dtype=dtype)
-    return LLMEngine(EngineConfig(model, CacheConfig(num_blocks=num_blocks), SchedulerConfig(max_num_seqs=max_num_seqs),
-                                  role=role))
-
-
-@dataclass
-class Pair:
-    """A prefill node and a decode node sharing an in-process network; every message they send
-    to the proxy lands in `sent`."""
-
-    prefill: PrefillNode
-    decode: DecodeNode
-    registry: FakeRegistry
-    clock: Clock
-    sent: list = field(default_factory=list)
-
-    def run(self, until, max_rounds: int = 400) -> None:
-        """Turn both nodes' loops until until() holds."""
-        for _ in range(max_rounds):
-            if until():
-                return
-            self.prefill.run_once()
-            self.decode.run_once()
-        raise AssertionError(f"not done after {max_rounds} rounds; sent: {self.sent}")
-
-    def results(self, kind: type) -> list:
-        return [m for m in self.sent if isinstance(m, kind)]
-
-    def prefill_prompt(self, request_id: str, prompt: list[int] = PROMPT) -> protocol.PrefillResult:
-        self.prefill.handle_message(PROXY, protocol.PrefillRequest(request_id, prompt, GREEDY))
-        self.run(lambda: any(r.request_id == request_id for r in self.results(protocol.PrefillResult)))
-        return next(r for r in self.results(protocol.PrefillResult) if r.request_id == request_id)
-
-    def send_decode(self, request_id: str, result: protocol.PrefillResult, prompt: list[int] = PROMPT) -> None:
-        self.decode.handle_message(PROXY, protocol.DecodeRequest(request_id, prompt, GREEDY, result.first_token,
-                                                                 result.kv_handle))
-
-    def deltas_of(self, request_id: str) -> list[protocol.RequestDelta]:
-        return [d for batch in self.results(protocol.TokenBatch) for d in batch.deltas if d.request_id == request_id]
-
-    def tokens_of(self, request_id: str) -> list[int] | None:
-        """The request's tokens (the prefill node's first, then the decode node's) once it
-        finished, None before."""
-        deltas = [d for batch in self.results(protocol.TokenBatch) for d in batch.deltas if d.request_id == request_id]
-        if not deltas or deltas[-1].finish_reason is None:
-            return None
-        [first] = [r.first_token.token_id for r in self.results(protocol.PrefillResult) if r.request_id == request_id]
-        return [first] + [t.token_id for d in deltas for t in d.tokens]
-
-    def close(self) -> None:
-        self.prefill.close()
-        self.decode.close()
-
-
-def build_pair(model_dir, *, decode_blocks: int = 64, decode_dtype: str = "float32", lease_timeout_s: float = 30.0,
-               num_polls_per_read: int = 1, decode_max_seqs: int = 8, prefill_blocks: int = 64) -> Pair:
-    registry, clock = FakeRegistry(), Clock()
-    prefill_engine = make_engine(model_dir, Role.PREFILL, prefill_blocks)
-    decode_engine = make_engine(model_dir, Role.DECODE, decode_blocks, decode_dtype, decode_max_seqs)
-    holder = FakeConnector(TransferConfig(backend="fake"), prefill_engine.kv_cache, kv_layout(prefill_engine),
-                           "prefill-engine", registry)
-    reader = FakeConnector(TransferConfig(backend="fake", transfer_timeout_s=5.0), decode_engine.kv_cache,
-                           kv_layout(decode_engine), "decode-engine", registry, clock, num_polls_per_read)
-    pair = Pair(PrefillNode(prefill_engine, ServerConfig("prefill"), holder, lease_timeout_s),
-                DecodeNode(decode_engine, ServerConfig("decode"), reader), registry, clock)
-    for node in (pair.prefill, pair.decode):
-        node.send = lambda _identity, message: pair.sent.append(message)
-    return pair
-
-
-@pytest.fixture
-def pair_factory(tiny_model_dir):
-    pairs: list[Pair] = []
-
-    def build(**kwargs) -> Pair:
-        pairs.append(build_pair(tiny_model_dir, **kwargs))
-        return pairs[-1]
-
-    yield build
-    for pair in pairs:
-        pair.close()
+from tests.nodes.conftest import (
+    PROMPT,
+    PROXY,
+    assert_nothing_held,
+    assert_nothing_held_once_released,
+    colocated_greedy,
+)
 
 
 @pytest.fixture(scope="module")
 def expected_tokens(tiny_model_dir) -> list[int]:
     """The greedy continuation of PROMPT from a colocated engine."""
-    engine = make_engine(tiny_model_dir, Role.COLOCATED)
-    engine.add_request("ref", PROMPT, SamplingParams.from_options(GREEDY))
-    tokens = []
-    while engine.has_unfinished():
-        tokens += [t.token_id for out in engine.step() for t in out.new_tokens]
-    return tokens
+    return colocated_greedy(tiny_model_dir)
 
 
-def assert_nothing_held(pair: Pair) -> None:
-    prefill, decode = pair.prefill, pair.decode
-    assert len(prefill.leases) == 0, prefill.leases.request_ids()
-    assert prefill.engine.num_free_blocks == prefill.engine.block_pool.num_blocks
-    prefill.engine.check_leaks()
-    assert not decode.has_pending_work() and decode.connector.num_reads_in_flight == 0
-    decode.engine.check_leaks()
-
-
-def release_notices_processed(pair: Pair):
-    """No lease left, and the blocks of those its readers ended freed by the prefill node's loop."""
-    engine = pair.prefill.engine
-    return lambda: len(pair.prefill.leases) == 0 and engine.num_free_blocks == engine.block_pool.num_blocks
-
-
-def test_pull_copies_the_prompt_kv_and_decodes_as_colocated(pair_factory, expected_tokens):
-    pair = pair_factory()
+def test_pull_copies_the_prompt_kv_and_decodes_as_colocated(pair, expected_tokens):
     result = pair.prefill_prompt("a")
     assert result.kv_handle is not None and len(result.kv_handle.block_ids) == 3 and len(pair.prefill.leases) == 1
     remote_kv = pair.prefill.engine.kv_cache[result.kv_handle.block_ids].clone()
@@ -168,60 +49,50 @@ def test_pull_copies_the_prompt_kv_and_decodes_as_colocated(pair_factory, expect
     deltas = pair.deltas_of("a")
     assert deltas[0].kv == protocol.KVOutcome(protocol.KVSource.PULLED) and all(d.kv is None for d in deltas[1:])
     assert [d.first_token_idx for d in deltas] == list(range(1, len(expected_tokens)))  # token 0: the prefill's
-    pair.run(release_notices_processed(pair))
+    assert_nothing_held_once_released(pair)
     assert pair.prefill.num_expired_leases == 0
-    assert_nothing_held(pair)
 
 
-def test_failed_pull_falls_back_to_local_prefill_and_frees_both_sides(pair_factory, expected_tokens):
-    pair = pair_factory()
-    result = pair.prefill_prompt("a")
-    pair.decode.connector.inject("a", "fail")
-    pair.send_decode("a", result)
+def test_failed_pull_falls_back_to_local_prefill_and_frees_both_sides(pair, expected_tokens):
+    pair.decode.connector.inject("a", "fail")  # the read of "a", when it starts
+    pair.pull("a")
     pair.run(lambda: pair.tokens_of("a") is not None)
     assert pair.decode.num_kv_fallbacks == 1 and pair.decode.num_kv_fallbacks_by_reason == {"transfer": 1}
     assert pair.tokens_of("a") == expected_tokens  # recomputed locally: the same answer
     assert pair.deltas_of("a")[0].kv == protocol.KVOutcome(protocol.KVSource.FALLBACK,
                                                            protocol.KVFallbackReason.TRANSFER)
-    pair.run(release_notices_processed(pair))
-    assert_nothing_held(pair)
+    assert_nothing_held_once_released(pair)
 
 
-def test_pull_that_never_completes_times_out_then_falls_back(pair_factory, expected_tokens):
-    pair = pair_factory()
-    result = pair.prefill_prompt("a")
+def test_pull_that_never_completes_times_out_then_falls_back(pair, expected_tokens):
     pair.decode.connector.inject("a", "hang")
-    pair.send_decode("a", result)
+    pair.pull("a")
     for _ in range(5):
         pair.decode.run_once()
     assert pair.decode.has_pending_work() and pair.decode.num_kv_fallbacks == 0
     pair.clock.now += 5.1  # past the reader's transfer_timeout_s
     pair.run(lambda: pair.tokens_of("a") is not None)
     assert pair.decode.num_kv_fallbacks_by_reason == {"timeout": 1} and pair.tokens_of("a") == expected_tokens
-    pair.run(release_notices_processed(pair))
-    assert_nothing_held(pair)
+    assert_nothing_held_once_released(pair)
 
 
 def test_layout_mismatch_is_never_read_fails_the_request_loudly_and_frees_both_sides(pair_factory):
     pair = pair_factory(decode_dtype="bfloat16")
     assert pair.prefill.kv_layout_info().fingerprint != pair.decode.kv_layout_info().fingerprint
-    result = pair.prefill_prompt("a")
-    pair.send_decode("a", result)
+    pair.pull("a")
     pair.run(lambda: pair.results(protocol.ErrorReply))
     [error] = pair.results(protocol.ErrorReply)
     assert error.request_id == "a" and error.kind == "LayoutMismatch" and not error.is_client_error
     assert "dtype: local 'bfloat16', remote 'float32'" in error.message
     assert pair.decode.num_kv_fallbacks == 0 and pair.decode.num_kv_refusals == 1  # never a silent fallback
     assert pair.tokens_of("a") is None
-    pair.run(release_notices_processed(pair))
-    assert_nothing_held(pair)
+    assert_nothing_held_once_released(pair)
 
 
 def test_abort_mid_pull_frees_both_sides_and_writes_nothing(pair_factory):
     pair = pair_factory(num_polls_per_read=3)
     pair.decode.engine.kv_cache.fill_(float("nan"))
-    result = pair.prefill_prompt("a")
-    pair.send_decode("a", result)
+    pair.pull("a")
     pair.decode.run_once()
     assert pair.decode.connector.num_reads_in_flight == 1  # under way
     pair.decode.handle_message(PROXY, protocol.Abort(["a"]))
@@ -229,8 +100,7 @@ def test_abort_mid_pull_frees_both_sides_and_writes_nothing(pair_factory):
         pair.decode.run_once()
     assert pair.decode.engine.kv_cache.isnan().all()  # the aborted read wrote nothing
     assert not pair.results(protocol.TokenBatch) and not pair.results(protocol.ErrorReply)
-    pair.run(release_notices_processed(pair))
-    assert_nothing_held(pair)
+    assert_nothing_held_once_released(pair)
 
 
 def test_back_pressure_queues_pulls_until_blocks_free_and_abort_while_queued_releases(pair_factory, expected_tokens):
@@ -247,12 +117,10 @@ def test_back_pressure_queues_pulls_until_blocks_free_and_abort_while_queued_rel
     pair.run(lambda: pair.tokens_of("a") is not None and pair.tokens_of("b") is not None)
     assert pair.tokens_of("a") == pair.tokens_of("b") == expected_tokens
     assert pair.tokens_of("c") is None and pair.decode.num_kv_fallbacks == 0
-    pair.run(release_notices_processed(pair))
-    assert_nothing_held(pair)
+    assert_nothing_held_once_released(pair)
 
 
-def test_restarted_holder_is_not_read_under_its_old_engine_id(pair_factory, expected_tokens):
-    pair = pair_factory()
+def test_restarted_holder_is_not_read_under_its_old_engine_id(pair, expected_tokens):
     result = pair.prefill_prompt("a")
     address = pair.prefill.connector.agent_address
     pair.prefill.connector.close()  # the prefill node restarts on the same port
@@ -265,8 +133,7 @@ def test_restarted_holder_is_not_read_under_its_old_engine_id(pair_factory, expe
     assert pair.decode.num_kv_fallbacks_by_reason == {"handshake": 1} and pair.tokens_of("a") == expected_tokens
     pair.prefill.connector = restarted
     pair.prefill.handle_message(PROXY, protocol.ReleaseKV(["a"]))  # the old lease: what the proxy sends
-    pair.run(release_notices_processed(pair))
-    assert_nothing_held(pair)
+    assert_nothing_held_once_released(pair)
 
 
 def test_unread_lease_expires_and_a_late_release_frees_nothing_twice(pair_factory):
@@ -315,8 +182,7 @@ def test_lease_renewed_while_its_request_waits_outlives_its_timeout(pair_factory
 
     pair.run(both_done)
     assert pair.tokens_of("a") == pair.tokens_of("b") == expected_tokens and pair.decode.num_kv_fallbacks == 0
-    pair.run(release_notices_processed(pair))
-    assert_nothing_held(pair)
+    assert_nothing_held_once_released(pair)
 
 
 def test_read_after_the_lease_ended_and_its_blocks_were_reused_is_discarded(pair_factory, expected_tokens):
@@ -335,5 +201,4 @@ def test_read_after_the_lease_ended_and_its_blocks_were_reused_is_discarded(pair
     assert pair.tokens_of("a") == expected_tokens  # recomputed locally
     assert pair.deltas_of("a")[0].kv.label == "fallback:lease_lost"
     pair.prefill.handle_message(PROXY, protocol.ReleaseKV(["b"]))
-    pair.run(release_notices_processed(pair))
-    assert_nothing_held(pair)
+    assert_nothing_held_once_released(pair)

@@ -3,16 +3,12 @@ read, on abort, and when the lease expires. Real engine, real NIXL connector, re
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
 import torch
-import zmq
 
 from engine import protocol
-from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from engine.engine import LLMEngine
 from engine.protocol import Role
 from kv_transfer.base import RemoteLease
 from kv_transfer.config import TransferConfig
@@ -21,6 +17,7 @@ from kv_transfer.lease import LeaseTable
 from node.server import ServerConfig
 from node.transfer import connector_for, kv_layout
 from prefill_node.server import PrefillNode
+from tests.nodes.conftest import DEFAULT_MAX_NUM_SEQS, make_engine, next_message
 
 LEASE_S = 1.0
 
@@ -40,33 +37,18 @@ def test_lease_table_release_expiry_and_double_add():
 
 
 @pytest.fixture
-def prefill_node(tiny_model_dir):
-    engine = LLMEngine(EngineConfig(ModelConfig.from_pretrained(tiny_model_dir), CacheConfig(num_blocks=64),
-                                    SchedulerConfig(), role=Role.PREFILL))
+def prefill_node(tiny_model_dir, serve_node):
+    engine = make_engine(tiny_model_dir, Role.PREFILL, max_num_seqs=DEFAULT_MAX_NUM_SEQS)
     layout = kv_layout(engine)
     connector = connector_for(engine, TransferConfig(lease_timeout_s=LEASE_S), "prefill-test")
-    node = PrefillNode(engine, ServerConfig("prefill-test"), connector, lease_timeout_s=LEASE_S)
-    thread = threading.Thread(target=node.run, daemon=True)
-    thread.start()
-    socket = zmq.Context.instance().socket(zmq.DEALER)
-    socket.setsockopt(zmq.LINGER, 0)
-    socket.connect(f"tcp://{node.address}")
-    yield node, socket, layout
-    socket.close(linger=0)
-    node.stop()
-    thread.join(timeout=10)
+    node, _, socket = serve_node(PrefillNode(engine, ServerConfig("prefill-test"), connector, lease_timeout_s=LEASE_S))
+    return node, socket, layout
 
 
 def prefill(socket, request_id: str, num_tokens: int) -> protocol.PrefillResult:
     options = protocol.SamplingOptions(max_tokens=8, temperature=0.0)
     socket.send(protocol.encode(protocol.PrefillRequest(request_id, list(range(10, 10 + num_tokens)), options)))
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if socket.poll(100):
-            message = protocol.decode_from_node(socket.recv())
-            if isinstance(message, protocol.PrefillResult):
-                return message
-    raise TimeoutError("no prefill result")
+    return next_message(socket, protocol.PrefillResult, timeout_s=30)
 
 
 def wait_free(node, timeout_s: float) -> bool:

@@ -8,17 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 
-import pytest
-
 from engine import protocol
-from engine.protocol import Role
-from engine.sampling_params import SamplingParams
-from tests.nodes.test_node_transfers import (
+from tests.nodes.conftest import (
     GREEDY,
-    Pair,
     assert_nothing_held,
-    build_pair,
-    make_engine,
+    assert_nothing_held_once_released,
+    colocated_greedy,
     release_notices_processed,
 )
 
@@ -26,46 +21,21 @@ TURN1 = [(13 * i + 7) % 2000 + 8 for i in range(40)]  # 2 full blocks + 8 tokens
 TURN2 = TURN1 + [(17 * i + 3) % 2000 + 8 for i in range(40)]  # 80 tokens: 5 full blocks
 
 
-@pytest.fixture
-def pair_factory(tiny_model_dir):
-    """build_pair(**kwargs) for the test; every pair is closed when it ends, also on failure."""
-    pairs: list[Pair] = []
-
-    def build(**kwargs) -> Pair:
-        pairs.append(build_pair(tiny_model_dir, **kwargs))
-        return pairs[-1]
-
-    yield build
-    for pair in pairs:
-        pair.close()
-
-
-def reference(model_dir, prompt: list[int]) -> list[int]:
-    engine = make_engine(model_dir, Role.COLOCATED)
-    engine.add_request("ref", prompt, SamplingParams.from_options(GREEDY))
-    tokens = []
-    while engine.has_unfinished():
-        tokens += [t.token_id for out in engine.step() for t in out.new_tokens]
-    return tokens
-
-
 def serve(pair, request_id: str, prompt: list[int]) -> list[int]:
-    result = pair.prefill_prompt(request_id, prompt)
-    pair.send_decode(request_id, result, prompt)
+    pair.pull(request_id, prompt)
     pair.run(lambda: pair.tokens_of(request_id) is not None)
     pair.run(release_notices_processed(pair))
     return pair.tokens_of(request_id)
 
 
-def test_second_turn_pulls_only_new_blocks_and_a_repeated_prompt_pulls_nothing(pair_factory, tiny_model_dir):
-    pair = pair_factory()
+def test_second_turn_pulls_only_new_blocks_and_a_repeated_prompt_pulls_nothing(pair, tiny_model_dir):
     prefill, decode = pair.prefill, pair.decode
-    assert serve(pair, "t1", TURN1) == reference(tiny_model_dir, TURN1)
+    assert serve(pair, "t1", TURN1) == colocated_greedy(tiny_model_dir, TURN1)
     assert (decode.num_kv_blocks_pulled, decode.num_kv_blocks_skipped) == (3, 0)
     computed = prefill.engine.prefix_stats.num_computed_prefill_tokens
     assert computed == len(TURN1)
 
-    assert serve(pair, "t2", TURN2) == reference(tiny_model_dir, TURN2)
+    assert serve(pair, "t2", TURN2) == colocated_greedy(tiny_model_dir, TURN2)
     # The prefill node computed only past its 2 cached blocks; the decode node pulled the 3 new.
     assert prefill.engine.prefix_stats.num_computed_prefill_tokens - computed == len(TURN2) - 32
     assert (decode.num_kv_blocks_pulled, decode.num_kv_blocks_skipped) == (3 + 3, 2)
@@ -78,26 +48,25 @@ def test_second_turn_pulls_only_new_blocks_and_a_repeated_prompt_pulls_nothing(p
     assert decode.connector.num_reads_in_flight == 0  # no read started: the lease is released at once
     pair.run(lambda: len(prefill.leases) == 0)
     pair.run(lambda: pair.tokens_of("t2-again") is not None)
-    assert pair.tokens_of("t2-again") == reference(tiny_model_dir, TURN2)
+    assert pair.tokens_of("t2-again") == colocated_greedy(tiny_model_dir, TURN2)
     assert (decode.num_kv_blocks_pulled, decode.num_kv_blocks_skipped) == (6, 2 + 5)
     assert pair.deltas_of("t2-again")[0].kv == protocol.KVOutcome(protocol.KVSource.PULLED)
 
     # A repeated prompt with a partial last block: its full blocks are cached, its 8-token tail
     # is computed with the first token's step; nothing pulled.
-    assert serve(pair, "t1-again", TURN1) == reference(tiny_model_dir, TURN1)
+    assert serve(pair, "t1-again", TURN1) == colocated_greedy(tiny_model_dir, TURN1)
     assert (decode.num_kv_blocks_pulled, decode.num_kv_blocks_skipped) == (6, 7 + 3)
     assert decode.num_kv_fallbacks == 0
     assert decode.engine.prefix_stats.num_hit_tokens == 32 + 80 + 32
     assert_nothing_held(pair)
 
 
-def test_with_caching_off_every_block_is_pulled(pair_factory, tiny_model_dir):
-    pair = pair_factory()
+def test_with_caching_off_every_block_is_pulled(pair, tiny_model_dir):
     for node in (pair.prefill, pair.decode):
         node.engine.scheduler.enable_prefix_caching = False
         node.engine.config = dataclasses.replace(node.engine.config, enable_prefix_caching=False)
-    assert serve(pair, "t1", TURN1) == reference(tiny_model_dir, TURN1)
-    assert serve(pair, "t2", TURN2) == reference(tiny_model_dir, TURN2)
+    assert serve(pair, "t1", TURN1) == colocated_greedy(tiny_model_dir, TURN1)
+    assert serve(pair, "t2", TURN2) == colocated_greedy(tiny_model_dir, TURN2)
     assert (pair.decode.num_kv_blocks_pulled, pair.decode.num_kv_blocks_skipped) == (3 + 5, 0)
     assert pair.prefill.engine.prefix_stats.num_computed_prefill_tokens == len(TURN1) + len(TURN2)
     assert pair.prefill.engine.block_pool.num_cached_blocks == 0
@@ -121,12 +90,11 @@ def test_shared_blocks_under_a_lease_are_never_evicted_by_the_holder(pair_factor
     assert not any(r.request_id == "c" for r in pair.results(protocol.PrefillResult))
     pair.send_decode("b", second, TURN2)
     pair.run(lambda: pair.tokens_of("b") is not None)
-    assert pair.tokens_of("b") == reference(tiny_model_dir, TURN2)
+    assert pair.tokens_of("b") == colocated_greedy(tiny_model_dir, TURN2)
     pair.run(lambda: any(r.request_id == "c" for r in pair.results(protocol.PrefillResult)))
     pair.prefill.handle_message(b"proxy", protocol.ReleaseKV(["c"]))
-    pair.run(release_notices_processed(pair))
+    assert_nothing_held_once_released(pair)
     assert pair.decode.num_kv_fallbacks == 0
-    assert_nothing_held(pair)
 
 
 def test_digest_is_rebuilt_at_most_once_a_second_and_resent_to_each_proxy_when_due():

@@ -13,10 +13,10 @@ import msgspec
 import pytest
 import torch
 import transformers
-import zmq
 
 from engine import protocol
 from pdserve.launcher import Cluster, free_port
+from tests.conftest import dealer
 
 GREEDY = protocol.SamplingOptions(max_tokens=6, temperature=0.0, ignore_eos=True)
 TURN1 = [(13 * i + 7) % 2000 + 8 for i in range(40)]  # 2 full blocks + 8 tokens
@@ -28,12 +28,7 @@ class Proxy:
     """A DEALER per node, speaking engine.protocol as the proxy does."""
 
     def __init__(self, addresses: dict[str, str]) -> None:
-        self.sockets = {}
-        for name, address in addresses.items():
-            socket = zmq.Context.instance().socket(zmq.DEALER)
-            socket.setsockopt(zmq.LINGER, 0)
-            socket.connect(f"tcp://{address}")
-            self.sockets[name] = socket
+        self.sockets = {name: dealer(address) for name, address in addresses.items()}
         self.seq = 0
 
     def close(self) -> None:

@@ -6,19 +6,17 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
-import zmq
 
 from engine import protocol
-from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from engine.engine import LLMEngine
 from kv_transfer.config import TransferConfig
 from node.server import NodeServer, ServerConfig
 from proxy.config import ProxyConfig
+from tests.conftest import dealer
+from tests.nodes.conftest import DEFAULT_MAX_NUM_SEQS, make_engine
 
 REPO = Path(__file__).resolve().parents[2]
 SECRET = "node-test-cluster-secret"
@@ -51,24 +49,14 @@ def test_node_cli_refuses_a_public_host_without_a_secret_and_says_why(tiny_model
 
 
 @pytest.fixture
-def secret_node(tiny_model_dir):
-    engine = LLMEngine(EngineConfig(ModelConfig.from_pretrained(tiny_model_dir), CacheConfig(num_blocks=32),
-                                    SchedulerConfig()))
-    node = NodeServer(engine, ServerConfig("secret", curve_keys=protocol.curve_keys(SECRET)))
-    thread = threading.Thread(target=node.run, daemon=True)
-    thread.start()
-    yield node
-    node.stop()
-    thread.join(timeout=10)
+def secret_node(tiny_model_dir, serve_node):
+    engine = make_engine(tiny_model_dir, num_blocks=32, max_num_seqs=DEFAULT_MAX_NUM_SEQS)
+    server = NodeServer(engine, ServerConfig("secret", curve_keys=protocol.curve_keys(SECRET)))
+    return serve_node(server, connect=False).server
 
 
 def _ask(address: str, keys: protocol.CurveKeys | None, request: protocol.ToNode, timeout_s: float) -> list:
-    socket = zmq.Context.instance().socket(zmq.DEALER)
-    socket.setsockopt(zmq.LINGER, 0)
-    if keys is not None:
-        socket.curve_serverkey, socket.curve_publickey = keys.server_public, keys.client_public
-        socket.curve_secretkey = keys.client_secret
-    socket.connect(f"tcp://{address}")
+    socket = dealer(address, keys)
     try:
         socket.send(protocol.encode(request))
         received, deadline = [], time.monotonic() + timeout_s

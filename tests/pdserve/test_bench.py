@@ -7,17 +7,13 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import socket
 import subprocess
 import sys
-import threading
-import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, RedirectResponse, StreamingResponse
 
@@ -29,6 +25,7 @@ from pdserve.bench_datasets import build_dataset, make_prompts
 from pdserve.bench_load import arrival_offsets
 from pdserve.bench_metrics import summarize
 from pdserve.launcher import start_local, wait_healthy
+from tests.conftest import UvicornServer
 
 MODEL = "fake-model"
 
@@ -135,29 +132,6 @@ def _sse(data: dict) -> str:
     return f"data: {json.dumps(data)}\n\n"
 
 
-class _Server:
-    """uvicorn in a thread on an already-bound loopback socket."""
-
-    def __init__(self, app: FastAPI) -> None:
-        self.socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.socket.bind(("127.0.0.1", 0))
-        self.base_url = f"http://127.0.0.1:{self.socket.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]}, daemon=True)
-
-    def start(self) -> None:
-        self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started:
-            assert time.monotonic() < deadline and self.thread.is_alive(), "uvicorn did not start"
-            time.sleep(0.01)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-        self.socket.close()
-
-
 @pytest.fixture
 def fake_server():
     """fake_server(**FakeSchedule fields) -> (FakeOpenAI, base_url); stopped at teardown."""
@@ -165,7 +139,7 @@ def fake_server():
 
     def start(**schedule) -> tuple[FakeOpenAI, str]:
         fake = FakeOpenAI(FakeSchedule(**schedule))
-        server = _Server(fake.app())
+        server = UvicornServer(fake.app())
         servers.append(server)
         server.start()
         return fake, server.base_url

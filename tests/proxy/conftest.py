@@ -5,22 +5,19 @@ real uvicorn server on a free 127.0.0.1 port, always shut down."""
 from __future__ import annotations
 
 import json
-import socket
-import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import openai
 import pytest
-import uvicorn
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 from engine.protocol import Role
 from pdserve.launcher import wait_http_ok
 from proxy.app import create_app
 from proxy.config import ProxyConfig
+from tests.conftest import UvicornServer
 from tests.proxy.fake_node import FakeNode, FakeNodeConfig
 
 MODEL_NAME = "tiny-test"
@@ -129,31 +126,6 @@ class RunningProxy:
         return openai.OpenAI(base_url=self.base_url + "/v1", max_retries=0, timeout=20, **kwargs)
 
 
-class _Server:
-    """uvicorn in a thread, serving on an already-bound socket (no port race)."""
-
-    def __init__(self, app) -> None:
-        self.socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.socket.bind(("127.0.0.1", 0))
-        self.port = self.socket.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on",
-                                                    timeout_graceful_shutdown=2))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]}, daemon=True)
-
-    def start(self, timeout_s: float = 10.0) -> None:
-        self.thread.start()
-        deadline = time.monotonic() + timeout_s
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("uvicorn did not start")
-            time.sleep(0.01)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-        self.socket.close()
-
-
 @pytest.fixture
 def start_proxy(model_dir) -> Iterator:
     """start_proxy(num_prefill=1, num_decode=1, node=dict(FakeNodeConfig fields), wait=True,
@@ -174,7 +146,7 @@ def start_proxy(model_dir) -> Iterator:
                              prefill_addresses=tuple(n.address for n in prefill),
                              decode_addresses=(*(n.address for n in decode), *extra_decode_addresses),
                              **config_fields)
-        server = _Server(create_app(config))
+        server = UvicornServer(create_app(config), lifespan="on")
         started.append(server)
         server.start()
         running = RunningProxy(f"http://127.0.0.1:{server.port}", config, prefill, decode)
