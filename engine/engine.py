@@ -366,12 +366,9 @@ class LLMEngine:
         max_num_batched_tokens) before serving, twice: one-time costs (kernel builds, and the
         memory a full step's activations take) happen here, and prefill_rate starts from a
         measurement. The prompts are up to max_total_tokens - 2 tokens each, each with a first
-        token of its own, and the first run computes them in one step where the cache allows.
-        Measured on a 2-core Xeon VM, float32 `small` 1P+1D, after a warm-up of one 512-token
-        prompt: the prefill node's first 2,048-token chunk faulted 21.5k fresh pages (0.37 s of
-        kernel time, its chunk 3.6 s against 3.2); after one of 2,046 tokens still 6k (its
-        SiLU output, 2 rows larger than any before). Call only while the engine has no
-        requests; leaves no block allocated."""
+        token of its own, and the first run computes them in one step where the cache allows (a
+        smaller warm-up left a full chunk's first run page-faulting its larger activations). Call
+        only while the engine has no requests; leaves no block allocated."""
         budget = self.config.scheduler.max_num_batched_tokens if num_tokens is None else num_tokens
         longest = max(1, self.max_total_tokens - 2)  # room for the 2 output tokens
         prompts: list[list[int]] = []

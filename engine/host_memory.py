@@ -2,9 +2,8 @@
 
 glibc serves large allocations (every activation of a prefill chunk, every KV gather) with a
 fresh mmap and returns them to the OS on free, so each step page-faults its working set in
-again. Measured on the 2-core dev machine: a fresh 100 MB tensor took 45 ms against 7 ms to
-copy into an existing one, and the offline tiny benchmark (64 x 256 prompt tokens, 64 output
-tokens) ran in 7.1 s with glibc's defaults and 3.2 s with mmap off and trimming raised.
+again (the offline benchmark, benchmarks/offline_throughput.py, ran ~2x faster with mmap off and
+trimming raised).
 
 The heap itself goes onto transparent huge pages by a glibc tunable that only a process's start
 reads: the node and `generate` commands restart themselves with it (pdserve/huge_heap.py, which
@@ -57,9 +56,8 @@ def advise_huge_pages(tensor: torch.Tensor) -> int:
     (another OS or device, a tensor under 2 MiB, a kernel without huge pages).
 
     The KV cache is read in scattered ~6-12 KB pieces (one per sequence, layer and block), and
-    with 4 KiB pages nearly every piece is a TLB miss. Measured on a 2-core Xeon, offline
-    bfloat16 small (64 x 256 -> 64), alternated runs: 510 against 478 tok/s mean over 5 pairs,
-    faster in 8 of 9 pairs over two sets; float32 the same either way."""
+    with 4 KiB pages nearly every piece is a TLB miss (offline bfloat16 ~7% faster with them,
+    benchmarks/offline_throughput.py)."""
     if tensor.device.type != "cpu" or _libc_madvise() is None:
         return 0
     start = tensor.data_ptr()

@@ -8,12 +8,7 @@ layer-major (the shape above over a [num_layers, num_blocks, ...] buffer: block 
 the block pool hands them out) are one run of memory for decode attention, which reads a layer's
 blocks of every sequence at the memory's speed. Each (block, layer) slice stays contiguous; the
 KV connectors move blocks slice by slice where a side is not block-major (kv_transfer/base.py).
-
-Measured on a 2-core Zen 4 EPYC, decode attention over 30 layers for 64 sequences of 301 tokens
-(bfloat16, SmolLM-135M's heads, each sequence's first 16 blocks consecutive), medians of 7:
-20.2 ms block-major against 17.1 layer-major (blocks at random: 20.8 against 19.3); offline
-bfloat16 `small`, 3 alternated runs: the 63 decode-only steps 3.69-3.74 s against 3.50-3.53 in
-two, 3.74 against 3.79 in the third.
+Layer-major measured faster for CPU decode attention (benchmarks/kernels.py --cpu).
 """
 
 from __future__ import annotations
@@ -26,9 +21,9 @@ from engine.config import CacheConfig, ModelConfig
 from engine.host_memory import advise_huge_pages
 
 # NOTE: with no explicit budget, the CPU cache takes this share of the memory that is free at
-# start-up, capped at 2 GiB: zero-filling the cache is start-up time (measured on SmolLM2-135M:
-# 8,132 blocks / 6 GB took 8.0 s; `make run` starts two nodes on a 24 GB machine), and 2 GiB
-# already holds ~46k tokens of SmolLM2, more than a CPU node decodes at once.
+# start-up, capped at 2 GiB: zero-filling the cache is start-up time (`make run` starts two nodes
+# on one machine), and 2 GiB already holds ~46k tokens of SmolLM2, more than a CPU node decodes
+# at once.
 _CPU_MEMORY_FRACTION = 0.25
 _CPU_MAX_BYTES = 2 << 30
 _GPU_MEMORY_FRACTION = 0.85

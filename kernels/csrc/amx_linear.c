@@ -1,21 +1,19 @@
 /* bfloat16 projections y = x W^T (+ bias) on AMX, for decode-sized batches on the CPUs that have
  * it (Sapphire Rapids and later Xeons). W is packed once, when the model loads, into the layout
- * AMX's B operand reads (pack_for_amx in kernels/linear.py): per pair of 16-output tiles and per
- * 32 inputs, the two tiles' 16 rows of (16 outputs x 2 consecutive inputs), 2 KB. A thread's
- * pairs follow each other, so each thread streams its share of W once, front to back.
+ * AMX's B operand reads (ProjectionKernels.pack_for_amx in kernels/cpu/linear.py): per pair of
+ * 16-output tiles and per 32 inputs, the two tiles' 16 rows of (16 outputs x 2 consecutive
+ * inputs), 2 KB. A thread's pairs follow each other, so each thread streams its share of W once,
+ * front to back.
  *
  * Each thread takes pairs of output tiles and runs every 32 rows of x against them: 2 x 2 tiles of
  * float32 sums, fed by two 16-row tiles of x and the pair's two weight tiles (all 8 of AMX's tile
  * registers); from x's 33rd row on, the pair's weights come again from cache. The sums are rounded
  * to bfloat16 (nearest even) after the bias is added in float32.
  *
- * Measured on a 2-core Xeon (AMX), two threads, SmolLM-135M's projections and LM head (269 MB,
- * streamed from memory each step): 15.0 ms per step at 64 rows against 18.0 for oneDNN's prepacked
- * linear, 10.4 against 14.4 at 16 rows (26 GB/s, the bandwidth two cores reach). oneDNN's floor of
- * ~16 us per call goes too. Software prefetch of the weights (1 KB to 36 KB ahead, into L1 or L2)
- * measured 5-25% slower than the hardware's own. With the weights in cache the kernel reaches
- * 2.0-2.6 TFLOP/s at 64-256 rows, but half of oneDNN's ~2.9 at 2,048 rows (x no longer fits in
- * L2 and is read again for every pair), so prefill batches stay on oneDNN.
+ * Against oneDNN's prepacked linear: benchmarks/kernels.py --cpu (it also drops oneDNN's fixed cost
+ * per call). No software prefetch: the hardware's own ran faster. Prefill batches stay on oneDNN:
+ * once x no longer fits in L2 it is read again for every pair, and this kernel falls to about half
+ * oneDNN's rate.
  *
  * Built without AMX (another CPU), the library exports amx_linear_ready returning 0 and the
  * Python side keeps oneDNN.

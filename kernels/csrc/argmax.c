@@ -1,11 +1,10 @@
-/* Row-wise argmax of float32 or bfloat16 rows (greedy sampling over the vocabulary), with torch.argmax's
- * answer: the first index of the row's maximum, or the first NaN's index when the row has a
- * NaN. Two passes per row: a vectorised max (plus a NaN test on the bits, which -ffast-math
- * cannot fold away), then a scan for the first element equal to it; a row of the LM head's
- * 49,152 floats stays in L2 between them. torch's own argmax walks the row with an index per
- * element and measured 5-10x slower on 2 Xeon threads (64 rows). Rows are spread over the
- * process's OpenMP threads (torch's pool). A bfloat16 row is widened as it is read (exact, so
- * the answer is that of its float32 copy), which spares the model a float32 copy of its logits.
+/* Row-wise argmax of float32 or bfloat16 rows (greedy sampling over the vocabulary), with
+ * torch.argmax's answer: the first index of the row's maximum, or the first NaN's index when the
+ * row has a NaN. Two passes per row, a vectorised max (plus a NaN test on the bits, which
+ * -ffast-math cannot fold away) then a scan for the first element equal to it, with the row in L2
+ * between them: faster than torch's argmax, which carries an index per element. Rows are spread
+ * over the process's OpenMP threads (torch's pool). A bfloat16 row is widened as it is read
+ * (exact, so the answer is that of its float32 copy): the model needs no float32 copy of its logits.
  */
 #include "pdserve_kernels.h"
 #include <stdint.h>

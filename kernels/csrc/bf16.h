@@ -36,11 +36,8 @@ static inline __m512 bf16_pairs_odd(__m512i pairs) {
 }
 
 /* bf16_linear_wide takes vdpbf16ps below this many rows, where the weights' stream from memory
- * sets the pace and vdpbf16ps reads each pair with fewer instructions: SmolLM-135M's projections
- * on the 2-core Xeon (Emerald Rapids), one thread 1 / 2 / 3 / 4 rows: 33.6 / 61 / 76 / 76 GFLOP/s
- * against 29 / 60 / 85 / 100 widened; two threads 1 / 2 / 3 / 4 / 6 / 8: 57 / 104 / 124 / 133 /
- * 151 / 154 against 45 / 89 / 112 / 134 / 153 / 168. The greedy head's exact logits
- * (greedy_head.c) follow the same rule. */
+ * sets the pace and vdpbf16ps reads each pair with fewer instructions; the greedy head's exact
+ * logits (greedy_head.c) follow the same rule. Chosen by benchmarks/kernels.py --cpu. */
 enum { BF16_WIDE_MIN_ROWS = 4 };
 
 /* vdpbf16ps's sum with float32 FMAs: acc + the odd product, rounded, + the even product, rounded

@@ -1,15 +1,17 @@
 /* bfloat16 projections y = x W^T (+ bias), decode batches (up to 64 rows) and prefill ones (see
  * blocked() below), on CPUs with AVX512-BF16 but no AMX (AMD's Zen 4 and Zen 5, Intel's Cooper
- * Lake): vdpbf16ps, which adds two bfloat16 products to each of 16 float32 sums. W is packed once, when the model loads
- * (pack_bf16_pairs in kernels/linear.py): panels of 48 outputs, each k / 2 rows of 48 outputs x 2
- * consecutive inputs (zero-padded past n), so a panel streams front to back. Each thread takes
- * whole panels; each panel runs x 8 rows at a time: 8 x 48 float32 sums in 24 registers, one
- * broadcast of an input pair of x per row and three loads of W per input pair. The first 8 rows
- * read the panel from memory, the rest from cache (a panel is k x 96 bytes: 54 KB at k = 576).
- * The sums are rounded to bfloat16 (nearest even) after the bias is added in float32.
+ * Lake): vdpbf16ps, which adds two bfloat16 products to each of 16 float32 sums. W is packed once,
+ * when the model loads (ProjectionKernels.pack_bf16_pairs in kernels/cpu/linear.py): panels of 48
+ * outputs, each k / 2 rows of 48 outputs x 2 consecutive inputs (zero-padded past n), so a panel
+ * streams front to back. Each thread takes whole panels; each panel runs x 8 rows at a time: 8 x
+ * 48 float32 sums in 24 registers, one broadcast of an input pair of x per row and three loads of
+ * W per input pair. The first 8 rows read the panel from memory, the rest from cache (a panel is
+ * k x 96 bytes: 54 KB at k = 576). The sums are rounded to bfloat16 (nearest even) after the bias
+ * is added in float32. Against oneDNN's prepacked linear: benchmarks/kernels.py --cpu.
  *
  * bf16_linear_wide (below) is the same kernel with float32 FMAs on the pairs widened in registers,
- * for CPUs where vdpbf16ps runs at half the FMAs' rate in flops (kernels/linear.py measures it).
+ * for CPUs where vdpbf16ps runs at half the FMAs' rate in flops (ProjectionKernels in
+ * kernels/cpu/linear.py measures it with bf16_linear_dot_ratio).
  *
  * vdpbf16ps forms each bfloat16 product exactly in float32 and adds the pair to the sum with
  * float32 rounding, so the sums are float32 sums of exact products, as oneDNN's are; their order
@@ -93,12 +95,11 @@ static inline __m512i pair_of(const uint16_t *x) {
 }
 
 /* acc[r] += rows (1..8, a constant after inlining) of x against the panel's input pairs [i0, i1)
- * (x_rows: bfloat16 rows x_stride elements apart, or with wide (a constant) the row group widened in
- * widen_rows' layout),
- * each pair's W row (three vectors) prefetched ahead with prefetch (a constant too; see panels.h),
- * and with fetch_next (a constant; the caller tests share's groups once) the row group's share
- * of the next panel's lines (next_panel_step per pair; the test inside the loop, where fetch_next
- * is not a constant, measured 1-3% slower at 8-16 rows). */
+ * (x_rows: bfloat16 rows x_stride elements apart, or with wide (a constant) the row group widened
+ * in widen_rows' layout), each pair's W row (three vectors) prefetched ahead with prefetch (a
+ * constant too; see panels.h), and with fetch_next the row group's share of the next panel's
+ * lines (next_panel_step per pair). fetch_next is a constant, the caller testing share's groups
+ * once, so that no test runs inside the loop. */
 static inline __attribute__((always_inline)) void accumulate(__m512 acc[][3], const void *x_rows, int64_t x_stride,
                                                              const uint16_t *w, int64_t i0, int64_t i1, const int rows,
                                                              const int prefetch, NextPanel *share,
@@ -143,10 +144,8 @@ static inline __attribute__((always_inline)) void store_rounded(__m512 sums[][3]
 
 /* rows (1..8, a constant after inlining) of x against one panel; cols: the panel's real outputs;
  * k even; next: this row group's share of the next panel's prefetches, as in f32_linear.c
- * (bfloat16, 2-core Zen 5, the 30 layers' projections, 24 / 48 / 64 rows: one thread 15.4 /
- * 26.1 / 33.3 -> 14.2 / 23.8 / 31.3 ms, two threads 8.0 / 13.6 / 17.3 -> 7.5 / 12.6 / 16.3;
- * 8-16 rows the same). The sums run in chunks of CHUNK inputs, each chunk's added to the running
- * total in sums (a blocked summation, as in f32_linear.c). */
+ * (panels.h). The sums run in chunks of CHUNK inputs, each chunk's added to the running total in
+ * sums (a blocked summation, as in f32_linear.c). */
 static inline __attribute__((always_inline)) void panel_rows(const void *x, int64_t x_stride, const uint16_t *w,
                                                              int64_t k, const float *bias, uint16_t *out,
                                                              int64_t out_stride, int cols, const int rows,
@@ -172,24 +171,15 @@ static inline __attribute__((always_inline)) void panel_rows(const void *x, int6
  * those 24 KB of W stay in L1 while all the item's row groups pass over them, and the item's x
  * rows of those inputs (64 KB) in L2. Each row group's sums over an input block start at zero and
  * are added to its running totals, float32 in `carry` (ROWS x PANEL per group, 24 KB): a blocked
- * summation with blocks of BLOCK_INPUTS inputs (the small-batch path's blocks are CHUNK inputs;
- * holding both its chunk sums and its totals in registers measured 7% slower here: 397 against
- * 425 GFLOP/s for oneDNN). On a 2-core Zen 4 EPYC, two threads, SmolLM-135M's four projections,
- * medians of 15 alternated repeats, against oneDNN's prepacked bfloat16 matmul (what prefill took
- * before): 96 rows 1.54 against 1.61 ms, 256 rows 4.23 against 4.32, 2,048 rows 33.6-34.0 against
- * 33.8-34.3 (426-431 against 422-429 GFLOP/s; alone at 2,048 rows: qkv 444 against 412-429, o
- * 446-449 against 406-429, gate-up 428-435 against 406-420, down 433-437 against 375-428); the
- * small-batch loop, each row group streaming the whole panel: 419-426. In the engine, offline
- * bfloat16 `small`, 3 alternated pairs: the run's projections 8.54-8.71 s against 8.70-8.75. */
+ * summation with blocks of BLOCK_INPUTS inputs (the small-batch path's chunk sums and totals both
+ * in registers ran slower here). The sizes were chosen against oneDNN's prepacked bfloat16 matmul,
+ * which this path replaces, on SmolLM-135M's projections at 96 to 2,048 rows. */
 enum { SMALL_BATCH_ROWS = PDS_LIMIT_small_batch_rows, BLOCK_ROWS = 128, BLOCK_INPUTS = 256 };
 
 /* The items run GROUP_PANELS panels at a time: within a group, row block by row block, each over
  * the group's panels, so a row block of x is read from L2 by all the group's panels and the
- * group's W is read again from L2/L3 for each row block (panel by panel, each panel ran all row
- * blocks and x streamed from L3 once per panel). Same bits. 2,048 rows, the four projections,
- * 2-core Zen 4 EPYC, medians of 21 alternated repeats: two threads 398 against 384-389 GFLOP/s
- * (groups of 8 / 24 / 32: 392-395); one thread 211-212 either way alone, and 195 against 190
- * while a loop streams 256 MB on the other core (as a decode node does beside a prefill node). */
+ * group's W is read again from L2/L3 for each row block, rather than x streamed from L3 once per
+ * panel. Same bits either way; 16 ran fastest of 8 to 32 at 2,048 rows. */
 enum { GROUP_PANELS = 16 };
 
 /* rows (1..8, a constant after inlining) of x against one panel's inputs [k0, k1), their sums
@@ -266,8 +256,8 @@ int64_t bf16_linear_chunk(int64_t m, int64_t k) { return m > SMALL_BATCH_ROWS ? 
 
 /* x: [m, k] bfloat16 rows x_stride apart (k even); packed: W [n, k] as above; bias: n float32 or
  * NULL; out: [m, n] bfloat16 rows out_stride apart; wide (a constant): FMAs on x widened to
- * float32 (wide_x) instead of vdpbf16ps. Returns PDS_OK, or PDS_ERR_MEMORY when x's float32 copy could not be
- * allocated (the signature of amx_linear_bf16's). */
+ * float32 (wide_x) instead of vdpbf16ps. Returns PDS_OK, or PDS_ERR_MEMORY when x's float32 copy
+ * could not be allocated (the signature of amx_linear_bf16's). */
 static inline __attribute__((always_inline)) int run(const uint16_t *x_in, int64_t x_in_stride, int64_t m, int64_t k,
                                                      const uint16_t *packed, int64_t n, const float *bias,
                                                      uint16_t *out, int64_t out_stride, const int wide) {
@@ -318,9 +308,8 @@ int bf16_linear_wide(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, 
 
 /* vdpbf16ps's rate in flops against float32 FMAs' on this core (each counted as two flops a
  * product): 12 independent sums of each, alternated 5 times, the fastest of each (about 2 ms in
- * all). A 2-core Xeon (Emerald Rapids, no AMX) measured 86 against 176 GFLOP/s: vdpbf16ps issues
- * at one in two cycles there, FMAs at two a cycle, so its 64 flops take 2x the FMAs' time, and
- * bf16_linear's projections ran at ~85 GFLOP/s a thread against ~150 for float32 ones. */
+ * all). Intel's cores without AMX (Emerald Rapids) issue vdpbf16ps at half the FMAs' rate, ~0.5
+ * here, where bf16_linear_wide is the faster; AMD's at the same rate. */
 #define SUMS(M) M(0) M(1) M(2) M(3) M(4) M(5) M(6) M(7) M(8) M(9) M(10) M(11)
 static double seconds(void) {
     struct timespec t;

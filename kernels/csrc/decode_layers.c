@@ -1,22 +1,11 @@
-/* A decode step's decoder layers in one call, in bfloat16 or float32: the same kernels the
- * Python layer loop calls (engine/model.py), in the same order on the same buffers, so its
- * results are the same bits. What it removes is the Python between them: per layer ~11 op
- * calls, each with its argument checks, tensor allocations and ctypes marshalling, and the
- * interpreter's own code and data, which every projection's weight stream evicts from the
- * caches.
- *
- * The kernels come in as function pointers (kernels/decode_layers.py takes them from the
- * libraries the op modules load), so each keeps one source and one build.
- *
- * Measured on a 2-core Xeon (AMX), bfloat16 SmolLM-135M shape, 64 sequences: the ops between the
- * projections and attention took 45 (RMSNorm), 56 (SiLU-and-mul), 38 (rotary) and 36 (KV write)
- * us per call inside the Python loop against 17, 29, 15 and 10 us alone; see
- * kernels/decode_layers.py for the step.
- */
 /* A decode step's decoder layers in one call, in bfloat16 or float32 (pdserve_kernels.h: pds_layer,
- * pds_step): the same kernels the Python layer loop calls, in the same order on the same buffers,
- * so its results are the same bits; it removes the Python between them. Built where the small-batch
- * projection kernels are (AVX-512 and above). */
+ * pds_step): the same kernels the Python layer loop calls (engine/model.py), in the same order on
+ * the same buffers, so its results are the same bits. It removes the Python between them: ~11 op
+ * calls a layer, each with its argument checks, allocations and marshalling, and the interpreter's
+ * code and data, which every projection's weight stream evicts from the caches. The kernels are
+ * this build's own, picked by the caller's linear kind (kernels_for; the caller is
+ * kernels/cpu/decode_layers.py). Built where the small-batch projection kernels are (AVX-512 and
+ * above). */
 #include "pdserve_kernels.h"
 
 #include <stddef.h>

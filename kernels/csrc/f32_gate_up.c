@@ -1,8 +1,8 @@
 /* The gated MLP's first half in float32 on AVX-512 for prefill-sized batches, its activation in
  * the same pass: act = silu(x Wg^T) * (x Wu^T), or the plain projection [gate | up] where a caller
- * wants that (kernels/linear.py's linear on this weight).
+ * wants that (ProjectionKernels.linear on this weight, kernels/cpu/linear.py).
  *
- * W is packed once, when the model loads (kernels/linear.py: pack_f32_gate_up), in panels of 32
+ * W is packed once, when the model loads (ProjectionKernels.pack_f32_gate_up), in panels of 32
  * gate outputs and the same 32 up outputs, each k rows of 64 floats (W^T's rows cut to the panel,
  * zero-padded past inter). Each thread takes a share of the panels; rows run in blocks of MB (x's
  * block stays in L2 while the thread's panels stream past it), 6 rows x 64 outputs at a time: 24
@@ -13,14 +13,9 @@
  * epilogue computes SiLU as elementwise.c's silu_and_mul_f32 does (the same libmvec expf, the same
  * expression), from sums in registers, so the gate/up product [rows, 2 * inter] is never written.
  *
- * Measured on a 2-core Xeon (Emerald Rapids), one thread, 2,048 rows, SmolLM-135M's gate/up
- * (1,536 x 2 outputs over 576 inputs): 43.1-45.5 ms against 48.0-50.3 for oneDNN's prepacked
- * linear plus silu_and_mul; a whole 2,048-token prefill chunk of the 30 layers 2,986-3,019 ms
- * against 3,167-3,276 (alternated). The microkernel alone, hot: 172-181 GFLOP/s for 6 x 64,
- * 14 x 32 and 8 x 48 tiles alike; the prefetch and the vector expf (a scalar expf loop cost 25%)
- * are what took the whole pass from 125 to 160-168 GFLOP/s. Two threads, 30 layers' weights
- * (benchmarks/kernels.py --cpu): 1.21x oneDNN + silu_and_mul at 128 rows, 1.04x at 512, 1.06x at
- * 2,048. At decode sizes (up to 64 rows) f32_linear.c's kernel stays faster and takes them.
+ * Against oneDNN's prepacked linear then silu_and_mul: benchmarks/kernels.py --cpu. Most of the
+ * gain over the bare microkernel comes from the next panel's prefetch and the vector expf. At
+ * decode sizes (up to 64 rows) f32_linear.c's kernel is faster and takes them.
  */
 #include "pdserve_kernels.h"
 #include <stdint.h>
@@ -140,7 +135,7 @@ INLINE void run(const float *x, int64_t x_stride, int64_t m, int64_t k, const fl
 
 /* x: [m, k] float32 rows x_stride apart; packed: gate [inter, k] and up [inter, k] as above.
  * gated != 0: out [m, inter] = silu(gate) * up; 0: out [m, 2 * inter] = gate then up (the plain
- * projection of the two stacked). Rows out_stride apart. Returns 0. */
+ * projection of the two stacked). Rows out_stride apart. Returns PDS_OK. */
 int f32_gate_up(const float *x, int64_t x_stride, int64_t m, int64_t k, const float *packed, int64_t inter,
                 int gated, float *out, int64_t out_stride) {
     if (gated)

@@ -1,15 +1,14 @@
 /* float32 projections y = x W^T (+ bias) for decode-sized batches (up to 64 rows) on AVX-512.
- * W is packed once, when the model loads (pack_f32_panels in kernels/linear.py): panels of 48
- * outputs, each k rows of 48 floats (W^T's rows cut to the panel, zero-padded past n), so a
- * panel streams front to back. Each thread takes whole panels; each panel runs x 8 rows at a
- * time: 8 x 48 float32 sums in 24 registers, one broadcast of x per row and three loads of W per
- * input. The first 8 rows read the panel from memory, the rest from cache (a panel is k x 192
- * bytes: 108 KB at k = 576), while they prefetch the next panel into L2 (panels.h).
+ * W is packed once, when the model loads (ProjectionKernels.pack_f32_panels in
+ * kernels/cpu/linear.py): panels of 48 outputs, each k rows of 48 floats (W^T's rows cut to the
+ * panel, zero-padded past n), so a panel streams front to back. Each thread takes whole panels;
+ * each panel runs x 8 rows at a time: 8 x 48 float32 sums in 24 registers, one broadcast of x per
+ * row and three loads of W per input. The first 8 rows read the panel from memory, the rest from
+ * cache (a panel is k x 192 bytes: 108 KB at k = 576), while they prefetch the next panel into L2
+ * (panels.h). Against oneDNN's prepacked linear: benchmarks/kernels.py --cpu.
  *
- * Measured on a 2-core Xeon, two threads, 64 rows, SmolLM-135M's shapes streamed from memory:
- * 250, 249, 253 and 237 GFLOP/s (qkv 960x576, o 576x576, gate/up 3072x576, down 576x1536)
- * against oneDNN's prepacked linear at 196, 213, 257 and 196. The order of the sums differs from
- * oneDNN's (each output sums its inputs front to back), so results differ in the last bits.
+ * The order of the sums differs from oneDNN's (each output sums its inputs front to back, in
+ * chunks), so results differ in the last bits.
  */
 #include "pdserve_kernels.h"
 #include <stdint.h>
@@ -20,7 +19,7 @@
 
 /* For tests (on any x86 CPU, with AVX-512 or not): the lines of the next panel that each of
  * num_groups row groups fetches over num_w_rows W rows (first line into first[g], count into
- * count[g]), as the kernels run them. */
+ * count[g]), as the kernels run them. Returns PDS_OK, or PDS_ERR_MEMORY. */
 int next_panel_plan(int64_t num_groups, int64_t num_w_rows, int64_t *first, int64_t *count) {
     char *panel = malloc((size_t)(3 * num_w_rows * 64)); /* a panel of num_w_rows 192-byte W rows */
     if (panel == NULL) return PDS_ERR_MEMORY;
@@ -48,7 +47,7 @@ int f32_linear_ready(void) { return 1; }
  * next: this row group's share of the next panel's prefetches (panels.h).
  * The sums run in chunks of CHUNK inputs, each chunk's added to the running total in sums: a
  * blocked summation, whose rounding error grows with CHUNK + k / CHUNK rather than k (summed
- * front to back over 576 inputs, the error measured 7.5x F.linear's worst). */
+ * front to back in one run, the error was several times F.linear's). */
 static inline __attribute__((always_inline)) void panel_rows(const float *x, int64_t x_stride, const float *w,
                                                              int64_t k, const float *bias, float *out,
                                                              int64_t out_stride, int cols, const int rows,
@@ -84,7 +83,7 @@ static inline __attribute__((always_inline)) void panel_rows(const float *x, int
 }
 
 /* x: [m, k] float32 rows x_stride apart; packed: W [n, k] as above; bias: n float32 or NULL;
- * out: [m, n] rows out_stride apart. Returns 0 (the signature of amx_linear_bf16's). */
+ * out: [m, n] rows out_stride apart. Returns PDS_OK (the signature of amx_linear_bf16's). */
 int f32_linear(const float *x, int64_t x_stride, int64_t m, int64_t k, const float *packed, int64_t n,
                const float *bias, float *out, int64_t out_stride) {
     const int64_t panels = (n + PANEL - 1) / PANEL;

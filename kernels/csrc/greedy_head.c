@@ -2,9 +2,8 @@
  * computing them all, for float32 and bfloat16 heads. For rows that only need their greedy token
  * (no logprobs, no penalties, no bias, no grammar), two passes:
  *
- * 1. A screen in int8 (vpdpbusd: four products a lane at one instruction a cycle, twice
- *    vdpbf16ps's two and four times float32's FMA; a 2-core Zen 4 EPYC, 24 register chains: 230
- *    GMAC/s a core against 116 and 58), with error bounds:
+ * 1. A screen in int8 (vpdpbusd: four products a lane per instruction, twice vdpbf16ps's and
+ *    four times a float32 FMA's), with error bounds:
  *    - W per output v: scale s_v = max |w_v| / 127, q_v = round(w_v / s_v), e_v = w_v - s_v q_v.
  *    - x per row, but for UPAIRS input pairs the call picks (trained models' final hidden states
  *      have a few channels at 10-20x the rest, which would set the int8 step for all; see
@@ -18,7 +17,7 @@
  *      it. So every logit lies in [a_v - b_v, a_v + b_v], and an output whose upper end falls
  *      below the largest lower end (L) cannot be the argmax; for bfloat16 heads, whose logits are
  *      compared after their rounding to bfloat16, below the lowest value that rounds to L's
- *      bfloat16 value (threshold_of). Random heads keep ~15-20 outputs a row, SmolLM2-135M's too.
+ *      bfloat16 value (threshold_of). Random heads and SmolLM2-135M's keep ~15-20 outputs a row.
  * 2. The outputs left computed exactly as the head's own kernel computes them, one candidate per
  *    vector lane, gathered from W's rows: float32, f32_linear.c's FMAs in chunks of CHUNK inputs;
  *    bfloat16, bf16_linear.c's vdpbf16ps over input pairs in chunks of `chunk` inputs (its
@@ -29,10 +28,11 @@
  * near-ties, as all-zero weights give), or whose candidates' logits hold a NaN is left to the
  * caller (-1), which computes its logits in full.
  *
- * Packed W (kernels/greedy_head.py): q in panels of PANEL outputs, per 4 inputs one 192-byte row
- * of 48 outputs x 4 bytes (inputs padded with zeros to whole quads); per output s_v, sum_i q_vi,
- * |e_v| and |w_v|; the head's own panels (pack_bf16_pairs or pack_f32_panels), for the picked
- * pairs; W itself for the exact logits.
+ * Packed W (kernels/cpu/greedy_head.py: prepare_greedy_head, pack_int8_quads): q in panels of
+ * PANEL outputs, per 4 inputs one 192-byte row of 48 outputs x 4 bytes (inputs padded with zeros
+ * to whole quads); per output s_v, sum_i q_vi, |e_v| and |w_v|; the head's own panels
+ * (ProjectionKernels.pack_bf16_pairs or pack_f32_panels), for the picked pairs; W itself for the
+ * exact logits. Against the logits and their argmax: benchmarks/kernels.py --cpu.
  */
 #include "pdserve_kernels.h"
 #include <math.h>
@@ -434,11 +434,11 @@ static inline __attribute__((always_inline)) void screen_rows(
 }
 
 /* The bfloat16 logits of up to 16 candidates (lanes < count; the rest read output 0), as
- * bf16_linear.c sums them: vdpbf16ps (with wide, bf16_linear_wide's FMAs) over the input pairs in chunks of `chunk` inputs, each chunk
- * from zero and added to the total, plus a zero bias, rounded to bfloat16 (widened back). The
- * weight pairs are gathered from W's rows (weight: [n, k] bfloat16), where each candidate's next
- * 16 pairs share one cache line (from the panels, each pair read a line of its own: a quarter
- * of the call's time at 48 rows, ~19 candidates a row). */
+ * bf16_linear.c sums them: vdpbf16ps (with wide, bf16_linear_wide's FMAs) over the input pairs in
+ * chunks of `chunk` inputs, each chunk from zero and added to the total, plus a zero bias, rounded
+ * to bfloat16 (widened back). The weight pairs are gathered from W's rows (weight: [n, k]
+ * bfloat16), where each candidate's next 16 pairs share one cache line; from the panels each pair
+ * would read a line of its own. */
 static __m512 exact_bf16(const uint16_t *x, int64_t k, const uint16_t *weight, const int32_t *cand, int count,
                          int64_t chunk, int wide) {
     const __m512i rows =
@@ -551,12 +551,14 @@ static inline __attribute__((always_inline)) int screen_int8(
 }
 
 /* x: [m, k] rows x_stride apart (elements), bfloat16, or float32 with f32 (k even, at most
- * 65,536); q8: int8 W in panels (its inputs padded with zeros to a multiple of 4); scale, qsum, e_norm, w_norm: per output, padded to whole
- * panels; wu: the head's own panels (bfloat16: pack_bf16_pairs; float32: pack_f32_panels), for
- * the picked pairs; weight: W [n, k] in x's dtype, contiguous, for the exact logits; chunk: the
- * inputs bf16_linear.c sums in one go for m rows and wide: whether it is bf16_linear_wide
- * (bfloat16 only: float32 heads are summed in f32_linear.c's CHUNK whatever they say); out: m int64 tokens, -1 for a row left to the caller; candidates_out (or
- * NULL): each row's count of exact logits. Returns PDS_OK, or PDS_ERR_MEMORY when a buffer could not be allocated. */
+ * 65,536); q8: int8 W in panels (its inputs padded with zeros to a multiple of 4); scale, qsum,
+ * e_norm, w_norm: per output, padded to whole panels; wu: the head's own panels (bfloat16:
+ * pack_bf16_pairs; float32: pack_f32_panels), for the picked pairs; weight: W [n, k] in x's dtype,
+ * contiguous, for the exact logits; chunk: the inputs bf16_linear.c sums in one go for m rows
+ * (bf16_linear_chunk) and wide: whether it is bf16_linear_wide (bfloat16 only: float32 heads are
+ * summed in f32_linear.c's CHUNK whatever they say); out: m int64 tokens, -1 for a row left to the
+ * caller; candidates_out (or NULL): each row's count of exact logits. Returns PDS_OK, or
+ * PDS_ERR_MEMORY when a buffer could not be allocated. */
 int greedy_head_int8(const void *x, int64_t x_stride, int64_t m, int64_t k, const int8_t *q8, const float *scale,
                      const int32_t *qsum, const float *e_norm, const float *w_norm, const void *wu, const void *weight,
                      int64_t n, int64_t chunk, int wide, int f32, int64_t *out, int64_t *candidates_out) {

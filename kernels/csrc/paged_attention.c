@@ -7,39 +7,21 @@
  * at a time (16 dot-product vectors summed across lanes together, not one by one), then the
  * values are added into accumulators held in registers for the whole block (the group's query
  * heads in chunks of at most 16 vectors). The next block is prefetched slice by slice as this one
- * is read, one block ahead (two ahead measured 4-5% slower), and a sequence's last block
- * prefetches the next sequence's first; each row read also brings the next KV head's row of the
- * same token into L1 (prefetch_for_row). Without the prefetches the kernel took twice as long.
- * On a 2-core Zen 4, one thread, float32, SmolLM-135M's heads: ~30 GB/s of K/V with the blocks
- * in cache (8 sequences x 300 tokens, one layer, repeated) and ~16-17 GB/s from memory (48
- * sequences, 30 layers' caches), so from memory the arithmetic and the reads barely overlap.
- * Measured there and not kept (alternated builds in one process): the keys and values loaded
- * once per token for all the group's heads (GCC folds a load into each head's FMAs) made the
- * in-cache case 20% faster and the from-memory case 25% slower; each head's scores reduced
- * token pair by token pair as they come (no dot vectors on the stack) halved the in-cache speed;
- * the softmax's max and sum as vector reductions, 5% faster in cache, the same from memory.
- * Measured on a 2-core Xeon (AVX-512), 2 threads, 64 sequences of 260-320 tokens over 30 layers'
- * caches (each call's blocks come from memory), the small preset's heads: bfloat16 0.99 -> 0.87 ms
- * per call, float32 1.65 -> 1.41 ms, against the previous kernel, which summed each token's dot
- * product across lanes on its own and kept the accumulators in memory. With the blocks in cache
- * the arithmetic alone went 0.58 -> 0.45 ms (bfloat16), so it is no longer the larger part.
- * (Before that: row-by-row reads of every KV head measured 1.4x faster than head-by-head passes
- * that each stride through the block, on a 2-core Zen 3, without prefetching.)
+ * is read, one block ahead, and a sequence's last block prefetches the next sequence's first; each
+ * row read also brings the next KV head's row of the same token into L1 (prefetch_for_row).
+ * From memory the reads and the arithmetic barely overlap, so without the prefetches the kernel
+ * takes about twice as long.
  * Tasks are spread over the process's OpenMP threads (torch's own pool: the same libgomp.so.1),
  * guided: each thread first takes a run of consecutive sequences, so the next sequence whose
  * first block a sequence prefetches (`then`) is mostly its own, and the runs shrink toward the
- * end, so a thread held up (by another process on its core) is caught up by the other. On the
- * 2-core Zen 5, two threads, float32, 64 x 300 tokens over 30 layers' caches, alternated builds:
- * 21.1-21.5 -> 20.5 ms a step while the host's memory ran fast and 27.5-29.2 -> 27.1-28.3 while
- * it ran slow (one sequence at a time, dynamically, before; static 19.6-20.1 / 27.2-28.0 but
- * without the catching up; chunks of 4 or 8 in between); bfloat16 13.7-14.6 -> 13.6-14.4.
+ * end, so a thread held up (by another process on its core) is caught up by the other.
  * Head sizes 32, 64, 80, 96 and 128 run on 16-float vectors (GCC vector extensions: one AVX-512
- * register; 8-float vectors measured 5-13% slower on a 2-core Xeon, 2 threads, the small and tiny
- * presets' shapes); other sizes take a scalar loop.
+ * register; 8-float vectors ran slower); other sizes take a scalar loop.
  * The cache, query and output are all float32 or all bfloat16: a bfloat16 row is widened to
  * float32 as it is loaded (its bits shifted into a float's top half, exact), so every sum runs in
- * float32 and the bytes read are halved; the output is rounded to bfloat16 once, as torch rounds
- * (taking the bfloat16 query and output directly saved two torch conversions per layer call).
+ * float32 and the bytes read are halved; the output is rounded to bfloat16 once, as torch rounds.
+ * The prefetch distances and levels, the schedule and the layout of the loops were chosen with
+ * benchmarks/kernels.py --cpu (paged decode attention).
  * Built with -ffast-math for vector expf and reassociated sums, linked without it so that
  * loading the library leaves the process's denormal handling alone.
  */
@@ -85,9 +67,8 @@ static inline void store16(float *p, v16 v) { memcpy(p, &v, sizeof v); }
 static inline v16 load_kv16(const void *cache, int64_t off, const int kv_bf16) {
     if (!kv_bf16) return load16((const float *)cache + off);
 #ifdef __AVX512F__
-    /* One vpmovzxwd and one shift: GCC turned the vector-extension form (#else) into two 8-lane
-     * halves and an insert (2-core Zen 5, one thread, 64 x 300 tokens over 30 layers' caches:
-     * 20.0 -> 18.6 ms per step, 4.0 -> 3.3 ms for 16 sequences with the cache in L3). */
+    /* One vpmovzxwd and one shift: GCC turns the vector-extension form (#else) into two 8-lane
+     * halves and an insert, which ran slower. */
     return (v16)bf16x16_load((const uint16_t *)cache + off);
 #else
     u16x16 half;
@@ -131,20 +112,12 @@ static inline __attribute__((always_inline)) void prefetch_span(const void *cach
 }
 
 /* What each K or V row read (row, num elements) prefetches:
- * - the same row of the next block (ahead) into L2, not L1: on a 2-core Zen 4 (Genoa) the L1
- *   prefetches of a block ahead waited on the L1's few miss buffers, so the reads did not overlap
- *   the arithmetic (30 layers' bfloat16 caches, 64 sequences x 300 tokens, one thread: 25-27 ms
- *   per step with the blocks in cache, 65-68 from memory with prefetcht0, 38-41 with prefetcht1;
- *   two threads 33-39 -> 21-24). On the Zen 5 float32 measured the same either way.
+ * - the same row of the next block (ahead) into L2, not L1: L1 prefetches a block ahead wait on
+ *   the L1's few miss buffers, and the reads then stop overlapping the arithmetic;
  * - the same token's row of the next KV head into L1, which the next head's pass reads ~16
  *   tokens later (past the last head: the next token's first head, already read; a prefetch
- *   never faults, so the block's very last row may point past the cache harmlessly). On a 2-core
- *   Zen 5, one thread, float32, 64 sequences x 300 tokens over 30 layers' caches (each call's
- *   blocks from memory), the builds alternated in one process, medians of 9: 41.4-44.2 ->
- *   37.8-40.5 ms a step (-8%); two threads 26.7 -> 26.3; bfloat16 19.1 -> 18.7 (one thread) and
- *   14.3 -> 14.0 (two); with the blocks in cache the same either way. The same row into L2
- *   (where the block-ahead prefetch already put it) gained nothing; prefetching the next token's
- *   row instead, or the rest of the token's row on the first head, measured slower. */
+ *   never faults, so the block's very last row may point past the cache harmlessly).
+ * Both chosen by benchmarks/kernels.py --cpu. */
 static inline __attribute__((always_inline)) void prefetch_for_row(const CacheView *cv, int64_t ahead, int64_t row,
                                                                    int64_t num, const int kv_bf16) {
     prefetch_span(cv->kv_cache, ahead, num, kv_bf16, 0);
@@ -387,17 +360,20 @@ static attend_fn vector_path(int head_dim, int kv_bf16) {
     }
 }
 
-/* query [num_seqs, num_kv_heads * group, head_dim] and out alike (row strides given, unit stride
- * in head_dim), kv_cache too (strides in elements): all float32, or all bfloat16 when kv_bf16
- * (the sums in float32 either way, the output rounded to bfloat16 once, at the end);
- * block_tables int32 [num_seqs, >= blocks needed]; seq_lens int32. Returns 0, or -1 when a size
- * is beyond this kernel's limits or a bfloat16 cache has a head size with no vector path (the
- * caller then takes another path); a sequence of length 0 gets zeros. */
+/* Whether paged_decode_attention has a path for these sizes: within this kernel's limits, and for
+ * a bfloat16 cache a head size with a vector path (a float32 cache has the scalar one). */
 int paged_decode_attention_takes(int num_heads, int head_dim, int block_size, int kv_bf16) {
     if (num_heads > MAX_HEADS || head_dim > MAX_HEAD_DIM || block_size > MAX_BLOCK_SIZE) return 0;
     return vector_path(head_dim, kv_bf16) != NULL || !kv_bf16;
 }
 
+/* query [num_seqs, num_kv_heads * group, head_dim] and out alike (row strides given, unit stride
+ * in head_dim), kv_cache too (strides in elements): all float32, or all bfloat16 when kv_bf16
+ * (the sums in float32 either way, the output rounded to bfloat16 once, at the end);
+ * block_tables int32 [num_seqs, >= blocks needed]; seq_lens int32, a sequence of length 0 getting
+ * zeros. The tables and lengths are not checked here: the caller checks them against the cache
+ * (kernels/cpu/ops.py: check_bounds). Returns PDS_OK, or PDS_ERR_UNSUPPORTED (nothing read) where
+ * paged_decode_attention_takes says no: the caller then takes another path. */
 int paged_decode_attention(const void *query, int64_t stride_q_seq, int64_t stride_q_head,
                            const void *kv_cache, int64_t stride_block, int64_t stride_kv,
                            int64_t stride_token, int64_t stride_head,
@@ -413,13 +389,8 @@ int paged_decode_attention(const void *query, int64_t stride_q_seq, int64_t stri
         const size_t elem = kv_bf16 ? 2 : 4;
         const void *q = (const char *)query + s * stride_q_seq * elem;
         void *o = (char *)out + s * stride_out_seq * elem;
-        /* The next sequence's first block, prefetched during this one's last: a sequence's first
-         * block was otherwise read on demand. One thread, 48 sequences x 300 tokens over 30 layers'
-         * caches, the two builds alternated in one process on the same data (2-core Zen 4, medians
-         * of 21): float32 39.0 -> 37.1 ms a step with each sequence's blocks in order, 46.4 ->
-         * 45.2 with blocks at random, bfloat16 22.5 -> 21.7; same bits. (Two threads then took the
-         * sequences one at a time, so s + 1 was often the other thread's: the same time either
-         * way, float32 26.0 -> 25.2, bfloat16 14.8 -> 14.9; see the schedule above.) */
+        /* The next sequence's first block, prefetched during this one's last (else a sequence's
+         * first block is read on demand); mostly this thread's own under the guided schedule. */
         const int64_t then = s + 1 < num_seqs && seq_lens[s + 1] > 0
                                  ? (int64_t)block_tables[(s + 1) * stride_table] * stride_block : -1;
         if (vector != NULL)

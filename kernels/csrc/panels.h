@@ -26,25 +26,16 @@ enum { PANEL = PDS_LIMIT_panel, ROWS = 8, CHUNK = 64 };
     default: CALL(8); break;                                                                                           \
     }
 
-/* How far ahead of its reads a panel's W rows are prefetched, in bytes. On the 2-core Zen 5, with
- * 3-64 rows of x the FMAs between reads left the hardware prefetcher behind. SmolLM-135M's 30
- * layers' projections, one thread, medians of 9 alternated repeats, 3 / 8 / 16 / 64 rows:
- * float32 11.24 / 14.16 / 20.25 / 59.17 ms -> 10.22 / 11.85 / 17.41 / 56.71; bfloat16 5.95 /
- * 6.62 / 10.79 / 29.96 -> 5.45 / 5.25 / 8.57 / 28.02. Two threads: 8 rows 8.09 -> 6.6 (float32),
- * 3.81 -> 2.95-3.16 (bfloat16). With one row the stream already ran at the memory's speed and
- * the prefetches cost 3-5%, so the kernels skip them there. */
+/* How far ahead of its reads a panel's W rows are prefetched, in bytes: with several rows of x the
+ * FMAs between reads leave the hardware prefetcher behind. With one row the stream already runs
+ * at the memory's speed, so the kernels skip the prefetches there. Chosen by
+ * benchmarks/kernels.py --cpu. */
 enum { PREFETCH_AHEAD_BYTES = 12288 };
 
 /* Prefetch the 192-byte W row at p (three cache lines) into L1, or with into_l2 (a constant after
- * inlining) into L2 only (prefetcht1). bfloat16 on a 2-core Zen 4 EPYC, SmolLM-135M's 30 layers'
- * projections, medians of 11 alternated repeats, one thread, 2 / 3 / 4 / 6 / 8 / 16 / 32 / 64
- * rows, L1 -> L2: 10.06 -> 12.21, 9.79 -> 10.94, 9.29-10.06 -> 9.98-10.23, 10.88 -> 9.74,
- * 11.12-12.06 -> 9.36-9.90, 18.97 -> 17.02, 35.06 -> 33.13, 65.5-65.9 -> 63.6-64.3 ms; two
- * threads, 2 / 4 / 8 / 16 / 64 rows: 7.31 -> 8.00, 6.38 -> 6.22, 7.03 -> 6.28, 10.90 -> 10.24,
- * 36.06 -> 34.85. With 6 rows and more the FMAs between reads leave the L1's few miss buffers
- * waiting on the L1 prefetches (as in paged_attention.c's); with fewer the stream needs them.
- * bf16_linear.c takes L2 from 6 rows on; float32 measured the same either way (two threads,
- * 1-64 rows) and keeps L1. */
+ * inlining) into L2 only (prefetcht1). With 6 rows and more the FMAs between reads leave the L1's
+ * few miss buffers waiting on L1 prefetches (as in paged_attention.c), so bf16_linear.c takes L2
+ * from 6 rows on; float32 runs the same either way and keeps L1 (benchmarks/kernels.py --cpu). */
 static inline __attribute__((always_inline)) void prefetch_panel_row(const void *p, const int into_l2) {
     const char *c = (const char *)p + PREFETCH_AHEAD_BYTES;
     for (int line = 0; line < 192; line += 64) {
@@ -57,21 +48,11 @@ static inline __attribute__((always_inline)) void prefetch_panel_row(const void 
 
 /* The panel after this one, into L2 (prefetcht1), while the row groups after the first run this
  * one: group 0 streams this panel from memory while later groups read it from cache, so the next
- * panel's read then overlaps FMAs instead of stalling the next group 0. float32 on the 2-core
- * Zen 5, SmolLM-135M's 30 layers' projections, medians of 9 alternated repeats, 16 / 32 / 48 / 64
- * rows: one thread 19.5-19.9 -> 18.6-18.9, 34.2 -> 29.7, 48.4-48.7 -> 43.6-43.7, 62.4-62.8 ->
- * 57.5-59.1 ms; two threads 12.7-13.0 -> 12.1-12.3, 19.7 -> 16.2-16.3, 26.7-27.2 -> 23.3-23.5,
- * 33.6-34.1 -> 30.2-30.5 (then groups 1-3 fetched one line per W row each). Measured and not
- * kept there: starting in group 0 (9 rows 5-7% slower on one thread), and two or three lines a W
- * row where there are fewer groups (9-16 rows up to 16% slower).
- * With more than four groups (over 32 rows) the lines are spread evenly over all of them, 3 /
- * (groups - 1) lines a W row, rather than one a row in groups 1-3: on a 2-core Xeon (Emerald
- * Rapids) each software prefetch holds one of the L1's few miss buffers until memory answers, so
- * a line every W row (12 cycles of FMAs at 8 rows) left the FMAs waiting on them. float32, a
- * whole decode step's 30 layers (kernels/decode_layers.c, 64 sequences of ~290 tokens), alternated
- * builds: one thread 64 rows 166.5-172.5 -> 160.0-163.0 ms, 48 rows 131.5-139.4 -> 123.2-123.3;
- * two threads 64 rows 88.4-89.9 -> 86.0-89.8, 48 rows 68.9-69.6 -> 66.0-66.9; 16 and 32 rows
- * (four groups or fewer, where nothing changed) the same. */
+ * panel's read overlaps FMAs instead of stalling the next group 0. With more than four groups
+ * (over 32 rows) the lines are spread evenly over all of them, 3 / (groups - 1) lines a W row,
+ * rather than one a row in groups 1-3: each software prefetch holds one of the L1's few miss
+ * buffers until memory answers, and a line every W row left the FMAs waiting on them. Chosen by
+ * benchmarks/kernels.py --cpu. */
 typedef struct {
     const char *line; /* the next line to fetch */
     int64_t owed;     /* the pace's count: each W row adds 3, and each `groups` of it fetch a line */

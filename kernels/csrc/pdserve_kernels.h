@@ -208,7 +208,7 @@ PDS_API int amx_linear_bf16(const uint16_t *x PDS_SPAN((m - 1) * x_stride + k), 
                             int64_t k, const uint16_t *packed PDS_SPAN(n * k), int64_t n, const float *bias PDS_NULLABLE,
                             uint16_t *out PDS_SPAN((m - 1) * out_stride + n), int64_t out_stride);
 PDS_API int amx_attention_ready(void);
-PDS_API int amx_prefill_attention_bf16(const uint16_t *query PDS_SPAN((num_tokens - 1) * q_tok + (num_heads - 1) * q_head + head_dim) PDS_SPAN((num_tokens - 1) * q_tok + (num_heads - 1) * q_head + head_dim), int64_t q_tok, int64_t q_head, const uint16_t *cache PDS_SPAN((num_blocks - 1) * s_block + 1),
+PDS_API int amx_prefill_attention_bf16(const uint16_t *query PDS_SPAN((num_tokens - 1) * q_tok + (num_heads - 1) * q_head + head_dim), int64_t q_tok, int64_t q_head, const uint16_t *cache PDS_SPAN((num_blocks - 1) * s_block + 1),
                                        int64_t s_block, int64_t s_kv, int64_t s_off, int64_t s_head,
                                        int64_t num_blocks, int64_t block_size, const int32_t *tables PDS_SPAN((num_seqs - 1) * table_stride + table_width),
                                        int64_t table_stride, int64_t table_width,

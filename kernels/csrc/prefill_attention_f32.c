@@ -9,12 +9,7 @@
  * sequence's end never reach the output (lanes dropped; keys masked).
  *
  * The caller's tensors are read directly, so the tables and lengths are checked first
- * (prefill.h): a bad one returns 1 before anything is read.
- *
- * Measured on a 2-core Xeon, two threads, 8 prompts x 256 tokens in one chunk: 1.29 ms against
- * 2.55 ms for torch's per-sequence SDPA with `tiny`'s heads (4 over 2, 64 dims), 2.94 against 5.23
- * with SmolLM-135M's (9 over 3); one 2,048-token prompt 18.0 against 21.0 ms. Offline float32,
- * alternated: `tiny` +2-8%, `small` +2-3%.
+ * (prefill.h): a bad one returns PDS_ERR_RANGE before anything is read.
  *
  * prefill_attention_bf16 is the same computation on bfloat16 query, cache and output, for CPUs
  * without AMX (amx_attention.c takes those with it). Where the CPU has AVX512-BF16 the scores are
@@ -26,19 +21,9 @@
  * widened to float32 (exact), both products run in float32 as above and the probabilities stay
  * float32. The output is rounded once to bfloat16 (nearest even).
  *
- * The value product in pairs, on a 2-core Zen 4 EPYC, two threads, 8 x 256 tokens, SmolLM-135M's
- * heads: 3.15-3.5 -> 2.33-2.5 ms a call (with the loops below told that they run at least once,
- * so that the accumulators stay in registers: they went through the stack before); the offline
- * bfloat16 `small` run's prefill attention 0.86 -> 0.60 s of 13.8. float32: the same bits and
- * time.
- *
  * A work item takes up to MAX_HEADS heads of one KV head's group at once, so each K and V value
  * broadcast serves all of them, and moves Q^T in and the output out by 16 x 16 register
- * transposes. Measured on a 2-core Zen 5 EPYC (AVX512-BF16, no AMX), two threads, 8 x 256
- * tokens in one chunk, 2 alternated rounds against one head per item with per-element Q^T
- * packing and output gathers: SmolLM-135M's heads (9 over 3) 1.76-1.84 against 2.12-2.27 ms in
- * float32 and 1.46 against 2.38-2.49 in bfloat16 (with its output rounded 16 at a time);
- * `tiny`'s (4 over 2) 0.76-0.80 against 0.94-0.98 and 0.63 against 1.05-1.08.
+ * transposes. Against torch's per-sequence SDPA: benchmarks/kernels.py --cpu.
  */
 #define _DEFAULT_SOURCE
 #include "pdserve_kernels.h"
@@ -99,7 +84,7 @@ static void widen_rows(const uint16_t *src, int64_t s_off, int64_t rows, int64_t
 
 /* r[i][j] -> r[j][i] for a 16 x 16 block of 32-bit values, in registers: within each 128-bit lane
  * pairs of rows interleaved (ps), then pairs of pairs (pd), then lanes across rows 4 and 8
- * apart. Q^T's packing and the output's unpacking, where gathers took 16% of the kernel. */
+ * apart. Q^T's packing and the output's unpacking, in place of slower gathers. */
 static inline void transpose16(__m512 r[16]) {
     __m512 t[16];
     for (int i = 0; i < 8; ++i) {
@@ -265,8 +250,7 @@ INLINE void accumulate_keys_impl(const float *v, int64_t s_off, int64_t keys, sc
 }
 
 /* Each of the above compiled per head count on its own (noinline): inlined into the query
- * loop, the compiler kept accumulators or operands on the stack (4 over 2 heads: 1.2 against
- * 0.86 ms; 9 over 3 spilled one of the 24 score accumulators, a store-to-load chain). */
+ * loop, the compiler kept accumulators or operands on the stack. */
 #define PER_HEADS(NH)                                                                                              \
     static __attribute__((noinline)) void score_keys_##NH(const float *k, int64_t s_off, scratch *w, int64_t dim, \
                                                           int64_t at) {                                           \

@@ -73,3 +73,21 @@ def test_no_build_uses_march_native():
         path = ROOT / name
         if path.suffix in (".py", ".toml", ".sh", ".cfg") or path.name in ("Makefile", "Dockerfile"):
             assert "march=" + "native" not in path.read_text(errors="replace"), name
+
+
+def test_every_span_in_the_header_is_an_expression_of_its_entrys_integer_parameters():
+    """A span the wrapper cannot evaluate would fail every call of that entry, on the CPUs that
+    have it (which may not be this one): each is checked here, on any CPU."""
+    import ast
+
+    for name, entry in native.declarations().entries.items():
+        integers = {p.name for p in entry.params if not p.is_pointer and p.ctype in ("int", "int64_t")}
+        for param in entry.params:
+            if param.span is None:
+                continue
+            assert param.is_pointer, f"{name}.{param.name}: a span on a non-pointer"
+            tree = ast.parse(param.span, mode="eval")
+            used = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
+            assert used and used <= integers, f"{name}.{param.name}: {param.span!r} uses {used - integers}"
+            allowed = (ast.Expression, ast.BinOp, ast.Name, ast.Constant, ast.Load, ast.Add, ast.Sub, ast.Mult)
+            assert all(isinstance(node, allowed) for node in ast.walk(tree)), f"{name}.{param.name}: {param.span!r}"
