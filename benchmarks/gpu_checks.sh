@@ -21,6 +21,9 @@ fi
 "transformers", transformers.__version__, torch.cuda.get_device_name())'
     grep -m1 "model name" /proc/cpuinfo; nproc; command -v cc
 } 2>&1 | tee "$out/env.log"
+# The compiled CPU kernels, as an install builds them (setup.py; build outputs do not travel).
+timeout 300 python3 setup.py -q build_ext --inplace -j "$(nproc)" >"$out/build_native.log" 2>&1 \
+    || echo "building the CPU kernels failed: see $out/build_native.log"
 pytest_args=(-q -p no:cacheprovider -p no:benchmark -rfEs --durations=15 --timeout=150)
 for step in $steps; do
     start=$SECONDS
