@@ -1,10 +1,11 @@
 """The compiled CPU kernels' one typed boundary, generated from kernels/csrc/pdserve_kernels.h.
 
 The header declares every entry point, shared structure, status code and limit once. This module
-parses it and wraps each entry point of the library built for this CPU's best instruction-set level
-(setup.py builds one per level, kernels/cpu/levels.py): tensors go in for pointers and are checked
-for type, device, dtype and the span of memory the header says the call touches; integers and
-floats are checked for type; a status code comes back as an exception (kernels.errors). Nothing
+parses it and generates a Python wrapper for each entry point of the library built for this CPU's
+best instruction-set level (setup.py builds one per level, kernels/cpu/levels.py): tensors go in for
+pointers and are checked for type, device, dtype and the span of memory the header says the call
+touches (against the view's own extent); integers and floats are checked for type; a status code
+comes back as an exception (kernels.errors). Nothing
 here chooses what to run: kernels/cpu/backend.py does, once.
 """
 
@@ -160,74 +161,113 @@ def available_levels() -> list[Level]:
     return [level for level in runnable_levels(cpu_features()) if library_path(level) is not None]
 
 
-class _Function:
-    """One entry point: checks its arguments against the header's declaration, calls, and turns a
-    status code into an exception."""
-
-    def __init__(self, entry: Entry, function, statuses: dict[int, str]) -> None:
-        self.entry = entry
-        self._function = function
-        self._statuses = statuses
-        function.argtypes = [ctypes.c_void_p if p.is_pointer else _SCALARS[p.ctype] for p in entry.params]
-        function.restype = None if entry.returns == "void" else _SCALARS[entry.returns]
-        names = [p.name for p in entry.params]
-        self._spans = [(i, p, compile(p.span, f"<{entry.name}.{p.name}>", "eval"))
-                       for i, p in enumerate(entry.params) if p.span is not None]
-        self._names = names
-
-    def __call__(self, *args):
-        params = self.entry.params
-        if len(args) != len(params):
-            raise KernelArgumentError(f"{self.entry.name}: {len(args)} arguments for {len(params)} parameters")
-        values = [self._convert(p, a) for p, a in zip(params, args)]
-        if self._spans:
-            self._check_spans(args, values)
-        result = self._function(*values)
-        if self.entry.returns_status and result != 0:
-            name = self._statuses.get(result, f"status {result}")
-            raise _STATUS_ERRORS.get(name, KernelError)(self.entry.name, name)
-        return result
-
-    def _convert(self, param: Param, value):
-        if not param.is_pointer:
-            if param.ctype in ("float", "double"):
-                if not isinstance(value, (int, float)):
-                    raise KernelArgumentError(f"{self.entry.name}: {param.name} takes a number, got {type(value)}")
-                return value
-            if not isinstance(value, int):
-                raise KernelArgumentError(f"{self.entry.name}: {param.name} takes an int, got {type(value)}")
-            return value
-        if value is None:
-            if not param.nullable:
-                raise KernelArgumentError(f"{self.entry.name}: {param.name} may not be None")
+def _tensor_address(entry: str, name: str, value, dtypes: tuple, nullable: bool) -> int | None:
+    """A pointer argument: a CPU tensor of one of dtypes (its address), or None where nullable."""
+    if value is None:
+        if nullable:
             return None
-        if param.ctype in declarations().structs:
-            if not isinstance(value, (struct_type(param.ctype), ctypes.Array)):
-                raise KernelArgumentError(f"{self.entry.name}: {param.name} takes a {param.ctype}")
-            return ctypes.addressof(value)
-        if not isinstance(value, torch.Tensor):
-            raise KernelArgumentError(f"{self.entry.name}: {param.name} takes a tensor, got {type(value)}")
-        if value.dtype not in _DTYPES[param.ctype] or value.device.type != "cpu":
-            raise KernelArgumentError(f"{self.entry.name}: {param.name} takes a CPU tensor of "
-                                      f"{' or '.join(map(str, _DTYPES[param.ctype]))}, got {value.dtype} on "
-                                      f"{value.device}")
-        return value.data_ptr()
+        raise KernelArgumentError(f"{entry}: {name} may not be None")
+    if not isinstance(value, torch.Tensor):
+        raise KernelArgumentError(f"{entry}: {name} takes a tensor, got {type(value).__name__}")
+    if value.dtype not in dtypes or not value.is_cpu:
+        raise KernelArgumentError(f"{entry}: {name} takes a CPU tensor of {' or '.join(map(str, dtypes))}, got "
+                                  f"{value.dtype} on {value.device}")
+    return value.data_ptr()
 
-    def _check_spans(self, args, values) -> None:
-        scope = {p.name: a for p, a in zip(self.entry.params, args) if not p.is_pointer}
-        for idx, param, code in self._spans:
-            tensor = args[idx]
-            if tensor is None:
-                continue
-            span = eval(code, {"__builtins__": {}}, scope)  # noqa: S307 (the header's own expressions)
-            if span <= 0:
-                continue
-            storage = tensor.untyped_storage()
-            end = storage.data_ptr() + storage.nbytes()
-            if values[idx] + span * tensor.element_size() > end:
-                raise KernelArgumentError(
-                    f"{self.entry.name}: {param.name} must cover {span} elements ({param.span}); its storage "
-                    f"holds {(end - values[idx]) // tensor.element_size()} from there")
+
+def _extent(tensor: torch.Tensor) -> int:
+    """The elements a view reaches from its first one (0 for an empty view)."""
+    extent = 1
+    for size, stride in zip(tensor.shape, tensor.stride()):
+        if size == 0:
+            return 0
+        extent += (size - 1) * stride
+    return extent
+
+
+def _short_span(entry: str, name: str, tensor, span: int, expression: str) -> KernelArgumentError:
+    return KernelArgumentError(f"{entry}: {name} must cover {span} elements ({expression}); the tensor reaches "
+                               f"{_extent(tensor)}")
+
+
+def _integer(entry: str, name: str, value) -> int:
+    if not isinstance(value, int):
+        raise KernelArgumentError(f"{entry}: {name} takes an int, got {type(value).__name__}")
+    return value
+
+
+def _number(entry: str, name: str, value) -> float:
+    if not isinstance(value, (int, float)):
+        raise KernelArgumentError(f"{entry}: {name} takes a number, got {type(value).__name__}")
+    return value
+
+
+def _struct_address(entry: str, name: str, value, struct: str) -> int:
+    if not isinstance(value, (struct_type(struct), ctypes.Array)):
+        raise KernelArgumentError(f"{entry}: {name} takes a {struct}")
+    return ctypes.addressof(value)
+
+
+def _wrapper_source(entry: Entry) -> str:
+    """The Python source of entry's checked wrapper: every argument converted and checked in the
+    header's order, each PDS_SPAN compared with the tensor's extent, the call, its status."""
+    names = [p.name for p in entry.params]
+    lines = [f"def {entry.name}({', '.join(names)}):"]
+    args = []
+    for i, p in enumerate(entry.params):
+        if not p.is_pointer:
+            # NOTE: the common case inline (type() is), the helpers only for subclasses and errors:
+            # the checks run on every op of every layer of every step.
+            kinds = "(int, float)" if p.ctype in ("float", "double") else "int"
+            check = "_number" if p.ctype in ("float", "double") else "_integer"
+            lines.append(f"    if type({p.name}) is not int:")
+            if kinds == "int":
+                lines.append(f"        {p.name} = {check}({entry.name!r}, {p.name!r}, {p.name})")
+            else:
+                lines.append(f"        if type({p.name}) is not float:")
+                lines.append(f"            {p.name} = {check}({entry.name!r}, {p.name!r}, {p.name})")
+            args.append(p.name)
+        elif p.ctype in declarations().structs:
+            lines.append(f"    a_{p.name} = _struct_address({entry.name!r}, {p.name!r}, {p.name}, {p.ctype!r})")
+            args.append(f"a_{p.name}")
+        else:
+            lines.append(f"    if type({p.name}) is _Tensor and {p.name}.dtype in _D{i} and {p.name}.is_cpu:")
+            lines.append(f"        a_{p.name} = {p.name}.data_ptr()")
+            lines.append("    else:")
+            lines.append(f"        a_{p.name} = _tensor_address({entry.name!r}, {p.name!r}, {p.name}, _D{i}, "
+                         f"{p.nullable})")
+            args.append(f"a_{p.name}")
+    for p in entry.params:
+        if p.is_pointer and p.span is not None:
+            guard = f"{p.name} is not None and " if p.nullable else ""
+            lines.append(f"    span = {p.span}")
+            lines.append(f"    if {guard}span > 0 and _extent({p.name}) < span:")
+            lines.append(f"        raise _short_span({entry.name!r}, {p.name!r}, {p.name}, span, {p.span!r})")
+    lines.append(f"    result = _function({', '.join(args)})")
+    if entry.returns_status:
+        lines.append("    if result:")
+        lines.append(f"        raise _status_error({entry.name!r}, result)")
+    lines.append("    return result")
+    return "\n".join(lines) + "\n"
+
+
+def _wrap(entry: Entry, function, statuses: dict[int, str]):
+    """entry's checked wrapper around the ctypes function (generated from _wrapper_source)."""
+    function.argtypes = [ctypes.c_void_p if p.is_pointer else _SCALARS[p.ctype] for p in entry.params]
+    function.restype = None if entry.returns == "void" else _SCALARS[entry.returns]
+
+    def status_error(name: str, code: int) -> KernelError:
+        status = statuses.get(code, f"status {code}")
+        return _STATUS_ERRORS.get(status, KernelError)(name, status)
+
+    scope = {f"_D{i}": _DTYPES.get(p.ctype) for i, p in enumerate(entry.params) if p.is_pointer}
+    scope |= {"_function": function, "_status_error": status_error, "_Tensor": torch.Tensor, "_extent": _extent,
+             "_short_span": _short_span, "_tensor_address": _tensor_address, "_integer": _integer,
+             "_number": _number, "_struct_address": _struct_address}
+    exec(compile(_wrapper_source(entry), f"<{HEADER.name}: {entry.name}>", "exec"), scope)  # noqa: S102
+    wrapper = scope[entry.name]
+    wrapper.entry = entry
+    return wrapper
 
 
 class NativeLibrary:
@@ -241,18 +281,18 @@ class NativeLibrary:
         decl = declarations()
         self.limits = {name: ctypes.c_int64.in_dll(self._lib, f"pds_limit_{name}").value for name in decl.limits}
         self.constants = decl.constants
-        self._functions: dict[str, _Function] = {}
+        self._functions: dict = {}
         for name, entry in decl.entries.items():
             try:
                 function = getattr(self._lib, name)
             except AttributeError:
                 continue  # a higher level's entry point
-            self._functions[name] = _Function(entry, function, decl.statuses)
+            self._functions[name] = _wrap(entry, function, decl.statuses)
 
     def has(self, name: str) -> bool:
         return name in self._functions
 
-    def __getattr__(self, name: str) -> _Function:
+    def __getattr__(self, name: str):
         functions = self.__dict__.get("_functions", {})
         if name not in functions:
             raise AttributeError(f"the {self.__dict__.get('level')} kernels have no entry point {name!r}")

@@ -19,7 +19,7 @@ def row_suffix(*tensors: torch.Tensor) -> str | None:
     if suffix is None:
         return None
     dtype = tensors[0].dtype
-    if all(t.device.type == "cpu" and t.dtype == dtype and t.dim() == 2 and t.stride(1) == 1 for t in tensors):
+    if all(t.is_cpu and t.dtype == dtype and t.dim() == 2 and t.stride(1) == 1 for t in tensors):
         return suffix
     return None
 
@@ -64,7 +64,7 @@ def apply_rotary(lib: NativeLibrary, query, key, positions, cos_sin_cache) -> bo
     """In place; False where the kernel does not take them. Raises KernelRangeError for a position
     outside the cache."""
     suffix = SUFFIXES.get(query.dtype)
-    if suffix is None or any(t.device.type != "cpu" or t.dtype != query.dtype for t in (query, key, cos_sin_cache)):
+    if suffix is None or any(not t.is_cpu or t.dtype != query.dtype for t in (query, key, cos_sin_cache)):
         return False
     if cos_sin_cache.stride(-1) != 1:
         return False
@@ -84,7 +84,7 @@ def write_kv(lib: NativeLibrary, key, value, kv_cache_layer, slot_mapping) -> bo
     KernelRangeError for a slot outside the cache."""
     suffix = SUFFIXES.get(key.dtype)
     tensors = (key, value, kv_cache_layer)
-    if suffix is None or any(t.device.type != "cpu" or t.dtype != key.dtype or t.stride(-1) != 1 for t in tensors):
+    if suffix is None or any(not t.is_cpu or t.dtype != key.dtype or t.stride(-1) != 1 for t in tensors):
         return False
     slots = slot_mapping.to(torch.int64).contiguous()
     num_blocks, _, block_size, num_kv_heads, head_dim = kv_cache_layer.shape
@@ -103,7 +103,7 @@ def decode_attention(lib: NativeLibrary, query, kv_cache_layer, block_tables, se
     where it has no path. Raises ValueError for a length past its block table or a block id outside
     the cache (it reads memory directly)."""
     dtype = query.dtype
-    if query.device.type != "cpu" or dtype not in SUFFIXES or kv_cache_layer.dtype != dtype:
+    if not query.is_cpu or dtype not in SUFFIXES or kv_cache_layer.dtype != dtype:
         return None
     num_seqs, num_heads, head_dim = query.shape
     num_blocks, _, block_size, num_kv_heads, _ = kv_cache_layer.shape

@@ -54,8 +54,12 @@ def test_arguments_are_checked_at_the_boundary():
         LIB.argmax_rows_f32(None, 5, 3, 5, out)
     with pytest.raises(KernelArgumentError, match="takes an int"):
         LIB.argmax_rows_f32(x, 5.0, 3, 5, out)
-    with pytest.raises(KernelArgumentError, match="arguments"):
+    with pytest.raises(TypeError, match="argmax_rows_f32.*missing 1 required positional argument: 'out'"):
         LIB.argmax_rows_f32(x, 5, 3, 5)
+    with pytest.raises(KernelArgumentError, match="takes a tensor"):
+        LIB.argmax_rows_f32(x.tolist(), 5, 3, 5, out)
+    with pytest.raises(KernelArgumentError, match="CPU tensor"):
+        LIB.argmax_rows_f32(x.to("meta"), 5, 3, 5, out)
     with pytest.raises(AttributeError):
         LIB.no_such_kernel  # noqa: B018
 
