@@ -76,9 +76,11 @@ class ProjectionKernels:
 
     def __init__(self, lib: NativeLibrary | None) -> None:
         self.lib = lib
-        self.panel = lib.limits["panel"] if lib else 48
-        self.gate_up_half = lib.limits["gate_up_half"] if lib else 32
-        self.small_batch_rows = lib.limits["small_batch_rows"] if lib else 64
+        # the packed layouts' sizes, from the library (no library: no packed copy is ever made)
+        limits = lib.limits if lib else {}
+        self.panel = limits.get("panel")
+        self.gate_up_half = limits.get("gate_up_half")
+        self.small_batch_rows = limits.get("small_batch_rows", 0)
         self.has_amx = self._ready("amx_linear") and lib.has("amx_linear_bf16")
         self.has_f32 = self._ready("f32_linear") and lib.has("f32_linear")
         self.has_gate_up = self._ready("f32_gate_up") and lib.has("f32_gate_up")
@@ -218,9 +220,11 @@ class ProjectionKernels:
 
     def takes_small_batch_f32(self, x: torch.Tensor, w: Linear) -> bool:
         """Whether linear runs x on the float32 small-batch kernel."""
+        if w.f32 is None or x.dtype != torch.float32:
+            return False
         rows = x.shape[0] if x.is_cpu and x.stride(1) == 1 else 0
         max_rows = self.small_batch_rows if w.out_features <= _WIDE_OUTPUTS else _WIDE_MAX_ROWS
-        return w.f32 is not None and 0 < rows <= max_rows and x.dtype == torch.float32
+        return 0 < rows <= max_rows
 
     def gate_up(self, x: torch.Tensor, w: Linear, gated: bool) -> torch.Tensor:
         x = x if x.stride(1) == 1 else x.contiguous()
