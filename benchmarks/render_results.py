@@ -447,7 +447,18 @@ def render_fuzz(records: list[dict]) -> tuple[list[str], list]:
     return lines, []
 
 
+def render_ab_trees(records: list[dict]) -> tuple[list[str], list]:
+    record = records[-1]
+    result = record["result"]
+    rows = [[r["mode"], num(r["a_tok_s"]), num(r["b_tok_s"]), f"**{r['b_over_a']:.3f}**",
+             ", ".join(f"{x:.3f}" for x in r["round_ratios"])] for r in result["rows"]]
+    lines = [f"`{result['preset']}`, {result['dtype']}: tree A `{result['tree_a']}`, tree B `{result['tree_b']}`.", ""]
+    lines += table(["mode", "A tok/s", "B tok/s", "B / A", "each round's B / A"], rows)
+    return lines + ["", "- " + provenance(record), ""], []
+
+
 RENDERERS: dict[str, Callable[[list[dict]], tuple[list[str], list]]] = {
+    "ab_trees": render_ab_trees,
     "vs_vllm": render_vs_vllm, "kernels_gpu": render_kernels_gpu, "kernels_cpu": render_kernels_cpu,
     "kv_transfer": render_kv_transfer, "offline_throughput": render_offline_throughput,
     "serve_throughput": render_serve_throughput, "decode_latency": render_decode_latency,
