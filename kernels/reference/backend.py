@@ -35,14 +35,18 @@ def torch_linear(x: torch.Tensor, w: TorchLinear) -> torch.Tensor:
     return torch.addmm(w.bias, x, w.weight_t)
 
 
-class ReferenceBackend(Backend):
-    name = "reference"
+class TorchProjections:
+    """Projections on BLAS (W^T), for the backends whose matmuls are torch's (reference, Triton)."""
 
     def prepare_linear(self, weight, bias=None, *, copy=True, small_batches=True, gate_up=False):
         return prepare_torch_linear(weight, bias, copy=copy)
 
     def _linear(self, x, w):
         return torch_linear(x, w)
+
+
+class ReferenceBackend(TorchProjections, Backend):
+    name = "reference"
 
     def _silu_and_mul(self, x):
         return ops.silu_and_mul_ref(x)

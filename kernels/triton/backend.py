@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kernels.interface import Backend
-from kernels.reference.backend import prepare_torch_linear, torch_linear
+from kernels.reference.backend import TorchProjections
 from kernels.triton import elementwise
 from kernels.triton.common import triton
 from kernels.triton.decode_attention import decode_attention
@@ -14,19 +14,13 @@ def available() -> bool:
     return triton is not None
 
 
-class TritonBackend(Backend):
+class TritonBackend(TorchProjections, Backend):
     name = "triton"
 
     def __init__(self, device: str) -> None:
         if triton is None:
             raise RuntimeError("the triton backend needs the triton package, which is not installed")
         super().__init__(device)
-
-    def prepare_linear(self, weight, bias=None, *, copy=True, small_batches=True, gate_up=False):
-        return prepare_torch_linear(weight, bias, copy=copy)
-
-    def _linear(self, x, w):
-        return torch_linear(x, w)
 
     def _silu_and_mul(self, x):
         return elementwise.silu_and_mul(x)
