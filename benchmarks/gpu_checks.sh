@@ -1,16 +1,22 @@
 #!/usr/bin/env bash
 # The GPU session's checks in one go, for a machine with CUDA and no network (a lent GPU
-# machine): the Triton kernels' benchmark on a quiet GPU, the engine-on-CUDA equality tests, then
-# the kernel tests. Logs go to LOG_DIR (default benchmarks/out/gpu); STEPS picks among bench,
-# engine and kernels (default all three, in that order). Missing wheels (msgspec) can sit in
-# .whl/; they are installed into a scratch folder.
+# machine): the engine-on-CUDA equality tests (CUDA graphs against eager and transformers), the
+# engine benchmark (benchmarks/gpu_engine.py: its models made on the device), the kernel tests,
+# then the Triton kernels' benchmark. Logs, results (results/) and a summary (summary.txt) go to
+# LOG_DIR (default benchmarks/out/gpu); STEPS picks among engine, gpu_engine, kernels and bench
+# (default the first three, in that order). TOTAL_S (default 540) bounds the whole: each step's
+# timeout is cut to what is left. Missing wheels (msgspec) can sit in .whl/; they are installed
+# into a scratch folder.
 #   bash benchmarks/gpu_checks.sh [LOG_DIR [STEPS...]]
 set -u
 out=${1:-benchmarks/out/gpu}
 shift || true
-steps=${*:-bench engine kernels}
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1
+steps=${*:-engine gpu_engine kernels}
+total=${TOTAL_S:-540}
+mkdir -p "$out/results"
+export PYTHONUNBUFFERED=1 PDSERVE_RESULTS_DIR="$out/results"
+# A step's timeout: its own, or what is left of TOTAL_S if less.
+limit() { local left=$((total - SECONDS)); echo $(( $1 < left ? $1 : (left > 1 ? left : 1) )); }
 if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
@@ -28,16 +34,25 @@ pytest_args=(-q -p no:cacheprovider -p no:benchmark -rfEs --durations=15 --timeo
 for step in $steps; do
     start=$SECONDS
     case $step in
-        bench) timeout 150 python3 benchmarks/kernels.py --iters 30 2>&1 | tee "$out/kernels_bench.log" | grep -v '^RESULT'
+        bench) timeout "$(limit 150)" python3 benchmarks/kernels.py --iters 30 2>&1 | tee "$out/kernels_bench.log" | grep -v '^RESULT'
                rc=${PIPESTATUS[0]} ;;
-        engine) timeout 200 python3 -m pytest tests/engine/test_correctness.py tests/engine/test_bfloat16.py -k cuda \
+        engine) timeout "$(limit 200)" python3 -m pytest tests/engine/test_decode_graphs.py tests/engine/test_correctness.py \
+                    tests/engine/test_bfloat16.py -k cuda \
                     "${pytest_args[@]}" >"$out/engine_tests.log" 2>&1
                 rc=$?; tail -30 "$out/engine_tests.log" ;;
+        gpu_engine) left=$(limit 330)
+                    timeout "$left" python3 benchmarks/gpu_engine.py --presets llama-1b,llama-8b --budget-s $((left - 15)) \
+                        2>&1 | tee "$out/gpu_engine.log" | grep -v '^RESULT'
+                    rc=${PIPESTATUS[0]} ;;
         # Workers run torch on two threads each: the CPU kernels' tests run here too.
-        kernels) OMP_NUM_THREADS=2 timeout 200 python3 -m pytest tests/kernels -n 6 "${pytest_args[@]}" \
+        kernels) OMP_NUM_THREADS=2 timeout "$(limit 200)" python3 -m pytest tests/kernels -n 6 "${pytest_args[@]}" \
                      >"$out/kernel_tests.log" 2>&1
                  rc=$?; grep -E "^(FAILED|ERROR)" "$out/kernel_tests.log" | head -40; tail -22 "$out/kernel_tests.log" ;;
         *) echo "unknown step $step"; rc=2 ;;
     esac
-    echo "== $step: exit $rc, $((SECONDS - start)) s"
+    echo "== $step: exit $rc, $((SECONDS - start)) s" | tee -a "$out/summary.txt"
 done
+grep -hE "passed|failed" "$out"/engine_tests.log "$out"/kernel_tests.log 2>/dev/null | tail -4 >>"$out/summary.txt"
+grep -E "decode batch|prefill [0-9]|offline|transformers generate|graphs captured|skipped" "$out/gpu_engine.log" \
+    >>"$out/summary.txt" 2>/dev/null
+cat "$out/summary.txt"

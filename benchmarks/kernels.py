@@ -183,6 +183,23 @@ def bench_cache_ops(ceilings: dict, iters: int) -> list[dict]:
     rows = [bandwidth_row("write_kv", f"{tokens} tokens x 8 x 128", 4 * key.numel() * DTYPE.itemsize,
                           lambda: write_kv(key, value, layer, slots),
                           lambda: write_kv_ref(key, value, layer, slots), ceilings, iters)]
+    # The engine's op: rotary and the write in one launch, against the two kernels one after the
+    # other ("vs torch" here: vs those two), at a decode batch (launch-bound) and a prefill chunk.
+    table = rotary_cos_sin_cache(128, 8192, 500000.0, None, DTYPE).cuda()
+    for num in (64, tokens):
+        query = torch.randn(num, 32, 128, dtype=DTYPE, device="cuda")
+        positions = torch.randint(0, 8192, (num,), device="cuda")
+        k, v, s = key[:num], value[:num], slots[:num]
+
+        def two_kernels(query=query, k=k, v=v, s=s, positions=positions):
+            triton_elementwise.apply_rotary(query, k, positions, table)
+            triton_elementwise.write_kv(k, v, layer, s)
+
+        rows.append(bandwidth_row("rotary+write_kv fused (vs 2 kernels)", f"{num} tokens x (32+8+8) x 128",
+                                  (2 * 40 + 2 * 8) * num * 128 * DTYPE.itemsize,
+                                  lambda query=query, k=k, v=v, s=s, positions=positions:
+                                  triton_elementwise.rotary_and_write_kv(query, k, v, positions, table, layer, s),
+                                  two_kernels, ceilings, iters))
     block_ids = torch.randperm(num_blocks, device="cuda")[:256]
     staging = torch.empty(256, *kv_cache.shape[1:], dtype=DTYPE, device="cuda")
     rows.append(bandwidth_row("gather_blocks", "256 blocks x 2 MiB", 2 * staging.numel() * DTYPE.itemsize,

@@ -457,6 +457,65 @@ def render_ab_trees(records: list[dict]) -> tuple[list[str], list]:
     return lines + ["", "- " + provenance(record), ""], []
 
 
+def render_gpu_engine(records: list[dict]) -> tuple[list[str], list]:
+    runs = [r for r in records if not r["result"].get("smoke")]
+    if not runs:
+        return ["*No GPU run recorded yet.*"], []
+    record = runs[-1]
+    result = record["result"]
+    hw = result["hardware"]
+    lines = [f"Bounds measured on the same GPU: a device-to-device copy at {num(hw['copy_bandwidth_gbs'], 0)} GB/s, "
+             f"a bf16 matmul at {num(hw['bf16_matmul_tflops'], 0)} TFLOP/s.", ""]
+    plots = []
+    for preset in result["presets"]:
+        name = preset["preset"]
+        if "error" in preset or "decode" not in preset:
+            lines += [f"**{name}**: {preset.get('error', 'not run (time)')}", ""]
+            continue
+        eager = {row["batch"]: row for row in preset.get("decode_eager", [])}
+        rows = [[str(row["batch"]), num(row["step_ms_median"], 3, " ms"),
+                 num(eager[row["batch"]]["step_ms_median"], 3, " ms") if row["batch"] in eager else "",
+                 num(row["bound_ms"], 3, " ms"), f"{100 * row['of_bound']:.0f}%"] for row in preset["decode"]]
+        graphs = preset.get("graphs", {})
+        lines += [f"**{name}** decode step (median; {len(graphs.get('sizes', []))} graphs captured in "
+                  f"{num(graphs.get('capture_s'), 1)} s, {num(graphs.get('memory_mib'), 0)} MiB):", ""]
+        lines += table(["batch", "CUDA graphs", "--enforce-eager", "bandwidth bound", "of bound"], rows)
+        if preset.get("prefill"):
+            first = preset["prefill"][0]
+            lines += ["", f"**{name}** prefill (one step, {first['num_prompts'] * first['prompt_len']:,} tokens):", ""]
+            lines += table(["prompt", "tokens/s", "TFLOP/s", "of matmul rate"],
+                           [[f"{row['num_prompts']} x {row['prompt_len']:,}", num(row["tokens_per_s"], 0),
+                             num(row["tflops"], 0), f"{100 * row['of_matmul_rate']:.0f}%"]
+                            for row in preset["prefill"]])
+        if preset.get("offline"):
+            hf = preset.get("hf", {}).get("output_tokens_per_s")
+            lines += ["", f"**{name}** offline, 256 x 512 -> 128: {num(preset['offline']['output_tokens_per_s'], 0)} "
+                          f"output tok/s; transformers generate (sdpa, batch 256): {num(hf, 0)} tok/s."]
+        figure = f"gpu_engine_{slug(name)}.png"
+        lines += ["", f"![decode step vs bound]({IMG_LINK}/{figure})", ""]
+        plots.append((figure, lambda path, preset=preset: plot_gpu_decode(preset, path)))
+    lines += ["- " + provenance(record), ""]
+    return lines, plots
+
+
+def plot_gpu_decode(preset: dict, path: Path) -> None:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    batches = [row["batch"] for row in preset["decode"]]
+    ax.plot(batches, [row["step_ms_median"] for row in preset["decode"]], "o-", label="CUDA graphs")
+    if preset.get("decode_eager"):
+        ax.plot([row["batch"] for row in preset["decode_eager"]],
+                [row["step_ms_median"] for row in preset["decode_eager"]], "s--", label="--enforce-eager")
+    ax.plot(batches, [row["bound_ms"] for row in preset["decode"]], "k:", label="bandwidth bound")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("decode batch")
+    ax.set_ylabel("step (ms)")
+    ax.set_title(preset["preset"])
+    ax.legend()
+    save(fig, path)
+
+
 RENDERERS: dict[str, Callable[[list[dict]], tuple[list[str], list]]] = {
     "ab_trees": render_ab_trees,
     "vs_vllm": render_vs_vllm, "kernels_gpu": render_kernels_gpu, "kernels_cpu": render_kernels_cpu,
@@ -464,6 +523,7 @@ RENDERERS: dict[str, Callable[[list[dict]], tuple[list[str], list]]] = {
     "serve_throughput": render_serve_throughput, "decode_latency": render_decode_latency,
     "multiturn": render_multiturn, "disagg_vs_colocated": render_disagg_vs_colocated, "chaos": render_chaos,
     "load_client": render_load_client, "profile_serve": render_profile_serve, "fuzz": render_fuzz,
+    "gpu_engine": render_gpu_engine,
 }
 
 

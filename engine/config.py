@@ -13,6 +13,7 @@ from kernels.select import BACKENDS as KERNEL_BACKENDS
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DECODE_GRAPH_MODES = ("auto", "off", "static")  # EngineConfig.decode_graphs
 DEFAULT_DTYPE = "float32"  # greedy output equals transformers' token for token in float32
 
 
@@ -184,9 +185,19 @@ class EngineConfig:
     # The compute backend (kernels/select.py): auto (Triton on CUDA, the compiled CPU kernels on the
     # CPU), cpu, triton or reference (plain torch, the test oracle).
     kernel_backend: str = "auto"
+    # Decode steps on static buffers (engine.decode_graphs): auto (CUDA graphs on CUDA for engines
+    # that decode, none elsewhere), off (every step eager: --enforce-eager), or static (the same
+    # buffers and padding without graphs, on any device: the CPU tests of that logic).
+    decode_graphs: str = "auto"
+    # While the GPU runs a decode step on the static buffers, queue the next one before reading
+    # this one's tokens (LLMEngine.step); pure decode steps of plain greedy requests only.
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.role, Role):
             raise ValueError(f"role must be a Role, got {self.role!r}")
         if self.kernel_backend not in KERNEL_BACKENDS:
             raise ValueError(f"kernel_backend must be one of {', '.join(KERNEL_BACKENDS)}, got {self.kernel_backend!r}")
+        if self.decode_graphs not in DECODE_GRAPH_MODES:
+            raise ValueError(f"decode_graphs must be one of {', '.join(DECODE_GRAPH_MODES)}, "
+                             f"got {self.decode_graphs!r}")

@@ -14,6 +14,7 @@ import torch
 
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig
+from engine.decode_graphs import DecodeGraphs, PendingTokens, capture_sizes
 from engine.grammar import Grammars
 from engine.host_memory import keep_freed_memory
 from engine.kv_cache import allocate_kv_cache, num_cache_blocks
@@ -21,7 +22,7 @@ from engine.model import CausalLM
 from engine.protocol import Role, TokenLogprob, num_blocks_for
 from engine.request import FinishReason, Request
 from engine.runner import ModelRunner, PromptSpan, StepLogits
-from engine.sampler import Sampler, prompt_token_logprobs
+from engine.sampler import Sampler, is_plain_greedy, prompt_token_logprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import PrefixCacheStats, Scheduler, SchedulerOutput
 from engine.weights import load_weights
@@ -73,6 +74,20 @@ class StepOutput:
         return self.finish_reason is not None
 
 
+# An output token whose step is still running (async scheduling): its place in output_token_ids.
+PENDING_TOKEN = -1
+
+
+@dataclass
+class _InFlight:
+    """A launched decode step whose tokens are not read yet: each request's token goes to
+    output_token_ids[index] (a PENDING_TOKEN until then)."""
+
+    decodes: list[Request]
+    indices: list[int]
+    pending: PendingTokens
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         torch.manual_seed(config.seed)
@@ -89,15 +104,32 @@ class LLMEngine:
         self.kv_cache = allocate_kv_cache(model_cfg, num_blocks, self.block_size, config.device)
         self.block_pool = BlockPool(num_blocks)
         self.scheduler = Scheduler(config.scheduler, self.block_pool, self.block_size, config.enable_prefix_caching)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.block_size, config.device)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.block_size, config.device,
+                                  self._decode_graphs(self.config))
         self.sampler = Sampler(model_cfg.vocab_size, model_cfg.eos_token_ids, config.seed, self.backend.argmax)
         self.grammars = Grammars(model_cfg.model_dir, model_cfg.vocab_size, model_cfg.eos_token_ids)
         # A lone request must always fit, or it would preempt itself forever.
         self.max_total_tokens = min(model_cfg.max_model_len, num_blocks * self.block_size)
         self._requests: dict[str, Request] = {}
+        self._in_flight: _InFlight | None = None
         self.num_steps = 0
         self.prefill_rate = PrefillRate()
         logger.info("engine ready: %s, %d blocks of %d tokens", model_cfg.name, num_blocks, self.block_size)
+
+    def _decode_graphs(self, config: EngineConfig) -> DecodeGraphs | None:
+        """The static decode path (engine.decode_graphs) this configuration asks for, captured."""
+        mode = config.decode_graphs
+        on_cuda = torch.device(config.device).type == "cuda"
+        if config.role is Role.PREFILL or mode == "off" or (mode == "auto" and not on_cuda):
+            return None
+        graphs = DecodeGraphs(self.model, self.kv_cache, self.block_size, config.model.max_model_len,
+                              capture_sizes(config.scheduler.max_num_seqs), capture=mode == "auto")
+        report = graphs.capture()
+        if graphs.use_graphs:
+            logger.info("decode graphs: %d batch sizes (%s) captured in %.1f s, %.0f MiB of device memory",
+                        len(report.sizes), ", ".join(map(str, report.sizes)), report.seconds,
+                        report.memory_bytes / (1 << 20))
+        return graphs
 
     @property
     def num_free_blocks(self) -> int:
@@ -195,17 +227,96 @@ class LLMEngine:
         step changes no request before it has sampled (_run_batch commits last) and writes only
         the KV of its scheduled tokens, at the requests' own slots, which the retry writes
         again with the same values. Costs one extra forward per request, on failure only.
-        Raises only when scheduling itself fails (a bug: the caller fails everything)."""
+        Raises only when scheduling itself fails (a bug: the caller fails everything).
+
+        Async scheduling (EngineConfig.async_scheduling, with the static decode path): a pure
+        decode step of plain greedy requests is launched without waiting for it; while it runs
+        and the same requests can only decode again, the next step is launched on its pending
+        tokens before they are read. Each call still returns one step's tokens. A request that
+        stops (a stop token or eos) is then known one step late: its extra step's token is dropped
+        and its blocks are freed at once (the GPU's late write to them is ordered before any later
+        step's). Length limits are known ahead and never overrun."""
+        if self._in_flight is not None:
+            return self._continue_and_read()
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             return []
         self.num_steps += 1
+        if self._launches(scheduled):
+            try:
+                self._in_flight = self._launch(scheduled.decodes, None)
+            except Exception as exc:  # noqa: BLE001 - run it the synchronous way, with its isolation
+                logger.warning("launching step %d failed (%s: %s); running it synchronously", self.num_steps,
+                               type(exc).__name__, exc)
+            else:
+                return self._continue_and_read()
         try:
             return self._run_batch(scheduled)
         except Exception as exc:  # noqa: BLE001 - isolate the request(s) at fault, keep the rest
             logger.warning("step %d of %d requests failed (%s: %s); retrying them one by one", self.num_steps,
                            len(scheduled.decodes) + len(scheduled.prefills), type(exc).__name__, exc)
             return self._run_one_by_one(scheduled)
+
+    def _launches(self, scheduled: SchedulerOutput) -> bool:
+        graphs = self.runner.graphs
+        return (self.config.async_scheduling and graphs is not None and graphs.takes(scheduled.decodes,
+                                                                                       len(scheduled.prefills))
+                and all(is_plain_greedy(r) for r in scheduled.decodes))
+
+    def _launch(self, decodes: list[Request], previous: _InFlight | None) -> _InFlight:
+        """Queue these decodes' step; then (nothing raises after) their progress moves on and a
+        PENDING_TOKEN holds each one's place. With previous, every request's input is its
+        pending token from previous."""
+        fed = None
+        if previous is not None:
+            rows = {id(r): row for row, r in enumerate(previous.decodes)}
+            fed = [rows[id(r)] for r in decodes]
+        pending = self.runner.graphs.launch(decodes, fed, previous.pending if previous else None)
+        indices = []
+        for request in decodes:
+            request.num_computed_tokens += 1
+            indices.append(request.num_output_tokens)
+            request.output_token_ids.append(PENDING_TOKEN)
+        return _InFlight(decodes, indices, pending)
+
+    def _continue_and_read(self) -> list[StepOutput]:
+        """Launch the step after the one in flight where the same requests can only decode again,
+        then read the one in flight (its tokens, finishes)."""
+        current = self._in_flight
+        live = [r for r in current.decodes if not r.is_finished]
+        self._in_flight = None
+        if live and self._decodes_again(live):
+            try:
+                self._in_flight = self._launch(live, current)
+                self.num_steps += 1
+            except Exception as exc:  # noqa: BLE001 - the next call schedules it the synchronous way
+                logger.warning("launching step %d failed (%s: %s)", self.num_steps + 1, type(exc).__name__, exc)
+        return self._read(current)
+
+    def _decodes_again(self, live: list[Request]) -> bool:
+        """Whether the next schedule() could only be one more decode of exactly these requests,
+        none of which ends on a length limit in the step in flight; takes their next slots."""
+        scheduler = self.scheduler
+        if len(scheduler.running) != len(live) or {id(r) for r in scheduler.running} != {id(r) for r in live}:
+            return False
+        if scheduler.waiting and len(scheduler.running) < scheduler.config.max_num_seqs:
+            return False  # it would admit a prompt
+        for request in live:
+            if (request.num_output_tokens >= request.params.max_tokens or request.num_tokens >= request.max_total_tokens
+                    or not is_plain_greedy(request)):
+                return False
+        return all(scheduler.reserve_next_token(r) for r in live)
+
+    def _read(self, step: _InFlight) -> list[StepOutput]:
+        tokens = step.pending.tokens()
+        outputs = []
+        for request, index, token_id in zip(step.decodes, step.indices, tokens):
+            if request.is_finished:
+                continue  # aborted, or it stopped in the step before: this token is past its end
+            request.output_token_ids[index] = token_id
+            self.scheduler.cache_full_blocks(request)
+            outputs.append(self._append_or_fail(request, TokenLogprob(token_id), index))
+        return outputs
 
     def _run_batch(self, scheduled: SchedulerOutput) -> list[StepOutput]:
         """Run, gather and sample; only then commit (progress, prompt logprobs, tokens)."""
@@ -262,16 +373,20 @@ class LLMEngine:
         return StepOutput(request.request_id, [], FinishReason.ERROR, request.num_prompt_tokens,
                           first_token_idx=request.num_output_tokens, error=f"{type(exc).__name__}: {exc}")
 
-    def _append_or_fail(self, request: Request, token: TokenLogprob) -> StepOutput:
+    def _append_or_fail(self, request: Request, token: TokenLogprob, index: int | None = None) -> StepOutput:
         try:
-            return self._append_token(request, token)
+            return self._append_token(request, token, index)
         except Exception as exc:  # noqa: BLE001 - a bug in one request's bookkeeping ends it alone
             return self._fail(request, exc)
 
-    def _append_token(self, request: Request, token: TokenLogprob) -> StepOutput:
+    def _append_token(self, request: Request, token: TokenLogprob, index: int | None = None) -> StepOutput:
+        """Take the request's next output token: appended, or (async scheduling) already in
+        output_token_ids at index, with perhaps the next step's PENDING_TOKEN after it."""
+        if index is None:
+            index = request.num_output_tokens
+            request.output_token_ids.append(token.token_id)
         output = StepOutput(request.request_id, [token], num_prompt_tokens=request.num_prompt_tokens,
-                            first_token_idx=request.num_output_tokens)
-        request.output_token_ids.append(token.token_id)
+                            first_token_idx=index)
         request.output_logprobs.append(token)
         if request.needs_prompt_logprobs:
             assert len(request.prompt_logprobs) == request.num_prompt_tokens, (
@@ -282,8 +397,9 @@ class LLMEngine:
             # NOTE: the sampler masked this row with the grammar, so the token is always allowed.
             is_accepted = request.grammar.accept(token.token_id)
             assert is_accepted, f"request {request.request_id}: sampled token {token.token_id} breaks its grammar"
-        reason = self._finish_reason(request, token.token_id)
+        reason = self._finish_reason(request, token.token_id, index + 1)
         if reason is not None:
+            del request.output_token_ids[index + 1:]  # a step launched past the end: its token is dropped
             self._requests.pop(request.request_id, None)
             self._finish(request, reason)
             output.finish_reason = reason
@@ -296,7 +412,8 @@ class LLMEngine:
         request.prompt_logprobs = None
         self.scheduler.finish(request, reason)
 
-    def _finish_reason(self, request: Request, token_id: int) -> FinishReason | None:
+    def _finish_reason(self, request: Request, token_id: int, num_outputs: int) -> FinishReason | None:
+        """Why the request ends with token_id, its num_outputs-th output token; None: it goes on."""
         params = request.params
         if request.grammar is not None and request.grammar.is_terminated:
             return FinishReason.STOP  # the grammar is complete and took its eos (even with ignore_eos)
@@ -304,9 +421,9 @@ class LLMEngine:
             return FinishReason.STOP
         if token_id in self.config.model.eos_token_ids and not params.ignore_eos:
             return FinishReason.STOP
-        if request.num_output_tokens >= params.max_tokens:
+        if num_outputs >= params.max_tokens:
             return FinishReason.LENGTH
-        if request.num_tokens >= request.max_total_tokens:
+        if request.num_prompt_tokens + num_outputs >= request.max_total_tokens:
             return FinishReason.LENGTH
         if self.config.role is Role.PREFILL:
             return FinishReason.PREFILLED

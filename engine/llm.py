@@ -43,8 +43,9 @@ class LLM:
     """A plain (colocated) engine on local weights. Options (each default is its config field's):
     dtype and max_model_len (ModelConfig.from_pretrained), block_size, num_blocks and
     kv_cache_memory_bytes (CacheConfig), max_num_seqs and max_num_batched_tokens
-    (SchedulerConfig), device ("auto": CUDA when available), seed, enable_prefix_caching and
-    kernel_backend (EngineConfig). Raises TypeError for an unknown option, ValueError for a bad value."""
+    (SchedulerConfig), device ("auto": CUDA when available), seed, enable_prefix_caching,
+    kernel_backend, decode_graphs and async_scheduling (EngineConfig). Raises TypeError for an unknown option,
+    ValueError for a bad value."""
 
     def __init__(self, model: str, *, dtype: str | None = None, max_model_len: int | None = None,
                  device: str = "auto", **options) -> None:
@@ -54,7 +55,8 @@ class LLM:
             cache=CacheConfig(**_pick(options, CacheConfig)),
             scheduler=SchedulerConfig(**_pick(options, SchedulerConfig)),
             device=resolve_device(device),
-            **_pick(options, EngineConfig, only=("seed", "enable_prefix_caching", "kernel_backend")),
+            **_pick(options, EngineConfig, only=("seed", "enable_prefix_caching", "kernel_backend",
+                                                  "decode_graphs", "async_scheduling")),
         )
         if options:
             raise TypeError(f"LLM got unknown options: {', '.join(sorted(options))}")

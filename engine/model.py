@@ -63,10 +63,11 @@ class CausalLM:
     @torch.inference_mode()
     def forward(
         self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor,
-        logits_indices: torch.Tensor,
+        logits_indices: torch.Tensor | None,
     ) -> torch.Tensor:
         """Run the batch, writing its K/V into kv_cache; returns the final hidden states (normed,
-        the LM head's input) [len(logits_indices), hidden] of the tokens at logits_indices."""
+        the LM head's input) [len(logits_indices), hidden] of the tokens at logits_indices (None:
+        of every token, in order)."""
         hidden = self.weights.embed_tokens[input_ids]
         fused = self.fused_decode
         if fused is not None and meta.num_decode_tokens == hidden.shape[0] and fused.takes(hidden, kv_cache):
@@ -86,7 +87,8 @@ class CausalLM:
         return self.ops.greedy_argmax(hidden, self.weights.greedy_head)
 
     def _layers(
-        self, hidden: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor, logits_indices: torch.Tensor,
+        self, hidden: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor,
+        logits_indices: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The decoder layers; returns (hidden, residual) of the rows at logits_indices. Every
         layer writes every token's K/V; the last runs the rest (attention, O, the MLP) on the
@@ -101,7 +103,7 @@ class CausalLM:
             else:
                 normed, residual = ops.add_rms_norm(hidden, residual, layer.input_norm, eps)
             query = self._qkv_to_cache(layer, normed, meta, kv_layer)
-            if layer_idx == last:
+            if layer_idx == last and logits_indices is not None:
                 attended = self._attend_logits_rows(query, meta, kv_layer, logits_indices)
                 residual = residual[logits_indices]
             else:

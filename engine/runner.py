@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.decode_graphs import DecodeGraphs
 from engine.model import AttentionMetadata, CausalLM
 from engine.request import Request
 from engine.sampler import is_plain_greedy
@@ -54,16 +55,20 @@ class StepLogits:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, kv_cache: torch.Tensor, block_size: int, device: str) -> None:
+    def __init__(self, model: CausalLM, kv_cache: torch.Tensor, block_size: int, device: str,
+                 graphs: DecodeGraphs | None = None) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = device
+        self.graphs = graphs  # pure decode steps run there when it takes them
 
     def execute(self, scheduled: SchedulerOutput) -> StepLogits:
         """Run one step; returns the logits of the requests that sample (those whose last
         scheduled token is their last token; partial chunks sample not) and of the prompt
         positions whose logprobs are owed (Request.needs_prompt_logprobs)."""
+        if self.graphs is not None and self.graphs.takes(scheduled.decodes, len(scheduled.prefills)):
+            return self._execute_decodes(scheduled.decodes)
         batch = self.prepare(scheduled)
         greedy_rows = ([i for i, r in enumerate(batch.sampled_requests) if is_plain_greedy(r)]
                        if self.model.has_greedy_head else [])
@@ -76,6 +81,20 @@ class ModelRunner:
             offset += span.num_positions
         sampled_logits = logits[:num_sampled] if num_sampled else None
         return StepLogits(sampled_logits, batch.sampled_requests, batch.prompt_spans, greedy_rows, tokens)
+
+    def _execute_decodes(self, decodes: list[Request]) -> StepLogits:
+        """A pure decode step on the static buffers: the plain greedy rows take the step's argmax,
+        the others their logits (the sampler's work, after the step)."""
+        out = self.graphs.run(decodes)
+        greedy_rows = [i for i, r in enumerate(decodes) if is_plain_greedy(r)]
+        if len(greedy_rows) == len(decodes):
+            return StepLogits(None, decodes, [], greedy_rows, out.tokens)
+        if not greedy_rows:
+            return StepLogits(out.logits, decodes, [])
+        greedy = set(greedy_rows)
+        others = torch.tensor([i for i in range(len(decodes)) if i not in greedy], device=out.logits.device)
+        picked = torch.tensor(greedy_rows, device=out.tokens.device)
+        return StepLogits(out.logits[others], decodes, [], greedy_rows, out.tokens[picked])
 
     def _head(self, hidden: torch.Tensor, greedy_rows: list[int]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(the greedy head's tokens for greedy_rows, the logits of the other rows in order; None

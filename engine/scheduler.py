@@ -194,6 +194,11 @@ class Scheduler:
         if reason is not FinishReason.PREFILLED:
             self._free_blocks(request)
 
+    def reserve_next_token(self, request: Request) -> bool:
+        """Make room for a running request's next token (its KV slot); False when the pool is
+        out of blocks (schedule() would preempt)."""
+        return self._reserve_blocks(request, 1)
+
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
         idx = 0
         while idx < len(self.running) and budget > 0:

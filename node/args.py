@@ -68,6 +68,13 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         choices=KERNEL_BACKENDS,
                         help="compute backend: auto (Triton on CUDA, the compiled CPU kernels on the CPU), cpu, "
                              "triton, or reference (plain torch)")
+    parser.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=False,
+                        help="run every step eagerly: no CUDA graphs for decode steps (on CUDA they are captured "
+                             "at start-up, one per batch-size bucket up to --max-num-seqs)")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                        default=default_of(EngineConfig, "async_scheduling"),
+                        help="queue the next decode step before reading this one's tokens (CUDA graphs, plain "
+                             "greedy decode batches)")
     parser.add_argument("--block-size", type=int, default=default_of(CacheConfig, "block_size"))
     parser.add_argument("--num-blocks", type=int, default=default_of(CacheConfig, "num_blocks"))
     parser.add_argument("--kv-cache-memory-gb", type=float, default=None,
@@ -113,6 +120,8 @@ def node_configs_from_args(args: argparse.Namespace, role: Role) -> NodeConfigs:
         role=role,
         enable_prefix_caching=args.enable_prefix_caching,
         kernel_backend=args.kernel_backend,
+        decode_graphs="off" if args.enforce_eager else default_of(EngineConfig, "decode_graphs"),
+        async_scheduling=args.async_scheduling,
     )
     keys = curve_keys(args.cluster_secret) if args.cluster_secret else None
     server = ServerConfig(args.node_id or f"{role.value}-{args.port}", args.host, args.port,

@@ -21,6 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kernel-backend", default="auto", choices=KERNEL_BACKENDS,
                         help="compute backend: auto (Triton on CUDA, the compiled CPU kernels on the CPU), cpu, "
                              "triton, or reference (plain torch)")
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
     parser.add_argument("--chat", action="store_true", help="wrap each prompt as a user message")
 
 
@@ -30,7 +31,8 @@ def main(args: argparse.Namespace) -> int:
     from pdserve.default_model import ensure_default_model
 
     model_dir = args.model or str(ensure_default_model())
-    llm = LLM(model_dir, dtype=args.dtype, kernel_backend=args.kernel_backend)
+    llm = LLM(model_dir, dtype=args.dtype, kernel_backend=args.kernel_backend,
+              decode_graphs="off" if args.enforce_eager else "auto")
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
         top_k=args.top_k, seed=args.seed,

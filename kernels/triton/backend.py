@@ -32,8 +32,7 @@ class TritonBackend(TorchProjections, Backend):
         return elementwise.add_rms_norm(x, residual, weight, eps)
 
     def _rotary_and_write_kv(self, query, key, value, positions, cos_sin_cache, kv_cache_layer, slot_mapping):
-        elementwise.apply_rotary(query, key, positions, cos_sin_cache)
-        elementwise.write_kv(key, value, kv_cache_layer, slot_mapping)
+        elementwise.rotary_and_write_kv(query, key, value, positions, cos_sin_cache, kv_cache_layer, slot_mapping)
 
     def _decode_attention(self, query, kv_cache_layer, block_tables, seq_lens, scale):
         return decode_attention(query, kv_cache_layer, block_tables, seq_lens, scale)

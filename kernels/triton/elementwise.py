@@ -1,6 +1,7 @@
 """Triton's row-wise ops: SiLU-and-mul, RMSNorm (with the residual add fused in), rotary (neox style,
-in place) and the KV-cache write. Shapes are checked by the backend interface (kernels/interface.py);
-these run on CUDA tensors, and on CPU tensors under TRITON_INTERPRET=1 (tests)."""
+in place) with the KV-cache write fused in (one launch for Q, K and V), and each alone. Shapes are
+checked by the backend interface (kernels/interface.py); these run on CUDA tensors, and on CPU
+tensors under TRITON_INTERPRET=1 (tests)."""
 
 from __future__ import annotations
 
@@ -46,6 +47,23 @@ def apply_rotary(query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor
             x, positions, cos_sin_cache, x.stride(0), x.stride(1), cos_sin_cache.stride(0),
             HALF=head_dim // 2, BLOCK=triton.next_power_of_2(head_dim // 2),
         )
+
+
+def rotary_and_write_kv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor,
+                        cos_sin_cache: torch.Tensor, kv_cache_layer: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Rotate query and key in place and write key and value at slot_mapping (-1: no write), in one
+    launch: a program per (token, query head) and per (token, KV head)."""
+    num_tokens, num_heads, head_dim = query.shape
+    if num_tokens == 0:
+        return
+    num_kv_heads = key.shape[1]
+    _rotary_write_kv_kernel[(num_tokens, num_heads + num_kv_heads)](
+        query, key, value, positions, cos_sin_cache, kv_cache_layer, slot_mapping,
+        query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        cos_sin_cache.stride(0), *kv_cache_layer.stride()[:4],
+        NUM_HEADS=num_heads, BLOCK_SIZE=kv_cache_layer.shape[2], HALF=head_dim // 2,
+        BLOCK=triton.next_power_of_2(head_dim // 2),
+    )
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache_layer: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -99,16 +117,57 @@ if triton is not None:
         head = tl.program_id(1)
         offs = tl.arange(0, BLOCK)
         mask = offs < HALF
+        _rotate_head(x_ptr + token * stride_x_token + head * stride_x_head, cache_ptr, positions_ptr, token,
+                     stride_cache_pos, offs, mask, HALF)
+
+    @triton.jit
+    def _rotate_head(base, cache_ptr, positions_ptr, token, stride_cache_pos, offs, mask, HALF: tl.constexpr):
+        """Rotate the head at base in place by its token's position; returns its two rotated halves."""
         pos = tl.load(positions_ptr + token)
         cos = tl.load(cache_ptr + pos * stride_cache_pos + offs, mask=mask, other=0.0).to(tl.float32)
         sin = tl.load(cache_ptr + pos * stride_cache_pos + HALF + offs, mask=mask, other=0.0).to(tl.float32)
-        base = x_ptr + token * stride_x_token + head * stride_x_head
         x1 = tl.load(base + offs, mask=mask, other=0.0)
         x2 = tl.load(base + HALF + offs, mask=mask, other=0.0)
         x1f = x1.to(tl.float32)
         x2f = x2.to(tl.float32)
-        tl.store(base + offs, (x1f * cos - x2f * sin).to(x1.dtype), mask=mask)
-        tl.store(base + HALF + offs, (x2f * cos + x1f * sin).to(x1.dtype), mask=mask)
+        r1 = (x1f * cos - x2f * sin).to(x1.dtype)
+        r2 = (x2f * cos + x1f * sin).to(x1.dtype)
+        tl.store(base + offs, r1, mask=mask)
+        tl.store(base + HALF + offs, r2, mask=mask)
+        return r1, r2
+
+    @triton.jit
+    def _rotary_write_kv_kernel(q_ptr, k_ptr, v_ptr, positions_ptr, cache_sin_cos_ptr, cache_ptr, slot_ptr,
+                                stride_q_token, stride_q_head, stride_k_token, stride_k_head,
+                                stride_v_token, stride_v_head, stride_table_pos,
+                                stride_cache_block, stride_cache_kv, stride_cache_offset, stride_cache_head,
+                                NUM_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, HALF: tl.constexpr,
+                                BLOCK: tl.constexpr):
+        """One (token, head): heads below NUM_HEADS are query heads, rotated in place; the rest are
+        KV heads: the key head rotated in place, then it and the value head written to the slot."""
+        token = tl.program_id(0)
+        head = tl.program_id(1)
+        offs = tl.arange(0, BLOCK)
+        mask = offs < HALF
+        is_query = head < NUM_HEADS
+        kv_head = head - NUM_HEADS
+        if is_query:
+            base = q_ptr + token * stride_q_token + head * stride_q_head
+        else:
+            base = k_ptr + token * stride_k_token + kv_head * stride_k_head
+        r1, r2 = _rotate_head(base, cache_sin_cos_ptr, positions_ptr, token, stride_table_pos, offs, mask, HALF)
+        if not is_query:
+            slot = tl.load(slot_ptr + token)
+            if slot >= 0:
+                dst = (cache_ptr + (slot // BLOCK_SIZE) * stride_cache_block + (slot % BLOCK_SIZE) * stride_cache_offset
+                       + kv_head * stride_cache_head)
+                tl.store(dst + offs, r1, mask=mask)
+                tl.store(dst + HALF + offs, r2, mask=mask)
+                v_base = v_ptr + token * stride_v_token + kv_head * stride_v_head
+                v1 = tl.load(v_base + offs, mask=mask, other=0.0)
+                v2 = tl.load(v_base + HALF + offs, mask=mask, other=0.0)
+                tl.store(dst + stride_cache_kv + offs, v1, mask=mask)
+                tl.store(dst + stride_cache_kv + HALF + offs, v2, mask=mask)
 
     @triton.jit
     def _write_kv_kernel(key_ptr, value_ptr, cache_ptr, slot_ptr,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -214,3 +215,46 @@ def test_smollm2_tokenizer_is_the_gguf_vocabulary_and_splits_digits_like_llama_c
     assert pieces == ["abc", "Ġ", "1", "2", "3", "Ġ", "Ù¡"]
     for text in UTF8_TEXTS:
         assert tokenizer.decode(tokenizer.encode(text).ids, skip_special_tokens=False) == text
+
+
+def test_benchmark_presets_have_the_real_llama_shapes():
+    """llama-1b: Llama-3.2-1B with SmolLM's 49,152-token vocabulary; llama-8b: Llama-3.1-8B."""
+    from pdserve import make_model as mm
+
+    counts = {name: sum(math.prod(shape) for _, shape, _ in mm._llama_tensors(mm.PRESETS[name]))
+              for name in ("llama-1b", "llama-8b")}
+    assert counts["llama-8b"] == 8_030_261_248  # Llama-3.1-8B's parameter count
+    assert counts["llama-1b"] == 1_235_814_400 - (128_256 - 49_152) * 2048  # Llama-3.2-1B's, smaller vocabulary
+    config = mm._hf_config(mm.PRESETS["llama-1b"], 0)
+    assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads,
+            config.intermediate_size, config.head_dim, config.tie_word_embeddings) == (2048, 16, 32, 8, 8192, 64, True)
+    assert config.rope_parameters["rope_type"] == "llama3" and config.rope_parameters["factor"] == 32.0
+
+
+def test_direct_weights_load_in_transformers_and_the_engine_alike(tmp_path, monkeypatch):
+    """A small Llama written the way llama-1b/llama-8b are (tensor by tensor into shards, a
+    tokenizer smaller than the vocabulary, Llama 3's rope): transformers reads it, and greedy
+    output from the engine equals transformers'."""
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+    from pdserve import make_model as mm
+
+    small = mm.Preset("llama", 3000, 128, 3, 4, 2, 256, False, 1_000_000, 4096, (500000.0, 8.0, 1024),
+                      tokenizer_vocab=2048)
+    monkeypatch.setitem(mm.PRESETS, "llama-test", small)
+    monkeypatch.setattr(mm, "_SHARD_BYTES", 1 << 20)  # several shards and their index
+    out = make_model(tmp_path / "m", "llama-test", seed=3, show_progress=False, device="cpu")
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 2 and "lm_head.weight" in index["weight_map"]
+    assert Tokenizer.from_file(str(out / "tokenizer.json")).get_vocab_size() == 2048
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert hf.config.vocab_size == 3000 and hf.config.rope_parameters["rope_type"] == "llama3"
+    prompts = [[5, 900, 77, 2047], list(range(10, 70)), [1999] * 7]
+    llm = LLM(str(out), device="cpu")
+    got = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0),
+                       use_tqdm=False)
+    with torch.inference_mode():
+        for prompt, output in zip(prompts, got):
+            ids = torch.tensor([prompt])
+            want = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
+            assert output.outputs[0].token_ids == want[0, len(prompt):].tolist()

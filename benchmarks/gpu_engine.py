@@ -1,0 +1,333 @@
+"""The engine on one GPU against the hardware's bounds and transformers, in bfloat16.
+
+For each preset (llama-1b by default; llama-8b where time allows), in one process:
+  hardware  the GPU's copy bandwidth (device-to-device copy of 2 GiB) and bf16 matmul rate
+            (8192^3), measured: the bounds below are taken from these, not from the datasheet.
+  decode    the median step of a pure decode batch of 1/16/64/256 sequences (512-token prompts,
+            then 24 timed steps), beside the bound (weights + the KV the step reads, over the
+            copy bandwidth); with CUDA graphs and, for batches 1 and 64, eagerly (--enforce-eager).
+  prefill   prompts of 512/2,048/8,192 tokens, 16,384 tokens in all, one step each: tokens/s and
+            MFU (the step's matmul and attention FLOPs over the measured matmul rate).
+  offline   256 prompts x 512 random tokens -> 128 (ignore_eos): output tokens/s.
+  hf        transformers generate (sdpa, one batch of 256) on the same work and GPU.
+Models are made on the device (pdserve make-model, random weights drawn on the GPU) into
+--models-dir unless there. --budget-s bounds the whole run: a phase that would not fit is skipped
+and said so. Ends with `RESULT {json}`; benchmarks/render_results.py renders the table and plot.
+
+    python3 benchmarks/gpu_engine.py [--presets llama-1b,llama-8b] [--budget-s 330]
+
+--smoke --device cpu --model DIR runs every phase at toy sizes on the CPU (the suite's check of
+this script; its figures mean nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from benchmarks.results_io import write_result  # noqa: E402
+from engine.llm import LLM  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
+from pdserve.make_model import make_model  # noqa: E402
+
+
+class Sizes:
+    decode_batches = (1, 16, 64, 256)
+    eager_batches = (1, 64)
+    prefill_lengths = (512, 2048, 8192)
+    prefill_tokens = 16384
+    decode_prompt = 512
+    timed_steps = 24
+    offline = (256, 512, 128)  # prompts, prompt tokens, output tokens
+    hardware_elems = 1 << 30
+    matmul_n = 8192
+
+
+class SmokeSizes(Sizes):
+    decode_batches = (1, 3)
+    eager_batches = (2,)
+    prefill_lengths = (32, 64)
+    prefill_tokens = 128
+    decode_prompt = 20
+    timed_steps = 3
+    offline = (6, 24, 5)
+    hardware_elems = 1 << 20
+    matmul_n = 256
+
+
+S: type[Sizes] = Sizes
+DEVICE = "cuda"
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--presets", default="llama-1b")
+    parser.add_argument("--models-dir", default=str(REPO / ".cache" / "models"))
+    parser.add_argument("--phases", default="decode,eager,prefill,offline,hf")
+    parser.add_argument("--budget-s", type=float, default=330.0, help="the whole run, model creation included")
+    parser.add_argument("--kv-cache-gb", type=float, default=24.0)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--model", default=None, help="this checkpoint instead of the presets")
+    parser.add_argument("--smoke", action="store_true", help="toy sizes (a check of the script, on any device)")
+    return parser.parse_args()
+
+
+class Clock:
+    def __init__(self, budget_s: float) -> None:
+        self.start = time.monotonic()
+        self.budget_s = budget_s
+
+    @property
+    def left_s(self) -> float:
+        return self.budget_s - (time.monotonic() - self.start)
+
+    def allows(self, phase: str, need_s: float) -> bool:
+        if self.left_s >= need_s:
+            return True
+        print(f"  skipped {phase}: needs ~{need_s:.0f} s, {self.left_s:.0f} s left", flush=True)
+        return False
+
+
+def sync() -> None:
+    if DEVICE != "cpu":
+        torch.cuda.synchronize()
+
+
+def measure_hardware() -> dict:
+    x = torch.empty(S.hardware_elems, dtype=torch.bfloat16, device=DEVICE)
+    y = torch.empty_like(x)
+    n = S.matmul_n
+    a = torch.randn(n, n, dtype=torch.bfloat16, device=DEVICE)
+    copy_s = _timed(lambda: y.copy_(x), 20)
+    matmul_s = _timed(lambda: a @ a, 20)
+    name = torch.cuda.get_device_name() if DEVICE != "cpu" else "cpu"
+    return {"gpu": name, "copy_bandwidth_gbs": 2 * x.numel() * 2 / copy_s / 1e9,
+            "bf16_matmul_tflops": 2 * n**3 / matmul_s / 1e12}
+
+
+def _timed(fn, iters: int) -> float:
+    for _ in range(3):
+        fn()
+    sync()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    sync()
+    return (time.perf_counter() - start) / iters
+
+
+def prompts_of(num: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(8, vocab) for _ in range(length)] for _ in range(num)]
+
+
+def load(model_dir: Path, args, enforce_eager: bool = False) -> tuple[LLM, float]:
+    start = time.perf_counter()
+    graphs = "off" if enforce_eager else ("static" if DEVICE == "cpu" else "auto")
+    llm = LLM(str(model_dir), dtype="bfloat16", device=DEVICE, max_model_len=S.prefill_lengths[-1] + 256,
+              max_num_seqs=max(S.decode_batches), max_num_batched_tokens=S.prefill_tokens,
+              kv_cache_memory_bytes=int(args.kv_cache_gb * (1 << 30)), enable_prefix_caching=False,
+              decode_graphs=graphs)
+    return llm, time.perf_counter() - start
+
+
+def decode_steps(llm: LLM, batch: int, vocab: int) -> list[float]:
+    """Per-step seconds of TIMED_STEPS pure decode steps of `batch` sequences."""
+    engine = llm.engine
+    params = SamplingParams(max_tokens=S.timed_steps + 16, temperature=0.0, ignore_eos=True)
+    ids = [f"d{batch}-{i}" for i in range(batch)]
+    for rid, prompt in zip(ids, prompts_of(batch, S.decode_prompt, vocab, batch)):
+        engine.add_request(rid, prompt, params)
+    while engine.scheduler.waiting or any(r.num_output_tokens == 0 for r in engine.scheduler.running):
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    times = []
+    for _ in range(S.timed_steps):
+        start = time.perf_counter()
+        outputs = engine.step()
+        times.append(time.perf_counter() - start)
+        assert len(outputs) == batch, f"{len(outputs)} outputs in a step of {batch} decodes"
+    for rid in ids:
+        engine.abort(rid)
+    return times
+
+
+def model_bytes(llm: LLM, model_dir: Path) -> dict:
+    """What a decode step must read: every weight once (a tied LM head is the embedding), from
+    the checkpoint's shapes; and the KV bytes of one token."""
+    cfg = llm.engine.config.model
+    tied = json.loads((model_dir / "config.json").read_text()).get("tie_word_embeddings", False)
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    per_layer = cfg.hidden_size * (q + 2 * kv) + q * cfg.hidden_size + 3 * cfg.hidden_size * cfg.intermediate_size
+    layer_params = cfg.num_layers * per_layer
+    params = layer_params + cfg.vocab_size * cfg.hidden_size * (1 if tied else 2)
+    kv_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * cfg.dtype.itemsize
+    return {"weight_bytes": params * cfg.dtype.itemsize, "kv_bytes_per_token": kv_per_token,
+            "layer_params": layer_params}
+
+
+def run_decode(llm: LLM, sizes: dict, hw: dict, vocab: int, batches) -> list[dict]:
+    rows = []
+    for batch in batches:
+        times = decode_steps(llm, batch, vocab)
+        context = S.decode_prompt + 8
+        read_bytes = sizes["weight_bytes"] + batch * context * sizes["kv_bytes_per_token"]
+        bound_s = read_bytes / (hw["copy_bandwidth_gbs"] * 1e9)
+        median = statistics.median(times)
+        rows.append({"batch": batch, "step_ms_median": 1e3 * median, "step_ms_min": 1e3 * min(times),
+                     "step_ms_max": 1e3 * max(times), "bound_ms": 1e3 * bound_s, "of_bound": bound_s / median})
+        print(f"  decode batch {batch:>3}: median {1e3 * median:.3f} ms (min {1e3 * min(times):.3f}), bound "
+              f"{1e3 * bound_s:.3f} ms: {100 * bound_s / median:.0f}% of it", flush=True)
+    return rows
+
+
+def run_prefill(llm: LLM, sizes: dict, hw: dict, vocab: int) -> list[dict]:
+    cfg = llm.engine.config.model
+    rows = []
+    for length in S.prefill_lengths:
+        num = S.prefill_tokens // length
+        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        times = []
+        for run in range(3):
+            prompts = prompts_of(num, length, vocab, 1000 * run + length)
+            sync()
+            start = time.perf_counter()
+            llm.generate(prompts, params, use_tqdm=False)
+            times.append(time.perf_counter() - start)
+        best = min(times[1:])
+        flops = (2 * num * length * sizes["layer_params"]
+                 + 2 * num * cfg.vocab_size * cfg.hidden_size  # the LM head, last token of each
+                 + 2 * 2 * num * length * length / 2 * cfg.num_heads * cfg.head_dim * cfg.num_layers)
+        mfu = flops / best / (hw["bf16_matmul_tflops"] * 1e12)
+        rows.append({"prompt_len": length, "num_prompts": num, "seconds": best, "tokens_per_s": num * length / best,
+                     "tflops": flops / best / 1e12, "of_matmul_rate": mfu})
+        print(f"  prefill {num} x {length}: {1e3 * best:.1f} ms, {num * length / best:,.0f} tok/s, "
+              f"{flops / best / 1e12:.0f} TFLOP/s = {100 * mfu:.0f}% of the matmul rate", flush=True)
+    return rows
+
+
+def run_offline(llm: LLM, vocab: int) -> dict:
+    num, length, out_len = S.offline
+    params = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
+    llm.generate(prompts_of(max(1, num // 8), length, vocab, 7), params, use_tqdm=False)  # warm
+    prompts = prompts_of(num, length, vocab, 8)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
+    print(f"  offline {num} x {length} -> {out_len}: {seconds:.2f} s, {num_out / seconds:,.0f} output tok/s",
+          flush=True)
+    return {"seconds": seconds, "output_tokens_per_s": num_out / seconds}
+
+
+def run_hf(model_dir: Path, vocab: int) -> dict:
+    import transformers
+
+    num, length, out_len = S.offline
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16,
+                                                              attn_implementation="sdpa").to(DEVICE).eval()
+    ids = torch.tensor(prompts_of(num, length, vocab, 8), device=DEVICE)
+    with torch.inference_mode():
+        model.generate(ids[:8, :16], attention_mask=torch.ones_like(ids[:8, :16]), max_new_tokens=4, do_sample=False)
+        sync()
+        start = time.perf_counter()
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=out_len, min_new_tokens=out_len,
+                             do_sample=False)
+        sync()
+    seconds = time.perf_counter() - start
+    num_out = (out.shape[1] - ids.shape[1]) * ids.shape[0]
+    print(f"  transformers generate, batch {num}: {seconds:.2f} s, {num_out / seconds:,.0f} output tok/s", flush=True)
+    del model
+    return {"seconds": seconds, "output_tokens_per_s": num_out / seconds}
+
+
+def free(llm: LLM | None) -> None:
+    del llm
+    gc.collect()
+    if DEVICE != "cpu":
+        torch.cuda.empty_cache()
+
+
+def bench_preset(preset: str, args, clock: Clock, hw: dict) -> dict:
+    phases = set(args.phases.split(","))
+    big = preset == "llama-8b"
+    result: dict = {"preset": preset}
+    model_dir = Path(args.model) if args.model else Path(args.models_dir) / f"{preset}-bf16"
+    if not (model_dir / "config.json").exists():
+        if not clock.allows(f"{preset} (making the model)", 120 if big else 30):
+            return result
+        start = time.perf_counter()
+        make_model(model_dir, preset, seed=0, show_progress=True, dtype="bfloat16", device=DEVICE)
+        result["make_model_s"] = time.perf_counter() - start
+    if not clock.allows(f"{preset} (loading)", 90 if big else 40):
+        return result
+    llm, result["load_s"] = load(model_dir, args)
+    report = llm.engine.runner.graphs.report
+    result["graphs"] = {"sizes": list(report.sizes), "capture_s": report.seconds,
+                        "memory_mib": report.memory_bytes / 2**20}
+    print(f"{preset}: loaded in {result['load_s']:.1f} s; {len(report.sizes)} decode graphs captured in "
+          f"{report.seconds:.1f} s, {report.memory_bytes / 2**20:.0f} MiB", flush=True)
+    vocab = llm.engine.config.model.vocab_size
+    sizes = model_bytes(llm, model_dir)
+    result.update(sizes)
+    if "decode" in phases and clock.allows("decode", 40):
+        result["decode"] = run_decode(llm, sizes, hw, vocab, S.decode_batches)
+    if "prefill" in phases and clock.allows("prefill", 30):
+        result["prefill"] = run_prefill(llm, sizes, hw, vocab)
+    if "offline" in phases and clock.allows("offline", 40 if big else 25):
+        result["offline"] = run_offline(llm, vocab)
+    free(llm)
+    if "eager" in phases and clock.allows("eager decode", 60 if big else 30):
+        llm, _ = load(model_dir, args, enforce_eager=True)
+        print(f"{preset}, --enforce-eager:", flush=True)
+        result["decode_eager"] = run_decode(llm, sizes, hw, vocab, S.eager_batches)
+        free(llm)
+    if "hf" in phases and clock.allows("transformers", 60 if big else 30):
+        result["hf"] = run_hf(model_dir, vocab)
+        free(None)
+    return result
+
+
+def main() -> int:
+    global S, DEVICE
+    args = parse_args()
+    S, DEVICE = (SmokeSizes if args.smoke else Sizes), args.device
+    if DEVICE != "cpu" and not torch.cuda.is_available():
+        print("gpu_engine: no CUDA GPU here (--device cpu --smoke checks the script)", file=sys.stderr)
+        return 2
+    clock = Clock(args.budget_s)
+    hw = measure_hardware()
+    print(f"{hw['gpu']}: copy {hw['copy_bandwidth_gbs']:,.0f} GB/s, bf16 matmul {hw['bf16_matmul_tflops']:.0f} TFLOP/s",
+          flush=True)
+    import transformers
+    import triton
+
+    versions = {"torch": torch.__version__, "triton": triton.__version__, "transformers": transformers.__version__}
+    payload = {"hardware": hw, "smoke": args.smoke, "versions": versions,
+               "presets": []}
+    for preset in args.presets.split(","):
+        try:
+            payload["presets"].append(bench_preset(preset, args, clock, hw))
+        except torch.cuda.OutOfMemoryError as exc:
+            print(f"{preset}: out of GPU memory ({exc}); going on", flush=True)
+            payload["presets"].append({"preset": preset, "error": f"out of memory: {exc}"[:300]})
+            free(None)
+    payload["seconds"] = time.monotonic() - clock.start
+    write_result("gpu_engine", payload)
+    return 0 if all("decode" in p for p in payload["presets"][:1]) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,230 @@
+"""Decode steps on static buffers, one CUDA graph per batch-size bucket.
+
+A pure decode step (no prefill chunk) of n sequences runs the smallest bucket b >= n: the step's
+token ids, positions, slot mapping, block tables and sequence lengths are written in place into
+buffers sized for the largest bucket, rows n..b are padding, and the graph captured for b
+replays the whole forward (every layer, the final norm, the LM head and the greedy argmax). A
+padding row writes no KV (slot -1) and attends to nothing (length 0), so it touches no request's
+memory. Mixed steps run eagerly.
+
+launch() is the same step without waiting for it: its greedy tokens are copied to the host in the
+background (PendingTokens), and rows may take their input token from an earlier launch's tokens on
+the device, so the engine can queue step N+1 before it reads step N's tokens (async scheduling).
+
+Without graphs (DecodeGraphs(capture=False), any device) the same buffers and padding run
+eagerly: the CPU tests check the bucket, padding and buffer logic against the plain path that way.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.model import AttentionMetadata, CausalLM
+from engine.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+def capture_sizes(max_num_seqs: int) -> tuple[int, ...]:
+    """The buckets: 1, 2, 4, 8, then steps of 8 up to 64 and of 16 beyond, up to and including
+    max_num_seqs (a batch pads to at most 15 rows)."""
+    sizes = [1, 2, 4, 8, *range(16, 65, 8)]
+    sizes += range(80, max_num_seqs, 16)
+    return tuple(sorted({s for s in sizes if s < max_num_seqs} | {max_num_seqs}))
+
+
+def bucket_for(num_seqs: int, sizes: tuple[int, ...]) -> int | None:
+    """The smallest bucket holding num_seqs rows; None when none does (or num_seqs < 1)."""
+    if num_seqs < 1:
+        return None
+    idx = bisect.bisect_left(sizes, num_seqs)
+    return sizes[idx] if idx < len(sizes) else None
+
+
+@dataclass
+class DecodeOutputs:
+    """One bucket's outputs (the graph's own memory: valid until the next replay)."""
+
+    logits: torch.Tensor  # [bucket, vocab], the model's dtype
+    tokens: torch.Tensor  # [bucket] int64, the argmax of each row
+
+
+class PendingTokens:
+    """The greedy tokens of a launched step, on their way to the host."""
+
+    def __init__(self, device_tokens: torch.Tensor, host: torch.Tensor) -> None:
+        self.device_tokens = device_tokens  # valid until the next launch's forward
+        self._host = host
+        self._host.copy_(device_tokens, non_blocking=True)
+        self._event = None
+        if device_tokens.is_cuda:
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def tokens(self) -> list[int]:
+        """Wait for the step and return its tokens (the one host sync of a step)."""
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host.tolist()
+
+
+@dataclass
+class CaptureReport:
+    sizes: tuple[int, ...]
+    seconds: float
+    memory_bytes: int  # device memory the graphs took (0 without graphs)
+
+
+class DecodeGraphs:
+    def __init__(self, model: CausalLM, kv_cache: torch.Tensor, block_size: int, max_model_len: int,
+                 sizes: tuple[int, ...], capture: bool) -> None:
+        if not sizes or list(sizes) != sorted(set(sizes)) or sizes[0] < 1:
+            raise ValueError(f"capture sizes must be ascending and positive, got {sizes}")
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = block_size
+        self.sizes = tuple(sizes)
+        self.use_graphs = capture
+        device = kv_cache.device
+        rows = self.sizes[-1]
+        self.width = -(-max_model_len // block_size)  # a request's most blocks
+        # The device buffers the graphs read, and their host copies (pinned on CUDA) that a step
+        # fills and copies in, one copy per dtype: int64 [4, rows] (token ids, positions, slots, and
+        # for launch(), the earlier step's row whose token a row takes),
+        # int32 [rows + rows * width] (the sequence lengths, then the block tables row by row).
+        pin = device.type == "cuda"
+        self._ids = torch.zeros(4, rows, dtype=torch.long, device=device)
+        self._ints = torch.zeros(rows * (self.width + 1), dtype=torch.int32, device=device)
+        self._host_ids = torch.zeros(4, rows, dtype=torch.long, pin_memory=pin)
+        self._host_ints = torch.zeros(rows * (self.width + 1), dtype=torch.int32, pin_memory=pin)
+        self._np_ids = self._host_ids.numpy()
+        self._np_lens = self._host_ints[:rows].numpy()
+        self._np_tables = self._host_ints[rows:].view(rows, self.width).numpy()
+        self._seq_lens = self._ints[:rows]
+        self._tables = self._ints[rows:].view(rows, self.width)
+        self._no_prefill_tables = torch.zeros(0, self.width, dtype=torch.int32, device=device)
+        self._no_prefill_cu = torch.zeros(1, dtype=torch.int32, device=device)
+        self._no_prefill_lens = torch.zeros(0, dtype=torch.int32, device=device)
+        # Two: the tokens of step N are read while those of step N+1 are copied.
+        self._host_tokens = [torch.zeros(rows, dtype=torch.long, pin_memory=pin) for _ in range(2)]
+        self._next_host = 0
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[int, DecodeOutputs] = {}
+        self.report = CaptureReport(self.sizes, 0.0, 0)
+        self._fill_padding(0, rows)
+        self._copy_in(rows)
+
+    @property
+    def max_size(self) -> int:
+        return self.sizes[-1]
+
+    def takes(self, decodes: list[Request], num_prefills: int) -> bool:
+        return num_prefills == 0 and 0 < len(decodes) <= self.max_size
+
+    def capture(self) -> CaptureReport:
+        """Capture every bucket's graph, largest first, on one memory pool (a no-op without
+        graphs). Each bucket runs eagerly twice first: kernels are compiled and libraries'
+        workspaces allocated outside the capture."""
+        if not self.use_graphs:
+            return self.report
+        device = self.kv_cache.device
+        torch.cuda.synchronize(device)
+        free_before = torch.cuda.mem_get_info(device)[0]
+        started = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        for size in reversed(self.sizes):
+            for _ in range(2):
+                self._forward(size)
+            torch.cuda.synchronize(device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._outputs[size] = self._forward(size)
+            self._graphs[size] = graph
+        torch.cuda.synchronize(device)
+        self.report = CaptureReport(self.sizes, time.perf_counter() - started,
+                                    max(0, free_before - torch.cuda.mem_get_info(device)[0]))
+        return self.report
+
+    def run(self, decodes: list[Request]) -> DecodeOutputs:
+        """The step of these decodes (takes() said yes): outputs' first len(decodes) rows are theirs."""
+        num = len(decodes)
+        size = self._stage(decodes)
+        out = self._replay(size)
+        return DecodeOutputs(out.logits[:num], out.tokens[:num])
+
+    def launch(self, decodes: list[Request], fed: list[int] | None = None,
+               previous: PendingTokens | None = None) -> PendingTokens:
+        """Queue the step of these decodes and return its greedy tokens, pending. fed: for each
+        row, the row of `previous` (the launch just before this one) whose token is its input
+        (its own last token is not known yet); None: every input token is known."""
+        num = len(decodes)
+        if fed is not None:
+            self._np_ids[3, :num] = fed
+        size = self._stage(decodes)
+        if fed is not None:
+            self._ids[0, :num].copy_(previous.device_tokens.index_select(0, self._ids[3, :num]))
+        out = self._replay(size)
+        host = self._host_tokens[self._next_host][:num]
+        self._next_host ^= 1
+        return PendingTokens(out.tokens[:num], host)
+
+    def _stage(self, decodes: list[Request]) -> int:
+        """Fill the buffers for these decodes; returns their bucket."""
+        num = len(decodes)
+        size = bucket_for(num, self.sizes)
+        assert size is not None, f"{num} decodes past the largest bucket {self.max_size}"
+        self._fill(decodes)
+        self._fill_padding(num, size)
+        self._copy_in(size)
+        return size
+
+    def _replay(self, size: int) -> DecodeOutputs:
+        if not self.use_graphs:
+            out = self._forward(size)
+        else:
+            self._graphs[size].replay()
+            out = self._outputs[size]
+        return out
+
+    def _fill(self, decodes: list[Request]) -> None:
+        ids, lens, tables, bs = self._np_ids, self._np_lens, self._np_tables, self.block_size
+        for row, request in enumerate(decodes):
+            pos = request.num_computed_tokens
+            blocks = request.block_ids
+            ids[0, row] = max(0, request.token_ids_slice(pos, pos + 1)[0])  # a pending token: fed in launch()
+            ids[1, row] = pos
+            ids[2, row] = blocks[pos // bs] * bs + pos % bs
+            lens[row] = pos + 1
+            tables[row, : len(blocks)] = blocks
+
+    def _fill_padding(self, start: int, end: int) -> None:
+        """Rows start..end: token 0 at position 0, no KV written (slot -1), length 0."""
+        self._np_ids[0:2, start:end] = 0
+        self._np_ids[2, start:end] = -1
+        self._np_lens[start:end] = 0
+
+    def _copy_in(self, size: int) -> None:
+        # NOTE: every column of the rows: entries past a sequence's blocks are never read, but they
+        # must be block ids (stale ones are: the cache never shrinks).
+        rows = self.max_size
+        self._ids[:, :size].copy_(self._host_ids[:, :size], non_blocking=True)
+        end = rows + size * self.width
+        self._ints[:end].copy_(self._host_ints[:end], non_blocking=True)
+
+    def _forward(self, size: int) -> DecodeOutputs:
+        ids = self._ids
+        meta = AttentionMetadata(
+            positions=ids[1, :size], slot_mapping=ids[2, :size], num_decode_tokens=size,
+            decode_block_tables=self._tables[:size], decode_seq_lens=self._seq_lens[:size],
+            prefill_block_tables=self._no_prefill_tables, prefill_cu_query_lens=self._no_prefill_cu,
+            prefill_seq_lens=self._no_prefill_lens,
+        )
+        with torch.inference_mode():
+            hidden = self.model.forward(ids[0, :size], meta, self.kv_cache, None)
+            logits = self.model.logits(hidden)
+            return DecodeOutputs(logits, self.model.ops.argmax(logits))

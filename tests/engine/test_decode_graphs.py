@@ -1,0 +1,235 @@
+"""Decode steps on static buffers (engine.decode_graphs): buckets, padding and buffer filling.
+
+On the CPU the static path runs without graphs (decode_graphs="static"): the same buffers, the
+same padded buckets, the same outputs as a captured graph replays. On CUDA the graphs themselves
+are captured and replayed, against the eager engine and transformers.
+"""
+
+import pytest
+import torch
+
+from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine.decode_graphs import DecodeGraphs, bucket_for, capture_sizes
+from engine.engine import LLMEngine
+from engine.sampling_params import SamplingParams
+from tests.engine.test_correctness import MAX_TOKENS, make_prompts, run_to_completion, transformers_greedy
+from tests.kernels.conftest import ENGINE_DEVICES
+
+
+def test_capture_sizes_cover_every_batch_with_little_padding():
+    assert capture_sizes(1) == (1,)
+    assert capture_sizes(13) == (1, 2, 4, 8, 13)
+    sizes = capture_sizes(256)
+    assert sizes[:5] == (1, 2, 4, 8, 16) and sizes[-1] == 256 and len(sizes) == 23
+    for n in range(1, 257):
+        bucket = bucket_for(n, sizes)
+        assert bucket is not None and bucket >= n and bucket - n < 16 and bucket in sizes
+        assert bucket == min(s for s in sizes if s >= n)
+    assert bucket_for(257, sizes) is None and bucket_for(0, sizes) is None
+
+
+def engine_for(model_dir, mode, device="cpu", max_num_seqs=13, num_blocks=96, dtype="float32",
+               async_scheduling=True):
+    return LLMEngine(EngineConfig(
+        model=ModelConfig.from_pretrained(model_dir, dtype=dtype),
+        cache=CacheConfig(block_size=16, num_blocks=num_blocks),
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=256),
+        device=device, decode_graphs=mode, async_scheduling=async_scheduling,
+    ))
+
+
+@pytest.fixture
+def graph_runs(monkeypatch) -> list[tuple[int, int]]:
+    """(decodes, bucket) of every static decode step, run or launched."""
+    runs = []
+    real = DecodeGraphs._stage
+
+    def spy(self, decodes):
+        runs.append((len(decodes), bucket_for(len(decodes), self.sizes)))
+        return real(self, decodes)
+
+    monkeypatch.setattr(DecodeGraphs, "_stage", spy)
+    return runs
+
+
+@pytest.fixture
+def launches(monkeypatch) -> list[bool]:
+    """Per launched (async) step: whether its inputs were fed from the step before it."""
+    fed = []
+    real = DecodeGraphs.launch
+
+    def spy(self, decodes, feed=None, previous=None):
+        fed.append(feed is not None)
+        return real(self, decodes, feed, previous)
+
+    monkeypatch.setattr(DecodeGraphs, "launch", spy)
+    return fed
+
+
+def test_static_buffers_only_where_asked(tiny_model_dir):
+    assert engine_for(tiny_model_dir, "auto").runner.graphs is None  # no graphs on the CPU
+    assert engine_for(tiny_model_dir, "off").runner.graphs is None
+    graphs = engine_for(tiny_model_dir, "static").runner.graphs
+    assert graphs is not None and not graphs.use_graphs and graphs.sizes == (1, 2, 4, 8, 13)
+    with pytest.raises(ValueError, match="decode_graphs must be one of auto, off, static"):
+        EngineConfig(model=ModelConfig.from_pretrained(tiny_model_dir), decode_graphs="eager")
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+@pytest.mark.parametrize("device", ENGINE_DEVICES)
+def test_greedy_on_padded_buckets_equals_eager_and_transformers(tiny_model_dir, device, async_scheduling, graph_runs,
+                                                                launches):
+    """16 prompts through 13 slots with preemption: decode batches of many sizes, most padded;
+    with async scheduling, runs of decode steps each launched before the one before is read."""
+    mode = "auto" if device == "cuda" else "static"
+    prompts = make_prompts(ModelConfig.from_pretrained(tiny_model_dir).vocab_size)
+    expected = transformers_greedy(tiny_model_dir, prompts, 32)
+    # Requests end at different steps: the decode batch shrinks through the buckets.
+    lengths = [4 + (7 * i) % 29 for i in range(len(prompts))]
+    params = [SamplingParams(max_tokens=n, temperature=0.0) for n in lengths]
+    eager = engine_for(tiny_model_dir, "off", device)
+    want = run_to_completion(eager, prompts, params)
+    assert not graph_runs
+    engine = engine_for(tiny_model_dir, mode, device, async_scheduling=async_scheduling)
+    assert engine.runner.graphs.use_graphs == (device == "cuda")
+    got = run_to_completion(engine, prompts, params)
+    for i, (tokens, eager_tokens, (want_tokens, _)) in enumerate(zip(got, want, expected)):
+        assert [t.token_id for t in tokens] == [t.token_id for t in eager_tokens] == want_tokens[:lengths[i]], i
+    padded = {(n, b) for n, b in graph_runs if n < b}
+    assert len(padded) >= 3, graph_runs
+    if async_scheduling:
+        assert launches.count(True) >= 20 and launches.count(False) >= 3, launches
+    else:
+        assert not launches
+    assert engine.scheduler.num_preemptions >= 1
+    engine.check_leaks()
+
+
+def test_padding_rows_write_no_kv(tiny_model_dir, graph_runs):
+    """3 decodes in the 4-row bucket: the blocks no request holds stay zero."""
+    engine = engine_for(tiny_model_dir, "static", num_blocks=32)
+    prompts = make_prompts(ModelConfig.from_pretrained(tiny_model_dir).vocab_size)[2:5]
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"p{i}", prompt, SamplingParams(max_tokens=6, temperature=0.0))
+    held: set[int] = set()
+    while engine.has_unfinished():
+        held |= {b for r in engine.scheduler.running for b in r.block_ids}
+        engine.step()
+    assert (3, 4) in graph_runs
+    untouched = [b for b in range(32) if b not in held]
+    assert untouched and not engine.kv_cache[untouched].any()
+
+
+def test_sampling_logprobs_and_greedy_rows_in_one_static_step_equal_eager(tiny_model_dir, graph_runs):
+    """Seeded sampling, logprobs, penalties and plain greedy rows in the same decode steps: the
+    static path gives each its logits row or its argmax as the eager path does."""
+    vocab = ModelConfig.from_pretrained(tiny_model_dir).vocab_size
+    prompts = make_prompts(vocab, seed=3)[:11]
+    kinds = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0),
+             SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=2),
+             SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, seed=7),
+             SamplingParams(max_tokens=MAX_TOKENS, temperature=0.7, top_p=0.9, seed=3, repetition_penalty=1.2)]
+    params = [kinds[i % len(kinds)] for i in range(len(prompts))]
+    want = run_to_completion(engine_for(tiny_model_dir, "off"), prompts, params)
+    got = run_to_completion(engine_for(tiny_model_dir, "static"), prompts, params)
+    assert graph_runs
+    for i, (tokens, eager_tokens) in enumerate(zip(got, want)):
+        assert [t.token_id for t in tokens] == [t.token_id for t in eager_tokens], f"prompt {i}"
+        for t, e in zip(tokens, eager_tokens):
+            assert (t.logprob is None) == (e.logprob is None)
+            if t.logprob is not None:
+                assert abs(t.logprob - e.logprob) < 1e-4
+                assert [tid for tid, _ in t.top] == [tid for tid, _ in e.top]
+
+
+def test_aborts_and_finishes_between_static_steps_leave_nothing(tiny_model_dir, graph_runs):
+    engine = engine_for(tiny_model_dir, "static", num_blocks=64)
+    prompts = make_prompts(ModelConfig.from_pretrained(tiny_model_dir).vocab_size)[:10]
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"a{i}", prompt, SamplingParams(max_tokens=4 + 3 * i, temperature=0.0, ignore_eos=True))
+    for step in range(60):
+        engine.step()
+        if step % 5 == 4:
+            engine.abort(f"a{step // 5}")
+        if not engine.has_unfinished():
+            break
+    for i in range(len(prompts)):
+        engine.abort(f"a{i}")
+    assert graph_runs
+    engine.check_leaks()
+
+
+def test_static_outputs_are_the_models_logits(tiny_model_dir):
+    """One bucket's logits rows equal an eager forward's for the same decodes."""
+    engine = engine_for(tiny_model_dir, "static", max_num_seqs=4)
+    prompts = make_prompts(ModelConfig.from_pretrained(tiny_model_dir).vocab_size)[3:6]
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"q{i}", prompt, SamplingParams(max_tokens=3, temperature=0.0))
+    while len(engine.scheduler.running) < 3 or any(r.num_output_tokens == 0 for r in engine.scheduler.running):
+        engine.step()
+    scheduled = engine.scheduler.schedule()
+    assert len(scheduled.decodes) == 3 and not scheduled.prefills
+    out = engine.runner.graphs.run(scheduled.decodes)
+    assert out.logits.shape == (3, engine.config.model.vocab_size)
+    logits, tokens = out.logits.clone(), out.tokens.tolist()
+    engine.runner.graphs = None
+    eager = engine.runner.execute(scheduled)  # the same K/V written again, then read
+    torch.testing.assert_close(logits, eager.logits, rtol=1e-4, atol=1e-4)
+    assert tokens == eager.logits.argmax(-1).tolist()
+
+
+def _drive(engine, script, num_calls):
+    """Step the engine num_calls times (or until idle), running script[call](engine) before the
+    call where given; returns {request_id: [(first_token_idx, token ids, finish_reason)]}."""
+    streams = {}
+    for call in range(num_calls):
+        if call in script:
+            script[call](engine)
+        if not engine.has_unfinished():
+            break
+        for out in engine.step():
+            streams.setdefault(out.request_id, []).append(
+                (out.first_token_idx, [t.token_id for t in out.new_tokens], out.finish_reason))
+    return streams
+
+
+def test_one_step_late_stops_aborts_and_arrivals_give_the_synchronous_results(tiny_model_dir, launches):
+    """Stop tokens found one step late, max_tokens never overrun, aborts and new prompts between
+    calls while a step is in flight: every request's tokens, indices and finish equal the
+    synchronous engine's, and every block comes back."""
+    vocab = ModelConfig.from_pretrained(tiny_model_dir).vocab_size
+    prompts = make_prompts(vocab, seed=4)[:9]
+    reference = engine_for(tiny_model_dir, "off")
+    free_run = run_to_completion(reference, prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+    # Requests 0-3 stop on a token of their own output (its first occurrence at step 5, 9, 14, 20).
+    params = []
+    for i in range(len(prompts)):
+        stop = []
+        if i < 4:
+            ids = [t.token_id for t in free_run[i]]
+            stop = [next(t for k, t in enumerate(ids) if k >= (5, 9, 14, 20)[i] and t not in ids[:k])]
+        params.append(SamplingParams(max_tokens=(24, 24, 24, 24, 7, 11, 24, 24, 16)[i], temperature=0.0,
+                                     stop_token_ids=stop, ignore_eos=True))
+
+    def add(i):
+        return lambda engine: engine.add_request(f"r{i}", prompts[i], params[i])
+
+    def abort(i):
+        return lambda engine: engine.abort(f"r{i}")
+
+    def start(engine):
+        for i in range(6):
+            add(i)(engine)
+
+    script = {0: start, 12: abort(2), 15: add(6), 17: abort(5), 22: add(7), 23: add(8), 30: abort(0)}
+    results = {}
+    for mode in ("sync", "async"):
+        engine = engine_for(tiny_model_dir, "static", max_num_seqs=8, async_scheduling=mode == "async")
+        results[mode] = _drive(engine, script, 200)
+        engine.check_leaks()
+    assert results["async"] == results["sync"]
+    assert launches.count(True) >= 20
+    finishes = {rid: stream[-1][2] for rid, stream in results["sync"].items()}
+    assert finishes["r1"] == "stop" and finishes["r4"] == "length" and finishes["r2"] is None
+    for rid, stream in results["async"].items():
+        assert [index for index, _, _ in stream] == list(range(len(stream))), rid

@@ -1,0 +1,30 @@
+"""benchmarks/gpu_engine.py, the GPU slot's engine benchmark, checked on the CPU at toy sizes
+(--smoke): every phase runs and its record holds what the docs' table reads."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_every_phase_runs_and_is_recorded(tiny_model_dir, tmp_path):
+    env = {**os.environ, "PDSERVE_RESULTS_DIR": str(tmp_path)}
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/gpu_engine.py", "--smoke", "--device", "cpu", "--model", str(tiny_model_dir),
+         "--presets", "tiny", "--kv-cache-gb", "0.1"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    [record_file] = tmp_path.glob("gpu_engine-*.json")
+    result = json.loads(record_file.read_text())["result"]
+    [preset] = result["presets"]
+    assert [row["batch"] for row in preset["decode"]] == [1, 3]
+    assert [row["batch"] for row in preset["decode_eager"]] == [2]
+    assert preset["graphs"]["sizes"] == [1, 2, 3]
+    assert [row["prompt_len"] for row in preset["prefill"]] == [32, 64]
+    for row in preset["decode"] + preset["decode_eager"]:
+        assert row["bound_ms"] > 0 and row["step_ms_min"] <= row["step_ms_median"] <= row["step_ms_max"]
+    assert preset["offline"]["output_tokens_per_s"] > 0 and preset["hf"]["output_tokens_per_s"] > 0
+    assert "RESULT {" in proc.stdout
