@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
 # The GPU session's checks in one go, for a machine with CUDA and no network (a lent GPU
 # machine): the engine-on-CUDA equality tests (CUDA graphs against eager and transformers), the
-# engine benchmark (benchmarks/gpu_engine.py: its models made on the device), the kernel tests,
-# then the Triton kernels' benchmark. Logs, results (results/) and a summary (summary.txt) go to
-# LOG_DIR (default benchmarks/out/gpu); STEPS picks among engine, gpu_engine, kernels and bench
-# (default the first three, in that order). TOTAL_S (default 540) bounds the whole: each step's
-# timeout is cut to what is left. Missing wheels (msgspec) can sit in .whl/; they are installed
-# into a scratch folder.
+# engine benchmark (benchmarks/gpu_engine.py: its models made on the device), KV reads of GPU
+# memory between two processes over NIXL (benchmarks/kv_transfer_gpu.py: GB/s and UCX's transport),
+# the kernel tests, then the Triton kernels' benchmark. Logs, results (results/) and a summary
+# (summary.txt) go to LOG_DIR (default benchmarks/out/gpu); STEPS picks among engine, gpu_engine,
+# kv, kernels and bench (default the first four, in that order). TOTAL_S (default 540) bounds the
+# whole: each step's timeout is cut to what is left. Missing wheels (msgspec, nixl) can sit in
+# .whl/; they are installed into a scratch folder.
 #   bash benchmarks/gpu_checks.sh [LOG_DIR [STEPS...]]
 set -u
 out=${1:-benchmarks/out/gpu}
 shift || true
-steps=${*:-engine gpu_engine kernels}
+steps=${*:-engine gpu_engine kv kernels}
 total=${TOTAL_S:-540}
 mkdir -p "$out/results"
 export PYTHONUNBUFFERED=1 PDSERVE_RESULTS_DIR="$out/results"
@@ -36,14 +37,17 @@ for step in $steps; do
     case $step in
         bench) timeout "$(limit 150)" python3 benchmarks/kernels.py --iters 30 2>&1 | tee "$out/kernels_bench.log" | grep -v '^RESULT'
                rc=${PIPESTATUS[0]} ;;
-        engine) timeout "$(limit 200)" python3 -m pytest tests/engine/test_decode_graphs.py tests/engine/test_correctness.py \
+        engine) timeout "$(limit 150)" python3 -m pytest tests/engine/test_decode_graphs.py tests/engine/test_correctness.py \
                     tests/engine/test_bfloat16.py -k cuda \
                     "${pytest_args[@]}" >"$out/engine_tests.log" 2>&1
                 rc=$?; tail -30 "$out/engine_tests.log" ;;
-        gpu_engine) left=$(limit 330)
+        gpu_engine) left=$(limit 270)
                     timeout "$left" python3 benchmarks/gpu_engine.py --presets llama-1b,llama-8b --budget-s $((left - 15)) \
                         2>&1 | tee "$out/gpu_engine.log" | grep -v '^RESULT'
                     rc=${PIPESTATUS[0]} ;;
+        kv) timeout "$(limit 90)" python3 benchmarks/kv_transfer_gpu.py 2>&1 | tee "$out/kv_transfer_gpu.log" \
+                | grep -v '^RESULT'
+            rc=${PIPESTATUS[0]} ;;
         # Workers run torch on two threads each: the CPU kernels' tests run here too.
         kernels) OMP_NUM_THREADS=2 timeout "$(limit 200)" python3 -m pytest tests/kernels -n 6 "${pytest_args[@]}" \
                      >"$out/kernel_tests.log" 2>&1
@@ -55,4 +59,5 @@ done
 grep -hE "passed|failed" "$out"/engine_tests.log "$out"/kernel_tests.log 2>/dev/null | tail -4 >>"$out/summary.txt"
 grep -E "decode batch|prefill [0-9]|offline|transformers generate|graphs captured|skipped" "$out/gpu_engine.log" \
     >>"$out/summary.txt" 2>/dev/null
+grep -E "GB/s|failed|timed out" "$out/kv_transfer_gpu.log" >>"$out/summary.txt" 2>/dev/null
 cat "$out/summary.txt"

@@ -60,7 +60,7 @@ from engine.protocol import curve_keys
 layout = msgspec.json.decode(sys.argv[1], type=KVLayout)
 keys = curve_keys(sys.argv[4]) if len(sys.argv) > 4 else None
 shape = (layout.num_blocks, layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
-cache = torch.randn(shape)
+cache = torch.randn(shape, dtype=getattr(torch, layout.dtype), device=os.environ.get("KV_BENCH_DEVICE", "cpu"))
 if os.environ.get("KV_BENCH_STORAGE") == "layer":
     cache = stored_layer_major(cache)
 c = create_connector(TransferConfig(backend=sys.argv[2], host=sys.argv[3], curve_keys=keys), cache, layout, "holder")
@@ -82,11 +82,11 @@ def cache_shape() -> tuple[int, ...]:
 BENCH_SECRET = "kv-transfer-benchmark-secret"
 
 
-def start_holder(backend: str, host: str = "127.0.0.1", wrap=list):
+def start_holder(backend: str, host: str = "127.0.0.1", wrap=list, layout: KVLayout = LAYOUT):
     """The holder process (wrap(argv) may run it elsewhere, e.g. in a network namespace, with
-    the bench's cluster secret)."""
+    the bench's cluster secret); its cache on KV_BENCH_DEVICE (default cpu)."""
     secret = [] if host.startswith("127.") else [BENCH_SECRET]
-    argv = wrap([sys.executable, "-c", HOLDER, msgspec.json.encode(LAYOUT).decode(), backend, host, *secret])
+    argv = wrap([sys.executable, "-c", HOLDER, msgspec.json.encode(layout).decode(), backend, host, *secret])
     proc = subprocess.Popen(argv,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                             cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, start_new_session=True)

@@ -148,6 +148,9 @@ class CacheConfig:
     block_size: int = 16
     num_blocks: int | None = None  # None: sized from kv_cache_memory_bytes or free memory
     kv_cache_memory_bytes: int | None = None
+    # On a GPU without an explicit budget: the share of the GPU's memory this engine may hold in
+    # all (weights, KV cache, activations, graphs); several engines on one GPU split it this way.
+    gpu_memory_utilization: float = 0.9
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -156,6 +159,8 @@ class CacheConfig:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
 
 @dataclass(frozen=True)

@@ -94,12 +94,13 @@ class LLMEngine:
         if config.device == "cpu":
             keep_freed_memory()  # before the cache and weights exist, so they come from the heap too
         model_cfg = config.model
-        num_blocks = num_cache_blocks(model_cfg, config.cache, config.device)
-        self.config = replace(config, cache=replace(config.cache, num_blocks=num_blocks))
-        self.block_size = config.cache.block_size
         # A prefill-only engine runs big batches: no copies of the projections for small ones.
         self.backend = select_backend(config.device, config.kernel_backend)
         weights = load_weights(model_cfg, self.backend, decode_batches=config.role is not Role.PREFILL)
+        # NOTE: after the weights: a GPU's budget is what is left of the engine's share of it.
+        num_blocks = num_cache_blocks(model_cfg, config.cache, config.device)
+        self.config = replace(config, cache=replace(config.cache, num_blocks=num_blocks))
+        self.block_size = config.cache.block_size
         self.model = CausalLM(model_cfg, weights, self.backend)
         self.kv_cache = allocate_kv_cache(model_cfg, num_blocks, self.block_size, config.device)
         self.block_pool = BlockPool(num_blocks)

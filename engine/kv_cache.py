@@ -26,7 +26,9 @@ from engine.host_memory import advise_huge_pages
 # at once.
 _CPU_MEMORY_FRACTION = 0.25
 _CPU_MAX_BYTES = 2 << 30
-_GPU_MEMORY_FRACTION = 0.85
+# NOTE: on a GPU, room kept free beyond the engine's share for what is allocated after the cache
+# (activations of the largest step, CUDA graphs' pool, library workspaces).
+_GPU_RESERVE_FRACTION = 0.05
 
 
 def block_shape(model: ModelConfig, block_size: int) -> tuple[int, ...]:
@@ -41,10 +43,12 @@ def block_size_bytes(model: ModelConfig, block_size: int) -> int:
 
 
 def num_cache_blocks(model: ModelConfig, cache: CacheConfig, device: str) -> int:
-    """The block count: cache.num_blocks if set, else the memory budget over the block size."""
+    """The block count: cache.num_blocks if set, else the memory budget over the block size. On a
+    GPU call it after the weights are loaded: the default budget is what is left of the engine's
+    share (gpu_budget_bytes)."""
     if cache.num_blocks is not None:
         return cache.num_blocks
-    budget = cache.kv_cache_memory_bytes or _default_budget_bytes(device)
+    budget = cache.kv_cache_memory_bytes or _default_budget_bytes(device, cache.gpu_memory_utilization)
     num_blocks = budget // block_size_bytes(model, cache.block_size)
     if num_blocks < 1:
         raise ValueError(
@@ -71,10 +75,24 @@ def allocate_kv_cache(model: ModelConfig, num_blocks: int, block_size: int, devi
     return stored.zero_().transpose(0, 1)
 
 
-def _default_budget_bytes(device: str) -> int:
+def gpu_budget_bytes(free: int, total: int, own: int, utilization: float) -> int:
+    """The KV cache's bytes on a GPU with free of total bytes free, this process holding own
+    (its weights): its share (utilization of total) less what it holds, and never more than
+    what is free less a reserve (other processes on the GPU hold the rest)."""
+    return int(min(utilization * total - own, free - _GPU_RESERVE_FRACTION * total))
+
+
+def _default_budget_bytes(device: str, utilization: float) -> int:
     if device.startswith("cuda"):
-        free_bytes, _ = torch.cuda.mem_get_info(torch.device(device))
-        return int(free_bytes * _GPU_MEMORY_FRACTION)
+        dev = torch.device(device)
+        free_bytes, total_bytes = torch.cuda.mem_get_info(dev)
+        budget = gpu_budget_bytes(free_bytes, total_bytes, torch.cuda.memory_reserved(dev), utilization)
+        if budget <= 0:
+            held = torch.cuda.memory_reserved(dev) / 2**30
+            raise ValueError(f"no GPU memory left for the KV cache: {free_bytes / 2**30:.1f} of "
+                             f"{total_bytes / 2**30:.1f} GiB free, this engine's share is {utilization:.2f} of it "
+                             f"(--gpu-memory-utilization) and its weights hold {held:.1f} GiB")
+        return budget
     available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     return int(min(available * _CPU_MEMORY_FRACTION, _CPU_MAX_BYTES))
 

@@ -19,8 +19,8 @@ def create_connector(config: TransferConfig, kv_cache: torch.Tensor, layout: KVL
     if config.backend == "nixl":
         from kv_transfer.nixl_connector import NixlConnector, set_ucx_defaults
 
-        set_ucx_defaults(config.public_host)
-        return NixlConnector(config, kv_cache, layout, engine_id)
+        ucx_log = set_ucx_defaults(config.public_host, on_gpu=kv_cache.is_cuda)
+        return NixlConnector(config, kv_cache, layout, engine_id, ucx_log)
     if config.backend == "fake":
         if fake_registry is None:
             raise ValueError("backend 'fake' needs a fake_registry shared with its peers")

@@ -32,9 +32,9 @@ times, each time taking the node's one core from its model step.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -54,6 +54,7 @@ from kv_transfer.layout import KVLayout
 from kv_transfer.lease import LeaseTable
 from kv_transfer.messages import Hello, NixlAgentInfo
 from kv_transfer.side_channel_connector import Peer, PendingRead, SideChannelConnector
+from kv_transfer.ucx import ProtocolReport, Transport, apply_settings, enable_protocol_report, rdma_ports, ucx_settings
 
 logger = logging.getLogger(__name__)
 
@@ -62,19 +63,17 @@ _PROGRESS_INTERVAL_S = 0.005
 _IDLE_PROGRESS_INTERVAL_S = 0.1
 
 
-def set_ucx_defaults(host: str) -> None:
+def set_ucx_defaults(host: str, on_gpu: bool = False) -> Path | None:
     """Process-wide UCX settings for a node about to create its agent (call before the first
-    connector), host being the address it advertises. On loopback, restrict UCX to the lo
-    device: measured to work, whereas UCX_TLS=sm,self fails to create the agent. Otherwise,
-    when host is one of this machine's interface addresses, restrict UCX to that interface, so
-    the agent metadata peers get names the advertised network only (UCX puts every usable
-    interface's address into it). An operator's own UCX_* settings win."""
-    if host.startswith("127.") or host == "localhost":
-        os.environ.setdefault("UCX_NET_DEVICES", "lo")
-        return
-    interface = interface_of(host)
-    if interface is not None:
-        os.environ.setdefault("UCX_NET_DEVICES", interface)
+    connector), host being the address it advertises, its KV cache in GPU memory or not
+    (kv_transfer.ucx.ucx_settings says which and why). An operator's own UCX_* settings win.
+    Returns the log file UCX's protocol report goes to (None: the operator chose UCX's logging)."""
+    is_loopback = host.startswith("127.") or host == "localhost"
+    chosen = apply_settings(ucx_settings(host, on_gpu, None if is_loopback else interface_of(host),
+                                         [] if is_loopback else rdma_ports()))
+    logger.info("UCX settings for KV transfer (%s, %s memory): %s", host, "GPU" if on_gpu else "host",
+                " ".join(f"UCX_{k}={v}" for k, v in chosen.items()) or "UCX's defaults")
+    return enable_protocol_report()
 
 
 def interface_of(address: str) -> str | None:
@@ -92,7 +91,10 @@ class NixlConnector(SideChannelConnector):
     backend = "nixl"
     holder_info_type = NixlAgentInfo  # the reader pulls; the holder needs nothing of it
 
-    def __init__(self, config: TransferConfig, kv_cache: torch.Tensor, layout: KVLayout, engine_id: str) -> None:
+    def __init__(self, config: TransferConfig, kv_cache: torch.Tensor, layout: KVLayout, engine_id: str,
+                 ucx_log: Path | None = None) -> None:
+        """ucx_log: the file UCX writes its protocol report to (set_ucx_defaults), for the
+        transport of this connector's reads (transport)."""
         from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
         check_cache(kv_cache, layout)  # before the agent exists, so a refusal leaks nothing
@@ -105,6 +107,8 @@ class NixlConnector(SideChannelConnector):
         whole = [(kv_cache.data_ptr(), kv_cache.numel() * kv_cache.element_size(), self._device_id, "")]
         self._reg = self._agent.register_memory(self._agent.get_reg_descs(whole, self._mem_type))
         self.num_descriptors_last_read = 0
+        self._ucx_report = ProtocolReport(ucx_log) if ucx_log is not None else None
+        self._report_checked_at = 0.0
         super().__init__(config, kv_cache, layout, engine_id)
         self._is_stopping = threading.Event()
         self._wake = threading.Event()  # set: progress now, a transfer may have begun (or stop)
@@ -183,9 +187,31 @@ class NixlConnector(SideChannelConnector):
             if state is TransferState.DONE:
                 self._agent.release_xfer_handle(read.handle)
                 self._transferred(read)
+                self._check_ucx_report()
             elif state is TransferState.FAILED:
                 results.append(self._fail(read, f"NIXL READ failed: {detail}", FailureCode.TRANSFER))
         return results
+
+    @property
+    def transport(self) -> Transport | None:
+        """How UCX carries this connector's reads, from its protocol report (None until a read
+        completed, or where the operator set UCX's logging)."""
+        return self._ucx_report.transport if self._ucx_report is not None else None
+
+    def _check_ucx_report(self) -> None:
+        """Read UCX's report (at most once a second): the transport, once, and its warnings."""
+        report, now = self._ucx_report, time.monotonic()
+        if report is None or now - self._report_checked_at < 1.0:
+            return
+        self._report_checked_at = now
+        known = report.transport
+        transport = report.poll()
+        if transport is not None and transport != known:
+            if transport.is_tcp_fallback and self._mem_type == "VRAM":
+                logger.warning("KV reads of GPU memory go through TCP (%s, %s): expect a few GB/s at most; see "
+                               "docs/deployment.md (UCX transports)", transport.transport, transport.method)
+            else:
+                logger.info("KV reads: %s (%s, %s memory)", transport.transport, transport.method, transport.memory)
 
     def _state(self, handle) -> tuple[TransferState, str]:
         """A transfer handle's state, and NIXL's word for it (its error when it raised)."""
@@ -229,6 +255,9 @@ class NixlConnector(SideChannelConnector):
             self._agent.deregister_memory(self._reg)
         except Exception as exc:  # noqa: BLE001 - shutting down
             logger.warning("NIXL deregistration: %s", exc)
+        if self._ucx_report is not None:
+            self._ucx_report.poll()  # UCX's last warnings into the log
+
 
 
 def _transfer_state(nixl_state: str) -> TransferState:

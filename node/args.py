@@ -79,6 +79,10 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-blocks", type=int, default=default_of(CacheConfig, "num_blocks"))
     parser.add_argument("--kv-cache-memory-gb", type=float, default=None,
                         help="KV cache budget (default: a share of free memory)")
+    parser.add_argument("--gpu-memory-utilization", type=float,
+                        default=default_of(CacheConfig, "gpu_memory_utilization"),
+                        help="on a GPU without --kv-cache-memory-gb: the share of the GPU's memory this node holds in "
+                             "all (nodes sharing a GPU split it)")
     parser.add_argument("--max-num-seqs", type=int, default=default_of(SchedulerConfig, "max_num_seqs"))
     parser.add_argument("--max-num-batched-tokens", type=int,
                         default=default_of(SchedulerConfig, "max_num_batched_tokens"))
@@ -113,7 +117,8 @@ def node_configs_from_args(args: argparse.Namespace, role: Role) -> NodeConfigs:
     memory = int(args.kv_cache_memory_gb * (1 << 30)) if args.kv_cache_memory_gb else None
     engine = EngineConfig(
         model=ModelConfig.from_pretrained(args.model, max_model_len=args.max_model_len, **model_options),
-        cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks, kv_cache_memory_bytes=memory),
+        cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks, kv_cache_memory_bytes=memory,
+                          gpu_memory_utilization=args.gpu_memory_utilization),
         scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens),
         device=resolve_device(args.device),
         seed=args.seed,

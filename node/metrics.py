@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 
 from engine.protocol import KVFallbackReason, KVOutcome, KVSource
 
@@ -77,7 +77,7 @@ class NodeMetrics:
         self._add_request_metrics(max_model_len)
         self._add_step_metrics()
         self.registry.register(_LoadCollector(self.labels, load_fields, num_preemptions))
-        self.registry.register(_TransferCollector(connector))
+        self.registry.register(_TransferCollector(connector, self.labels))
 
     def _histogram(self, name: str, help_text: str, buckets) -> Histogram:
         return Histogram(name, help_text, LABELS, buckets=buckets, registry=self.registry).labels(**self.labels)
@@ -286,15 +286,26 @@ class _LoadCollector:
 
 class _TransferCollector:
     """The node's KV connector's TransferMeter, when it has one (node.transfer.connector_for
-    gives every connector one); looked up at each scrape, so the order of construction is free."""
+    gives every connector one), and the transport its reads take where the connector knows it
+    (NIXL: what UCX reported, once a read completed); looked up at each scrape, so the order of
+    construction is free."""
 
-    def __init__(self, connector: Callable[[], object]) -> None:
+    def __init__(self, connector: Callable[[], object], labels: dict[str, str]) -> None:
         self._connector = connector
+        self._labels = labels
 
     def collect(self) -> Iterator[Metric]:
-        meter = getattr(self._connector(), "meter", None)
+        connector = self._connector()
+        meter = getattr(connector, "meter", None)
         if meter is not None:
             yield from meter.collect()
+        transport = getattr(connector, "transport", None)
+        if transport is not None:
+            family = InfoMetricFamily("pdserve_kv_transport", "how this node's KV reads travel, as UCX reported it "
+                                      "(transport/device, method, memory kind)", labels=list(self._labels))
+            family.add_metric(list(self._labels.values()), {"transport": transport.transport,
+                                                             "method": transport.method, "memory": transport.memory})
+            yield family
 
 
 class TransferMeter:

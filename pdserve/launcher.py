@@ -41,19 +41,22 @@ class Cluster:
 
     procs: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
     argvs: dict[str, list[str]] = field(default_factory=dict)
+    envs: dict[str, dict[str, str]] = field(default_factory=dict)  # each process's additions to the environment
     log_dir: Path | None = None
     files: list[Path] = field(default_factory=list)  # removed by stop() (core-lending flags)
 
-    def start(self, name: str, argv: list[str], log_dir: Path | None = None) -> subprocess.Popen:
+    def start(self, name: str, argv: list[str], log_dir: Path | None = None,
+              env: dict[str, str] | None = None) -> subprocess.Popen:
         self.log_dir = log_dir or self.log_dir
         if self.log_dir:
             self.log_dir.mkdir(parents=True, exist_ok=True)
         stdout = open(self.log_dir / f"{name}.log", "ab") if self.log_dir else None  # noqa: SIM115
         # NOTE: children get every setting on their command line; the launcher's config file is
         # not theirs (its flat keys are `pdserve up`'s).
-        env = {k: v for k, v in os.environ.items() if k != CONFIG_ENV}
+        self.envs[name] = dict(env or {})
+        child_env = {k: v for k, v in os.environ.items() if k != CONFIG_ENV} | self.envs[name]
         proc = subprocess.Popen(argv, stdout=stdout, stderr=subprocess.STDOUT if stdout else None,
-                                start_new_session=True, env=env)
+                                start_new_session=True, env=child_env)
         if stdout:
             stdout.close()  # the child holds its own copy
         self.argvs[name] = list(argv)
@@ -62,7 +65,7 @@ class Cluster:
 
     def restart(self, name: str) -> subprocess.Popen:
         """Start name again with its first argv (same ports); the old process must have ended."""
-        return self.start(name, self.argvs[name])
+        return self.start(name, self.argvs[name], env=self.envs.get(name))
 
     def process(self, name: str) -> subprocess.Popen:
         return dict(self.procs)[name]
@@ -154,6 +157,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for flag in _NODE_SWITCHES:
         parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
                             help="per node (default: the node's)")
+    parser.add_argument("--gpus", default=None,
+                        help="GPUs for the nodes, as CUDA_VISIBLE_DEVICES names them (e.g. 0,1,2,3): node i (prefill "
+                             "nodes first) runs on the i-th, round robin; nodes sharing a GPU split its memory "
+                             "(--gpu-memory-utilization). Default: every visible GPU, unless --device cpu")
+    parser.add_argument("--prefill-gpus", default=None, help="GPUs for the prefill nodes alone (as --gpus)")
+    parser.add_argument("--decode-gpus", default=None, help="GPUs for the decode nodes alone (as --gpus)")
     parser.add_argument("--log-format", choices=("text", "json"), default=None,
                         help="every process's log lines (default: text)")
     parser.add_argument("--log-dir", default=None, help="write each process's log here")
@@ -172,7 +181,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 _NODE_FLAGS = (("--dtype", str), ("--transfer-backend", str), ("--kv-cache-memory-gb", float), ("--num-blocks", int),
-               ("--max-num-seqs", int), ("--max-num-batched-tokens", int), ("--kernel-backend", str))
+               ("--max-num-seqs", int), ("--max-num-batched-tokens", int), ("--kernel-backend", str),
+               ("--device", str), ("--gpu-memory-utilization", float))
 
 
 _NODE_SWITCHES = ("--enable-prefix-caching", "--enforce-eager", "--async-scheduling")
@@ -211,9 +221,20 @@ def main(args: argparse.Namespace) -> int:
         node_args += ["--log-format", args.log_format]
         proxy_args += ["--log-format", args.log_format]
     print(f"pdserve up: starting {args.prefill} prefill + {args.decode} decode nodes and the proxy ...", flush=True)
+    try:
+        gpus = gpu_plan(args.prefill, args.decode, _gpu_list(args.gpus, "--gpus"),
+                        _gpu_list(args.prefill_gpus, "--prefill-gpus"), _gpu_list(args.decode_gpus, "--decode-gpus"),
+                        visible_gpus() if args.device in (None, "auto", "cuda") else [])
+    except ValueError as exc:
+        print(f"pdserve up: {exc}", file=sys.stderr)
+        return 2
+    if any(gpus):
+        print("pdserve up: GPUs " + ", ".join(f"{name} on {gpu}" for name, gpu in zip(_node_names(args.prefill,
+                                                                                            args.decode), gpus)),
+              flush=True)
     deployment = start_local(model_dir, num_prefill=args.prefill, num_decode=args.decode, host=args.host,
                              port=args.port, node_args=node_args, proxy_args=proxy_args, log_dir=log_dir,
-                             proxy_cores=args.proxy_cores, lend_cores=args.lend_cores)
+                             proxy_cores=args.proxy_cores, lend_cores=args.lend_cores, gpus=gpus)
     try:
         wait_healthy(deployment, args.ready_timeout_s, stop)
         print(f"pdserve is ready: {deployment.base_url}/v1 (model {model_dir}); Ctrl-C stops it", flush=True)
@@ -258,7 +279,7 @@ def start_local(
     model_dir: Path, *, num_prefill: int = 1, num_decode: int = 1, host: str = "127.0.0.1",
     port: int | None = None, node_args: list[str] | tuple[str, ...] = (),
     proxy_args: list[str] | tuple[str, ...] = (), log_dir: Path | None = None, pin_cpus: bool = True,
-    proxy_cores: int | None = None, lend_cores: bool | None = None,
+    proxy_cores: int | None = None, lend_cores: bool | None = None, gpus: list[str | None] | None = None,
 ) -> Deployment:
     """Start nodes and proxy as separate processes (not waiting for health: see wait_healthy).
     On any failure the caller must stop() the returned deployment's cluster. pin_cpus: each node
@@ -266,7 +287,8 @@ def start_local(
     auto_proxy_cores) left to the proxy and the clients. lend_cores: where nodes have cores of
     their own, prefill node i lends its cores to decode node i while it has nothing to prefill
     (node.core_lending); only with at least as many prefill nodes as decode nodes, so that no two
-    decode nodes borrow the same cores. None: see auto_lend_cores."""
+    decode nodes borrow the same cores. None: see auto_lend_cores. gpus: per node (prefill nodes
+    first) the GPU it runs on (gpu_plan), or None for the node's own default device."""
     cluster = Cluster()
     cpus = []
     if pin_cpus:
@@ -293,11 +315,15 @@ def start_local(
             argv.append("--colocated")
         if cpus:
             argv += ["--cpus", cpus[i]]
+        env = None
+        if gpus and gpus[i] is not None:
+            env = {"CUDA_VISIBLE_DEVICES": gpus[i]}
+            argv += _gpu_flags(gpus, i, node_args)
         pair = i if kind == "prefill" else i - num_prefill
         if pair in lending:
             argv += (["--lend-flag", str(lending[pair])] if kind == "prefill"
                      else ["--borrow-flag", str(lending[pair]), "--borrow-cpus", cpus[pair]])
-        cluster.start(name, argv, log_dir)
+        cluster.start(name, argv, log_dir, env)
     http_port = port or free_port(host)
     proxy_argv = pdserve + ["proxy", "--model", str(model_dir), "--host", host, "--port", str(http_port),
                             "--decode", _joined(addresses, "decode"), *proxy_args]
@@ -305,6 +331,61 @@ def start_local(
         proxy_argv += ["--prefill", _joined(addresses, "prefill")]
     cluster.start("proxy", proxy_argv, log_dir)
     return Deployment(cluster, f"http://{host}:{http_port}", addresses, log_dir, health_urls)
+
+
+# NOTE: the share of a GPU its nodes hold in all when several share it (split evenly).
+_SHARED_GPU_UTILIZATION = 0.9
+
+
+def gpu_plan(num_prefill: int, num_decode: int, gpus: list[str] | None = None, prefill_gpus: list[str] | None = None,
+             decode_gpus: list[str] | None = None, visible: list[str] = ()) -> list[str | None]:
+    """The GPU of each node (prefill nodes first), as CUDA_VISIBLE_DEVICES names it: round robin
+    over prefill_gpus / decode_gpus for their pool where given, else over gpus, else over the
+    visible GPUs; all None (each node's own default device) where there are none."""
+    pool = gpus or list(visible)
+    if not (prefill_gpus or decode_gpus):
+        return [pool[i % len(pool)] if pool else None for i in range(num_prefill + num_decode)]
+    prefill, decode = prefill_gpus or pool, decode_gpus or pool
+    if (num_prefill and not prefill) or (num_decode and not decode):
+        raise ValueError("--prefill-gpus / --decode-gpus: the other pool has no GPU; give it its own, or --gpus")
+    return ([prefill[i % len(prefill)] for i in range(num_prefill)]
+            + [decode[i % len(decode)] for i in range(num_decode)])
+
+
+def _gpu_flags(gpus: list[str | None], index: int, node_args: list[str] | tuple[str, ...]) -> list[str]:
+    """A node's flags for its GPU: the device, and where k nodes share it, a 1/k share of its
+    memory (unless the user set a share or a budget)."""
+    flags = [] if "--device" in node_args else ["--device", "cuda"]
+    sharing = sum(1 for gpu in gpus if gpu == gpus[index])
+    if sharing > 1 and "--gpu-memory-utilization" not in node_args and "--kv-cache-memory-gb" not in node_args:
+        flags += ["--gpu-memory-utilization", f"{_SHARED_GPU_UTILIZATION / sharing:.4f}"]
+    return flags
+
+
+def _gpu_list(text: str | None, flag: str) -> list[str] | None:
+    if text is None:
+        return None
+    ids = [part.strip() for part in text.split(",") if part.strip()]
+    if not ids:
+        raise ValueError(f"{flag} {text!r} names no GPU (e.g. {flag} 0,1)")
+    return ids
+
+
+def visible_gpus() -> list[str]:
+    """The GPUs this process may use, as a child's CUDA_VISIBLE_DEVICES names them: that
+    variable's entries where it is set, else one index per GPU nvidia-smi lists (none without it)."""
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        return [part.strip() for part in listed.split(",") if part.strip() and part.strip() != "-1"]
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [str(i) for i, line in enumerate(line for line in out.splitlines() if line.startswith("GPU "))]
+
+
+def _node_names(num_prefill: int, num_decode: int) -> list[str]:
+    return [f"prefill{i}" for i in range(num_prefill)] + [f"decode{i}" for i in range(num_decode)]
 
 
 def _lending_flags(cluster: Cluster, cpus: list[str], num_prefill: int, num_decode: int) -> dict[int, Path]:

@@ -64,18 +64,21 @@ def resolve(directory: Path) -> list[dict]:
 
 
 def _merge(target: dict, change: dict) -> None:
-    """Strategic merge as kustomize does it for what the overlay patches: maps merge, lists of
-    named items (containers) merge by name, other lists replace."""
+    """Strategic merge as kustomize does it for what the overlays patch: maps merge, lists of
+    named items (containers, env) merge by name (items new to the list go first, as kustomize
+    puts them), other lists replace."""
     for key, value in change.items():
         if isinstance(value, dict) and isinstance(target.get(key), dict):
             _merge(target[key], value)
         elif isinstance(value, list) and value and isinstance(value[0], dict) and "name" in value[0]:
             named = {item["name"]: item for item in target.setdefault(key, [])}
+            added = []
             for item in value:
                 if item["name"] in named:
                     _merge(named[item["name"]], item)
                 else:
-                    target[key].append(copy.deepcopy(item))
+                    added.append(copy.deepcopy(item))
+            target[key][:0] = added
         else:
             target[key] = copy.deepcopy(value)
 
@@ -196,3 +199,29 @@ def test_every_secret_reference_exists(manifests):
         assert reference["key"] in secrets[reference["name"]], reference
     assert all(len(value) >= 16 for value in secrets["pdserve-secrets"].values())
 
+
+
+GPU_OVERLAY = REPO / "deploy" / "k8s" / "overlays" / "gpu"
+
+
+@pytest.mark.parametrize("kind", ["prefill", "decode"])
+def test_the_gpu_overlay_gives_each_node_pod_one_gpu(kind, monkeypatch):
+    """deploy/k8s/overlays/gpu: the CUDA image, one nvidia.com/gpu per node pod on GPU nodes, the
+    node's device set to cuda (its command line still parses); the proxy asks for no GPU. Where
+    kubectl is installed its rendering equals the resolver's."""
+    manifests = render(GPU_OVERLAY)
+    if shutil.which("kubectl"):
+        assert sorted(manifests, key=_key) == sorted(resolve(GPU_OVERLAY), key=_key)
+    pod = _by(manifests, "Deployment", f"pdserve-{kind}")["spec"]["template"]["spec"]
+    [container] = pod["containers"]
+    assert container["image"] == "pdserve:cuda"
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert container["resources"]["requests"]["nvidia.com/gpu"] == "1"
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    args, _ = _parse(container, monkeypatch)
+    assert args.device == "cuda"
+    names = {variable["name"] for variable in container["env"]}
+    assert names >= {"PDSERVE_ADVERTISE_HOST", "PDSERVE_CLUSTER_SECRET", "PDSERVE_DEVICE"}
+    [proxy] = _containers(_by(manifests, "Deployment", "pdserve-proxy"))
+    assert "nvidia.com/gpu" not in str(proxy.get("resources"))

@@ -226,6 +226,9 @@ def test_real_nodes_export_what_they_served(deployment, tiny_model_dir):
     assert value(decode, "pdserve_node_kv_pulled_bytes_total") == num_blocks * block_bytes(tiny_model_dir) > 0
     assert value(decode, "pdserve_node_kv_pull_fallbacks_total") == 0
     assert value(decode, "pdserve_node_step_seconds_count") >= NUM_OUTPUT - 1
+    # What UCX reported for the decode node's reads (host memory here; on a GPU, cuda).
+    [(transport, one)] = wait_for(lambda: scrape(nodes["decode0"]).get("pdserve_kv_transport_info"))
+    assert one == 1 and transport["memory"] == "host" and "/" in transport["transport"] and transport["method"]
     for name, values in (("prefill0", prefill), ("decode0", decode)):
         labels = values["vllm:num_requests_running"][0][0]
         assert labels == {"model_name": model_name, "engine": name, "role": name[:-1]}, labels

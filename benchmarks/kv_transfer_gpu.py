@@ -1,0 +1,133 @@
+"""KV reads of GPU memory between two processes over NIXL, as a decode node pulls from a prefill node:
+GB/s and the transport UCX reports, under pdserve's UCX settings and under the settings before them.
+
+Each setting runs in fresh processes (UCX reads its settings when it loads): a holder process
+with a block-major bfloat16 cache of llama-1b's KV shape on the GPU (16 layers, 8 KV heads of 64:
+512 KiB a block of 16 tokens), and a reader process (this script with --reader) that pulls 256 MiB
+(512 blocks, scattered on the reader's side) --repeats times through the NixlConnector and reports the
+median GB/s and connector.transport. Settings:
+  pdserve   the node's own choice (kv_transfer/ucx.py: lo, GET over cuda_ipc enabled)
+  before    UCX_NET_DEVICES=lo alone, GET over cuda_ipc left to UCX (what nodes set before)
+Ends with `RESULT {json}`. --device cpu --blocks 16 checks the script on host memory.
+
+    python3 benchmarks/kv_transfer_gpu.py [--blocks 512] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # before benchmarks/: its kv_transfer.py is not the package
+
+SETTINGS = {"pdserve": {}, "before": {"UCX_NET_DEVICES": "lo", "UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "auto"}}
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--blocks", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--settings", default="pdserve,before")
+    parser.add_argument("--reader", action="store_true", help="(internal) run one setting's reader")
+    parser.add_argument("--timeout-s", type=float, default=120.0, help="per setting")
+    return parser.parse_args()
+
+
+def layout_for(num_blocks: int):
+    from kv_transfer.layout import KVLayout
+
+    # NOTE: twice the blocks: the reader's land on every other block, as in a busy cache.
+    return KVLayout(num_layers=16, num_kv_heads=8, head_dim=64, block_size=16, dtype="bfloat16",
+                    num_blocks=2 * num_blocks, model_fingerprint="kv-gpu-bench", code_version="1")
+
+
+def _cpu_benchmark():
+    """benchmarks/kv_transfer.py (its holder process and timed read), loaded by path: its module
+    name is the kv_transfer package's."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("kv_transfer_bench", REPO / "benchmarks" / "kv_transfer.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def reader(args: argparse.Namespace) -> int:
+    import torch
+
+    from kv_transfer.config import TransferConfig
+    from kv_transfer.factory import create_connector
+    bench = _cpu_benchmark()
+    read_once, start_holder = bench.read_once, bench.start_holder
+    layout = layout_for(args.blocks)
+    os.environ["KV_BENCH_STORAGE"], os.environ["KV_BENCH_DEVICE"] = "block", args.device
+    holder = start_holder("nixl", layout=layout)
+    shape = (layout.num_blocks, layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
+    cache = torch.zeros(shape, dtype=torch.bfloat16, device=args.device)
+    connector = create_connector(TransferConfig(backend="nixl", host="127.0.0.1"), cache, layout, "reader")
+    try:
+        remote = list(range(args.blocks))
+        local = list(range(1, 2 * args.blocks, 2))
+        times = [read_once(connector, holder, f"r{i}", remote, local) for i in range(args.repeats + 1)][1:]
+        for _ in range(50):  # the report is read at most once a second after a read
+            if connector.transport is not None:
+                break
+            connector._report_checked_at = 0.0
+            connector._check_ucx_report()
+            time.sleep(0.05)
+        seconds = statistics.median(times)
+        num_bytes = args.blocks * layout.block_numel * 2
+        transport = connector.transport
+        print(json.dumps({"gb_s": num_bytes / seconds / 1e9, "ms": 1e3 * seconds, "bytes": num_bytes,
+                          "transport": transport.transport if transport else None,
+                          "method": transport.method if transport else None,
+                          "env": {k: v for k, v in os.environ.items() if k.startswith("UCX_")}}), flush=True)
+    finally:
+        connector.close()
+        holder[0].kill()
+        holder[0].wait()
+    return 0
+
+
+def main() -> int:
+    args = parse_args()
+    if args.reader:
+        return reader(args)
+    results = {}
+    for name in args.settings.split(","):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}
+        env.update(SETTINGS[name])
+        env["PYTHONPATH"] = str(REPO)
+        argv = [sys.executable, __file__, "--reader", "--blocks", str(args.blocks), "--repeats", str(args.repeats),
+                "--device", args.device]
+        try:
+            proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=args.timeout_s, cwd=REPO)
+        except subprocess.TimeoutExpired:
+            results[name] = {"error": f"timed out after {args.timeout_s:.0f} s"}
+            print(f"{name}: timed out", flush=True)
+            continue
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+        if proc.returncode != 0 or not lines:
+            results[name] = {"error": (proc.stderr or proc.stdout)[-800:]}
+            print(f"{name}: failed\n{results[name]['error']}", flush=True)
+            continue
+        results[name] = json.loads(lines[-1])
+        r = results[name]
+        print(f"{name:>8}: {r['gb_s']:8.2f} GB/s ({r['ms']:.2f} ms for {r['bytes'] / 2**20:.0f} MiB) over "
+              f"{r['transport']} ({r['method']})", flush=True)
+    from benchmarks.results_io import write_result
+
+    write_result("kv_transfer_gpu", {"device": args.device, "blocks": args.blocks, "settings": results})
+    return 0 if all("gb_s" in r for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

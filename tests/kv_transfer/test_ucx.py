@@ -1,0 +1,119 @@
+"""UCX under NIXL: the settings chosen per address and memory kind, the RDMA ports found, an
+operator's settings winning, and the READ transport read from UCX's protocol report (a written
+report, and a real NIXL read of host memory between two processes)."""
+
+import logging
+import os
+import time
+
+import pytest
+
+from kv_transfer import ucx
+from kv_transfer.ucx import ProtocolReport, Transport, apply_settings, rdma_ports, ucx_settings
+from tests.kv_transfer.helpers import poll_until
+from tests.kv_transfer.test_connectors import holders, reader  # noqa: F401 - holders: a fixture
+
+
+@pytest.mark.parametrize(("host", "on_gpu", "interface", "ports", "expected"), [
+    ("127.0.0.1", False, None, [], {"NET_DEVICES": "lo"}),
+    ("127.0.0.1", True, None, [], {"NET_DEVICES": "lo", "CUDA_IPC_ENABLE_GET_ZCOPY": "y"}),
+    ("10.0.0.5", False, "eth0", [], {"NET_DEVICES": "eth0"}),
+    ("10.0.0.5", True, "eth0", ["mlx5_0:1", "mlx5_1:1"],
+     {"NET_DEVICES": "eth0,mlx5_0:1,mlx5_1:1", "CUDA_IPC_ENABLE_GET_ZCOPY": "y"}),
+    ("203.0.113.9", True, None, ["mlx5_0:1"], {"CUDA_IPC_ENABLE_GET_ZCOPY": "y"}),  # behind NAT: UCX's choice
+    ("203.0.113.9", False, None, [], {}),
+])
+def test_settings_for_each_address_and_memory_kind(host, on_gpu, interface, ports, expected):
+    assert ucx_settings(host, on_gpu, interface, ports) == expected
+
+
+def test_rdma_ports_are_the_active_ones(tmp_path):
+    for device, port, state in [("mlx5_0", "1", "4: ACTIVE"), ("mlx5_1", "1", "1: DOWN"), ("mlx5_2", "1", "4: ACTIVE"),
+                                ("mlx5_2", "2", "2: INIT")]:
+        folder = tmp_path / device / "ports" / port
+        folder.mkdir(parents=True)
+        (folder / "state").write_text(state + "\n")
+    assert rdma_ports(tmp_path) == ["mlx5_0:1", "mlx5_2:1"]
+    assert rdma_ports(tmp_path / "absent") == []
+
+
+def test_an_operators_settings_win(monkeypatch):
+    monkeypatch.setenv("UCX_NET_DEVICES", "eth1")
+    monkeypatch.delenv("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", raising=False)
+    assert apply_settings({"NET_DEVICES": "lo", "CUDA_IPC_ENABLE_GET_ZCOPY": "y"}) == {
+        "NET_DEVICES": "eth1", "CUDA_IPC_ENABLE_GET_ZCOPY": "y"}
+
+
+REPORT = """\
+[1.0] [h:1:0]   | r self cfg#0                                              |
+[1.0] [h:1:0]   | remote memory write by ucp_put* from host memory to host  |
+[1.0] [h:1:0]   | 0..inf | zero-copy   | cma/memory                          |
+[1.0] [h:1:0]   +--------+-------------+-------------------------------------+
+[1.1] [h:1:0]           ucp_worker.c:1912 UCX  WARN  some transport warning
+[1.2] [h:1:0]   | r intra-node cfg#2                                        |
+[1.2] [h:1:0]   | remote memory read by ucp_get*(multi) into cuda memory from cuda |
+[1.2] [h:1:0]   +--------+--------------------+------------------+
+[1.2] [h:1:0]   | Range  | Description        | Config           |
+[1.2] [h:1:0]   +--------+--------------------+------------------+
+[1.2] [h:1:0]   | 0..8K  | short              | tcp/lo           |
+[1.2] [h:1:0]   | 8K..inf | software emulation | tcp/lo          |
+[1.2] [h:1:0]   +--------+--------------------+------------------+
+"""
+
+
+def test_the_read_transport_and_warnings_come_from_the_report(tmp_path, caplog):
+    path = tmp_path / "ucx.1.log"
+    report = ProtocolReport(path)
+    assert report.poll() is None  # no file yet
+    cut = REPORT.index("software")  # a line half written
+    path.write_text(REPORT[:cut])
+    with caplog.at_level(logging.WARNING, logger="kv_transfer.ucx"):
+        assert report.poll() is None
+    assert any("some transport warning" in r.getMessage() for r in caplog.records)
+    with open(path, "a") as file:
+        file.write(REPORT[cut:])
+    transport = report.poll()
+    assert transport == Transport("tcp/lo", "software emulation", "cuda") and transport.is_tcp_fallback
+    assert not Transport("cuda_ipc/cuda", "zero-copy", "cuda").is_tcp_fallback
+
+
+def test_a_real_read_reports_its_transport(holders):  # noqa: F811 - the fixture imported above
+    """NIXL on host memory between two processes: the connector names what UCX chose."""
+    if ucx._report_file is None and "UCX_LOG_FILE" in os.environ:
+        pytest.skip("UCX's log file is the operator's")
+    holder = holders("nixl", seed=2)
+    connector, _ = reader("nixl")
+    try:
+        connector.start_read("t-0", holder.lease("t-0", [1, 2, 3]), [4, 5, 6])
+        results = poll_until(connector, {"t-0"}, timeout_s=30)
+        assert results["t-0"].is_ok
+        deadline = time.monotonic() + 10
+        while connector.transport is None and time.monotonic() < deadline:
+            connector._report_checked_at = 0.0
+            connector._check_ucx_report()
+            time.sleep(0.05)
+        transport = connector.transport
+        assert transport is not None and transport.memory == "host" and "/" in transport.transport, transport
+    finally:
+        connector.close()
+
+
+def test_the_gpu_read_benchmark_runs_on_host_memory(tmp_path):
+    """benchmarks/kv_transfer_gpu.py (the GPU slot's NIXL check) at toy size on the CPU: each
+    setting's processes read, and the transport is named."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")} | {"PDSERVE_RESULTS_DIR": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "benchmarks/kv_transfer_gpu.py", "--device", "cpu", "--blocks", "8",
+                           "--repeats", "1"], cwd=repo, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    [record] = tmp_path.glob("kv_transfer_gpu-*.json")
+    settings = json.loads(record.read_text())["result"]["settings"]
+    assert set(settings) == {"pdserve", "before"}
+    for result in settings.values():
+        assert result["gb_s"] > 0 and "/" in result["transport"], result
+    assert settings["before"]["env"]["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] == "auto"
