@@ -3,17 +3,19 @@
 # machine): the engine-on-CUDA equality tests (CUDA graphs against eager and transformers), the
 # engine benchmark (benchmarks/gpu_engine.py: its models made on the device), KV reads of GPU
 # memory between two processes over NIXL (benchmarks/kv_transfer_gpu.py: GB/s and UCX's transport),
-# the kernel tests, then the Triton kernels' benchmark. Logs, results (results/) and a summary
-# (summary.txt) go to LOG_DIR (default benchmarks/out/gpu); STEPS picks among engine, gpu_engine,
-# kv, kernels and bench (default the first four, in that order). TOTAL_S (default 540) bounds the
-# whole: each step's timeout is cut to what is left. Missing wheels (msgspec, nixl) can sit in
-# .whl/; they are installed into a scratch folder.
-#   bash benchmarks/gpu_checks.sh [LOG_DIR [STEPS...]]
+# 1P+1D against colocated served through the proxy (benchmarks/gpu_served.py, on the engine
+# benchmark's llama-1b), the kernel tests, then the Triton kernels' benchmark. Logs, results
+# (results/) and a summary (summary.txt) go to LOG_DIR (default benchmarks/out/gpu); STEPS picks
+# among engine, gpu_engine, kv, served, kernels and bench (default the first five, in that order).
+# TOTAL_S (default 480) bounds the whole: each step's timeout is cut to what is left. The wheels
+# the device image lacks sit in .whl/ (made here by `.venv/bin/python benchmarks/gpu_wheels.py`,
+# 35 MiB, carried with the call) and are installed into a scratch folder.
+#   bash benchmarks/gpu_checks.sh [LOG_DIR [STEPS...]]     # on the device: bash benchmarks/gpu_checks.sh "$OUT"
 set -u
 out=${1:-benchmarks/out/gpu}
 shift || true
-steps=${*:-engine gpu_engine kv kernels}
-total=${TOTAL_S:-540}
+steps=${*:-engine gpu_engine kv served kernels}
+total=${TOTAL_S:-480}
 mkdir -p "$out/results"
 export PYTHONUNBUFFERED=1 PDSERVE_RESULTS_DIR="$out/results"
 # A step's timeout: its own, or what is left of TOTAL_S if less.
@@ -28,28 +30,32 @@ fi
 "transformers", transformers.__version__, torch.cuda.get_device_name())'
     grep -m1 "model name" /proc/cpuinfo; nproc; command -v cc
 } 2>&1 | tee "$out/env.log"
-# The compiled CPU kernels, as an install builds them (setup.py; build outputs do not travel).
-timeout 300 python3 setup.py -q build_ext --inplace -j "$(nproc)" >"$out/build_native.log" 2>&1 \
-    || echo "building the CPU kernels failed: see $out/build_native.log"
 pytest_args=(-q -p no:cacheprovider -p no:benchmark -rfEs --durations=15 --timeout=150)
 for step in $steps; do
     start=$SECONDS
     case $step in
         bench) timeout "$(limit 150)" python3 benchmarks/kernels.py --iters 30 2>&1 | tee "$out/kernels_bench.log" | grep -v '^RESULT'
                rc=${PIPESTATUS[0]} ;;
-        engine) timeout "$(limit 150)" python3 -m pytest tests/engine/test_decode_graphs.py tests/engine/test_correctness.py \
+        engine) timeout "$(limit 120)" python3 -m pytest tests/engine/test_decode_graphs.py tests/engine/test_correctness.py \
                     tests/engine/test_bfloat16.py -k cuda \
                     "${pytest_args[@]}" >"$out/engine_tests.log" 2>&1
                 rc=$?; tail -30 "$out/engine_tests.log" ;;
-        gpu_engine) left=$(limit 270)
-                    timeout "$left" python3 benchmarks/gpu_engine.py --presets llama-1b,llama-8b --budget-s $((left - 15)) \
+        gpu_engine) left=$(limit 170)
+                    timeout "$left" python3 benchmarks/gpu_engine.py --presets llama-1b,llama-8b --budget-s $((left - 10)) \
                         2>&1 | tee "$out/gpu_engine.log" | grep -v '^RESULT'
                     rc=${PIPESTATUS[0]} ;;
-        kv) timeout "$(limit 90)" python3 benchmarks/kv_transfer_gpu.py 2>&1 | tee "$out/kv_transfer_gpu.log" \
-                | grep -v '^RESULT'
+        kv) timeout "$(limit 50)" python3 benchmarks/kv_transfer_gpu.py --timeout-s 22 2>&1 \
+                | tee "$out/kv_transfer_gpu.log" | grep -v '^RESULT'
             rc=${PIPESTATUS[0]} ;;
-        # Workers run torch on two threads each: the CPU kernels' tests run here too.
-        kernels) OMP_NUM_THREADS=2 timeout "$(limit 200)" python3 -m pytest tests/kernels -n 6 "${pytest_args[@]}" \
+        served) left=$(limit 130)
+                timeout "$left" python3 benchmarks/gpu_served.py --budget-s $((left - 5)) --log-dir "$out/served_logs" \
+                    2>&1 | tee "$out/gpu_served.log" | grep -v '^RESULT'
+                rc=${PIPESTATUS[0]} ;;
+        # Workers run torch on two threads each: the CPU kernels' tests run here too, built first as an
+        # install builds them (setup.py; build outputs do not travel).
+        kernels) timeout "$(limit 120)" python3 setup.py -q build_ext --inplace -j "$(nproc)" \
+                     >"$out/build_native.log" 2>&1 || echo "building the CPU kernels failed: see $out/build_native.log"
+                 OMP_NUM_THREADS=2 timeout "$(limit 200)" python3 -m pytest tests/kernels -n 6 "${pytest_args[@]}" \
                      >"$out/kernel_tests.log" 2>&1
                  rc=$?; grep -E "^(FAILED|ERROR)" "$out/kernel_tests.log" | head -40; tail -22 "$out/kernel_tests.log" ;;
         *) echo "unknown step $step"; rc=2 ;;
@@ -60,4 +66,5 @@ grep -hE "passed|failed" "$out"/engine_tests.log "$out"/kernel_tests.log 2>/dev/
 grep -E "decode batch|prefill [0-9]|offline|transformers generate|graphs captured|skipped" "$out/gpu_engine.log" \
     >>"$out/summary.txt" 2>/dev/null
 grep -E "GB/s|failed|timed out" "$out/kv_transfer_gpu.log" >>"$out/summary.txt" 2>/dev/null
+grep -E "tok/s|colocated|failed|skipped" "$out/gpu_served.log" >>"$out/summary.txt" 2>/dev/null
 cat "$out/summary.txt"

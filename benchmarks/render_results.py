@@ -516,6 +516,45 @@ def plot_gpu_decode(preset: dict, path: Path) -> None:
     save(fig, path)
 
 
+def render_kv_transfer_gpu(records: list[dict]) -> tuple[list[str], list]:
+    runs = [r for r in records if r["result"].get("device") != "cpu"]
+    if not runs:
+        return ["*No GPU run recorded yet.*"], []
+    record = runs[-1]
+    rows = []
+    for name, r in record["result"]["settings"].items():
+        rows.append([name, num(r.get("gb_s"), 1, " GB/s"), num(r.get("ms"), 2, " ms"),
+                     f"{r.get('transport')} ({r.get('method')})"] if "gb_s" in r else
+                    [name, "", "", r.get("error", "")[:80]])
+    return table(["UCX settings", "READ", "time", "transport"], rows) + ["", "- " + provenance(record)], []
+
+
+def render_gpu_served(records: list[dict]) -> tuple[list[str], list]:
+    runs = [r for r in records if r["result"].get("device") != "cpu"]
+    if not runs:
+        return ["*No GPU run recorded yet.*"], []
+    record = runs[-1]
+    result = record["result"]
+    rows = []
+    for name, r in result["setups"].items():
+        if "output_throughput" not in r:
+            rows.append([name, r.get("error", "")[:80], "", "", ""])
+            continue
+        pulls = r.get("pulls") or {}
+        ttft, tpot = r["ttft_ms"], r["tpot_ms"]
+        rows.append([name, num(r["output_throughput"], 0), f"{num(ttft['p50'], 0)} / {num(ttft['p99'], 0)}",
+                     f"{num(tpot['p50'], 1)} / {num(tpot['p99'], 1)}",
+                     f"{num(pulls.get('gb_s'), 1)} GB/s over {(pulls.get('transport') or {}).get('transport')}"
+                     if pulls else ""])
+    lines = [f"{result['num_requests']} x {result['prompt_len']} -> {result['output_len']} tokens, all at once, "
+             f"{result['model']}:", ""]
+    lines += table(["setup", "output tok/s", "TTFT p50 / p99 (ms)", "TPOT p50 / p99 (ms)", "KV pulls"], rows)
+    if "pd_over_colocated" in result:
+        lines += ["", f"1P+1D / colocated: {result['pd_over_colocated']:.2f}x; greedy outputs equal: "
+                      f"{result['greedy_equal']}."]
+    return lines + ["", "- " + provenance(record)], []
+
+
 RENDERERS: dict[str, Callable[[list[dict]], tuple[list[str], list]]] = {
     "ab_trees": render_ab_trees,
     "vs_vllm": render_vs_vllm, "kernels_gpu": render_kernels_gpu, "kernels_cpu": render_kernels_cpu,
@@ -523,7 +562,7 @@ RENDERERS: dict[str, Callable[[list[dict]], tuple[list[str], list]]] = {
     "serve_throughput": render_serve_throughput, "decode_latency": render_decode_latency,
     "multiturn": render_multiturn, "disagg_vs_colocated": render_disagg_vs_colocated, "chaos": render_chaos,
     "load_client": render_load_client, "profile_serve": render_profile_serve, "fuzz": render_fuzz,
-    "gpu_engine": render_gpu_engine,
+    "gpu_engine": render_gpu_engine, "kv_transfer_gpu": render_kv_transfer_gpu, "gpu_served": render_gpu_served,
 }
 
 
