@@ -22,6 +22,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.model import AttentionMetadata, CausalLM
@@ -93,18 +94,29 @@ class DecodeGraphs:
         device = kv_cache.device
         rows = self.sizes[-1]
         self.width = -(-max_model_len // block_size)  # a request's most blocks
-        # The device buffers the graphs read, and their host copies (pinned on CUDA) that a step
-        # fills and copies in, one copy per dtype: int64 [4, rows] (token ids, positions, slots, and
-        # for launch(), the earlier step's row whose token a row takes),
-        # int32 [rows + rows * width] (the sequence lengths, then the block tables row by row).
+        # The device buffers the graphs read: int64 [4, rows] (token ids, positions, slots, and for
+        # launch(), the earlier step's row whose token a row takes) copied in whole each step, and
+        # int32 [rows + rows * width] (the sequence lengths, then the block tables row by row),
+        # updated by a scatter of the entries that changed: a row's table is sent once for its
+        # request, then block by block as it grows. The host side: a mirror of the tables, and
+        # two sets of pinned staging buffers, one per step in flight (a step's copies may still be
+        # queued when the next one is filled).
         pin = device.type == "cuda"
+        num_ints = rows * (self.width + 1)
         self._ids = torch.zeros(4, rows, dtype=torch.long, device=device)
-        self._ints = torch.zeros(rows * (self.width + 1), dtype=torch.int32, device=device)
-        self._host_ids = torch.zeros(4, rows, dtype=torch.long, pin_memory=pin)
-        self._host_ints = torch.zeros(rows * (self.width + 1), dtype=torch.int32, pin_memory=pin)
-        self._np_ids = self._host_ids.numpy()
-        self._np_lens = self._host_ints[:rows].numpy()
-        self._np_tables = self._host_ints[rows:].view(rows, self.width).numpy()
+        self._ints = torch.zeros(num_ints, dtype=torch.int32, device=device)
+        self._update_index = torch.zeros(num_ints, dtype=torch.long, device=device)
+        self._update_value = torch.zeros(num_ints, dtype=torch.int32, device=device)
+        self._staging = [(torch.zeros(4, rows, dtype=torch.long, pin_memory=pin),
+                          torch.zeros(num_ints, dtype=torch.long, pin_memory=pin),
+                          torch.zeros(num_ints, dtype=torch.int32, pin_memory=pin)) for _ in range(2)]
+        self._next_staging = 0
+        self._np_ids = self._staging[0][0].numpy()
+        self._np_lens = np.zeros(rows, dtype=np.int32)
+        self._row_owner: list[tuple[int, int] | None] = [None] * rows  # (serial, preemptions) on the device
+        self._row_blocks = [0] * rows  # how many of its blocks the device has
+        self._num_updates = 0
+        self._update_np: tuple[np.ndarray, np.ndarray] | None = None
         self._seq_lens = self._ints[:rows]
         self._tables = self._ints[rows:].view(rows, self.width)
         self._no_prefill_tables = torch.zeros(0, self.width, dtype=torch.int32, device=device)
@@ -116,6 +128,7 @@ class DecodeGraphs:
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, DecodeOutputs] = {}
         self.report = CaptureReport(self.sizes, 0.0, 0)
+        self._begin_staging()
         self._fill_padding(0, rows)
         self._copy_in(rows)
 
@@ -163,9 +176,7 @@ class DecodeGraphs:
         row, the row of `previous` (the launch just before this one) whose token is its input
         (its own last token is not known yet); None: every input token is known."""
         num = len(decodes)
-        if fed is not None:
-            self._np_ids[3, :num] = fed
-        size = self._stage(decodes)
+        size = self._stage(decodes, fed)
         if fed is not None:
             self._ids[0, :num].copy_(previous.device_tokens.index_select(0, self._ids[3, :num]))
         out = self._replay(size)
@@ -173,12 +184,15 @@ class DecodeGraphs:
         self._next_host ^= 1
         return PendingTokens(out.tokens[:num], host)
 
-    def _stage(self, decodes: list[Request]) -> int:
-        """Fill the buffers for these decodes; returns their bucket."""
+    def _stage(self, decodes: list[Request], fed: list[int] | None = None) -> int:
+        """Fill the buffers for these decodes (fed: launch()'s); returns their bucket."""
         num = len(decodes)
         size = bucket_for(num, self.sizes)
         assert size is not None, f"{num} decodes past the largest bucket {self.max_size}"
+        self._begin_staging()
         self._fill(decodes)
+        if fed is not None:
+            self._np_ids[3, :num] = fed
         self._fill_padding(num, size)
         self._copy_in(size)
         return size
@@ -191,8 +205,15 @@ class DecodeGraphs:
             out = self._outputs[size]
         return out
 
+    def _begin_staging(self) -> None:
+        ids, index, value = self._staging[self._next_staging]
+        self._next_staging ^= 1
+        self._np_ids = ids.numpy()
+        self._update_np = (index.numpy(), value.numpy())
+        self._num_updates = 0
+
     def _fill(self, decodes: list[Request]) -> None:
-        ids, lens, tables, bs = self._np_ids, self._np_lens, self._np_tables, self.block_size
+        ids, lens, bs = self._np_ids, self._np_lens, self.block_size
         for row, request in enumerate(decodes):
             pos = request.num_computed_tokens
             blocks = request.block_ids
@@ -200,7 +221,19 @@ class DecodeGraphs:
             ids[1, row] = pos
             ids[2, row] = blocks[pos // bs] * bs + pos % bs
             lens[row] = pos + 1
-            tables[row, : len(blocks)] = blocks
+            owner = (request.serial, request.num_preemptions)
+            first = self._row_blocks[row] if self._row_owner[row] == owner else 0
+            if len(blocks) > first:
+                self._add_updates(self.max_size + row * self.width + first, blocks[first:])
+                self._row_owner[row], self._row_blocks[row] = owner, len(blocks)
+
+    def _add_updates(self, start: int, values: list[int]) -> None:
+        """Entries start, start + 1, ... of the device's int32 buffer become values."""
+        index, value = self._update_np
+        k, n = self._num_updates, len(values)
+        index[k : k + n] = np.arange(start, start + n)
+        value[k : k + n] = values
+        self._num_updates = k + n
 
     def _fill_padding(self, start: int, end: int) -> None:
         """Rows start..end: token 0 at position 0, no KV written (slot -1), length 0."""
@@ -209,12 +242,15 @@ class DecodeGraphs:
         self._np_lens[start:end] = 0
 
     def _copy_in(self, size: int) -> None:
-        # NOTE: every column of the rows: entries past a sequence's blocks are never read, but they
-        # must be block ids (stale ones are: the cache never shrinks).
-        rows = self.max_size
-        self._ids[:, :size].copy_(self._host_ids[:, :size], non_blocking=True)
-        end = rows + size * self.width
-        self._ints[:end].copy_(self._host_ints[:end], non_blocking=True)
+        """The staged step into the device buffers: its ids whole; its lengths and the tables'
+        changed entries scattered. Entries past a sequence's blocks are never read."""
+        self._add_updates(0, self._np_lens[:size].tolist())
+        ids, index, value = self._staging[self._next_staging ^ 1]
+        k = self._num_updates
+        self._ids[:, :size].copy_(ids[:, :size], non_blocking=True)
+        self._update_index[:k].copy_(index[:k], non_blocking=True)
+        self._update_value[:k].copy_(value[:k], non_blocking=True)
+        self._ints.index_copy_(0, self._update_index[:k], self._update_value[:k])
 
     def _forward(self, size: int) -> DecodeOutputs:
         ids = self._ids

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -11,6 +12,9 @@ from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from engine.grammar import RequestGrammar
+
+
+_serials = itertools.count()
 
 
 class RequestStatus(enum.Enum):
@@ -53,6 +57,9 @@ class Request:
     cache_entries: list[int] = field(default_factory=list)
     is_caching_stopped: bool = False
     num_cached_tokens: int = 0
+    # Unique in the process (request ids may come back once a request ended): what the static
+    # decode buffers know a row's block table by (engine.decode_graphs).
+    serial: int = field(default_factory=lambda: next(_serials))
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,6 +1,10 @@
 """Paged decode attention in Triton: one query token per sequence over its block table (GQA,
 split-K: each (sequence, KV head, split) program writes a partial softmax, a second kernel merges
-them). Shapes are checked by the backend interface (kernels/interface.py)."""
+them). The split count is planned on the host from the batch and the table's width; each
+sequence's splits are cut from its own length in the kernel (at least min_tokens_per_split, on
+BLOCK_N boundaries), so a wide table (a CUDA graph's, as wide as max_model_len) with short
+sequences still spreads them over the splits. Shapes are checked by the backend interface
+(kernels/interface.py)."""
 
 from __future__ import annotations
 
@@ -26,17 +30,15 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _plan_splits(num_seqs: int, num_kv_heads: int, max_len: int, block_n: int, device: torch.device,
+def _plan_splits(num_seqs: int, num_kv_heads: int, max_len: int, device: torch.device,
                  num_splits: int | None) -> tuple[int, int]:
-    """(num_splits, tokens_per_split): enough programs to fill the device a few times over,
-    each over at least _MIN_TOKENS_PER_SPLIT tokens, split ends on BLOCK_N boundaries when long."""
-    if num_splits is None:
-        wanted = cdiv(4 * _num_sms(device), max(1, num_seqs * num_kv_heads))
-        num_splits = min(_MAX_SPLITS, wanted, cdiv(max_len, _MIN_TOKENS_PER_SPLIT))
-    tokens_per_split = cdiv(max_len, max(1, num_splits))
-    if tokens_per_split > block_n:
-        tokens_per_split = cdiv(tokens_per_split, block_n) * block_n
-    return cdiv(max_len, tokens_per_split), tokens_per_split
+    """(num_splits, min_tokens_per_split): enough programs to fill the device a few times over,
+    no more than the longest possible sequence gives splits of _MIN_TOKENS_PER_SPLIT tokens; a
+    forced num_splits (tests) splits down to one token."""
+    if num_splits is not None:
+        return max(1, num_splits), 1
+    wanted = cdiv(4 * _num_sms(device), max(1, num_seqs * num_kv_heads))
+    return max(1, min(_MAX_SPLITS, wanted, cdiv(max_len, _MIN_TOKENS_PER_SPLIT))), _MIN_TOKENS_PER_SPLIT
 
 
 def _decode_triton(query, kv_cache_layer, block_tables, seq_lens, scale, num_splits):
@@ -49,14 +51,14 @@ def _decode_triton(query, kv_cache_layer, block_tables, seq_lens, scale, num_spl
     block_n = 64 if query.is_cuda else 32
     # NOTE: the planned length is the block table's width, not max(seq_lens): no host sync.
     max_len = max(1, block_tables.shape[1] * block_size)
-    num_splits, tokens_per_split = _plan_splits(num_seqs, num_kv_heads, max_len, block_n, query.device, num_splits)
+    num_splits, min_tokens_per_split = _plan_splits(num_seqs, num_kv_heads, max_len, query.device, num_splits)
     partial_acc = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=query.device)
     partial_max = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
     partial_sum = torch.empty_like(partial_max)
     block_d = triton.next_power_of_2(head_dim)
     _decode_attention_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, kv_cache_layer, block_tables, seq_lens, partial_acc, partial_max, partial_sum,
-        scale * LOG2E, tokens_per_split,
+        scale * LOG2E, min_tokens_per_split,
         query.stride(0), query.stride(1), *kv_cache_layer.stride()[:4], block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
         BLOCK_GROUP=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
@@ -74,7 +76,7 @@ if triton is not None:
     @triton.jit
     def _decode_attention_kernel(
         query_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, acc_ptr, max_ptr, sum_ptr,
-        qk_scale, tokens_per_split,
+        qk_scale, min_tokens_per_split,
         stride_query_seq, stride_query_head, stride_cache_block, stride_cache_kv, stride_cache_offset,
         stride_cache_head, stride_table_seq,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
@@ -88,6 +90,11 @@ if triton is not None:
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
         seq_len = tl.load(seq_lens_ptr + seq)
+        # This sequence's splits: its length over NUM_SPLITS, at least min_tokens_per_split, whole
+        # BLOCK_N steps once longer than one (the last splits of a short sequence are empty).
+        tokens_per_split = tl.maximum(tl.cdiv(seq_len, NUM_SPLITS), min_tokens_per_split)
+        if tokens_per_split > BLOCK_N:
+            tokens_per_split = tl.cdiv(tokens_per_split, BLOCK_N) * BLOCK_N
         split_start = split * tokens_per_split
         split_end = tl.minimum(split_start + tokens_per_split, seq_len)
         offs_g = tl.arange(0, BLOCK_GROUP)

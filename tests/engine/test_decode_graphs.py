@@ -44,9 +44,9 @@ def graph_runs(monkeypatch) -> list[tuple[int, int]]:
     runs = []
     real = DecodeGraphs._stage
 
-    def spy(self, decodes):
+    def spy(self, decodes, fed=None):
         runs.append((len(decodes), bucket_for(len(decodes), self.sizes)))
-        return real(self, decodes)
+        return real(self, decodes, fed)
 
     monkeypatch.setattr(DecodeGraphs, "_stage", spy)
     return runs
@@ -233,3 +233,36 @@ def test_one_step_late_stops_aborts_and_arrivals_give_the_synchronous_results(ti
     assert finishes["r1"] == "stop" and finishes["r4"] == "length" and finishes["r2"] is None
     for rid, stream in results["async"].items():
         assert [index for index, _, _ in stream] == list(range(len(stream))), rid
+
+
+def test_the_device_tables_follow_every_row_sending_only_what_changed(tiny_model_dir, monkeypatch):
+    """After every static step each row's device block table is its request's (through
+    preemption, re-admission and rows changing hands), and a steady decode step sends the lengths
+    and the blocks new since the last step, not the tables."""
+    sent = []
+    real = DecodeGraphs._copy_in
+
+    def spy(self, size):
+        real(self, size)
+        sent.append((size, self._num_updates))
+
+    monkeypatch.setattr(DecodeGraphs, "_copy_in", spy)
+    engine = engine_for(tiny_model_dir, "static", max_num_seqs=8, num_blocks=40, async_scheduling=False)
+    graphs = engine.runner.graphs
+    prompts = make_prompts(ModelConfig.from_pretrained(tiny_model_dir).vocab_size, seed=6)[2:12]
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"t{i}", prompt, SamplingParams(max_tokens=20 + 3 * i, temperature=0.0, ignore_eos=True))
+    checked = 0
+    while engine.has_unfinished():
+        running = [r for r in engine.scheduler.running if r.num_computed_tokens + 1 == r.num_tokens]
+        before = len(sent)
+        engine.step()
+        if len(sent) > before:  # a static step ran: its rows are the decodes, in order
+            for row, request in enumerate(running):
+                blocks = request.block_ids
+                assert graphs._tables[row, : len(blocks)].tolist() == blocks, (row, request.request_id)
+            checked += 1
+    assert checked >= 10 and engine.scheduler.num_preemptions >= 1
+    steady = [k for size, k in sent[1:] if size >= 4]
+    assert min(steady) <= 8 + 2, sent  # the lengths and a block or two, not whole tables
+    engine.check_leaks()

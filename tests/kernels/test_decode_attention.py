@@ -67,6 +67,20 @@ def test_decode_triton_split_counts_and_padded_tables_agree(num_splits):
     assert_close(got, want, torch.float32)
 
 
+def test_decode_triton_wide_table_splits_each_sequence_by_its_own_length(monkeypatch):
+    """A table far wider than the sequences (a CUDA graph's is as wide as max_model_len): the
+    split count is planned from the width, each sequence's splits from its own length; long
+    sequences (over many splits of the minimum) and short ones (most splits empty) agree."""
+    from kernels.triton import decode_attention as triton_decode
+
+    monkeypatch.setattr(triton_decode, "_MIN_TOKENS_PER_SPLIT", 8)  # many splits at the test's lengths
+    seq_lens = [1, 16, 17, 300, 0, 77]
+    query, kv_layer, table, lens = decode_case(4, 2, 32, torch.float32, 8, seq_lens=seq_lens, extra_cols=60,
+                                               num_blocks=80)
+    want = decode_attention_ref(query, kv_layer, table, lens, 0.2)
+    assert_close(decode_attention(query, kv_layer, table, lens, 0.2, force_triton=True), want, torch.float32)
+
+
 @pytest.mark.parametrize("force_triton", [False, True])
 def test_decode_reads_a_strided_query_from_a_fused_qkv(force_triton):
     query, kv_layer, table, seq_lens = decode_case(4, 2, 32, torch.float32, 7)
