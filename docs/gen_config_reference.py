@@ -61,15 +61,16 @@ def _default(action: argparse.Action) -> str:
 
 
 def _help(action: argparse.Action, prog: str) -> str:
-    if not action.help:
+    own = getattr(action, "own_help", action.help)  # without the default --help adds (pdserve.cli)
+    if not own:
         return ""
     params = {**vars(action), "prog": prog}
     if isinstance(params.get("choices"), (list, tuple, set, dict)):
         params["choices"] = ", ".join(str(c) for c in action.choices)
     try:
-        text = action.help % params
+        text = own % params
     except (KeyError, TypeError, ValueError):
-        text = action.help
+        text = own
     return _cell(text)
 
 

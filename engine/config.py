@@ -18,9 +18,22 @@ DEFAULT_DTYPE = "float32"  # greedy output equals transformers' token for token 
 
 
 def resolve_device(device: str) -> str:
-    """"auto": CUDA when available, else the CPU; any other name as given."""
+    """"auto": CUDA when available, else the CPU; any other name as given. Raises ValueError
+    (one line, for the user) for a CUDA device this torch cannot use, or a name torch does not know."""
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        kind = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"device {device!r} is not a device name (cpu, cuda, cuda:N, or auto)") from None
+    if kind.type == "cuda":
+        if not torch.cuda.is_available():
+            build = ("a CPU-only build" if torch.version.cuda is None
+                     else f"built for CUDA {torch.version.cuda}, but no GPU is visible")
+            raise ValueError(f"device {device!r}: this torch ({torch.__version__}) is {build}; use --device cpu, "
+                             "or a machine and torch build with CUDA")
+        if kind.index is not None and kind.index >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r}: only {torch.cuda.device_count()} GPU(s) are visible")
     return device
 
 

@@ -15,6 +15,7 @@ from engine.config import (
     SchedulerConfig,
     resolve_device,
 )
+from engine.model_files import check_model_dir
 from engine.protocol import Role, curve_keys, default_of
 from kv_transfer.config import BACKENDS, TransferConfig
 from kv_transfer.security import is_wildcard
@@ -113,6 +114,7 @@ class NodeConfigs:
 def node_configs_from_args(args: argparse.Namespace, role: Role) -> NodeConfigs:
     """Raises ValueError (naming the field) for a bad value (a non-loopback host without a
     cluster secret included), OSError for unreadable model files."""
+    check_model_dir(args.model)
     model_options = {"dtype": args.dtype} if args.dtype else {}
     memory = int(args.kv_cache_memory_gb * (1 << 30)) if args.kv_cache_memory_gb else None
     engine = EngineConfig(

@@ -31,9 +31,40 @@ SERVERS = ("up", "proxy", "prefill", "decode")  # print their effective settings
 MODEL_COMMANDS = ("prefill", "decode", "generate")
 
 
+def _version() -> str:
+    """The installed distribution's version, with the commit where a git checkout is at hand."""
+    from importlib.metadata import PackageNotFoundError, version
+    from pathlib import Path
+
+    try:
+        text = version("pdserve")
+    except PackageNotFoundError:
+        text = "(not installed)"
+    head = Path(__file__).resolve().parents[1] / ".git" / "HEAD"
+    try:
+        ref = head.read_text().strip()
+        if ref.startswith("ref: "):
+            ref = (head.parent / ref[5:]).read_text().strip()
+        return f"{text} (commit {ref[:7]})"
+    except OSError:
+        return text
+
+
+def _show_every_default(parser: argparse.ArgumentParser) -> None:
+    """--help gives each option's default where its help text does not already say it (an option
+    whose default is None or empty is decided elsewhere, which its help says)."""
+    for action in parser._actions:
+        if not action.option_strings or action.default in (None, "", argparse.SUPPRESS):
+            continue
+        if "default" not in (action.help or "").lower():
+            action.own_help = action.help  # the reference's table has a default column of its own
+            action.help = f"{action.help} (default: %(default)s)" if action.help else "default: %(default)s"
+
+
 def _parser(chosen: str | None) -> tuple[argparse.ArgumentParser, object | None, argparse.ArgumentParser | None]:
     """The whole parser, and the chosen subcommand's module and subparser (None if none)."""
     parser = argparse.ArgumentParser(prog="pdserve", description="disaggregated prefill/decode LLM serving")
+    parser.add_argument("--version", action="version", version=f"pdserve {_version()}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     module = chosen_parser = None
     for name, module_name, help_text in COMMANDS:
@@ -49,6 +80,7 @@ def _parser(chosen: str | None) -> tuple[argparse.ArgumentParser, object | None,
                 raise
             module.add_arguments(sub)
             add_config_argument(sub)
+            _show_every_default(sub)
             chosen_parser = sub
     return parser, module, chosen_parser
 

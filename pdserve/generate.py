@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from kernels.select import BACKENDS as KERNEL_BACKENDS
 
@@ -21,18 +22,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kernel-backend", default="auto", choices=KERNEL_BACKENDS,
                         help="compute backend: auto (Triton on CUDA, the compiled CPU kernels on the CPU), cpu, "
                              "triton, or reference (plain torch)")
+    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto (CUDA when available)")
+    parser.add_argument("--max-model-len", type=int, default=None, help="default: the checkpoint's")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
     parser.add_argument("--chat", action="store_true", help="wrap each prompt as a user message")
 
 
 def main(args: argparse.Namespace) -> int:
     from engine.llm import LLM
+    from engine.model_files import check_model_dir
     from engine.sampling_params import SamplingParams
     from pdserve.default_model import ensure_default_model
 
     model_dir = args.model or str(ensure_default_model())
-    llm = LLM(model_dir, dtype=args.dtype, kernel_backend=args.kernel_backend,
-              decode_graphs="off" if args.enforce_eager else "auto")
+    try:
+        check_model_dir(model_dir)
+        llm = LLM(model_dir, dtype=args.dtype, kernel_backend=args.kernel_backend, device=args.device,
+                  max_model_len=args.max_model_len, decode_graphs="off" if args.enforce_eager else "auto")
+    except ValueError as exc:  # the user's mistake (a device, a length): one line, no traceback
+        print(f"pdserve generate: {exc}", file=sys.stderr)
+        return 2
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
         top_k=args.top_k, seed=args.seed,

@@ -208,12 +208,18 @@ def _given(args: argparse.Namespace, flags, switches=()) -> list[str]:
 
 
 def main(args: argparse.Namespace) -> int:
+    from engine.model_files import check_model_dir
     from pdserve.default_model import ensure_default_model
 
     if args.decode < 1:
         print("pdserve up: --decode must be >= 1", file=sys.stderr)
         return 2
     model_dir = Path(args.model) if args.model else ensure_default_model()
+    try:
+        check_model_dir(model_dir)
+    except ValueError as exc:
+        print(f"pdserve up: {exc}", file=sys.stderr)
+        return 2
     log_dir = Path(args.log_dir) if args.log_dir else None  # made by the first process started
     stop = _install_signal_handlers()
     node_args, proxy_args = _given(args, _NODE_FLAGS, _NODE_SWITCHES), _given(args, _PROXY_FLAGS)

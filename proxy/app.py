@@ -167,10 +167,21 @@ def _api_router(config: ProxyConfig, service: RequestService, reader: BodyReader
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(_api_key_check(config.api_key))])
     model = config.served_model_name
 
+    def model_card() -> dict:
+        return {"id": model, "object": "model", "created": 0, "owned_by": "pdserve",
+                "max_model_len": service.max_model_len()}
+
     @v1.get("/models")
     async def models():
-        return {"object": "list", "data": [{"id": model, "object": "model", "created": 0, "owned_by": "pdserve",
-                                            "max_model_len": service.max_model_len()}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @v1.get("/models/{model_id:path}")
+    async def retrieve_model(model_id: str):
+        """The openai client's models.retrieve (ids may hold slashes: org/name)."""
+        if model_id != model:
+            raise ApiError(404, f"model {model_id!r} does not exist; this server serves {model!r}", "model",
+                           code="model_not_found")
+        return model_card()
 
     @v1.post("/completions", openapi_extra=body_spec(CompletionRequest))
     async def completions(request: Request):

@@ -68,6 +68,10 @@ class ChatMessage(BaseModel):
 
     @model_validator(mode="after")
     def _fields_fit_the_role(self) -> ChatMessage:
+        # NOTE: as OpenAI: content is required but for an assistant message with tool calls.
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content (a string or a list of text parts); null or "
+                             "missing is allowed only for an assistant message with tool_calls")
         if self.tool_calls is not None and self.role != "assistant":
             raise ValueError(f"tool_calls belong to assistant messages, not {self.role}")
         if self.tool_call_id is not None and self.role != "tool":

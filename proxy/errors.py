@@ -7,7 +7,7 @@ import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine import protocol
@@ -29,6 +29,10 @@ class NodeRejected(Exception):
     def __init__(self, reply: protocol.ErrorReply) -> None:
         super().__init__(reply.message)
         self.reply = reply
+
+
+class ClientGone(Exception):
+    """The client went away before its request's body arrived whole: nothing to answer."""
 
 
 class ChatTemplateError(ValueError):
@@ -118,6 +122,13 @@ def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
         return error_response(exc)
+
+    @app.exception_handler(ClientGone)
+    async def _client_gone(request: Request, exc: ClientGone) -> Response:
+        # NOTE: an INFO line, no traceback: a client may hang up whenever it likes.
+        logger.info("client %s disconnected before its request body arrived (%s)",
+                    request.client.host if request.client else "?", exc)
+        return Response(status_code=499)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:

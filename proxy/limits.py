@@ -12,8 +12,9 @@ import re
 from typing import Any
 
 from fastapi import Request
+from starlette.requests import ClientDisconnect
 
-from proxy.errors import ApiError, rate_limited
+from proxy.errors import ApiError, ClientGone, rate_limited
 from proxy.metrics import ProxyMetrics
 
 # NOTE: deep enough for any real JSON schema or tool definition (they rarely pass 20); the
@@ -55,6 +56,8 @@ class BodyReader:
         except TimeoutError as exc:
             raise ApiError(408, f"the request body did not arrive within {self.timeout_s:g} s",
                            code="request_timeout") from exc
+        except ClientDisconnect:
+            raise ClientGone(f"{sum(len(c) for c in chunks)} bytes read") from None
         finally:
             self.num_buffered_bytes -= sum(len(c) for c in chunks)
         return b"".join(chunks)

@@ -7,6 +7,7 @@ import logging
 import sys
 from pathlib import Path
 
+from engine.model_files import check_model_dir
 from engine.protocol import default_of
 from proxy.config import ProxyConfig, RoutingPolicy
 
@@ -126,7 +127,9 @@ def main(args: argparse.Namespace) -> int:
 
 
 def config_from_args(args: argparse.Namespace) -> ProxyConfig:
-    """Raises ValueError naming a bad argument."""
+    """Raises ValueError naming a bad argument (a model directory without what the proxy reads
+    included)."""
+    check_model_dir(args.model, weights=False)
     return ProxyConfig(
         model_dir=args.model,
         served_model_name=args.served_model_name or Path(args.model).resolve().name,

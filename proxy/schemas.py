@@ -117,6 +117,21 @@ class ResponseFormat(BaseModel):
         return None
 
 
+def _check_local_refs(schema: Any, param: str, path: str = "schema") -> None:
+    """Raise ApiError (400) for a $ref outside the schema itself (a URL or a file): nothing is
+    fetched, and a grammar from a schema missing its parts would be wrong."""
+    if isinstance(schema, dict):
+        ref = schema.get("$ref")
+        if isinstance(ref, str) and not (ref == "#" or ref.startswith("#/")):
+            raise ApiError(400, f"{path}.$ref {ref[:200]!r} points outside the schema; only local references "
+                                "(\"#/...\") are supported, nothing is fetched", param)
+        for key, value in schema.items():
+            _check_local_refs(value, param, f"{path}.{key}")
+    elif isinstance(schema, list):
+        for index, value in enumerate(schema):
+            _check_local_refs(value, param, f"{path}[{index}]")
+
+
 class GenerationRequest(BaseModel):
     """The fields both completion endpoints share; subclasses say what their prompts and limits
     are. Fields OpenAI clients send that mean nothing here are accepted and ignored (each says
@@ -224,6 +239,13 @@ class GenerationRequest(BaseModel):
         if num_choices > MAX_CHOICES:
             raise ApiError(400, f"the request asks for {num_choices} choices ({self.num_prompts} prompts x n "
                                 f"{self.n}); the limit is {MAX_CHOICES}", "n")
+        asked = self.asked_max_tokens
+        if asked is not None and self.min_tokens > asked[1]:
+            raise ApiError(400, f"min_tokens ({self.min_tokens}) must not exceed {asked[0]} ({asked[1]})",
+                           "min_tokens")
+        structured = self.structured_output()
+        if structured is not None and structured.json_schema:
+            _check_local_refs(json.loads(structured.json_schema), self.structured_param)
 
     def prompts(self, tokenizer: ModelTokenizer) -> list[Prompt]:
         """The request's prompts, tokenized; raises ApiError for what cannot be served. May take

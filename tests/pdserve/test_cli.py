@@ -49,3 +49,51 @@ def test_up_passes_the_proxy_and_node_flags_it_was_given_and_no_others():
     assert launcher._given(args, launcher._PROXY_FLAGS) == ["--routing", "least-loaded", "--slo-ttft-ms", "2500.0"]
     assert launcher._given(args, launcher._NODE_FLAGS, launcher._NODE_SWITCHES) == [
         "--max-num-seqs", "8", "--no-enable-prefix-caching"]
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as caught:
+        cli.main(["--version"])
+    assert caught.value.code == 0
+    assert capsys.readouterr().out.startswith("pdserve 0.1.0")
+
+
+def test_a_device_this_torch_cannot_use_is_one_line_naming_it(tiny_model_dir, capsys):
+    """--device cuda on a CPU-only torch (or a GPU index past the visible ones), and a name that is
+    no device: exit 2, one line saying what to do, no traceback."""
+    import torch
+
+    from engine.config import resolve_device
+
+    bad = "cuda" if not torch.cuda.is_available() else f"cuda:{torch.cuda.device_count()}"
+    assert cli.main(["generate", "--model", str(tiny_model_dir), "--device", bad, "hi"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"device {bad!r}" in err and "Traceback" not in err
+    with pytest.raises(ValueError, match="is not a device name"):
+        resolve_device("gpu")
+    assert resolve_device("cpu") == "cpu"
+
+
+def test_help_shows_each_default_once(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["decode", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--block-size BLOCK_SIZE default: 16" in text and "--max-num-seqs MAX_NUM_SEQS default: 128" in text
+    assert "(default: 0.9)" in text  # --gpu-memory-utilization: its help, then its default
+    assert "default: float32" in text and "default: float32 (default" not in text  # said once, by the help
+
+
+@pytest.mark.parametrize("command", ["up", "prefill", "decode", "proxy", "generate"])
+def test_a_model_directory_without_its_files_is_one_line_saying_what_to_do(command, tmp_path, capsys):
+    """A missing directory (a hub id), and one without weights or tokenizer: every command that
+    reads the model exits 2 with one line naming it, what is missing and how to get a model."""
+    (tmp_path / "config.json").write_text("{}")
+    extra = {"proxy": ["--decode", "127.0.0.1:1"], "generate": ["hi"]}.get(command, [])
+    for model, words in (("HuggingFaceTB/SmolLM2-135M-Instruct", "does not exist"),
+                         (str(tmp_path), "has no *.safetensors weights, no tokenizer.json"
+                          if command != "proxy" else "has no tokenizer.json")):
+        assert cli.main([command, "--model", model, *extra]) == 2
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert words in err and "pdserve does not download models" in err, err
+        if "Hugging" in model:
+            assert f"huggingface-cli download {model} --local-dir DIR" in err

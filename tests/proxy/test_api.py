@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import httpx
+import openai
 import pytest
 from tokenizers import Tokenizer
 
@@ -194,3 +195,14 @@ def test_multibyte_characters_split_across_tokens_stream_whole(start_proxy, toke
 def test_models_lists_the_served_model(proxy):
     models = proxy.client().models.list()
     assert [m.id for m in models.data] == [MODEL_NAME]
+
+
+def test_models_retrieve_answers_for_the_served_model_and_404s_others(proxy):
+    """The openai client's models.retrieve: GET /v1/models/{id}, as in the list; another id is a
+    404 with an OpenAI error naming the served model."""
+    client = proxy.client()
+    model = client.models.retrieve(MODEL_NAME)
+    assert model.id == MODEL_NAME and model.owned_by == "pdserve"
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.models.retrieve("org/other-model")
+    assert caught.value.body["code"] == "model_not_found" and MODEL_NAME in caught.value.body["message"]

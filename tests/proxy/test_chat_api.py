@@ -109,6 +109,17 @@ def _encode(proxy, text: str) -> list[int]:
     ({"messages": [{"role": "assistant", "tool_calls": [{"id": "1", "type": "function", "function": {
         "name": "f", "arguments": "{not json"}}]}]}, "messages.0.tool_calls", "not valid JSON"),
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools", "tools entries"),
+    # as OpenAI: content null or missing only on an assistant message with tool calls
+    ({"messages": [{"role": "user", "content": None}]}, "messages.0", "needs content"),
+    ({"messages": [{"role": "system", "content": "s"}, {"role": "user"}]}, "messages.1", "needs content"),
+    ({"messages": [{"role": "user", "content": "x"}], "min_tokens": 10}, "min_tokens",
+     "min_tokens (10) must not exceed max_tokens (1)"),
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema", "json_schema": {
+        "name": "r", "schema": {"type": "object", "properties": {"a": {"$ref": "http://example.com/a.json"}}}}}},
+     "response_format", "points outside the schema"),
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema", "json_schema": {
+        "name": "r", "schema": {"$defs": {"a": {"$ref": "file:///etc/passwd"}}}}}}, "response_format",
+     "schema.$defs.a.$ref"),
 ])
 def test_template_and_message_errors_are_400s_naming_them(start_proxy, tmp_path, body, param, words):
     path = tmp_path / "alternating.jinja"
@@ -165,3 +176,16 @@ def test_streamed_chat_with_tools_matches_whole(tools_proxy):
                       timeout=10) as response:
         events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
     assert "".join(e["choices"][0]["delta"].get("content", "") for e in events) == whole
+
+
+def test_local_schema_references_are_accepted(proxy):
+    """A $ref inside the schema ("#/...") is the schema's own: served (the grammar library
+    resolves it), unlike one to a URL or a file."""
+    schema = {"$defs": {"name": {"type": "string"}}, "type": "object",
+              "properties": {"a": {"$ref": "#/$defs/name"}}, "required": ["a"]}
+    response_format = {"type": "json_schema", "json_schema": {"name": "r", "schema": schema}}
+    response = _post(proxy, {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
+                             "response_format": response_format})
+    assert response.status_code == 200, response.text
+    [request] = proxy.prefill[0].messages(protocol.PrefillRequest)
+    assert json.loads(request.sampling.structured.json_schema) == schema

@@ -166,3 +166,27 @@ def test_uploads_in_progress_share_a_bounded_buffer():
     assert refused.value.status == 429 and refused.value.headers == {"Retry-After": "1"}
     assert reader.num_buffered_bytes == reader.max_buffered_bytes - 2048  # what it had read is given back
     assert asyncio.run(reader.read(_SlowUpload(2))) == b"x" * 2048
+
+
+def test_a_client_hanging_up_mid_body_is_one_info_line_not_a_traceback(proxy, caplog):
+    """A client that sends half its body and closes: one INFO line naming it, no error logged, and
+    the proxy serves the next request."""
+    import logging
+    import socket
+    from urllib.parse import urlsplit
+
+    address = urlsplit(proxy.base_url)
+    with caplog.at_level(logging.INFO):
+        with socket.create_connection((address.hostname, address.port), timeout=5) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 1000\r\n\r\n" + b'{"model": "m", "prompt": "' + b"x" * 80)
+            time.sleep(0.3)
+        deadline = time.monotonic() + 5
+        while not any("disconnected before its request body" in r.getMessage() for r in caplog.records):
+            assert time.monotonic() < deadline, [r.getMessage() for r in caplog.records]
+            time.sleep(0.05)
+        assert_still_serving(proxy)
+    gone = [r for r in caplog.records if "disconnected before its request body" in r.getMessage()]
+    assert len(gone) == 1 and gone[0].levelno == logging.INFO
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info], \
+        [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
