@@ -1,12 +1,21 @@
-"""Text <-> token ids for the proxy (tokenizers, no torch), as transformers does it: prompts
-encoded with the special tokens the tokenizer's post-processor adds (chat prompts without: the
-template writes them), the special tokens chat templates see, incremental detokenizing that
-never splits a multi-byte character, and stop strings."""
+"""Text <-> token ids for the proxy (tokenizers, no torch), as transformers does it: the tokenizer
+object transformers' AutoTokenizer builds for the checkpoint (its class may replace the
+pre-tokenizer or post-processor tokenizer.json holds: Qwen2's does), prompts encoded with the
+special tokens its post-processor adds (chat prompts without: the template writes them), the
+special tokens chat templates see, incremental detokenizing that never splits a multi-byte
+character, and stop strings."""
 
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
 import json
+import logging
+import os
 import re
+import subprocess
+import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,8 +24,70 @@ from tokenizers import Tokenizer, decoders
 
 from proxy.templates import ChatTemplates, Conversation, read_template_sources
 
+logger = logging.getLogger(__name__)
+
 _REPLACEMENT = "\ufffd"
+# The files AutoTokenizer builds a tokenizer from; their bytes (and transformers' version) key the cache.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "config.json", "special_tokens_map.json")
+# Run in a child: transformers imports torch, which the proxy never loads. Offline: nothing is fetched.
+_BUILD_TOKENIZER = """
+import sys
+from transformers import AutoTokenizer
+tokenizer = AutoTokenizer.from_pretrained(sys.argv[1], local_files_only=True)
+sys.stdout.write(tokenizer.backend_tokenizer.to_str())
+"""
 _BYTE_FALLBACK_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def transformers_tokenizer(model_dir: Path, timeout_s: float = 300.0) -> Tokenizer:
+    """The tokenizers object transformers' AutoTokenizer builds for model_dir, built once in a
+    child process and cached (PDSERVE_CACHE_DIR, else ~/.cache/pdserve) by the tokenizer files'
+    bytes and transformers' version. Where transformers cannot build it (not installed, a slow-only
+    tokenizer), tokenizer.json as it is, with a warning."""
+    try:
+        version = importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        version = None
+    digest = hashlib.sha256(str(version).encode())
+    for name in _TOKENIZER_FILES:
+        path = model_dir / name
+        digest.update(name.encode() + (path.read_bytes() if path.is_file() else b"\0"))
+    cache = _cache_dir() / f"{digest.hexdigest()[:32]}.json"
+    if cache.is_file():
+        return Tokenizer.from_file(str(cache))
+    raw = Tokenizer.from_file(str(model_dir / "tokenizer.json"))  # NOTE: first: a broken file fails here, plainly
+    if version is None:
+        logger.warning("transformers is not installed: tokenizing with %s/tokenizer.json as it is", model_dir)
+        return raw
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    try:
+        child = subprocess.run([sys.executable, "-c", _BUILD_TOKENIZER, str(model_dir)], capture_output=True,
+                               text=True, timeout=timeout_s, env=env, check=True)
+        built = Tokenizer.from_str(child.stdout)
+    except Exception as exc:  # noqa: BLE001 - a failed child, or output tokenizers refuses: the file's own
+        detail = getattr(exc, "stderr", "") or str(exc)
+        logger.warning("transformers could not build the tokenizer of %s (%s); tokenizing with its tokenizer.json "
+                       "as it is", model_dir, detail.strip().splitlines()[-1][:300] if detail.strip() else exc)
+        return raw
+    _write_atomically(cache, child.stdout)
+    return built
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("PDSERVE_CACHE_DIR") or str(Path.home() / ".cache" / "pdserve")
+    return Path(base) / "tokenizers"
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Best effort: a cache that cannot be written only costs the next start the child again."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, temp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        with os.fdopen(fd, "w") as file:
+            file.write(text)
+        os.replace(temp, path)
+    except OSError as exc:
+        logger.warning("could not cache the tokenizer in %s: %s", path.parent, exc)
 
 
 @dataclass
@@ -35,7 +106,7 @@ class ModelTokenizer:
         templates, config.json, generation_config.json); chat_template_path replaces the model's
         templates. Raises OSError or ValueError for missing or malformed files."""
         model_dir = Path(model_dir)
-        tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        tokenizer = transformers_tokenizer(model_dir)
         config = _read_json(model_dir / "config.json")
         gen_config = _read_json(model_dir / "generation_config.json")
         eos = gen_config.get("eos_token_id", config.get("eos_token_id"))
