@@ -9,6 +9,7 @@ imported on the first structured request: a node that never sees one starts with
 
 from __future__ import annotations
 
+import json
 import logging
 import weakref
 from collections import OrderedDict
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.protocol import StructuredKind, StructuredOutput
+from engine.schema_budget import check_schema_budget
 
 if TYPE_CHECKING:
     import xgrammar
@@ -99,6 +101,10 @@ class Grammars:
         import xgrammar
 
         schema = spec.json_schema if spec.kind is StructuredKind.JSON_SCHEMA else _ANY_OBJECT_SCHEMA
+        try:
+            check_schema_budget(json.loads(schema))
+        except (ValueError, RecursionError) as exc:  # SchemaTooCostly, or not JSON at all
+            raise ValueError(f"request {request_id}: json_schema is not supported: {exc}") from None
         try:
             grammar = xgrammar.Grammar.from_json_schema(
                 schema, any_whitespace=True, max_whitespace_cnt=_MAX_WHITESPACE_RUN,

@@ -19,6 +19,7 @@ from engine.protocol import (
     StructuredOutput,
     check_sampling,
 )
+from engine.schema_budget import SchemaTooCostly, check_schema_budget
 from proxy.errors import ApiError, field_path, from_sampling, from_validation
 from proxy.limits import parse_json
 from proxy.tokenizer import ModelTokenizer
@@ -245,7 +246,12 @@ class GenerationRequest(BaseModel):
                            "min_tokens")
         structured = self.structured_output()
         if structured is not None and structured.json_schema:
-            _check_local_refs(json.loads(structured.json_schema), self.structured_param)
+            schema = json.loads(structured.json_schema)
+            _check_local_refs(schema, self.structured_param)
+            try:
+                check_schema_budget(schema)
+            except SchemaTooCostly as exc:
+                raise ApiError(400, f"the schema is too costly to enforce: {exc}", self.structured_param) from None
 
     def prompts(self, tokenizer: ModelTokenizer) -> list[Prompt]:
         """The request's prompts, tokenized; raises ApiError for what cannot be served. May take

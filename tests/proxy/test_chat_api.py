@@ -120,6 +120,14 @@ def _encode(proxy, text: str) -> list[int]:
     ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema", "json_schema": {
         "name": "r", "schema": {"$defs": {"a": {"$ref": "file:///etc/passwd"}}}}}}, "response_format",
      "schema.$defs.a.$ref"),
+    # the grammar budget, decided here before a node compiles anything
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema", "json_schema": {
+        "name": "r", "schema": {"type": "string", "pattern": "(a|b){10007}"}}}}, "response_format",
+     "too costly to enforce: schema.pattern '(a|b){10007}' spells out 20014"),
+    ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required", "tools": [{"type": "function",
+        "function": {"name": "f", "parameters": {"type": "object", "properties": {"s": {"type": "string",
+                                                                                        "pattern": "^(a+)+$"}}}}}]},
+     "tools", "repeats without bound something that itself repeats"),
 ])
 def test_template_and_message_errors_are_400s_naming_them(start_proxy, tmp_path, body, param, words):
     path = tmp_path / "alternating.jinja"

@@ -1,0 +1,153 @@
+"""A cheap look at a JSON schema before a node compiles it into a grammar: the parts whose cost a
+client controls and a grammar pays for in full (regex repetition counts, nested unbounded
+repetition, length bounds) are measured here, and a schema past the budget is a 400 before any
+node is asked (a 150-byte `"pattern": "(a|b){10007}"` held a node's loop for tens of seconds);
+the engine checks again before it compiles. Torch-free: the proxy imports it.
+
+A pattern's cost is the number of atoms it spells out once its bounded repetitions are expanded
+(`(a|b){10}` costs 20, `a+` 1); `(a+)+`, an unbounded repetition of something unbounded, is refused
+outright. Length bounds (minLength, maxLength, minItems, maxItems, minProperties, maxProperties)
+are capped the same way.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+MAX_PATTERN_COST = 2000
+MAX_LENGTH_BOUND = 10_000
+_LENGTH_KEYWORDS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
+
+
+class SchemaTooCostly(ValueError):
+    """The schema is past the grammar budget; the message names the part and the limit."""
+
+
+def check_schema_budget(schema: Any, path: str = "schema") -> None:
+    """Raise SchemaTooCostly for the first part of schema past the budget (see the module)."""
+    if isinstance(schema, dict):
+        for key, value in schema.items():
+            where = f"{path}.{key}"
+            if key == "pattern" and isinstance(value, str):
+                _check_pattern(value, where)
+            elif key == "patternProperties" and isinstance(value, dict):
+                for pattern in value:
+                    _check_pattern(pattern, f"{where} key")
+            elif key in _LENGTH_KEYWORDS and isinstance(value, int) and value > MAX_LENGTH_BOUND:
+                raise SchemaTooCostly(f"{where} is {value}; a grammar allows at most {MAX_LENGTH_BOUND}")
+            check_schema_budget(value, where)
+    elif isinstance(schema, list):
+        for index, value in enumerate(schema):
+            check_schema_budget(value, f"{path}[{index}]")
+
+
+def _check_pattern(pattern: str, where: str) -> None:
+    cost, is_nested = pattern_cost(pattern)
+    if is_nested:
+        raise SchemaTooCostly(f"{where} {pattern[:60]!r} repeats without bound something that itself repeats "
+                              "without bound (as (a+)+); write it with one repetition")
+    if cost > MAX_PATTERN_COST:
+        raise SchemaTooCostly(f"{where} {pattern[:60]!r} spells out {cost} characters once its repetitions are "
+                              f"expanded; a grammar allows at most {MAX_PATTERN_COST}")
+
+
+def pattern_cost(pattern: str) -> tuple[int, bool]:
+    """(atoms spelled out with bounded repetitions expanded, whether an unbounded repetition
+    applies to something already unbounded). A pattern the scan cannot follow (unbalanced
+    parentheses) costs what it scanned: the grammar library refuses it on its own."""
+    parser = _Scan(pattern)
+    cost, _, nested = parser.alternatives()
+    return cost, nested
+
+
+class _Scan:
+    """A left-to-right scan of a regex. Each part gives (cost, is_loose, nested): is_loose when
+    every element of it repeats without bound (so an unbounded repetition of it is ambiguous, as
+    (a+)+ or (a*b*)*; ([a-z]+\\.)+ is not: its dot is met once per round), nested when such an
+    ambiguous repetition occurs."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.i = 0
+
+    def alternatives(self) -> tuple[int, bool, bool]:
+        """Branches up to a closing parenthesis or the end: loose when any branch is."""
+        cost, loose, nested = self.sequence()
+        while self.i < len(self.text) and self.text[self.i] == "|":
+            self.i += 1
+            c, lo, n = self.sequence()
+            cost, loose, nested = cost + c, loose or lo, nested or n
+        return cost, loose, nested
+
+    def sequence(self) -> tuple[int, bool, bool]:
+        cost, loose, nested, elements = 0, True, False, 0
+        text = self.text
+        while self.i < len(text) and text[self.i] not in "|)":
+            start = self.i
+            atom_cost, atom_loose, atom_nested = self.atom()
+            low, high = self.quantifier()
+            if atom_cost == 0 and self.i == start + 1:
+                continue  # an anchor (^, $): neither cost nor element
+            unbounded = high is None
+            nested = nested or atom_nested or (unbounded and atom_loose)
+            cost += atom_cost * max(1, high if high is not None else low)
+            loose = loose and (unbounded or atom_loose)
+            elements += 1
+        return cost, loose and elements > 0, nested
+
+    def atom(self) -> tuple[int, bool, bool]:
+        text, i = self.text, self.i
+        char = text[i]
+        if char == "(":
+            self.i = i + 1
+            if text.startswith("?", self.i):  # (?:...), (?=...), (?<name>...): skip the group's flags
+                end = self.i + 1
+                while end < len(text) and text[end] not in ":=!>" and text[end] != ")":
+                    end += 1
+                self.i = min(end + 1, len(text))
+            result = self.alternatives()
+            if self.i < len(text) and text[self.i] == ")":
+                self.i += 1
+            return result
+        if char == "[":
+            end = i + 1
+            if end < len(text) and text[end] == "^":
+                end += 1
+            if end < len(text) and text[end] == "]":
+                end += 1
+            while end < len(text) and text[end] != "]":
+                end += 2 if text[end] == "\\" else 1
+            self.i = end + 1
+            return 1, False, False
+        if char == "\\":
+            self.i = i + 2
+            return 1, False, False
+        self.i = i + 1
+        return (0 if char in "^$" else 1), False, False
+
+    def quantifier(self) -> tuple[int, int | None]:
+        """(low, high) of the repetition after an atom ((1, 1): none; high None: unbounded)."""
+        text, i = self.text, self.i
+        if i >= len(text):
+            return 1, 1
+        char = text[i]
+        bounds: tuple[int, int | None] | None = None
+        if char == "*":
+            bounds, self.i = (0, None), i + 1
+        elif char == "+":
+            bounds, self.i = (1, None), i + 1
+        elif char == "?":
+            bounds, self.i = (0, 1), i + 1
+        elif char == "{":
+            end = text.find("}", i)
+            inside = text[i + 1 : end] if end > 0 else ""
+            low, _, high = inside.partition(",")
+            if low.strip().isdigit() and (not high.strip() or high.strip().isdigit()):
+                low_n = int(low)
+                high_n = int(high) if high.strip() else (None if "," in inside else low_n)
+                bounds, self.i = (low_n, high_n), end + 1
+        if bounds is None:
+            return 1, 1
+        if self.i < len(text) and text[self.i] in "?+":  # lazy or possessive: the same repetition
+            self.i += 1
+        return bounds

@@ -1,0 +1,57 @@
+"""The grammar budget (engine/schema_budget.py): what a pattern costs once its repetitions are
+expanded, ambiguous unbounded repetition refused, length bounds capped; the schemas a hostile
+client sent (issue 54) refused at once, everyday ones not, and the engine checking before it
+compiles."""
+
+import time
+
+import pytest
+
+from engine.protocol import StructuredKind, StructuredOutput
+from engine.schema_budget import MAX_LENGTH_BOUND, MAX_PATTERN_COST, SchemaTooCostly, check_schema_budget, pattern_cost
+
+HOSTILE = ["(a|b){10007}", "^(a+)+$", "a{100000}", "[a-z]{1,200000}", "(a|b){5000}", "(a*b*)*", "(x{40}){60}"]
+EVERYDAY = [r"^\d{4}-\d{2}-\d{2}$", r"^[A-Za-z0-9._%+-]+@[A-Za-z0-9.-]+\.[A-Za-z]{2,}$", r"([a-z]+\.)+[a-z]+",
+            r"\d+(\.\d+)?", r"^(?:\+1)?[0-9]{10}$", "^[A-Z]{2}[0-9]{2}[A-Z0-9]{11,30}$", r"[\]\[(){}]+"]
+
+
+@pytest.mark.parametrize(("pattern", "cost", "nested"), [
+    ("(a|b){10}", 20, False), ("a+", 1, False), ("^(a+)+$", 1, True), ("(ab){3}c", 7, False),
+    ("[a-z]{2,5}", 5, False), ("(?:ab)+", 2, False), ("(a|b+)+", 2, True), (r"\{3\}", 3, False),
+])
+def test_pattern_costs(pattern, cost, nested):
+    assert pattern_cost(pattern) == (cost, nested)
+
+
+@pytest.mark.parametrize("pattern", HOSTILE)
+def test_the_hostile_patterns_are_refused(pattern):
+    started = time.perf_counter()
+    with pytest.raises(SchemaTooCostly, match="schema.properties.s.pattern"):
+        check_schema_budget({"type": "object", "properties": {"s": {"type": "string", "pattern": pattern}}})
+    assert time.perf_counter() - started < 0.5
+
+
+@pytest.mark.parametrize("pattern", EVERYDAY)
+def test_everyday_patterns_pass(pattern):
+    check_schema_budget({"type": "string", "pattern": pattern})
+    assert pattern_cost(pattern)[0] <= MAX_PATTERN_COST
+
+
+def test_length_bounds_and_pattern_properties_are_looked_at_everywhere():
+    check_schema_budget({"type": "array", "maxItems": MAX_LENGTH_BOUND, "items": {"type": "string", "maxLength": 200}})
+    with pytest.raises(SchemaTooCostly, match=r"schema\.items\.maxLength is 200000"):
+        check_schema_budget({"type": "array", "items": {"type": "string", "maxLength": 200_000}})
+    with pytest.raises(SchemaTooCostly, match=r"schema\.\$defs\.x\.patternProperties key"):
+        check_schema_budget({"$defs": {"x": {"patternProperties": {"(a|b){3000}": {"type": "string"}}}}})
+
+
+def test_the_engine_refuses_before_compiling(tiny_model_dir):
+    """Grammars.compile checks the budget first: a ValueError naming the request, at once."""
+    from engine.grammar import Grammars
+
+    grammars = Grammars(str(tiny_model_dir), 2048, (0,))
+    spec = StructuredOutput(StructuredKind.JSON_SCHEMA, '{"type": "string", "pattern": "(a|b){10007}"}')
+    started = time.perf_counter()
+    with pytest.raises(ValueError, match="request r1: json_schema is not supported: .*spells out 20014"):
+        grammars.compile("r1", spec)
+    assert time.perf_counter() - started < 0.5 and grammars.num_compiled == 0
