@@ -247,7 +247,7 @@ class DecodeGraphs:
         self._add_updates(0, self._np_lens[:size].tolist())
         ids, index, value = self._staging[self._next_staging ^ 1]
         k = self._num_updates
-        self._ids[:, :size].copy_(ids[:, :size], non_blocking=True)
+        self._ids.copy_(ids, non_blocking=True)  # NOTE: whole (8 bytes x 4 x rows): a column slice is strided
         self._update_index[:k].copy_(index[:k], non_blocking=True)
         self._update_value[:k].copy_(value[:k], non_blocking=True)
         self._ints.index_copy_(0, self._update_index[:k], self._update_value[:k])

@@ -36,6 +36,12 @@ class ProxyTable:
     def owned_by(self, identity: bytes) -> list[str]:
         return [rid for rid, owner in self._owners.items() if owner == identity]
 
+    def forgive(self, seconds: float) -> None:
+        """The node's own loop was away for seconds (a long step, a stall): that time does not
+        count as the proxies' silence (what they sent meanwhile waits unread in the socket)."""
+        for identity in self._last_heard:
+            self._last_heard[identity] += seconds
+
     def pop_silent(self, timeout_s: float) -> list[bytes]:
         """Proxies not heard from for timeout_s: dropped here (no more reports); the caller
         ends their requests."""

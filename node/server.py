@@ -48,6 +48,8 @@ _BUSY_POLL_MS = 2
 # cannot starve the running requests.
 _MAX_FRAMES_PER_ITERATION = 256
 _ORPHAN_CHECK_INTERVAL_S = 0.5
+# The loop away longer than this is its own doing, not its proxies' silence (ProxyTable.forgive).
+_OWN_STALL_S = 1.0
 _LOCAL = KVOutcome(KVSource.LOCAL)
 
 
@@ -182,7 +184,13 @@ class NodeServer:
 
     def run_once(self) -> None:
         self.progress += 1
-        self.last_progress_at = time.monotonic()
+        now = time.monotonic()
+        away = now - self.last_progress_at if self.last_progress_at else 0.0
+        if away > _OWN_STALL_S:
+            # NOTE: the loop's own absence (a long step, a stall) is not the proxies' silence:
+            # before this, a node back from a 40 s stall aborted its proxy's requests as orphans.
+            self.proxies.forgive(away)
+        self.last_progress_at = now
         busy = self.engine.has_unfinished() or self.has_pending_work()
         self._receive_all(timeout_ms=0 if self.engine.has_unfinished() else (_BUSY_POLL_MS if busy else _IDLE_POLL_MS))
         self.poll_transfers()
@@ -423,18 +431,25 @@ class NodeServer:
             return
         self._next_orphan_check_at = now + _ORPHAN_CHECK_INTERVAL_S
         for identity in self.proxies.pop_silent(self.config.orphan_timeout_s):
-            self._end_requests_of(identity, f"silent for {self.config.orphan_timeout_s:.0f} s")
+            self._end_requests_of(identity, f"silent for {self.config.orphan_timeout_s:.0f} s", tell=True)
         for identity in list(self._unreachable):
             self.proxies.drop(identity)
-            self._end_requests_of(identity, "unreachable")
+            self._end_requests_of(identity, "unreachable", tell=False)
 
-    def _end_requests_of(self, identity: bytes, why: str) -> None:
+    def _end_requests_of(self, identity: bytes, why: str, tell: bool) -> None:
+        """End identity's requests and leases; tell: each ended request is answered with an
+        ErrorReply too (a proxy judged silent may still be there: its client then gets an error,
+        not silence; one a send gave up on would not read it)."""
         self.prefix_digests.forget(identity)
         request_ids = self.proxies.owned_by(identity)
         for request_id in request_ids:
             self.metrics.request_ended(request_id, "abort")
             self.forget(request_id)
             self.handle_abort(request_id, identity)
+            if tell:
+                self.send(identity, ErrorReply(request_id, "Orphaned", f"the node heard nothing from the proxy "
+                                                                       f"for {self.config.orphan_timeout_s:.0f} s and "
+                                                                       "ended the request", False))
         num_leases = self.release_owned(identity)
         num_ended = len(request_ids) + num_leases
         self.num_orphaned_requests += num_ended

@@ -220,8 +220,8 @@ class ChatCompletionRequest(ChatTemplateInput, GenerationRequest):
         return ToolPolicy(ToolChoiceMode(choice), functions, None, is_parallel)
 
     def check_supported(self) -> None:
+        self._check_tool_choice()  # NOTE: first: the base's schema checks build the tools' grammar schema
         super().check_supported()
-        self._check_tool_choice()
         if self.modalities is not None and self.modalities != ["text"]:
             raise ApiError(400, f"modalities {self.modalities} are not supported (text only)", "modalities")
 

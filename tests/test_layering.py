@@ -14,7 +14,9 @@ ALLOWED = {
     "node": {"engine", "kv_transfer"},
     "prefill_node": {"node", "engine", "kv_transfer"},
     "decode_node": {"node", "engine", "kv_transfer"},
-    "proxy": {"engine.protocol"},
+    # NOTE: the torch-free modules of rules proxy and nodes share: messages and option ranges, the
+    # model directory check, the grammar budget.
+    "proxy": {"engine.protocol", "engine.model_files", "engine.schema_budget"},
     # NOTE: the launcher starts nodes as processes (`pdserve prefill|decode`); it never imports
     # the node server, whose room is the nodes' alone.
     "pdserve": OURS - {"node"},

@@ -75,15 +75,21 @@ def test_static_buffers_only_where_asked(tiny_model_dir):
         EngineConfig(model=ModelConfig.from_pretrained(tiny_model_dir), decode_graphs="eager")
 
 
+@pytest.fixture(scope="module")
+def transformers_32(tiny_model_dir):
+    """transformers' greedy 32 tokens of make_prompts' 16 prompts (computed once for the module)."""
+    prompts = make_prompts(ModelConfig.from_pretrained(tiny_model_dir).vocab_size)
+    return prompts, transformers_greedy(tiny_model_dir, prompts, 32)
+
+
 @pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
 @pytest.mark.parametrize("device", ENGINE_DEVICES)
 def test_greedy_on_padded_buckets_equals_eager_and_transformers(tiny_model_dir, device, async_scheduling, graph_runs,
-                                                                launches):
+                                                                launches, transformers_32):
     """16 prompts through 13 slots with preemption: decode batches of many sizes, most padded;
     with async scheduling, runs of decode steps each launched before the one before is read."""
     mode = "auto" if device == "cuda" else "static"
-    prompts = make_prompts(ModelConfig.from_pretrained(tiny_model_dir).vocab_size)
-    expected = transformers_greedy(tiny_model_dir, prompts, 32)
+    prompts, expected = transformers_32
     # Requests end at different steps: the decode batch shrinks through the buckets.
     lengths = [4 + (7 * i) % 29 for i in range(len(prompts))]
     params = [SamplingParams(max_tokens=n, temperature=0.0) for n in lengths]

@@ -129,7 +129,29 @@ def test_requests_of_a_silent_proxy_end_after_the_orphan_timeout(make_node):
         node.server.run_once()
         time.sleep(0.01)  # paced: unpaced, a fast CPU decodes "orphan" to its length limit within 1 s
     assert engine.request_ids() == ["alive"] and node.server.num_orphaned_requests == 1
+    # answered all the same: a proxy judged silent may still be there, and its client waiting
+    [(identity, reply)] = node.errors("orphan")
+    assert identity == PROXY and reply.kind == "Orphaned" and not reply.is_client_error
     node.server.handle_message(OTHER, protocol.Abort(["alive"]))
+    engine.check_leaks()
+
+
+def test_the_nodes_own_absence_is_not_its_proxys_silence(make_node):
+    """A loop away past the orphan timeout (a long step, a stall) aborts nothing on its return; a
+    proxy silent while the loop runs is still caught."""
+    node = make_node(orphan_timeout_s=1.0)
+    long = protocol.SamplingOptions(max_tokens=10_000, temperature=0.0, ignore_eos=True)
+    node.request(PROXY, "kept", [5, 6, 7], long)
+    node.server.run_once()
+    time.sleep(1.6)  # the loop is away (as in a 40 s grammar compile): the proxy's pings would wait unread
+    node.server.run_once()
+    engine = node.server.engine
+    assert engine.request_ids() == ["kept"] and node.server.num_orphaned_requests == 0
+    deadline = time.monotonic() + 10
+    while "kept" in engine.request_ids() and time.monotonic() < deadline:
+        node.server.run_once()  # the loop runs and the proxy says nothing: silence
+        time.sleep(0.01)
+    assert node.server.num_orphaned_requests == 1
     engine.check_leaks()
 
 

@@ -19,9 +19,12 @@ TEXTS = ["a\n    b", "def f(a):\n    b = 1\n\n    return a  # x", "Hello, world!
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "def f():\n    return 1"}]
 
 
-@pytest.fixture(autouse=True)
-def _own_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+@pytest.fixture(scope="module", autouse=True)
+def _own_cache(tmp_path_factory):
+    """One cache for the module (each build is a child importing transformers, a few seconds)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PDSERVE_CACHE_DIR", str(tmp_path_factory.mktemp("tokenizer-cache")))
+        yield
 
 
 @pytest.fixture(params=["qwen2-tiny", "tiny"])
@@ -58,7 +61,9 @@ def test_built_once_then_read_from_the_cache(tiny_model_dir, monkeypatch):
     assert again.encode(TEXTS[1]) == first.encode(TEXTS[1])
 
 
-def test_where_transformers_cannot_build_it_the_file_serves_with_a_warning(tiny_model_dir, monkeypatch, caplog):
+def test_where_transformers_cannot_build_it_the_file_serves_with_a_warning(tiny_model_dir, monkeypatch, caplog,
+                                                                          tmp_path):
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "empty"))  # nothing cached: the child runs
     monkeypatch.setattr(proxy_tokenizer, "_BUILD_TOKENIZER", "raise SystemExit('no tokenizer class for this')")
     with caplog.at_level(logging.WARNING, logger="proxy.tokenizer"):
         ours = ModelTokenizer.from_dir(tiny_model_dir, template_timeout_s=5.0)
