@@ -75,7 +75,8 @@ def create_app(config: ProxyConfig) -> FastAPI:
     pool = NodePool(config.prefill_addresses, config.decode_addresses, config.heartbeat_timeout_s,
                     _local_prefill_policy(config),
                     curve_keys(config.cluster_secret) if config.cluster_secret is not None else None,
-                    config.stall_timeout_s, RetryLimits(config.max_attempts, config.max_migrations),
+                    config.stall_timeout_s, RetryLimits(config.max_attempts, config.max_migrations,
+                                                                      config.decode_wait_s),
                     RoutingConfig.of(config))
     names = NodeNames(config.prefill_addresses, config.decode_addresses, config.expose_node_addresses)
     metrics = ProxyMetrics(lambda: pool.all, lambda: pool.num_local_prefills, names.name)

@@ -46,6 +46,9 @@ class ProxyConfig:
     # streamed; past either, its error reaches the client.
     max_attempts: int = 3
     max_migrations: int = 2
+    # A prompt is prefilled only once a decode node can take it: while none can (all starting,
+    # down, or of another KV layout), it waits this long, then gets a 503 naming why.
+    decode_wait_s: float = 10.0
     # On SIGTERM: no new requests (503, /ready 503), open streams get this long to finish, then
     # end with an error event and [DONE]; then the proxy exits.
     drain_timeout_s: float = 30.0
@@ -115,6 +118,7 @@ class ProxyConfig:
             raise ValueError(f"local_prefill_penalty must be >= 1, got {self.local_prefill_penalty}")
         self._check_routing()
         for name in ("request_timeout_s", "first_token_timeout_s", "heartbeat_timeout_s", "chat_template_timeout_s",
+                     "decode_wait_s",
                      "body_timeout_s", "stall_timeout_s", "drain_timeout_s", "discovery_interval_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")

@@ -31,6 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a node whose loop makes no progress this long while it has work is down")
     parser.add_argument("--max-attempts", type=int, default=_default("max_attempts"),
                         help="sends of a request before its first token (each failure tries another node)")
+    parser.add_argument("--decode-wait-s", type=float, default=_default("decode_wait_s"),
+                        help="a prompt is prefilled only once a decode node can take it; while none can (starting, "
+                             "down), it waits this long, then gets a 503 naming why")
     parser.add_argument("--max-migrations", type=int, default=_default("max_migrations"),
                         help="moves of a streaming request to another decode node when its node fails")
     parser.add_argument("--drain-timeout-s", type=float, default=_default("drain_timeout_s"),
@@ -146,6 +149,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         first_token_timeout_s=args.first_token_timeout_s,
         heartbeat_timeout_s=args.heartbeat_timeout_s,
         stall_timeout_s=args.stall_timeout_s,
+        decode_wait_s=args.decode_wait_s,
         max_attempts=args.max_attempts,
         max_migrations=args.max_migrations,
         drain_timeout_s=args.drain_timeout_s,

@@ -45,6 +45,7 @@ class RetryLimits:
 
     max_attempts: int = default_of(ProxyConfig, "max_attempts")
     max_migrations: int = default_of(ProxyConfig, "max_migrations")
+    decode_wait_s: float = default_of(ProxyConfig, "decode_wait_s")
 
 @dataclass(frozen=True)
 class _Unreported:
@@ -292,8 +293,8 @@ class NodePool:
         """The prefill node for this prompt by the routing policy (proxy.routing; without a
         prompt, the fewest queued prompt tokens), among the healthy prefill nodes that some
         healthy decode node can pull from (same KV layout). While no decode node is healthy at
-        all, among every healthy prefill node: one may come back during the prefill (if not, the
-        request fails and its lease is released). Counts the choice (routing_decisions)."""
+        all, among every healthy prefill node: the request then waits for a decode node before it
+        is prefilled (request_flow, ProxyConfig.decode_wait_s). Counts the choice (routing_decisions)."""
         healthy = [n for n in self.prefill if n.is_routable and id(n) not in exclude]
         if any(n.is_routable for n in self.decode):
             healthy = [n for n in healthy if self.decode_candidates(n)]
@@ -320,6 +321,15 @@ class NodePool:
         if prefill is not None:
             healthy = [n for n in healthy if n.kv_fingerprint == prefill.kv_fingerprint]
         return healthy
+
+    def why_no_decode(self, prefill: NodeClient) -> str:
+        """Why no decode node can take prefill's requests, naming the ones still starting (never
+        reported) where that is why: nothing is prefilled for a request no decode node can take."""
+        starting = [n.address for n in self.decode if n.last_report is None]
+        if starting and not any(n.is_routable for n in self.decode):
+            return (f"no decode node is ready yet: {', '.join(starting)} still starting; nothing was prefilled, "
+                    "retry shortly")
+        return f"no healthy decode node shares the KV layout of prefill node {prefill.address}; nothing was prefilled"
 
     def layout_mismatches(self) -> list[LayoutMismatch]:
         """Healthy prefill/decode pairs whose KV layouts differ (never paired), each logged once."""

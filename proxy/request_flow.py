@@ -16,6 +16,8 @@ from proxy.routing import PromptBlocks
 
 logger = logging.getLogger(__name__)
 
+_DECODE_POLL_S = 0.05  # how often a prompt waiting for a decode node looks again
+
 
 @dataclass
 class Step:
@@ -166,8 +168,19 @@ class _Run:
             async for step in self._decode_locally(local):
                 yield step
             return
+        await self._wait_for_decode(prefill)
         async for step in self._disaggregated(prefill):
             yield step
+
+    async def _wait_for_decode(self, prefill: NodeClient) -> None:
+        """Return once a decode node can take prefill's KV; raise NoNodeAvailable (naming why)
+        after pool.retry_limits.decode_wait_s. NOTE: before the prefill, not after: a prompt
+        prefilled for no decode node is work thrown away (a node starting, one failing over)."""
+        deadline = time.monotonic() + self.pool.retry_limits.decode_wait_s
+        while not self.pool.decode_candidates(prefill, frozenset(self.excluded)):
+            if time.monotonic() >= deadline:
+                raise NoNodeAvailable(self.pool.why_no_decode(prefill))
+            await asyncio.sleep(_DECODE_POLL_S)
 
     def _pick_prefill(self) -> NodeClient | None:
         """A prefill node for this attempt; None when colocated or when no prefill node takes

@@ -151,14 +151,30 @@ def test_client_disconnect_before_a_non_streaming_answer_aborts_on_the_node(star
 
 
 def test_lease_the_decode_side_never_saw_is_released(start_proxy):
-    proxy = start_proxy()
+    """The decode node dies while the prompt is being prefilled: a 503 naming decode, and the lease
+    the prefill node holds for nobody is released."""
+    proxy = start_proxy(node={"prefill_s": 2.5}, decode_wait_s=0.2)
+    result: dict = {}
+    thread = threading.Thread(target=lambda: result.update(response=_post(
+        proxy, {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 4}, timeout=15)))
+    thread.start()
+    prefill = proxy.prefill[0]
+    assert prefill.wait_for(lambda: prefill.messages(protocol.PrefillRequest), timeout_s=5.0)
+    proxy.decode[0].die()
+    thread.join(timeout=15)
+    response = result["response"]
+    assert response.status_code == 503 and "decode" in response.json()["error"]["message"]
+    assert prefill.wait_for(lambda: prefill.messages(protocol.ReleaseKV), timeout_s=1.0)
+    assert prefill.leases == {}
+
+
+def test_a_request_while_the_decode_node_is_down_waits_then_is_not_prefilled(start_proxy):
+    proxy = start_proxy(decode_wait_s=0.3)
     proxy.decode[0].die()
     _wait_unhealthy(proxy)
     response = _post(proxy, {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 4})
-    assert response.status_code == 503 and "decode" in response.json()["error"]["message"]
-    prefill = proxy.prefill[0]
-    assert prefill.wait_for(lambda: prefill.messages(protocol.ReleaseKV), timeout_s=1.0)
-    assert prefill.leases == {}
+    assert response.status_code == 503 and "nothing was prefilled" in response.json()["error"]["message"]
+    assert proxy.prefill[0].messages(protocol.PrefillRequest) == []
 
 
 def test_decode_node_dying_mid_request_fails_with_5xx_within_the_heartbeat_timeout(start_proxy):
@@ -230,6 +246,23 @@ def test_node_that_never_reported_is_down_and_gets_no_requests(start_proxy):
         silent = f"127.0.0.1:{port}"
         proxy = start_proxy(wait=False, num_decode=1, extra_decode_addresses=(silent,), expose_node_addresses=True)
         _check_silent_node_is_down(proxy, silent)
+
+
+def test_no_prefill_is_spent_while_no_decode_node_is_up_and_the_503_names_them(start_proxy):
+    """A prefill node up, the only decode node still starting (never reported): a clear 503 naming
+    it, and the prefill node never asked (its work would be thrown away)."""
+    with held_port() as port:
+        starting = f"127.0.0.1:{port}"
+        proxy = start_proxy(wait=False, num_decode=0, extra_decode_addresses=(starting,), decode_wait_s=0.5,
+                            expose_node_addresses=True)
+        assert _wait_metric(proxy, f'pdserve_node_up{{kind="prefill",node="{proxy.prefill[0].address}"}} 1.0')
+        started = time.monotonic()
+        response = _post(proxy, {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2})
+        assert time.monotonic() - started >= 0.5  # it waited for a decode node, bounded
+        error = response.json()["error"]
+        assert response.status_code == 503 and starting in error["message"], error
+        assert "still starting" in error["message"] and "nothing was prefilled" in error["message"]
+        assert proxy.prefill[0].messages(protocol.PrefillRequest) == []
 
 
 def _check_silent_node_is_down(proxy, silent: str) -> None:
