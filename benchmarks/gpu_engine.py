@@ -253,8 +253,8 @@ def run_hf(model_dir: Path, vocab: int) -> dict:
     return {"seconds": seconds, "output_tokens_per_s": num_out / seconds}
 
 
-def free(llm: LLM | None) -> None:
-    del llm
+def free() -> None:
+    """Give back what dropped engines and models held (the caller drops its references first)."""
     gc.collect()
     if DEVICE != "cpu":
         torch.cuda.empty_cache()
@@ -288,15 +288,17 @@ def bench_preset(preset: str, args, clock: Clock, hw: dict) -> dict:
         result["prefill"] = run_prefill(llm, sizes, hw, vocab)
     if "offline" in phases and clock.allows("offline", 40 if big else 25):
         result["offline"] = run_offline(llm, vocab)
-    free(llm)
+    del llm
+    free()
     if "eager" in phases and clock.allows("eager decode", 60 if big else 30):
         llm, _ = load(model_dir, args, enforce_eager=True)
         print(f"{preset}, --enforce-eager:", flush=True)
         result["decode_eager"] = run_decode(llm, sizes, hw, vocab, S.eager_batches)
-        free(llm)
+        del llm
+        free()
     if "hf" in phases and clock.allows("transformers", 60 if big else 30):
         result["hf"] = run_hf(model_dir, vocab)
-        free(None)
+        free()
     return result
 
 
@@ -323,7 +325,7 @@ def main() -> int:
         except torch.cuda.OutOfMemoryError as exc:
             print(f"{preset}: out of GPU memory ({exc}); going on", flush=True)
             payload["presets"].append({"preset": preset, "error": f"out of memory: {exc}"[:300]})
-            free(None)
+            free()
     payload["seconds"] = time.monotonic() - clock.start
     write_result("gpu_engine", payload)
     return 0 if all("decode" in p for p in payload["presets"][:1]) else 1

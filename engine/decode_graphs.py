@@ -227,7 +227,7 @@ class DecodeGraphs:
                 self._add_updates(self.max_size + row * self.width + first, blocks[first:])
                 self._row_owner[row], self._row_blocks[row] = owner, len(blocks)
 
-    def _add_updates(self, start: int, values: list[int]) -> None:
+    def _add_updates(self, start: int, values: list[int] | np.ndarray) -> None:
         """Entries start, start + 1, ... of the device's int32 buffer become values."""
         index, value = self._update_np
         k, n = self._num_updates, len(values)
@@ -244,7 +244,7 @@ class DecodeGraphs:
     def _copy_in(self, size: int) -> None:
         """The staged step into the device buffers: its ids whole; its lengths and the tables'
         changed entries scattered. Entries past a sequence's blocks are never read."""
-        self._add_updates(0, self._np_lens[:size].tolist())
+        self._add_updates(0, self._np_lens[:size])
         ids, index, value = self._staging[self._next_staging ^ 1]
         k = self._num_updates
         self._ids.copy_(ids, non_blocking=True)  # NOTE: whole (8 bytes x 4 x rows): a column slice is strided

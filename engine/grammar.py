@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.protocol import StructuredKind, StructuredOutput
-from engine.schema_budget import check_schema_budget
+from engine.schema_budget import check_schema
 
 if TYPE_CHECKING:
     import xgrammar
@@ -102,8 +102,8 @@ class Grammars:
 
         schema = spec.json_schema if spec.kind is StructuredKind.JSON_SCHEMA else _ANY_OBJECT_SCHEMA
         try:
-            check_schema_budget(json.loads(schema))
-        except (ValueError, RecursionError) as exc:  # SchemaTooCostly, or not JSON at all
+            check_schema(json.loads(schema))
+        except (ValueError, RecursionError) as exc:  # SchemaRefused, or not JSON at all
             raise ValueError(f"request {request_id}: json_schema is not supported: {exc}") from None
         try:
             grammar = xgrammar.Grammar.from_json_schema(

@@ -7,7 +7,7 @@ the engine checks again before it compiles. Torch-free: the proxy imports it.
 A pattern's cost is the number of atoms it spells out once its bounded repetitions are expanded
 (`(a|b){10}` costs 20, `a+` 1); `(a+)+`, an unbounded repetition of something unbounded, is refused
 outright. Length bounds (minLength, maxLength, minItems, maxItems, minProperties, maxProperties)
-are capped the same way.
+are capped the same way. A $ref outside the schema is refused in the same walk.
 """
 
 from __future__ import annotations
@@ -19,15 +19,28 @@ MAX_LENGTH_BOUND = 10_000
 _LENGTH_KEYWORDS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
 
 
-class SchemaTooCostly(ValueError):
+class SchemaRefused(ValueError):
+    """A schema no grammar is made from; the message names the part."""
+
+
+class SchemaTooCostly(SchemaRefused):
     """The schema is past the grammar budget; the message names the part and the limit."""
 
 
-def check_schema_budget(schema: Any, path: str = "schema") -> None:
-    """Raise SchemaTooCostly for the first part of schema past the budget (see the module)."""
+class ExternalReference(SchemaRefused):
+    """A $ref outside the schema (a URL, a file): nothing is fetched, and a grammar made without
+    the parts it names would be wrong."""
+
+
+def check_schema(schema: Any, path: str = "schema") -> None:
+    """Raise ExternalReference or SchemaTooCostly for the first part of schema that is one (see
+    the module), in one walk over it."""
     if isinstance(schema, dict):
         for key, value in schema.items():
             where = f"{path}.{key}"
+            if key == "$ref" and isinstance(value, str) and not (value == "#" or value.startswith("#/")):
+                raise ExternalReference(f"{where} {value[:200]!r} points outside the schema; only local references "
+                                        "(\"#/...\") are supported, nothing is fetched")
             if key == "pattern" and isinstance(value, str):
                 _check_pattern(value, where)
             elif key == "patternProperties" and isinstance(value, dict):
@@ -35,10 +48,10 @@ def check_schema_budget(schema: Any, path: str = "schema") -> None:
                     _check_pattern(pattern, f"{where} key")
             elif key in _LENGTH_KEYWORDS and isinstance(value, int) and value > MAX_LENGTH_BOUND:
                 raise SchemaTooCostly(f"{where} is {value}; a grammar allows at most {MAX_LENGTH_BOUND}")
-            check_schema_budget(value, where)
+            check_schema(value, where)
     elif isinstance(schema, list):
         for index, value in enumerate(schema):
-            check_schema_budget(value, f"{path}[{index}]")
+            check_schema(value, f"{path}[{index}]")
 
 
 def _check_pattern(pattern: str, where: str) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import functools
 import logging
 import os
 import re
@@ -108,9 +109,14 @@ class Transport:
         return self.transport.startswith("tcp/") or "emulation" in self.method
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None)
+
+
 def _flush_c_streams() -> None:
     with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None).fflush(None)
+        _libc().fflush(None)
 
 
 _TITLE = re.compile(r"remote memory read by ucp_get\S* into (\w[\w-]*) memory from (\w[\w-]*)")

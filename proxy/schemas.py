@@ -19,7 +19,7 @@ from engine.protocol import (
     StructuredOutput,
     check_sampling,
 )
-from engine.schema_budget import SchemaTooCostly, check_schema_budget
+from engine.schema_budget import SchemaRefused, SchemaTooCostly, check_schema
 from proxy.errors import ApiError, field_path, from_sampling, from_validation
 from proxy.limits import parse_json
 from proxy.tokenizer import ModelTokenizer
@@ -116,21 +116,6 @@ class ResponseFormat(BaseModel):
         if self.type == "json_schema":
             return StructuredOutput(StructuredKind.JSON_SCHEMA, json.dumps(self.json_schema.schema_))
         return None
-
-
-def _check_local_refs(schema: Any, param: str, path: str = "schema") -> None:
-    """Raise ApiError (400) for a $ref outside the schema itself (a URL or a file): nothing is
-    fetched, and a grammar from a schema missing its parts would be wrong."""
-    if isinstance(schema, dict):
-        ref = schema.get("$ref")
-        if isinstance(ref, str) and not (ref == "#" or ref.startswith("#/")):
-            raise ApiError(400, f"{path}.$ref {ref[:200]!r} points outside the schema; only local references "
-                                "(\"#/...\") are supported, nothing is fetched", param)
-        for key, value in schema.items():
-            _check_local_refs(value, param, f"{path}.{key}")
-    elif isinstance(schema, list):
-        for index, value in enumerate(schema):
-            _check_local_refs(value, param, f"{path}[{index}]")
 
 
 class GenerationRequest(BaseModel):
@@ -246,12 +231,12 @@ class GenerationRequest(BaseModel):
                            "min_tokens")
         structured = self.structured_output()
         if structured is not None and structured.json_schema:
-            schema = json.loads(structured.json_schema)
-            _check_local_refs(schema, self.structured_param)
             try:
-                check_schema_budget(schema)
+                check_schema(json.loads(structured.json_schema))
             except SchemaTooCostly as exc:
                 raise ApiError(400, f"the schema is too costly to enforce: {exc}", self.structured_param) from None
+            except SchemaRefused as exc:
+                raise ApiError(400, str(exc), self.structured_param) from None
 
     def prompts(self, tokenizer: ModelTokenizer) -> list[Prompt]:
         """The request's prompts, tokenized; raises ApiError for what cannot be served. May take
