@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from engine.protocol import Role
+from engine.tp_shard import check_tensor_parallel
 from kernels.select import BACKENDS as KERNEL_BACKENDS
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -210,12 +211,15 @@ class EngineConfig:
     # While the GPU runs a decode step on the static buffers, queue the next one before reading
     # this one's tokens (LLMEngine.step); pure decode steps of plain greedy requests only.
     async_scheduling: bool = True
+    # Ranks the model is split over (engine.tp_ranks): one process each, one GPU each on CUDA.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.role, Role):
             raise ValueError(f"role must be a Role, got {self.role!r}")
         if self.kernel_backend not in KERNEL_BACKENDS:
             raise ValueError(f"kernel_backend must be one of {', '.join(KERNEL_BACKENDS)}, got {self.kernel_backend!r}")
+        check_tensor_parallel(self.model, self.tensor_parallel_size)
         if self.decode_graphs not in DECODE_GRAPH_MODES:
             raise ValueError(f"decode_graphs must be one of {', '.join(DECODE_GRAPH_MODES)}, "
                              f"got {self.decode_graphs!r}")

@@ -17,15 +17,14 @@ from engine.config import EngineConfig
 from engine.decode_graphs import DecodeGraphs, PendingTokens, capture_sizes
 from engine.grammar import Grammars
 from engine.host_memory import keep_freed_memory
-from engine.kv_cache import allocate_kv_cache, num_cache_blocks
-from engine.model import CausalLM
 from engine.protocol import Role, TokenLogprob, num_blocks_for
 from engine.request import FinishReason, Request
 from engine.runner import ModelRunner, PromptSpan, StepLogits
 from engine.sampler import Sampler, is_plain_greedy, prompt_token_logprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import PrefixCacheStats, Scheduler, SchedulerOutput
-from engine.weights import load_weights
+from engine.tp_group import TensorParallelError
+from engine.tp_ranks import TPRanks, build_rank
 from kernels.select import select_backend
 
 logger = logging.getLogger(__name__)
@@ -94,19 +93,22 @@ class LLMEngine:
         if config.device == "cpu":
             keep_freed_memory()  # before the cache and weights exist, so they come from the heap too
         model_cfg = config.model
-        # A prefill-only engine runs big batches: no copies of the projections for small ones.
         self.backend = select_backend(config.device, config.kernel_backend)
-        weights = load_weights(model_cfg, self.backend, decode_batches=config.role is not Role.PREFILL)
-        # NOTE: after the weights: a GPU's budget is what is left of the engine's share of it.
-        num_blocks = num_cache_blocks(model_cfg, config.cache, config.device)
+        # A prefill-only engine runs big batches: no copies of the projections for small ones (build_rank).
+        self.ranks: TPRanks | None = None
+        if config.tensor_parallel_size > 1:
+            self.ranks, built = TPRanks.start(config, self.backend)
+        else:
+            built = build_rank(config, self.backend, None)
+        num_blocks = built.num_blocks
         self.config = replace(config, cache=replace(config.cache, num_blocks=num_blocks))
         self.block_size = config.cache.block_size
-        self.model = CausalLM(model_cfg, weights, self.backend)
-        self.kv_cache = allocate_kv_cache(model_cfg, num_blocks, self.block_size, config.device)
+        self.model = built.model
+        self.kv_cache = built.kv_cache
         self.block_pool = BlockPool(num_blocks)
         self.scheduler = Scheduler(config.scheduler, self.block_pool, self.block_size, config.enable_prefix_caching)
         self.runner = ModelRunner(self.model, self.kv_cache, self.block_size, config.device,
-                                  self._decode_graphs(self.config))
+                                  self._decode_graphs(self.config), self.ranks)
         self.sampler = Sampler(model_cfg.vocab_size, model_cfg.eos_token_ids, config.seed, self.backend.argmax)
         self.grammars = Grammars(model_cfg.model_dir, model_cfg.vocab_size, model_cfg.eos_token_ids)
         # A lone request must always fit, or it would preempt itself forever.
@@ -123,6 +125,10 @@ class LLMEngine:
         on_cuda = torch.device(config.device).type == "cuda"
         if config.role is Role.PREFILL or mode == "off" or (mode == "auto" and not on_cuda):
             return None
+        if self.ranks is not None:
+            # TODO(issue 52): capture each rank's step (its collectives inside the graph).
+            logger.info("decode graphs: not yet with tensor parallelism; every step runs eagerly")
+            return None
         graphs = DecodeGraphs(self.model, self.kv_cache, self.block_size, config.model.max_model_len,
                               capture_sizes(config.scheduler.max_num_seqs), capture=mode == "auto")
         report = graphs.capture()
@@ -131,6 +137,12 @@ class LLMEngine:
                         len(report.sizes), ", ".join(map(str, report.sizes)), report.seconds,
                         report.memory_bytes / (1 << 20))
         return graphs
+
+    def close(self) -> None:
+        """Stop this engine's other tensor-parallel ranks (bounded); it runs no step after. A no-op
+        for a one-rank engine, and safe to call twice."""
+        if self.ranks is not None:
+            self.ranks.close()
 
     @property
     def num_free_blocks(self) -> int:
@@ -228,7 +240,9 @@ class LLMEngine:
         step changes no request before it has sampled (_run_batch commits last) and writes only
         the KV of its scheduled tokens, at the requests' own slots, which the retry writes
         again with the same values. Costs one extra forward per request, on failure only.
-        Raises only when scheduling itself fails (a bug: the caller fails everything).
+        Raises only when scheduling itself fails (a bug: the caller fails everything), or with
+        TensorParallelError when a rank of a tensor-parallel engine failed: the engine can run no
+        more steps (the caller fails everything and ends it).
 
         Async scheduling (EngineConfig.async_scheduling, with the static decode path): a pure
         decode step of plain greedy requests is launched without waiting for it; while it runs
@@ -253,6 +267,8 @@ class LLMEngine:
                 return self._continue_and_read()
         try:
             return self._run_batch(scheduled)
+        except TensorParallelError:
+            raise  # the engine's ranks are broken: nothing is isolated, the engine is done
         except Exception as exc:  # noqa: BLE001 - isolate the request(s) at fault, keep the rest
             logger.warning("step %d of %d requests failed (%s: %s); retrying them one by one", self.num_steps,
                            len(scheduled.decodes) + len(scheduled.prefills), type(exc).__name__, exc)

@@ -42,13 +42,17 @@ def block_size_bytes(model: ModelConfig, block_size: int) -> int:
     return numel * model.dtype.itemsize
 
 
-def num_cache_blocks(model: ModelConfig, cache: CacheConfig, device: str) -> int:
-    """The block count: cache.num_blocks if set, else the memory budget over the block size. On a
-    GPU call it after the weights are loaded: the default budget is what is left of the engine's
-    share (gpu_budget_bytes)."""
+def num_cache_blocks(model: ModelConfig, cache: CacheConfig, device: str, num_ranks: int = 1) -> int:
+    """The block count: cache.num_blocks if set, else the memory budget over the block size (model:
+    this rank's share of the model, tp_shard.local_model_config). On a GPU call it after the
+    weights are loaded: the default budget is what is left of the engine's share (gpu_budget_bytes),
+    per GPU. On the CPU a tensor-parallel engine's num_ranks ranks split one budget (they share
+    the host's memory), so its block count is about a one-rank engine's."""
     if cache.num_blocks is not None:
         return cache.num_blocks
     budget = cache.kv_cache_memory_bytes or _default_budget_bytes(device, cache.gpu_memory_utilization)
+    if not device.startswith("cuda"):
+        budget //= num_ranks
     num_blocks = budget // block_size_bytes(model, cache.block_size)
     if num_blocks < 1:
         raise ValueError(

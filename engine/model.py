@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import ModelConfig
+from engine.tp_group import TPGroup
 from engine.weights import LayerWeights, ModelWeights
 from kernels.interface import Backend, LayerShape
 from kernels.reference.ops import rotary_cos_sin_cache
@@ -39,10 +40,15 @@ class AttentionMetadata:
 
 
 class CausalLM:
-    def __init__(self, config: ModelConfig, weights: ModelWeights, backend: Backend) -> None:
+    """config: the model as this rank holds it (tp_shard.local_model_config: its heads and MLP rows);
+    tp: its tensor-parallel group, None for a model on one rank."""
+
+    def __init__(self, config: ModelConfig, weights: ModelWeights, backend: Backend,
+                 tp: TPGroup | None = None) -> None:
         self.config = config
         self.weights = weights
         self.ops = backend
+        self.tp = tp
         self.scale = config.head_dim**-0.5
         self.cos_sin_cache = rotary_cos_sin_cache(
             config.head_dim, config.max_position_embeddings, config.rope_theta,
@@ -53,8 +59,9 @@ class CausalLM:
         shape = LayerShape(hidden=config.hidden_size, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
                            head_dim=config.head_dim, intermediate=config.intermediate_size, eps=config.rms_norm_eps,
                            scale=self.scale)
-        # A backend capability (the whole decode step's layers in one call), or None.
-        self.fused_decode = backend.fused_decode(weights.layers, shape, self.cos_sin_cache)
+        # A backend capability (the whole decode step's layers in one call), or None; it has no place
+        # for the ranks' sums.
+        self.fused_decode = None if tp else backend.fused_decode(weights.layers, shape, self.cos_sin_cache)
 
     @property
     def has_greedy_head(self) -> bool:
@@ -68,7 +75,7 @@ class CausalLM:
         """Run the batch, writing its K/V into kv_cache; returns the final hidden states (normed,
         the LM head's input) [len(logits_indices), hidden] of the tokens at logits_indices (None:
         of every token, in order)."""
-        hidden = self.weights.embed_tokens[input_ids]
+        hidden = self._embed(input_ids)
         fused = self.fused_decode
         if fused is not None and meta.num_decode_tokens == hidden.shape[0] and fused.takes(hidden, kv_cache):
             hidden, residual = fused.run(hidden, meta.positions, meta.slot_mapping, meta.decode_block_tables,
@@ -77,9 +84,20 @@ class CausalLM:
             hidden, residual = self._layers(hidden, meta, kv_cache, logits_indices)
         return self.ops.add_rms_norm(hidden, residual, self.weights.norm, self.config.rms_norm_eps)[0]
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The LM head: [rows, hidden] -> [rows, vocab] in the model's dtype."""
-        return self.ops.linear(hidden, self.weights.lm_head)
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The LM head: [rows, hidden] -> [rows, vocab] in the model's dtype (tensor-parallel:
+        gathered on rank 0, None on the other ranks)."""
+        logits = self.ops.linear(hidden, self.weights.lm_head)
+        return logits if self.tp is None else self.tp.gather_vocab(logits)
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp is None:
+            return self.weights.embed_tokens[input_ids]
+        return self.tp.embed(self.weights.embed_tokens, input_ids)
+
+    def _reduced(self, partial: torch.Tensor) -> torch.Tensor:
+        """A row-parallel projection's output summed over the ranks (itself on one rank)."""
+        return partial if self.tp is None else self.tp.all_reduce(partial)
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """The argmax of logits(hidden), int64 [rows], from the backend's greedy head (needs
@@ -108,9 +126,9 @@ class CausalLM:
                 residual = residual[logits_indices]
             else:
                 attended = self._paged_attention(query, meta, kv_layer)
-            hidden = ops.linear(attended.reshape(attended.shape[0], self._q_size), layer.o)
+            hidden = self._reduced(ops.linear(attended.reshape(attended.shape[0], self._q_size), layer.o))
             normed, residual = ops.add_rms_norm(hidden, residual, layer.post_norm, eps)
-            hidden = ops.linear(ops.gate_up_silu(normed, layer.gate_up), layer.down)
+            hidden = self._reduced(ops.linear(ops.gate_up_silu(normed, layer.gate_up), layer.down))
         return hidden, residual
 
     def _qkv_to_cache(

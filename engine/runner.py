@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -11,6 +12,7 @@ from engine.model import AttentionMetadata, CausalLM
 from engine.request import Request
 from engine.sampler import is_plain_greedy
 from engine.scheduler import SchedulerOutput
+from engine.tp_ranks import TPRanks
 
 
 @dataclass
@@ -56,12 +58,13 @@ class StepLogits:
 
 class ModelRunner:
     def __init__(self, model: CausalLM, kv_cache: torch.Tensor, block_size: int, device: str,
-                 graphs: DecodeGraphs | None = None) -> None:
+                 graphs: DecodeGraphs | None = None, ranks: TPRanks | None = None) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = device
         self.graphs = graphs  # pure decode steps run there when it takes them
+        self.ranks = ranks  # a tensor-parallel engine's other ranks: each step is theirs too
 
     def execute(self, scheduled: SchedulerOutput) -> StepLogits:
         """Run one step; returns the logits of the requests that sample (those whose last
@@ -69,11 +72,13 @@ class ModelRunner:
         positions whose logprobs are owed (Request.needs_prompt_logprobs)."""
         if self.graphs is not None and self.graphs.takes(scheduled.decodes, len(scheduled.prefills)):
             return self._execute_decodes(scheduled.decodes)
-        batch = self.prepare(scheduled)
-        greedy_rows = ([i for i, r in enumerate(batch.sampled_requests) if is_plain_greedy(r)]
+        host = self._prepare_host(scheduled)
+        greedy_rows = ([i for i, r in enumerate(host.sampled_requests) if is_plain_greedy(r)]
                        if self.model.has_greedy_head else [])
-        hidden = self.model.forward(batch.input_ids, batch.meta, self.kv_cache, batch.logits_indices)
-        tokens, logits = self._head(hidden, greedy_rows)
+        with self.ranks.step(host.input_ids, host.meta, host.logits_indices) if self.ranks else nullcontext():
+            batch = self._to_device(host)
+            hidden = self.model.forward(batch.input_ids, batch.meta, self.kv_cache, batch.logits_indices)
+            tokens, logits = self._head(hidden, greedy_rows)
         num_sampled = len(batch.sampled_requests) - len(greedy_rows)  # logits' rows of sampled requests
         offset = num_sampled
         for span in batch.prompt_spans:
@@ -107,7 +112,7 @@ class ModelRunner:
         keep[greedy_rows] = False
         return self.model.greedy_tokens(hidden[greedy_rows]), self.model.logits(hidden[keep])
 
-    def prepare(self, scheduled: SchedulerOutput) -> BatchInputs:
+    def _prepare_host(self, scheduled: SchedulerOutput) -> BatchInputs:
         items = scheduled.scheduled()
         requests = [r for r, _ in items]
         num_new = [n for _, n in items]
@@ -155,7 +160,7 @@ class ModelRunner:
             sampled_requests=[requests[i] for i in sampled_idx],
             prompt_spans=prompt_spans,
         )
-        return self._to_device(batch)
+        return batch
 
     def _block_tables(self, requests: list[Request]) -> torch.Tensor:
         width = max(len(r.block_ids) for r in requests)

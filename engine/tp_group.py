@@ -1,0 +1,92 @@
+"""The collectives of a tensor-parallel step, on one rank: the sum after each row-parallel
+projection, the vocabulary-parallel embedding lookup and the LM head's gather to rank 0."""
+
+from __future__ import annotations
+
+import datetime
+
+import torch
+import torch.distributed as dist
+
+from engine.tp_shard import TPShard
+
+# NOTE: every rank enters a step's collectives within one layer's compute of each other, so a
+# collective waiting this long means a rank is gone or stuck: the step fails (TensorParallelError).
+COLLECTIVE_TIMEOUT_S = 120.0
+
+
+class TensorParallelError(RuntimeError):
+    """A rank of the engine's tensor-parallel group failed or left: the group, and so the engine,
+    cannot run another step."""
+
+
+def make_process_group(store: dist.Store, rank: int, size: int, device: str):
+    """The ranks' group over store (a backend object, its collectives called directly, as the gloo KV
+    connector's: no global default group): NCCL for CUDA tensors, gloo for CPU ones."""
+    timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+    if torch.device(device).type == "cuda":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, size, options)
+    return dist.ProcessGroupGloo(store, rank, size, timeout)
+
+
+class TPGroup:
+    """One rank's side of its group's collectives (rank 0 drives the engine; every rank runs the
+    same step on its shard). Each call blocks until every rank made it; raises
+    TensorParallelError when a rank is gone."""
+
+    def __init__(self, shard: TPShard, vocab_size: int, group) -> None:
+        self.shard = shard
+        self.vocab_size = vocab_size
+        self.group = group
+
+    @property
+    def rank(self) -> int:
+        return self.shard.rank
+
+    def all_reduce(self, x: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
+        """x summed (or op) over the ranks, in place; returns x."""
+        options = dist.AllreduceOptions()
+        options.reduceOp = op
+        self._wait(self.group.allreduce([x], options))
+        return x
+
+    def min_int(self, value: int) -> int:
+        """The smallest of the ranks' values (what every rank's memory allows)."""
+        return int(self.all_reduce(torch.tensor([value], dtype=torch.int64), dist.ReduceOp.MIN).item())
+
+    def embed(self, table: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        """The embedding rows of token_ids [num_tokens] from the ranks' vocabulary slices (table:
+        this rank's rows): each rank gives its own rows, zeros elsewhere, summed (exact)."""
+        vocab = self.shard.vocab
+        local = token_ids - vocab.start
+        is_mine = (local >= 0) & (local < len(vocab))
+        rows = table[local.clamp(0, len(vocab) - 1)]
+        rows = torch.where(is_mine.unsqueeze(-1), rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
+        return self.all_reduce(rows)
+
+    def gather_vocab(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """The whole vocabulary's logits [rows, vocab] on rank 0 from each rank's slice [rows,
+        len(shard.vocab)]; None on the other ranks."""
+        shard = self.shard
+        padded = logits
+        if logits.shape[1] < shard.vocab_rows:
+            padded = torch.nn.functional.pad(logits, (0, shard.vocab_rows - logits.shape[1]))
+        padded = padded.contiguous()
+        options = dist.GatherOptions()
+        options.rootRank = 0
+        if shard.rank != 0:
+            self._wait(self.group.gather([], [padded], options))
+            return None
+        parts = [torch.empty_like(padded) for _ in range(shard.size)]
+        self._wait(self.group.gather([parts], [padded], options))
+        # NOTE: only the last rank's slice is short (tp_shard), so the padding all lies past vocab_size.
+        return torch.cat(parts, dim=1)[:, : self.vocab_size]
+
+    def _wait(self, work) -> None:
+        try:
+            work.wait()
+        except Exception as exc:  # noqa: BLE001 - any failure of a collective breaks the group
+            raise TensorParallelError(f"tensor-parallel rank {self.rank}: a collective failed "
+                                      f"({type(exc).__name__}: {exc})") from exc

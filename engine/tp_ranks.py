@@ -1,0 +1,351 @@
+"""A tensor-parallel engine's ranks. Rank 0 is the engine's own process: it schedules, samples and
+drives; ranks 1.. are worker processes it starts (spawned), each holding its shard of the weights
+and of the KV cache (block ids shared) and running every step rank 0 sends it, as vLLM's executor
+and SGLang's TP workers do. Steps go to the workers over a pipe each; the model's sums and the
+LM head's gather go over the ranks' process group (gloo on the CPU, NCCL on CUDA)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import logging
+import os
+import secrets
+import subprocess
+import sys
+import time
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass
+from multiprocessing.connection import Client, Connection, Listener, wait
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from engine.config import EngineConfig
+from engine.host_memory import keep_freed_memory
+from engine.kv_cache import allocate_kv_cache, num_cache_blocks
+from engine.model import AttentionMetadata, CausalLM
+from engine.protocol import Role
+from engine.tp_group import TensorParallelError, TPGroup, make_process_group
+from engine.tp_shard import local_model_config, tp_shard
+from engine.weights import load_weights
+from kernels.interface import Backend
+from kernels.select import select_backend
+
+logger = logging.getLogger(__name__)
+
+# NOTE: a worker's start is a torch import, its weights' read and its cache's allocation.
+START_TIMEOUT_S = 300.0
+STOP_TIMEOUT_S = 10.0
+_STORE_TIMEOUT_S = 60.0
+_CONNECT_TIMEOUT_S = 60.0  # a worker's interpreter start and imports, before it connects back
+_PACKAGE_ROOT = Path(__file__).resolve().parent.parent  # where `engine` is importable from
+
+# A step message: an int64 header, then every int tensor of the step flattened (see _pack_step).
+_OP_STEP, _OP_STOP = 1, 2
+_HEADER = ("op", "num_tokens", "num_decodes", "num_prefills", "table_width", "num_logits")
+
+
+@dataclass
+class RankModel:
+    """One rank's model on its shard, its KV cache and the block count all ranks agreed on."""
+
+    model: CausalLM
+    kv_cache: torch.Tensor
+    num_blocks: int
+
+
+def rank_device(device: str, rank: int) -> str:
+    """Rank's device: on CUDA the rank-th GPU from the engine's (cuda:N + rank), else device."""
+    kind = torch.device(device)
+    if kind.type != "cuda":
+        return device
+    return f"cuda:{(kind.index or 0) + rank}"
+
+
+def build_rank(config: EngineConfig, backend: Backend, group: TPGroup | None) -> RankModel:
+    """Load this rank's shard (the whole model without a group), agree on the block count with the
+    other ranks (the smallest any rank's memory allows) and allocate the cache."""
+    shard = group.shard if group is not None else tp_shard(config.model, 0, 1)
+    weights = load_weights(config.model, backend, decode_batches=config.role is not Role.PREFILL, shard=shard)
+    local = local_model_config(config.model, shard)
+    # NOTE: after the weights: a GPU's budget is what is left of the engine's share of it.
+    num_blocks = num_cache_blocks(local, config.cache, config.device, shard.size)
+    if group is not None:
+        num_blocks = group.min_int(num_blocks)
+    model = CausalLM(local, weights, backend, group)
+    return RankModel(model, allocate_kv_cache(local, num_blocks, config.cache.block_size, config.device), num_blocks)
+
+
+class TPRanks:
+    """Rank 0's hold on its worker ranks. start() brings them up; send_step() hands each the step
+    rank 0 is about to run (before rank 0 runs it: the collectives pair up); close() stops them
+    (also done when this object is collected or the process exits). A worker that dies ends the
+    group: the next send or collective raises TensorParallelError."""
+
+    def __init__(self, processes: list[subprocess.Popen], pipes: list[Connection], store: dist.TCPStore) -> None:
+        self._processes = processes
+        self._pipes = pipes
+        self._store = store
+        self.is_broken = False
+        self._finalizer = weakref.finalize(self, _stop_workers, processes, pipes)
+
+    @classmethod
+    def start(cls, config: EngineConfig, backend: Backend) -> tuple[TPRanks, RankModel]:
+        """Spawn ranks 1..size-1, join them in a group and build rank 0's model beside theirs.
+        Raises TensorParallelError naming the rank and its error when a worker fails to start."""
+        size = config.tensor_parallel_size
+        _check_devices(config.device, size)
+        store = dist.TCPStore("127.0.0.1", 0, size, True, timeout=datetime.timedelta(seconds=_STORE_TIMEOUT_S),
+                              wait_for_workers=False)
+        threads = max(1, torch.get_num_threads() // size)
+        torch.set_num_threads(threads)
+        processes, pipes = _spawn_workers(config, store.port, threads)
+        ranks = cls(processes, pipes, store)
+        try:
+            ranks._await("joining")
+            group = TPGroup(tp_shard(config.model, 0, size), config.model.vocab_size,
+                            make_process_group(store, 0, size, config.device))
+            built = build_rank(config, backend, group)
+            ranks._await("ready")
+        except TensorParallelError as exc:
+            reported = ranks._start_errors()
+            ranks.close()
+            if reported:
+                raise TensorParallelError(f"tensor-parallel {reported}") from exc
+            raise
+        except BaseException:
+            ranks.close()
+            raise
+        logger.info("tensor parallel: %d ranks (pids %s), %d threads each", size,
+                    ", ".join(str(p.pid) for p in processes), threads)
+        return ranks, built
+
+    @contextlib.contextmanager
+    def step(self, input_ids: torch.Tensor, meta: AttentionMetadata, logits_indices: torch.Tensor) -> Iterator[None]:
+        """Send the step (host tensors) to every worker, then run rank 0's side of it in the block.
+        Whatever the block raises becomes a TensorParallelError and breaks the group for good: the
+        workers may be waiting in a collective rank 0 left, which no later step can pair with."""
+        self.send_step(input_ids, meta, logits_indices)
+        try:
+            yield
+        except TensorParallelError:
+            self.is_broken = True
+            raise
+        except Exception as exc:
+            self.is_broken = True
+            raise TensorParallelError(f"tensor-parallel rank 0 failed inside a step ({type(exc).__name__}: "
+                                      f"{exc}); the group cannot run another") from exc
+
+    def send_step(self, input_ids: torch.Tensor, meta: AttentionMetadata, logits_indices: torch.Tensor) -> None:
+        """Hand every worker the step (host tensors) rank 0 runs next. Raises TensorParallelError
+        when a worker is gone."""
+        self._check_alive()
+        message = _pack_step(input_ids, meta, logits_indices)
+        for rank, pipe in enumerate(self._pipes, start=1):
+            try:
+                pipe.send_bytes(message)
+            except OSError as exc:
+                self.is_broken = True
+                raise TensorParallelError(f"tensor-parallel rank {rank} is gone ({exc})") from exc
+
+    def close(self) -> None:
+        """Stop the workers (bounded: those that do not stop in STOP_TIMEOUT_S are killed)."""
+        self._finalizer()
+
+    def _check_alive(self) -> None:
+        if self.is_broken:
+            raise TensorParallelError("this engine's tensor-parallel group failed earlier; restart the engine")
+        for rank, process in enumerate(self._processes, start=1):
+            if process.poll() is not None:
+                self.is_broken = True
+                raise TensorParallelError(f"tensor-parallel rank {rank} (pid {process.pid}) exited "
+                                          f"with code {process.returncode}")
+
+    def _start_errors(self) -> str:
+        """The errors workers reported while starting ("rank N failed to start: ..."), "" if none."""
+        errors = []
+        for rank, pipe in enumerate(self._pipes, start=1):
+            try:
+                while pipe.poll(1.0):
+                    kind, detail = pipe.recv()
+                    if kind == "error":
+                        errors.append(f"rank {rank} failed to start: {detail}")
+            except (EOFError, OSError):
+                continue
+        return "; ".join(errors)
+
+    def _await(self, state: str) -> None:
+        """Wait for every worker to report state, bounded by START_TIMEOUT_S; raises
+        TensorParallelError with a worker's own error or exit."""
+        deadline = time.monotonic() + START_TIMEOUT_S
+        pending = dict(zip(self._pipes, range(1, len(self._pipes) + 1)))
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TensorParallelError(f"tensor-parallel ranks {sorted(pending.values())} not {state} "
+                                          f"after {START_TIMEOUT_S:.0f} s")
+            for pipe in wait(list(pending), timeout=min(left, 1.0)):
+                rank = pending.pop(pipe)
+                try:
+                    kind, detail = pipe.recv()
+                except EOFError:
+                    raise TensorParallelError(f"tensor-parallel rank {rank} exited while starting") from None
+                if kind != state:
+                    raise TensorParallelError(f"tensor-parallel rank {rank} failed to start: {detail}")
+            self._check_alive()
+
+
+def _spawn_workers(config: EngineConfig, store_port: int, threads: int) -> tuple[list, list[Connection]]:
+    """Start ranks 1..size-1 as `python -m engine.tp_ranks` (a fresh interpreter: nothing of the
+    caller's main module runs again, as multiprocessing's spawn would), each connecting back to an
+    authenticated listener, and hand each its start arguments."""
+    size = config.tensor_parallel_size
+    authkey = secrets.token_bytes(32)
+    env = dict(os.environ, PDSERVE_TP_AUTHKEY=authkey.hex(),
+               PYTHONPATH=os.pathsep.join(filter(None, [str(_PACKAGE_ROOT), os.environ.get("PYTHONPATH")])))
+    processes, pipes = [], []
+    with Listener(("127.0.0.1", 0), authkey=authkey) as listener:
+        listener._listener._socket.settimeout(_CONNECT_TIMEOUT_S)  # noqa: SLF001 - a bounded accept
+        host, port = listener.address
+        for rank in range(1, size):
+            processes.append(subprocess.Popen([sys.executable, "-m", "engine.tp_ranks", f"{host}:{port}", str(rank)],
+                                              env=env))
+        try:
+            for _ in range(1, size):
+                pipes.append(listener.accept())
+        except BaseException:
+            _stop_workers(processes, pipes)
+            raise
+    by_rank = {}
+    for pipe in pipes:
+        rank = pipe.recv()
+        by_rank[rank] = pipe
+        worker_config = dataclasses.replace(config, device=rank_device(config.device, rank))
+        pipe.send((worker_config, store_port, threads, _core_group(rank, size)))
+    return processes, [by_rank[rank] for rank in range(1, size)]
+
+
+def _check_devices(device: str, size: int) -> None:
+    """Raises ValueError (one line) when the ranks' GPUs are not all visible."""
+    kind = torch.device(device)
+    if kind.type == "cuda" and (kind.index or 0) + size > torch.cuda.device_count():
+        raise ValueError(f"tensor_parallel_size {size} from {device} needs {(kind.index or 0) + size} GPUs; "
+                         f"{torch.cuda.device_count()} are visible")
+
+
+def _stop_workers(processes: list[subprocess.Popen], pipes: list[Connection]) -> None:
+    stop = np.array([_OP_STOP] + [0] * (len(_HEADER) - 1), dtype=np.int64).tobytes()
+    for pipe in pipes:
+        with contextlib.suppress(OSError):  # already gone
+            pipe.send_bytes(stop)
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    for process in processes:
+        try:
+            process.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    for pipe in pipes:
+        pipe.close()
+
+
+def _core_group(rank: int, size: int) -> list[int] | None:
+    """The cores rank runs on: its contiguous share of this process's, None when there are fewer
+    cores than ranks (then nobody is pinned)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < size:
+        return None
+    base, extra = divmod(len(cores), size)
+    start = rank * base + min(rank, extra)
+    return cores[start : start + base + (rank < extra)]
+
+
+def _pack_step(input_ids: torch.Tensor, meta: AttentionMetadata, logits_indices: torch.Tensor) -> bytes:
+    width = meta.decode_block_tables.shape[1]  # the decode and prefill tables are row slices of one table
+    header = [_OP_STEP, input_ids.shape[0], meta.num_decode_tokens, meta.prefill_seq_lens.shape[0], width,
+              logits_indices.shape[0]]
+    parts = [torch.tensor(header, dtype=torch.int64)]
+    parts += [t.reshape(-1).to(torch.int64) for t in _step_tensors(input_ids, meta, logits_indices)]
+    return torch.cat(parts).numpy().tobytes()
+
+
+def _step_tensors(input_ids, meta: AttentionMetadata, logits_indices) -> list[torch.Tensor]:
+    """The step's tensors in message order (_unpack_step cuts them in this order)."""
+    return [input_ids, meta.positions, meta.slot_mapping, meta.decode_block_tables, meta.decode_seq_lens,
+            meta.prefill_block_tables, meta.prefill_cu_query_lens, meta.prefill_seq_lens, logits_indices,
+            meta.logits_block_tables, meta.logits_seq_lens]
+
+
+def _unpack_step(message: bytes, device: str) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor] | None:
+    """The step of a message from _pack_step, on device; None for a stop."""
+    values = torch.from_numpy(np.frombuffer(message, dtype=np.int64).copy())
+    header = dict(zip(_HEADER, values[: len(_HEADER)].tolist()))
+    if header["op"] == _OP_STOP:
+        return None
+    tokens, decodes, prefills = header["num_tokens"], header["num_decodes"], header["num_prefills"]
+    width, logits = header["table_width"], header["num_logits"]
+    sizes = [tokens, tokens, tokens, decodes * width, decodes, prefills * width, prefills + 1, prefills, logits,
+             logits * width, logits]
+    cut = values[len(_HEADER):].to(device).split(sizes)
+    i32 = torch.int32
+    meta = AttentionMetadata(
+        positions=cut[1], slot_mapping=cut[2], num_decode_tokens=decodes,
+        decode_block_tables=cut[3].reshape(decodes, width).to(i32), decode_seq_lens=cut[4].to(i32),
+        prefill_block_tables=cut[5].reshape(prefills, width).to(i32), prefill_cu_query_lens=cut[6].to(i32),
+        prefill_seq_lens=cut[7].to(i32), logits_block_tables=cut[9].reshape(logits, width).to(i32),
+        logits_seq_lens=cut[10].to(i32),
+    )
+    return cut[0], meta, cut[8]
+
+
+def _worker_main(address: str, rank: int) -> None:
+    """A worker rank: connect to rank 0, take its start arguments, join the group, build its shard,
+    then run every step rank 0 sends until a stop or rank 0's end (its connection closes). Any
+    failure ends the process (the group is broken)."""
+    host, port = address.rsplit(":", 1)
+    pipe = Client((host, int(port)), authkey=bytes.fromhex(os.environ.pop("PDSERVE_TP_AUTHKEY")))
+    pipe.send(rank)
+    config, store_port, threads, cores = pipe.recv()
+    torch.set_num_threads(threads)
+    if cores:
+        os.sched_setaffinity(0, cores)
+    if config.device == "cpu":
+        keep_freed_memory()
+    size = config.tensor_parallel_size
+    try:
+        if torch.device(config.device).type == "cuda":
+            torch.cuda.set_device(config.device)
+        store = dist.TCPStore("127.0.0.1", store_port, size, False,
+                              timeout=datetime.timedelta(seconds=_STORE_TIMEOUT_S))
+        pipe.send(("joining", None))
+        group = TPGroup(tp_shard(config.model, rank, size), config.model.vocab_size,
+                        make_process_group(store, rank, size, config.device))
+        built = build_rank(config, select_backend(config.device, config.kernel_backend), group)
+    except Exception as exc:  # noqa: BLE001 - process edge: report it to rank 0, then end
+        pipe.send(("error", f"{type(exc).__name__}: {exc}"))
+        return
+    pipe.send(("ready", built.num_blocks))
+    _serve(pipe, built, config.device)
+
+
+def _serve(pipe: Connection, built: RankModel, device: str) -> None:
+    while True:
+        try:
+            message = pipe.recv_bytes()
+        except (EOFError, OSError):
+            return  # rank 0 is gone
+        step = _unpack_step(message, device)  # NOTE: not inference tensors: kernels memo their versions
+        if step is None:
+            return
+        input_ids, meta, logits_indices = step
+        hidden = built.model.forward(input_ids, meta, built.kv_cache, logits_indices)
+        built.model.logits(hidden)
+
+
+if __name__ == "__main__":
+    _worker_main(sys.argv[1], int(sys.argv[2]))

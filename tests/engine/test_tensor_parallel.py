@@ -1,0 +1,132 @@
+"""Tensor parallelism on the CPU (gloo, one worker process per extra rank): the shards cover the
+model exactly once; a TP=2 engine's greedy output equals transformers' (float32, with chunked
+prefill and preemption) on tiny, small (SmolLM2's shape: 9 heads over 2 ranks split unevenly, by
+whole GQA groups) and qwen2-tiny (QKV biases), and its seeded sampling equals TP=1's; a rank
+that dies fails the engine at its next step instead of hanging it."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+
+import pytest
+
+from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine.engine import LLMEngine
+from engine.sampling_params import SamplingParams
+from engine.tp_group import TensorParallelError
+from engine.tp_shard import check_tensor_parallel, tp_shard
+from tests.conftest import _cached_model
+from tests.engine.test_correctness import run_to_completion, transformers_greedy
+
+# Sixteen prompts; the block budget below is small enough to preempt, the token budget to chunk.
+PROMPT_LENGTHS = [1, 2, 5, 9, 15, 16, 17, 24, 31, 33, 40, 48, 64, 80, 100, 120]
+MAX_TOKENS = 6
+# float32 summed in another order (the ranks' partial sums) over small's 30 layers: 1.2e-4 seen
+LOGPROB_TOLERANCE = 5e-4
+
+
+def make_prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(8, vocab_size) for _ in range(n)] for n in PROMPT_LENGTHS]
+
+
+def make_engine(model_dir, tensor_parallel_size: int, num_blocks: int = 20) -> LLMEngine:
+    return LLMEngine(EngineConfig(
+        model=ModelConfig.from_pretrained(model_dir),
+        cache=CacheConfig(block_size=16, num_blocks=num_blocks),
+        scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=64),
+        tensor_parallel_size=tensor_parallel_size,
+    ))
+
+
+@pytest.fixture(scope="module")
+def small_model_dir():
+    return _cached_model("small")
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "size"), [(4, 2, 2), (9, 3, 2), (9, 3, 3), (4, 2, 4), (8, 2, 8),
+                                                         (32, 8, 4), (6, 6, 4)])
+def test_shards_cover_every_head_row_and_token_once(tiny_model_dir, heads, kv_heads, size):
+    base = ModelConfig.from_pretrained(tiny_model_dir)
+    model = base.__class__(**{**base.__dict__, "num_heads": heads, "num_kv_heads": kv_heads})
+    check_tensor_parallel(model, size)
+    shards = [tp_shard(model, rank, size) for rank in range(size)]
+    group = heads // kv_heads
+    assert [h for s in shards for h in s.q_heads] == list(range(heads))
+    assert [i for s in shards for i in s.intermediate] == list(range(model.intermediate_size))
+    assert [t for s in shards for t in s.vocab] == list(range(model.vocab_size))
+    for s in shards:
+        assert s.q_heads and s.kv_heads
+        # each rank attends with its own KV heads only, in the model's GQA ratio
+        assert {q // group for q in s.q_heads} == set(s.kv_heads)
+        assert len(s.q_heads) == group * len(s.kv_heads) or len(s.kv_heads) == 1
+    assert {k for s in shards for k in s.kv_heads} == set(range(kv_heads))
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "size", "says"), [(4, 2, 3, "multiple of the model's 2 KV heads"),
+                                                                 (4, 4, 8, "more than the model's 4 attention"),
+                                                                 (4, 2, 0, "must be >= 1")])
+def test_a_model_that_does_not_split_is_refused_naming_the_numbers(tiny_model_dir, heads, kv_heads, size, says):
+    base = ModelConfig.from_pretrained(tiny_model_dir)
+    model = base.__class__(**{**base.__dict__, "num_heads": heads, "num_kv_heads": kv_heads})
+    with pytest.raises(ValueError, match=says):
+        EngineConfig(model=model, tensor_parallel_size=size)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "small", "qwen2-tiny"])
+def test_tp2_greedy_with_preemption_and_chunking_equals_transformers(preset, tiny_model_dir, qwen2_tiny_model_dir,
+                                                                     request):
+    model_dir = {"tiny": tiny_model_dir, "qwen2-tiny": qwen2_tiny_model_dir}.get(preset) or \
+        request.getfixturevalue("small_model_dir")
+    prompts = make_prompts(ModelConfig.from_pretrained(model_dir).vocab_size)
+    expected = transformers_greedy(model_dir, prompts, MAX_TOKENS)
+    engine = make_engine(model_dir, 2)
+    try:
+        got = run_to_completion(engine, prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=0))
+        assert engine.scheduler.num_preemptions >= 1
+        assert engine.scheduler.num_chunked_prefill_steps >= 1
+        for i, ((want_tokens, want_logprobs), tokens) in enumerate(zip(expected, got)):
+            assert [t.token_id for t in tokens] == want_tokens, f"prompt {i} ({len(prompts[i])} tokens)"
+            for t, want in zip(tokens, want_logprobs):
+                assert abs(t.logprob - want) < LOGPROB_TOLERANCE, f"prompt {i}: logprob {t.logprob} vs {want}"
+        engine.check_leaks()
+    finally:
+        engine.close()
+
+
+def test_seeded_sampling_and_logprobs_are_those_of_one_rank(tiny_model_dir):
+    prompts = make_prompts(ModelConfig.from_pretrained(tiny_model_dir).vocab_size, seed=3)[:8]
+    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, top_p=0.9, seed=100 + i, logprobs=2,
+                             prompt_logprobs=1 if i % 3 == 0 else None) for i in range(len(prompts))]
+    results = []
+    for size in (1, 2):
+        engine = make_engine(tiny_model_dir, size, num_blocks=128)
+        try:
+            results.append(run_to_completion(engine, prompts, params))
+        finally:
+            engine.close()
+    one, two = results
+    assert [[t.token_id for t in r] for r in one] == [[t.token_id for t in r] for r in two]
+    for a, b in zip(one, two):
+        for x, y in zip(a, b):
+            assert abs(x.logprob - y.logprob) < 1e-4
+            assert [tok for tok, _ in x.top] == [tok for tok, _ in y.top]
+
+
+def test_a_dead_rank_fails_the_next_step_and_the_engine_stays_failed(tiny_model_dir):
+    engine = make_engine(tiny_model_dir, 2)
+    try:
+        prompt = make_prompts(2000)[5]
+        run_to_completion(engine, [prompt], SamplingParams(max_tokens=2, temperature=0.0))
+        [worker] = engine.ranks._processes
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.wait(10)
+        engine.add_request("after", prompt, SamplingParams(max_tokens=2, temperature=0.0))
+        with pytest.raises(TensorParallelError, match="rank 1 .* exited with code -9"):
+            engine.step()
+        with pytest.raises(TensorParallelError, match="failed earlier"):
+            engine.step()
+    finally:
+        engine.close()
