@@ -555,6 +555,34 @@ def render_gpu_served(records: list[dict]) -> tuple[list[str], list]:
     return lines + ["", "- " + provenance(record)], []
 
 
+def render_tensor_parallel(records: list[dict]) -> tuple[list[str], list]:
+    runs = [r for r in records if not r["result"].get("smoke")]
+    lines = []
+    for device in ("cpu", "cuda"):
+        mine = [r for r in runs if r["result"]["device"].startswith(device)]
+        if not mine:
+            lines += [f"*No {device.upper()} run recorded yet.*" if device == "cuda" else "*No CPU run yet.*", ""]
+            continue
+        record = mine[-1]
+        result = record["result"]
+        if "skipped" in result:
+            lines += [f"{device.upper()}: not measured ({result['skipped']}).", "", "- " + provenance(record), ""]
+            continue
+        base = str(result["sizes"][0])
+        rows = []
+        for size, row in result["summary"].items():
+            cells = [f"{num(row['decode_step_ms'][str(b)], 1)} ms ({row['decode_over_base'][str(b)]:.2f}x)"
+                     for b in result["batches"]]
+            prefill = f"{num(row['prefill_step_ms'], 1)} ms ({row['prefill_over_base']:.2f}x)"
+            rows.append([f"TP={size}", *cells, prefill])
+        lines += [f"`{result['preset']}`, {result['dtype']}, {device.upper()}, {result['threads']} threads in all; "
+                  f"median of {result['rounds']} alternated rounds, ratios against TP={base} in the same round.", ""]
+        lines += table(["ranks", *[f"decode step, batch {b}" for b in result["batches"]],
+                        f"prefill step, {result['prefill_len']} tokens"], rows)
+        lines += ["", "- " + provenance(record), ""]
+    return lines, []
+
+
 RENDERERS: dict[str, Callable[[list[dict]], tuple[list[str], list]]] = {
     "ab_trees": render_ab_trees,
     "vs_vllm": render_vs_vllm, "kernels_gpu": render_kernels_gpu, "kernels_cpu": render_kernels_cpu,
@@ -563,6 +591,7 @@ RENDERERS: dict[str, Callable[[list[dict]], tuple[list[str], list]]] = {
     "multiturn": render_multiturn, "disagg_vs_colocated": render_disagg_vs_colocated, "chaos": render_chaos,
     "load_client": render_load_client, "profile_serve": render_profile_serve, "fuzz": render_fuzz,
     "gpu_engine": render_gpu_engine, "kv_transfer_gpu": render_kv_transfer_gpu, "gpu_served": render_gpu_served,
+    "tensor_parallel": render_tensor_parallel,
 }
 
 

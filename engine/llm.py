@@ -44,8 +44,9 @@ class LLM:
     dtype and max_model_len (ModelConfig.from_pretrained), block_size, num_blocks and
     kv_cache_memory_bytes (CacheConfig), max_num_seqs and max_num_batched_tokens
     (SchedulerConfig), device ("auto": CUDA when available), seed, enable_prefix_caching,
-    kernel_backend, decode_graphs and async_scheduling (EngineConfig). Raises TypeError for an unknown option,
-    ValueError for a bad value."""
+    kernel_backend, decode_graphs, async_scheduling and tensor_parallel_size (EngineConfig). Raises TypeError
+    for an unknown option, ValueError for a bad value. close() (or a with block) stops a
+    tensor-parallel engine's worker ranks; they also stop when the LLM is collected or the process exits."""
 
     def __init__(self, model: str, *, dtype: str | None = None, max_model_len: int | None = None,
                  device: str = "auto", **options) -> None:
@@ -56,13 +57,23 @@ class LLM:
             scheduler=SchedulerConfig(**_pick(options, SchedulerConfig)),
             device=resolve_device(device),
             **_pick(options, EngineConfig, only=("seed", "enable_prefix_caching", "kernel_backend",
-                                                  "decode_graphs", "async_scheduling")),
+                                                  "decode_graphs", "async_scheduling", "tensor_parallel_size")),
         )
         if options:
             raise TypeError(f"LLM got unknown options: {', '.join(sorted(options))}")
         self.engine = LLMEngine(config)
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Stop the engine's worker ranks (tensor parallelism); nothing to do on one rank."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def generate(
         self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None = None,

@@ -376,8 +376,11 @@ DRAINING_ERROR_KIND = "Draining"
 # ErrorReply.kind of a request refused because its node's waiting queue is at its bound
 # (LoadReport.max_num_waiting): retry it on another node; the node itself is fine.
 QUEUE_FULL_ERROR_KIND = "QueueFull"
+# ErrorReply.kind of a request ended because its node failed as a whole and is stopping (a rank of
+# its split model was lost): the request retries, or migrates with its tokens, on another node.
+NODE_FAILED_ERROR_KIND = "NodeFailed"
 # Refusals that say nothing about the request: the proxy sends it to another node instead.
-RETRYABLE_ERROR_KINDS = frozenset({DRAINING_ERROR_KIND, QUEUE_FULL_ERROR_KIND})
+RETRYABLE_ERROR_KINDS = frozenset({DRAINING_ERROR_KIND, QUEUE_FULL_ERROR_KIND, NODE_FAILED_ERROR_KIND})
 
 
 class ErrorReply(msgspec.Struct, tag="error", frozen=True):

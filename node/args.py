@@ -76,6 +76,10 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         default=default_of(EngineConfig, "async_scheduling"),
                         help="queue the next decode step before reading this one's tokens (CUDA graphs, plain "
                              "greedy decode batches)")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int,
+                        default=default_of(EngineConfig, "tensor_parallel_size"),
+                        help="ranks the model is split over: one process each (one GPU each on CUDA); above 1 "
+                             "only with --colocated for now (the KV transfer is one rank's)")
     parser.add_argument("--block-size", type=int, default=default_of(CacheConfig, "block_size"))
     parser.add_argument("--num-blocks", type=int, default=default_of(CacheConfig, "num_blocks"))
     parser.add_argument("--kv-cache-memory-gb", type=float, default=None,
@@ -129,7 +133,13 @@ def node_configs_from_args(args: argparse.Namespace, role: Role) -> NodeConfigs:
         kernel_backend=args.kernel_backend,
         decode_graphs="off" if args.enforce_eager else default_of(EngineConfig, "decode_graphs"),
         async_scheduling=args.async_scheduling,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
+    if engine.tensor_parallel_size > 1 and role is not Role.COLOCATED:
+        # TODO(issue 52): a connector per rank, and pulls between different TP degrees.
+        raise ValueError(f"--tensor-parallel-size {engine.tensor_parallel_size}: a {role.value} node moves KV from "
+                         "one rank's cache; split models serve on colocated nodes for now (pdserve decode "
+                         "--colocated, or pdserve up --prefill 0)")
     keys = curve_keys(args.cluster_secret) if args.cluster_secret else None
     server = ServerConfig(args.node_id or f"{role.value}-{args.port}", args.host, args.port,
                           orphan_timeout_s=args.orphan_timeout_s, curve_keys=keys,

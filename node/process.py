@@ -46,7 +46,10 @@ def serve(args: argparse.Namespace, role: Role, build_server: BuildServer) -> in
     signal.signal(signal.SIGINT, lambda *_: server.stop())
     engine.warm_up()  # NOTE: a full step, before the first report (routing sees a measured prefill rate)
     server.run()
-    exit_now()  # NOTE: skips UCX's teardown, which aborts when a peer died first
+    engine.close()
+    # NOTE: exit_now skips UCX's teardown, which aborts when a peer died first. A node that failed
+    # (a tensor-parallel rank lost) exits 1, so that its supervisor restarts it.
+    exit_now(0 if server.failure is None else 1)
     return 0
 
 

@@ -32,6 +32,7 @@ from engine import protocol
 from engine.engine import LLMEngine, StepOutput
 from engine.protocol import ErrorReply, KVOutcome, KVSource, RequestDelta, Role, TokenBatch
 from engine.sampling_params import SamplingParams
+from engine.tp_group import TensorParallelError
 from kv_transfer.security import CurveKeys, check_bind_host
 from node.control import ControlSocket
 from node.core_lending import Borrower, Lender
@@ -114,6 +115,7 @@ class NodeServer:
         self.progress = 0  # loop iterations: the proxy and /health tell a stuck loop by it
         self.last_progress_at = time.monotonic()
         self.is_serving = False  # set once the loop runs (after warm-up): /ready
+        self.failure: Exception | None = None  # what stopped the node, if it did not stop cleanly
         self._is_draining = threading.Event()
         self._drain_deadline: float | None = None  # set by the loop once it sees the drain
         self.metrics = NodeMetrics(engine.config.model.name, config.node_id, self.role.value, engine.max_total_tokens,
@@ -411,6 +413,14 @@ class NodeServer:
         started_at = time.monotonic()
         try:
             outputs = self.engine.step()
+        except TensorParallelError as exc:
+            logger.error("%s; ending every request (to run elsewhere) and stopping this node", exc)
+            for request_id in self.engine.request_ids():
+                self.engine.abort(request_id)
+                self.reply_failure(request_id, protocol.NODE_FAILED_ERROR_KIND, str(exc), is_client_error=False)
+            self.failure = exc
+            self.stop()
+            return
         except Exception as exc:  # noqa: BLE001 - scheduling itself failed: nothing to isolate
             logger.exception("engine step failed before running; failing its requests")
             self._fail_all(exc)

@@ -25,6 +25,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto (CUDA when available)")
     parser.add_argument("--max-model-len", type=int, default=None, help="default: the checkpoint's")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                        help="ranks the model is split over: one process each (one GPU each on CUDA)")
     parser.add_argument("--chat", action="store_true", help="wrap each prompt as a user message")
 
 
@@ -38,7 +40,8 @@ def main(args: argparse.Namespace) -> int:
     try:
         check_model_dir(model_dir)
         llm = LLM(model_dir, dtype=args.dtype, kernel_backend=args.kernel_backend, device=args.device,
-                  max_model_len=args.max_model_len, decode_graphs="off" if args.enforce_eager else "auto")
+                  max_model_len=args.max_model_len, decode_graphs="off" if args.enforce_eager else "auto",
+                  tensor_parallel_size=args.tensor_parallel_size)
     except ValueError as exc:  # the user's mistake (a device, a length): one line, no traceback
         print(f"pdserve generate: {exc}", file=sys.stderr)
         return 2
@@ -46,10 +49,11 @@ def main(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
         top_k=args.top_k, seed=args.seed,
     )
-    if args.chat:
-        outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params)
-    else:
-        outputs = llm.generate(args.prompts, params)
+    with llm:
+        if args.chat:
+            outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params)
+        else:
+            outputs = llm.generate(args.prompts, params)
     for prompt, output in zip(args.prompts, outputs):
         completion = output.outputs[0]
         print(f"--- {prompt!r} ({completion.finish_reason}, {len(completion.token_ids)} tokens)")

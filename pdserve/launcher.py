@@ -162,6 +162,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "nodes first) runs on the i-th, round robin; nodes sharing a GPU split its memory "
                              "(--gpu-memory-utilization). Default: every visible GPU, unless --device cpu")
     parser.add_argument("--prefill-gpus", default=None, help="GPUs for the prefill nodes alone (as --gpus)")
+    parser.add_argument("--prefill-tp", type=int, default=1,
+                        help="tensor-parallel size of each prefill node (above 1: not yet, see --decode-tp)")
+    parser.add_argument("--decode-tp", type=int, default=1,
+                        help="tensor-parallel size of each decode node: its model split over this many processes "
+                             "(GPUs on CUDA); above 1 only with --prefill 0 for now")
     parser.add_argument("--decode-gpus", default=None, help="GPUs for the decode nodes alone (as --gpus)")
     parser.add_argument("--log-format", choices=("text", "json"), default=None,
                         help="every process's log lines (default: text)")
@@ -228,9 +233,11 @@ def main(args: argparse.Namespace) -> int:
         proxy_args += ["--log-format", args.log_format]
     print(f"pdserve up: starting {args.prefill} prefill + {args.decode} decode nodes and the proxy ...", flush=True)
     try:
+        _check_tp(args)
         gpus = gpu_plan(args.prefill, args.decode, _gpu_list(args.gpus, "--gpus"),
                         _gpu_list(args.prefill_gpus, "--prefill-gpus"), _gpu_list(args.decode_gpus, "--decode-gpus"),
-                        visible_gpus() if args.device in (None, "auto", "cuda") else [])
+                        visible_gpus() if args.device in (None, "auto", "cuda") else [],
+                        prefill_tp=args.prefill_tp, decode_tp=args.decode_tp)
     except ValueError as exc:
         print(f"pdserve up: {exc}", file=sys.stderr)
         return 2
@@ -240,7 +247,8 @@ def main(args: argparse.Namespace) -> int:
               flush=True)
     deployment = start_local(model_dir, num_prefill=args.prefill, num_decode=args.decode, host=args.host,
                              port=args.port, node_args=node_args, proxy_args=proxy_args, log_dir=log_dir,
-                             proxy_cores=args.proxy_cores, lend_cores=args.lend_cores, gpus=gpus)
+                             proxy_cores=args.proxy_cores, lend_cores=args.lend_cores, gpus=gpus,
+                             tensor_parallel=(args.prefill_tp, args.decode_tp))
     try:
         wait_healthy(deployment, args.ready_timeout_s, stop)
         print(f"pdserve is ready: {deployment.base_url}/v1 (model {model_dir}); Ctrl-C stops it", flush=True)
@@ -286,6 +294,7 @@ def start_local(
     port: int | None = None, node_args: list[str] | tuple[str, ...] = (),
     proxy_args: list[str] | tuple[str, ...] = (), log_dir: Path | None = None, pin_cpus: bool = True,
     proxy_cores: int | None = None, lend_cores: bool | None = None, gpus: list[str | None] | None = None,
+    tensor_parallel: tuple[int, int] = (1, 1),
 ) -> Deployment:
     """Start nodes and proxy as separate processes (not waiting for health: see wait_healthy).
     On any failure the caller must stop() the returned deployment's cluster. pin_cpus: each node
@@ -294,7 +303,8 @@ def start_local(
     their own, prefill node i lends its cores to decode node i while it has nothing to prefill
     (node.core_lending); only with at least as many prefill nodes as decode nodes, so that no two
     decode nodes borrow the same cores. None: see auto_lend_cores. gpus: per node (prefill nodes
-    first) the GPU it runs on (gpu_plan), or None for the node's own default device."""
+    first) the GPUs it runs on (gpu_plan), or None for the node's own default device.
+    tensor_parallel: the tensor-parallel size of the prefill nodes and of the decode nodes."""
     cluster = Cluster()
     cpus = []
     if pin_cpus:
@@ -319,6 +329,9 @@ def start_local(
                           "--health-port", str(health_port)]
         if kind == "decode" and not num_prefill:
             argv.append("--colocated")
+        tp = tensor_parallel[kind == "decode"]
+        if tp > 1:
+            argv += ["--tensor-parallel-size", str(tp)]
         if cpus:
             argv += ["--cpus", cpus[i]]
         env = None
@@ -344,18 +357,45 @@ _SHARED_GPU_UTILIZATION = 0.9
 
 
 def gpu_plan(num_prefill: int, num_decode: int, gpus: list[str] | None = None, prefill_gpus: list[str] | None = None,
-             decode_gpus: list[str] | None = None, visible: list[str] = ()) -> list[str | None]:
-    """The GPU of each node (prefill nodes first), as CUDA_VISIBLE_DEVICES names it: round robin
-    over prefill_gpus / decode_gpus for their pool where given, else over gpus, else over the
-    visible GPUs; all None (each node's own default device) where there are none."""
+             decode_gpus: list[str] | None = None, visible: list[str] = (), prefill_tp: int = 1,
+             decode_tp: int = 1) -> list[str | None]:
+    """The GPUs of each node (prefill nodes first), as CUDA_VISIBLE_DEVICES names them: a node of
+    tensor-parallel size k takes k consecutive GPUs, round robin over prefill_gpus / decode_gpus
+    for its pool where given, else over gpus, else over the visible GPUs; all None (each node's
+    own default device) where there are none. Raises ValueError when a pool has fewer GPUs than
+    one of its nodes needs."""
     pool = gpus or list(visible)
+    sizes = [prefill_tp] * num_prefill + [decode_tp] * num_decode
     if not (prefill_gpus or decode_gpus):
-        return [pool[i % len(pool)] if pool else None for i in range(num_prefill + num_decode)]
+        return _gpu_groups(pool, sizes) if pool else [None] * len(sizes)
     prefill, decode = prefill_gpus or pool, decode_gpus or pool
     if (num_prefill and not prefill) or (num_decode and not decode):
         raise ValueError("--prefill-gpus / --decode-gpus: the other pool has no GPU; give it its own, or --gpus")
-    return ([prefill[i % len(prefill)] for i in range(num_prefill)]
-            + [decode[i % len(decode)] for i in range(num_decode)])
+    return _gpu_groups(prefill, sizes[:num_prefill]) + _gpu_groups(decode, sizes[num_prefill:])
+
+
+def _gpu_groups(pool: list[str], sizes: list[int]) -> list[str]:
+    """Each node its size consecutive GPUs of pool, in turn; past the pool's end nodes share
+    them from its start again."""
+    groups, at = [], 0
+    for size in sizes:
+        if size > len(pool):
+            raise ValueError(f"a node of tensor-parallel size {size} needs {size} GPUs; its pool has "
+                             f"{len(pool)} ({','.join(pool)})")
+        if at + size > len(pool):
+            at = 0
+        groups.append(",".join(pool[at : at + size]))
+        at = (at + size) % len(pool)
+    return groups
+
+
+def _check_tp(args: argparse.Namespace) -> None:
+    for flag, size in (("--prefill-tp", args.prefill_tp), ("--decode-tp", args.decode_tp)):
+        if size < 1:
+            raise ValueError(f"{flag} must be >= 1, got {size}")
+    if args.prefill and max(args.prefill_tp, args.decode_tp) > 1:
+        raise ValueError("--prefill-tp / --decode-tp above 1 serve colocated nodes only for now (--prefill 0): "
+                         "the KV transfer between nodes moves one rank's cache")
 
 
 def _gpu_flags(gpus: list[str | None], index: int, node_args: list[str] | tuple[str, ...]) -> list[str]:

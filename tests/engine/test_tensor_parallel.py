@@ -6,6 +6,7 @@ that dies fails the engine at its next step instead of hanging it."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -130,3 +131,15 @@ def test_a_dead_rank_fails_the_next_step_and_the_engine_stays_failed(tiny_model_
             engine.step()
     finally:
         engine.close()
+
+
+def test_the_benchmark_times_both_sizes_and_records_their_ratio(tiny_model_dir, tmp_path, monkeypatch):
+    from benchmarks import tensor_parallel
+
+    monkeypatch.setenv("PDSERVE_RESULTS_DIR", str(tmp_path))
+    assert tensor_parallel.main(["--smoke", "--model", str(tiny_model_dir)]) == 0
+    [record] = tmp_path.glob("tensor_parallel-*.json")
+    result = json.loads(record.read_text())["result"]
+    assert result["sizes"] == [1, 2] and list(result["summary"]) == ["1", "2"]
+    assert result["summary"]["1"]["decode_over_base"] == {"1": 1.0}
+    assert result["summary"]["2"]["decode_step_ms"]["1"] > 0 and result["summary"]["2"]["prefill_step_ms"] > 0

@@ -27,6 +27,26 @@ def test_per_pool_lists():
         gpu_plan(1, 1, decode_gpus=["1"])
 
 
+def test_a_tensor_parallel_node_takes_that_many_consecutive_gpus():
+    eight = [str(i) for i in range(8)]
+    assert gpu_plan(0, 2, visible=eight, decode_tp=4) == ["0,1,2,3", "4,5,6,7"]
+    assert gpu_plan(1, 2, visible=eight, prefill_tp=2, decode_tp=4) == ["0,1", "2,3,4,5", "0,1,2,3"]
+    assert gpu_plan(0, 3, visible=["0", "1", "2"], decode_tp=2) == ["0,1", "0,1", "0,1"]  # "2" alone is no pair
+    assert gpu_plan(2, 1, prefill_gpus=["0", "1"], decode_gpus=["2", "3"], prefill_tp=2, decode_tp=2) == [
+        "0,1", "0,1", "2,3"]
+    assert gpu_plan(0, 2, visible=[], decode_tp=2) == [None, None]  # the CPU: ranks are processes
+    with pytest.raises(ValueError, match="tensor-parallel size 4 needs 4 GPUs; its pool has 2"):
+        gpu_plan(0, 1, gpus=["0", "1"], decode_tp=4)
+
+
+def test_up_refuses_split_models_between_prefill_and_decode_nodes_in_one_line(tmp_path, capsys, tiny_model_dir):
+    from pdserve.cli import main
+
+    assert main(["up", "--model", str(tiny_model_dir), "--decode-tp", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1].startswith("pdserve up: --prefill-tp / --decode-tp above 1 serve colocated")
+
+
 def test_visible_gpus_follow_cuda_visible_devices(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3, 5")
     assert visible_gpus() == ["3", "5"]
