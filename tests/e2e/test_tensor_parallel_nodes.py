@@ -13,10 +13,8 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.conftest import NODE_ARGS, _start
-from tests.e2e.test_availability import _Streams
+from tests.e2e.test_availability import MAX_TOKENS, _Streams
 from tests.e2e.test_pipeline import client_for, hf, hf_greedy, model_name, random_prompts  # noqa: F401 - hf: fixture
-
-MAX_TOKENS = 96
 
 
 @pytest.fixture(scope="module")
