@@ -1,7 +1,8 @@
 """Overload control: which requests the proxy takes on. Nothing waits in the proxy: a request is
 refused at once with a 429 and Retry-After when the proxy already holds max_num_requests
-choices, when every node that could take it is full, when its estimated queue wait passes
-max_queue_wait_s, or when its predicted time to first token misses the TTFT target."""
+choices, or its client max_client_requests, when every node that could take it is full, when its
+estimated queue wait passes max_queue_wait_s, or when its predicted time to first token misses
+the TTFT target."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 
 from engine import protocol
 from proxy.choices import ChoiceState
+from proxy.clients import ClientCounts
 from proxy.errors import ApiError, rate_limited
 from proxy.metrics import ProxyMetrics
 from proxy.nodes import NodeClient, NodePool
@@ -33,12 +35,14 @@ class AdmissionLimits:
     """max_num_requests: choices in the proxy at once (each choice is one request on the nodes;
     /tokenize and /detokenize hold one while they run). max_queue_wait_s: the longest estimated
     wait accepted, None: not checked. slo_ttft_s: the TTFT target, None: not checked.
-    max_node_waiting: requests queued on a node that make it full, None: only its KV blocks."""
+    max_node_waiting: requests queued on a node that make it full, None: only its KV blocks.
+    max_client_requests: choices one client (proxy.clients.client_id) may hold, None: no cap."""
 
     max_num_requests: int
     max_queue_wait_s: float | None = None
     slo_ttft_s: float | None = None
     max_node_waiting: int | None = None
+    max_client_requests: int | None = None
 
 
 @dataclass(frozen=True)
@@ -73,31 +77,33 @@ class DrainRate:
 
 
 class Ticket:
-    """One request's hold on the proxy: num_slots choices of max_num_requests. attach() hands
-    the slots to the running choices (each frees its own when it ends); release() frees the
-    slots not handed over, and is safe to call any number of times."""
+    """One request's hold on the proxy: num_slots choices of max_num_requests, counted to its
+    client too. attach() hands the slots to the running choices (each frees its own when it
+    ends); release() frees the slots not handed over, and is safe to call any number of times."""
 
-    def __init__(self, admission: Admission) -> None:
+    def __init__(self, admission: Admission, client: str) -> None:
         self._admission = admission
+        self.client = client
         self.num_slots = 1
 
     def resize(self, num_choices: int) -> None:
-        """Hold num_choices slots instead; raises ApiError 429 past the limit (the ticket keeps
+        """Hold num_choices slots instead; raises ApiError 429 past a limit (the ticket keeps
         its slots), 400 when no number of free slots could ever hold the request."""
-        self._admission.take(num_choices - self.num_slots, num_choices)
+        self._admission.take(num_choices - self.num_slots, num_choices, self.client)
         self.num_slots = num_choices
 
     def attach(self, tasks: list[asyncio.Task], states: dict[int, ChoiceState]) -> None:
         """Each task (one choice, its state at the same position of states' values) frees its slot
         when it ends, and counts toward the drain rate if the choice finished."""
         for task, state in zip(tasks, states.values()):
-            task.add_done_callback(lambda _t, s=state: self._admission.free(1, s.finish_reason is not None))
+            task.add_done_callback(lambda _t, s=state: self._admission.free(1, s.finish_reason is not None,
+                                                                            self.client))
         self.num_slots -= min(len(tasks), len(states))
         self.release()
 
     def release(self) -> None:
         if self.num_slots:
-            self._admission.free(self.num_slots, is_finished=False)
+            self._admission.free(self.num_slots, False, self.client)
             self.num_slots = 0
 
 
@@ -110,6 +116,7 @@ class Admission:
         self.pool = pool
         self.metrics = metrics
         self.num_in_flight = 0
+        self.clients = ClientCounts(limits.max_client_requests)  # slots per client
         self.is_draining = False  # the proxy is shutting down (proxy.drain): new requests get 503
         self.drain = DrainRate()
         # Per decode node (by address): requests it ran while others queued, its capacity as last
@@ -117,33 +124,56 @@ class Admission:
         self.num_slots: dict[str, int] = {}
         pool.is_full = lambda node: is_full(node, limits.max_node_waiting)  # routing passes over full nodes
 
-    def enter(self) -> Ticket:
-        """A ticket for one slot, taken before the body is read; raises ApiError 429 when full,
-        503 while the proxy drains."""
+    def precheck(self, client: str) -> None:
+        """Raises what enter(client) would raise now, holding nothing: a request refused anyway
+        is refused before its body is read."""
+        self._check_open()
+        self._check_room(1, client)
+
+    def enter(self, client: str) -> Ticket:
+        """A ticket for one slot, taken once the request's body has arrived (a stalled upload
+        holds none); raises ApiError 429 when the proxy or the client is full, 503 while the
+        proxy drains."""
+        self._check_open()
+        self.take(1, 1, client)
+        return Ticket(self, client)
+
+    def take(self, num_more: int, num_choices: int, client: str) -> None:
+        """Raises ApiError: 400 if num_choices exceeds max_num_requests or max_client_requests,
+        429 if num_more more slots do not fit now."""
+        for name, limit in (("max_num_requests", self.limits.max_num_requests),
+                            ("max_client_requests", self.limits.max_client_requests)):
+            if limit is not None and num_choices > limit:
+                raise ApiError(400, f"the request asks for {num_choices} choices; this server runs at most {limit} "
+                                    f"at once ({name})", "n")
+        if num_more > 0:
+            self._check_room(num_more, client)
+        self.num_in_flight += num_more
+        self.clients.take(client, num_more)
+
+    def free(self, num_slots: int, is_finished: bool, client: str) -> None:
+        self.num_in_flight -= num_slots
+        assert self.num_in_flight >= 0, f"freed more slots than taken ({self.num_in_flight})"
+        self.clients.free(client, num_slots)
+        if is_finished:
+            self.drain.record(time.monotonic())
+
+    def _check_open(self) -> None:
         if self.is_draining:
             raise ApiError(503, "the server is shutting down; send this request to another replica",
                            kind="server_error", code="shutting_down")
-        self.take(1, 1)
-        return Ticket(self)
 
-    def take(self, num_more: int, num_choices: int) -> None:
-        """Raises ApiError: 400 if num_choices exceeds max_num_requests, 429 if num_more more
-        slots do not fit now."""
+    def _check_room(self, num_more: int, client: str) -> None:
+        """Raises ApiError 429 unless num_more more slots fit, in all and for client."""
         limit = self.limits.max_num_requests
-        if num_choices > limit:
-            raise ApiError(400, f"the request asks for {num_choices} choices; this server runs at most {limit} at "
-                                "once", "n")
-        if num_more > 0 and self.num_in_flight + num_more > limit:
+        if self.num_in_flight + num_more > limit:
             retry_s = self._slot_wait_s(self.num_in_flight + num_more - limit)
             raise self._reject("max_num_requests", f"the server is at its limit of {limit} requests in flight; "
                                "retry later", retry_s)
-        self.num_in_flight += num_more
-
-    def free(self, num_slots: int, is_finished: bool) -> None:
-        self.num_in_flight -= num_slots
-        assert self.num_in_flight >= 0, f"freed more slots than taken ({self.num_in_flight})"
-        if is_finished:
-            self.drain.record(time.monotonic())
+        if not self.clients.can_take(client, num_more):
+            raise self._reject("max_client_requests", f"this client has {self.clients.held(client)} requests in "
+                               f"flight; the limit per client is {self.clients.limit} (max_client_requests); "
+                               "retry later", None)
 
     def check(self, prompt_lens: list[int]) -> None:
         """Raises ApiError 429 if every node that could serve the request is full, if its

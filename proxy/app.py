@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP front: routes (/v1/completions, /v1/chat/completions, /v1/models;
 vLLM's /tokenize, /detokenize, /version; /health, /metrics), the API key check, X-Request-Id,
-admission and bounded bodies, and run() to serve them. No torch: nodes see token ids."""
+admission and bounded bodies, and run() to serve them on guarded connections. No torch: nodes
+see token ids."""
 
 from __future__ import annotations
 
@@ -24,10 +25,10 @@ from proxy.admin import admin_router
 from proxy.admission import Admission, AdmissionLimits
 from proxy.chat_schemas import ChatCompletionRequest, TokenizeChatRequest
 from proxy.config import ProxyConfig
+from proxy.connection_guard import ConnectionLimits, guarded_protocol
 from proxy.discovery import Discovery, DiscoveryConfig, is_loopback_address
 from proxy.drain import DrainingServer, ProxyDrain
 from proxy.errors import ApiError, install_handlers
-from proxy.limits import BodyReader
 from proxy.log_context import RequestLogContext, install_record_factory
 from proxy.metrics import ProxyMetrics
 from proxy.node_names import NodeNames
@@ -46,6 +47,7 @@ from proxy.schemas import (
 )
 from proxy.service import RequestService
 from proxy.tokenizer import ModelTokenizer
+from proxy.uploads import BodyReader, UploadLimits
 
 _PYPROJECT = Path(__file__).resolve().parent.parent / "pyproject.toml"
 _Body = TypeVar("_Body", bound=BaseModel)
@@ -60,11 +62,19 @@ def run(config: ProxyConfig, log_level: str = "info") -> None:
 
     app = create_app(config)
     server = DrainingServer(uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level.lower(),
-                                           workers=1, timeout_graceful_shutdown=5, loop="uvloop", http="httptools",
+                                           workers=1, timeout_graceful_shutdown=5, loop="uvloop",
                                            # NOTE: uvicorn's loggers go to the root handler (pdserve.logs: text
                                            # or JSON); the access line comes from proxy.log_context, with its id.
-                                           log_config=None, access_log=False), app.state.drain)
+                                           log_config=None, access_log=False, **server_options(config)),
+                            app.state.drain)
     server.run()
+
+
+def server_options(config: ProxyConfig) -> dict:
+    """The uvicorn.Config fields that bound each connection: header and keep-alive deadlines
+    (proxy.connection_guard, on uvicorn's httptools protocol). run() uses them; so do tests."""
+    return {"http": guarded_protocol(ConnectionLimits(config.header_timeout_s)),
+            "timeout_keep_alive": config.keep_alive_timeout_s}
 
 
 def create_app(config: ProxyConfig) -> FastAPI:
@@ -82,8 +92,9 @@ def create_app(config: ProxyConfig) -> FastAPI:
     metrics = ProxyMetrics(lambda: pool.all, lambda: pool.num_local_prefills, names.name)
     admission = Admission(_admission_limits(config), pool, metrics)
     metrics.in_flight.set_function(lambda: admission.num_in_flight)
-    service = RequestService(config, tokenizer, pool, metrics, admission, names)
-    reader = BodyReader(config.max_body_bytes, config.body_timeout_s, metrics)
+    reader = BodyReader(_upload_limits(config), metrics)
+    metrics.uploads.set_function(lambda: reader.uploads.num_held)
+    service = RequestService(config, tokenizer, pool, metrics, admission, names, reader)
     discovery = _discovery(config, pool, names)
 
     @asynccontextmanager
@@ -103,8 +114,8 @@ def create_app(config: ProxyConfig) -> FastAPI:
     app.add_middleware(RequestIdMiddleware)
     install_handlers(app)
     _add_status_routes(app, pool, metrics, names)
-    app.include_router(_api_router(config, service, reader))
-    app.include_router(_tokenizer_router(config, service, reader))
+    app.include_router(_api_router(config, service))
+    app.include_router(_tokenizer_router(config, service))
     if config.admin_token is not None or is_loopback_address(f"{config.host}:{config.port}"):
         app.include_router(admin_router(discovery, config.admin_token))
     else:
@@ -127,7 +138,12 @@ def _discovery(config: ProxyConfig, pool: NodePool, names: NodeNames) -> Discove
 def _admission_limits(config: ProxyConfig) -> AdmissionLimits:
     return AdmissionLimits(config.max_num_requests, config.max_queue_wait_s,
                            None if config.slo_ttft_ms is None else config.slo_ttft_ms / 1000,
-                           config.max_node_waiting)
+                           config.max_node_waiting, config.max_client_requests)
+
+
+def _upload_limits(config: ProxyConfig) -> UploadLimits:
+    return UploadLimits(config.max_body_bytes, config.body_timeout_s, config.min_upload_bytes_per_s,
+                        config.upload_rate_window_s, config.max_client_uploads)
 
 
 def _local_prefill_policy(config: ProxyConfig) -> LocalPrefillPolicy | None:
@@ -160,9 +176,9 @@ def _add_status_routes(app: FastAPI, pool: NodePool, metrics: ProxyMetrics, name
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
-def _api_router(config: ProxyConfig, service: RequestService, reader: BodyReader) -> APIRouter:
+def _api_router(config: ProxyConfig, service: RequestService) -> APIRouter:
     """/v1/: the OpenAI endpoints, behind the API key when one is set. Each request holds a
-    ticket of the admission from before its body is read until its choices run (see Ticket)."""
+    ticket of the admission from when its body has arrived until its choices run (see Ticket)."""
     # NOTE: a dependency, not an HTTP middleware: BaseHTTPMiddleware wraps receive(), which the
     # disconnect watchers of the endpoints rely on.
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(_api_key_check(config.api_key))])
@@ -186,9 +202,9 @@ def _api_router(config: ProxyConfig, service: RequestService, reader: BodyReader
 
     @v1.post("/completions", openapi_extra=body_spec(CompletionRequest))
     async def completions(request: Request):
-        ticket = service.enter(CompletionFormat.endpoint)
+        raw, ticket = await service.admit(CompletionFormat.endpoint, request)
         try:
-            body = await _parse(await reader.read(request), parse_body, CompletionRequest)
+            body = await _parse(raw, parse_body, CompletionRequest)
             fmt = CompletionFormat(model, request.state.request_id, body.echo)
             return await service.complete(body, fmt, request, ticket)
         finally:
@@ -196,9 +212,9 @@ def _api_router(config: ProxyConfig, service: RequestService, reader: BodyReader
 
     @v1.post("/chat/completions", openapi_extra=body_spec(ChatCompletionRequest))
     async def chat_completions(request: Request):
-        ticket = service.enter(ChatFormat.endpoint)
+        raw, ticket = await service.admit(ChatFormat.endpoint, request)
         try:
-            body = await _parse(await reader.read(request), parse_body, ChatCompletionRequest)
+            body = await _parse(raw, parse_body, ChatCompletionRequest)
             fmt = ChatFormat(model, request.state.request_id, body.tool_policy())
             return await service.complete(body, fmt, request, ticket)
         finally:
@@ -207,24 +223,24 @@ def _api_router(config: ProxyConfig, service: RequestService, reader: BodyReader
     return v1
 
 
-def _tokenizer_router(config: ProxyConfig, service: RequestService, reader: BodyReader) -> APIRouter:
+def _tokenizer_router(config: ProxyConfig, service: RequestService) -> APIRouter:
     """vLLM's /tokenize, /detokenize and /version, behind the same API key as /v1/; each holds
     one admission slot while it runs."""
     router = APIRouter(dependencies=[Depends(_api_key_check(config.api_key))])
 
     @router.post("/tokenize", openapi_extra=body_spec(TokenizeCompletionRequest, TokenizeChatRequest))
     async def tokenize(request: Request):
-        ticket = service.enter(request.url.path.strip("/"))
+        raw, ticket = await service.admit(request.url.path.strip("/"), request)
         try:
-            return await service.tokenize(await _parse(await reader.read(request), _parse_tokenize, None))
+            return await service.tokenize(await _parse(raw, _parse_tokenize, None))
         finally:
             ticket.release()
 
     @router.post("/detokenize", openapi_extra=body_spec(DetokenizeRequest))
     async def detokenize(request: Request):
-        ticket = service.enter(request.url.path.strip("/"))
+        raw, ticket = await service.admit(request.url.path.strip("/"), request)
         try:
-            return await service.detokenize(await _parse(await reader.read(request), parse_body, DetokenizeRequest))
+            return await service.detokenize(await _parse(raw, parse_body, DetokenizeRequest))
         finally:
             ticket.release()
 

@@ -34,8 +34,15 @@ class ProxyConfig:
     # The admin endpoint (/admin/nodes: list, add, drain, remove) needs "Authorization: Bearer
     # <admin_token>"; None: served only on a loopback proxy (unauthenticated), else not at all.
     admin_token: str | None = field(default=None, repr=False)
-    request_timeout_s: float = 600.0  # longest wait for a decoding request's next tokens
-    first_token_timeout_s: float = 300.0  # longest wait for a prompt's first token
+    # Longest wait for a prompt's first token (queueing and prefill), and for a decoding request's
+    # next tokens; past either the node is given up on (the request is retried or migrated
+    # elsewhere, within max_attempts and max_migrations, else it ends with a 504 or an SSE error
+    # event). NOTE: one engine step takes up to ~6 s on one core (see stall_timeout_s), so 30 s
+    # between tokens is five steps' silence; 60 s before the first token covers a 10,000-token
+    # prefill on one core (five 2,048-token chunks, ~30 s) and as long again queued. Longer
+    # prompts on slower nodes need more.
+    request_timeout_s: float = 30.0
+    first_token_timeout_s: float = 60.0
     heartbeat_timeout_s: float = 3.0  # a node silent this long is down: no new requests, its own fail
     # A node whose loop made no progress for this long while it had work is stuck (its heartbeat
     # thread may still report): down, its requests failed over. One engine step of the small
@@ -93,6 +100,24 @@ class ProxyConfig:
     # a body still arriving after body_timeout_s a 408.
     max_body_bytes: int = 8 << 20
     body_timeout_s: float = 30.0
+    # A body must bring min_upload_bytes_per_s * upload_rate_window_s bytes in each window of
+    # upload_rate_window_s from its start, else a 408 closes its connection: a stalled or trickled
+    # upload is cut within one to two windows (Kestrel's minimum is 240 B/s after a 5 s grace).
+    # None: only body_timeout_s.
+    min_upload_bytes_per_s: float | None = 1024.0
+    upload_rate_window_s: float = 5.0
+    # Each connection (proxy.connection_guard): a request's headers must arrive whole within
+    # header_timeout_s (of the connection's start for its first request; 8 KiB of headers at the
+    # minimum upload rate take 8 s), and one with no request in progress closes after
+    # keep_alive_timeout_s (uvicorn's default; the openai client's httpx pool keeps 5 s too).
+    header_timeout_s: float = 10.0
+    keep_alive_timeout_s: float = 5.0
+    # Per client (its address, proxy.clients): bodies arriving at once, and choices held (of
+    # max_num_requests); past either it gets a 429 naming the cap while other clients go on.
+    # None: no cap. NOTE: a deployment whose clients all come through one gateway address
+    # should raise max_client_requests to max_num_requests.
+    max_client_uploads: int | None = 32
+    max_client_requests: int | None = 512
     # /health, /metrics and error messages name nodes "prefill0", "decode1", ...; True: by address.
     expose_node_addresses: bool = False
 
@@ -119,7 +144,8 @@ class ProxyConfig:
         self._check_routing()
         for name in ("request_timeout_s", "first_token_timeout_s", "heartbeat_timeout_s", "chat_template_timeout_s",
                      "decode_wait_s",
-                     "body_timeout_s", "stall_timeout_s", "drain_timeout_s", "discovery_interval_s"):
+                     "body_timeout_s", "stall_timeout_s", "drain_timeout_s", "discovery_interval_s",
+                     "upload_rate_window_s", "header_timeout_s", "keep_alive_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         self._check_limits()
@@ -133,11 +159,12 @@ class ProxyConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
     def _check_limits(self) -> None:
-        for name in ("max_num_requests", "max_body_bytes", "max_node_waiting"):
+        for name in ("max_num_requests", "max_body_bytes", "max_node_waiting", "max_client_uploads",
+                     "max_client_requests"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
-        for name in ("max_queue_wait_s", "slo_ttft_ms"):
+        for name in ("max_queue_wait_s", "slo_ttft_ms", "min_upload_bytes_per_s"):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be > 0, got {value}")

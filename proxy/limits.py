@@ -1,84 +1,23 @@
-"""Bounds on what a client may send before any of it is trusted: the body's size and how long
-it takes to arrive (read in pieces, never whole into memory past the limit), and the JSON in it
-(UTF-8, nesting depth, no NaN or Infinity, no lone surrogates). Each breach is a 4xx with an
-OpenAI error body."""
+"""Bounds on the JSON a client sends, before any of it is trusted (UTF-8, nesting depth, no NaN
+or Infinity, no lone surrogates); each breach is a 400 with an OpenAI error body. The body's
+size, pace and uploads at once are proxy.uploads'."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 import re
 from typing import Any
 
-from fastapi import Request
-from starlette.requests import ClientDisconnect
-
-from proxy.errors import ApiError, ClientGone, rate_limited
-from proxy.metrics import ProxyMetrics
+from proxy.errors import ApiError
 
 # NOTE: deep enough for any real JSON schema or tool definition (they rarely pass 20); the
 # stdlib parser recurses once per level and pydantic, the chat template and json.dumps walk the
 # same structures recursively, so this bound keeps all of them far from the recursion limit.
 MAX_JSON_DEPTH = 64
-# Bodies of the largest size that may be arriving at once: past it new uploads get a 429, so
-# slow uploads cannot pile up memory (each holds what it has read so far).
-_MAX_FULL_BODIES_BUFFERED = 16
 # \uD800-\uDFFF escapes: a lone one becomes a lone surrogate, which no tokenizer can encode.
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 _CONTAINERS = (dict, list)
-
-
-class BodyReader:
-    """Reads request bodies of at most max_body_bytes (413: refused on Content-Length before
-    reading, or as soon as the bytes read pass it), each within timeout_s (408), with at most
-    _MAX_FULL_BODIES_BUFFERED bodies' worth of bytes held by the reads in progress (429)."""
-
-    def __init__(self, max_body_bytes: int, timeout_s: float, metrics: ProxyMetrics | None = None) -> None:
-        self.max_body_bytes = max_body_bytes
-        self.timeout_s = timeout_s
-        self.metrics = metrics
-        self.max_buffered_bytes = max_body_bytes * _MAX_FULL_BODIES_BUFFERED
-        self.num_buffered_bytes = 0  # held by reads in progress
-
-    async def read(self, request: Request) -> bytes:
-        """The whole body; raises ApiError (400 bad Content-Length, 408, 413, 429)."""
-        declared = request.headers.get("content-length")
-        if declared is not None:
-            if not (declared.isascii() and declared.isdigit()):
-                raise ApiError(400, f"Content-Length must be a number of bytes, got {declared[:40]!r}")
-            if int(declared) > self.max_body_bytes:
-                raise self._too_large(f"{int(declared)} bytes")
-        chunks: list[bytes] = []
-        try:
-            async with asyncio.timeout(self.timeout_s):  # NOTE: not wait_for (see request_flow._next)
-                await self._read_chunks(request, chunks)
-        except TimeoutError as exc:
-            raise ApiError(408, f"the request body did not arrive within {self.timeout_s:g} s",
-                           code="request_timeout") from exc
-        except ClientDisconnect:
-            raise ClientGone(f"{sum(len(c) for c in chunks)} bytes read") from None
-        finally:
-            self.num_buffered_bytes -= sum(len(c) for c in chunks)
-        return b"".join(chunks)
-
-    async def _read_chunks(self, request: Request, chunks: list[bytes]) -> None:
-        size = 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > self.max_body_bytes:
-                raise self._too_large(f"more than {self.max_body_bytes} bytes")
-            if self.num_buffered_bytes + len(chunk) > self.max_buffered_bytes:
-                if self.metrics is not None:
-                    self.metrics.rejections.labels("too_many_uploads").inc()
-                raise rate_limited("the proxy is receiving too many large request bodies at once; retry shortly",
-                                   "too_many_uploads", 1)
-            self.num_buffered_bytes += len(chunk)
-            chunks.append(chunk)
-
-    def _too_large(self, size: str) -> ApiError:
-        return ApiError(413, f"request body is {size}; the limit is {self.max_body_bytes} bytes",
-                        code="request_too_large")
 
 
 def parse_json(raw: bytes) -> Any:

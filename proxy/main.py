@@ -103,6 +103,21 @@ def _add_limit_arguments(parser: argparse.ArgumentParser) -> None:
                         help="largest request body (413 past it)")
     parser.add_argument("--body-timeout-s", type=float, default=_default("body_timeout_s"),
                         help="longest a request body may take to arrive (408 past it)")
+    parser.add_argument("--min-upload-bytes-per-s", type=float, default=_default("min_upload_bytes_per_s"),
+                        help="a body bringing fewer than this times --upload-rate-window-s bytes in a window gets a "
+                             "408 and its connection closed (0: no minimum)")
+    parser.add_argument("--upload-rate-window-s", type=float, default=_default("upload_rate_window_s"),
+                        help="the windows, from a body's start, over which --min-upload-bytes-per-s is checked")
+    parser.add_argument("--header-timeout-s", type=float, default=_default("header_timeout_s"),
+                        help="longest a request's headers may take to arrive (from a new connection's start); "
+                             "past it the connection is closed")
+    parser.add_argument("--keep-alive-timeout-s", type=float, default=_default("keep_alive_timeout_s"),
+                        help="a connection with no request in progress is closed after this long")
+    parser.add_argument("--max-client-uploads", type=int, default=_default("max_client_uploads"),
+                        help="request bodies one client (address) may be sending at once; more get a 429 (0: no cap)")
+    parser.add_argument("--max-client-requests", type=int, default=_default("max_client_requests"),
+                        help="choices one client (address) may hold in flight; more get a 429 while other clients "
+                             "are served (0: no cap)")
     parser.add_argument("--expose-node-addresses", action="store_true", default=_default("expose_node_addresses"),
                         help="name nodes by address in /health, /metrics and errors (default: prefill0, decode0, ...)")
 
@@ -170,6 +185,12 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         max_node_waiting=args.max_node_waiting,
         max_body_bytes=args.max_body_bytes,
         body_timeout_s=args.body_timeout_s,
+        min_upload_bytes_per_s=args.min_upload_bytes_per_s or None,
+        upload_rate_window_s=args.upload_rate_window_s,
+        header_timeout_s=args.header_timeout_s,
+        keep_alive_timeout_s=args.keep_alive_timeout_s,
+        max_client_uploads=args.max_client_uploads or None,
+        max_client_requests=args.max_client_requests or None,
         expose_node_addresses=args.expose_node_addresses,
     )
 

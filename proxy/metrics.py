@@ -57,10 +57,11 @@ class ProxyMetrics:
         self.aborts = Counter("pdserve_aborts", "requests aborted (disconnect, stop string, error)", ["reason"],
                               registry=r)
         self.rejections = Counter("pdserve_admission_rejections", "requests refused with a 429 by reason: "
-                                  "max_num_requests, nodes_full, queue_wait, slo_ttft, too_many_uploads", ["reason"],
-                                  registry=r)
+                                  "max_num_requests, max_client_requests, max_client_uploads, nodes_full, "
+                                  "queue_wait, slo_ttft, too_many_uploads", ["reason"], registry=r)
         self.in_flight = Gauge("pdserve_requests_in_flight", "choices held by the proxy (admitted, not ended)",
                                registry=r)
+        self.uploads = Gauge("pdserve_uploads_in_progress", "request bodies arriving (not admitted yet)", registry=r)
         r.register(_NodeCollector(nodes, num_local_prefills, node_name))
 
     def render(self) -> bytes:

@@ -1,6 +1,7 @@
 """The request and error bodies as /openapi.json describes them. The endpoints read their bodies
-themselves (bounded, see proxy.limits), so FastAPI does not see them: each route declares its body
-with body_spec(), and install_openapi() adds the models' JSON schemas to the document."""
+themselves (bounded, see proxy.uploads and proxy.limits), so FastAPI does not see them: each
+route declares its body with body_spec(), and install_openapi() adds the models' JSON schemas to
+the document."""
 
 from __future__ import annotations
 

@@ -283,7 +283,7 @@ async def _next(queue: asyncio.Queue, timeout_s: float, node: NodeClient, reques
             message = await queue.get()
     except TimeoutError as exc:
         raise TimeoutError(f"request {request_id}: no answer from {node.kind} node {node.address} "
-                           f"within {timeout_s:.0f} s") from exc
+                           f"within {timeout_s:g} s") from exc
     if isinstance(message, Exception):  # NodeDied from the pool's watcher, or the proxy's drain ending it
         raise message
     return message

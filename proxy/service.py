@@ -17,6 +17,7 @@ from proxy.admission import Admission, Ticket
 from proxy.chat_schemas import TokenizeChatRequest
 from proxy.choice_run import ChoiceRun, ChoiceRunner
 from proxy.choices import ChoiceDelta, ChoiceDone, ChoiceEvent, ChoiceFailed, ClientGone, SubRequest
+from proxy.clients import client_id
 from proxy.config import ProxyConfig
 from proxy.errors import ApiError, api_error_of
 from proxy.metrics import ProxyMetrics
@@ -25,6 +26,7 @@ from proxy.nodes import NodePool
 from proxy.openai_format import SSE_DONE, ResponseFormat
 from proxy.schemas import DetokenizeRequest, GenerationRequest, TokenizeCompletionRequest
 from proxy.tokenizer import ModelTokenizer
+from proxy.uploads import BodyReader
 
 logger = logging.getLogger(__name__)
 
@@ -35,8 +37,9 @@ class RequestService:
     """The endpoints' common work; one per app."""
 
     def __init__(self, config: ProxyConfig, tokenizer: ModelTokenizer, pool: NodePool, metrics: ProxyMetrics,
-                 admission: Admission, names: NodeNames) -> None:
+                 admission: Admission, names: NodeNames, reader: BodyReader) -> None:
         self.config = config
+        self.reader = reader
         self.tokenizer = tokenizer
         self.pool = pool
         self.metrics = metrics
@@ -44,11 +47,16 @@ class RequestService:
         self.names = names
         self.runner = ChoiceRunner(pool, tokenizer, metrics, config.first_token_timeout_s, config.request_timeout_s)
 
-    def enter(self, endpoint: str) -> Ticket:
-        """An admission ticket for a request to endpoint (the metrics label), taken before its
-        body is read; raises ApiError 429 (counted) when the proxy is at max_num_requests."""
+    async def admit(self, endpoint: str, request: Request) -> tuple[bytes, Ticket]:
+        """The request's whole body and its admission ticket (endpoint: the metrics label),
+        taken once the body has arrived, so a stalled upload holds no slot; a request that would
+        be refused now is refused before its body is read. Raises ApiError (the reader's 4xx, a
+        429 (counted) when the proxy or the client is full, 503 while draining) or ClientGone."""
+        client = client_id(request)
         try:
-            return self.admission.enter()
+            self.admission.precheck(client)
+            raw = await self.reader.read(request)
+            return raw, self.admission.enter(client)
         except ApiError as exc:
             self.metrics.requests.labels(endpoint, str(exc.status)).inc()
             raise
@@ -60,7 +68,7 @@ class RequestService:
     async def complete(self, body: GenerationRequest, fmt: ResponseFormat, request: Request,
                        ticket: Ticket) -> Response | dict:
         """The answer to body (a dict is sent as JSON); raises ApiError for an error answer.
-        ticket (from admission.enter(), taken before the body was read) grows to the request's
+        ticket (from admit(), taken once the body had arrived) grows to the request's
         choices and passes to them once they run; the caller releases it afterwards."""
         arrived_at = time.monotonic()
         try:

@@ -15,7 +15,7 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 
 from engine.protocol import Role
 from pdserve.launcher import wait_http_ok
-from proxy.app import create_app
+from proxy.app import create_app, server_options
 from proxy.config import ProxyConfig
 from tests.conftest import UvicornServer
 from tests.proxy.fake_node import FakeNode, FakeNodeConfig
@@ -146,7 +146,7 @@ def start_proxy(model_dir) -> Iterator:
                              prefill_addresses=tuple(n.address for n in prefill),
                              decode_addresses=(*(n.address for n in decode), *extra_decode_addresses),
                              **config_fields)
-        server = UvicornServer(create_app(config), lifespan="on")
+        server = UvicornServer(create_app(config), lifespan="on", **server_options(config))
         started.append(server)
         server.start()
         running = RunningProxy(f"http://127.0.0.1:{server.port}", config, prefill, decode)

@@ -131,10 +131,10 @@ def test_limits_refuse_with_429_retry_after_and_reason():
 
 def test_in_flight_limit_counts_choices_and_tickets_give_slots_back():
     admission = _admission(_pool(), max_num_requests=4)
-    first, second = admission.enter(), admission.enter()
+    first, second = admission.enter("a"), admission.enter("b")
     first.resize(3)
     with pytest.raises(ApiError) as refused:
-        admission.enter()
+        admission.enter("c")
     assert refused.value.status == 429 and refused.value.code == "max_num_requests"
     with pytest.raises(ApiError) as refused:
         second.resize(5)
@@ -142,7 +142,27 @@ def test_in_flight_limit_counts_choices_and_tickets_give_slots_back():
     first.release()
     first.release()  # twice: no effect
     second.release()
-    assert admission.num_in_flight == 0
+    assert admission.num_in_flight == 0 and admission.clients.num_clients == 0
+
+
+def test_client_limit_refuses_only_the_client_past_it_and_names_the_cap():
+    admission = _admission(_pool(), max_num_requests=10, max_client_requests=3)
+    held = admission.enter("a")
+    held.resize(3)
+    for refuse in (lambda: admission.precheck("a"), lambda: admission.enter("a")):
+        with pytest.raises(ApiError) as refused:
+            refuse()
+        error = refused.value
+        assert (error.status, error.code) == (429, "max_client_requests")
+        assert "max_client_requests" in error.message and "is 3" in error.message
+    other = admission.enter("b")
+    other.resize(3)  # another client still gets its own 3
+    with pytest.raises(ApiError) as refused:
+        other.resize(4)
+    assert refused.value.status == 400 and "max_client_requests" in refused.value.message  # never fits
+    held.release()
+    other.release()
+    assert admission.num_in_flight == 0 and admission.clients.num_clients == 0
 
 
 def test_routing_passes_over_full_nodes():

@@ -6,13 +6,14 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from types import SimpleNamespace
 
 import httpx
 import pytest
 
 from proxy.errors import ApiError
-from proxy.limits import BodyReader
 from proxy.schemas import MAX_STOP_STRINGS
+from proxy.uploads import SMALL_BODY_BYTES, BodyReader, UploadLimits, UploadPace
 from tests.proxy.conftest import MODEL_NAME
 from tests.proxy.fuzzing import hostile_bodies
 
@@ -144,28 +145,44 @@ def test_prompt_of_a_million_token_ids_gets_a_400_naming_the_context_length(prox
     assert_still_serving(proxy)
 
 
-class _SlowUpload:
-    """A request whose body arrives in 1 KiB chunks (what BodyReader reads)."""
+class _FakeUpload:
+    """A request whose body arrives in chunks of chunk_bytes (what BodyReader reads), from one client."""
 
     headers: dict = {}
+    client = SimpleNamespace(host="192.0.2.1")
 
-    def __init__(self, num_chunks: int) -> None:
+    def __init__(self, num_chunks: int, chunk_bytes: int = 1024) -> None:
         self.num_chunks = num_chunks
+        self.chunk_bytes = chunk_bytes
 
     async def stream(self):
         for _ in range(self.num_chunks):
-            yield b"x" * 1024
+            yield b"x" * self.chunk_bytes
 
 
-def test_uploads_in_progress_share_a_bounded_buffer():
-    reader = BodyReader(max_body_bytes=4096, timeout_s=5.0)
-    reader.num_buffered_bytes = reader.max_buffered_bytes - 2048  # other uploads hold all but 2 KiB
-
+def test_large_uploads_share_a_bounded_buffer_that_small_bodies_never_touch():
+    reader = BodyReader(UploadLimits(max_body_bytes=SMALL_BODY_BYTES + 4096, timeout_s=5.0))
+    reader.num_large_bytes = reader.max_large_bytes - 2048  # other large uploads hold all but 2 KiB
+    chunks_of_small = SMALL_BODY_BYTES // 1024
     with pytest.raises(ApiError) as refused:
-        asyncio.run(reader.read(_SlowUpload(3)))
+        asyncio.run(reader.read(_FakeUpload(chunks_of_small + 3)))
     assert refused.value.status == 429 and refused.value.headers == {"Retry-After": "1"}
-    assert reader.num_buffered_bytes == reader.max_buffered_bytes - 2048  # what it had read is given back
-    assert asyncio.run(reader.read(_SlowUpload(2))) == b"x" * 2048
+    assert reader.num_large_bytes == reader.max_large_bytes - 2048  # what it had read is given back
+    assert len(asyncio.run(reader.read(_FakeUpload(chunks_of_small + 2)))) == SMALL_BODY_BYTES + 2048
+    reader.num_large_bytes = reader.max_large_bytes  # large uploads hold everything
+    assert len(asyncio.run(reader.read(_FakeUpload(chunks_of_small)))) == SMALL_BODY_BYTES  # small: still read
+    assert reader.uploads.num_clients == 0
+
+
+def test_upload_pace_needs_its_bytes_in_every_window_from_the_start():
+    pace = UploadPace(started_at=100.0, min_bytes_per_s=10, window_s=2.0)  # 20 bytes per window
+    assert pace.deadline() == 102.0  # nothing yet: behind at the first window's end
+    pace.add(100.5, 25)
+    assert pace.deadline() == 104.0  # window [100, 102) has enough: the next one must bring its own
+    pace.add(102.1, 5)
+    assert pace.deadline() == 104.0 and pace.num_bytes_short() == 5
+    pace.add(103.9, 15)
+    assert pace.deadline() == 106.0
 
 
 def test_a_client_hanging_up_mid_body_is_one_info_line_not_a_traceback(proxy, caplog):
