@@ -25,6 +25,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import PrefixCacheStats, Scheduler, SchedulerOutput
 from engine.tp_group import TensorParallelError
 from engine.tp_ranks import TPRanks, build_rank
+from engine.tp_shard import tp_shard
 from kernels.select import select_backend
 
 logger = logging.getLogger(__name__)
@@ -137,6 +138,18 @@ class LLMEngine:
                         len(report.sizes), ", ".join(map(str, report.sizes)), report.seconds,
                         report.memory_bytes / (1 << 20))
         return graphs
+
+    def kv_cache_shards(self) -> list[tuple[torch.Tensor, range]]:
+        """Every rank's KV cache (rank 0's own first) with the model's KV heads it holds: what a KV
+        connector moves blocks of (block ids mean the same block on every rank). Raises
+        ValueError where the worker ranks' caches are not mapped here (tp_ranks.shares_caches)."""
+        if self.ranks is None:
+            return [(self.kv_cache, range(self.config.model.num_kv_heads))]
+        if not self.ranks.worker_caches:
+            raise ValueError("this split model's worker caches are not mapped into rank 0 (only CPU prefill and "
+                             "decode engines map them)")
+        own = tp_shard(self.config.model, 0, self.config.tensor_parallel_size).kv_heads
+        return [(self.kv_cache, own), *self.ranks.worker_caches]
 
     def close(self) -> None:
         """Stop this engine's other tensor-parallel ranks (bounded); it runs no step after. A no-op

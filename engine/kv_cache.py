@@ -68,15 +68,30 @@ def stored_layer_major(cache: torch.Tensor) -> torch.Tensor:
     return cache.transpose(0, 1).contiguous().transpose(0, 1)
 
 
-def allocate_kv_cache(model: ModelConfig, num_blocks: int, block_size: int, device: str) -> torch.Tensor:
+def allocate_kv_cache(model: ModelConfig, num_blocks: int, block_size: int, device: str,
+                      shared_file: str | None = None) -> torch.Tensor:
     """The zeroed cache; on the CPU layer-major (see above) on transparent huge pages where Linux
-    gives them."""
+    gives them. shared_file (the CPU only): the cache is that file, mapped shared and created at
+    its size (a tmpfs path, /dev/shm: memory another process maps too, map_shared_kv_cache)."""
     shape = (num_blocks, *block_shape(model, block_size))
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=model.dtype, device=device)
+    if shared_file is not None:
+        return map_shared_kv_cache(model, num_blocks, block_size, shared_file)
     stored = torch.empty((shape[1], shape[0], *shape[2:]), dtype=model.dtype)  # layer-major: see above
     advise_huge_pages(stored)  # NOTE: before zeroing: the advice applies to pages not yet touched
     return stored.zero_().transpose(0, 1)
+
+
+def map_shared_kv_cache(model: ModelConfig, num_blocks: int, block_size: int, path: str) -> torch.Tensor:
+    """The CPU cache stored in file path (layer-major, as allocate_kv_cache stores one), mapped
+    shared: writes by any process that maps it are every one's. A file made here is zeros."""
+    shape = (num_blocks, *block_shape(model, block_size))
+    numel = 1
+    for dim in shape:
+        numel *= dim
+    stored = torch.from_file(path, shared=True, size=numel, dtype=model.dtype)
+    return stored.view(shape[1], shape[0], *shape[2:]).transpose(0, 1)
 
 
 def gpu_budget_bytes(free: int, total: int, own: int, utilization: float) -> int:
@@ -101,9 +116,12 @@ def _default_budget_bytes(device: str, utilization: float) -> int:
     return int(min(available * _CPU_MEMORY_FRACTION, _CPU_MAX_BYTES))
 
 
-def kv_layout_fields(model: ModelConfig, block_size: int, num_blocks: int, fingerprint: str) -> dict:
-    """What a KV transfer peer must agree on, as plain fields (kv_transfer.layout.KVLayout)."""
+def kv_layout_fields(model: ModelConfig, block_size: int, num_blocks: int, fingerprint: str,
+                     kv_head_ranges: list[tuple[int, int]] | None = None) -> dict:
+    """What a KV transfer peer must agree on, as plain fields (kv_transfer.layout.KVLayout), and
+    the KV heads each tensor-parallel rank holds (which peers need not agree on)."""
     return {
+        "kv_head_ranges": kv_head_ranges or [],
         "num_layers": model.num_layers,
         "num_kv_heads": model.num_kv_heads,
         "head_dim": model.head_dim,

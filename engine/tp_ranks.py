@@ -14,6 +14,7 @@ import os
 import secrets
 import subprocess
 import sys
+import tempfile
 import time
 import weakref
 from collections.abc import Iterator
@@ -27,7 +28,7 @@ import torch.distributed as dist
 
 from engine.config import EngineConfig
 from engine.host_memory import keep_freed_memory
-from engine.kv_cache import allocate_kv_cache, num_cache_blocks
+from engine.kv_cache import allocate_kv_cache, map_shared_kv_cache, num_cache_blocks
 from engine.model import AttentionMetadata, CausalLM
 from engine.protocol import Role
 from engine.tp_group import TensorParallelError, TPGroup, make_process_group
@@ -67,9 +68,11 @@ def rank_device(device: str, rank: int) -> str:
     return f"cuda:{(kind.index or 0) + rank}"
 
 
-def build_rank(config: EngineConfig, backend: Backend, group: TPGroup | None) -> RankModel:
+def build_rank(config: EngineConfig, backend: Backend, group: TPGroup | None,
+               shared_file: str | None = None) -> RankModel:
     """Load this rank's shard (the whole model without a group), agree on the block count with the
-    other ranks (the smallest any rank's memory allows) and allocate the cache."""
+    other ranks (the smallest any rank's memory allows) and allocate the cache (in shared_file
+    where given: see kv_cache.allocate_kv_cache)."""
     shard = group.shard if group is not None else tp_shard(config.model, 0, 1)
     weights = load_weights(config.model, backend, decode_batches=config.role is not Role.PREFILL, shard=shard)
     local = local_model_config(config.model, shard)
@@ -78,7 +81,8 @@ def build_rank(config: EngineConfig, backend: Backend, group: TPGroup | None) ->
     if group is not None:
         num_blocks = group.min_int(num_blocks)
     model = CausalLM(local, weights, backend, group)
-    return RankModel(model, allocate_kv_cache(local, num_blocks, config.cache.block_size, config.device), num_blocks)
+    cache = allocate_kv_cache(local, num_blocks, config.cache.block_size, config.device, shared_file)
+    return RankModel(model, cache, num_blocks)
 
 
 class TPRanks:
@@ -87,12 +91,15 @@ class TPRanks:
     (also done when this object is collected or the process exits). A worker that dies ends the
     group: the next send or collective raises TensorParallelError."""
 
-    def __init__(self, processes: list[subprocess.Popen], pipes: list[Connection], store: dist.TCPStore) -> None:
+    def __init__(self, processes: list[subprocess.Popen], pipes: list[Connection], store: dist.TCPStore,
+                 shared_files: list[str]) -> None:
         self._processes = processes
         self._pipes = pipes
         self._store = store
         self.is_broken = False
-        self._finalizer = weakref.finalize(self, _stop_workers, processes, pipes)
+        # The workers' caches mapped here too (shares_caches engines): (cache, the model's KV heads it holds)
+        self.worker_caches: list[tuple[torch.Tensor, range]] = []
+        self._finalizer = weakref.finalize(self, _stop_workers, processes, pipes, shared_files)
 
     @classmethod
     def start(cls, config: EngineConfig, backend: Backend) -> tuple[TPRanks, RankModel]:
@@ -104,14 +111,16 @@ class TPRanks:
                               wait_for_workers=False)
         threads = max(1, torch.get_num_threads() // size)
         torch.set_num_threads(threads)
-        processes, pipes = _spawn_workers(config, store.port, threads)
-        ranks = cls(processes, pipes, store)
+        shared_files = _shared_cache_files(config)
+        processes, pipes = _spawn_workers(config, store.port, threads, shared_files)
+        ranks = cls(processes, pipes, store, shared_files)
         try:
             ranks._await("joining")
             group = TPGroup(tp_shard(config.model, 0, size), config.model.vocab_size,
                             make_process_group(store, 0, size, config.device))
             built = build_rank(config, backend, group)
             ranks._await("ready")
+            ranks._map_worker_caches(config, built.num_blocks, shared_files)
         except TensorParallelError as exc:
             reported = ranks._start_errors()
             ranks.close()
@@ -166,6 +175,15 @@ class TPRanks:
                 raise TensorParallelError(f"tensor-parallel rank {rank} (pid {process.pid}) exited "
                                           f"with code {process.returncode}")
 
+    def _map_worker_caches(self, config: EngineConfig, num_blocks: int, shared_files: list[str]) -> None:
+        """Map each worker's cache file here too, then remove the files (the mappings stay)."""
+        for rank, path in enumerate(shared_files, start=1):
+            shard = tp_shard(config.model, rank, config.tensor_parallel_size)
+            cache = map_shared_kv_cache(local_model_config(config.model, shard), num_blocks, config.cache.block_size,
+                                        path)
+            self.worker_caches.append((cache, shard.kv_heads))
+        _remove_files(shared_files)
+
     def _start_errors(self) -> str:
         """The errors workers reported while starting ("rank N failed to start: ..."), "" if none."""
         errors = []
@@ -200,7 +218,29 @@ class TPRanks:
             self._check_alive()
 
 
-def _spawn_workers(config: EngineConfig, store_port: int, threads: int) -> tuple[list, list[Connection]]:
+def shares_caches(config: EngineConfig) -> bool:
+    """Whether the workers' caches are mapped into rank 0 too: on the CPU, for a node that moves
+    KV (prefill and decode roles), whose connector reads and writes every rank's cache."""
+    return config.device == "cpu" and config.role is not Role.COLOCATED and config.tensor_parallel_size > 1
+
+
+def _shared_cache_files(config: EngineConfig) -> list[str]:
+    if not shares_caches(config):
+        return []
+    folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    token = secrets.token_hex(8)
+    return [os.path.join(folder, f"pdserve-kv-{os.getpid()}-{token}-rank{rank}")
+            for rank in range(1, config.tensor_parallel_size)]
+
+
+def _remove_files(paths: list[str]) -> None:
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+def _spawn_workers(config: EngineConfig, store_port: int, threads: int,
+                   shared_files: list[str]) -> tuple[list, list[Connection]]:
     """Start ranks 1..size-1 as `python -m engine.tp_ranks` (a fresh interpreter: nothing of the
     caller's main module runs again, as multiprocessing's spawn would), each connecting back to an
     authenticated listener, and hand each its start arguments."""
@@ -226,7 +266,8 @@ def _spawn_workers(config: EngineConfig, store_port: int, threads: int) -> tuple
         rank = pipe.recv()
         by_rank[rank] = pipe
         worker_config = dataclasses.replace(config, device=rank_device(config.device, rank))
-        pipe.send((worker_config, store_port, threads, _core_group(rank, size)))
+        pipe.send((worker_config, store_port, threads, _core_group(rank, size),
+                   shared_files[rank - 1] if shared_files else None))
     return processes, [by_rank[rank] for rank in range(1, size)]
 
 
@@ -238,7 +279,8 @@ def _check_devices(device: str, size: int) -> None:
                          f"{torch.cuda.device_count()} are visible")
 
 
-def _stop_workers(processes: list[subprocess.Popen], pipes: list[Connection]) -> None:
+def _stop_workers(processes: list[subprocess.Popen], pipes: list[Connection], shared_files: list[str]) -> None:
+    _remove_files(shared_files)
     stop = np.array([_OP_STOP] + [0] * (len(_HEADER) - 1), dtype=np.int64).tobytes()
     for pipe in pipes:
         with contextlib.suppress(OSError):  # already gone
@@ -310,7 +352,7 @@ def _worker_main(address: str, rank: int) -> None:
     host, port = address.rsplit(":", 1)
     pipe = Client((host, int(port)), authkey=bytes.fromhex(os.environ.pop("PDSERVE_TP_AUTHKEY")))
     pipe.send(rank)
-    config, store_port, threads, cores = pipe.recv()
+    config, store_port, threads, cores, shared_file = pipe.recv()
     torch.set_num_threads(threads)
     if cores:
         os.sched_setaffinity(0, cores)
@@ -325,7 +367,7 @@ def _worker_main(address: str, rank: int) -> None:
         pipe.send(("joining", None))
         group = TPGroup(tp_shard(config.model, rank, size), config.model.vocab_size,
                         make_process_group(store, rank, size, config.device))
-        built = build_rank(config, select_backend(config.device, config.kernel_backend), group)
+        built = build_rank(config, select_backend(config.device, config.kernel_backend), group, shared_file)
     except Exception as exc:  # noqa: BLE001 - process edge: report it to rank 0, then end
         pipe.send(("error", f"{type(exc).__name__}: {exc}"))
         return

@@ -18,8 +18,6 @@ import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
-import torch
-
 from kv_transfer.config import TransferConfig
 from kv_transfer.layout import KVLayout
 from kv_transfer.lease import LeaseTable
@@ -91,47 +89,10 @@ def new_engine_id(node_id: str) -> str:
     return f"{node_id}-{uuid.uuid4().hex[:8]}"
 
 
-@dataclass(frozen=True)
-class CacheRegions:
-    """Where a cache's blocks lie, in bytes from its first element: block b's layer l (its K and V)
-    is layer_bytes at b * block_stride + l * layer_stride."""
-
-    block_stride: int
-    layer_stride: int
-    layer_bytes: int
-    num_layers: int
-
-    @property
-    def block_major(self) -> bool:
-        """Each block one region of num_layers * layer_bytes (engine/kv_cache.py: CUDA caches; CPU
-        ones are layer-major)."""
-        return self.layer_stride == self.layer_bytes and self.block_stride == self.num_layers * self.layer_bytes
-
-
-def cache_regions(kv_cache: torch.Tensor) -> CacheRegions:
-    """The regions of a cache check_cache accepted."""
-    elem = kv_cache.element_size()
-    layer_numel = kv_cache[0, 0].numel()
-    return CacheRegions(kv_cache.stride(0) * elem, kv_cache.stride(1) * elem, layer_numel * elem, kv_cache.shape[1])
-
-
-def check_cache(kv_cache: torch.Tensor, layout: KVLayout) -> None:
-    """Raises ValueError unless kv_cache is the cache layout describes, stored block-major
-    (contiguous) or layer-major (its first two dims swapped over a contiguous buffer)."""
-    if kv_cache.dim() != 6 or kv_cache.shape[0] != layout.num_blocks:
-        raise ValueError(f"kv_cache must have {layout.num_blocks} blocks, got {tuple(kv_cache.shape)}")
-    if not (kv_cache.is_contiguous() or kv_cache.transpose(0, 1).is_contiguous()):
-        raise ValueError(f"kv_cache must be stored block-major or layer-major, got strides {kv_cache.stride()}")
-    if kv_cache[0].numel() != layout.block_numel:
-        raise ValueError(f"kv_cache blocks hold {kv_cache[0].numel()} elements, layout says {layout.block_numel}")
-    if str(kv_cache.dtype).removeprefix("torch.") != layout.dtype:
-        raise ValueError(f"kv_cache dtype is {kv_cache.dtype}, layout says {layout.dtype}")
-
-
 class KVConnector(ABC):
-    """One per engine: registers kv_cache [num_blocks, num_layers, 2, block_size, heads, dim]
-    once, serves peers at agent_address ("host:port"), and is driven by its owner's loop
-    (not thread-safe: call it from one thread)."""
+    """One per engine: registers kv_cache [num_blocks, num_layers, 2, block_size, heads, dim] (or
+    each tensor-parallel rank's: kv_transfer.shards) once, serves peers at agent_address
+    ("host:port"), and is driven by its owner's loop (not thread-safe: call it from one thread)."""
 
     config: TransferConfig
     layout: KVLayout

@@ -12,11 +12,12 @@ from dataclasses import dataclass
 
 import torch
 
-from kv_transfer.base import FailureCode, KVConnector, ReadResult, RemoteLease, check_cache, check_read
+from kv_transfer.base import FailureCode, KVConnector, ReadResult, RemoteLease, check_read
 from kv_transfer.config import TransferConfig
 from kv_transfer.errors import LayoutMismatch
 from kv_transfer.layout import KVLayout, check_compatible
 from kv_transfer.lease import LeaseTable
+from kv_transfer.shards import CacheShard, as_shards, check_shards, gather_heads, scatter_heads
 
 FAILURES = ("fail", "hang")  # fail: the read fails when it would finish; hang: it never finishes
 
@@ -58,13 +59,14 @@ class FakeConnector(KVConnector):
 
     backend = "fake"
 
-    def __init__(self, config: TransferConfig, kv_cache: torch.Tensor, layout: KVLayout, engine_id: str,
-                 registry: FakeRegistry, clock: Callable[[], float] = time.monotonic,
+    def __init__(self, config: TransferConfig, kv_cache: torch.Tensor | list[CacheShard], layout: KVLayout,
+                 engine_id: str, registry: FakeRegistry, clock: Callable[[], float] = time.monotonic,
                  num_polls_per_read: int = 1) -> None:
-        check_cache(kv_cache, layout)
+        self.shards = as_shards(kv_cache)
+        check_shards(self.shards, layout)
         if num_polls_per_read < 1:
             raise ValueError(f"num_polls_per_read must be >= 1, got {num_polls_per_read}")
-        self.config, self.kv_cache, self.layout, self.engine_id = config, kv_cache, layout, engine_id
+        self.config, self.kv_cache, self.layout, self.engine_id = config, self.shards[0].cache, layout, engine_id
         self._registry, self._clock, self._num_polls_per_read = registry, clock, num_polls_per_read
         self._reads: dict[str, _FakeRead] = {}
         self._failures: dict[str, str] = {}
@@ -153,7 +155,8 @@ class FakeConnector(KVConnector):
         bad = [b for b in lease.block_ids if not 0 <= b < holder.layout.num_blocks]
         if bad:
             return self._failed(read, f"block ids {bad[:5]} are outside the holder's cache", FailureCode.BAD_BLOCKS)
-        self.kv_cache[read.local_block_ids] = holder.kv_cache[lease.block_ids].to(self.kv_cache.device)
+        scatter_heads(self.shards, read.local_block_ids,
+                      gather_heads(holder.shards, lease.block_ids, holder.layout.num_kv_heads))
         if holder.leases is None or not holder.leases.end(read.request_id, lease.generation):
             return self._failed(read, "the lease was not confirmed after the read", FailureCode.LEASE_LOST)
         return ReadResult(read.request_id, True)

@@ -26,6 +26,7 @@ from kv_transfer.config import TransferConfig
 from kv_transfer.errors import HandshakeFailed, TransferFailed
 from kv_transfer.layout import KVLayout
 from kv_transfer.messages import GlooStoreInfo, Hello, HelloReply, LeaseRef, ReadRequest, SideMessage
+from kv_transfer.shards import CacheShard, gather_heads, scatter_heads
 from kv_transfer.side_channel_connector import Peer, PendingRead, SideChannelConnector
 
 logger = logging.getLogger(__name__)
@@ -38,7 +39,8 @@ class GlooConnector(SideChannelConnector):
     backend = "gloo"
     reader_info_type = GlooStoreInfo  # the reader hosts the pair's store; the holder adds nothing
 
-    def __init__(self, config: TransferConfig, kv_cache: torch.Tensor, layout: KVLayout, engine_id: str) -> None:
+    def __init__(self, config: TransferConfig, kv_cache: torch.Tensor | list[CacheShard], layout: KVLayout,
+                 engine_id: str) -> None:
         self._timeout = datetime.timedelta(seconds=config.transfer_timeout_s)
         self._groups: dict[str, tuple] = {}  # holder side: reader engine id -> (group, store)
         self._sends: queue.SimpleQueue = queue.SimpleQueue()
@@ -74,7 +76,7 @@ class GlooConnector(SideChannelConnector):
     def _start_transfer(self, read: PendingRead, peer: Peer) -> None:
         group, _ = peer.handle
         tag = next(self._tags)
-        staging = torch.empty((len(read.local_block_ids), *self.kv_cache.shape[1:]), dtype=self.kv_cache.dtype,
+        staging = torch.empty(self._blocks_shape(len(read.local_block_ids)), dtype=self.kv_cache.dtype,
                               device=self.kv_cache.device)
         self._staging[read.request_id] = staging
         try:
@@ -104,8 +106,12 @@ class GlooConnector(SideChannelConnector):
         return results
 
     def _on_confirmed(self, read: PendingRead) -> None:
-        staging = self._staging.pop(read.request_id)
-        self.kv_cache[torch.tensor(read.local_block_ids, device=self.kv_cache.device)] = staging
+        scatter_heads(self.shards, read.local_block_ids, self._staging.pop(read.request_id))
+
+    def _blocks_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """What moves: blocks of every head of the model, whatever either side's ranks hold."""
+        layout = self.layout
+        return num_blocks, layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim
 
     def _cancel(self, read: PendingRead) -> None:
         # NOTE: a posted gloo receive cannot be withdrawn; it lands in its own staging buffer,
@@ -168,10 +174,10 @@ class GlooConnector(SideChannelConnector):
         lease = message.lease
         if self._leases and message.block_ids and self._leases.holds(lease.request_id, lease.generation,
                                                                      message.block_ids):
-            return self.kv_cache[torch.tensor(message.block_ids, device=self.kv_cache.device)].contiguous()
+            return gather_heads(self.shards, message.block_ids, self.layout.num_kv_heads)
         if len(message.block_ids) > self.layout.num_blocks:
             raise ValueError(f"{len(message.block_ids)} blocks asked of a cache of {self.layout.num_blocks}")
-        return torch.zeros((len(message.block_ids), *self.kv_cache.shape[1:]), dtype=self.kv_cache.dtype,
+        return torch.zeros(self._blocks_shape(len(message.block_ids)), dtype=self.kv_cache.dtype,
                            device=self.kv_cache.device)
 
     def _wait_for_group(self, reader_id: str):

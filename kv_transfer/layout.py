@@ -21,10 +21,19 @@ class KVLayout(msgspec.Struct, frozen=True):
     num_blocks: int
     model_fingerprint: str
     code_version: str
+    # The KV heads each tensor-parallel rank's cache holds, [start, stop) of num_kv_heads (its
+    # length is the TP degree); empty: one cache holds them all. Peers may differ here: a read
+    # moves heads between any two splits (kv_transfer.shards).
+    kv_head_ranges: list[tuple[int, int]] = []
 
     @property
     def block_numel(self) -> int:
+        """The elements of one block of every head (a one-rank cache's block)."""
         return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return len(self.kv_head_ranges) or 1
 
 
 def check_compatible(local: KVLayout, remote: KVLayout) -> None:

@@ -15,9 +15,10 @@ from kv_transfer.layout import KVLayout
 # 1: the unversioned handshake with an untyped `extra` dict. 2: typed backend info, refusals
 # by code. 3: a version header on every frame; leases with generations (renewed, confirmed
 # after a read, released by generation). 4: NIXL's holder info describes its cache's layout
-# (block and layer strides: CPU caches are layer-major). Bump on any change an older peer could
-# not decode or would misread.
-SIDE_CHANNEL_VERSION = 4
+# (block and layer strides: CPU caches are layer-major). 5: a cache per tensor-parallel rank (the
+# layout's kv_head_ranges, NIXL's regions per rank). Bump on any change an older peer could not
+# decode or would misread.
+SIDE_CHANNEL_VERSION = 5
 
 
 class HandshakeErrorCode(enum.StrEnum):
@@ -35,18 +36,26 @@ class HandshakeRefusal(msgspec.Struct, tag="handshake_refusal", frozen=True):
     message: str  # names both sides' values
 
 
-class NixlAgentInfo(msgspec.Struct, tag="nixl_agent_info", frozen=True):
-    """What a reader needs to READ a holder's cache: its agent and the registered region."""
+class NixlShardInfo(msgspec.Struct, frozen=True, array_like=True):
+    """One rank's registered cache: block b's layer l is layer_bytes at base_address + b *
+    block_stride + l * layer_stride (kv_transfer.shards.ShardRegions), holding KV heads
+    [kv_head_start, kv_head_stop) of the model."""
 
-    agent_metadata: bytes
     base_address: int
-    # block b's layer l is layer_bytes at base_address + b * block_stride + l * layer_stride
-    # (kv_transfer/base.py CacheRegions)
     block_stride: int
     layer_stride: int
     layer_bytes: int
-    num_blocks: int
+    kv_head_start: int
+    kv_head_stop: int
     device_id: int
+
+
+class NixlAgentInfo(msgspec.Struct, tag="nixl_agent_info", frozen=True):
+    """What a reader needs to READ a holder's cache: its agent and every rank's registered region."""
+
+    agent_metadata: bytes
+    shards: list[NixlShardInfo]
+    num_blocks: int
     mem_type: str  # NIXL's memory type: "DRAM" or "VRAM"
 
 

@@ -1,7 +1,9 @@
 """NIXL connector (UCX backend): the reader pulls blocks with one READ per request.
 
-The whole cache is registered once. A read names its blocks' regions on both sides as one
-descriptor list each, built for that read: where both caches are block-major (CUDA) a block is
+The whole cache is registered once (a node of a split model: every rank's cache, with one agent;
+a read then moves each of our ranks' heads from the peer's ranks that hold them,
+kv_transfer.shards). A read names its blocks' regions on both sides as one descriptor list each,
+built for that read: where both caches are block-major (CUDA) a block is
 one region, else (a CPU cache is stored layer-major: engine/kv_cache.py) each block's layer is,
 layer by layer; regions adjacent in memory on both sides merge into one descriptor, so a prompt's
 blocks handed out in a row on both sides move as one descriptor per layer. Measured on a 2-core
@@ -39,20 +41,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kv_transfer.base import (
-    CacheRegions,
-    FailureCode,
-    ReadResult,
-    RemoteLease,
-    TransferState,
-    cache_regions,
-    check_cache,
-)
+from kv_transfer.base import FailureCode, ReadResult, RemoteLease, TransferState
 from kv_transfer.config import TransferConfig
 from kv_transfer.errors import TransferFailed
 from kv_transfer.layout import KVLayout
 from kv_transfer.lease import LeaseTable
-from kv_transfer.messages import Hello, NixlAgentInfo
+from kv_transfer.messages import Hello, NixlAgentInfo, NixlShardInfo
+from kv_transfer.shards import CacheShard, ShardRegions, as_shards, byte_runs, check_shards
 from kv_transfer.side_channel_connector import Peer, PendingRead, SideChannelConnector
 from kv_transfer.ucx import ProtocolReport, Transport, apply_settings, enable_protocol_report, rdma_ports, ucx_settings
 
@@ -91,20 +86,22 @@ class NixlConnector(SideChannelConnector):
     backend = "nixl"
     holder_info_type = NixlAgentInfo  # the reader pulls; the holder needs nothing of it
 
-    def __init__(self, config: TransferConfig, kv_cache: torch.Tensor, layout: KVLayout, engine_id: str,
-                 ucx_log: Path | None = None) -> None:
-        """ucx_log: the file UCX writes its protocol report to (set_ucx_defaults), for the
-        transport of this connector's reads (transport)."""
+    def __init__(self, config: TransferConfig, kv_cache: torch.Tensor | list[CacheShard], layout: KVLayout,
+                 engine_id: str, ucx_log: Path | None = None) -> None:
+        """kv_cache: the engine's cache, or each tensor-parallel rank's (kv_transfer.shards), all
+        registered with one agent. ucx_log: the file UCX writes its protocol report to
+        (set_ucx_defaults), for the transport of this connector's reads (transport)."""
         from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
-        check_cache(kv_cache, layout)  # before the agent exists, so a refusal leaks nothing
-        self._mem_type = "VRAM" if kv_cache.is_cuda else "DRAM"
-        self._device_id = kv_cache.device.index or 0
+        shards = as_shards(kv_cache)
+        check_shards(shards, layout)  # before the agent exists, so a refusal leaks nothing
+        self._mem_type = "VRAM" if shards[0].cache.is_cuda else "DRAM"
         agent_config = nixl_agent_config(enable_prog_thread=False, backends=["UCX"],
                                          sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
         self._agent = nixl_agent(engine_id, agent_config)
-        self._regions = cache_regions(kv_cache)
-        whole = [(kv_cache.data_ptr(), kv_cache.numel() * kv_cache.element_size(), self._device_id, "")]
+        self._regions = [ShardRegions.of(shard) for shard in shards]
+        whole = [(s.cache.data_ptr(), s.cache.numel() * s.cache.element_size(), s.cache.device.index or 0, "")
+                 for s in shards]
         self._reg = self._agent.register_memory(self._agent.get_reg_descs(whole, self._mem_type))
         self.num_descriptors_last_read = 0
         self._ucx_report = ProtocolReport(ucx_log) if ucx_log is not None else None
@@ -143,32 +140,37 @@ class NixlConnector(SideChannelConnector):
                 logger.warning("NIXL progress: %s", exc)
 
     def _answer_info(self, hello: Hello) -> NixlAgentInfo:
-        r = self._regions
-        return NixlAgentInfo(agent_metadata=self._agent.get_agent_metadata(), base_address=self.kv_cache.data_ptr(),
-                             block_stride=r.block_stride, layer_stride=r.layer_stride, layer_bytes=r.layer_bytes,
-                             num_blocks=self.layout.num_blocks,
-                             device_id=self._device_id, mem_type=self._mem_type)
+        shards = [NixlShardInfo(r.base_address, r.block_stride, r.layer_stride, r.layer_bytes, r.kv_heads.start,
+                                r.kv_heads.stop, r.device_id) for r in self._regions]
+        return NixlAgentInfo(agent_metadata=self._agent.get_agent_metadata(), shards=shards,
+                             num_blocks=self.layout.num_blocks, mem_type=self._mem_type)
 
     def _connect_peer(self, peer: Peer) -> None:
         info: NixlAgentInfo = peer.backend_info
-        remote = CacheRegions(info.block_stride, info.layer_stride, info.layer_bytes, self.layout.num_layers)
-        if remote.layer_bytes != self._regions.layer_bytes:  # the layouts matched, so a peer that lies
-            raise TransferFailed(f"NIXL peer's blocks hold {remote.layer_bytes} bytes a layer, "
-                                 f"ours {self._regions.layer_bytes}")
+        remote = [ShardRegions(s.base_address, s.block_stride, s.layer_stride, s.layer_bytes,
+                               range(s.kv_head_start, s.kv_head_stop), s.device_id) for s in info.shards]
+        head_bytes = 2 * self.layout.block_size * self.layout.head_dim * self.kv_cache.element_size()
+        held = set()
+        for r in remote:  # the layouts matched, so a peer whose regions disagree with them lies
+            if r.layer_bytes != len(r.kv_heads) * head_bytes or not 0 <= r.kv_heads.start < r.kv_heads.stop <= \
+                    self.layout.num_kv_heads:
+                raise TransferFailed(f"NIXL peer's rank holding heads {r.kv_heads.start}-{r.kv_heads.stop} has "
+                                     f"{r.layer_bytes} bytes a layer, not {len(r.kv_heads) * head_bytes}")
+            held.update(r.kv_heads)
+        if held != set(range(self.layout.num_kv_heads)):
+            raise TransferFailed(f"NIXL peer's ranks hold KV heads {sorted(held)}, not all {self.layout.num_kv_heads}")
         peer.handle = (self._agent.add_remote_agent(info.agent_metadata), info, remote)
 
     def _start_transfer(self, read: PendingRead, peer: Peer) -> None:
         agent_name, info, remote = peer.handle
-        per_layer = not (remote.block_major and self._regions.block_major)
-        length = self._regions.layer_bytes * (1 if per_layer else self.layout.num_layers)
-        local, remote_starts, lengths = _merged(_offsets(read.local_block_ids, self._regions, per_layer),
-                                                _offsets(read.remote_block_ids, remote, per_layer), length)
+        runs = byte_runs(self._regions, remote, read.local_block_ids, read.remote_block_ids, self.layout,
+                         self.kv_cache.element_size())
+        lengths = runs.lengths
         try:
             handle = self._agent.initialize_xfer(
-                "READ", self._agent.get_xfer_descs(_rows(self.kv_cache.data_ptr() + local, lengths, self._device_id),
+                "READ", self._agent.get_xfer_descs(_rows(runs.local_addresses, lengths, runs.local_devices),
                                                    self._mem_type),
-                self._agent.get_xfer_descs(_rows(info.base_address + remote_starts, lengths, info.device_id),
-                                           info.mem_type),
+                self._agent.get_xfer_descs(_rows(runs.remote_addresses, lengths, runs.remote_devices), info.mem_type),
                 agent_name)
             state = _transfer_state(self._agent.transfer(handle))
         except Exception as exc:  # noqa: BLE001 - nixl raises its own types; surface as ours
@@ -270,27 +272,6 @@ def _transfer_state(nixl_state: str) -> TransferState:
     return TransferState.FAILED
 
 
-def _offsets(block_ids: list[int], regions: CacheRegions, per_layer: bool) -> np.ndarray:
-    """The blocks' regions' offsets in their cache: per block, or per_layer per block and layer,
-    layer by layer (a layer's blocks in order, then the next layer's), so that consecutive blocks
-    of a layer-major cache are adjacent entries."""
-    blocks = np.asarray(block_ids, dtype=np.int64) * regions.block_stride
-    if not per_layer:
-        return blocks
-    layers = np.arange(regions.num_layers, dtype=np.int64) * regions.layer_stride
-    return (layers[:, None] + blocks[None, :]).reshape(-1)
-
-
-def _merged(local: np.ndarray, remote: np.ndarray, length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Entries of length bytes at local[i] / remote[i], runs adjacent on both sides merged: (local
-    starts, remote starts, lengths)."""
-    breaks = np.ones(len(local), dtype=bool)
-    breaks[1:] = (local[1:] != local[:-1] + length) | (remote[1:] != remote[:-1] + length)
-    starts = np.flatnonzero(breaks)
-    counts = np.diff(np.append(starts, len(local)))
-    return local[starts], remote[starts], counts * length
-
-
-def _rows(addresses: np.ndarray, lengths: np.ndarray, device_id: int) -> np.ndarray:
+def _rows(addresses: np.ndarray, lengths: np.ndarray, device_ids: np.ndarray) -> np.ndarray:
     """NIXL's descriptor list as an Nx3 array: (address, length, device)."""
-    return np.stack([addresses, lengths, np.full_like(lengths, device_id)], axis=1)
+    return np.stack([addresses, lengths, device_ids], axis=1)

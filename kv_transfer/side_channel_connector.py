@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kv_transfer import side_channel
-from kv_transfer.base import FailureCode, KVConnector, ReadResult, RemoteLease, check_address, check_cache, check_read
+from kv_transfer.base import FailureCode, KVConnector, ReadResult, RemoteLease, check_address, check_read
 from kv_transfer.config import TransferConfig
 from kv_transfer.errors import HandshakeFailed, KVTransferError, LayoutMismatch
 from kv_transfer.handshake import check_reply, refusal_for
@@ -47,6 +47,7 @@ from kv_transfer.messages import (
     SideMessage,
 )
 from kv_transfer.security import is_wildcard
+from kv_transfer.shards import CacheShard, as_shards, check_shards
 
 logger = logging.getLogger(__name__)
 
@@ -89,13 +90,16 @@ class SideChannelConnector(KVConnector, ABC):
     reader_info_type: type[BackendInfo] | None = None
     holder_info_type: type[BackendInfo] | None = None
 
-    def __init__(self, config: TransferConfig, kv_cache: torch.Tensor, layout: KVLayout, engine_id: str) -> None:
-        check_cache(kv_cache, layout)
+    def __init__(self, config: TransferConfig, kv_cache: torch.Tensor | list[CacheShard], layout: KVLayout,
+                 engine_id: str) -> None:
+        """kv_cache: the engine's cache, or each tensor-parallel rank's (kv_transfer.shards)."""
+        self.shards = as_shards(kv_cache)
+        check_shards(self.shards, layout)
         self.config = config
-        self.kv_cache = kv_cache
+        self.kv_cache = self.shards[0].cache  # rank 0's (the whole cache on one rank)
         self.layout = layout
         self.engine_id = engine_id
-        self.block_bytes = kv_cache[0].numel() * kv_cache.element_size()
+        self.block_bytes = sum(s.cache[0].numel() * s.cache.element_size() for s in self.shards)
         self._leases: LeaseTable | None = None  # holder side, once serve_leases() was called
         self._peers: dict[str, Peer] = {}
         self._handshakes: dict[str, tuple[str, Future]] = {}  # engine id -> (address, (reply, handle))

@@ -312,7 +312,9 @@ class TransferMeter:
     """KV pull metrics of a decode node (bytes, blocks, seconds, the wait before a pull starts,
     failures by code), fed by MeteredConnector. Per pull: a few dict operations and observes."""
 
-    def __init__(self, labels: dict[str, str], block_bytes: int) -> None:
+    def __init__(self, labels: dict[str, str], block_bytes: int, num_ranks: int = 1) -> None:
+        """block_bytes: a block of every rank's cache; num_ranks: the tensor-parallel ranks whose
+        caches every pull writes (each its own KV heads)."""
         self.block_bytes = block_bytes
         self._registry = CollectorRegistry()
         r = self._registry
@@ -332,6 +334,10 @@ class TransferMeter:
                                     "pulled (successful pulls)", LABELS, registry=r).labels(**labels)
         self._failures = Counter("pdserve_node_kv_pull_failures", "decode node: pulls that failed, by code",
                                  [*LABELS, "code"], registry=r)
+        rank_blocks = Counter("pdserve_node_kv_pulled_rank_blocks", "decode node: KV blocks written into each "
+                              "tensor-parallel rank's cache (its own KV heads) by successful pulls",
+                              [*LABELS, "rank"], registry=r)
+        self._rank_blocks = [rank_blocks.labels(**labels, rank=str(rank)) for rank in range(num_ranks)]
         self._labels = labels
         self._held_at: dict[str, float] = {}
         self._started: dict[str, tuple[float, int]] = {}
@@ -362,6 +368,8 @@ class TransferMeter:
         self.size.observe(num_bytes)
         self.bytes_total.inc(num_bytes)
         self.blocks_total.inc(num_blocks)
+        for rank_blocks in self._rank_blocks:
+            rank_blocks.inc(num_blocks)
 
     def forget(self, request_id: str) -> None:
         self._held_at.pop(request_id, None)

@@ -163,10 +163,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(--gpu-memory-utilization). Default: every visible GPU, unless --device cpu")
     parser.add_argument("--prefill-gpus", default=None, help="GPUs for the prefill nodes alone (as --gpus)")
     parser.add_argument("--prefill-tp", type=int, default=1,
-                        help="tensor-parallel size of each prefill node (above 1: not yet, see --decode-tp)")
+                        help="tensor-parallel size of each prefill node: its model split over this many processes "
+                             "(GPUs on CUDA)")
     parser.add_argument("--decode-tp", type=int, default=1,
-                        help="tensor-parallel size of each decode node: its model split over this many processes "
-                             "(GPUs on CUDA); above 1 only with --prefill 0 for now")
+                        help="tensor-parallel size of each decode node (any size beside --prefill-tp's: KV moves "
+                             "between any two; on GPUs, above 1 only with --prefill 0 for now)")
     parser.add_argument("--decode-gpus", default=None, help="GPUs for the decode nodes alone (as --gpus)")
     parser.add_argument("--log-format", choices=("text", "json"), default=None,
                         help="every process's log lines (default: text)")
@@ -194,7 +195,9 @@ _NODE_SWITCHES = ("--enable-prefix-caching", "--enforce-eager", "--async-schedul
 
 
 _PROXY_FLAGS = (("--served-model-name", str), ("--chat-template", str), ("--api-key", str),
-                ("--local-prefill-min-wait-s", float), ("--routing", str), ("--slo-ttft-ms", float))
+                ("--local-prefill-min-wait-s", float), ("--routing", str), ("--slo-ttft-ms", float),
+                ("--header-timeout-s", float), ("--keep-alive-timeout-s", float), ("--min-upload-bytes-per-s", float),
+                ("--upload-rate-window-s", float), ("--max-client-uploads", int), ("--max-client-requests", int))
 
 
 def _given(args: argparse.Namespace, flags, switches=()) -> list[str]:
@@ -233,11 +236,11 @@ def main(args: argparse.Namespace) -> int:
         proxy_args += ["--log-format", args.log_format]
     print(f"pdserve up: starting {args.prefill} prefill + {args.decode} decode nodes and the proxy ...", flush=True)
     try:
-        _check_tp(args)
         gpus = gpu_plan(args.prefill, args.decode, _gpu_list(args.gpus, "--gpus"),
                         _gpu_list(args.prefill_gpus, "--prefill-gpus"), _gpu_list(args.decode_gpus, "--decode-gpus"),
                         visible_gpus() if args.device in (None, "auto", "cuda") else [],
                         prefill_tp=args.prefill_tp, decode_tp=args.decode_tp)
+        _check_tp(args, gpus)
     except ValueError as exc:
         print(f"pdserve up: {exc}", file=sys.stderr)
         return 2
@@ -389,13 +392,13 @@ def _gpu_groups(pool: list[str], sizes: list[int]) -> list[str]:
     return groups
 
 
-def _check_tp(args: argparse.Namespace) -> None:
+def _check_tp(args: argparse.Namespace, gpus: list[str | None]) -> None:
     for flag, size in (("--prefill-tp", args.prefill_tp), ("--decode-tp", args.decode_tp)):
         if size < 1:
             raise ValueError(f"{flag} must be >= 1, got {size}")
-    if args.prefill and max(args.prefill_tp, args.decode_tp) > 1:
-        raise ValueError("--prefill-tp / --decode-tp above 1 serve colocated nodes only for now (--prefill 0): "
-                         "the KV transfer between nodes moves one rank's cache")
+    if args.prefill and max(args.prefill_tp, args.decode_tp) > 1 and any(gpus):
+        raise ValueError("--prefill-tp / --decode-tp above 1 on GPUs serve colocated nodes only for now "
+                         "(--prefill 0): prefill and decode nodes of split models exchange KV on the CPU only")
 
 
 def _gpu_flags(gpus: list[str | None], index: int, node_args: list[str] | tuple[str, ...]) -> list[str]:

@@ -1,6 +1,7 @@
 """A stand-alone KV holder process for tests: python peer.py BACKEND SEED LAYOUT_JSON [PORT [SECRET]]
 (PEER_STORAGE=layer in the environment: the cache stored layer-major, as engine/kv_cache.py
-stores a CPU engine's).
+stores a CPU engine's; PEER_HEAD_RANGES=[[start, stop], ...]: the same values held by tensor-parallel
+ranks, a cache each holding those KV heads, kv_transfer.shards).
 
 Fills an engine-shaped cache with seeded random floats, serves it, prints its address and
 engine id as one JSON line. Then, for each line `lease REQUEST_ID [BLOCK_IDS]` on stdin, holds a
@@ -26,6 +27,7 @@ from kv_transfer.config import TransferConfig
 from kv_transfer.factory import create_connector
 from kv_transfer.layout import KVLayout
 from kv_transfer.lease import LeaseTable
+from kv_transfer.shards import CacheShard
 
 
 def read_commands(commands: queue.SimpleQueue) -> None:
@@ -41,10 +43,15 @@ def main() -> None:
     cache = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
     if os.environ.get("PEER_STORAGE") == "layer":  # the same values stored layer-major, as a CPU engine's
         cache = stored_layer_major(cache)
+    caches = [cache]
+    ranges = [range(a, b) for a, b in json.loads(os.environ.get("PEER_HEAD_RANGES") or "[]")]
+    if ranges:
+        caches = [CacheShard(_rank_copy(cache, heads), heads) for heads in ranges]
+        layout = msgspec.structs.replace(layout, kv_head_ranges=[(r.start, r.stop) for r in ranges])
     port = int(sys.argv[4]) if len(sys.argv) > 4 else 0
     keys = curve_keys(sys.argv[5]) if len(sys.argv) > 5 else None
     config = TransferConfig(backend=backend, side_channel_port=port, curve_keys=keys)
-    connector = create_connector(config, cache, layout, "holder")
+    connector = create_connector(config, caches if len(caches) > 1 else cache, layout, "holder")
     leases = LeaseTable(600.0)
     connector.serve_leases(leases)
     print(json.dumps({"address": connector.agent_address, "engine_id": connector.engine_id}), flush=True)
@@ -60,13 +67,21 @@ def main() -> None:
                     generation = leases.add(command[1], json.loads(command[2]))
                     print(json.dumps({"leased": command[1], "generation": generation}), flush=True)
                 elif command[0] == "expire":
-                    cache[leases.release(command[1])] = -1.0
+                    ended = leases.release(command[1])
+                    for shard in caches:
+                        (shard.cache if isinstance(shard, CacheShard) else shard)[ended] = -1.0
                     print(json.dumps({"expired": command[1]}), flush=True)
             for request_id, _ in leases.pop_ended():
                 print(json.dumps({"released": request_id}), flush=True)
             time.sleep(0.002)
     finally:
         connector.close()
+
+
+def _rank_copy(cache: torch.Tensor, heads: range) -> torch.Tensor:
+    """A rank's own cache of heads, stored as cache is (block- or layer-major)."""
+    part = cache[..., heads.start : heads.stop, :].contiguous()
+    return stored_layer_major(part) if not cache.is_contiguous() else part
 
 
 if __name__ == "__main__":

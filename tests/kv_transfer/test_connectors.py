@@ -50,8 +50,10 @@ class Holder:
     """A peer.py process started on its own (no shared Python parent state), killed by pid."""
 
     def __init__(self, backend: str, seed: int, layout: KVLayout = LAYOUT, port: int = 0,
-                 secret: str | None = None, storage: str = "block") -> None:
-        env = {**os.environ, "PYTHONPATH": str(REPO), "PEER_STORAGE": storage}
+                 secret: str | None = None, storage: str = "block",
+                 head_ranges: list[tuple[int, int]] | None = None) -> None:
+        env = {**os.environ, "PYTHONPATH": str(REPO), "PEER_STORAGE": storage,
+               "PEER_HEAD_RANGES": json.dumps(head_ranges or [])}
         layout_json = msgspec.json.encode(layout).decode()
         argv = [sys.executable, str(PEER), backend, str(seed), layout_json, str(port), *([secret] if secret else [])]
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,

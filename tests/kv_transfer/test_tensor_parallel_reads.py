@@ -1,0 +1,104 @@
+"""Reads between nodes of different tensor-parallel degrees (kv_transfer.shards): each of the
+reader's ranks gets exactly its own KV heads from the holder's ranks that hold them, over NIXL and
+gloo, between caches stored block-major and layer-major; equal head ranges still merge into the
+descriptors of a one-rank read, a part of a rank's heads takes one per token and K/V."""
+
+from __future__ import annotations
+
+import random
+
+import msgspec
+import pytest
+import torch
+
+from engine.kv_cache import stored_layer_major
+from kv_transfer.config import TransferConfig
+from kv_transfer.factory import create_connector
+from kv_transfer.layout import KVLayout
+from kv_transfer.shards import CacheShard, HeadSegment, ShardRegions, byte_runs, head_segments
+from tests.kv_transfer.helpers import poll_until
+from tests.kv_transfer.test_connectors import Holder
+
+LAYOUT = KVLayout(num_layers=3, num_kv_heads=4, head_dim=8, block_size=16, dtype="float32", num_blocks=40,
+                  model_fingerprint="abc", code_version="1")
+
+
+@pytest.fixture
+def holders():
+    started: list[Holder] = []
+
+    def start(*args, **kwargs) -> Holder:
+        holder = Holder(*args, layout=LAYOUT, **kwargs)
+        started.append(holder)
+        return holder
+
+    yield start
+    for holder in started:
+        holder.kill()
+
+
+def reader_shards(ranges: list[tuple[int, int]], storage: str) -> list[CacheShard]:
+    shards = []
+    for start, stop in ranges:
+        shape = (LAYOUT.num_blocks, LAYOUT.num_layers, 2, LAYOUT.block_size, stop - start, LAYOUT.head_dim)
+        cache = torch.full(shape, float("nan"))
+        shards.append(CacheShard(stored_layer_major(cache) if storage == "layer" else cache, range(start, stop)))
+    return shards
+
+
+@pytest.mark.parametrize("backend", ["nixl", "gloo"])
+@pytest.mark.parametrize(("holder_ranges", "reader_ranges", "storage"), [
+    ([(0, 4)], [(0, 2), (2, 4)], "layer"),  # 1P(TP=1) + 1D(TP=2)
+    ([(0, 2), (2, 4)], [(0, 4)], "layer"),  # 1P(TP=2) + 1D(TP=1)
+    ([(0, 2), (2, 4)], [(0, 2), (2, 4)], "block"),  # equal splits
+    ([(0, 1), (1, 2), (2, 3), (3, 4)], [(0, 3), (3, 4)], "layer"),  # uneven: 4 ranks into 2
+    ([(0, 1), (0, 1), (1, 2), (1, 2), (2, 3), (2, 3), (3, 4), (3, 4)], [(0, 2), (2, 4)], "block"),  # replicated
+])
+def test_every_reader_rank_gets_its_own_heads(backend, holder_ranges, reader_ranges, storage, holders):
+    holder = holders(backend, seed=3, storage=storage, head_ranges=holder_ranges)
+    shards = reader_shards(reader_ranges, storage)
+    layout = msgspec.structs.replace(LAYOUT, kv_head_ranges=reader_ranges)
+    connector = create_connector(TransferConfig(backend=backend), shards, layout, "reader")
+    try:
+        rng = random.Random(1)
+        free = list(range(LAYOUT.num_blocks))
+        rng.shuffle(free)
+        plans = {}
+        for i in range(4):
+            n = rng.randint(1, 4)
+            remote, local = rng.sample(range(LAYOUT.num_blocks), n), [free.pop() for _ in range(n)]
+            plans[f"r{i}"] = (remote, local)
+            connector.start_read(f"r{i}", holder.lease(f"r{i}", remote), local)
+        results = poll_until(connector, set(plans), timeout_s=30)
+        assert all(r.is_ok for r in results.values()), [r.error for r in results.values()]
+        for request_id, (remote, local) in plans.items():
+            for shard in shards:
+                heads = shard.kv_heads
+                assert torch.equal(shard.cache[local], holder.cache[remote][..., heads.start : heads.stop, :]), \
+                    (request_id, heads)
+    finally:
+        connector.close()
+
+
+def test_head_segments_read_each_head_from_the_first_peer_rank_holding_it():
+    assert head_segments([(0, 4)], [(0, 2), (2, 4)]) == [HeadSegment(0, 0, 0, 2), HeadSegment(0, 1, 2, 4)]
+    assert head_segments([(0, 2), (2, 4)], [(0, 4)]) == [HeadSegment(0, 0, 0, 2), HeadSegment(1, 0, 2, 4)]
+    assert head_segments([(1, 2), (1, 2)], [(0, 2), (0, 2)]) == [HeadSegment(0, 0, 1, 2), HeadSegment(1, 0, 1, 2)]
+
+
+def _regions(ranges, storage):
+    return [ShardRegions.of(s) for s in reader_shards(ranges, storage)]
+
+
+@pytest.mark.parametrize("storage", ["block", "layer"])
+def test_equal_splits_merge_like_one_rank_and_a_part_of_a_rank_costs_a_run_per_token(storage):
+    blocks = list(range(8))  # consecutive on both sides: a one-rank read merges them all
+    one = byte_runs(_regions([(0, 4)], storage), _regions([(0, 4)], storage), blocks, blocks, LAYOUT, 4)
+    equal = byte_runs(_regions([(0, 2), (2, 4)], storage), _regions([(0, 2), (2, 4)], storage), blocks, blocks,
+                      LAYOUT, 4)
+    split = byte_runs(_regions([(0, 2), (2, 4)], storage), _regions([(0, 4)], storage), blocks, blocks, LAYOUT, 4)
+    per_rank = 1 if storage == "block" else LAYOUT.num_layers
+    assert len(one.lengths) == per_rank and len(equal.lengths) == 2 * per_rank
+    assert len(split.lengths) == 2 * len(blocks) * LAYOUT.num_layers * 2 * LAYOUT.block_size
+    whole = len(blocks) * LAYOUT.block_numel * 4
+    assert one.lengths.sum() == equal.lengths.sum() == split.lengths.sum() == whole
