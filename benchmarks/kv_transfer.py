@@ -63,6 +63,14 @@ shape = (layout.num_blocks, layout.num_layers, 2, layout.block_size, layout.num_
 cache = torch.randn(shape, dtype=getattr(torch, layout.dtype), device=os.environ.get("KV_BENCH_DEVICE", "cpu"))
 if os.environ.get("KV_BENCH_STORAGE") == "layer":
     cache = stored_layer_major(cache)
+ranges = json.loads(os.environ.get("KV_BENCH_HEAD_RANGES") or "[]")  # tensor-parallel ranks: a cache each
+if ranges:
+    from kv_transfer.shards import CacheShard
+    def rank_cache(a, b):
+        part = cache[..., a:b, :].contiguous()
+        return part if cache.is_contiguous() else stored_layer_major(part)
+    cache = [CacheShard(rank_cache(a, b), range(a, b)) for a, b in ranges]
+    layout = msgspec.structs.replace(layout, kv_head_ranges=[tuple(r) for r in ranges])
 c = create_connector(TransferConfig(backend=sys.argv[2], host=sys.argv[3], curve_keys=keys), cache, layout, "holder")
 leases = LeaseTable(600.0)
 c.serve_leases(leases)

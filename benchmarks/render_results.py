@@ -583,6 +583,19 @@ def render_tensor_parallel(records: list[dict]) -> tuple[list[str], list]:
     return lines, []
 
 
+def render_kv_transfer_tp(records: list[dict]) -> tuple[list[str], list]:
+    record = records[-1]
+    r = record["result"]
+    shape = r["layout"]
+    lines = [f"{r['tokens']:,} tokens of a {shape['num_layers']}-layer, {shape['num_kv_heads']}-KV-head "
+             f"{shape['dtype']} cache, stored {r['storage']}-major on both sides, NIXL between two processes, "
+             f"median of {r['repeats']} reads:", ""]
+    rows = [[split, num(row["latency_ms"], 1) + " ms", num(row["gb_s"], 2), f"{row['descriptors']:,}",
+             f"{row['latency_over_1_1']:.2f}x"] for split, row in r["splits"].items()]
+    lines += table(["holder:reader ranks", "latency", "GB/s", "descriptors", "vs 1:1"], rows)
+    return lines + ["", "- " + provenance(record), ""], []
+
+
 RENDERERS: dict[str, Callable[[list[dict]], tuple[list[str], list]]] = {
     "ab_trees": render_ab_trees,
     "vs_vllm": render_vs_vllm, "kernels_gpu": render_kernels_gpu, "kernels_cpu": render_kernels_cpu,
@@ -591,7 +604,7 @@ RENDERERS: dict[str, Callable[[list[dict]], tuple[list[str], list]]] = {
     "multiturn": render_multiturn, "disagg_vs_colocated": render_disagg_vs_colocated, "chaos": render_chaos,
     "load_client": render_load_client, "profile_serve": render_profile_serve, "fuzz": render_fuzz,
     "gpu_engine": render_gpu_engine, "kv_transfer_gpu": render_kv_transfer_gpu, "gpu_served": render_gpu_served,
-    "tensor_parallel": render_tensor_parallel,
+    "tensor_parallel": render_tensor_parallel, "kv_transfer_tp": render_kv_transfer_tp,
 }
 
 

@@ -1,7 +1,7 @@
-"""Split models served: two colocated nodes of TP=2 (`pdserve up --prefill 0 --decode-tp 2`, each
-node a rank-0 process and one worker rank over gloo) answer greedy requests through the OpenAI
-endpoint as transformers does; killing one node's worker rank fails that node as a whole (it
-exits 1 and leaves no rank behind) while every stream in flight completes unchanged on the other."""
+"""A split model's node failing as a whole: a colocated node of TP=2 (a rank-0 process and one
+worker rank over gloo) beside a one-rank node; killing the split node's worker rank fails that
+node (it exits 1 and leaves no rank behind) while every stream in flight completes unchanged on
+the other. (Greedy output of split nodes through the endpoint: test_tensor_parallel_disagg.py.)"""
 
 from __future__ import annotations
 
@@ -12,15 +12,21 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import NODE_ARGS, _start
+from pdserve.launcher import wait_healthy
+from tests.e2e.conftest import start_nodes
 from tests.e2e.test_availability import MAX_TOKENS, _Streams
-from tests.e2e.test_pipeline import client_for, hf, hf_greedy, model_name, random_prompts  # noqa: F401 - hf: fixture
+from tests.e2e.test_pipeline import client_for, model_name
 
 
 @pytest.fixture(scope="module")
 def split(tiny_model_dir, tmp_path_factory):
-    deployment = _start(tiny_model_dir, tmp_path_factory.mktemp("tp-logs"), num_prefill=0, num_decode=2,
-                        node_args=NODE_ARGS, tensor_parallel=(1, 2))
+    deployment = start_nodes(tiny_model_dir, tmp_path_factory.mktemp("tp-logs"), [],
+                             [["--colocated", "--tensor-parallel-size", "2"], ["--colocated"]])
+    try:
+        wait_healthy(deployment, 120)
+    except BaseException:
+        deployment.stop()
+        raise
     yield deployment
     deployment.stop()
 
@@ -38,19 +44,6 @@ def is_alive(pid: int) -> bool:
         return False
     stat = Path(f"/proc/{pid}/stat")
     return stat.exists() and stat.read_text().split(")")[-1].split()[0] != "Z"
-
-
-def test_greedy_through_the_endpoint_equals_transformers(split, hf):  # noqa: F811 - the fixture
-    client = client_for(split)
-    _, tokenizer = hf
-    for prompt in random_prompts(4, [5, 40, 130]):
-        want, want_logprobs = hf_greedy(hf, prompt, 16)
-        response = client.completions.create(model=model_name(client), prompt=prompt, max_tokens=16,
-                                             extra_body={"ignore_eos": True}, temperature=0.0, logprobs=1)
-        choice = response.choices[0]
-        assert choice.text == tokenizer.decode(want, skip_special_tokens=True)
-        assert response.usage.completion_tokens == len(want)
-        assert all(abs(a - b) < 1e-4 for a, b in zip(choice.logprobs.token_logprobs, want_logprobs))
 
 
 def test_a_killed_rank_fails_its_node_and_every_stream_completes_elsewhere(split):
