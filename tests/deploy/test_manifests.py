@@ -225,3 +225,25 @@ def test_the_gpu_overlay_gives_each_node_pod_one_gpu(kind, monkeypatch):
     assert names >= {"PDSERVE_ADVERTISE_HOST", "PDSERVE_CLUSTER_SECRET", "PDSERVE_DEVICE"}
     [proxy] = _containers(_by(manifests, "Deployment", "pdserve-proxy"))
     assert "nvidia.com/gpu" not in str(proxy.get("resources"))
+
+
+TP_OVERLAY = REPO / "deploy" / "k8s" / "overlays" / "cpu-tp"
+
+
+def test_the_split_model_overlay_gives_prefill_pods_two_ranks_their_cores_and_shared_memory(monkeypatch):
+    """deploy/k8s/overlays/cpu-tp: prefill pods of TP=2 (their command line parses so) with two
+    cores and a memory-backed /dev/shm for the worker ranks' caches, beside decode pods of one rank."""
+    manifests = render(TP_OVERLAY)
+    if shutil.which("kubectl"):
+        assert sorted(manifests, key=_key) == sorted(resolve(TP_OVERLAY), key=_key)
+    pod = _by(manifests, "Deployment", "pdserve-prefill")["spec"]["template"]["spec"]
+    [container] = pod["containers"]
+    args, _ = _parse(container, monkeypatch)
+    assert args.tensor_parallel_size == 2
+    assert container["resources"]["limits"]["cpu"] == "2"
+    [mount] = [m for m in container["volumeMounts"] if m["mountPath"] == "/dev/shm"]
+    [volume] = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    assert volume["emptyDir"]["medium"] == "Memory"
+    [decode] = _containers(_by(manifests, "Deployment", "pdserve-decode"))
+    monkeypatch.delenv("PDSERVE_TENSOR_PARALLEL_SIZE", raising=False)
+    assert _parse(decode, monkeypatch)[0].tensor_parallel_size == 1
