@@ -90,6 +90,14 @@ def map_shared_kv_cache(model: ModelConfig, num_blocks: int, block_size: int, pa
     numel = 1
     for dim in shape:
         numel *= dim
+    if not os.path.exists(path):
+        # NOTE: tmpfs files are sparse: a cache past the free space maps fine and dies of SIGBUS when touched.
+        folder = os.statvfs(os.path.dirname(path) or ".")
+        free, needed = folder.f_bavail * folder.f_frsize, numel * model.dtype.itemsize
+        if needed > free:
+            raise ValueError(f"a KV cache of {needed / 2**30:.2f} GiB does not fit in {os.path.dirname(path)} "
+                             f"({free / 2**30:.2f} GiB free): give it more room (docker --shm-size, a memory "
+                             "emptyDir on /dev/shm) or the node a smaller --kv-cache-memory-gb")
     stored = torch.from_file(path, shared=True, size=numel, dtype=model.dtype)
     return stored.view(shape[1], shape[0], *shape[2:]).transpose(0, 1)
 

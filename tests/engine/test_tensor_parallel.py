@@ -143,3 +143,14 @@ def test_the_benchmark_times_both_sizes_and_records_their_ratio(tiny_model_dir, 
     assert result["sizes"] == [1, 2] and list(result["summary"]) == ["1", "2"]
     assert result["summary"]["1"]["decode_over_base"] == {"1": 1.0}
     assert result["summary"]["2"]["decode_step_ms"]["1"] > 0 and result["summary"]["2"]["prefill_step_ms"] > 0
+
+
+def test_a_shared_cache_past_the_free_room_is_refused_in_one_line(tiny_model_dir, tmp_path, monkeypatch):
+    from engine import kv_cache
+
+    model = ModelConfig.from_pretrained(tiny_model_dir)
+    monkeypatch.setattr(kv_cache.os, "statvfs", lambda _: os.statvfs_result((4096, 4096, 10, 10, 10, 10, 10, 10, 0,
+                                                                              255)))
+    with pytest.raises(ValueError, match=r"does not fit in .* \(0\.00 GiB free\): give it more room"):
+        kv_cache.map_shared_kv_cache(model, 64, 16, str(tmp_path / "cache"))
+    assert not (tmp_path / "cache").exists()
