@@ -258,8 +258,13 @@ def _spawn_workers(config: EngineConfig, store_port: int, threads: int,
         try:
             for _ in range(1, size):
                 pipes.append(listener.accept())
+        except OSError as exc:
+            codes = [p.poll() for p in processes]
+            _stop_workers(processes, pipes, [])
+            raise TensorParallelError(f"tensor-parallel workers did not connect back within {_CONNECT_TIMEOUT_S:.0f} s "
+                                      f"({exc}; their exit codes so far: {codes})") from exc
         except BaseException:
-            _stop_workers(processes, pipes)
+            _stop_workers(processes, pipes, [])
             raise
     by_rank = {}
     for pipe in pipes:
