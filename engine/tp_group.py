@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from engine.tp_shard import TPShard
+from engine.tp_shm import ShmChannel
 
 # NOTE: every rank enters a step's collectives within one layer's compute of each other, so a
 # collective waiting this long means a rank is gone or stuck: the step fails (TensorParallelError).
@@ -36,10 +37,13 @@ class TPGroup:
     same step on its shard). Each call blocks until every rank made it; raises
     TensorParallelError when a rank is gone."""
 
-    def __init__(self, shard: TPShard, vocab_size: int, group) -> None:
+    def __init__(self, shard: TPShard, vocab_size: int, group, channel: ShmChannel | None = None) -> None:
+        """channel: the ranks' shared-memory channel on one host (CPU ranks), for the collectives
+        that fit its slots; the others, and every collective without one, go over group."""
         self.shard = shard
         self.vocab_size = vocab_size
         self.group = group
+        self.channel = channel
 
     @property
     def rank(self) -> int:
@@ -47,6 +51,8 @@ class TPGroup:
 
     def all_reduce(self, x: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
         """x summed (or op) over the ranks, in place; returns x."""
+        if self.channel is not None and op == dist.ReduceOp.SUM and self.channel.fits(x):
+            return self._through_channel(self.channel.all_reduce, x)
         options = dist.AllreduceOptions()
         options.reduceOp = op
         self._wait(self.group.allreduce([x], options))
@@ -74,6 +80,9 @@ class TPGroup:
         if logits.shape[1] < shard.vocab_rows:
             padded = torch.nn.functional.pad(logits, (0, shard.vocab_rows - logits.shape[1]))
         padded = padded.contiguous()
+        if self.channel is not None and self.channel.fits(padded):
+            parts = self._through_channel(self.channel.gather, padded)
+            return None if parts is None else torch.cat(parts, dim=1)[:, : self.vocab_size]
         options = dist.GatherOptions()
         options.rootRank = 0
         if shard.rank != 0:
@@ -83,6 +92,12 @@ class TPGroup:
         self._wait(self.group.gather([parts], [padded], options))
         # NOTE: only the last rank's slice is short (tp_shard), so the padding all lies past vocab_size.
         return torch.cat(parts, dim=1)[:, : self.vocab_size]
+
+    def _through_channel(self, collective, x: torch.Tensor):
+        try:
+            return collective(x)
+        except (ChildProcessError, TimeoutError) as exc:
+            raise TensorParallelError(f"tensor-parallel rank {self.rank}: {exc}") from exc
 
     def _wait(self, work) -> None:
         try:

@@ -26,13 +26,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from engine import tp_shm
 from engine.config import EngineConfig
 from engine.host_memory import keep_freed_memory
 from engine.kv_cache import allocate_kv_cache, map_shared_kv_cache, num_cache_blocks
 from engine.model import AttentionMetadata, CausalLM
 from engine.protocol import Role
-from engine.tp_group import TensorParallelError, TPGroup, make_process_group
+from engine.tp_group import COLLECTIVE_TIMEOUT_S, TensorParallelError, TPGroup, make_process_group
 from engine.tp_shard import local_model_config, tp_shard
+from engine.tp_shm import ShmChannel, create_channel_file
 from engine.weights import load_weights
 from kernels.interface import Backend
 from kernels.select import select_backend
@@ -112,15 +114,19 @@ class TPRanks:
         threads = max(1, torch.get_num_threads() // size)
         torch.set_num_threads(threads)
         shared_files = _shared_cache_files(config)
-        processes, pipes = _spawn_workers(config, store.port, threads, shared_files)
-        ranks = cls(processes, pipes, store, shared_files)
+        channel_file = _channel_file(config)
+        processes, pipes = _spawn_workers(config, store.port, threads, shared_files, channel_file)
+        ranks = cls(processes, pipes, store, [*shared_files, *filter(None, [channel_file])])
         try:
             ranks._await("joining")
+            alive = lambda: all(p.poll() is None for p in processes)  # noqa: E731 - the channel's check
+            channel = _channel(channel_file, 0, size, tp_shm.SLOT_BYTES, alive)
             group = TPGroup(tp_shard(config.model, 0, size), config.model.vocab_size,
-                            make_process_group(store, 0, size, config.device))
+                            make_process_group(store, 0, size, config.device), channel)
             built = build_rank(config, backend, group)
             ranks._await("ready")
             ranks._map_worker_caches(config, built.num_blocks, shared_files)
+            _remove_files(list(filter(None, [channel_file])))
         except TensorParallelError as exc:
             reported = ranks._start_errors()
             ranks.close()
@@ -233,14 +239,28 @@ def _shared_cache_files(config: EngineConfig) -> list[str]:
             for rank in range(1, config.tensor_parallel_size)]
 
 
+def _channel_file(config: EngineConfig) -> str | None:
+    """The ranks' shared-memory channel (engine.tp_shm), made here: CPU ranks only (NCCL has its own)."""
+    if config.device != "cpu":
+        return None
+    folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    path = os.path.join(folder, f"pdserve-tp-{os.getpid()}-{secrets.token_hex(8)}-channel")
+    create_channel_file(path, config.tensor_parallel_size, tp_shm.SLOT_BYTES)
+    return path
+
+
+def _channel(path: str | None, rank: int, size: int, slot_bytes: int, peers_alive) -> ShmChannel | None:
+    return None if path is None else ShmChannel(path, rank, size, peers_alive, COLLECTIVE_TIMEOUT_S, slot_bytes)
+
+
 def _remove_files(paths: list[str]) -> None:
     for path in paths:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
 
 
-def _spawn_workers(config: EngineConfig, store_port: int, threads: int,
-                   shared_files: list[str]) -> tuple[list, list[Connection]]:
+def _spawn_workers(config: EngineConfig, store_port: int, threads: int, shared_files: list[str],
+                   channel_file: str | None) -> tuple[list, list[Connection]]:
     """Start ranks 1..size-1 as `python -m engine.tp_ranks` (a fresh interpreter: nothing of the
     caller's main module runs again, as multiprocessing's spawn would), each connecting back to an
     authenticated listener, and hand each its start arguments."""
@@ -272,7 +292,7 @@ def _spawn_workers(config: EngineConfig, store_port: int, threads: int,
         by_rank[rank] = pipe
         worker_config = dataclasses.replace(config, device=rank_device(config.device, rank))
         pipe.send((worker_config, store_port, threads, _core_group(rank, size),
-                   shared_files[rank - 1] if shared_files else None))
+                   shared_files[rank - 1] if shared_files else None, channel_file, tp_shm.SLOT_BYTES))
     return processes, [by_rank[rank] for rank in range(1, size)]
 
 
@@ -357,7 +377,8 @@ def _worker_main(address: str, rank: int) -> None:
     host, port = address.rsplit(":", 1)
     pipe = Client((host, int(port)), authkey=bytes.fromhex(os.environ.pop("PDSERVE_TP_AUTHKEY")))
     pipe.send(rank)
-    config, store_port, threads, cores, shared_file = pipe.recv()
+    config, store_port, threads, cores, shared_file, channel_file, slot_bytes = pipe.recv()
+    parent = os.getppid()
     torch.set_num_threads(threads)
     if cores:
         os.sched_setaffinity(0, cores)
@@ -370,8 +391,9 @@ def _worker_main(address: str, rank: int) -> None:
         store = dist.TCPStore("127.0.0.1", store_port, size, False,
                               timeout=datetime.timedelta(seconds=_STORE_TIMEOUT_S))
         pipe.send(("joining", None))
+        channel = _channel(channel_file, rank, size, slot_bytes, lambda: os.getppid() == parent)
         group = TPGroup(tp_shard(config.model, rank, size), config.model.vocab_size,
-                        make_process_group(store, rank, size, config.device))
+                        make_process_group(store, rank, size, config.device), channel)
         built = build_rank(config, select_backend(config.device, config.kernel_backend), group, shared_file)
     except Exception as exc:  # noqa: BLE001 - process edge: report it to rank 0, then end
         pipe.send(("error", f"{type(exc).__name__}: {exc}"))

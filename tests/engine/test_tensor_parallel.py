@@ -97,6 +97,34 @@ def test_tp2_greedy_with_preemption_and_chunking_equals_transformers(preset, tin
         engine.close()
 
 
+def test_sums_too_big_for_the_shared_memory_slots_go_over_gloo_and_agree(tiny_model_dir, monkeypatch):
+    """8 KiB slots: the decode steps' sums (6 rows of 1 KiB) go through shared memory, the prefill
+    chunks' (up to 64 rows) over gloo; the tokens are transformers'."""
+    from engine import tp_group, tp_shm
+
+    monkeypatch.setattr(tp_shm, "SLOT_BYTES", 8192)
+    calls = {"channel": 0, "gloo": 0}
+    channel_all_reduce, gloo_wait = tp_shm.ShmChannel.all_reduce, tp_group.TPGroup._wait
+
+    def counted(name, real):
+        def call(*args):
+            calls[name] += 1
+            return real(*args)
+        return call
+
+    monkeypatch.setattr(tp_shm.ShmChannel, "all_reduce", counted("channel", channel_all_reduce))
+    monkeypatch.setattr(tp_group.TPGroup, "_wait", counted("gloo", gloo_wait))
+    prompts = make_prompts(ModelConfig.from_pretrained(tiny_model_dir).vocab_size, seed=4)[:6]
+    expected = transformers_greedy(tiny_model_dir, prompts, MAX_TOKENS)
+    engine = make_engine(tiny_model_dir, 2, num_blocks=64)
+    try:
+        got = run_to_completion(engine, prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
+    finally:
+        engine.close()
+    assert [[t.token_id for t in tokens] for tokens in got] == [tokens for tokens, _ in expected]
+    assert calls["channel"] > 0 and calls["gloo"] > 0, calls
+
+
 def test_seeded_sampling_and_logprobs_are_those_of_one_rank(tiny_model_dir):
     prompts = make_prompts(ModelConfig.from_pretrained(tiny_model_dir).vocab_size, seed=3)[:8]
     params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, top_p=0.9, seed=100 + i, logprobs=2,
