@@ -47,7 +47,17 @@ from kv_transfer.errors import TransferFailed
 from kv_transfer.layout import KVLayout
 from kv_transfer.lease import LeaseTable
 from kv_transfer.messages import Hello, NixlAgentInfo, NixlShardInfo
-from kv_transfer.shards import CacheShard, ShardRegions, as_shards, byte_runs, check_shards
+from kv_transfer.shards import (
+    ByteRuns,
+    CacheShard,
+    HeadSegment,
+    ShardRegions,
+    as_shards,
+    byte_runs,
+    check_shards,
+    joined_runs,
+    plan_read,
+)
 from kv_transfer.side_channel_connector import Peer, PendingRead, SideChannelConnector
 from kv_transfer.ucx import ProtocolReport, Transport, apply_settings, enable_protocol_report, rdma_ports, ucx_settings
 
@@ -104,6 +114,8 @@ class NixlConnector(SideChannelConnector):
                  for s in shards]
         self._reg = self._agent.register_memory(self._agent.get_reg_descs(whole, self._mem_type))
         self.num_descriptors_last_read = 0
+        # request id -> per staged peer rank: (buffer, its segments, its registration, its first head)
+        self._staged: dict[str, list[tuple[torch.Tensor, list[HeadSegment], object, int]]] = {}
         self._ucx_report = ProtocolReport(ucx_log) if ucx_log is not None else None
         self._report_checked_at = 0.0
         super().__init__(config, kv_cache, layout, engine_id)
@@ -163,8 +175,7 @@ class NixlConnector(SideChannelConnector):
 
     def _start_transfer(self, read: PendingRead, peer: Peer) -> None:
         agent_name, info, remote = peer.handle
-        runs = byte_runs(self._regions, remote, read.local_block_ids, read.remote_block_ids, self.layout,
-                         self.kv_cache.element_size())
+        runs = self._runs(read, remote)
         lengths = runs.lengths
         try:
             handle = self._agent.initialize_xfer(
@@ -179,6 +190,57 @@ class NixlConnector(SideChannelConnector):
         self.num_descriptors_last_read = len(lengths)
         if state is TransferState.FAILED:
             raise TransferFailed("NIXL READ failed to post")
+
+    def _runs(self, read: PendingRead, remote: list[ShardRegions]) -> ByteRuns:
+        """The read's runs: straight into our ranks holding the heads the peer's rank holds, and
+        into a staging buffer (registered for this read) for each peer rank whose heads our ranks
+        split otherwise: a part of a rank's heads, straight, would take a run per block, layer, K/V
+        and token (kv_transfer/shards.py); whole, it takes a few, then a copy in memory."""
+        plan = plan_read(self._regions, remote)
+        elem = self.kv_cache.element_size()
+        runs = []
+        if plan.direct:
+            runs.append(byte_runs(self._regions, remote, read.local_block_ids, read.remote_block_ids, self.layout,
+                                  elem, plan.direct))
+        staged = []
+        try:
+            for remote_rank, segments in plan.staged.items():
+                theirs = remote[remote_rank]
+                layout = self.layout
+                # NOTE: stored as the peer's rank stores its cache, so its consecutive blocks merge here too
+                shape = (len(read.local_block_ids), layout.num_layers, 2, layout.block_size, len(theirs.kv_heads),
+                         layout.head_dim)
+                buffer = torch.empty(shape, dtype=self.kv_cache.dtype, device=self.kv_cache.device)
+                if not theirs.is_block_major(layout.num_layers):
+                    buffer = torch.empty((shape[1], shape[0], *shape[2:]), dtype=buffer.dtype,
+                                         device=buffer.device).transpose(0, 1)
+                region = ShardRegions.of(CacheShard(buffer, theirs.kv_heads))
+                descs = [(buffer.data_ptr(), buffer.numel() * elem, region.device_id, "")]
+                staged.append((buffer, segments, self._agent.register_memory(
+                    self._agent.get_reg_descs(descs, self._mem_type)), theirs.kv_heads.start))
+                whole = [HeadSegment(0, 0, theirs.kv_heads.start, theirs.kv_heads.stop)]
+                runs.append(byte_runs([region], [theirs], list(range(len(read.local_block_ids))),
+                                      read.remote_block_ids, layout, elem, whole))
+        finally:
+            if staged:
+                self._staged[read.request_id] = staged
+        return joined_runs(runs)
+
+    def _on_confirmed(self, read: PendingRead) -> None:
+        for buffer, segments, _, theirs in self._staged.get(read.request_id, []):
+            index = torch.tensor(read.local_block_ids, device=buffer.device)
+            for segment in segments:
+                shard = self.shards[segment.local_rank]
+                ours = shard.kv_heads.start
+                shard.cache[index, :, :, :, segment.start - ours : segment.stop - ours] = \
+                    buffer[..., segment.start - theirs : segment.stop - theirs, :]
+
+    def _release_read(self, read: PendingRead) -> None:
+        for _, _, registration, _ in self._staged.pop(read.request_id, []):
+            try:
+                self._agent.deregister_memory(registration)
+            except Exception as exc:  # noqa: BLE001 - nixl raises its own types; the buffer goes anyway
+                logger.warning("NIXL staging deregistration: %s", exc)
 
     def _poll_backend(self) -> list[ReadResult]:
         results = []

@@ -6,8 +6,9 @@ head-major blocks (gloo, the fake) or as byte runs (NIXL).
 Within a block's layer the heads are the innermost dimension but one ([2, block_size, heads,
 head_dim]), so a part of a rank's heads is one run of bytes per token and K/V, while all of them
 are one run per layer (per block where stored block-major): reads between equal head ranges merge
-into the descriptors they always were, reads of a part take 2 x block_size runs per block and
-layer."""
+into the descriptors they always were, while a part of a rank's heads read straight would take
+2 x block_size runs per block and layer. NIXL reads such a peer rank's blocks whole into a
+staging buffer instead and copies the heads in memory (plan_read; benchmarks/kv_transfer_tp.py)."""
 
 from __future__ import annotations
 
@@ -149,15 +150,39 @@ class ByteRuns:
     lengths: np.ndarray
 
 
+@dataclass(frozen=True)
+class ReadPlan:
+    """How a read between two splits goes: direct, the segments between ranks holding the same
+    heads (their runs merge into whole blocks or layers); staged, for each peer rank whose heads
+    some rank of ours holds only a part of (or more than), the segments its whole blocks, read
+    into a staging buffer first (a few runs), give our ranks (copied in memory)."""
+
+    direct: list[HeadSegment]
+    staged: dict[int, list[HeadSegment]]
+
+
+def plan_read(local: list[ShardRegions], remote: list[ShardRegions]) -> ReadPlan:
+    direct, staged = [], {}
+    for segment in head_segments([(r.kv_heads.start, r.kv_heads.stop) for r in local],
+                                 [(r.kv_heads.start, r.kv_heads.stop) for r in remote]):
+        if local[segment.local_rank].kv_heads == remote[segment.remote_rank].kv_heads:
+            direct.append(segment)
+        else:
+            staged.setdefault(segment.remote_rank, []).append(segment)
+    return ReadPlan(direct, staged)
+
+
 def byte_runs(local: list[ShardRegions], remote: list[ShardRegions], local_block_ids: list[int],
-              remote_block_ids: list[int], layout: KVLayout, element_bytes: int) -> ByteRuns:
+              remote_block_ids: list[int], layout: KVLayout, element_bytes: int,
+              segments: list[HeadSegment] | None = None) -> ByteRuns:
     """The runs reading remote_block_ids of the peer's ranks into local_block_ids of ours, pairwise:
-    for each head segment (head_segments), per block, layer, K/V and token the segment's heads, in
-    an order that puts runs adjacent in both caches next to each other (blocks within a layer, or
-    whole blocks where both sides are block-major), then merged."""
+    for each head segment (default: every one, head_segments), per block, layer, K/V and token the
+    segment's heads, in an order that puts runs adjacent in both caches next to each other (blocks
+    within a layer, or whole blocks where both sides are block-major), then merged."""
     parts = []
-    segments = head_segments([(r.kv_heads.start, r.kv_heads.stop) for r in local],
-                             [(r.kv_heads.start, r.kv_heads.stop) for r in remote])
+    if segments is None:
+        segments = head_segments([(r.kv_heads.start, r.kv_heads.stop) for r in local],
+                                 [(r.kv_heads.start, r.kv_heads.stop) for r in remote])
     local_blocks = np.asarray(local_block_ids, dtype=np.int64)
     remote_blocks = np.asarray(remote_block_ids, dtype=np.int64)
     for segment in segments:
@@ -186,6 +211,12 @@ def _segment_offsets(regions: ShardRegions, blocks: np.ndarray, segment: HeadSeg
     else:
         grid = layers[:, None, None] + block_starts[None, :, None] + rows[None, None, :]
     return grid.reshape(-1) + first
+
+
+def joined_runs(runs: list[ByteRuns]) -> ByteRuns:
+    """Several reads' runs as one read's (unmerged across them)."""
+    return ByteRuns(*(np.concatenate([getattr(r, name) for r in runs]) for name in
+                      ("local_addresses", "local_devices", "remote_addresses", "remote_devices", "lengths")))
 
 
 def _merged_runs(parts: list) -> ByteRuns:

@@ -154,6 +154,7 @@ class SideChannelConnector(KVConnector, ABC):
             self._cancel(read)
         if read.confirmation is not None:
             read.confirmation.cancel()  # its answer, if any, is ignored
+        self._release_read(read)
         self._drop_unneeded_handshake(read.remote_engine_id)
 
     def release_remote(self, request_id: str, lease: RemoteLease) -> None:
@@ -220,6 +221,10 @@ class SideChannelConnector(KVConnector, ABC):
     def _on_confirmed(self, read: PendingRead) -> None:
         """Caller's thread: the holder confirmed the read; make its data the local blocks' (a
         backend that read into a staging buffer copies it now)."""
+
+    def _release_read(self, read: PendingRead) -> None:
+        """The read ended (succeeded, failed or aborted; any transfer of it cancelled): free what
+        the backend holds for it beyond the transfer (staging buffers)."""
 
     def _forget_peer(self, peer: Peer) -> None:
         """Drop the backend's state for a peer that failed."""
@@ -360,6 +365,7 @@ class SideChannelConnector(KVConnector, ABC):
         self._keeper.drop(read.request_id)
         if read.handle is not None:
             self._cancel(read)
+        self._release_read(read)
         if code in (FailureCode.TRANSFER, FailureCode.TIMEOUT):
             # NOTE: a failed transfer may mean the peer died or restarted: forget it, so the next
             # read handshakes again.
@@ -372,6 +378,7 @@ class SideChannelConnector(KVConnector, ABC):
     def _succeed(self, read: PendingRead) -> ReadResult:
         self._reads.pop(read.request_id, None)
         self._keeper.drop(read.request_id)
+        self._release_read(read)
         return ReadResult(read.request_id, True)
 
 
