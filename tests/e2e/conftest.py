@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -179,3 +180,10 @@ def wait_blocks_free(address: str, timeout_s: float = 5.0,
             return report
         time.sleep(0.05)
     return report
+
+
+def borrowed_steps(health_url: str) -> float:
+    text = httpx.get(health_url + "/metrics", timeout=5).text
+    found = re.search(r"^pdserve_node_borrowed_core_steps_total\{[^}]*\} (\S+)$", text, re.MULTILINE)
+    assert found, "no pdserve_node_borrowed_core_steps_total on the decode node"
+    return float(found.group(1))

@@ -6,28 +6,21 @@ equals transformers' greedy one, every prompt through the KV path."""
 from __future__ import annotations
 
 import os
-import re
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import pytest
 
 from pdserve.launcher import start_local, wait_healthy
 from tests.e2e import test_pipeline as pipeline
-from tests.e2e.conftest import KV_PATH_ONLY, NODE_ARGS, assert_kv_path_only
+from tests.e2e.conftest import KV_PATH_ONLY, NODE_ARGS, assert_kv_path_only, borrowed_steps
 from tests.e2e.test_pipeline import client_for, hf_greedy, model_name, random_prompts
 
 hf = pipeline.hf  # transformers on the same checkpoint, the oracle (a module fixture)
 
 
-def borrowed_steps(health_url: str) -> float:
-    text = httpx.get(health_url + "/metrics", timeout=5).text
-    found = re.search(r"^pdserve_node_borrowed_core_steps_total\{[^}]*\} (\S+)$", text, re.MULTILINE)
-    assert found, "no pdserve_node_borrowed_core_steps_total on the decode node"
-    return float(found.group(1))
-
-
-@pytest.mark.parametrize("lend", [True, False])
+# NOTE: the control, a deployment without lending whose decode node never counts a borrowed step,
+# runs on test_pipeline's disaggregated deployment (test_completion_greedy_equals_transformers...).
+@pytest.mark.parametrize("lend", [True])
 def test_the_decode_node_borrows_the_idle_prefill_core_and_stays_exact(tiny_model_dir, tmp_path, hf, lend):
     assert len(os.sched_getaffinity(0)) >= 2, "core lending needs a core for each node (CI has two)"
     deployment = start_local(tiny_model_dir, num_prefill=1, num_decode=1, log_dir=tmp_path, proxy_cores=0,

@@ -17,7 +17,7 @@ import torch
 import transformers
 
 from pdserve.huge_heap import huge_heap_environ_here
-from tests.e2e.conftest import node_load, wait_blocks_free
+from tests.e2e.conftest import borrowed_steps, node_load, wait_blocks_free
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +79,9 @@ def test_completion_greedy_equals_transformers_streaming_and_not(disaggregated, 
     assert text == want_text
     assert {c.system_fingerprint for c in chunks if c.system_fingerprint} == {"pdserve-kv:pulled"}
     assert chunks[-1].usage.completion_tokens == len(want_ids)
+    # The control of test_core_lending: nothing lends here, and the decode node counts no borrowed step.
+    assert not disaggregated.cluster.files
+    assert borrowed_steps(disaggregated.health_urls["decode0"]) == 0
 
 
 def test_chat_greedy_equals_transformers(disaggregated, hf):

@@ -2,29 +2,63 @@
 1P(TP=2)+1D(TP=1) and 1P(TP=2)+1D(TP=2), over NIXL (DRAM) and over gloo. Through the OpenAI
 endpoint greedy output equals transformers' (so a colocated one-rank node's), every prompt's KV
 went through the pull (local prefill off, zero fallbacks), every decode rank's cache got every
-pulled block (its own heads), and a client gone mid-pull leaves no block held on either node."""
+pulled block (its own heads), and a client gone mid-pull leaves no block held on either node.
+
+Per transport, four nodes (prefill and decode of TP=1 and TP=2) serve three proxies, one per pair
+(a node serves any number of proxies): the three pairs for the start-up of four nodes."""
 
 from __future__ import annotations
 
 import re
+import sys
 
 import httpx
 import pytest
 
-from tests.e2e.conftest import KV_PATH_ONLY, NODE_ARGS, _start, assert_kv_path_only, wait_blocks_free
+from pdserve.launcher import Cluster, Deployment, free_port, wait_healthy
+from tests.e2e.conftest import KV_PATH_ONLY, NODE_ARGS, assert_kv_path_only, wait_blocks_free
 from tests.e2e.test_pipeline import client_for, hf, hf_greedy, model_name, random_prompts  # noqa: F401 - hf: fixture
 
-COMBOS = [("nixl", 1, 2), ("nixl", 2, 1), ("nixl", 2, 2), ("gloo", 1, 2), ("gloo", 2, 1), ("gloo", 2, 2)]
+PAIRS = [(1, 2), (2, 1), (2, 2)]
 
 
-@pytest.fixture(scope="module", params=COMBOS, ids=[f"{b}-P{p}-D{d}" for b, p, d in COMBOS])
-def split_pair(request, tiny_model_dir, tmp_path_factory):
-    backend, prefill_tp, decode_tp = request.param
-    deployment = _start(tiny_model_dir, tmp_path_factory.mktemp(f"tp-{backend}-{prefill_tp}-{decode_tp}"),
-                        num_prefill=1, num_decode=1, node_args=(*NODE_ARGS, "--transfer-backend", backend),
-                        proxy_args=KV_PATH_ONLY, tensor_parallel=(prefill_tp, decode_tp))
-    yield deployment, decode_tp
-    deployment.stop()
+@pytest.fixture(scope="module", params=["nixl", "gloo"])
+def split_nodes(request, tiny_model_dir, tmp_path_factory):
+    """{(prefill TP, decode TP): a Deployment of that pair's proxy and its two nodes}."""
+    backend = request.param
+    log_dir = tmp_path_factory.mktemp(f"tp-{backend}")
+    cluster, addresses, health = Cluster(), {}, {}
+    pdserve = [sys.executable, "-m", "pdserve.cli"]
+    try:
+        for kind in ("prefill", "decode"):
+            for size in (1, 2):
+                name, port, health_port = f"{kind}-tp{size}", free_port(), free_port()
+                addresses[name], health[name] = f"127.0.0.1:{port}", f"http://127.0.0.1:{health_port}"
+                cluster.start(name, pdserve + [kind, "--model", str(tiny_model_dir), "--port", str(port), "--node-id",
+                                               name, "--health-port", str(health_port), *NODE_ARGS,
+                                               "--transfer-backend", backend, "--tensor-parallel-size", str(size)],
+                              log_dir)
+        pairs = {}
+        for prefill_tp, decode_tp in PAIRS:
+            port, prefill, decode = free_port(), f"prefill-tp{prefill_tp}", f"decode-tp{decode_tp}"
+            cluster.start(f"proxy-{prefill_tp}-{decode_tp}",
+                          pdserve + ["proxy", "--model", str(tiny_model_dir), "--port", str(port), "--prefill",
+                                     addresses[prefill], "--decode", addresses[decode], *KV_PATH_ONLY], log_dir)
+            pairs[prefill_tp, decode_tp] = Deployment(
+                cluster, f"http://127.0.0.1:{port}", {"prefill0": addresses[prefill], "decode0": addresses[decode]},
+                log_dir, {"prefill0": health[prefill], "decode0": health[decode]})
+        for deployment in pairs.values():
+            wait_healthy(deployment, 120)
+    except BaseException:
+        cluster.stop()
+        raise
+    yield pairs
+    cluster.stop()
+
+
+@pytest.fixture(params=PAIRS, ids=[f"P{p}-D{d}" for p, d in PAIRS])
+def split_pair(request, split_nodes):
+    return split_nodes[request.param], request.param[1]
 
 
 def metric(text: str, name: str, **labels: str) -> float:
@@ -48,7 +82,7 @@ def test_greedy_through_the_pull_equals_transformers_and_every_rank_gets_every_b
         assert all(abs(a - b) < 1e-4 for a, b in zip(choice.logprobs.token_logprobs, want_logprobs))
         assert response.system_fingerprint == "pdserve-kv:pulled"
     page = httpx.get(deployment.health_urls["decode0"] + "/metrics", timeout=5).text
-    pulled = metric(page, "pdserve_node_kv_pulled_blocks_total")
+    pulled = metric(page, "pdserve_node_kv_pulled_blocks_total")  # a decode node's, over the proxies it serves
     assert pulled >= 1 + 3 + 10  # the three prompts' blocks (16-token blocks)
     assert [metric(page, "pdserve_node_kv_pulled_rank_blocks_total", rank=str(r)) for r in range(decode_tp)] == \
         [pulled] * decode_tp

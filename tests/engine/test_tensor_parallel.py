@@ -23,7 +23,7 @@ from tests.engine.test_correctness import run_to_completion, transformers_greedy
 
 # Sixteen prompts; the block budget below is small enough to preempt, the token budget to chunk.
 PROMPT_LENGTHS = [1, 2, 5, 9, 15, 16, 17, 24, 31, 33, 40, 48, 64, 80, 100, 120]
-MAX_TOKENS = 6
+MAX_TOKENS = 4
 # float32 summed in another order (the ranks' partial sums) over small's 30 layers: 1.2e-4 seen
 LOGPROB_TOLERANCE = 5e-4
 
@@ -83,9 +83,13 @@ def test_tp2_greedy_with_preemption_and_chunking_equals_transformers(preset, tin
         request.getfixturevalue("small_model_dir")
     prompts = make_prompts(ModelConfig.from_pretrained(model_dir).vocab_size)
     expected = transformers_greedy(model_dir, prompts, MAX_TOKENS)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=0)
+    one_rank = make_engine(model_dir, 1)
+    by_one_rank = [[t.token_id for t in tokens] for tokens in run_to_completion(one_rank, prompts, params)]
+    assert by_one_rank == [tokens for tokens, _ in expected]  # TP=1 equals transformers, and TP=2 both
     engine = make_engine(model_dir, 2)
     try:
-        got = run_to_completion(engine, prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=0))
+        got = run_to_completion(engine, prompts, params)
         assert engine.scheduler.num_preemptions >= 1
         assert engine.scheduler.num_chunked_prefill_steps >= 1
         for i, ((want_tokens, want_logprobs), tokens) in enumerate(zip(expected, got)):
