@@ -5,18 +5,26 @@ went through the pull (local prefill off, zero fallbacks), every decode rank's c
 pulled block (its own heads), and a client gone mid-pull leaves no block held on either node.
 
 Per transport, four nodes (prefill and decode of TP=1 and TP=2) serve three proxies, one per pair
-(a node serves any number of proxies): the three pairs for the start-up of four nodes."""
+(a node serves any number of proxies): the three pairs for the start-up of four nodes. A fourth
+proxy sends to both decode nodes; last, killing the split decode node's worker rank fails that
+node as a whole (it exits 1, leaving no rank behind) while every stream in flight on it completes
+unchanged on the other."""
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import sys
+import time
+from pathlib import Path
 
 import httpx
 import pytest
 
 from pdserve.launcher import Cluster, Deployment, free_port, wait_healthy
-from tests.e2e.conftest import KV_PATH_ONLY, NODE_ARGS, assert_kv_path_only, wait_blocks_free
+from tests.e2e.conftest import KV_PATH_ONLY, NODE_ARGS, assert_kv_path_only, node_load, wait_blocks_free
+from tests.e2e.test_availability import MAX_TOKENS, _Streams
 from tests.e2e.test_pipeline import client_for, hf, hf_greedy, model_name, random_prompts  # noqa: F401 - hf: fixture
 
 PAIRS = [(1, 2), (2, 1), (2, 2)]
@@ -47,6 +55,12 @@ def split_nodes(request, tiny_model_dir, tmp_path_factory):
             pairs[prefill_tp, decode_tp] = Deployment(
                 cluster, f"http://127.0.0.1:{port}", {"prefill0": addresses[prefill], "decode0": addresses[decode]},
                 log_dir, {"prefill0": health[prefill], "decode0": health[decode]})
+        port = free_port()
+        cluster.start("proxy-failover", pdserve + ["proxy", "--model", str(tiny_model_dir), "--port", str(port),
+                                                   "--prefill", addresses["prefill-tp1"], "--decode",
+                                                   f"{addresses['decode-tp2']},{addresses['decode-tp1']}",
+                                                   *KV_PATH_ONLY], log_dir)
+        pairs["failover"] = Deployment(cluster, f"http://127.0.0.1:{port}", dict(addresses), log_dir, dict(health))
         for deployment in pairs.values():
             wait_healthy(deployment, 120)
     except BaseException:
@@ -104,3 +118,35 @@ def test_a_client_gone_during_the_pull_leaves_no_block_held(split_pair):
         assert report.num_free_blocks == report.num_total_blocks, f"{node} still holds blocks"
         assert report.num_running == 0 and report.num_leases == 0, node
     assert_kv_path_only(deployment)
+
+
+def worker_pids(pid: int) -> list[int]:
+    """The child processes of pid (a split node's worker ranks)."""
+    children = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(p) for p in children.read_text().split()] if children.exists() else []
+
+
+def is_alive(pid: int) -> bool:
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().rsplit(")", 1)[-1].split()[0] != "Z"
+
+
+def test_a_killed_rank_fails_its_node_and_its_streams_complete_on_the_other(split_nodes, hf):  # noqa: F811
+    """Runs last for each transport: it leaves the split decode node dead."""
+    deployment = split_nodes["failover"]
+    _, tokenizer = hf
+    prompts = [f"stream {i}: " + "the quick brown fox " * (2 + i) for i in range(6)]
+    reference = [tokenizer.decode(hf_greedy(hf, tokenizer.encode(p), MAX_TOKENS)[0], skip_special_tokens=True)
+                 for p in prompts]
+    node = deployment.cluster.process("decode-tp2")
+    [worker] = worker_pids(node.pid)
+    streams = _Streams(client_for(deployment), prompts)
+    streams.wait_started(min_chunks=4)
+    assert node_load(deployment.node_addresses["decode-tp2"]).num_running > 0, "no stream on the split node"
+    os.kill(worker, signal.SIGKILL)
+    assert streams.results() == reference
+    assert node.wait(timeout=30) == 1, "the node whose rank died exits 1 (its supervisor restarts it)"
+    deadline = time.monotonic() + 10
+    while is_alive(worker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not is_alive(worker)
