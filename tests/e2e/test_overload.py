@@ -28,12 +28,14 @@ NODE_ARGS = ("--max-num-batched-tokens", "256", "--num-blocks", "512", "--max-nu
 MAX_NUM_REQUESTS = 8
 NUM_BURST = 50
 OUTPUT_LEN = 64
-# NOTE: measured on the 2-core machine (both nodes busy decoding): in a burst of 50 at once the
-# 429s took 11-14 ms (p50) and 17-26 ms (p90) from the send to the whole answer, one at a time
-# 1-4 ms; 100 ms leaves room for other work on the machine. The burst goes out over raw
-# connections opened beforehand: through httpx the client's own overhead for 50 concurrent
-# requests (100-250 ms on this machine) would be measured instead of the proxy.
-REJECT_P90_S = 0.1
+# NOTE: a 429 is an answer the proxy gives without the nodes: in a burst of 50 at once on the
+# 2-core machine (both nodes busy decoding) they took 11-14 ms (p50) and 17-26 ms (p90) from the
+# send to the whole answer, the admitted requests seconds. Asserted as a ratio within the run (no
+# absolute time: machines differ): the p90 refusal under this share of the admitted requests'
+# median time from send to the whole answer, in the same run. The burst goes
+# out over raw connections opened beforehand: through httpx the client's own overhead for 50
+# concurrent requests (100-250 ms on this machine) would be measured instead of the proxy.
+MAX_REJECT_SHARE = 0.1
 # The proxy process's resident memory, sampled every 5 ms through the burst: 62 MB before and at
 # its peak here (tokenizers, FastAPI, ZMQ); refused requests leave nothing behind, admitted ones
 # hold their prompt and output, so a burst may add a little, never a pile per request.
@@ -207,7 +209,9 @@ def test_burst_past_the_limits_gets_fast_429s_and_admitted_ones_match_transforme
         print(f"429s: {len(refused)}, p50 {1000 * statistics.median(reject_times):.1f} ms, p90 "
               f"{1000 * _p90(reject_times):.1f} ms; admitted {len(admitted)}; proxy RSS {rss_before:.0f} MB, peak "
               f"{rss_peak:.0f} MB ({len(rss_samples)} samples)")
-        assert _p90(reject_times) < REJECT_P90_S
+        admitted_s = statistics.median(r.elapsed_s for _, r in admitted)
+        assert _p90(reject_times) < MAX_REJECT_SHARE * admitted_s, (_p90(reject_times), admitted_s)
+        print(f"admitted median {1000 * admitted_s:.0f} ms")
         _, tokenizer = hf
         for i, response in admitted:
             want = _hf_greedy_ignoring_eos(hf, prompts[i], OUTPUT_LEN)
@@ -241,7 +245,8 @@ def test_slo_admission_at_three_times_the_sustainable_rate_keeps_admitted_ttft(t
               f"warm-up's time), refused {len(refused)} (p90 {1000 * _p90(refused):.1f} ms)")
         assert len(admitted) >= 3 and len(refused) >= 5
         assert len(met) >= MIN_SLO_MET * len(admitted)
-        assert _p90(refused) < REJECT_P90_S
+        admitted_s = statistics.median(elapsed for elapsed, _ in admitted)
+        assert _p90(refused) < MAX_REJECT_SHARE * admitted_s, (_p90(refused), admitted_s)
     finally:
         deployment.stop()
 
