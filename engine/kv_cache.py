@@ -13,6 +13,7 @@ Layer-major measured faster for CPU decode attention (benchmarks/kernels.py --cp
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -36,10 +37,7 @@ def block_shape(model: ModelConfig, block_size: int) -> tuple[int, ...]:
 
 
 def block_size_bytes(model: ModelConfig, block_size: int) -> int:
-    numel = 1
-    for dim in block_shape(model, block_size):
-        numel *= dim
-    return numel * model.dtype.itemsize
+    return math.prod(block_shape(model, block_size)) * model.dtype.itemsize
 
 
 def num_cache_blocks(model: ModelConfig, cache: CacheConfig, device: str, num_ranks: int = 1) -> int:
@@ -87,9 +85,7 @@ def map_shared_kv_cache(model: ModelConfig, num_blocks: int, block_size: int, pa
     """The CPU cache stored in file path (layer-major, as allocate_kv_cache stores one), mapped
     shared: writes by any process that maps it are every one's. A file made here is zeros."""
     shape = (num_blocks, *block_shape(model, block_size))
-    numel = 1
-    for dim in shape:
-        numel *= dim
+    numel = math.prod(shape)
     if not os.path.exists(path):
         # NOTE: tmpfs files are sparse: a cache past the free space maps fine and dies of SIGBUS when touched.
         folder = os.statvfs(os.path.dirname(path) or ".")

@@ -81,8 +81,8 @@ class TPGroup:
             padded = torch.nn.functional.pad(logits, (0, shard.vocab_rows - logits.shape[1]))
         padded = padded.contiguous()
         if self.channel is not None and self.channel.fits(padded):
-            parts = self._through_channel(self.channel.gather, padded)
-            return None if parts is None else torch.cat(parts, dim=1)[:, : self.vocab_size]
+            gathered = self._through_channel(self.channel.gather, padded)
+            return None if gathered is None else gathered[:, : self.vocab_size]
         options = dist.GatherOptions()
         options.rootRank = 0
         if shard.rank != 0:

@@ -230,21 +230,23 @@ def shares_caches(config: EngineConfig) -> bool:
     return config.device == "cpu" and config.role is not Role.COLOCATED and config.tensor_parallel_size > 1
 
 
+def _shared_path(name: str) -> str:
+    """A fresh path in shared memory (/dev/shm, else the temporary folder) for this process's ranks."""
+    folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    return os.path.join(folder, f"pdserve-tp-{os.getpid()}-{secrets.token_hex(8)}-{name}")
+
+
 def _shared_cache_files(config: EngineConfig) -> list[str]:
     if not shares_caches(config):
         return []
-    folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-    token = secrets.token_hex(8)
-    return [os.path.join(folder, f"pdserve-kv-{os.getpid()}-{token}-rank{rank}")
-            for rank in range(1, config.tensor_parallel_size)]
+    return [_shared_path(f"kv-rank{rank}") for rank in range(1, config.tensor_parallel_size)]
 
 
 def _channel_file(config: EngineConfig) -> str | None:
     """The ranks' shared-memory channel (engine.tp_shm), made here: CPU ranks only (NCCL has its own)."""
     if config.device != "cpu":
         return None
-    folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-    path = os.path.join(folder, f"pdserve-tp-{os.getpid()}-{secrets.token_hex(8)}-channel")
+    path = _shared_path("channel")
     create_channel_file(path, config.tensor_parallel_size, tp_shm.SLOT_BYTES)
     return path
 

@@ -56,9 +56,9 @@ class ShmChannel:
             x.add_(part)
         return x
 
-    def gather(self, x: torch.Tensor) -> list[torch.Tensor] | None:
-        """Every rank's x (equal shapes) on rank 0, None on the others, who wait until rank 0 has
-        read them."""
+    def gather(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Every rank's x (equal shapes) side by side along the last dimension, in rank order, on
+        rank 0; None on the others, who wait until rank 0 has read them."""
         if self.rank != 0:
             self._post(x)
             self._wait_for([0])
@@ -67,7 +67,7 @@ class ShmChannel:
         parts = self._views(x)
         parts[0].copy_(x)
         self._wait_for(range(1, self.size))
-        gathered = [part.clone() for part in parts]
+        gathered = torch.cat(parts, dim=-1)  # NOTE: the one copy out, before the others may write again
         self._counters[0] = self._step  # NOTE: after the reads: the others may write this buffer again
         return gathered
 

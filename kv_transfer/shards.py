@@ -102,8 +102,9 @@ def gather_heads(shards: list[CacheShard], block_ids: list[int], num_kv_heads: i
     for segment in head_segments(whole, head_ranges(shards)):
         shard = shards[segment.remote_rank]
         offset = shard.kv_heads.start
-        out[..., segment.start : segment.stop, :] = shard.cache[index][..., segment.start - offset :
-                                                                      segment.stop - offset, :]
+        # NOTE: the block index and the head slice in one indexing: only the segment's heads are copied
+        out[..., segment.start : segment.stop, :] = shard.cache[index, :, :, :,
+                                                                segment.start - offset : segment.stop - offset]
     return out
 
 

@@ -415,9 +415,7 @@ class NodeServer:
             outputs = self.engine.step()
         except TensorParallelError as exc:
             logger.error("%s; ending every request (to run elsewhere) and stopping this node", exc)
-            for request_id in self.engine.request_ids():
-                self.engine.abort(request_id)
-                self.reply_failure(request_id, protocol.NODE_FAILED_ERROR_KIND, str(exc), is_client_error=False)
+            self._fail_all(exc, protocol.NODE_FAILED_ERROR_KIND)
             self.failure = exc
             self.stop()
             return
@@ -428,10 +426,11 @@ class NodeServer:
         self.metrics.step_done(started_at, waiting, self.engine.scheduler.waiting, outputs, self._kv_outcomes)
         self.send_step_outputs(outputs)
 
-    def _fail_all(self, exc: Exception) -> None:
+    def _fail_all(self, exc: Exception, kind: str | None = None) -> None:
+        """End every request with exc (its kind: the exception's class name unless given)."""
         for request_id in self.engine.request_ids():
             self.engine.abort(request_id)
-            self.reply_error(request_id, exc, is_client_error=False)
+            self.reply_failure(request_id, kind or type(exc).__name__, str(exc), is_client_error=False)
 
     def _end_orphans(self) -> None:
         """End the requests of proxies that vanished (silent past orphan_timeout_s) or that a

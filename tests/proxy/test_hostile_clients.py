@@ -33,9 +33,9 @@ def _open_files(num: int) -> Iterator[None]:
     if soft >= num:
         yield
         return
-    if hard != resource.RLIM_INFINITY and hard < num:
-        pytest.skip(f"needs {num} open files, the hard limit is {hard}")
-    resource.setrlimit(resource.RLIMIT_NOFILE, (num, hard))
+    # NOTE: past the hard limit only root may raise it (CI runs as root); anyone else gets setrlimit's error.
+    raised_hard = hard if hard == resource.RLIM_INFINITY else max(hard, num)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (num, raised_hard))
     try:
         yield
     finally:
