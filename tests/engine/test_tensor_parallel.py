@@ -89,6 +89,9 @@ def test_tp2_greedy_with_preemption_and_chunking_equals_transformers(preset, tin
     assert by_one_rank == [tokens for tokens, _ in expected]  # TP=1 equals transformers, and TP=2 both
     engine = make_engine(model_dir, 2)
     try:
+        # split for real: rank 0 holds its part of the heads, a worker process the rest
+        full = ModelConfig.from_pretrained(model_dir)
+        assert engine.model.config.num_heads < full.num_heads and len(engine.ranks._processes) == 1
         got = run_to_completion(engine, prompts, params)
         assert engine.scheduler.num_preemptions >= 1
         assert engine.scheduler.num_chunked_prefill_steps >= 1
