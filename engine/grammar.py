@@ -5,12 +5,17 @@ xgrammar runs on the CPU: a grammar is compiled once against the model's tokeniz
 of the model, padding rows included: they are never allowed), and a matcher then fills a packed
 bitmask ([rows, ceil(vocab / 32)] int32) in C++ for each step. xgrammar and transformers are
 imported on the first structured request: a node that never sees one starts without them.
+
+A server does not compile on its step loop: it asks is_ready, has build run on a worker thread
+(xgrammar releases the GIL while it works) and hands the result to store, or the refusal to
+refuse; compile does all of it inline, for offline use.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import threading
 import weakref
 from collections import OrderedDict
 from typing import TYPE_CHECKING
@@ -22,6 +27,8 @@ from engine.schema_budget import check_schema
 
 if TYPE_CHECKING:
     import xgrammar
+
+GrammarKey = tuple[StructuredKind, "str | None"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,10 +59,19 @@ class RequestGrammar:
         return self._matcher.is_terminated()
 
 
+class GrammarRefused(ValueError):
+    """A spec no grammar is made from (not supported, or past the budget); the message names the
+    part, not the request."""
+
+
 class Grammars:
     """Compiles StructuredOutput specs for one model's tokenizer and makes per-request matchers.
     The tokenizer is loaded on the first structured request (engines that never see one pay
-    nothing). Compiled grammars are kept in an LRU of cache_size entries keyed by the spec."""
+    nothing). Compiled grammars are kept in an LRU of cache_size entries keyed by the spec, and
+    the specs refused (with why) in another, so a client repeating one costs a lookup.
+
+    Thread-safety: build may run on any thread (several at once); everything else belongs to
+    the thread that owns the engine."""
 
     def __init__(self, model_dir: str, vocab_size: int, eos_token_ids: tuple[int, ...], cache_size: int = 64) -> None:
         self.model_dir = model_dir
@@ -63,8 +79,10 @@ class Grammars:
         self.eos_token_ids = eos_token_ids
         self.cache_size = cache_size
         self._compiler: xgrammar.GrammarCompiler | None = None
-        self._compiled: OrderedDict[tuple[StructuredKind, str | None], xgrammar.CompiledGrammar] = OrderedDict()
+        self._compiled: OrderedDict[GrammarKey, xgrammar.CompiledGrammar] = OrderedDict()
+        self._refused: OrderedDict[GrammarKey, str] = OrderedDict()
         self._live: weakref.WeakSet[RequestGrammar] = weakref.WeakSet()
+        self._compiler_lock = threading.Lock()
 
     @property
     def num_compiled(self) -> int:
@@ -90,49 +108,94 @@ class Grammars:
         self._live.add(grammar)
         return grammar
 
+    @staticmethod
+    def key(spec: StructuredOutput) -> GrammarKey:
+        return spec.kind, spec.json_schema
+
+    def is_ready(self, spec: StructuredOutput) -> bool:
+        """Whether compile(spec) answers at once (compiled, or refused, before)."""
+        key = self.key(spec)
+        return key in self._compiled or key in self._refused
+
     def compile(self, request_id: str, spec: StructuredOutput) -> xgrammar.CompiledGrammar:
         """The compiled grammar of spec (cached). Raises ValueError naming the request when
-        xgrammar refuses the schema (an unsupported keyword, a bad regex pattern, ...)."""
-        key = (spec.kind, spec.json_schema)
+        xgrammar refuses the schema (an unsupported keyword, a bad regex pattern, ...) or it is
+        past the budget (engine.schema_budget), now or before."""
+        key = self.key(spec)
         compiled = self._compiled.get(key)
         if compiled is not None:
             self._compiled.move_to_end(key)
             return compiled
+        why = self._refused.get(key)
+        if why is None:
+            try:
+                compiled = self.build(spec)
+            except GrammarRefused as exc:
+                why = str(exc)
+                self.refuse(spec, why)
+        if why is not None:
+            raise ValueError(f"request {request_id}: {why}")
+        self.store(spec, compiled)
+        return compiled
+
+    def build(self, spec: StructuredOutput) -> xgrammar.CompiledGrammar:
+        """Compile spec (no cache). Raises GrammarRefused. Safe on any thread."""
         import xgrammar
 
         schema = spec.json_schema if spec.kind is StructuredKind.JSON_SCHEMA else _ANY_OBJECT_SCHEMA
         try:
             check_schema(json.loads(schema))
         except (ValueError, RecursionError) as exc:  # SchemaRefused, or not JSON at all
-            raise ValueError(f"request {request_id}: json_schema is not supported: {exc}") from None
+            raise GrammarRefused(f"json_schema is not supported: {exc}") from None
         try:
             grammar = xgrammar.Grammar.from_json_schema(
                 schema, any_whitespace=True, max_whitespace_cnt=_MAX_WHITESPACE_RUN,
                 strict_mode=spec.kind is StructuredKind.JSON_SCHEMA,
             )
-            compiled = self._get_compiler().compile_grammar(_without_raw_control_chars(str(grammar)))
+            return self._get_compiler().compile_grammar(_without_raw_control_chars(str(grammar)))
         except RuntimeError as exc:  # xgrammar reports every refusal of a schema this way
             message = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
-            raise ValueError(f"request {request_id}: json_schema is not supported: {message}") from None
-        self._compiled[key] = compiled
-        if len(self._compiled) > self.cache_size:
-            self._compiled.popitem(last=False)
-        return compiled
+            raise GrammarRefused(f"json_schema is not supported: {message}") from None
+
+    def store(self, spec: StructuredOutput, compiled: xgrammar.CompiledGrammar) -> None:
+        """Keep a grammar build made (on another thread) for the requests that ask for it (a
+        refusal of spec is forgotten: a compile refused past its budget may finish later)."""
+        self._refused.pop(self.key(spec), None)
+        self._remember(self._compiled, self.key(spec), compiled)
+
+    def prepare(self) -> None:
+        """Load the tokenizer and make the compiler now (once; safe on any thread): the first
+        compile's setup, which is not the schema's cost."""
+        self._get_compiler()
+
+    def refuse(self, spec: StructuredOutput, why: str) -> None:
+        """Refuse spec from now on with why (a build refused it, or took past its budget)."""
+        self._remember(self._refused, self.key(spec), why)
+
+    def _remember(self, lru: OrderedDict, key: GrammarKey, value) -> None:
+        lru[key] = value
+        lru.move_to_end(key)
+        if len(lru) > self.cache_size:
+            lru.popitem(last=False)
 
     def _get_compiler(self) -> xgrammar.GrammarCompiler:
-        if self._compiler is None:
-            import xgrammar
-            from transformers import AutoTokenizer
+        with self._compiler_lock:
+            return self._compiler or self._make_compiler()
 
-            try:
-                tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-            except (OSError, ValueError) as exc:
-                raise ValueError(f"structured output needs the model's tokenizer in {self.model_dir}: {exc}") from exc
-            info = xgrammar.TokenizerInfo.from_huggingface(
-                tokenizer, vocab_size=self.vocab_size, stop_token_ids=list(self.eos_token_ids) or None)
-            # One thread: a node's loop compiles between steps, on cores the model uses.
-            self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-            logger.info("grammar compiler ready for %s (vocab %d)", self.model_dir, self.vocab_size)
+    def _make_compiler(self) -> xgrammar.GrammarCompiler:
+        import xgrammar
+        from transformers import AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"structured output needs the model's tokenizer in {self.model_dir}: {exc}") from exc
+        info = xgrammar.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=self.vocab_size, stop_token_ids=list(self.eos_token_ids) or None)
+        # One thread per compile: a node compiles on its own worker threads (node.grammar_gate),
+        # beside the model's.
+        self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        logger.info("grammar compiler ready for %s (vocab %d)", self.model_dir, self.vocab_size)
         return self._compiler
 
 

@@ -6,8 +6,11 @@ the engine checks again before it compiles. Torch-free: the proxy imports it.
 
 A pattern's cost is the number of atoms it spells out once its bounded repetitions are expanded
 (`(a|b){10}` costs 20, `a+` 1); `(a+)+`, an unbounded repetition of something unbounded, is refused
-outright. Length bounds (minLength, maxLength, minItems, maxItems, minProperties, maxProperties)
-are capped the same way. A $ref outside the schema is refused in the same walk.
+outright. The patterns of one schema together may cost MAX_SCHEMA_COST (twenty patterns at the
+single-pattern limit took 4.2 s to turn into a grammar here). Length bounds (minLength,
+maxLength, minItems, maxItems, minProperties, maxProperties) are capped like a pattern. A $ref
+outside the schema is refused in the same walk. What passes is still compiled under a time budget
+(node.grammar_gate).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 MAX_PATTERN_COST = 2000
+MAX_SCHEMA_COST = 10_000
 MAX_LENGTH_BOUND = 10_000
 _LENGTH_KEYWORDS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
 
@@ -32,9 +36,17 @@ class ExternalReference(SchemaRefused):
     the parts it names would be wrong."""
 
 
-def check_schema(schema: Any, path: str = "schema") -> None:
+def check_schema(schema: Any) -> None:
     """Raise ExternalReference or SchemaTooCostly for the first part of schema that is one (see
     the module), in one walk over it."""
+    total = _walk(schema, "schema", 0)
+    if total > MAX_SCHEMA_COST:
+        raise SchemaTooCostly(f"the schema's patterns together spell out {total} characters once their repetitions "
+                              f"are expanded; a grammar allows at most {MAX_SCHEMA_COST}")
+
+
+def _walk(schema: Any, path: str, total: int) -> int:
+    """total plus the cost of schema's patterns; raises at the first part refused on its own."""
     if isinstance(schema, dict):
         for key, value in schema.items():
             where = f"{path}.{key}"
@@ -42,19 +54,21 @@ def check_schema(schema: Any, path: str = "schema") -> None:
                 raise ExternalReference(f"{where} {value[:200]!r} points outside the schema; only local references "
                                         "(\"#/...\") are supported, nothing is fetched")
             if key == "pattern" and isinstance(value, str):
-                _check_pattern(value, where)
+                total += _check_pattern(value, where)
             elif key == "patternProperties" and isinstance(value, dict):
                 for pattern in value:
-                    _check_pattern(pattern, f"{where} key")
+                    total += _check_pattern(pattern, f"{where} key")
             elif key in _LENGTH_KEYWORDS and isinstance(value, int) and value > MAX_LENGTH_BOUND:
                 raise SchemaTooCostly(f"{where} is {value}; a grammar allows at most {MAX_LENGTH_BOUND}")
-            check_schema(value, where)
+            total = _walk(value, where, total)
     elif isinstance(schema, list):
         for index, value in enumerate(schema):
-            check_schema(value, f"{path}[{index}]")
+            total = _walk(value, f"{path}[{index}]", total)
+    return total
 
 
-def _check_pattern(pattern: str, where: str) -> None:
+def _check_pattern(pattern: str, where: str) -> int:
+    """The pattern's cost; raises when it is refused on its own."""
     cost, is_nested = pattern_cost(pattern)
     if is_nested:
         raise SchemaTooCostly(f"{where} {pattern[:60]!r} repeats without bound something that itself repeats "
@@ -62,6 +76,7 @@ def _check_pattern(pattern: str, where: str) -> None:
     if cost > MAX_PATTERN_COST:
         raise SchemaTooCostly(f"{where} {pattern[:60]!r} spells out {cost} characters once its repetitions are "
                               f"expanded; a grammar allows at most {MAX_PATTERN_COST}")
+    return cost
 
 
 def pattern_cost(pattern: str) -> tuple[int, bool]:

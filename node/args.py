@@ -38,6 +38,12 @@ def add_node_arguments(parser: argparse.ArgumentParser) -> None:
                         help="on SIGTERM, wait this long at most for running requests and unpulled leases")
     parser.add_argument("--max-num-waiting", type=int, default=default_of(ServerConfig, "max_num_waiting"),
                         help="refuse new requests while this many wait on this node (the proxy tries another node)")
+    parser.add_argument("--grammar-threads", type=int, default=default_of(ServerConfig, "grammar_threads"),
+                        help="threads compiling structured requests' grammars, off the step loop")
+    parser.add_argument("--grammar-compile-timeout-s", type=float,
+                        default=default_of(ServerConfig, "grammar_compile_timeout_s"),
+                        help="a grammar taking longer to compile is refused (400), and so is every later request "
+                             "with its schema")
     parser.add_argument("--cpus", default=None, help="CPU cores for this node, e.g. 0,1 (also sets torch threads)")
     parser.add_argument("--lend-flag", default=None,
                         help="prefill node: keep whether it has work in this file (node.core_lending), so that a "
@@ -144,7 +150,8 @@ def node_configs_from_args(args: argparse.Namespace, role: Role) -> NodeConfigs:
     server = ServerConfig(args.node_id or f"{role.value}-{args.port}", args.host, args.port,
                           orphan_timeout_s=args.orphan_timeout_s, curve_keys=keys,
                           health_port=args.health_port, drain_timeout_s=args.drain_timeout_s,
-                          max_num_waiting=args.max_num_waiting)
+                          max_num_waiting=args.max_num_waiting, grammar_threads=args.grammar_threads,
+                          grammar_compile_timeout_s=args.grammar_compile_timeout_s)
     if role is not Role.COLOCATED and is_wildcard(args.host) and not args.advertise_host:
         raise ValueError(f"--host {args.host} binds every interface, but prefill and decode nodes dial each "
                          "other's KV side channel: set --advertise-host to this node's address")

@@ -69,7 +69,8 @@ class NodeMetrics:
 
     def __init__(self, model_name: str, node_id: str, role: str, max_model_len: int,
                  load_fields: Callable[[], dict], num_preemptions: Callable[[], int],
-                 connector: Callable[[], object] = lambda: None) -> None:
+                 connector: Callable[[], object] = lambda: None,
+                 grammar_gate: Callable[[], object] = lambda: None) -> None:
         self.labels = {"model_name": model_name, "engine": node_id, "role": role}
         self.registry = CollectorRegistry()
         self._requests: dict[str, _Timeline] = {}
@@ -78,6 +79,7 @@ class NodeMetrics:
         self._add_step_metrics()
         self.registry.register(_LoadCollector(self.labels, load_fields, num_preemptions))
         self.registry.register(_TransferCollector(connector, self.labels))
+        self.registry.register(_GrammarCollector(grammar_gate, self.labels))
 
     def _histogram(self, name: str, help_text: str, buckets) -> Histogram:
         return Histogram(name, help_text, LABELS, buckets=buckets, registry=self.registry).labels(**self.labels)
@@ -282,6 +284,34 @@ class _LoadCollector:
         for reason in sorted({r.value for r in KVFallbackReason} | set(by_reason)):
             family.add_metric([*self._values, reason], by_reason.get(reason, 0))
         return family
+
+
+class _GrammarCollector:
+    """The grammar gate's figures (node.grammar_gate), read at scrape time (plain ints the loop
+    and the compile threads update)."""
+
+    def __init__(self, gate: Callable[[], object], labels: dict[str, str]) -> None:
+        self._gate = gate
+        self._names = list(labels)
+        self._values = list(labels.values())
+
+    def collect(self) -> Iterator[Metric]:
+        gate = self._gate()
+        if gate is None:
+            return
+        for name, help_text, value, family_type in (
+            ("pdserve_node_grammar_waiting", "requests waiting for their grammar to compile", len(gate),
+             GaugeMetricFamily),
+            ("pdserve_node_grammar_runaway_compiles", "compiles past their time budget still running on a grammar "
+             "thread", gate.num_runaway, GaugeMetricFamily),
+            ("pdserve_node_grammar_timeouts", "grammar compiles refused past --grammar-compile-timeout-s",
+             gate.num_timeouts, CounterMetricFamily),
+            ("pdserve_node_grammar_busy_refusals", "requests refused because no grammar thread started their "
+             "compile in time", gate.num_busy_refusals, CounterMetricFamily),
+        ):
+            family = family_type(name, help_text, labels=self._names)
+            family.add_metric(self._values, value)
+            yield family
 
 
 class _TransferCollector:

@@ -9,7 +9,9 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -34,7 +36,11 @@ def serve(args: argparse.Namespace, role: Role, build_server: BuildServer) -> in
         print(f"pdserve {role.value}: {exc}", file=sys.stderr)  # noqa: T201 - the CLI's answer
         return 2
     keep_freed_memory()
+    phases = [("start-up and imports", seconds_since_process_start())]
+    started = time.monotonic()
     engine = LLMEngine(configs.engine)
+    phases.append(("engine (weights, KV cache)", time.monotonic() - started))
+    started = time.monotonic()
     server = build_server(engine, configs)
     if args.lend_flag:
         server.lender = Lender(args.lend_flag)
@@ -44,13 +50,29 @@ def serve(args: argparse.Namespace, role: Role, build_server: BuildServer) -> in
     # SIGINT stops at once.
     signal.signal(signal.SIGTERM, lambda *_: server.drain())
     signal.signal(signal.SIGINT, lambda *_: server.stop())
+    phases.append(("server (sockets, KV transfer agent)", time.monotonic() - started))
+    started = time.monotonic()
     engine.warm_up()  # NOTE: a full step, before the first report (routing sees a measured prefill rate)
+    phases.append(("warm-up step", time.monotonic() - started))
+    logging.getLogger(__name__).info("%s node ready %.2f s after its process started: %s", role.value,
+                                     sum(s for _, s in phases), ", ".join(f"{n} {s:.2f} s" for n, s in phases))
     server.run()
     engine.close()
     # NOTE: exit_now skips UCX's teardown, which aborts when a peer died first. A node that failed
     # (a tensor-parallel rank lost) exits 1, so that its supervisor restarts it.
     exit_now(0 if server.failure is None else 1)
     return 0
+
+
+def seconds_since_process_start() -> float:
+    """How long ago this process started (the kernel's record: interpreter start-up and imports
+    included); 0.0 where /proc does not say."""
+    try:
+        start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime_s = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    return max(0.0, uptime_s - start_ticks / os.sysconf("SC_CLK_TCK"))
 
 
 # glibc's mallopt parameters (malloc.h)

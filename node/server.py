@@ -36,6 +36,7 @@ from engine.tp_group import TensorParallelError
 from kv_transfer.security import CurveKeys, check_bind_host
 from node.control import ControlSocket
 from node.core_lending import Borrower, Lender
+from node.grammar_gate import GrammarGate
 from node.health import HealthServer
 from node.metrics import NodeMetrics
 from node.prefix_cache import PrefixDigests
@@ -78,14 +79,21 @@ class ServerConfig:
     # scheduler's queue, or for a KV pull). Each proxy bounds what it sends; this bounds what
     # several proxies together can queue on one node.
     max_num_waiting: int = 1024
+    # Structured requests' grammars compile on this many threads, off the loop (node.grammar_gate);
+    # one compile may take grammar_compile_timeout_s (then its schema is refused, a 400), and may
+    # wait as long for a free thread (then the request is refused as QueueFull, to retry elsewhere).
+    grammar_threads: int = 2
+    grammar_compile_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
-        if self.max_num_waiting < 1:
-            raise ValueError(f"max_num_waiting must be >= 1, got {self.max_num_waiting}")
+        for name in ("max_num_waiting", "grammar_threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("port", "health_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ValueError(f"{name} must be in [0, 65536), got {getattr(self, name)}")
-        for name in ("load_report_interval_s", "orphan_timeout_s", "send_timeout_s", "drain_timeout_s"):
+        for name in ("load_report_interval_s", "orphan_timeout_s", "send_timeout_s", "drain_timeout_s",
+                     "grammar_compile_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         check_bind_host(self.host, self.curve_keys, "node")
@@ -105,6 +113,8 @@ class NodeServer:
         self._unreachable: set[bytes] = set()  # proxies a send gave up on; ended by the loop
         self._kv_outcomes: dict[str, KVOutcome] = {}  # sent with each request's first delta
         self.prefix_digests = PrefixDigests(engine)  # the prefix-cache digest in LoadReports
+        # Structured requests wait here while their grammar compiles on a worker thread.
+        self.grammar_gate = GrammarGate(engine.grammars, config.grammar_threads, config.grammar_compile_timeout_s)
         self._load = _LoadSnapshot({}, {})  # replaced whole by the loop; read by the heartbeat
         self._is_stopping = threading.Event()
         self._heartbeat = threading.Thread(target=self._send_heartbeats, name="node-heartbeat", daemon=True)
@@ -120,7 +130,7 @@ class NodeServer:
         self._drain_deadline: float | None = None  # set by the loop once it sees the drain
         self.metrics = NodeMetrics(engine.config.model.name, config.node_id, self.role.value, engine.max_total_tokens,
                                    lambda: self._load.fields, lambda: engine.scheduler.num_preemptions,
-                                   lambda: getattr(self, "connector", None))
+                                   lambda: getattr(self, "connector", None), lambda: self.grammar_gate)
         self._health = (HealthServer(config.host, config.health_port, self, self.metrics.render)
                         if config.health_port else None)
         # Core lending on one host (node.core_lending), set by the node's process when asked for.
@@ -139,8 +149,10 @@ class NodeServer:
 
     @property
     def num_waiting_requests(self) -> int:
-        """Requests here that do not run yet: in the scheduler's queue, or waiting for a KV pull."""
-        return len(self.engine.scheduler.waiting) + self.load_extras().get("num_pending_pulls", 0)
+        """Requests here that do not run yet: in the scheduler's queue, waiting for a KV pull or
+        for their grammar."""
+        return (len(self.engine.scheduler.waiting) + self.load_extras().get("num_pending_pulls", 0)
+                + len(self.grammar_gate))
 
     @property
     def address(self) -> str:
@@ -175,7 +187,7 @@ class NodeServer:
         if self._drain_deadline is None:
             self._drain_deadline = now + self.config.drain_timeout_s
             logger.info("%s node %s draining: no new requests", self.role.value, self.config.node_id)
-        if self.engine.has_unfinished() or self.has_pending_work():
+        if self.engine.has_unfinished() or self._has_work_beside_engine():
             if now < self._drain_deadline:
                 return False
             logger.warning("%s node %s: drain timed out after %.0f s with work left: exiting", self.role.value,
@@ -193,8 +205,9 @@ class NodeServer:
             # before this, a node back from a 40 s stall aborted its proxy's requests as orphans.
             self.proxies.forgive(away)
         self.last_progress_at = now
-        busy = self.engine.has_unfinished() or self.has_pending_work()
+        busy = self.engine.has_unfinished() or self._has_work_beside_engine()
         self._receive_all(timeout_ms=0 if self.engine.has_unfinished() else (_BUSY_POLL_MS if busy else _IDLE_POLL_MS))
+        self._admit_compiled()
         self.poll_transfers()
         self.metrics.poll_leases(self.has_request)
         self._end_orphans()
@@ -210,6 +223,7 @@ class NodeServer:
 
     def close(self) -> None:
         self._is_stopping.set()
+        self.grammar_gate.close()
         if self._heartbeat.is_alive():
             self._heartbeat.join()
         if self._health is not None:
@@ -312,6 +326,7 @@ class NodeServer:
             self._unreachable.add(identity)
 
     def forget(self, request_id: str) -> bytes | None:
+        self.grammar_gate.discard(request_id)
         self._kv_outcomes.pop(request_id, None)
         self.metrics.forget(request_id)
         return self.proxies.forget(request_id)
@@ -382,7 +397,8 @@ class NodeServer:
         else:
             self.proxies.own(message.request_id, identity, message.seq)
             self.metrics.request_arrived(message.request_id)
-            self._admit(message)
+            if not self.grammar_gate.park_if_compiling(message):
+                self._admit(message)
 
     def _abort(self, request_id: str, identity: bytes) -> None:
         owner = self.proxies.owner(request_id)
@@ -407,6 +423,18 @@ class NodeServer:
                              extra={"request_id": message.request_id})
             self.engine.abort(message.request_id)
             self.reply_error(message.request_id, exc, is_client_error=False)
+
+    def _admit_compiled(self) -> None:
+        """Admit the requests whose grammar is ready (or refused: admission answers that), and
+        answer those the grammar gate gives up on."""
+        ready, refused = self.grammar_gate.poll()
+        for message in ready:
+            self._admit(message)
+        for refusal in refused:
+            self.reply_failure(refusal.message.request_id, refusal.kind, refusal.text, refusal.is_client_error)
+
+    def _has_work_beside_engine(self) -> bool:
+        return self.has_pending_work() or len(self.grammar_gate) > 0
 
     def _step(self) -> None:
         waiting = self.metrics.waiting_ids(self.engine.scheduler.waiting)

@@ -11,6 +11,7 @@ import logging
 import math
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -188,7 +189,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 _NODE_FLAGS = (("--dtype", str), ("--transfer-backend", str), ("--kv-cache-memory-gb", float), ("--num-blocks", int),
                ("--max-num-seqs", int), ("--max-num-batched-tokens", int), ("--kernel-backend", str),
-               ("--device", str), ("--gpu-memory-utilization", float))
+               ("--device", str), ("--gpu-memory-utilization", float), ("--grammar-threads", int),
+               ("--grammar-compile-timeout-s", float))
 
 
 _NODE_SWITCHES = ("--enable-prefix-caching", "--enforce-eager", "--async-scheduling")
@@ -254,6 +256,7 @@ def main(args: argparse.Namespace) -> int:
                              tensor_parallel=(args.prefill_tp, args.decode_tp))
     try:
         wait_healthy(deployment, args.ready_timeout_s, stop)
+        pin_kv_capacity(deployment)
         print(f"pdserve is ready: {deployment.base_url}/v1 (model {model_dir}); Ctrl-C stops it", flush=True)
         for name, url in deployment.health_urls.items():
             print(f"  {name}: {url}/health, /ready, /metrics", flush=True)
@@ -473,6 +476,29 @@ def wait_healthy(deployment: Deployment, timeout_s: float, stop: _StopFlag | Non
         wait_http_ok(deployment.base_url + "/health", timeout_s, check)
     except TimeoutError as exc:
         raise TimeoutError(f"{exc}\n{deployment.logs()}") from None
+
+
+def pin_kv_capacity(deployment: Deployment) -> dict[str, int]:
+    """Give each node's argv the KV blocks it sized for itself at start-up (its /metrics), so
+    that a restart has the same capacity however much memory is free then (a node sized from
+    free memory while its killed predecessor's was still held came back with 41,688 blocks of
+    65,536). Nodes given --num-blocks or --kv-cache-memory-gb keep theirs; a node whose metrics
+    cannot be read keeps sizing itself. Returns node name -> blocks pinned."""
+    pinned = {}
+    for name, url in deployment.health_urls.items():
+        argv = deployment.cluster.argvs[name]
+        if "--num-blocks" in argv or "--kv-cache-memory-gb" in argv:
+            continue
+        try:
+            with urllib.request.urlopen(url + "/metrics", timeout=5.0) as response:
+                text = response.read().decode()
+        except OSError:
+            continue
+        found = re.search(r"^pdserve_node_kv_blocks_total\{[^}]*\} ([0-9.e+]+)$", text, re.MULTILINE)
+        if found:
+            pinned[name] = int(float(found.group(1)))
+            argv += ["--num-blocks", str(pinned[name])]
+    return pinned
 
 
 def wait_http_ok(url: str, timeout_s: float, check: Callable[[], None] | None = None,

@@ -10,6 +10,8 @@ from collections.abc import Callable, Iterable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from proxy.ledger import Outcome, RequestLedger
+
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _NODE_LABELS = ["node", "kind"]
 # (metric name, help, LoadReport field): gauges of the node's current state.
@@ -62,10 +64,30 @@ class ProxyMetrics:
         self.in_flight = Gauge("pdserve_requests_in_flight", "choices held by the proxy (admitted, not ended)",
                                registry=r)
         self.uploads = Gauge("pdserve_uploads_in_progress", "request bodies arriving (not admitted yet)", registry=r)
+        self.open_requests = Gauge("pdserve_requests_open", "generation requests taken on and not ended yet",
+                                   registry=r)
+        self.ledger: RequestLedger | None = None  # set by the app
+        r.register(_LedgerCollector(lambda: self.ledger))
         r.register(_NodeCollector(nodes, num_local_prefills, node_name))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _LedgerCollector:
+    """How generation requests ended, by outcome (proxy.ledger), every outcome shown from 0."""
+
+    def __init__(self, ledger: Callable[[], RequestLedger | None]) -> None:
+        self._ledger = ledger
+
+    def collect(self) -> Iterable[Metric]:
+        ledger = self._ledger()
+        family = CounterMetricFamily("pdserve_request_ends", "generation requests ended, by outcome: tokens, error "
+                                     "(an error status or SSE error event), client_gone, unanswered (a bug)",
+                                     labels=["outcome"])
+        for outcome in Outcome:
+            family.add_metric([outcome.value], ledger.ends[outcome] if ledger is not None else 0)
+        yield family
 
 
 class _NodeCollector:

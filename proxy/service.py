@@ -20,6 +20,7 @@ from proxy.choices import ChoiceDelta, ChoiceDone, ChoiceEvent, ChoiceFailed, Cl
 from proxy.clients import client_id
 from proxy.config import ProxyConfig
 from proxy.errors import ApiError, api_error_of
+from proxy.ledger import Outcome, RequestLedger
 from proxy.metrics import ProxyMetrics
 from proxy.node_names import NodeNames
 from proxy.nodes import NodePool
@@ -45,6 +46,7 @@ class RequestService:
         self.metrics = metrics
         self.admission = admission
         self.names = names
+        self.ledger = RequestLedger()  # every generation request from its admission to its end
         self.runner = ChoiceRunner(pool, tokenizer, metrics, config.first_token_timeout_s, config.request_timeout_s)
 
     async def admit(self, endpoint: str, request: Request) -> tuple[bytes, Ticket]:
@@ -70,6 +72,30 @@ class RequestService:
         """The answer to body (a dict is sent as JSON); raises ApiError for an error answer.
         ticket (from admit(), taken once the body had arrived) grows to the request's
         choices and passes to them once they run; the caller releases it afterwards."""
+        self.ledger.open(fmt.request_id)
+        outcome: Outcome | None = Outcome.UNANSWERED
+        try:
+            response = await self._complete(body, fmt, request, ticket)
+        except Exception:  # an ApiError, or a bug: both answered with an error body (proxy.errors)
+            outcome = Outcome.ERROR
+            raise
+        except asyncio.CancelledError:
+            outcome = Outcome.CLIENT_GONE  # uvicorn cancels a handler whose client went away
+            raise
+        else:
+            if isinstance(response, StreamingResponse):
+                outcome = None  # the stream ends it
+            elif isinstance(response, Response) and response.status_code == _CLIENT_GONE:
+                outcome = Outcome.CLIENT_GONE
+            else:
+                outcome = Outcome.TOKENS
+            return response
+        finally:
+            if outcome is not None:
+                self.ledger.end(fmt.request_id, outcome)
+
+    async def _complete(self, body: GenerationRequest, fmt: ResponseFormat, request: Request,
+                        ticket: Ticket) -> Response | dict:
         arrived_at = time.monotonic()
         try:
             self._check_model(body.model)
@@ -198,7 +224,8 @@ class RequestService:
             self._count(fmt, error.status)
             raise error
         self._count(fmt, 200)
-        events = self._stream_events(body, fmt, run, first, self._failure)
+        events = self._stream_events(body, fmt, run, first, self._failure,
+                                     lambda outcome: self.ledger.end(fmt.request_id, outcome))
         # NOTE: started here, so its finally (which cancels the choices) runs even if the response
         # never reads on: an unstarted generator is dropped without running its finally.
         opening = await anext(events)
@@ -221,9 +248,11 @@ class RequestService:
 
     @staticmethod
     async def _stream_events(body: GenerationRequest, fmt: ResponseFormat, run: ChoiceRun, first: ChoiceEvent,
-                             failure: Callable[[ResponseFormat, Exception], ApiError]) -> AsyncIterator[str]:
+                             failure: Callable[[ResponseFormat, Exception], ApiError],
+                             ended: Callable[[Outcome], None]) -> AsyncIterator[str]:
         """The SSE events of all choices from first on; a failure ends the stream with an error
-        event. Cancels the run when done or closed (the client left)."""
+        event. Cancels the run when done or closed (the client left); tells ended how it ended."""
+        outcome = Outcome.CLIENT_GONE  # closed before its end: the client left
         try:
             yield fmt.opening_events(run.subs, run.states)
             remaining, event = len(run.subs), first
@@ -237,6 +266,7 @@ class RequestService:
                         remaining -= 1
                     case ChoiceFailed(error=error):
                         yield fmt.error_event(failure(fmt, error))
+                        outcome = Outcome.ERROR
                         break
                     case ClientGone():
                         return
@@ -246,7 +276,14 @@ class RequestService:
             if body.include_usage:
                 yield fmt.usage_event(run.subs, run.states)
             yield SSE_DONE
+            if outcome is not Outcome.ERROR:
+                outcome = Outcome.TOKENS
+        except Exception:
+            if outcome is Outcome.CLIENT_GONE:
+                outcome = Outcome.UNANSWERED
+            raise
         finally:
+            ended(outcome)
             run.cancel()  # done or client gone: run_request's finally aborts on the nodes
 
     def _count(self, fmt: ResponseFormat, status: int) -> None:

@@ -77,9 +77,69 @@ class UvicornServer:
             time.sleep(0.01)
 
     def stop(self) -> None:
+        """Stop serving; for a proxy's app, then assert that every request it took on came to
+        an answered end (see assert_ledger_closed)."""
         self.server.should_exit = True
         self.thread.join(timeout=10)
         self.socket.close()
+        ledger = getattr(getattr(self.server.config.app, "state", None), "ledger", None)
+        if ledger is not None:
+            assert_ledger_closed(ledger.num_open, ledger.ends["unanswered"], ledger.oldest_open())
+
+
+# ---- the harness that tracks every request a proxy took on to its end ---------------------------
+
+
+def assert_ledger_closed(num_open: int, num_unanswered: int, oldest_open: object = ()) -> None:
+    """No request is open any more and none ended without an answer (proxy.ledger)."""
+    assert num_unanswered == 0, f"{num_unanswered} requests ended without an answer"
+    assert num_open == 0, f"{num_open} requests never ended; the oldest (id, seconds open): {oldest_open}"
+
+
+def assert_every_request_answered(base_url: str, wait_s: float = 10.0) -> None:
+    """The proxy at base_url (its /metrics) holds no open request, waiting up to wait_s for the
+    ends under way, and none of its requests ended unanswered. A proxy that no longer answers
+    (a test stopped it) is not checked."""
+    import httpx
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            text = httpx.get(base_url + "/metrics", timeout=5.0).text
+        except httpx.HTTPError:
+            return
+        num_open = _sample(text, "pdserve_requests_open")
+        if num_open == 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert_ledger_closed(num_open, _sample(text, 'pdserve_request_ends_total{outcome="unanswered"}'))
+
+
+def _sample(metrics_text: str, name: str) -> int:
+    for line in metrics_text.splitlines():
+        if line.startswith(name + " "):
+            return int(float(line.rsplit(" ", 1)[1]))
+    raise AssertionError(f"{name} is not among the proxy's metrics")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _every_deployment_answered_every_request() -> Iterator[None]:
+    """Every deployment (pdserve.launcher.Deployment) a test stops is checked first: its proxy
+    answered every request it took on (assert_every_request_answered)."""
+    from pdserve.launcher import Deployment
+
+    real_stop = Deployment.stop
+
+    def checked_stop(self) -> None:
+        try:
+            if self.cluster.process("proxy").poll() is None:
+                assert_every_request_answered(self.base_url)
+        finally:
+            real_stop(self)
+
+    Deployment.stop = checked_stop
+    yield
+    Deployment.stop = real_stop
 
 
 def _cached_model(preset: str) -> Path:

@@ -140,10 +140,13 @@ class Pair:
     sent: list = field(default_factory=list)
 
     def run(self, until, max_rounds: int = 400) -> None:
-        """Turn both nodes' loops until until() holds."""
+        """Turn both nodes' loops until until() holds (a grammar under way is waited for: its
+        compile runs on another thread)."""
         for _ in range(max_rounds):
             if until():
                 return
+            for node in (self.prefill, self.decode):
+                node.grammar_gate.wait(timeout_s=60.0)
             self.prefill.run_once()
             self.decode.run_once()
         raise AssertionError(f"not done after {max_rounds} rounds; sent: {self.sent}")

@@ -138,6 +138,7 @@ def test_bad_new_values_are_per_request_client_errors_and_free_everything(pair):
     pair.prefill.handle_message(PROXY, protocol.PrefillRequest("range", PROMPT, SamplingOptions(logit_bias={4: 300})))
     pair.prefill.handle_message(PROXY, protocol.PrefillRequest("schema", PROMPT, refused))
     results = prefill_all(pair, {"good": good})  # the batch goes on
+    pair.run(lambda: len(pair.results(protocol.ErrorReply)) == 3)  # the schema's refusal comes from a compile
     errors = {e.request_id: e for e in pair.results(protocol.ErrorReply)}
     assert set(errors) == {"vocab", "range", "schema"}
     assert all(e.is_client_error and e.kind in ("ValueError", "SamplingError") for e in errors.values())
@@ -149,6 +150,7 @@ def test_bad_new_values_are_per_request_client_errors_and_free_everything(pair):
     structured = SamplingOptions(structured=StructuredOutput(StructuredKind.JSON_OBJECT))
     pair.decode.handle_message(PROXY, protocol.DecodeRequest("good", PROMPT, structured, result.first_token,
                                                              result.kv_handle))
+    pair.run(lambda: any(e.request_id == "good" for e in pair.results(protocol.ErrorReply)))
     [error] = [e for e in pair.results(protocol.ErrorReply) if e.request_id == "good"]
     assert error.is_client_error and "does not follow" in error.message
     assert_nothing_held_once_released(pair)

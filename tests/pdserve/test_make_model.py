@@ -167,15 +167,12 @@ def test_smollm2_weights_are_exactly_the_dequantized_gguf(smollm2_dir):
 
     saved = load_file(smollm2_dir / "model.safetensors")
     assert {t.dtype for t in saved.values()} == {torch.float32} and len(saved) == 30 * 9 + 2  # lm_head tied
-    gguf_path = _gguf_path()
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(
-        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32,
-        quantization_config=transformers.GgufConfig(dequantize=True)).state_dict()
-    assert set(loaded) - set(saved) == {"lm_head.weight"}
-    for name, tensor in saved.items():
-        assert torch.equal(tensor, loaded[name]), name
-    # And without transformers' loader: gguf's own dequantization, llama.cpp's q/k row order undone.
-    for name, tensor in _gguf_dequantized(gguf_path).items():
+    # make-model converts with transformers' GGUF loader; checked here without it: gguf's own
+    # dequantization, llama.cpp's q/k row order undone. (Reloading through transformers too took
+    # 20 s of the suite and compared the loader with itself.)
+    dequantized = _gguf_dequantized(_gguf_path())
+    assert set(dequantized) == set(saved)
+    for name, tensor in dequantized.items():
         assert torch.equal(saved[name], tensor), name
 
 

@@ -108,8 +108,7 @@ def _children_of(pid: int) -> dict[int, str]:
 def pdserve_up(tiny_model_dir, tmp_path):
     port = free_port()
     argv = [sys.executable, "-m", "pdserve.cli", "up", "--model", str(tiny_model_dir), "--port", str(port),
-            "--log-dir", str(tmp_path / "logs"), "--max-num-batched-tokens", "256", "--num-blocks", "256",
-            "--no-enable-prefix-caching"]
+            "--log-dir", str(tmp_path / "logs"), "--max-num-batched-tokens", "256", "--no-enable-prefix-caching"]
     out = open(tmp_path / "up.log", "wb")  # noqa: SIM115 - closed in the finalizer
     proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -122,6 +121,11 @@ def pdserve_up(tiny_model_dir, tmp_path):
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
         out.close()
+
+
+def _total_blocks(health_url: str) -> int:
+    text = httpx.get(health_url + "/metrics", timeout=10).text
+    return int(float(re.search(r"^pdserve_node_kv_blocks_total\{.*\} (\S+)$", text, re.MULTILINE).group(1)))
 
 
 def _complete(base_url: str) -> httpx.Response:
@@ -138,13 +142,18 @@ def test_pdserve_up_restarts_a_killed_decode_node_and_stops_everything_on_sigter
     assert all("--no-enable-prefix-caching" in cmd for cmd in children.values() if "--node-id" in cmd)
     [metrics_url] = re.findall(r"prefill0: (http://\S+)/health", log.read_text())
     assert "vllm:prompt_tokens_total" in httpx.get(metrics_url + "/metrics", timeout=10).text
+    [decode_url] = re.findall(r"decode0: (http://\S+)/health", log.read_text())
+    blocks = _total_blocks(decode_url)  # sized by the node from free memory (no --num-blocks given)
     [decode_pid] = [pid for pid, cmd in children.items() if "--node-id decode0" in cmd]
     os.kill(decode_pid, signal.SIGKILL)
     wait_for(lambda: "decode0 restarted" in log.read_text(), timeout_s=30)
-    [new_pid] = [pid for pid, cmd in _children_of(proc.pid).items() if "--node-id decode0" in cmd]
+    [(new_pid, new_cmd)] = [(pid, cmd) for pid, cmd in _children_of(proc.pid).items() if "--node-id decode0" in cmd]
     assert new_pid != decode_pid
+    # The restart has the capacity the node sized for itself at first, whatever memory is free now.
+    assert f"--num-blocks {blocks}" in new_cmd
     # The proxy routes around the dead node and back to the restarted one without a restart.
     wait_for(lambda: _complete(base_url).status_code == 200, timeout_s=120)
+    assert _total_blocks(decode_url) == blocks
     assert proc.poll() is None
     started = set(_children_of(proc.pid))
     os.killpg(proc.pid, signal.SIGTERM)  # the launcher's own group: its children lead their own

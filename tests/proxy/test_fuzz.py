@@ -12,7 +12,7 @@ from tests.proxy.fuzzing import check_still_serving, fuzz_schema, send_hostile
 
 # Fast fake nodes and a short context, so positive cases finish in milliseconds.
 FAST_NODES = {"step_s": 0.001, "prefill_s": 0.001}
-BUDGET_S = 40.0
+BUDGET_S = 16.0
 
 
 def test_openapi_describes_every_request_body(proxy):
