@@ -11,9 +11,12 @@ blocks free at the end), RSS of every process at start and end, and per kill:
   stall_s    the longest pause of any stream in flight at the kill, from its last chunk before
              the kill to its next chunk after it (migration or retry included);
   recovery_s max(serve_s, stall_s), with its max and p50 over the kills;
-  restart_s  until the restarted process answers a ping (a new process loading the model), and
+  restart_s  until the restarted process answers a ping (the standby process, imports done, or
+             with --no-standby a new process, loading the model), and
   rejoin_s   from then until the proxy's /health is 200 with every node up (the restarted node
-             takes requests again); both reported apart from recovery.
+             takes requests again); both reported apart from recovery; and
+  blocks     the restarted node's KV blocks against its first start's (`pdserve up` pins them:
+             pin_kv_capacity; nodes size their caches from free memory unless --num-blocks).
 Target: >= 99.5% completed (of those not disconnected on purpose), 0 wrong, 0 leaked, recovery
 <= 2 s.
 
@@ -40,7 +43,7 @@ import openai
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from pdserve.launcher import Supervisor, health_ok, start_local, wait_healthy  # noqa: E402
+from pdserve.launcher import Supervisor, health_ok, pin_kv_capacity, start_local, wait_healthy  # noqa: E402
 from pdserve.make_model import make_model  # noqa: E402
 from tests.e2e.conftest import node_load  # noqa: E402
 
@@ -167,7 +170,8 @@ def _tiny_model() -> Path:
     return path
 
 
-def _chaos(deployment, supervisor: Supervisor, deadline: float, kill_every_s: float, rng: random.Random) -> list:
+def _chaos(deployment, supervisor: Supervisor, deadline: float, kill_every_s: float, rng: random.Random,
+           blocks: dict[str, int]) -> list:
     """Kill a random node every kill_every_s until deadline; each kill's recovery record."""
     kills = []
     next_kill = time.monotonic() + kill_every_s
@@ -179,6 +183,8 @@ def _chaos(deployment, supervisor: Supervisor, deadline: float, kill_every_s: fl
             deployment.cluster.process(name).kill()
             kills.append({"node": name, "killed_at": killed_at})
             _wait_recovered(deployment, supervisor, kills[-1])
+            if kills[-1].get("rejoin_s") is not None:
+                kills[-1]["blocks"] = [blocks.get(name), node_load(deployment.node_addresses[name]).num_total_blocks]
             next_kill = time.monotonic() + kill_every_s
         time.sleep(0.05)
     return kills
@@ -225,12 +231,18 @@ def main() -> int:
     parser.add_argument("--streams", type=int, default=4)
     parser.add_argument("--kill-every-s", type=float, default=30.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--num-blocks", type=int, default=None, help="per node (default: sized by each node)")
+    parser.add_argument("--standby", action=argparse.BooleanOptionalAction, default=True,
+                        help="restart nodes from a standby process (as pdserve up does)")
     args = parser.parse_args()
     log_dir = Path(tempfile.mkdtemp(prefix="pdserve-chaos-"))
+    node_args = ["--max-num-seqs", "32"] + (["--num-blocks", str(args.num_blocks)] if args.num_blocks else [])
     deployment = start_local(_tiny_model(), num_prefill=2, num_decode=2, log_dir=log_dir, pin_cpus=False,
-                             node_args=["--num-blocks", "512", "--max-num-seqs", "32"])
+                             node_args=node_args)
     try:
         wait_healthy(deployment, 180)
+        blocks = pin_kv_capacity(deployment) or {n: node_load(a).num_total_blocks
+                                                 for n, a in deployment.node_addresses.items()}
         client = openai.OpenAI(base_url=deployment.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
         model = client.models.list().data[0].id
         expected = {p: _stream(client, model, p, None) for p in PROMPTS}
@@ -242,9 +254,11 @@ def main() -> int:
                                                                   stop), daemon=True))
         for thread in threads:
             thread.start()
-        supervisor = Supervisor(deployment.cluster, initial_backoff_s=0.1, max_backoff_s=1.0)
+        supervisor = Supervisor(deployment.cluster, initial_backoff_s=0.1, max_backoff_s=1.0,
+                                keep_standby=args.standby)
+        supervisor.tick()  # the standby starts now, not at the first kill
         kills = _chaos(deployment, supervisor, time.monotonic() + args.duration_s, args.kill_every_s,
-                       random.Random(args.seed))
+                       random.Random(args.seed), blocks)
         stop.set()
         for thread in threads:
             thread.join(timeout=150)
@@ -270,6 +284,9 @@ def _result(counts: Counts, kills, leaks, rss_start, rss_end, log_dir: Path) -> 
         "completed_pct": round(100 * counts.completed / answered, 2) if answered else None,
         "kills": [{k: v for k, v in kill.items() if k != "killed_at"} for kill in kills],
         "max_recovery_s": max(recoveries) if recoveries else None,
+        "max_back_s": max((k["restart_s"] + k["rejoin_s"] for k in kills if k.get("rejoin_s") is not None),
+                          default=None),
+        "same_blocks_after_restart": all("blocks" in k and k["blocks"][0] == k["blocks"][1] for k in kills),
         "p50_recovery_s": statistics.median(recoveries) if recoveries else None,
         "probes": len(counts.probes), "probes_failed": sum(not ok for _, _, ok in counts.probes),
         "leaked_blocks": leaks, "rss_mb_start": rss_start, "rss_mb_end": rss_end,

@@ -16,6 +16,8 @@ import ctypes
 import ctypes.util
 import functools
 import logging
+import math
+import mmap
 import sys
 
 import torch
@@ -47,6 +49,18 @@ def keep_freed_memory() -> bool:
     if not is_ok:
         logger.warning("mallopt refused the heap settings; large tensors will page-fault each step")
     return is_ok
+
+
+def zeroed_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A tensor of zeros on memory of its own (an anonymous mapping, which the kernel zeroes page
+    by page on first touch): nothing is written up front, so a large cache costs no time at
+    start-up (zeroing 2 GiB took 1.9 s here, most of a restarted tiny node's engine start) and its
+    pages are faulted in as blocks are first used. Not committed up front either: memory is taken
+    as it is touched. The mapping lives as long as the tensor."""
+    num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if num_bytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    return torch.frombuffer(mmap.mmap(-1, num_bytes), dtype=dtype).view(shape)
 
 
 def advise_huge_pages(tensor: torch.Tensor) -> int:

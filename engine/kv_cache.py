@@ -19,7 +19,7 @@ import os
 import torch
 
 from engine.config import CacheConfig, ModelConfig
-from engine.host_memory import advise_huge_pages
+from engine.host_memory import advise_huge_pages, zeroed_pages
 
 # NOTE: with no explicit budget, the CPU cache takes this share of the memory that is free at
 # start-up, capped at 2 GiB: zero-filling the cache is start-up time (`make run` starts two nodes
@@ -76,9 +76,9 @@ def allocate_kv_cache(model: ModelConfig, num_blocks: int, block_size: int, devi
         return torch.zeros(shape, dtype=model.dtype, device=device)
     if shared_file is not None:
         return map_shared_kv_cache(model, num_blocks, block_size, shared_file)
-    stored = torch.empty((shape[1], shape[0], *shape[2:]), dtype=model.dtype)  # layer-major: see above
-    advise_huge_pages(stored)  # NOTE: before zeroing: the advice applies to pages not yet touched
-    return stored.zero_().transpose(0, 1)
+    stored = zeroed_pages((shape[1], shape[0], *shape[2:]), model.dtype)  # layer-major: see above
+    advise_huge_pages(stored)  # NOTE: the advice applies to pages not yet touched: all of them here
+    return stored.transpose(0, 1)
 
 
 def map_shared_kv_cache(model: ModelConfig, num_blocks: int, block_size: int, path: str) -> torch.Tensor:

@@ -22,6 +22,8 @@ from node.core_lending import Borrower, Lender
 from node.server import NodeServer
 
 BuildServer = Callable[[LLMEngine, NodeConfigs], NodeServer]
+# Set by pdserve.standby: when it was handed this node (time.monotonic(), one clock for all processes).
+_STANDBY_HANDED_OVER_ENV = "PDSERVE_STANDBY_HANDED_OVER_AT"
 
 
 def serve(args: argparse.Namespace, role: Role, build_server: BuildServer) -> int:
@@ -36,7 +38,9 @@ def serve(args: argparse.Namespace, role: Role, build_server: BuildServer) -> in
         print(f"pdserve {role.value}: {exc}", file=sys.stderr)  # noqa: T201 - the CLI's answer
         return 2
     keep_freed_memory()
-    phases = [("start-up and imports", seconds_since_process_start())]
+    handed_over_at = os.environ.pop(_STANDBY_HANDED_OVER_ENV, None)  # a standby process became this node
+    phases = ([("start-up and imports", seconds_since_process_start())] if handed_over_at is None
+              else [("standby hand-over", time.monotonic() - float(handed_over_at))])
     started = time.monotonic()
     engine = LLMEngine(configs.engine)
     phases.append(("engine (weights, KV cache)", time.monotonic() - started))

@@ -24,7 +24,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pdserve.huge_heap import huge_heap_environ_here
 from pdserve.settings import CONFIG_ENV
+from pdserve.standby import NODE_COMMANDS as STANDBY_COMMANDS
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +35,10 @@ logger = logging.getLogger(__name__)
 # finish within its grace period while the nodes still serve them), then the prefill nodes, then
 # the decode nodes (whose running requests the proxy no longer waits for).
 _STOP_ORDER = ("proxy", "prefill", "decode")
+
+
+# How the launcher runs pdserve's commands; a standby process (pdserve.standby) becomes these.
+PDSERVE_COMMAND = (sys.executable, "-m", "pdserve.cli")
 
 
 @dataclass
@@ -45,6 +51,7 @@ class Cluster:
     envs: dict[str, dict[str, str]] = field(default_factory=dict)  # each process's additions to the environment
     log_dir: Path | None = None
     files: list[Path] = field(default_factory=list)  # removed by stop() (core-lending flags)
+    standby: subprocess.Popen | None = None  # a node process with its imports done (pdserve.standby)
 
     def start(self, name: str, argv: list[str], log_dir: Path | None = None,
               env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -65,8 +72,34 @@ class Cluster:
         return proc
 
     def restart(self, name: str) -> subprocess.Popen:
-        """Start name again with its first argv (same ports); the old process must have ended."""
-        return self.start(name, self.argvs[name], env=self.envs.get(name))
+        """Start name again with its argv (same ports); the old process must have ended. A node
+        becomes the standby process where one is up (start_standby), which is then replaced."""
+        argv = self.argvs[name]
+        standby, self.standby = self.standby, None
+        if (standby is not None and standby.poll() is None and tuple(argv[:3]) == PDSERVE_COMMAND
+                and argv[3] in STANDBY_COMMANDS):
+            log = str(self.log_dir / f"{name}.log") if self.log_dir else None
+            order = {"argv": argv[3:], "env": self.envs.get(name) or {}, "log": log}
+            try:
+                standby.stdin.write(json.dumps(order).encode() + b"\n")
+                standby.stdin.close()
+            except OSError:  # it died meanwhile: a fresh start below
+                pass
+            else:
+                self.procs = [(n, p) for n, p in self.procs if n != name] + [(name, standby)]
+                self.start_standby()
+                return standby
+        elif standby is not None:
+            self.standby = standby
+        return self.start(name, argv, env=self.envs.get(name))
+
+    def start_standby(self) -> None:
+        """Have a standby node process ready for restart() (pdserve.standby), unless one is up."""
+        if self.standby is not None and self.standby.poll() is None:
+            return
+        env = {k: v for k, v in os.environ.items() if k != CONFIG_ENV}
+        self.standby = subprocess.Popen([sys.executable, "-m", "pdserve.standby"], stdin=subprocess.PIPE,
+                                        start_new_session=True, env=huge_heap_environ_here(env) or env)
 
     def process(self, name: str) -> subprocess.Popen:
         return dict(self.procs)[name]
@@ -92,6 +125,10 @@ class Cluster:
                 except subprocess.TimeoutExpired:
                     _signal_group(proc, signal.SIGKILL)
                     proc.wait()
+        if self.standby is not None:
+            _signal_group(self.standby, signal.SIGKILL)  # it serves nothing yet
+            self.standby.wait()
+            self.standby = None
         for path in self.files:
             path.unlink(missing_ok=True)
 
@@ -103,7 +140,7 @@ class Supervisor:
     has run healthy for reset_after_s). Driven by tick() from the launcher's loop."""
 
     cluster: Cluster
-    initial_backoff_s: float = 1.0
+    initial_backoff_s: float = 0.2
     max_backoff_s: float = 30.0
     reset_after_s: float = 60.0
     clock: Callable[[], float] = time.monotonic
@@ -111,22 +148,32 @@ class Supervisor:
     _restart_at: dict[str, float] = field(default_factory=dict)
     _started_at: dict[str, float] = field(default_factory=dict)
     num_restarts: int = 0
+    # Keep a standby node process ready (Cluster.start_standby): a restart then skips the imports.
+    # A new standby starts standby_after_s after the last restart, not beside the restarting node
+    # (its imports took a core from that node's start on two cores).
+    keep_standby: bool = False
+    standby_after_s: float = 5.0
 
     def tick(self) -> list[str]:
         """Schedule or carry out restarts; returns a line for each event (for the console)."""
         now, events = self.clock(), []
+        last_restart = max(self._started_at.values(), default=-math.inf)
+        if self.keep_standby and not self._restart_at and now - last_restart >= self.standby_after_s:
+            self.cluster.start_standby()
         for name in self.cluster.dead_names():
             if name not in self._restart_at:
                 code = self.cluster.process(name).returncode
                 backoff = self._next_backoff(name, now)
                 self._restart_at[name] = now + backoff
-                events.append(f"{name} ended (exit {code}); restarting in {backoff:.0f} s")
+                events.append(f"{name} ended (exit {code}); restarting in {backoff:g} s")
             elif now >= self._restart_at[name]:
                 del self._restart_at[name]
-                self.cluster.restart(name)
+                had_standby = self.cluster.standby is not None
+                proc = self.cluster.restart(name)
                 self._started_at[name] = now
                 self.num_restarts += 1
-                events.append(f"{name} restarted")
+                how = "the standby process" if had_standby and self.cluster.standby is not proc else "a new process"
+                events.append(f"{name} restarted (pid {proc.pid}, {how})")
         return events
 
     def _next_backoff(self, name: str, now: float) -> float:
@@ -174,6 +221,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="every process's log lines (default: text)")
     parser.add_argument("--log-dir", default=None, help="write each process's log here")
     parser.add_argument("--ready-timeout-s", type=float, default=180.0)
+    parser.add_argument("--standby", action=argparse.BooleanOptionalAction, default=True,
+                        help="keep one node process ready with its imports done (~300 MB), so that a node that "
+                             "dies is back in the time its model takes to load")
     parser.add_argument("--lend-cores", action=argparse.BooleanOptionalAction, default=None,
                         help="decode node i runs on prefill node i's cores too while that one has nothing to "
                              "prefill (node.core_lending), where nodes have cores of their own and there are at "
@@ -260,7 +310,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"pdserve is ready: {deployment.base_url}/v1 (model {model_dir}); Ctrl-C stops it", flush=True)
         for name, url in deployment.health_urls.items():
             print(f"  {name}: {url}/health, /ready, /metrics", flush=True)
-        supervisor = Supervisor(deployment.cluster)
+        supervisor = Supervisor(deployment.cluster, keep_standby=args.standby)
         while not stop.is_set:
             for event in supervisor.tick():
                 print(f"pdserve up: {event}", file=sys.stderr, flush=True)
@@ -318,7 +368,7 @@ def start_local(
         if proxy_cores is None:
             proxy_cores = auto_proxy_cores(model_dir, len(cores), num_prefill + num_decode, _node_dtype(node_args))
         cpus = _cpu_plan(cores, num_prefill + num_decode, proxy_cores)
-    pdserve = [sys.executable, "-m", "pdserve.cli"]
+    pdserve = list(PDSERVE_COMMAND)
     common = ["--model", str(model_dir), "--host", host, *node_args]
     addresses: dict[str, str] = {}
     health_urls: dict[str, str] = {}

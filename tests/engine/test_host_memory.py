@@ -1,7 +1,8 @@
 """Huge pages for the KV cache: the advice covers a tensor's 2 MiB-aligned interior, and the
-cache is advised before it is zeroed (the advice applies only to pages not yet touched). The CPU
-cache's storage is layer-major."""
+cache is advised while none of its pages is touched (the advice applies only to those): it is
+zeros the kernel gives as pages are first used. The CPU cache's storage is layer-major."""
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -23,19 +24,26 @@ def test_advise_huge_pages_covers_the_aligned_interior_of_a_fresh_tensor():
     assert advise_huge_pages(torch.empty(HUGE // 2, dtype=torch.uint8)) == 0  # no whole huge page inside
 
 
-def test_kv_cache_is_advised_before_it_is_zeroed(monkeypatch):
+def _rss_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS in /proc/self/status")
+
+
+def test_cpu_kv_cache_is_zeros_that_take_no_memory_or_time_until_touched(monkeypatch):
+    """The cache is an anonymous mapping: advised for huge pages while no page of it is touched,
+    zeros as the kernel gives them, memory taken only as blocks are written."""
     advised = []
-
-    def touch_and_record(tensor):
-        advised.append(tensor.data_ptr())
-        tensor.fill_(7)  # what the cache holds when the advice comes must not survive
-        return 0
-
-    monkeypatch.setattr(kv_cache, "advise_huge_pages", touch_and_record)
-    model = SimpleNamespace(num_layers=2, num_kv_heads=1, head_dim=32, dtype=torch.bfloat16)
-    cache = kv_cache.allocate_kv_cache(model, num_blocks=300, block_size=16, device="cpu")
-    assert cache.shape == (300, 2, 2, 16, 1, 32) and cache.dtype == torch.bfloat16
-    assert advised == [cache.data_ptr()] and bool(torch.all(cache == 0))
+    monkeypatch.setattr(kv_cache, "advise_huge_pages", lambda tensor: advised.append(tensor.data_ptr()) or 0)
+    model = SimpleNamespace(num_layers=4, num_kv_heads=4, head_dim=64, dtype=torch.float32)
+    before = _rss_bytes()
+    cache = kv_cache.allocate_kv_cache(model, num_blocks=2048, block_size=16, device="cpu")  # 256 MiB
+    assert _rss_bytes() - before < 16 << 20  # nothing written up front
+    assert cache.shape == (2048, 4, 2, 16, 4, 64) and advised == [cache.data_ptr()]
+    assert bool(torch.all(cache[::97] == 0)) and bool(torch.all(cache[-1] == 0))
+    cache[5].fill_(1.0)
+    assert float(cache[5].sum()) == cache[5].numel() and float(cache[4].abs().sum()) == 0.0
 
 
 def test_cpu_kv_cache_is_stored_layer_major():

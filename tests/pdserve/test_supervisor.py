@@ -49,7 +49,8 @@ def test_a_process_that_keeps_dying_is_restarted_with_doubling_backoff(tmp_path)
             waits.append(float(event.rsplit("in ", 1)[1].split()[0]))
             assert supervisor.tick() == []  # not before its backoff
             clock.now += waits[-1]
-            assert supervisor.tick() == ["decode0 restarted"]
+            [restarted] = supervisor.tick()
+            assert re.fullmatch(r"decode0 restarted \(pid \d+, a new process\)", restarted)
         assert waits == [1.0, 2.0, 4.0, 4.0]
         assert supervisor.num_restarts == 4
         assert cluster.process("prefill0").poll() is None  # the others keep running
@@ -65,12 +66,12 @@ def test_backoff_starts_over_after_a_long_healthy_run(tmp_path):
         cluster.start("decode0", EXIT_AT_ONCE, tmp_path)
         for expected in (1.0, 2.0):
             wait_for(lambda: cluster.dead_names() == ["decode0"])
-            assert supervisor.tick()[0].endswith(f"in {expected:.0f} s")
+            assert supervisor.tick()[0].endswith(f"in {expected:g} s")
             clock.now += expected
             supervisor.tick()
         clock.now += 61  # the restarted process "ran" a long time before dying again
         wait_for(lambda: cluster.dead_names() == ["decode0"])
-        assert supervisor.tick()[0].endswith("in 1 s")
+        assert supervisor.tick()[0].endswith("in 1 s")  # initial_backoff_s
     finally:
         cluster.stop(timeout_s=5)
 
@@ -147,13 +148,13 @@ def test_pdserve_up_restarts_a_killed_decode_node_and_stops_everything_on_sigter
     [decode_pid] = [pid for pid, cmd in children.items() if "--node-id decode0" in cmd]
     os.kill(decode_pid, signal.SIGKILL)
     wait_for(lambda: "decode0 restarted" in log.read_text(), timeout_s=30)
-    [(new_pid, new_cmd)] = [(pid, cmd) for pid, cmd in _children_of(proc.pid).items() if "--node-id decode0" in cmd]
-    assert new_pid != decode_pid
-    # The restart has the capacity the node sized for itself at first, whatever memory is free now.
-    assert f"--num-blocks {blocks}" in new_cmd
+    # The standby process (imports done, kept ready by the launcher) became the node.
+    [new_pid] = [int(pid) for pid in re.findall(r"decode0 restarted \(pid (\d+), the standby process\)",
+                                                 log.read_text())]
+    assert new_pid != decode_pid and "pdserve.standby" in _children_of(proc.pid)[new_pid]
     # The proxy routes around the dead node and back to the restarted one without a restart.
     wait_for(lambda: _complete(base_url).status_code == 200, timeout_s=120)
-    assert _total_blocks(decode_url) == blocks
+    assert _total_blocks(decode_url) == blocks  # the capacity it sized at first, whatever memory is free now
     assert proc.poll() is None
     started = set(_children_of(proc.pid))
     os.killpg(proc.pid, signal.SIGTERM)  # the launcher's own group: its children lead their own
