@@ -173,6 +173,7 @@ def main() -> int:
     parser.add_argument("--garbage-rate", type=float, default=90.0)
     parser.add_argument("--disconnect-rate", type=float, default=5.0)
     parser.add_argument("--answer-within-s", type=float, default=5.0)
+    parser.add_argument("--log-dir", default=None, help="keep the processes' logs here (default: a temporary folder)")
     args = parser.parse_args()
 
     model_dir = REPO / ".cache" / "models" / MODEL
@@ -181,7 +182,7 @@ def main() -> int:
     garbage = [(name, path, content, ctype) for name, path, content, ctype in hostile_bodies(MODEL)
                if len(content) <= MAX_GARBAGE_BYTES]
     with tempfile.TemporaryDirectory() as tmp:
-        log_dir = Path(tmp) / "logs"
+        log_dir = Path(args.log_dir) if args.log_dir else Path(tmp) / "logs"
         deployment = start_local(model_dir, num_prefill=args.prefill, num_decode=args.decode, log_dir=log_dir,
                                  pin_cpus=False)
         try:

@@ -408,10 +408,28 @@ def render_chaos(records: list[dict]) -> tuple[list[str], list]:
              f"{r['probes']} probes, {r['probes_failed']} failed. Recovery max **{num(r['max_recovery_s'], 2)} s**, "
              f"p50 {num(r['p50_recovery_s'], 2)} s (target <= 2 s).", ""]
     rows = [[i + 1, k.get("node", ""), num(k.get("serve_s"), 2), num(k.get("stall_s"), 2),
-             f"**{k['recovery_s']:.2f}**" if k.get("recovery_s") is not None else "", num(k.get("restart_s"), 2)]
+             f"**{k['recovery_s']:.2f}**" if k.get("recovery_s") is not None else "", num(k.get("restart_s"), 2),
+             num(k.get("rejoin_s"), 2), " -> ".join(f"{b:,}" for b in k["blocks"]) if k.get("blocks") else ""]
             for i, k in enumerate(r["kills"])]
-    lines += table(["kill", "node", "serve_s", "stall_s", "recovery_s", "restart_s"], rows)
+    lines += table(["kill", "node", "serve_s", "stall_s", "recovery_s", "restart_s", "rejoin_s", "KV blocks"], rows)
     return lines + ["", "- " + provenance(record), ""], []
+
+
+def render_hostile_soak(records: list[dict]) -> tuple[list[str], list]:
+    """One row per recorded run (each its own layout and traffic)."""
+    rows = []
+    for record in records:
+        r = record["result"]
+        hostile = ", ".join(f"{kind} {sum(c.values()):,} ({', '.join(f'{n:,} x {s}' for s, n in c.items())})"
+                            for kind, c in r["hostile_statuses"].items())
+        rows.append([r["nodes"], f"{r['requests_sent']:,}", f"{r['canary_ok']}/{r['canary_ok'] + r['canary_failed']}",
+                     f"{num(r['canary_ttft_quiet_p99_ms'], 0)} -> {num(r['canary_ttft_hostile_p99_ms'], 0)} ms "
+                     f"(**{r['ttft_p99_ratio']:.2f}x**)", hostile, r["nodes_marked_stuck"],
+                     f"{r['proxy_log_bytes'] / 1e6:.2f} MB", f"{r['requests_open_at_end']:.0f} / "
+                     f"{r['requests_unanswered']:.0f}", provenance(record)])
+    lines = table(["nodes", "requests", "canary exact", "canary TTFT p99 quiet -> hostile", "hostile answers",
+                   "nodes marked stuck", "proxy log", "open / unanswered at the end", "run"], rows)
+    return lines + [""], []
 
 
 def render_load_client(records: list[dict]) -> tuple[list[str], list]:
@@ -605,6 +623,7 @@ RENDERERS: dict[str, Callable[[list[dict]], tuple[list[str], list]]] = {
     "load_client": render_load_client, "profile_serve": render_profile_serve, "fuzz": render_fuzz,
     "gpu_engine": render_gpu_engine, "kv_transfer_gpu": render_kv_transfer_gpu, "gpu_served": render_gpu_served,
     "tensor_parallel": render_tensor_parallel, "kv_transfer_tp": render_kv_transfer_tp,
+    "hostile_soak": render_hostile_soak,
 }
 
 
