@@ -14,7 +14,7 @@ from proxy.errors import ApiError, NodeRejected
 from proxy.metrics import ProxyMetrics
 from proxy.nodes import NodePool
 from proxy.request_flow import run_request
-from proxy.tokenizer import ModelTokenizer
+from proxy.tokenizer import ModelTokenizer, TextOptions
 
 
 @dataclass
@@ -51,9 +51,9 @@ class ChoiceRunner:
         self.first_token_timeout_s = first_token_timeout_s
         self.token_timeout_s = token_timeout_s
 
-    def start(self, subs: list[SubRequest], stops: list[str], arrived_at: float) -> ChoiceRun:
+    def start(self, subs: list[SubRequest], text: TextOptions, arrived_at: float) -> ChoiceRun:
         """Start every choice now; arrived_at (time.monotonic()) is when the request came in."""
-        states = {s.index: ChoiceState(s.index, self.tokenizer, stops, s.sampling.logprobs is not None) for s in subs}
+        states = {s.index: ChoiceState(s.index, self.tokenizer, text, s.sampling.logprobs is not None) for s in subs}
         events: asyncio.Queue[ChoiceEvent] = asyncio.Queue()
         tasks = [asyncio.create_task(self._run_choice(s, states[s.index], events, arrived_at)) for s in subs]
         return ChoiceRun(subs, states, events, tasks)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from engine import protocol
 from proxy.schemas import Prompt
-from proxy.tokenizer import IncrementalDetokenizer, ModelTokenizer, StopChecker
+from proxy.tokenizer import IncrementalDetokenizer, ModelTokenizer, StopChecker, TextOptions
 
 
 @dataclass
@@ -72,7 +72,7 @@ class ChoiceState:
 
     index: int
     tokenizer: ModelTokenizer
-    stops: list[str]
+    text_options: TextOptions
     wants_logprobs: bool = False
     text_offset: int = 0  # legacy logprobs: where the next token's text starts (after any echo)
     detokenizer: IncrementalDetokenizer = field(init=False)
@@ -88,8 +88,9 @@ class ChoiceState:
     kv_path: str | None = None
 
     def __post_init__(self) -> None:
-        self.detokenizer = IncrementalDetokenizer(self.tokenizer)
-        self.stop_checker = StopChecker(self.stops)
+        options = self.text_options
+        self.detokenizer = IncrementalDetokenizer(self.tokenizer, options.skip_special_tokens)
+        self.stop_checker = StopChecker(options.stops, options.include_stop_str_in_output)
         self._offset_decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def add(self, tokens: list[protocol.TokenLogprob], finish_reason: str | None) -> Delta:
@@ -98,7 +99,12 @@ class ChoiceState:
             return Delta("", [], self.finish_reason)  # tokens past a stop string: dropped
         self.num_tokens += len(tokens)
         self.tokens.extend(tokens)
-        text = self.stop_checker.feed(self.detokenizer.add([t.token_id for t in tokens]))
+        ids = [t.token_id for t in tokens]
+        if finish_reason == "stop" and ids and not self.text_options.include_stop_str_in_output:
+            # NOTE: as vLLM: the token that stopped the request (EOS, a stop_token_ids id) is not
+            # part of the text, unless include_stop_str_in_output (it still counts, and has logprobs).
+            ids = ids[:-1]
+        text = self.stop_checker.feed(self.detokenizer.add(ids))
         if self.stop_checker.is_stopped:
             finish_reason = "stop"
         elif finish_reason is not None:

@@ -22,7 +22,7 @@ from engine.protocol import (
 from engine.schema_budget import SchemaRefused, SchemaTooCostly, check_schema
 from proxy.errors import ApiError, field_path, from_sampling, from_validation
 from proxy.limits import parse_json
-from proxy.tokenizer import ModelTokenizer
+from proxy.tokenizer import ModelTokenizer, TextOptions
 
 _Body = TypeVar("_Body", bound=BaseModel)
 
@@ -147,6 +147,26 @@ class GenerationRequest(BaseModel):
     logit_bias: dict[str, float] | None = None
     response_format: ResponseFormat | None = None
     user: str | None = None  # ignored: an end-user id for OpenAI's abuse monitoring
+    # vLLM's extra fields, with vLLM's meaning and defaults: special tokens in the text, the stop
+    # string at the end of the text, and the JSON schema the output must follow (as
+    # response_format json_schema). spaces_between_special_tokens is accepted and changes nothing:
+    # vLLM applies it only to slow tokenizers, and every tokenizer here is a fast one.
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    spaces_between_special_tokens: bool = True
+    guided_json: dict[str, Any] | str | None = None
+
+    @field_validator("guided_json")
+    @classmethod
+    def _schema_object(cls, guided_json: dict[str, Any] | str | None) -> dict[str, Any] | None:
+        if isinstance(guided_json, str):
+            try:
+                guided_json = json.loads(guided_json)
+            except ValueError:
+                raise ValueError("guided_json must be a JSON schema: an object, or its JSON text") from None
+            if not isinstance(guided_json, dict):
+                raise ValueError("guided_json must be a JSON schema: an object, or its JSON text")
+        return guided_json
 
     @field_validator("logit_bias")
     @classmethod
@@ -182,11 +202,18 @@ class GenerationRequest(BaseModel):
     @property
     def structured_param(self) -> str:
         """The request field that asked for the grammar (the param of its errors)."""
-        return "response_format"
+        return "guided_json" if self.guided_json is not None else "response_format"
 
     def structured_output(self) -> StructuredOutput | None:
         """The grammar the output must follow; None: free text."""
+        if self.guided_json is not None:  # a dict: see _schema_object
+            return StructuredOutput(StructuredKind.JSON_SCHEMA, json.dumps(self.guided_json))
         return None if self.response_format is None else self.response_format.structured()
+
+    @property
+    def text_options(self) -> TextOptions:
+        """How the choices' token ids become their text."""
+        return TextOptions(self.stop_strings, self.skip_special_tokens, self.include_stop_str_in_output)
 
     @property
     def num_prompt_logprobs(self) -> int | None:
@@ -225,6 +252,8 @@ class GenerationRequest(BaseModel):
         if num_choices > MAX_CHOICES:
             raise ApiError(400, f"the request asks for {num_choices} choices ({self.num_prompts} prompts x n "
                                 f"{self.n}); the limit is {MAX_CHOICES}", "n")
+        if self.guided_json is not None and self.response_format is not None and self.response_format.type != "text":
+            raise ApiError(400, "guided_json and response_format both ask for a grammar: give one", "guided_json")
         asked = self.asked_max_tokens
         if asked is not None and self.min_tokens > asked[1]:
             raise ApiError(400, f"min_tokens ({self.min_tokens}) must not exceed {asked[0]} ({asked[1]})",

@@ -108,7 +108,7 @@ class RequestService:
             raise
         logger.debug("request %s: %d choice(s), prompt tokens %s", fmt.request_id, len(subs),
                      sorted({len(s.prompt.token_ids) for s in subs}))
-        run = self.runner.start(subs, body.stop_strings, arrived_at)
+        run = self.runner.start(subs, body.text_options, arrived_at)
         ticket.attach(run.tasks[:len(subs)], run.states)
         if body.stream:
             return await self._start_stream(body, fmt, run, request)

@@ -211,6 +211,15 @@ def _token_text(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
+@dataclass(frozen=True)
+class TextOptions:
+    """How a choice's token ids become its text (vLLM's fields, with vLLM's defaults)."""
+
+    stops: list[str]
+    skip_special_tokens: bool = True  # special tokens (EOS, chat markers, ...) left out of the text
+    include_stop_str_in_output: bool = False  # the text ends with the stop string that ended it
+
+
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas. A byte-level BPE token can end in
     the middle of a UTF-8 character; such a character is held back until it completes (text
@@ -221,8 +230,9 @@ class IncrementalDetokenizer:
     whole characters a token carries before a split one (SmolLM2's "ĠÃ" in " über" sends
     nothing, then " ü"), and has no flush for a broken tail. 2.6 us a token is cheap enough."""
 
-    def __init__(self, tokenizer: ModelTokenizer) -> None:
+    def __init__(self, tokenizer: ModelTokenizer, skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
         self.token_ids: list[int] = []
         # NOTE: decoding a window [prefix, end) rather than one token keeps the tokenizer's
         # context (leading spaces, merged bytes); text before read_offset has gone out already.
@@ -252,16 +262,18 @@ class IncrementalDetokenizer:
         return out
 
     def _new_text(self) -> str:
-        prefix_text = self._tokenizer.decode(self.token_ids[self._prefix_offset:self._read_offset])
-        full_text = self._tokenizer.decode(self.token_ids[self._prefix_offset:])
+        skip = self._skip_special_tokens
+        prefix_text = self._tokenizer.decode(self.token_ids[self._prefix_offset:self._read_offset], skip)
+        full_text = self._tokenizer.decode(self.token_ids[self._prefix_offset:], skip)
         return full_text[len(prefix_text):]
 
 
 class StopChecker:
     """Finds stop strings in streamed text; holds back a possible stop string's beginning."""
 
-    def __init__(self, stops: list[str]) -> None:
+    def __init__(self, stops: list[str], include_stop: bool = False) -> None:
         self.stops = [s for s in stops if s]
+        self.include_stop = include_stop  # the text sent ends with the stop string found
         self._hold = max((len(s) for s in self.stops), default=1) - 1
         self._pending = ""
         self.is_stopped = False
@@ -271,10 +283,12 @@ class StopChecker:
         if not self.stops:
             return text
         self._pending += text
-        cut = min((i for i in (self._pending.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
+        found = min(((i, -len(s)) for i, s in ((self._pending.find(s), s) for s in self.stops) if i >= 0),
+                    default=None)
+        if found is not None:  # the earliest stop string (the longest of those starting there)
+            cut, minus_length = found
             self.is_stopped = True
-            out, self._pending = self._pending[:cut], ""
+            out, self._pending = self._pending[:cut - minus_length if self.include_stop else cut], ""
             return out
         if len(self._pending) <= self._hold:
             return ""

@@ -120,6 +120,7 @@ class RunningProxy:
     config: ProxyConfig
     prefill: list[FakeNode] = field(default_factory=list)
     decode: list[FakeNode] = field(default_factory=list)
+    app: object = None  # the FastAPI app (its state: pool, ledger, ...)
 
     def client(self, **kwargs) -> openai.OpenAI:
         kwargs.setdefault("api_key", self.config.api_key or "none")
@@ -146,10 +147,11 @@ def start_proxy(model_dir) -> Iterator:
                              prefill_addresses=tuple(n.address for n in prefill),
                              decode_addresses=(*(n.address for n in decode), *extra_decode_addresses),
                              **config_fields)
-        server = UvicornServer(create_app(config), lifespan="on", **server_options(config))
+        app = create_app(config)
+        server = UvicornServer(app, lifespan="on", **server_options(config))
         started.append(server)
         server.start()
-        running = RunningProxy(f"http://127.0.0.1:{server.port}", config, prefill, decode)
+        running = RunningProxy(f"http://127.0.0.1:{server.port}", config, prefill, decode, app)
         if wait:
             wait_http_ok(running.base_url + "/health", timeout_s=10.0)
         return running

@@ -10,7 +10,7 @@ from tokenizers.decoders import DecodeStream
 from engine import protocol
 from proxy.choices import ChoiceState
 from proxy.templates import Conversation
-from proxy.tokenizer import IncrementalDetokenizer, ModelTokenizer
+from proxy.tokenizer import IncrementalDetokenizer, ModelTokenizer, TextOptions
 
 
 @pytest.fixture(scope="module")
@@ -46,14 +46,14 @@ def test_a_truly_broken_character_shows_at_the_end_only(tokenizer):
 
 
 def test_stop_string_across_tokens_cuts_text_and_finishes_with_stop(tokenizer):
-    state = ChoiceState(0, tokenizer, ["re! Ho"])
+    state = ChoiceState(0, tokenizer, TextOptions(["re! Ho"]))
     deltas = [state.add(_tokens([i]), None) for i in tokenizer.encode("hello there! How are you")]
     finished = [d for d in deltas if d.finish_reason is not None]
     assert state.text == "hello the" and finished[0].finish_reason == "stop"
 
 
 def test_stop_string_at_the_very_end_is_cut_on_the_last_token(tokenizer):
-    state = ChoiceState(0, tokenizer, ["you"])
+    state = ChoiceState(0, tokenizer, TextOptions(["you"]))
     ids = tokenizer.encode("how are you")
     state.add(_tokens(ids[:-1]), None)
     delta = state.add(_tokens(ids[-1:]), "length")
@@ -61,7 +61,7 @@ def test_stop_string_at_the_very_end_is_cut_on_the_last_token(tokenizer):
 
 
 def test_held_back_text_is_released_when_the_request_ends(tokenizer):
-    state = ChoiceState(0, tokenizer, ["xyz"])
+    state = ChoiceState(0, tokenizer, TextOptions(["xyz"]))
     state.add(_tokens(tokenizer.encode("abc x")), None)
     assert state.text == "abc"
     state.add(_tokens(tokenizer.encode("y")), "length")
@@ -77,7 +77,7 @@ def test_partial_byte_tokens_have_distinct_logprob_texts_and_real_bytes(tokenize
 
 def test_legacy_text_offsets_count_whole_characters(tokenizer):
     ids = tokenizer.encode("\u00e9\U0001f680a")
-    state = ChoiceState(0, tokenizer, [], wants_logprobs=True)
+    state = ChoiceState(0, tokenizer, TextOptions([]), wants_logprobs=True)
     logprobs = state.completion_logprobs(_tokens(ids))
     assert logprobs["text_offset"][-1] == 2  # "a" follows two characters
     assert logprobs["text_offset"] == sorted(logprobs["text_offset"])

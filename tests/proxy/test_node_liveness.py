@@ -51,3 +51,26 @@ def test_a_draining_node_stays_healthy_but_takes_no_new_requests():
     node = NodeClient("127.0.0.1:1", "prefill", heartbeat_timeout_s=3.0)
     _take_report(node, _report(is_draining=True))
     assert node.is_healthy and not node.is_routable
+
+
+def test_the_proxys_own_stall_is_not_held_against_its_nodes(start_proxy):
+    """The whole process (proxy and fake nodes alike) frozen for twice the heartbeat timeout, as
+    a starved machine freezes it: when it runs again the proxy's watch must not judge the nodes
+    by reports that could not be sent or read meanwhile, and the stream across it completes."""
+    import os
+    import signal
+    import subprocess
+
+    from tests.proxy.conftest import MODEL_NAME
+
+    proxy = start_proxy(node={"step_s": 0.05}, heartbeat_timeout_s=1.0)
+    pool = proxy.app.state.pool
+    stream = proxy.client().completions.create(model=MODEL_NAME, prompt="hello", max_tokens=60, stream=True)
+    chunks = [next(iter(stream))]
+    # NOTE: another process wakes this one: SIGCONT in 2 s, then SIGSTOP to ourselves.
+    waker = subprocess.Popen(["sh", "-c", f"sleep 2; kill -CONT {os.getpid()}"])
+    os.kill(os.getpid(), signal.SIGSTOP)
+    waker.wait(timeout=10)
+    chunks += list(stream)
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert all(node.is_healthy for node in pool.all)
