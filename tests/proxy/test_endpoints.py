@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.metadata
 import logging
 import threading
+import time
 
 import httpx
 import pytest
@@ -185,3 +186,18 @@ def test_harmless_openai_fields_are_accepted(proxy):
                   "echo": True, "stop": "x", "seed": 1, "logit_bias": {}}
     assert _post(proxy, "/v1/completions", completion).status_code == 200
     assert _post(proxy, "/v1/completions", {**completion, "best_of": 1}).json()["error"]["param"] == "best_of"
+
+
+def test_probes_are_debug_lines_in_the_access_log_and_requests_info(proxy, caplog):
+    caplog.set_level(logging.DEBUG, logger="proxy.access")
+    for path in ("/health", "/ready", "/metrics"):
+        assert httpx.get(proxy.base_url + path, timeout=5).status_code == 200
+    assert _post(proxy, "/v1/completions", {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 1}).status_code == 200
+    assert httpx.get(proxy.base_url + "/nosuch", timeout=5).status_code == 404
+    deadline = time.monotonic() + 5
+    while len([r for r in caplog.records if r.name == "proxy.access"]) < 5:  # written as each response ends
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    levels = {r.getMessage().split()[1]: r.levelno for r in caplog.records if r.name == "proxy.access"}
+    assert levels == {"/health": logging.DEBUG, "/ready": logging.DEBUG, "/metrics": logging.DEBUG,
+                      "/v1/completions": logging.INFO, "/nosuch": logging.INFO}
