@@ -23,6 +23,7 @@ import httpx
 import pytest
 
 from pdserve.launcher import Cluster, Deployment, free_port, wait_healthy
+from tests.conftest import assert_every_request_answered
 from tests.e2e.conftest import KV_PATH_ONLY, NODE_ARGS, assert_kv_path_only, node_load, wait_blocks_free
 from tests.e2e.test_availability import MAX_TOKENS, _Streams
 from tests.e2e.test_pipeline import client_for, hf, hf_greedy, model_name, random_prompts  # noqa: F401 - hf: fixture
@@ -66,8 +67,12 @@ def split_nodes(request, tiny_model_dir, tmp_path_factory):
     except BaseException:
         cluster.stop()
         raise
-    yield pairs
-    cluster.stop()
+    try:
+        yield pairs
+        for deployment in pairs.values():  # the proxies started here, beside any Deployment's (tests/conftest.py)
+            assert_every_request_answered(deployment.base_url)
+    finally:
+        cluster.stop()
 
 
 @pytest.fixture(params=PAIRS, ids=[f"P{p}-D{d}" for p, d in PAIRS])

@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from pdserve.launcher import Cluster, Supervisor, free_port, wait_http_ok
+from tests.conftest import assert_every_request_answered
 
 EXIT_AT_ONCE = [sys.executable, "-c", "import sys; sys.exit(3)"]
 SLEEP_LONG = [sys.executable, "-c", "import time; time.sleep(60)"]
@@ -156,6 +157,7 @@ def test_pdserve_up_restarts_a_killed_decode_node_and_stops_everything_on_sigter
     wait_for(lambda: _complete(base_url).status_code == 200, timeout_s=120)
     assert _total_blocks(decode_url) == blocks  # the capacity it sized at first, whatever memory is free now
     assert proc.poll() is None
+    assert_every_request_answered(base_url)
     started = set(_children_of(proc.pid))
     os.killpg(proc.pid, signal.SIGTERM)  # the launcher's own group: its children lead their own
     proc.wait(timeout=60)
