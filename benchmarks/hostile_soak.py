@@ -35,6 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -148,18 +150,16 @@ def half_body_and_hang_up(host: str, port: int) -> None:
                      b"Content-Length: 100\r\n\r\n{\"model\": \"tiny")
 
 
-def metric(text: str, name: str) -> float:
-    for line in text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.rsplit(" ", 1)[1])
+def metric(text: str, name: str, labels: dict[str, str] | None = None) -> float:
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and sample.labels == (labels or {}):
+                return sample.value
     return float("nan")
 
 
 def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+    return float(np.percentile(values, 100 * q)) if values else None
 
 
 def main() -> int:
@@ -242,7 +242,7 @@ def main() -> int:
         "nodes_marked_stuck": proxy_log.count("is stuck (no progress)"),
         "proxy_log_bytes": len(proxy_log.encode()), "node_log_bytes": node_logs,
         "requests_open_at_end": metric(metrics, "pdserve_requests_open"),
-        "requests_unanswered": metric(metrics, 'pdserve_request_ends_total{outcome="unanswered"}'),
+        "requests_unanswered": metric(metrics, "pdserve_request_ends_total", {"outcome": "unanswered"}),
     }
     sys.path.insert(0, str(REPO / "benchmarks"))
     from results_io import write_result

@@ -125,11 +125,14 @@ class GrammarGate:
             if job.future.done():
                 del self._compiles[key]
                 exc = job.future.exception()
-                if exc is None or isinstance(exc, GrammarRefused):
-                    self._finish(job)
-                    ready.extend(self._take(job))
+                if exc is None:
+                    self.grammars.store(job.spec, job.future.result())
+                elif isinstance(exc, GrammarRefused):
+                    self.grammars.refuse(job.spec, str(exc))
                 else:  # not the schema's fault (no tokenizer, ...): the requests fail, nothing is kept
                     refused.extend(Refusal(m, type(exc).__name__, str(exc), False) for m in self._take(job))
+                    continue
+                ready.extend(self._take(job))  # admitting them answers from the engine's caches
             elif job.picked_at is None and now - job.submitted_at > self.timeout_s and job.future.cancel():
                 del self._compiles[key]
                 self.num_busy_refusals += len(job.request_ids)
@@ -169,14 +172,6 @@ class GrammarGate:
         self.grammars.prepare()
         job.started_at = self._clock()
         return self.grammars.build(job.spec)
-
-    def _finish(self, job: _Compile) -> None:
-        """Hand a finished compile's grammar, or its refusal, to the engine's caches."""
-        exc = job.future.exception()
-        if exc is None:
-            self.grammars.store(job.spec, job.future.result())
-        else:
-            self.grammars.refuse(job.spec, str(exc))
 
     def _take(self, job: _Compile) -> list:
         """The still-parked requests of job, unparked."""

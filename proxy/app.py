@@ -95,8 +95,6 @@ def create_app(config: ProxyConfig) -> FastAPI:
     reader = BodyReader(_upload_limits(config), metrics)
     metrics.uploads.set_function(lambda: reader.uploads.num_held)
     service = RequestService(config, tokenizer, pool, metrics, admission, names, reader)
-    metrics.ledger = service.ledger
-    metrics.open_requests.set_function(lambda: service.ledger.num_open)
     discovery = _discovery(config, pool, names)
 
     @asynccontextmanager
@@ -109,7 +107,7 @@ def create_app(config: ProxyConfig) -> FastAPI:
 
     app = FastAPI(title="pdserve", version=_version(), lifespan=lifespan)
     app.state.pool = pool
-    app.state.ledger = service.ledger
+    app.state.ledger = metrics.ledger
     app.state.discovery = discovery
     app.state.drain = ProxyDrain(admission, pool, config.drain_timeout_s)  # started by SIGTERM (run())
     install_record_factory()

@@ -64,10 +64,8 @@ class ProxyMetrics:
         self.in_flight = Gauge("pdserve_requests_in_flight", "choices held by the proxy (admitted, not ended)",
                                registry=r)
         self.uploads = Gauge("pdserve_uploads_in_progress", "request bodies arriving (not admitted yet)", registry=r)
-        self.open_requests = Gauge("pdserve_requests_open", "generation requests taken on and not ended yet",
-                                   registry=r)
-        self.ledger: RequestLedger | None = None  # set by the app
-        r.register(_LedgerCollector(lambda: self.ledger))
+        self.ledger = RequestLedger()  # every generation request to its end (the service opens and ends them)
+        r.register(_LedgerCollector(self.ledger))
         r.register(_NodeCollector(nodes, num_local_prefills, node_name))
 
     def render(self) -> bytes:
@@ -75,18 +73,21 @@ class ProxyMetrics:
 
 
 class _LedgerCollector:
-    """How generation requests ended, by outcome (proxy.ledger), every outcome shown from 0."""
+    """The generation requests open now, and how those that ended did, by outcome (proxy.ledger),
+    every outcome shown from 0."""
 
-    def __init__(self, ledger: Callable[[], RequestLedger | None]) -> None:
+    def __init__(self, ledger: RequestLedger) -> None:
         self._ledger = ledger
 
     def collect(self) -> Iterable[Metric]:
-        ledger = self._ledger()
+        ledger = self._ledger
+        yield GaugeMetricFamily("pdserve_requests_open", "generation requests taken on and not ended yet",
+                                value=ledger.num_open)
         family = CounterMetricFamily("pdserve_request_ends", "generation requests ended, by outcome: tokens, error "
                                      "(an error status or SSE error event), client_gone, unanswered (a bug)",
                                      labels=["outcome"])
         for outcome in Outcome:
-            family.add_metric([outcome.value], ledger.ends[outcome] if ledger is not None else 0)
+            family.add_metric([outcome.value], ledger.ends[outcome])
         yield family
 
 

@@ -20,7 +20,7 @@ from proxy.choices import ChoiceDelta, ChoiceDone, ChoiceEvent, ChoiceFailed, Cl
 from proxy.clients import client_id
 from proxy.config import ProxyConfig
 from proxy.errors import ApiError, api_error_of
-from proxy.ledger import Outcome, RequestLedger
+from proxy.ledger import Outcome
 from proxy.metrics import ProxyMetrics
 from proxy.node_names import NodeNames
 from proxy.nodes import NodePool
@@ -46,7 +46,7 @@ class RequestService:
         self.metrics = metrics
         self.admission = admission
         self.names = names
-        self.ledger = RequestLedger()  # every generation request from its admission to its end
+        self.ledger = metrics.ledger  # every generation request from its admission to its end
         self.runner = ChoiceRunner(pool, tokenizer, metrics, config.first_token_timeout_s, config.request_timeout_s)
 
     async def admit(self, endpoint: str, request: Request) -> tuple[bytes, Ticket]:

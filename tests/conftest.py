@@ -112,14 +112,17 @@ def assert_every_request_answered(base_url: str, wait_s: float = 10.0) -> None:
         if num_open == 0 or time.monotonic() > deadline:
             break
         time.sleep(0.1)
-    assert_ledger_closed(num_open, _sample(text, 'pdserve_request_ends_total{outcome="unanswered"}'))
+    assert_ledger_closed(num_open, _sample(text, "pdserve_request_ends_total", {"outcome": "unanswered"}))
 
 
-def _sample(metrics_text: str, name: str) -> int:
-    for line in metrics_text.splitlines():
-        if line.startswith(name + " "):
-            return int(float(line.rsplit(" ", 1)[1]))
-    raise AssertionError(f"{name} is not among the proxy's metrics")
+def _sample(metrics_text: str, name: str, labels: dict[str, str] | None = None) -> int:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            if sample.name == name and sample.labels == (labels or {}):
+                return int(sample.value)
+    raise AssertionError(f"{name} {labels or ''} is not among the proxy's metrics")
 
 
 @pytest.fixture(scope="session", autouse=True)
