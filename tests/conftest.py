@@ -187,6 +187,11 @@ def qwen2_tiny_model_dir() -> Path:
     return _cached_model("qwen2-tiny")
 
 
+@pytest.fixture(scope="session")
+def mistral_tiny_model_dir() -> Path:
+    return _cached_model("mistral-tiny")
+
+
 @pytest.fixture(autouse=True)
 def _ucx_settings_stay_in_their_test() -> Iterator[None]:
     """A NIXL connector made in this process sets UCX_* defaults in os.environ (set_ucx_defaults:

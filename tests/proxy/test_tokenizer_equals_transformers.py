@@ -1,6 +1,8 @@
-"""The proxy tokenizes as transformers' AutoTokenizer does for the checkpoint, also where the class
-transformers picks replaces tokenizer.json's pre-tokenizer (Qwen2's: a plain ByteLevel one in the
-file, Qwen2's own split pattern in transformers 5); built once in a child process and cached."""
+"""The proxy tokenizes as transformers' AutoTokenizer does for a checkpoint of each supported family:
+Llama (tiny), Qwen2, where the class transformers picks replaces tokenizer.json's pre-tokenizer (a
+plain ByteLevel one in the file, Qwen2's own split pattern in transformers 5), and Mistral (a
+SentencePiece-style BPE: byte fallback, "<s>" added to text prompts, the template in
+tokenizer_config.json); built once in a child process and cached."""
 
 from __future__ import annotations
 
@@ -15,8 +17,10 @@ from proxy.templates import Conversation
 from proxy.tokenizer import ModelTokenizer
 
 TEXTS = ["a\n    b", "def f(a):\n    b = 1\n\n    return a  # x", "Hello, world! 123 4567", "naïve café — 日本語 😀",
-         "  leading\ttabs\r\nx", "<|im_start|> in text <|im_end|>", ""]
+         "  leading\ttabs\r\nx", "<|im_start|> in text <|im_end|>", "<s>[INST] in text [/INST]</s>", ""]
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "def f():\n    return 1"}]
+# A second turn: the template writes the EOS token between turns.
+TWO_TURNS = [*MESSAGES, {"role": "assistant", "content": "ok 日本"}, {"role": "user", "content": "and\tnaïve?"}]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -27,9 +31,9 @@ def _own_cache(tmp_path_factory):
         yield
 
 
-@pytest.fixture(params=["qwen2-tiny", "tiny"])
-def checkpoint(request, tiny_model_dir, qwen2_tiny_model_dir):
-    return qwen2_tiny_model_dir if request.param == "qwen2-tiny" else tiny_model_dir
+@pytest.fixture(params=["qwen2-tiny", "tiny", "mistral-tiny"])
+def checkpoint(request):
+    return request.getfixturevalue(request.param.replace("-", "_") + "_model_dir")
 
 
 def test_prompt_ids_equal_autotokenizers_for_text_and_chat(checkpoint):
@@ -38,9 +42,21 @@ def test_prompt_ids_equal_autotokenizers_for_text_and_chat(checkpoint):
     for text in TEXTS:
         assert ours.encode(text) == hf.encode(text), repr(text)
         assert ours.encode(text, add_special_tokens=False) == hf.encode(text, add_special_tokens=False), repr(text)
-    chat = ours.render_chat(Conversation(MESSAGES, add_generation_prompt=True))
-    assert ours.encode(chat, add_special_tokens=False) == hf.apply_chat_template(
-        MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=False)
+    for messages in (MESSAGES, TWO_TURNS):
+        chat = ours.render_chat(Conversation(messages, add_generation_prompt=True))
+        assert ours.encode(chat, add_special_tokens=False) == hf.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False), chat
+
+
+def test_each_tokens_text_is_its_text_in_context(checkpoint):
+    """Logprobs' token strings and text offsets: after the first token, the tokens' bytes add up to
+    the decoded text (a SentencePiece token keeps the space its "▁" stands for)."""
+    ours = ModelTokenizer.from_dir(checkpoint, template_timeout_s=5.0)
+    for text in TEXTS[:4]:
+        ids = ours.encode(text, add_special_tokens=False)
+        head = ours.decode(ids[:1], skip_special_tokens=False).encode()
+        assert b"".join(map(ours.token_bytes, ids[1:])) == ours.decode(ids, skip_special_tokens=False).encode()[
+            len(head):], repr(text)
 
 
 def test_the_qwen2_case_differs_from_the_file_alone(qwen2_tiny_model_dir):
