@@ -432,6 +432,29 @@ def render_hostile_soak(records: list[dict]) -> tuple[list[str], list]:
     return lines + [""], []
 
 
+def render_core_lending(records: list[dict]) -> tuple[list[str], list]:
+    """The newest run: per condition, the default (lending) against --no-lend-cores."""
+    record = records[-1]
+    r = record["result"]
+    rows = []
+    for row in r["summary"]:
+        for mode in ("default", "no-lend"):
+            runs = [x for x in r["runs"] if x["condition"] == row["condition"] and x["mode"] == mode]
+            m = row[mode]
+            rows.append([row["condition"], "`pdserve up`" if mode == "default" else "`--no-lend-cores`",
+                         " / ".join(f"{s:.2f}" for s in m["first_chat_s"]), f"{m['later_chat_median_s']:.2f}",
+                         " / ".join(num(t) for t in m["stream_tok_s"]),
+                         " / ".join(f"{x.get('borrowed_steps', 0):.0f} ({x.get('preempted_steps', 0):.0f})"
+                                    for x in runs)])
+        rows.append(["", "**default / no-lend**", "", f"**{row['chat_ratio']:.2f}x**",
+                     f"**{row['stream_ratio']:.2f}x**", ""])
+    lines = [f"{r['model']}, {r['cores']} cores; the README's chat request {r['chats']} times after ready, then "
+             f"{r['streams']} concurrent streams of {r['stream_tokens']} tokens; busy<N>: a busy loop on core N:", ""]
+    lines += table(["condition", "run", "first chat after ready (s)", "later chats, median (s)",
+                    "streams (output tok/s)", "borrowed decode steps (preempted)"], rows)
+    return lines + ["", "- " + provenance(record), ""], []
+
+
 def render_load_client(records: list[dict]) -> tuple[list[str], list]:
     record = records[-1]
     r = record["result"]
@@ -623,7 +646,7 @@ RENDERERS: dict[str, Callable[[list[dict]], tuple[list[str], list]]] = {
     "load_client": render_load_client, "profile_serve": render_profile_serve, "fuzz": render_fuzz,
     "gpu_engine": render_gpu_engine, "kv_transfer_gpu": render_kv_transfer_gpu, "gpu_served": render_gpu_served,
     "tensor_parallel": render_tensor_parallel, "kv_transfer_tp": render_kv_transfer_tp,
-    "hostile_soak": render_hostile_soak,
+    "hostile_soak": render_hostile_soak, "core_lending": render_core_lending,
 }
 
 

@@ -1,5 +1,6 @@
 """Structured output: grammars compiled with xgrammar (LRU-cached per engine) and one matcher
-per request, which masks the request's logits row to the tokens the grammar allows.
+per request, which masks the request's logits row to the tokens the grammar allows. A grammar
+is a JSON schema, any JSON object, a regex, a list of choices or an EBNF grammar (StructuredKind).
 
 xgrammar runs on the CPU: a grammar is compiled once against the model's tokenizer (the vocab
 of the model, padding rows included: they are never allowed), and a matcher then fills a packed
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 import weakref
 from collections import OrderedDict
@@ -22,13 +24,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.protocol import StructuredKind, StructuredOutput
-from engine.schema_budget import check_schema
+from engine.protocol import STRUCTURED_FIELDS, SamplingError, StructuredKind, StructuredOutput, check_structured
+from engine.schema_budget import SchemaRefused, check_pattern, check_schema
 
 if TYPE_CHECKING:
     import xgrammar
 
-GrammarKey = tuple[StructuredKind, "str | None"]
+GrammarKey = StructuredOutput  # NOTE: frozen, hashable, equal field by field
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +39,8 @@ _ANY_OBJECT_SCHEMA = '{"type": "object"}'
 # it is bounded: small models left free are known to emit newlines until max_tokens. 32
 # characters fit a newline plus the indent of a pretty-printed object 7 levels deep.
 _MAX_WHITESPACE_RUN = 32
+# What xgrammar's messages open with: "[13:08:18] /project/cpp/regex_converter.cc:94: ".
+_XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 
 
 class RequestGrammar:
@@ -110,7 +114,7 @@ class Grammars:
 
     @staticmethod
     def key(spec: StructuredOutput) -> GrammarKey:
-        return spec.kind, spec.json_schema
+        return spec
 
     def is_ready(self, spec: StructuredOutput) -> bool:
         """Whether compile(spec) answers at once (compiled, or refused, before)."""
@@ -139,23 +143,21 @@ class Grammars:
         return compiled
 
     def build(self, spec: StructuredOutput) -> xgrammar.CompiledGrammar:
-        """Compile spec (no cache). Raises GrammarRefused. Safe on any thread."""
-        import xgrammar
-
-        schema = spec.json_schema if spec.kind is StructuredKind.JSON_SCHEMA else _ANY_OBJECT_SCHEMA
+        """Compile spec (no cache), after the checks the proxy made (engine.protocol's bounds, the
+        budget of engine.schema_budget). Raises GrammarRefused naming the spec's field. Safe on
+        any thread."""
+        field = STRUCTURED_FIELDS.get(spec.kind, "json_schema")
+        what = f"{field} is not supported" if field == "json_schema" else f"the {field} cannot be enforced"
         try:
-            check_schema(json.loads(schema))
-        except (ValueError, RecursionError) as exc:  # SchemaRefused, or not JSON at all
-            raise GrammarRefused(f"json_schema is not supported: {exc}") from None
-        try:
-            grammar = xgrammar.Grammar.from_json_schema(
-                schema, any_whitespace=True, max_whitespace_cnt=_MAX_WHITESPACE_RUN,
-                strict_mode=spec.kind is StructuredKind.JSON_SCHEMA,
-            )
-            return self._get_compiler().compile_grammar(_without_raw_control_chars(str(grammar)))
-        except RuntimeError as exc:  # xgrammar reports every refusal of a schema this way
-            message = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
-            raise GrammarRefused(f"json_schema is not supported: {message}") from None
+            check_structured(spec)
+            grammar = _grammar_of(spec)
+            return self._get_compiler().compile_grammar(grammar)
+        except (SamplingError, SchemaRefused, json.JSONDecodeError, RecursionError) as exc:  # (nested too deep)
+            raise GrammarRefused(f"{what}: {exc}") from None
+        except RuntimeError as exc:  # xgrammar reports every refusal of a grammar this way
+            lines = str(exc).strip().splitlines()
+            message = _XGRAMMAR_PREFIX.sub("", lines[-1]) if lines else type(exc).__name__
+            raise GrammarRefused(f"{what}: {message}") from None
 
     def store(self, spec: StructuredOutput, compiled: xgrammar.CompiledGrammar) -> None:
         """Keep a grammar build made (on another thread) for the requests that ask for it (a
@@ -197,6 +199,40 @@ class Grammars:
         self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         logger.info("grammar compiler ready for %s (vocab %d)", self.model_dir, self.vocab_size)
         return self._compiler
+
+
+def _grammar_of(spec: StructuredOutput) -> xgrammar.Grammar:
+    """spec (checked by check_structured) as an xgrammar Grammar; raises SchemaRefused past the
+    budget, RuntimeError (from xgrammar) for text it cannot parse."""
+    import xgrammar
+
+    if spec.kind is StructuredKind.REGEX:
+        check_pattern(spec.regex, "the regex")
+        return xgrammar.Grammar.from_regex(spec.regex)
+    if spec.kind is StructuredKind.CHOICE:
+        return xgrammar.Grammar.from_ebnf(choices_ebnf(spec.choices))
+    if spec.kind is StructuredKind.EBNF:
+        return xgrammar.Grammar.from_ebnf(spec.grammar)
+    schema = spec.json_schema if spec.kind is StructuredKind.JSON_SCHEMA else _ANY_OBJECT_SCHEMA
+    check_schema(json.loads(schema))
+    grammar = xgrammar.Grammar.from_json_schema(schema, any_whitespace=True, max_whitespace_cnt=_MAX_WHITESPACE_RUN,
+                                                strict_mode=spec.kind is StructuredKind.JSON_SCHEMA)
+    return xgrammar.Grammar.from_ebnf(_without_raw_control_chars(str(grammar)))
+
+
+def choices_ebnf(choices: tuple[str, ...]) -> str:
+    """The EBNF grammar whose texts are exactly choices: root ::= "a" | "b" ... (each a string
+    literal, its backslashes, quotes and control characters escaped). Raises SchemaRefused for
+    a choice with U+0000, which xgrammar's literals cannot hold."""
+    if any("\0" in choice for choice in choices):
+        raise SchemaRefused("a choice holds U+0000, which the grammar cannot match")
+    return "root ::= " + " | ".join(f'"{_ebnf_escaped(choice)}"' for choice in choices)
+
+
+def _ebnf_escaped(text: str) -> str:
+    # NOTE: \uHHHH takes exactly four digits (\xHH takes as many as follow: "\x00b" is U+000B).
+    return "".join("\\" + char if char in '"\\' else f"\\u{ord(char):04x}" if ord(char) < 0x20 or char == "\x7f"
+                   else char for char in text)
 
 
 def _without_raw_control_chars(ebnf: str) -> str:

@@ -24,7 +24,9 @@ import msgspec
 # 7: LoadReport prefix-cache fields (PrefixCacheDigest, hit counters); the Drain admin message;
 # ErrorReply kind "QueueFull" and LoadReport.max_num_waiting (a node's bounded waiting queue);
 # more 7-era additions are listed where they are defined.
-PROTOCOL_VERSION = 7
+# 8: StructuredKind regex, choice and ebnf (StructuredOutput.regex, choices, grammar): a node of
+# version 7 could not decode them.
+PROTOCOL_VERSION = 8
 _FRAME_MAGIC = b"PD"
 _FRAME_HEADER = _FRAME_MAGIC + PROTOCOL_VERSION.to_bytes(2, "big")
 # NOTE: the largest proxy -> node message a node takes: a 128k-token prompt is ~640 KB of
@@ -37,6 +39,13 @@ MAX_LOGPROBS = 20  # top alternatives per token a request may ask for
 MAX_SEED = 2**63 - 1  # seeds fit a signed 64-bit generator seed
 MAX_LOGIT_BIAS = 100.0  # |bias| per token, OpenAI's range
 MAX_JSON_SCHEMA_BYTES = 1 << 16  # a schema is compiled on the node's loop: keep it bounded
+# The other grammars' bounds (a regex's repetitions are budgeted by engine.schema_budget). NOTE:
+# measured on a 49k vocab: 256 choices of 64 characters, or a 15 KB EBNF of 430 rules, compile in
+# under 0.1 s.
+MAX_REGEX_BYTES = 1 << 14
+MAX_GRAMMAR_BYTES = 1 << 15
+MAX_NUM_GRAMMAR_CHOICES = 256
+MAX_GRAMMAR_CHOICES_BYTES = 1 << 14  # all choices together, UTF-8
 MAX_INT64 = 2**63 - 1  # every integer option fits a signed 64-bit tensor element
 MAX_TOKEN_ID = 2**31 - 1  # token ids (stop_token_ids, logit_bias keys) fit int32; the engine checks its vocab
 MAX_STOP_TOKEN_IDS = 1024  # each is compared per sampled token: keep the list short
@@ -58,15 +67,27 @@ class StructuredKind(enum.StrEnum):
 
     JSON_OBJECT = "json_object"  # any JSON object (OpenAI's response_format json_object)
     JSON_SCHEMA = "json_schema"  # JSON matching json_schema, strictly (also tool calls' arguments)
+    REGEX = "regex"  # text that regex matches as a whole (xgrammar's syntax, as vLLM's guided_regex)
+    CHOICE = "choice"  # exactly one of choices
+    EBNF = "ebnf"  # text grammar derives from its rule "root" (GBNF, as vLLM's guided_grammar)
+
+
+# The field of StructuredOutput each kind sets (JSON_OBJECT sets none).
+STRUCTURED_FIELDS = {StructuredKind.JSON_SCHEMA: "json_schema", StructuredKind.REGEX: "regex",
+                     StructuredKind.CHOICE: "choices", StructuredKind.EBNF: "grammar"}
 
 
 class StructuredOutput(msgspec.Struct, frozen=True, omit_defaults=True):
-    """A grammar the output must follow. json_schema (JSON text of a JSON object) is set for
-    JSON_SCHEMA and only for it. The engine samples only tokens the grammar allows; once the
-    grammar is complete only EOS may follow, and the request finishes with "stop"."""
+    """A grammar the output must follow: kind, and the one field STRUCTURED_FIELDS names for it
+    (json_schema: JSON text of a JSON object). The engine samples only tokens the grammar
+    allows; once the grammar is complete only EOS may follow, and the request finishes with
+    "stop"."""
 
     kind: StructuredKind
     json_schema: str | None = None
+    regex: str | None = None
+    choices: tuple[str, ...] | None = None
+    grammar: str | None = None
 
 
 class SamplingOptions(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -137,7 +158,7 @@ def check_sampling(options: SamplingOptions) -> None:
     if options.logit_bias is not None:
         _check_logit_bias(options.logit_bias)
     if options.structured is not None:
-        _check_structured(options.structured)
+        check_structured(options.structured)
 
 
 def _check_stop_token_ids(stop_token_ids: list[int]) -> None:
@@ -161,19 +182,39 @@ def _check_logit_bias(logit_bias: dict[int, float]) -> None:
                                           f"{MAX_LOGIT_BIAS:g}], got {dict(list(bad.items())[:5])}")
 
 
-def _check_structured(structured: StructuredOutput) -> None:
-    """json_schema is given exactly for JSON_SCHEMA, bounded, and is JSON text of an object.
-    Whether the grammar library supports the schema is the engine's check (it compiles it)."""
-    schema = structured.json_schema
-    if structured.kind is not StructuredKind.JSON_SCHEMA:
-        if schema is not None:
-            raise SamplingError("structured", f"structured kind {structured.kind.value} takes no json_schema")
+def check_structured(structured: StructuredOutput) -> None:
+    """Raise SamplingError("structured") unless exactly the field of structured's kind is set,
+    within its bound (MAX_*_BYTES, MAX_NUM_GRAMMAR_CHOICES), not empty, and json_schema is JSON
+    text of an object. Whether the grammar library takes it is the engine's check (it compiles it)."""
+    name = STRUCTURED_FIELDS.get(structured.kind)
+    extra = [other for other in STRUCTURED_FIELDS.values() if other != name and getattr(structured, other) is not None]
+    if extra:
+        raise SamplingError("structured", f"structured kind {structured.kind.value} takes no {extra[0]}")
+    if name is None:
         return
-    if schema is None:
-        raise SamplingError("structured", "structured kind json_schema needs a json_schema")
-    if len(schema.encode()) > MAX_JSON_SCHEMA_BYTES:
-        raise SamplingError("structured", f"structured.json_schema has {len(schema.encode())} bytes; the limit is "
-                                          f"{MAX_JSON_SCHEMA_BYTES}")
+    value = getattr(structured, name)
+    if not value:
+        raise SamplingError("structured", f"structured kind {structured.kind.value} needs a non-empty "
+                                          f"structured.{name}")
+    if structured.kind is StructuredKind.CHOICE:
+        _check_choices(value)
+        return
+    limit = {"json_schema": MAX_JSON_SCHEMA_BYTES, "regex": MAX_REGEX_BYTES, "grammar": MAX_GRAMMAR_BYTES}[name]
+    if len(value.encode()) > limit:
+        raise SamplingError("structured", f"structured.{name} has {len(value.encode())} bytes; the limit is {limit}")
+    if structured.kind is StructuredKind.JSON_SCHEMA:
+        _check_json_object(value)
+
+
+def _check_choices(choices: tuple[str, ...]) -> None:
+    num_bytes = sum(len(choice.encode()) for choice in choices)
+    if len(choices) > MAX_NUM_GRAMMAR_CHOICES or num_bytes > MAX_GRAMMAR_CHOICES_BYTES:
+        raise SamplingError("structured", f"structured.choices has {len(choices)} choices of {num_bytes} bytes "
+                                          f"together; the limits are {MAX_NUM_GRAMMAR_CHOICES} choices and "
+                                          f"{MAX_GRAMMAR_CHOICES_BYTES} bytes")
+
+
+def _check_json_object(schema: str) -> None:
     try:
         decoded = msgspec.json.decode(schema)
     except msgspec.DecodeError as exc:
@@ -449,6 +490,9 @@ class LoadReport(msgspec.Struct, tag="load_report", frozen=True):
     # Version 7: the node refuses new requests (ErrorReply kind QUEUE_FULL_ERROR_KIND) while
     # num_waiting + num_pending_pulls is at this bound; 0: unbounded (or not said).
     max_num_waiting: int = 0
+    # The port of the node's health server (/metrics), on the host of its address; 0: none.
+    # Proxies re-export its vllm:* series on their own /metrics.
+    metrics_port: int = 0
 
 
 MAX_DIGEST_BLOCKS = 4096  # block hashes a node lists in one PrefixCacheDigest

@@ -44,7 +44,9 @@ def add_node_arguments(parser: argparse.ArgumentParser) -> None:
                         default=default_of(ServerConfig, "grammar_compile_timeout_s"),
                         help="a grammar taking longer to compile is refused (400), and so is every later request "
                              "with its schema")
-    parser.add_argument("--cpus", default=None, help="CPU cores for this node, e.g. 0,1 (also sets torch threads)")
+    parser.add_argument("--cpus", default=None,
+                        help="CPU cores for this node, e.g. 0,1 or 0-7 (also sets torch threads; default: the "
+                             "process's cores, as many threads as its CPU quota allows)")
     parser.add_argument("--lend-flag", default=None,
                         help="prefill node: keep whether it has work in this file (node.core_lending), so that a "
                              "decode node given the same file borrows its cores while it has none")

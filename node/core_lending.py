@@ -8,6 +8,16 @@ decode node, before each step, runs on its own cores plus the lender's while tha
 lender has work. The lender's new work waits for at most one decode step, during which both share
 its cores.
 
+Lending only helps while nothing else runs on the lender's cores: a decode step's threads wait at
+every op's barrier for the one that was preempted (measured on a 2-core EPYC, SmolLM2 float32 at
+batch 1, a busy loop on the lender's core: 290-307 ms a borrowed step against 119-121 ms on the
+decode node's own core). So the borrower measures, and borrows only while
+- the lender's cores were idle (at most _MAX_FOREIGN_BUSY of their time in /proc/stat) over the
+  last window of at least _WINDOW_S in which the lender said idle and this node was off them, and
+- its borrowed steps got their cores: a borrowed step whose process CPU time is under
+  _MIN_CPU_SHARE of (wall time x threads) was preempted, and the borrower then keeps off the
+  lender's cores for a back-off that doubles on each such step (from _BACKOFF_S to _MAX_BACKOFF_S).
+
 Only the stepping thread's affinity changes: the node's other threads (heartbeat, health server,
 ZMQ) stay on its own cores. OpenMP's extra threads are made while the stepping thread may run on
 every core, so they inherit that affinity and sleep while the decode node runs on its own cores.
@@ -18,20 +28,43 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 logger = logging.getLogger(__name__)
 
-# The shared byte (a file of one byte that pdserve.launcher makes, "busy" to start with).
+# The shared file (pdserve.launcher makes it: one byte, "busy"; each side extends it to _FLAG_SIZE):
+# byte 0 says whether the lender is busy, bytes 8-15 hold its process id (little-endian; 0: none
+# yet), which the borrower reads to tell the lender's own CPU time on its cores from another's.
 _BUSY, _IDLE = 1, 0
+_FLAG_SIZE = 16
+_PID = slice(8, 16)
+
+# NOTE: measured on a 2-core EPYC, SmolLM2 float32, 2 threads at batch 1: a borrowed step's process
+# CPU share was 0.975-0.995 with the lender's core idle and 0.57-0.64 with a busy loop on it.
+_MIN_CPU_SHARE = 0.85
+# Steps shorter than this are not judged: their CPU time is too coarse to read a share from. Nor is
+# the first borrowed step after a switch, whose extra threads wake up (or are made) during it.
+_MIN_JUDGED_STEP_S = 0.005
+# /proc/stat counts in ticks of 10 ms: a window of 0.2 s gives each core 20 of them.
+_WINDOW_S = 0.2
+_MAX_FOREIGN_BUSY = 0.5
+# A window's verdict stands this long (across the lender's busy spells, when no window can be read).
+_VERDICT_TTL_S = 5.0
+_BACKOFF_S, _MAX_BACKOFF_S = 1.0, 30.0
+_LOG_EVERY_S = 60.0  # the cores' verdict changes at INFO at most this often (DEBUG otherwise)
 
 
 class _Flag:
     def __init__(self, path: str | Path) -> None:
         with open(path, "r+b") as f:
-            self._map = mmap.mmap(f.fileno(), 1)
+            if os.fstat(f.fileno()).st_size < _FLAG_SIZE:
+                os.ftruncate(f.fileno(), _FLAG_SIZE)  # zeros past the end: the bytes written stay
+            self._map = mmap.mmap(f.fileno(), _FLAG_SIZE)
 
     def close(self) -> None:
         self._map.close()
@@ -43,6 +76,7 @@ class Lender(_Flag):
     def __init__(self, path: str | Path) -> None:
         super().__init__(path)
         self._busy: bool | None = None
+        self._map[_PID] = os.getpid().to_bytes(8, "little")
         self.tell(True)  # NOTE: a restarted lender warms up first; the last one may have left "idle"
 
     def tell(self, busy: bool) -> None:
@@ -51,28 +85,135 @@ class Lender(_Flag):
             self._busy = busy
 
 
-class Borrower(_Flag):
-    """The decode node's side: before each step, take the lender's cores while it is idle."""
+def read_core_times(cores: set[int], pid: int, path: str = "/proc") -> tuple[int, int] | None:
+    """(busy, total) ticks of the given cores since boot, from /proc/stat's per-core lines, less the
+    CPU time of process pid (the lender, which runs on those cores only; 0: none); None where that
+    cannot be read (not Linux, a core missing, the process gone)."""
+    busy = total = found = 0
+    try:
+        with open(f"{path}/stat") as f:
+            for line in f:
+                if not line.startswith("cpu") or line[3] == " ":
+                    continue
+                name, *fields = line.split()
+                if int(name[3:]) in cores:
+                    ticks = [int(x) for x in fields[:8]]  # user nice system idle iowait irq softirq steal
+                    total += sum(ticks)
+                    busy += sum(ticks) - ticks[3] - ticks[4]
+                    found += 1
+        if pid:
+            with open(f"{path}/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            busy -= int(fields[11]) + int(fields[12])  # utime, stime of the whole process, in the same ticks
+    except (OSError, ValueError, IndexError):
+        return None
+    return (busy, total) if found == len(cores) else None
 
-    def __init__(self, path: str | Path, cores: set[int]) -> None:
+
+class Borrower(_Flag):
+    """The decode node's side: before each step (update), take the lender's cores while it is idle
+    and they are free, and run each step inside step() so that it can judge the borrowed ones."""
+
+    def __init__(self, path: str | Path, cores: set[int], *, clock: Callable[[], float] = time.monotonic,
+                 core_times: Callable[[set[int], int], tuple[int, int] | None] = read_core_times,
+                 cpu_time: Callable[[], float] = time.process_time) -> None:
         super().__init__(path)
         self._own = os.sched_getaffinity(0)
-        self._all = self._own | cores
+        self._lent = set(cores) - self._own
+        self._all = self._own | self._lent
+        self._clock, self._core_times, self._cpu_time = clock, core_times, cpu_time
+        self._window: tuple[float, int, tuple[int, int]] | None = None  # (when, lender, core times) at its start
+        self._free_at: float | None = None  # when a window last found the lender's cores free
+        self._reported_busy = False
+        self._logged_at = -_LOG_EVERY_S
+        self._borrowed_steps = 0  # since the last switch to borrowing
+        self._off_until = 0.0
+        self._backoff_s = _BACKOFF_S
         self.is_borrowing = False
+        self.cores_free = False  # as the last window found them (see update)
         self.num_switches = 0
+        self.num_preempted_steps = 0
 
-    def update(self, *, prefilling: bool) -> None:
-        """Run on the lender's cores too if it is idle now and the next step has no prompt tokens
-        to prefill (prefilling False), on our own if not. Call from the thread that runs the
-        engine's steps.
+    def update(self, *, prefilling: bool, has_work: bool = True) -> None:
+        """Run on the lender's cores too if it is idle now, its cores are free (see the module), this
+        node has work (has_work) and its next step has no prompt tokens to prefill (prefilling
+        False); on our own if not. Call from the thread that runs the engine's steps, before each
+        step and while idle (the lender's cores are watched meanwhile).
 
         A prefill step may run for seconds, and a burst that brings this node prompts brings the
         lender its own: its first chunk and ours then shared its core (measured on a 2-core Xeon,
         float32 `small`: our 256-token step took 2.2 s against 0.43 s on our core alone, and the
         lender's 2,048-token chunk 3.7 s against 3.3). A decode step takes tens of milliseconds."""
-        borrow = self._map[0] == _IDLE and not prefilling
-        if borrow == self.is_borrowing:
+        now = self._clock()
+        lender_idle = self._map[0] == _IDLE
+        if lender_idle and not self.is_borrowing:
+            self._watch(now)
+        else:
+            self._window = None  # the lender's own work or ours is on its cores: no window to read
+        self.cores_free = self._free_at is not None and now - self._free_at <= _VERDICT_TTL_S
+        borrow = (lender_idle and has_work and not prefilling and now >= self._off_until
+                  and (self.is_borrowing or self.cores_free))
+        if borrow != self.is_borrowing:
+            self._switch(borrow)
+            self._borrowed_steps = 0
+
+    @contextmanager
+    def step(self) -> Iterator[None]:
+        """Around one engine step: a borrowed step that did not get its cores (another process
+        preempted a thread) ends borrowing for a back-off."""
+        if not self.is_borrowing:
+            yield
             return
+        wall, cpu = self._clock(), self._cpu_time()
+        yield
+        wall, cpu = self._clock() - wall, self._cpu_time() - cpu
+        self._borrowed_steps += 1
+        if wall < _MIN_JUDGED_STEP_S or self._borrowed_steps == 1:
+            return
+        share = cpu / (wall * len(self._all))
+        if share >= _MIN_CPU_SHARE:  # the cores were ours: as good as a free window
+            self._backoff_s = _BACKOFF_S
+            self._free_at = self._clock()
+            return
+        self.num_preempted_steps += 1
+        logger.info("a step on cores %s got %.0f%% of them (another process runs there): back on cores %s "
+                    "for %.0f s", sorted(self._all), 100 * share, sorted(self._own), self._backoff_s)
+        self._off_until = self._clock() + self._backoff_s
+        self._backoff_s = min(2 * self._backoff_s, _MAX_BACKOFF_S)
+        self._free_at = None
+        self._switch(False)
+
+    def _watch(self, now: float) -> None:
+        """Read the lender's cores' busy share over windows of at least _WINDOW_S."""
+        lender = int.from_bytes(self._map[_PID], "little")
+        if self._window is None or self._window[1] != lender:  # none yet, or the lender restarted
+            times = self._core_times(self._lent, lender)
+            if times is None:  # no /proc/stat: judge by the steps alone
+                self._window, self._free_at = None, now
+            else:
+                self._window = (now, lender, times)
+            return
+        started, _, (busy0, total0) = self._window
+        if now - started < _WINDOW_S:
+            return
+        times = self._core_times(self._lent, lender)
+        if times is None:
+            self._window, self._free_at = None, now
+            return
+        busy, total = times[0] - busy0, times[1] - total0
+        share = busy / total if total > 0 else 0.0
+        free = share <= _MAX_FOREIGN_BUSY
+        self._free_at = now if free else None
+        if free == self._reported_busy:
+            self._reported_busy = not free
+            level = logging.INFO if now - self._logged_at >= _LOG_EVERY_S else logging.DEBUG
+            self._logged_at = now if level == logging.INFO else self._logged_at
+            logger.log(level, "cores %s were %.0f%% busy over %.1f s while their prefill node was idle: %s",
+                       sorted(self._lent), 100 * share, now - started,
+                       "borrowing them while it is idle" if free else "not borrowing them")
+        self._window = (now, lender, times)
+
+    def _switch(self, borrow: bool) -> None:
         if borrow:
             os.sched_setaffinity(0, self._all)
             torch.set_num_threads(len(self._all))

@@ -144,7 +144,8 @@ class GrammarGate:
                 self.num_timeouts += 1
                 self._runaway.add(job.future)
                 job.future.add_done_callback(lambda future, spec=job.spec: self._runaway_done(spec, future))
-                why = (f"json_schema is too costly to enforce: its grammar took over {self.timeout_s:g} s "
+                what = protocol.STRUCTURED_FIELDS.get(job.spec.kind, "the structured output")
+                why = (f"{what} is too costly to enforce: its grammar took over {self.timeout_s:g} s "
                        "to compile (--grammar-compile-timeout-s)")
                 self.grammars.refuse(job.spec, why)
                 logger.warning("a grammar compile passed its %.1f s budget: refused from now on (%d requests)",

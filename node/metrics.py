@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 
 from engine.protocol import KVFallbackReason, KVOutcome, KVSource
@@ -120,6 +120,12 @@ class NodeMetrics:
                               BATCH_BUCKETS)
         self.borrowed_steps = self._counter("pdserve_node_borrowed_core_steps", "decode node: steps run on its "
                                             "prefill node's cores too, lent while that one had nothing to prefill")
+        self.preempted_borrowed_steps = self._counter(
+            "pdserve_node_preempted_borrowed_core_steps", "decode node: borrowed steps that did not get their cores "
+            "(another process ran there), each followed by a back-off on its own cores")
+        self.lent_cores_free = Gauge("pdserve_node_lent_cores_free", "decode node: 1 while its prefill node's "
+                                     "cores were last found free of other processes' work (it may borrow them)",
+                                     LABELS, registry=self.registry).labels(**self.labels)
         self.lease_hold = h("pdserve_node_kv_lease_hold_seconds", "prefill node: a finished prompt's blocks held "
                             "for its reader, from the lease to its end (read, released, expired)", PHASE_BUCKETS)
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from engine.cpu_quota import usable_cores
 from engine.engine import LLMEngine
 from engine.protocol import Role
 from node.args import NodeConfigs, node_configs_from_args
@@ -126,15 +127,28 @@ def _check_lending(args: argparse.Namespace, role: Role) -> None:
 
 
 def _cores(cpus: str) -> set[int]:
+    """Core numbers and ranges as taskset writes them: 0,1 or 0-7 or 0-3,8-11."""
+    cores = set()
     try:
-        return {int(c) for c in cpus.split(",") if c.strip()}
+        for part in filter(None, (p.strip() for p in cpus.split(","))):
+            first, _, last = part.partition("-")
+            cores.update(range(int(first), int(last or first) + 1))
     except ValueError:
-        raise ValueError(f"cores {cpus!r}: a comma-separated list of core numbers") from None
+        cores = set()
+    if not cores:
+        raise ValueError(f"cores {cpus!r}: core numbers and ranges, e.g. 0,1 or 0-7 or 0-3,8-11")
+    return cores
 
 
 def pin_cpus(cpus: str | None) -> None:
-    """Run this process on the given cores with one torch thread per core."""
+    """Run this process on the given cores with one torch thread per core; without them, with at
+    most one torch thread per core the process may use (its affinity and its cgroup's CPU quota)."""
     if not cpus:
+        usable = len(usable_cores())
+        if usable < torch.get_num_threads():
+            logging.getLogger(__name__).info("%d torch threads: the cores this process may use (CPU quota, "
+                                             "affinity)", usable)
+            torch.set_num_threads(usable)
         return
     cores = _cores(cpus)
     os.sched_setaffinity(0, cores)

@@ -215,11 +215,20 @@ class NodeServer:
         if self.lender is not None:
             self.lender.tell(self.engine.has_unfinished())
         if self.borrower is not None:
-            self.borrower.update(prefilling=self.engine.scheduler.has_prompt_work)
+            self.borrower.update(prefilling=self.engine.scheduler.has_prompt_work,
+                                 has_work=self.engine.has_unfinished())
+            self.metrics.lent_cores_free.set(self.borrower.cores_free)
         if self.engine.has_unfinished():
-            if self.borrower is not None and self.borrower.is_borrowing:
+            if self.borrower is None:
+                self._step()
+                return
+            if self.borrower.is_borrowing:
                 self.metrics.borrowed_steps.inc()
-            self._step()
+            preempted = self.borrower.num_preempted_steps
+            with self.borrower.step():
+                self._step()
+            if self.borrower.num_preempted_steps != preempted:
+                self.metrics.preempted_borrowed_steps.inc()
 
     def close(self) -> None:
         self._is_stopping.set()
@@ -529,6 +538,7 @@ class NodeServer:
             num_prefix_query_tokens=engine.prefix_stats.num_query_tokens,
             num_prefix_hit_tokens=engine.prefix_stats.num_hit_tokens,
             num_computed_prefill_tokens=engine.prefix_stats.num_computed_prefill_tokens,
+            metrics_port=self._health.port if self._health is not None else 0,
             **self.load_extras(),
         )
         self.prefix_digests.refresh()

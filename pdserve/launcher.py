@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from engine.cpu_quota import usable_cores
 from pdserve.huge_heap import huge_heap_environ_here
 from pdserve.settings import CONFIG_ENV
 from pdserve.standby import NODE_COMMANDS as STANDBY_COMMANDS
@@ -197,7 +198,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="checkpoint directory (default: models/smollm2, SmolLM2-135M-Instruct, made if missing)")
     parser.add_argument("--prefill", type=int, default=1, help="number of prefill nodes (0: colocated decode nodes)")
     parser.add_argument("--decode", type=int, default=1, help="number of decode nodes")
-    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--host", default="127.0.0.1", help="the proxy's HTTP address (0.0.0.0: every interface, "
+                        "as in a container); the nodes stay on --node-host")
+    parser.add_argument("--node-host", default=None,
+                        help="the address the nodes listen on and the proxy reaches them at (default: --host, or "
+                             "127.0.0.1 where --host is a wildcard such as 0.0.0.0)")
     parser.add_argument("--port", type=int, default=8000)
     # Passed on to every node only when given: each default is the node's own (pdserve decode --help).
     for flag, kind in _NODE_FLAGS:
@@ -229,18 +234,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "prefill (node.core_lending), where nodes have cores of their own and there are at "
                              "least as many prefill nodes as decode nodes (default: for models whose weights take "
                              "at least 64 MB in the nodes' dtype)")
+    parser.add_argument("--metrics-port-base", type=int, default=None,
+                        help="node i (prefill nodes first) serves /health, /ready and /metrics on this port + i "
+                             "(default: free ports, printed when ready); the proxy's /metrics has the nodes' "
+                             "vllm:* series too")
     parser.add_argument("--proxy-cores", type=int, default=None,
                         help="cores kept off the nodes for the proxy and its clients (default: 1 for models whose "
                              "weights take under 10 MB in the nodes' dtype when every node still gets a core "
                              "of its own, else 0)")
     for flag, kind in _PROXY_FLAGS:
         parser.add_argument(flag, type=kind, default=None, help="for the proxy (default: the proxy's)")
+    for flag in _PROXY_SWITCHES:
+        parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
+                            help="for the proxy (default: the proxy's)")
 
 
 _NODE_FLAGS = (("--dtype", str), ("--transfer-backend", str), ("--kv-cache-memory-gb", float), ("--num-blocks", int),
                ("--max-num-seqs", int), ("--max-num-batched-tokens", int), ("--kernel-backend", str),
                ("--device", str), ("--gpu-memory-utilization", float), ("--grammar-threads", int),
-               ("--grammar-compile-timeout-s", float))
+               ("--grammar-compile-timeout-s", float), ("--max-model-len", int))
 
 
 _NODE_SWITCHES = ("--enable-prefix-caching", "--enforce-eager", "--async-scheduling")
@@ -250,6 +262,29 @@ _PROXY_FLAGS = (("--served-model-name", str), ("--chat-template", str), ("--api-
                 ("--local-prefill-min-wait-s", float), ("--routing", str), ("--slo-ttft-ms", float),
                 ("--header-timeout-s", float), ("--keep-alive-timeout-s", float), ("--min-upload-bytes-per-s", float),
                 ("--upload-rate-window-s", float), ("--max-client-uploads", int), ("--max-client-requests", int))
+
+
+_PROXY_SWITCHES = ("--strict-fields",)
+
+
+def _check_node_addresses(args: argparse.Namespace) -> None:
+    """--node-host not a wildcard; --metrics-port-base's ports in range and free on the nodes' host now."""
+    if (args.node_host or "") in _WILDCARDS[:2]:
+        raise ValueError(f"--node-host {args.node_host}: an address the proxy can reach the nodes at, not a wildcard")
+    if args.metrics_port_base is None:
+        return
+    host = args.node_host or nodes_host(args.host)
+    names = _node_names(args.prefill, args.decode)
+    if not 0 < args.metrics_port_base <= 65535 - len(names) + 1:
+        raise ValueError(f"--metrics-port-base {args.metrics_port_base}: the nodes' ports must lie in 1-65535")
+    for i, name in enumerate(names):
+        port = args.metrics_port_base + i
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+            try:
+                probe.bind((host, port))
+            except OSError as exc:
+                raise ValueError(f"--metrics-port-base {args.metrics_port_base}: port {port} ({name}'s /metrics) "
+                                 f"on {host}: {exc.strerror or exc}") from None
 
 
 def _given(args: argparse.Namespace, flags, switches=()) -> list[str]:
@@ -282,7 +317,7 @@ def main(args: argparse.Namespace) -> int:
         return 2
     log_dir = Path(args.log_dir) if args.log_dir else None  # made by the first process started
     stop = _install_signal_handlers()
-    node_args, proxy_args = _given(args, _NODE_FLAGS, _NODE_SWITCHES), _given(args, _PROXY_FLAGS)
+    node_args, proxy_args = _given(args, _NODE_FLAGS, _NODE_SWITCHES), _given(args, _PROXY_FLAGS, _PROXY_SWITCHES)
     if args.log_format:
         node_args += ["--log-format", args.log_format]
         proxy_args += ["--log-format", args.log_format]
@@ -293,6 +328,7 @@ def main(args: argparse.Namespace) -> int:
                         visible_gpus() if args.device in (None, "auto", "cuda") else [],
                         prefill_tp=args.prefill_tp, decode_tp=args.decode_tp)
         _check_tp(args, gpus)
+        _check_node_addresses(args)
     except ValueError as exc:
         print(f"pdserve up: {exc}", file=sys.stderr)
         return 2
@@ -301,9 +337,11 @@ def main(args: argparse.Namespace) -> int:
                                                                                             args.decode), gpus)),
               flush=True)
     deployment = start_local(model_dir, num_prefill=args.prefill, num_decode=args.decode, host=args.host,
+                             node_host=args.node_host,
                              port=args.port, node_args=node_args, proxy_args=proxy_args, log_dir=log_dir,
                              proxy_cores=args.proxy_cores, lend_cores=args.lend_cores, gpus=gpus,
-                             tensor_parallel=(args.prefill_tp, args.decode_tp))
+                             tensor_parallel=(args.prefill_tp, args.decode_tp),
+                             metrics_port_base=args.metrics_port_base)
     try:
         wait_healthy(deployment, args.ready_timeout_s, stop)
         pin_kv_capacity(deployment)
@@ -350,7 +388,7 @@ def start_local(
     port: int | None = None, node_args: list[str] | tuple[str, ...] = (),
     proxy_args: list[str] | tuple[str, ...] = (), log_dir: Path | None = None, pin_cpus: bool = True,
     proxy_cores: int | None = None, lend_cores: bool | None = None, gpus: list[str | None] | None = None,
-    tensor_parallel: tuple[int, int] = (1, 1),
+    tensor_parallel: tuple[int, int] = (1, 1), metrics_port_base: int | None = None, node_host: str | None = None,
 ) -> Deployment:
     """Start nodes and proxy as separate processes (not waiting for health: see wait_healthy).
     On any failure the caller must stop() the returned deployment's cluster. pin_cpus: each node
@@ -360,11 +398,14 @@ def start_local(
     (node.core_lending); only with at least as many prefill nodes as decode nodes, so that no two
     decode nodes borrow the same cores. None: see auto_lend_cores. gpus: per node (prefill nodes
     first) the GPUs it runs on (gpu_plan), or None for the node's own default device.
-    tensor_parallel: the tensor-parallel size of the prefill nodes and of the decode nodes."""
+    tensor_parallel: the tensor-parallel size of the prefill nodes and of the decode nodes.
+    metrics_port_base: node i's health port (/metrics) is this + i (None: a free port). node_host:
+    where the nodes listen and the proxy reaches them (None: see nodes_host)."""
+    proxy_host, host = host, node_host or nodes_host(host)
     cluster = Cluster()
     cpus = []
     if pin_cpus:
-        cores = sorted(os.sched_getaffinity(0))
+        cores = usable_cores()  # the affinity, cut to a container's CPU limit
         if proxy_cores is None:
             proxy_cores = auto_proxy_cores(model_dir, len(cores), num_prefill + num_decode, _node_dtype(node_args))
         cpus = _cpu_plan(cores, num_prefill + num_decode, proxy_cores)
@@ -379,7 +420,7 @@ def start_local(
         kind = "prefill" if i < num_prefill else "decode"
         name = f"{kind}{i if kind == 'prefill' else i - num_prefill}"
         addresses[name] = f"{host}:{free_port(host)}"
-        health_port = free_port(host)
+        health_port = metrics_port_base + i if metrics_port_base else free_port(host)
         health_urls[name] = f"http://{host}:{health_port}"
         argv = pdserve + [kind, *common, "--port", addresses[name].rsplit(":", 1)[1], "--node-id", name,
                           "--health-port", str(health_port)]
@@ -399,13 +440,27 @@ def start_local(
             argv += (["--lend-flag", str(lending[pair])] if kind == "prefill"
                      else ["--borrow-flag", str(lending[pair]), "--borrow-cpus", cpus[pair]])
         cluster.start(name, argv, log_dir, env)
-    http_port = port or free_port(host)
-    proxy_argv = pdserve + ["proxy", "--model", str(model_dir), "--host", host, "--port", str(http_port),
+    http_port = port or free_port(proxy_host)
+    proxy_argv = pdserve + ["proxy", "--model", str(model_dir), "--host", proxy_host, "--port", str(http_port),
                             "--decode", _joined(addresses, "decode"), *proxy_args]
     if num_prefill:
         proxy_argv += ["--prefill", _joined(addresses, "prefill")]
     cluster.start("proxy", proxy_argv, log_dir)
-    return Deployment(cluster, f"http://{host}:{http_port}", addresses, log_dir, health_urls)
+    reach = host if proxy_host in _WILDCARDS else proxy_host
+    return Deployment(cluster, f"http://{_url_host(reach)}:{http_port}", addresses, log_dir, health_urls)
+
+
+_WILDCARDS = ("0.0.0.0", "::", "")
+
+
+def nodes_host(proxy_host: str) -> str:
+    """Where `pdserve up`'s nodes listen by default: the proxy's host, or loopback where the proxy
+    listens on every interface (only the proxy is published)."""
+    return "127.0.0.1" if proxy_host in _WILDCARDS else proxy_host
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
 
 
 # NOTE: the share of a GPU its nodes hold in all when several share it (split evenly).

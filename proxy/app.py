@@ -12,6 +12,7 @@ import logging
 import re
 from collections.abc import Callable
 from contextlib import asynccontextmanager
+from functools import partial
 from pathlib import Path
 from typing import TypeVar
 
@@ -22,24 +23,27 @@ from pydantic import BaseModel
 
 from engine.protocol import curve_keys
 from proxy.admin import admin_router
-from proxy.admission import Admission, AdmissionLimits
+from proxy.admission import Admission, AdmissionLimits, Ticket
 from proxy.chat_schemas import ChatCompletionRequest, TokenizeChatRequest
 from proxy.config import ProxyConfig
 from proxy.connection_guard import ConnectionLimits, guarded_protocol
 from proxy.discovery import Discovery, DiscoveryConfig, is_loopback_address
 from proxy.drain import DrainingServer, ProxyDrain
 from proxy.errors import ApiError, install_handlers
+from proxy.field_policy import IgnoredFieldsLog, ignored_fields_header
 from proxy.log_context import RequestLogContext, install_record_factory
 from proxy.metrics import ProxyMetrics
+from proxy.node_metrics import NodeSeries
 from proxy.node_names import NodeNames
 from proxy.nodes import LocalPrefillPolicy, NodePool, RetryLimits
-from proxy.openai_format import ChatFormat, CompletionFormat
+from proxy.openai_format import ChatFormat, CompletionFormat, ResponseFormat
 from proxy.openapi_bodies import body_spec, install_openapi
 from proxy.request_id import RequestIdMiddleware
 from proxy.routing import RoutingConfig
 from proxy.schemas import (
     CompletionRequest,
     DetokenizeRequest,
+    GenerationRequest,
     TokenizeCompletionRequest,
     json_object,
     parse_body,
@@ -90,6 +94,8 @@ def create_app(config: ProxyConfig) -> FastAPI:
                     RoutingConfig.of(config))
     names = NodeNames(config.prefill_addresses, config.decode_addresses, config.expose_node_addresses)
     metrics = ProxyMetrics(lambda: pool.all, lambda: pool.num_local_prefills, names.name)
+    node_metrics = NodeSeries(lambda: pool.all if config.node_metrics else ())
+    metrics.registry.register(node_metrics)
     admission = Admission(_admission_limits(config), pool, metrics)
     metrics.in_flight.set_function(lambda: admission.num_in_flight)
     reader = BodyReader(_upload_limits(config), metrics)
@@ -104,6 +110,7 @@ def create_app(config: ProxyConfig) -> FastAPI:
         yield
         await discovery.stop()
         await pool.stop()
+        await node_metrics.close()
 
     app = FastAPI(title="pdserve", version=_version(), lifespan=lifespan)
     app.state.pool = pool
@@ -114,7 +121,7 @@ def create_app(config: ProxyConfig) -> FastAPI:
     app.add_middleware(RequestLogContext)  # NOTE: added first, so it runs inside RequestIdMiddleware
     app.add_middleware(RequestIdMiddleware)
     install_handlers(app)
-    _add_status_routes(app, pool, metrics, names)
+    _add_status_routes(app, pool, metrics, names, node_metrics)
     app.include_router(_api_router(config, service))
     app.include_router(_tokenizer_router(config, service))
     if config.admin_token is not None or is_loopback_address(f"{config.host}:{config.port}"):
@@ -123,7 +130,7 @@ def create_app(config: ProxyConfig) -> FastAPI:
         logging.getLogger(__name__).warning("no --admin-token: /admin/nodes is off (this proxy listens beyond "
                                             "loopback)")
     install_openapi(app, [CompletionRequest, ChatCompletionRequest, TokenizeCompletionRequest, TokenizeChatRequest,
-                          DetokenizeRequest])
+                          DetokenizeRequest], config.strict_fields)
     return app
 
 
@@ -153,9 +160,11 @@ def _local_prefill_policy(config: ProxyConfig) -> LocalPrefillPolicy | None:
     return LocalPrefillPolicy(config.local_prefill_min_wait_s, config.local_prefill_penalty)
 
 
-def _add_status_routes(app: FastAPI, pool: NodePool, metrics: ProxyMetrics, names: NodeNames) -> None:
+def _add_status_routes(app: FastAPI, pool: NodePool, metrics: ProxyMetrics, names: NodeNames,
+                       node_metrics: NodeSeries) -> None:
     """/health (503 naming the nodes down), /ready (200 while a new request can be served: a
-    readiness probe) and /metrics; open to all, so nodes appear by name."""
+    readiness probe) and /metrics (the proxy's series and the nodes' vllm:* ones); open to all, so
+    nodes appear by name."""
 
     @app.get("/health")
     async def health():
@@ -174,7 +183,7 @@ def _add_status_routes(app: FastAPI, pool: NodePool, metrics: ProxyMetrics, name
 
     @app.get("/metrics")
     async def metrics_endpoint():
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        return Response(metrics.render() + await node_metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
 def _api_router(config: ProxyConfig, service: RequestService) -> APIRouter:
@@ -184,6 +193,8 @@ def _api_router(config: ProxyConfig, service: RequestService) -> APIRouter:
     # disconnect watchers of the endpoints rely on.
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(_api_key_check(config.api_key))])
     model = config.served_model_name
+    parse = partial(parse_body, is_strict=config.strict_fields)
+    complete = _IgnoredFieldsNotice(service, IgnoredFieldsLog()).complete
 
     def model_card() -> dict:
         return {"id": model, "object": "model", "created": 0, "owned_by": "pdserve",
@@ -202,26 +213,50 @@ def _api_router(config: ProxyConfig, service: RequestService) -> APIRouter:
         return model_card()
 
     @v1.post("/completions", openapi_extra=body_spec(CompletionRequest))
-    async def completions(request: Request):
+    async def completions(request: Request, response: Response):
         raw, ticket = await service.admit(CompletionFormat.endpoint, request)
         try:
-            body = await _parse(raw, parse_body, CompletionRequest)
+            body = await _parse(raw, parse, CompletionRequest)
             fmt = CompletionFormat(model, request.state.request_id, body.echo)
-            return await service.complete(body, fmt, request, ticket)
+            return await complete(body, fmt, request, response, ticket)
         finally:
             ticket.release()
 
     @v1.post("/chat/completions", openapi_extra=body_spec(ChatCompletionRequest))
-    async def chat_completions(request: Request):
+    async def chat_completions(request: Request, response: Response):
         raw, ticket = await service.admit(ChatFormat.endpoint, request)
         try:
-            body = await _parse(raw, parse_body, ChatCompletionRequest)
+            body = await _parse(raw, parse, ChatCompletionRequest)
             fmt = ChatFormat(model, request.state.request_id, body.tool_policy())
-            return await service.complete(body, fmt, request, ticket)
+            return await complete(body, fmt, request, response, ticket)
         finally:
             ticket.release()
 
     return v1
+
+
+class _IgnoredFieldsNotice:
+    """Answers completion requests through service, telling of the fields each had ignored: in
+    the Pdserve-Ignored-Fields header of its answer (an error too) and in log's WARNING lines."""
+
+    def __init__(self, service: RequestService, log: IgnoredFieldsLog) -> None:
+        self.service = service
+        self.log = log
+
+    async def complete(self, body: GenerationRequest, fmt: ResponseFormat, request: Request, response: Response,
+                       ticket: Ticket) -> Response | dict:
+        """service.complete(); response: FastAPI's, whose headers go on a dict's answer."""
+        headers = ignored_fields_header(body.ignored_fields)
+        if not headers:
+            return await self.service.complete(body, fmt, request, ticket)
+        self.log.note(fmt.endpoint, body.ignored_fields)
+        try:
+            answer = await self.service.complete(body, fmt, request, ticket)
+        except ApiError as exc:
+            raise exc.with_headers(headers) from exc
+        # NOTE: FastAPI puts response's headers on the answer it makes of a dict.
+        (answer if isinstance(answer, Response) else response).headers.update(headers)
+        return answer
 
 
 def _tokenizer_router(config: ProxyConfig, service: RequestService) -> APIRouter:

@@ -12,7 +12,8 @@ from pydantic import BaseModel, Field, PrivateAttr, field_validator, model_valid
 
 from engine.protocol import StructuredKind, StructuredOutput
 from proxy.errors import ApiError, ChatTemplateError
-from proxy.schemas import STRICT, GenerationRequest, Prompt, limit_field, sampling_field
+from proxy.field_policy import GENERATION, STRICT
+from proxy.schemas import GenerationRequest, Prompt, limit_field, sampling_field
 from proxy.templates import Conversation
 from proxy.tokenizer import ModelTokenizer
 from proxy.tool_calls import ToolChoiceMode, ToolPolicy
@@ -169,6 +170,8 @@ class NamedToolChoice(BaseModel):
 
 
 class ChatCompletionRequest(ChatTemplateInput, GenerationRequest):
+    model_config = GENERATION  # NOTE: not ChatTemplateInput's STRICT: unknown top-level fields are ignored
+
     max_completion_tokens: int | None = limit_field("max_tokens")
     logprobs: bool = False
     top_logprobs: int | None = sampling_field("logprobs")
@@ -200,15 +203,12 @@ class ChatCompletionRequest(ChatTemplateInput, GenerationRequest):
             return None
         return self.top_logprobs or 0
 
-    @property
-    def structured_param(self) -> str:
-        return "tools" if self.tool_policy().is_forced else "response_format"
-
-    def structured_output(self) -> StructuredOutput | None:
+    def grammars_asked(self) -> list[tuple[str, StructuredOutput]]:
         schema = self.tool_policy().grammar_schema()
+        asked = super().grammars_asked()
         if schema is None:
-            return super().structured_output()
-        return StructuredOutput(StructuredKind.JSON_SCHEMA, json.dumps(schema))
+            return asked
+        return [("tools", StructuredOutput(StructuredKind.JSON_SCHEMA, json.dumps(schema))), *asked]
 
     def tool_policy(self) -> ToolPolicy:
         """What tools and tool_choice ask of the output (NONE without tools)."""
@@ -239,9 +239,10 @@ class ChatCompletionRequest(ChatTemplateInput, GenerationRequest):
                                 f"{sorted(policy.functions)}", "tool_choice")
         if policy.mode is ToolChoiceMode.REQUIRED and not policy.functions:
             raise ApiError(400, "tool_choice \"required\" needs at least one tool", "tool_choice")
-        if policy.is_forced and self.response_format is not None and self.response_format.type != "text":
-            raise ApiError(400, f"response_format {self.response_format.type!r} cannot be combined with a forced "
-                                "tool call (tool_choice \"required\" or a named function)", "response_format")
+        others = [param for param, _ in super().grammars_asked()]
+        if policy.is_forced and others:
+            raise ApiError(400, f"{others[0]} asks for a grammar and cannot be combined with a forced tool call "
+                                "(tool_choice \"required\" or a named function)", others[0])
 
     def prompts(self, tokenizer: ModelTokenizer) -> list[Prompt]:
         return [self.chat_prompt(tokenizer)]

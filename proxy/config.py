@@ -83,6 +83,13 @@ class ProxyConfig:
     # Requests may bring their own chat_template (vLLM's --trust-request-chat-template): off, as
     # there, since a template runs code of the client's choosing in the proxy (sandboxed, bounded).
     trust_request_chat_template: bool = False
+    # Unknown top-level fields of a completion body are ignored, as vLLM ignores them, and named in
+    # the Pdserve-Ignored-Fields response header and a WARNING line (once per distinct set); True:
+    # refused with a 400 naming them. vLLM fields that cannot be honoured are refused either way.
+    strict_fields: bool = False
+    # /metrics also carries every node's vllm:* series, read from the nodes at each scrape
+    # (proxy.node_metrics). Off where something scrapes the nodes themselves (no double counts).
+    node_metrics: bool = True
     # Shared with every node: the proxy's sockets then speak CURVE with keys derived from it and
     # reach only nodes holding it. None: the proxy and its nodes must all be on loopback.
     cluster_secret: str | None = field(default=None, repr=False)

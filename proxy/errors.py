@@ -58,6 +58,11 @@ class ApiError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
+    def with_headers(self, headers: dict[str, str]) -> ApiError:
+        """This error with headers added to its response's."""
+        return ApiError(self.status, self.message, self.param, self.kind, self.code,
+                        {**(self.headers or {}), **headers})
+
 
 def error_response(error: ApiError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=error.headers)

@@ -65,6 +65,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trust-request-chat-template", action="store_true",
                         default=_default("trust_request_chat_template"),
                         help="let requests bring their own chat_template (run in the sandbox, bounded)")
+    parser.add_argument("--strict-fields", action=argparse.BooleanOptionalAction, default=_default("strict_fields"),
+                        help="refuse (400) completion requests with fields this server does not know, instead of "
+                             "ignoring them with a Pdserve-Ignored-Fields header and a warning line")
+    parser.add_argument("--node-metrics", action=argparse.BooleanOptionalAction, default=_default("node_metrics"),
+                        help="/metrics also carries every node's vllm:* series, read from the nodes at each scrape "
+                             "(turn off where the nodes are scraped themselves)")
     parser.add_argument("--cluster-secret", default=_default("cluster_secret"),
                         help="secret shared with every node (CURVE on every node socket; without one, the proxy "
                              "and its nodes must all be on loopback)")
@@ -178,6 +184,8 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         chat_template_path=args.chat_template,
         chat_template_timeout_s=args.chat_template_timeout_s,
         trust_request_chat_template=args.trust_request_chat_template,
+        strict_fields=args.strict_fields,
+        node_metrics=args.node_metrics,
         cluster_secret=args.cluster_secret,
         max_num_requests=args.max_num_requests,
         max_queue_wait_s=args.max_queue_wait_s,

@@ -41,8 +41,9 @@ def body_spec(*models: type[BaseModel]) -> dict[str, Any]:
             "responses": {status: {"description": text, **error} for status, text in _ERROR_STATUSES.items()}}
 
 
-def install_openapi(app: FastAPI, models: list[type[BaseModel]]) -> None:
-    """Make app's /openapi.json hold the JSON schemas (as validated) of models and the error body."""
+def install_openapi(app: FastAPI, models: list[type[BaseModel]], is_strict_fields: bool = False) -> None:
+    """Make app's /openapi.json hold the JSON schemas (as validated) of models and the error body;
+    is_strict_fields: models that ignore unknown fields (proxy.field_policy.GENERATION) refuse them."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
@@ -50,6 +51,9 @@ def install_openapi(app: FastAPI, models: list[type[BaseModel]]) -> None:
             _, definitions = models_json_schema([(m, "validation") for m in models], ref_template=_REF)
             schemas = document.setdefault("components", {}).setdefault("schemas", {})
             schemas.update(definitions.get("$defs", {}))
+            for model in models:
+                if is_strict_fields and model.model_config.get("extra") == "ignore":
+                    schemas[model.__name__]["additionalProperties"] = False
             schemas[ERROR_SCHEMA_NAME] = _ERROR_SCHEMA
             app.openapi_schema = document
         return app.openapi_schema

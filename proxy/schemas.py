@@ -1,15 +1,16 @@
-"""Request bodies (pydantic, strictly typed, unknown fields refused) of /v1/completions,
-/tokenize and /detokenize, the fields both completion endpoints share (response_format and
-logit_bias among them), and the prompts and sampling options they ask for; every sampling
-default and range comes from engine.protocol. Chat bodies are in proxy.chat_schemas."""
+"""Request bodies (pydantic, strictly typed) of /v1/completions, /tokenize and /detokenize, the
+fields both completion endpoints share (response_format, logit_bias and vLLM's structured output
+fields among them), and the prompts and sampling options they ask for; every sampling default
+and range comes from engine.protocol. Unknown fields are refused, but at the top level of a
+completion body (see proxy.field_policy). Chat bodies are in proxy.chat_schemas."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, Field, PrivateAttr, ValidationError, field_validator
 
 from engine.protocol import (
     SAMPLING_RANGES,
@@ -18,9 +19,12 @@ from engine.protocol import (
     StructuredKind,
     StructuredOutput,
     check_sampling,
+    check_structured,
 )
-from engine.schema_budget import SchemaRefused, SchemaTooCostly, check_schema
+from engine.schema_budget import SchemaRefused, SchemaTooCostly, check_pattern, check_schema
 from proxy.errors import ApiError, field_path, from_sampling, from_validation
+from proxy.field_policy import GENERATION, STRICT, undeclared_fields, unknown_fields_error
+from proxy.grammar_fields import ResponseFormat, StructuredOutputsSpec, schema_object
 from proxy.limits import parse_json
 from proxy.tokenizer import ModelTokenizer, TextOptions
 
@@ -34,12 +38,6 @@ MAX_TOKEN_ID_DIGITS = 10  # a logit_bias key: engine.protocol.MAX_TOKEN_ID has 1
 
 _DEFAULTS = SamplingOptions()
 _RANGES = {name: (low, high, is_low_allowed) for name, low, high, is_low_allowed in SAMPLING_RANGES}
-
-# NOTE: strict: "10" is not a number and "yes" not a boolean, as at OpenAI (JSON gives the
-# real types; lax mode would quietly coerce them). Unknown fields are refused, never dropped:
-# a field this server does not know is one whose meaning it would silently ignore. A float field
-# refuses infinity (a number literal past the double range parses as one).
-STRICT = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
 
 def sampling_field(option: str) -> Any:
@@ -79,51 +77,13 @@ class StreamOptions(BaseModel):
     include_obfuscation: bool | None = None
 
 
-class JsonSchemaSpec(BaseModel):
-    """response_format's json_schema: OpenAI's {"name", "description", "schema", "strict"}. The
-    schema is always enforced by the grammar, strict or not (strict only promises more)."""
-
-    model_config = STRICT
-
-    name: str
-    description: str | None = None
-    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
-    strict: bool | None = None
-
-
-class ResponseFormat(BaseModel):
-    """OpenAI's response_format: "text" (free text), "json_object" (any JSON object) or
-    "json_schema" (JSON matching json_schema.schema)."""
-
-    model_config = STRICT
-
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaSpec | None = None
-
-    @model_validator(mode="after")
-    def _schema_given_for_json_schema_only(self) -> ResponseFormat:
-        if self.type != "json_schema":
-            if self.json_schema is not None:
-                raise ValueError(f"json_schema is given only with type \"json_schema\", not {self.type!r}")
-        elif self.json_schema is None or self.json_schema.schema_ is None:
-            raise ValueError("type \"json_schema\" needs json_schema.schema (a JSON schema object)")
-        return self
-
-    def structured(self) -> StructuredOutput | None:
-        """The grammar the engine enforces; None for free text."""
-        if self.type == "json_object":
-            return StructuredOutput(StructuredKind.JSON_OBJECT)
-        if self.type == "json_schema":
-            return StructuredOutput(StructuredKind.JSON_SCHEMA, json.dumps(self.json_schema.schema_))
-        return None
-
-
 class GenerationRequest(BaseModel):
     """The fields both completion endpoints share; subclasses say what their prompts and limits
     are. Fields OpenAI clients send that mean nothing here are accepted and ignored (each says
-    why); fields accepted but not honoured (yet) are refused by check_supported()."""
+    why); fields accepted but not honoured (yet) are refused by check_supported(). Undeclared
+    fields are dropped (see parse_data): ignored_fields names them."""
 
-    model_config = STRICT
+    model_config = GENERATION
 
     model: str
     max_tokens: int | None = limit_field("max_tokens")
@@ -136,6 +96,7 @@ class GenerationRequest(BaseModel):
     repetition_penalty: float = sampling_field("repetition_penalty")
     seed: int | None = sampling_field("seed")
     n: int = Field(default=1, ge=1, le=MAX_N)
+    best_of: int | None = Field(default=None, ge=1, le=MAX_N)  # only best_of == n: one sample per choice
     stop: str | list[str] | None = None
     stop_token_ids: list[int] = Field(default_factory=list)  # count and range: engine.protocol; vocab: the service
     ignore_eos: bool = _DEFAULTS.ignore_eos
@@ -148,25 +109,26 @@ class GenerationRequest(BaseModel):
     response_format: ResponseFormat | None = None
     user: str | None = None  # ignored: an end-user id for OpenAI's abuse monitoring
     # vLLM's extra fields, with vLLM's meaning and defaults: special tokens in the text, the stop
-    # string at the end of the text, and the JSON schema the output must follow (as
-    # response_format json_schema). spaces_between_special_tokens is accepted and changes nothing:
-    # vLLM applies it only to slow tokenizers, and every tokenizer here is a fast one.
+    # string at the end of the text, and the grammar the output must follow (guided_json: a JSON
+    # schema, as response_format json_schema; guided_regex: a regex the whole text matches;
+    # guided_choice: the text is exactly one of these; guided_grammar: an EBNF grammar (GBNF,
+    # rule "root"); structured_outputs: see StructuredOutputsSpec). spaces_between_special_tokens
+    # is accepted and changes nothing: vLLM applies it only to slow tokenizers, and every
+    # tokenizer here is a fast one. vLLM's fields not honoured are refused by proxy.field_policy.
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     spaces_between_special_tokens: bool = True
     guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = Field(default=None, min_length=1)
+    guided_choice: list[str] | None = Field(default=None, min_length=1)
+    guided_grammar: str | None = Field(default=None, min_length=1)
+    structured_outputs: StructuredOutputsSpec | None = None
+    _ignored_fields: tuple[str, ...] = PrivateAttr(default=())
 
     @field_validator("guided_json")
     @classmethod
     def _schema_object(cls, guided_json: dict[str, Any] | str | None) -> dict[str, Any] | None:
-        if isinstance(guided_json, str):
-            try:
-                guided_json = json.loads(guided_json)
-            except ValueError:
-                raise ValueError("guided_json must be a JSON schema: an object, or its JSON text") from None
-            if not isinstance(guided_json, dict):
-                raise ValueError("guided_json must be a JSON schema: an object, or its JSON text")
-        return guided_json
+        return schema_object(guided_json, "guided_json")
 
     @field_validator("logit_bias")
     @classmethod
@@ -195,20 +157,44 @@ class GenerationRequest(BaseModel):
         return 1
 
     @property
+    def ignored_fields(self) -> tuple[str, ...]:
+        """The body's top-level fields this server does not know, dropped (in body order)."""
+        return self._ignored_fields
+
+    @property
     def logit_bias_ids(self) -> dict[int, float] | None:
         """logit_bias with int token ids; None when absent or empty."""
         return {int(key): bias for key, bias in self.logit_bias.items()} if self.logit_bias else None
 
+    def grammars_asked(self) -> list[tuple[str, StructuredOutput]]:
+        """(the request field, the grammar it asks for) for each field asking for one (a valid
+        request has at most one)."""
+        asked = []
+        if self.guided_json is not None:  # a dict: see _schema_object
+            asked.append(("guided_json", StructuredOutput(StructuredKind.JSON_SCHEMA, json.dumps(self.guided_json))))
+        if self.guided_regex is not None:
+            asked.append(("guided_regex", StructuredOutput(StructuredKind.REGEX, regex=self.guided_regex)))
+        if self.guided_choice is not None:
+            asked.append(("guided_choice", StructuredOutput(StructuredKind.CHOICE, choices=tuple(self.guided_choice))))
+        if self.guided_grammar is not None:
+            asked.append(("guided_grammar", StructuredOutput(StructuredKind.EBNF, grammar=self.guided_grammar)))
+        if self.structured_outputs is not None:
+            asked.append((self.structured_outputs.param, self.structured_outputs.structured()))
+        structured = None if self.response_format is None else self.response_format.structured()
+        if structured is not None:
+            asked.append(("response_format", structured))
+        return asked
+
     @property
     def structured_param(self) -> str:
         """The request field that asked for the grammar (the param of its errors)."""
-        return "guided_json" if self.guided_json is not None else "response_format"
+        asked = self.grammars_asked()
+        return asked[0][0] if asked else "response_format"
 
     def structured_output(self) -> StructuredOutput | None:
         """The grammar the output must follow; None: free text."""
-        if self.guided_json is not None:  # a dict: see _schema_object
-            return StructuredOutput(StructuredKind.JSON_SCHEMA, json.dumps(self.guided_json))
-        return None if self.response_format is None else self.response_format.structured()
+        asked = self.grammars_asked()
+        return asked[0][1] if asked else None
 
     @property
     def text_options(self) -> TextOptions:
@@ -252,20 +238,39 @@ class GenerationRequest(BaseModel):
         if num_choices > MAX_CHOICES:
             raise ApiError(400, f"the request asks for {num_choices} choices ({self.num_prompts} prompts x n "
                                 f"{self.n}); the limit is {MAX_CHOICES}", "n")
-        if self.guided_json is not None and self.response_format is not None and self.response_format.type != "text":
-            raise ApiError(400, "guided_json and response_format both ask for a grammar: give one", "guided_json")
+        if self.best_of is not None and self.best_of < self.n:
+            raise ApiError(400, f"best_of ({self.best_of}) must be >= n ({self.n})", "best_of")
+        if self.best_of is not None and self.best_of > self.n:
+            raise ApiError(400, f"best_of > n is not supported (best_of {self.best_of}, n {self.n})", "best_of")
         asked = self.asked_max_tokens
         if asked is not None and self.min_tokens > asked[1]:
             raise ApiError(400, f"min_tokens ({self.min_tokens}) must not exceed {asked[0]} ({asked[1]})",
                            "min_tokens")
+        self._check_grammar()
+
+    def _check_grammar(self) -> None:
+        """At most one field asks for a grammar, one the nodes enforce, within its bounds
+        (engine.protocol) and the grammar budget (engine.schema_budget), as the node checks it
+        again before it compiles; whether the grammar library parses it is the node's to say."""
+        if self.structured_outputs is not None:
+            self.structured_outputs.check_supported()
+        params = [param for param, _ in self.grammars_asked()]
+        if len(params) > 1:
+            raise ApiError(400, f"{params[0]} and {params[1]} both ask for a grammar: give one", params[0])
         structured = self.structured_output()
-        if structured is not None and structured.json_schema:
-            try:
+        if structured is None:
+            return
+        what = "regex" if structured.kind is StructuredKind.REGEX else "schema"
+        try:
+            check_structured(structured)
+            if structured.json_schema is not None:
                 check_schema(json.loads(structured.json_schema))
-            except SchemaTooCostly as exc:
-                raise ApiError(400, f"the schema is too costly to enforce: {exc}", self.structured_param) from None
-            except SchemaRefused as exc:
-                raise ApiError(400, str(exc), self.structured_param) from None
+            if structured.regex is not None:
+                check_pattern(structured.regex, "the regex")
+        except SchemaTooCostly as exc:
+            raise ApiError(400, f"the {what} is too costly to enforce: {exc}", self.structured_param) from None
+        except (SchemaRefused, SamplingError) as exc:
+            raise ApiError(400, str(exc), self.structured_param) from None
 
     def prompts(self, tokenizer: ModelTokenizer) -> list[Prompt]:
         """The request's prompts, tokenized; raises ApiError for what cannot be served. May take
@@ -297,7 +302,6 @@ class CompletionRequest(GenerationRequest):
     echo: bool = False
     logprobs: int | None = sampling_field("logprobs")
     suffix: str | None = None
-    best_of: int | None = Field(default=None, ge=1, le=MAX_N)  # only best_of == n: one sample per choice
     # vLLM's: text prompts get the special tokens the tokenizer adds (BOS), as tokenizer(text) does.
     add_special_tokens: bool = True
 
@@ -338,13 +342,6 @@ class CompletionRequest(GenerationRequest):
         """echo with logprobs: the prompt's tokens come back with theirs, as the completion's."""
         return self.logprobs if self.echo else None
 
-    def check_supported(self) -> None:
-        super().check_supported()
-        if self.best_of is not None and self.best_of < self.n:
-            raise ApiError(400, f"best_of ({self.best_of}) must be >= n ({self.n})", "best_of")
-        if self.best_of is not None and self.best_of > self.n:
-            raise ApiError(400, f"best_of > n is not supported (best_of {self.best_of}, n {self.n})", "best_of")
-
     def prompts(self, tokenizer: ModelTokenizer) -> list[Prompt]:
         if isinstance(self.prompt, str):
             texts_or_ids = [self.prompt]
@@ -379,22 +376,36 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
-def parse_body(raw: bytes, model: type[_Body]) -> _Body:
+def parse_body(raw: bytes, model: type[_Body], is_strict: bool = True) -> _Body:
     """The request body as model (checked by its check_supported() when it has one); raises
-    ApiError (400) naming what is wrong: unknown fields all at once, else the first bad value."""
-    return parse_data(json_object(raw), model)
+    ApiError (400) naming what is wrong: unknown fields all at once, else the first bad value.
+    A completion body (a GenerationRequest) has its unknown top-level fields dropped and named
+    in ignored_fields instead, unless is_strict; vLLM's fields it refuses are 400s either way
+    (proxy.field_policy)."""
+    return parse_data(json_object(raw), model, is_strict)
 
 
-def parse_data(data: dict, model: type[_Body]) -> _Body:
+def parse_data(data: dict, model: type[_Body], is_strict: bool = True) -> _Body:
     """As parse_body, for a body already parsed as JSON."""
+    ignored = []
+    if issubclass(model, GenerationRequest):
+        ignored = undeclared_fields(data, _declared_names(model))
+        if ignored and is_strict:
+            raise unknown_fields_error(ignored)
     try:
         body = model.model_validate(data)
     except ValidationError as exc:
         raise _validation_error(exc.errors()) from exc
+    if ignored:
+        body._ignored_fields = tuple(ignored)
     check = getattr(body, "check_supported", None)
     if check is not None:
         check()
     return body
+
+
+def _declared_names(model: type[BaseModel]) -> set[str]:
+    return {field.alias or name for name, field in model.model_fields.items()}
 
 
 def json_object(raw: bytes) -> dict:
@@ -407,8 +418,4 @@ def json_object(raw: bytes) -> dict:
 
 def _validation_error(errors: list[dict]) -> ApiError:
     unknown = [field_path(e["loc"]) for e in errors if e.get("type") == "extra_forbidden"]
-    if unknown:
-        names = ", ".join(repr(name) for name in unknown)
-        return ApiError(400, f"unsupported field{'s' if len(unknown) > 1 else ''} {names}: not known to this "
-                             "server (it refuses fields rather than ignore them)", unknown[0])
-    return from_validation(errors)
+    return unknown_fields_error(unknown) if unknown else from_validation(errors)

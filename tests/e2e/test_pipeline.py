@@ -217,6 +217,19 @@ def test_metrics_and_health(disaggregated):
     for metric in ("pdserve_time_to_first_token_seconds_bucket", "pdserve_inter_token_latency_seconds_bucket",
                    "pdserve_node_free_blocks", "pdserve_requests_total", "pdserve_node_kv_fallbacks"):
         assert metric in text, metric
+    # The nodes' vllm:* series too, one set per node (its `engine` label), as each node's own page has them.
+    for node, series in (("prefill0", "vllm:prompt_tokens_total"), ("decode0", "vllm:generation_tokens_total")):
+        own = _sample(httpx.get(disaggregated.health_urls[node] + "/metrics", timeout=5).text, series, node)
+        assert own > 0 and _sample(text, series, node) == own, (node, series)
+    assert _sample(text, "vllm:num_requests_running", "decode0") == 0
+
+
+def _sample(page: str, name: str, engine: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    [value] = [s.value for f in text_string_to_metric_families(page) for s in f.samples
+               if s.name == name and s.labels.get("engine") == engine]
+    return value
 
 
 def test_killed_prefill_node_is_named_by_health_and_the_decode_node_prefills(deployment_factory, tiny_model_dir):

@@ -1,5 +1,5 @@
-"""The wire's sampling fields (logit_bias, structured, prompt_logprobs, every integer and float
-option) and prompt logprobs in results: ranges both sides check (integers fit a signed 64-bit
+"""The wire's sampling fields (logit_bias, structured of every kind, prompt_logprobs, every integer
+and float option) and prompt logprobs in results: ranges both sides check (integers fit a signed 64-bit
 tensor, token ids int32, floats are finite), msgpack round trips, the version header every
 frame carries, and the cluster keys derived from a secret."""
 
@@ -29,6 +29,19 @@ def test_new_fields_round_trip_through_msgpack():
                                  protocol.RequestDelta("s", [TokenLogprob(5)], 0)])
     assert protocol.decode_from_node(protocol.encode(batch)) == batch
     assert outcome.label == "fallback:lease_lost" and protocol.KVOutcome(protocol.KVSource.PULLED).label == "pulled"
+
+
+@pytest.mark.parametrize("structured", [
+    StructuredOutput(StructuredKind.REGEX, regex=r"\d{3}-[a-z]+"),
+    StructuredOutput(StructuredKind.CHOICE, choices=("yes", 'say "no"', "")),
+    StructuredOutput(StructuredKind.EBNF, grammar='root ::= "a" | "b"'),
+])
+def test_regex_choice_and_ebnf_round_trip_and_only_their_field_goes_on_the_wire(structured):
+    request = protocol.DecodeRequest("r", [1], SamplingOptions(structured=structured))
+    frame = protocol.encode(request)
+    assert protocol.decode_to_node(frame) == request and b"json_schema" not in frame
+    assert frame.startswith(b"PD" + (8).to_bytes(2, "big"))  # version 8: the kinds a version 7 node cannot read
+    protocol.check_sampling(request.sampling)
 
 
 def test_frames_of_another_version_or_without_a_header_are_refused_before_decoding():
@@ -66,6 +79,21 @@ def test_curve_keys_are_derived_alike_everywhere_and_never_printed():
     (dict(structured=StructuredOutput(StructuredKind.JSON_SCHEMA, "{not json")), "structured"),
     (dict(structured=StructuredOutput(StructuredKind.JSON_SCHEMA, "[1, 2]")), "structured"),
     (dict(structured=StructuredOutput(StructuredKind.JSON_SCHEMA, HUGE_SCHEMA)), "structured"),
+    (dict(structured=StructuredOutput(StructuredKind.REGEX)), "structured"),
+    (dict(structured=StructuredOutput(StructuredKind.REGEX, regex="")), "structured"),
+    (dict(structured=StructuredOutput(StructuredKind.REGEX, SCHEMA, regex="a")), "structured"),
+    (dict(structured=StructuredOutput(StructuredKind.REGEX, regex="a" * (protocol.MAX_REGEX_BYTES + 1))),
+     "structured"),
+    (dict(structured=StructuredOutput(StructuredKind.JSON_SCHEMA, SCHEMA, grammar="root ::= \"a\"")), "structured"),
+    (dict(structured=StructuredOutput(StructuredKind.CHOICE, choices=())), "structured"),
+    (dict(structured=StructuredOutput(StructuredKind.CHOICE, regex="a")), "structured"),
+    (dict(structured=StructuredOutput(StructuredKind.CHOICE, choices=("a",) * (protocol.MAX_NUM_GRAMMAR_CHOICES + 1))),
+     "structured"),
+    (dict(structured=StructuredOutput(StructuredKind.CHOICE, choices=("é" * (protocol.MAX_GRAMMAR_CHOICES_BYTES // 2),
+                                                                       "b"))), "structured"),
+    (dict(structured=StructuredOutput(StructuredKind.EBNF, grammar="x" * (protocol.MAX_GRAMMAR_BYTES + 1))),
+     "structured"),
+    (dict(structured=StructuredOutput(StructuredKind.JSON_OBJECT, choices=("a",))), "structured"),
     (dict(logit_bias={2**31: 1.0}), "logit_bias"),
     (dict(top_k=2**63), "top_k"),
     (dict(max_tokens=2**63), "max_tokens"),
@@ -93,6 +121,13 @@ def test_edges_of_the_ranges_are_allowed():
         structured=StructuredOutput(StructuredKind.JSON_OBJECT)))
     protocol.check_sampling(SamplingOptions(prompt_logprobs=0, structured=StructuredOutput(
         StructuredKind.JSON_SCHEMA, SCHEMA)))
+    for structured in (
+        StructuredOutput(StructuredKind.REGEX, regex="a" * protocol.MAX_REGEX_BYTES),
+        StructuredOutput(StructuredKind.EBNF, grammar="x" * protocol.MAX_GRAMMAR_BYTES),
+        StructuredOutput(StructuredKind.CHOICE, choices=("ab",) * protocol.MAX_NUM_GRAMMAR_CHOICES),
+        StructuredOutput(StructuredKind.CHOICE, choices=("é" * (protocol.MAX_GRAMMAR_CHOICES_BYTES // 2),)),
+    ):
+        protocol.check_sampling(SamplingOptions(structured=structured))
 
 
 def test_integer_options_at_their_64_bit_edges_are_accepted_and_sample_without_overflow(tiny_model_dir):

@@ -1,5 +1,6 @@
 """The grammar budget (engine/schema_budget.py): what a pattern costs once its repetitions are
-expanded, ambiguous unbounded repetition refused, length bounds capped; the schemas a hostile
+expanded, ambiguous unbounded repetition and too many open repetitions refused (in a schema's
+patterns and in a whole-output regex), length bounds capped; the schemas a hostile
 client sent (issue 54) refused at once, everyday ones not, and the engine checking before it
 compiles."""
 
@@ -8,9 +9,11 @@ import pytest
 from engine.protocol import StructuredKind, StructuredOutput
 from engine.schema_budget import (
     MAX_LENGTH_BOUND,
+    MAX_OPEN_REPEATS,
     MAX_PATTERN_COST,
     MAX_SCHEMA_COST,
     SchemaTooCostly,
+    check_pattern,
     check_schema,
     pattern_cost,
 )
@@ -49,6 +52,23 @@ def test_the_patterns_of_one_schema_are_budgeted_together():
 def test_everyday_patterns_pass(pattern):
     check_schema({"type": "string", "pattern": pattern})
     assert pattern_cost(pattern)[0] <= MAX_PATTERN_COST
+
+
+@pytest.mark.parametrize("unit", ["a*", "(a|b)*", "[a-z]+", "a?", "x{2,}", "b*?"])
+def test_a_pattern_of_many_open_repetitions_is_refused_as_a_regex_and_in_a_schema(unit):
+    """a*a*a*...: cheap by the atom count, but its overlapping repetitions took minutes to compile."""
+    check_pattern(unit * MAX_OPEN_REPEATS, "the regex")
+    with pytest.raises(SchemaTooCostly, match=f"the regex .* has {MAX_OPEN_REPEATS + 1} repetitions of open count"):
+        check_pattern(unit * (MAX_OPEN_REPEATS + 1), "the regex")
+    with pytest.raises(SchemaTooCostly, match="schema.pattern"):
+        check_schema({"type": "string", "pattern": unit * (MAX_OPEN_REPEATS + 1)})
+    check_pattern("a{0,3}" * (MAX_OPEN_REPEATS + 1), "the regex")  # bounded: xgrammar keeps the count
+
+
+@pytest.mark.parametrize("pattern", HOSTILE)
+def test_the_hostile_patterns_are_refused_as_a_whole_regex(pattern):
+    with pytest.raises(SchemaTooCostly, match="the regex"):
+        check_pattern(pattern, "the regex")
 
 
 def test_length_bounds_and_pattern_properties_are_looked_at_everywhere():

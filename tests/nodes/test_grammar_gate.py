@@ -4,8 +4,9 @@ every later one with the same schema while it runs on, without compiling again (
 serves once it finishes); a request whose compile cannot
 start in time is refused as QueueFull (the proxy retries elsewhere); one compile serves every
 request asking for the same schema; a request aborted while it waits is answered nothing and
-held nowhere. The compile is held on an event (a stand-in for a costly schema) so that each of
-these happens when the test says."""
+held nowhere; regexes, choices and EBNF grammars compile there too, and one the library cannot
+parse or past the budget is a 400. The compile is held on an event (a stand-in for a costly
+schema) so that each of these happens when the test says."""
 
 from __future__ import annotations
 
@@ -152,4 +153,38 @@ def test_a_request_aborted_while_its_grammar_compiles_is_held_nowhere(node_facto
     assert not any(getattr(m, "request_id", None) == "aborted" for m in sent)
     assert not any(d.request_id == "aborted" for b in sent if isinstance(b, protocol.TokenBatch) for d in b.deltas)
     assert node.engine.grammars.num_compiled == 1  # the compile still serves the next request
+    node.engine.check_leaks()
+
+
+def test_regex_choice_and_ebnf_compile_on_the_gate_and_one_that_cannot_is_a_client_error(node_factory,
+                                                                                        tiny_model_dir):
+    """vLLM's guided_regex, guided_choice and guided_grammar as the node enforces them; the node
+    checks the budget again (a proxy may not have)."""
+    from transformers import AutoTokenizer
+
+    node, sent, held = node_factory()
+    held.release()
+    good = {"regex": StructuredOutput(StructuredKind.REGEX, regex=r"[a-z]{2,5}-\d{2}"),
+            "choice": StructuredOutput(StructuredKind.CHOICE, choices=("red", "green", "blue")),
+            "ebnf": StructuredOutput(StructuredKind.EBNF, grammar='root ::= "x=" [0-9] [0-9]? ";"')}
+    bad = {"bad-regex": (StructuredOutput(StructuredKind.REGEX, regex="(("), "Regex parsing error"),
+           "bad-ebnf": (StructuredOutput(StructuredKind.EBNF, grammar="root ::= y"), 'Rule "y" is not defined'),
+           "costly": (StructuredOutput(StructuredKind.REGEX, regex="a*" * 40), "40 repetitions of open count"),
+           "big": (StructuredOutput(StructuredKind.EBNF, grammar="root ::= " + '"a" ' * protocol.MAX_GRAMMAR_BYTES),
+                   f"the limit is {protocol.MAX_GRAMMAR_BYTES}")}
+    specs = {**good, **{request_id: spec for request_id, (spec, _) in bad.items()}}
+    for request_id, spec in specs.items():
+        options = SamplingOptions(temperature=0.0, max_tokens=32, structured=spec)
+        node.handle_message(PROXY, protocol.DecodeRequest(request_id, PROMPT, options))
+    run_until(node, lambda: all(finished(sent, r) or error_of(sent, r) for r in specs))
+    assert len(held.builds) == len(specs)  # each compiled on a grammar thread, none on the loop
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    texts = {request_id: tokenizer.decode([t.token_id for b in sent if isinstance(b, protocol.TokenBatch)
+                                           for d in b.deltas if d.request_id == request_id for t in d.tokens][:-1])
+             for request_id in good}
+    assert re.fullmatch(r"[a-z]{2,5}-\d{2}", texts["regex"]) and texts["choice"] in ("red", "green", "blue"), texts
+    assert re.fullmatch(r"x=\d\d?;", texts["ebnf"]), texts
+    for request_id, (_, words) in bad.items():
+        error = error_of(sent, request_id)
+        assert error is not None and error.is_client_error and words in error.message, (request_id, error)
     node.engine.check_leaks()

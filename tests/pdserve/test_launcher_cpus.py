@@ -124,3 +124,51 @@ def test_free_port_skips_a_port_in_use(monkeypatch):
         monkeypatch.setattr(launcher.random, "choice", lambda _: next(draws))
         monkeypatch.setattr(launcher, "_ephemeral_range", lambda: (65536, 65536))
         assert launcher.free_port() != taken
+
+
+def test_metrics_port_base_gives_node_i_port_base_plus_i(tiny_model_dir, monkeypatch):
+    started = {}
+    monkeypatch.setattr(launcher.Cluster, "start", lambda self, name, argv, log_dir, env=None:
+                        started.__setitem__(name, argv))
+    deployment = launcher.start_local(tiny_model_dir, num_prefill=2, num_decode=1, metrics_port_base=19100,
+                                      pin_cpus=False)
+    ports = {name: argv[argv.index("--health-port") + 1] for name, argv in started.items() if name != "proxy"}
+    assert ports == {"prefill0": "19100", "prefill1": "19101", "decode0": "19102"}
+    assert deployment.health_urls["decode0"] == "http://127.0.0.1:19102"
+
+
+def test_metrics_port_base_names_a_port_in_use(monkeypatch):
+    import argparse
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        args = argparse.Namespace(metrics_port_base=port - 1, prefill=1, decode=1, host="0.0.0.0", node_host=None)
+        try:
+            launcher._check_node_addresses(args)
+        except ValueError as exc:
+            assert f"port {port} (decode0's /metrics)" in str(exc)
+        else:
+            raise AssertionError("a port in use was not named")
+
+
+def test_a_proxy_on_every_interface_keeps_its_nodes_on_loopback(tiny_model_dir, monkeypatch):
+    started = {}
+    monkeypatch.setattr(launcher.Cluster, "start", lambda self, name, argv, log_dir, env=None:
+                        started.__setitem__(name, argv))
+    deployment = launcher.start_local(tiny_model_dir, host="0.0.0.0", pin_cpus=False)
+    hosts = {name: argv[argv.index("--host") + 1] for name, argv in started.items()}
+    assert hosts == {"prefill0": "127.0.0.1", "decode0": "127.0.0.1", "proxy": "0.0.0.0"}
+    assert started["proxy"][started["proxy"].index("--decode") + 1].startswith("127.0.0.1:")
+    assert deployment.base_url.startswith("http://127.0.0.1:")
+    import argparse
+
+    wildcard = argparse.Namespace(metrics_port_base=None, prefill=1, decode=1, host="0.0.0.0", node_host="0.0.0.0")
+    try:
+        launcher._check_node_addresses(wildcard)
+    except ValueError as exc:
+        assert "--node-host 0.0.0.0" in str(exc)
+    else:
+        raise AssertionError("a wildcard node host was taken")

@@ -216,7 +216,8 @@ def hostile_bodies(model: str) -> list[tuple[str, str, bytes | str, str | None]]
         ("too long stop string", "/v1/completions", body(stop="s" * (MAX_STOP_CHARS + 1))),
         ("stop_token_ids past the vocabulary", "/v1/completions", body(stop_token_ids=[10**7])),
         ("logit_bias past the vocabulary", "/v1/completions", body(logit_bias={"10000000": 1})),
-        ("unknown field", "/v1/completions", body(frobnicate=1)),
+        ("unknown field in an object", "/v1/completions", body(response_format={"type": "text", "frobnicate": 1})),
+        ("vLLM field that cannot be honoured", "/v1/completions", body(use_beam_search=True)),
     ]
     typed = [(name, path, content, "application/json") for name, path, content in cases]
     return typed + [
