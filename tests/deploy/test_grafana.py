@@ -1,7 +1,9 @@
 """The Grafana dashboard (deploy/grafana/pdserve.json) queries only metrics that pdserve exports:
 every panel's PromQL is parsed (promql-parser, Prometheus' grammar) into its metric selectors,
 and each metric name, and each label its selectors match on, must be in what a real proxy and
-real prefill and decode node processes serve on /metrics after some traffic."""
+real prefill and decode node processes serve on /metrics after some traffic. Every panel is fed
+by a series of a process the rendered Kubernetes manifests scrape, and the autoscaling example
+reads a series its node pool's pods export."""
 
 from __future__ import annotations
 
@@ -16,6 +18,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine.config import ModelConfig
 from pdserve.launcher import free_port, wait_healthy
+from tests.deploy.test_manifests import (
+    AUTOSCALING_OVERLAY,
+    OPERATOR_OVERLAY,
+    OVERLAY,
+    autoscaling_series,
+    render,
+    scraped_roles,
+)
 from tests.e2e.conftest import KV_PATH_ONLY, start_nodes
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "pdserve.json"
@@ -81,6 +91,28 @@ def queries(dashboard: dict) -> list[tuple[str, str]]:
     return found
 
 
+def merged(exports) -> dict[str, set[str]]:
+    """Several processes' exports as one: each sample name with every label seen on it."""
+    together: dict[str, set[str]] = {}
+    for exported in exports:
+        for name, labels in exported.items():
+            together.setdefault(name, set()).update(labels)
+    return together
+
+
+def unfed_panels(dashboard: dict, exported: dict[str, set[str]]) -> list[str]:
+    """Titles of the panels of which no query names a series in exported with the labels it
+    matches on (a family declared with no sample yet counts by its name): panels that stay empty."""
+    unfed = []
+    for panel in panels(dashboard):
+        found = [s for t in panel["targets"] for s in selectors(promql_parser.parse(grafana_to_promql(t["expr"])))]
+        if not any(s.name in exported and (not exported[s.name] or
+                                           {m.name for m in s.matchers.matchers} - {"le"} <= exported[s.name])
+                   for s in found):
+            unfed.append(panel["title"])
+    return unfed
+
+
 def problems_of(dashboard: dict, exported: dict[str, set[str]]) -> list[str]:
     """What in the dashboard's queries names a metric, or a label of a metric, not exported."""
     problems = []
@@ -109,14 +141,14 @@ def dashboard() -> dict:
 
 @pytest.fixture(scope="module")
 def exported(scraped) -> dict[str, set[str]]:
-    return scraped[0]
+    return merged(scraped[0].values())
 
 
 @pytest.fixture(scope="module")
-def scraped(tiny_model_dir, tmp_path_factory) -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+def scraped(tiny_model_dir, tmp_path_factory) -> tuple[dict[str, dict[str, set[str]]], dict[str, set[str]]]:
     """What a proxy, a prefill node and a decode node (real processes, NIXL) export after a few
-    requests (so labelled series exist too), together: sample names with their label names, and
-    histograms' bucket bounds."""
+    requests (so labelled series exist too): per process kind (proxy, prefill, decode) the sample
+    names with their label names, and all histograms' bucket bounds."""
     ports = [free_port(), free_port()]
     deployment = start_nodes(tiny_model_dir, tmp_path_factory.mktemp("grafana-logs"),
                              [["--health-port", str(ports[0])]], [["--health-port", str(ports[1])]],
@@ -129,13 +161,15 @@ def scraped(tiny_model_dir, tmp_path_factory) -> tuple[dict[str, set[str]], dict
                 "model": model, "prompt": "count to ten", "max_tokens": max_tokens, "stream": True,
                 "temperature": 0})
             assert response.status_code == 200, response.text
-        exported: dict[str, set[str]] = {}
+        by_kind: dict[str, dict[str, set[str]]] = {}
         bucket_bounds: dict[str, set[str]] = {}
-        for url in (deployment.base_url, *(f"http://127.0.0.1:{port}" for port in ports)):
+        urls = {"proxy": deployment.base_url, "prefill": f"http://127.0.0.1:{ports[0]}",
+                "decode": f"http://127.0.0.1:{ports[1]}"}
+        for kind, url in urls.items():
             response = httpx.get(url + "/metrics", timeout=10)
             assert response.status_code == 200, url
-            add_exported(response.text, exported, bucket_bounds)
-        yield exported, bucket_bounds
+            add_exported(response.text, by_kind.setdefault(kind, {}), bucket_bounds)
+        yield by_kind, bucket_bounds
     finally:
         deployment.stop()
 
@@ -172,3 +206,35 @@ def test_variables_cover_datasource_model_and_slo_buckets(dashboard, scraped):
         assert offered <= bucket_bounds[metric], (name, sorted(bucket_bounds[metric]))
         assert any(f'le="${name}"' in t["expr"] and metric in t["expr"] for p in panels(dashboard)
                    for t in p["targets"]), name
+
+
+@pytest.mark.parametrize(("overlay", "by"), [(OVERLAY, "annotations"), (OPERATOR_OVERLAY, "operator")],
+                         ids=["annotations", "operator"])
+def test_every_panel_is_fed_by_a_process_the_manifests_scrape(dashboard, scraped, overlay, by):
+    """Each panel names a series that a process scraped by the rendered manifests exports: the
+    pods' prometheus.io annotations (deploy/k8s/overlays/cpu) or the Operator's monitors
+    (overlays/prometheus-operator) reach the proxy and every node pool."""
+    roles = scraped_roles(render(overlay), by)
+    assert unfed_panels(dashboard, merged(scraped[0][role] for role in roles)) == []
+
+
+def test_the_feed_check_finds_the_panels_a_missing_scrape_leaves_empty(dashboard, scraped):
+    """Guards the check: the proxy alone (the manifests once scraped nothing else) leaves the
+    panels of the nodes' own pdserve_node_* series empty, the nodes alone the proxy's panels."""
+    by_kind = scraped[0]
+    unfed = unfed_panels(dashboard, by_kind["proxy"])
+    assert {"Queued prompt tokens, draining", "Engine step time p50 / p99", "KV pull bandwidth"} <= set(unfed)
+    assert "Requests by HTTP status" not in unfed
+    unfed = unfed_panels(dashboard, merged([by_kind["prefill"], by_kind["decode"]]))
+    assert {"Requests by HTTP status", "TTFT p50 / p99 (proxy)"} <= set(unfed) and "KV cache usage" not in unfed
+
+
+def test_each_autoscaler_reads_a_series_its_pools_pods_export(scraped):
+    """deploy/k8s/overlays/autoscaling: each node pool's HorizontalPodAutoscaler reads a series the
+    pool's own pods serve (not the proxy's copy of it), and those pods are scraped."""
+    scaled = autoscaling_series()
+    assert set(scaled) == {"pdserve-prefill", "pdserve-decode"}
+    for deployment, series in scaled.items():
+        kind = deployment.removeprefix("pdserve-")
+        assert {"model_name", "engine"} <= scraped[0][kind].get(series, set()), (deployment, series)
+    assert scraped_roles(render(AUTOSCALING_OVERLAY), "annotations") >= {"prefill", "decode"}
