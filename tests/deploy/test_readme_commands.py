@@ -19,7 +19,8 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 GUIDE = ROOT / "docs" / "deployment.md"
 # Shell variables the pages use in command lines, with values the parsers take.
 VARIABLES = {"$ADMIN_TOKEN": "t" * 24, "$T": "t" * 24}
-_PREFIX = re.compile(r"^(?:\.venv/bin/)?pdserve\s")
+# A command may start with environment assignments (UCX_TCP_PORT_RANGE=... pdserve decode ...).
+_PREFIX = re.compile(r"^(?:[A-Z_][A-Z0-9_]*=\S+\s+)*(?:\.venv/bin/)?pdserve\s")
 
 
 def commands(text: str) -> list[tuple[int, list[str]]]:
@@ -40,7 +41,10 @@ def commands(text: str) -> list[tuple[int, list[str]]]:
             if _PREFIX.match(line):
                 for name, value in VARIABLES.items():
                     line = line.replace(f'"{name}"', value).replace(name, value)
-                found.append((first_line + start, shlex.split(line)[1:]))
+                words = shlex.split(line)
+                while "=" in words[0]:
+                    words.pop(0)
+                found.append((first_line + start, words[1:]))
     return found
 
 
