@@ -668,7 +668,7 @@ def _num_parameters(model_dir: Path) -> int:
 
     total = 0
     for path in Path(model_dir).glob("*.safetensors"):
-        with safe_open(str(path), framework="pt") as f:
+        with safe_open(str(path), framework="numpy") as f:  # NOTE: not "pt": that imports torch (~200 MB)
             names = f.keys()  # a safe_open handle is not iterable itself
             total += sum(math.prod(f.get_slice(name).get_shape()) for name in names)
     return total

@@ -177,17 +177,18 @@ class ProxyConfig:
                 raise ValueError(f"{name} must be > 0, got {value}")
 
     def _check_trust(self) -> None:
-        """Without a cluster secret everything stays on this machine (loopback only)."""
+        """Without a cluster secret the nodes stay on this machine (loopback only). The proxy's own
+        HTTP port may face anything (a container publishes it): guarding it is the API key's job."""
         if self.cluster_secret is not None:
             if len(self.cluster_secret) < MIN_CLUSTER_SECRET_CHARS:
                 raise ValueError(f"cluster_secret must have at least {MIN_CLUSTER_SECRET_CHARS} characters, "
                                  f"got {len(self.cluster_secret)}")
             return
-        remote = [a for a in (f"{self.host}:{self.port}", *self.prefill_addresses, *self.decode_addresses)
+        remote = [a for a in (*self.prefill_addresses, *self.decode_addresses)
                   if not is_loopback_host(a.rpartition(":")[0])]
         if remote:
-            raise ValueError(f"{remote[0]} is not loopback: set a cluster secret (--cluster-secret or "
-                             f"PDSERVE_CLUSTER_SECRET) to serve or reach nodes beyond this machine")
+            raise ValueError(f"node {remote[0]} is not on loopback: set a cluster secret (--cluster-secret or "
+                             f"PDSERVE_CLUSTER_SECRET) to reach nodes beyond this machine")
 
 
 def is_loopback_host(host: str) -> bool:

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import openai
+import pytest
 
 from engine.protocol import Role
 from pdserve.launcher import free_port, wait_http_ok
@@ -79,3 +80,14 @@ def test_pdserve_proxy_serves_and_stops_on_sigterm(model_dir, vocab_size):
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
         node.stop()
+
+
+def test_a_published_proxy_needs_a_secret_only_for_nodes_beyond_loopback(model_dir):
+    """A container publishes the proxy's HTTP port (0.0.0.0) with its nodes on its own loopback:
+    no cluster secret needed; a node beyond this machine needs one."""
+    published = ProxyConfig(model_dir=str(model_dir), served_model_name=model_dir.name, host="0.0.0.0",
+                            decode_addresses=("127.0.0.1:3",))
+    assert published.host == "0.0.0.0"
+    with pytest.raises(ValueError, match="node 10.0.0.1:7000 is not on loopback: set a cluster secret"):
+        ProxyConfig(model_dir=str(model_dir), served_model_name=model_dir.name, host="127.0.0.1",
+                    decode_addresses=("10.0.0.1:7000",))
