@@ -35,6 +35,8 @@ from pathlib import Path
 
 import torch
 
+from engine.cpu_quota import read_core_times
+
 logger = logging.getLogger(__name__)
 
 # The shared file (pdserve.launcher makes it: one byte, "busy"; each side extends it to _FLAG_SIZE):
@@ -83,31 +85,6 @@ class Lender(_Flag):
         if busy != self._busy:
             self._map[0] = _BUSY if busy else _IDLE
             self._busy = busy
-
-
-def read_core_times(cores: set[int], pid: int, path: str = "/proc") -> tuple[int, int] | None:
-    """(busy, total) ticks of the given cores since boot, from /proc/stat's per-core lines, less the
-    CPU time of process pid (the lender, which runs on those cores only; 0: none); None where that
-    cannot be read (not Linux, a core missing, the process gone)."""
-    busy = total = found = 0
-    try:
-        with open(f"{path}/stat") as f:
-            for line in f:
-                if not line.startswith("cpu") or line[3] == " ":
-                    continue
-                name, *fields = line.split()
-                if int(name[3:]) in cores:
-                    ticks = [int(x) for x in fields[:8]]  # user nice system idle iowait irq softirq steal
-                    total += sum(ticks)
-                    busy += sum(ticks) - ticks[3] - ticks[4]
-                    found += 1
-        if pid:
-            with open(f"{path}/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            busy -= int(fields[11]) + int(fields[12])  # utime, stime of the whole process, in the same ticks
-    except (OSError, ValueError, IndexError):
-        return None
-    return (busy, total) if found == len(cores) else None
 
 
 class Borrower(_Flag):

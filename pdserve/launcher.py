@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.cpu_quota import usable_cores
+from engine.cpu_quota import HostLoad, usable_cores
 from pdserve.huge_heap import huge_heap_environ_here
 from pdserve.settings import CONFIG_ENV
 from pdserve.standby import NODE_COMMANDS as STANDBY_COMMANDS
@@ -94,6 +94,10 @@ class Cluster:
             self.standby = standby
         return self.start(name, argv, env=self.envs.get(name))
 
+    @property
+    def has_standby(self) -> bool:
+        return self.standby is not None and self.standby.poll() is None
+
     def start_standby(self) -> None:
         """Have a standby node process ready for restart() (pdserve.standby), unless one is up."""
         if self.standby is not None and self.standby.poll() is None:
@@ -151,16 +155,25 @@ class Supervisor:
     num_restarts: int = 0
     # Keep a standby node process ready (Cluster.start_standby): a restart then skips the imports.
     # A new standby starts standby_after_s after the last restart, not beside the restarting node
-    # (its imports took a core from that node's start on two cores).
+    # (its imports took a core from that node's start on two cores), and once the host has been
+    # quiet (host_load at most _QUIET_HOST_SHARE) for standby_when_quiet_s, or standby_at_latest_s
+    # after it was due: its imports (seconds of CPU) took a core from the first requests after ready.
     keep_standby: bool = False
     standby_after_s: float = 5.0
+    standby_when_quiet_s: float = 1.0
+    standby_at_latest_s: float = 15.0
+    host_load: Callable[[], float | None] | None = None  # None: HostLoad() (engine.cpu_quota)
+    _standby_due_at: float | None = None
+    _quiet_since: float | None = None
 
     def tick(self) -> list[str]:
         """Schedule or carry out restarts; returns a line for each event (for the console)."""
         now, events = self.clock(), []
         last_restart = max(self._started_at.values(), default=-math.inf)
-        if self.keep_standby and not self._restart_at and now - last_restart >= self.standby_after_s:
+        if (self.keep_standby and not self._restart_at and now - last_restart >= self.standby_after_s
+                and not self.cluster.has_standby and self._host_quiet(now)):
             self.cluster.start_standby()
+            self._standby_due_at = self._quiet_since = None
         for name in self.cluster.dead_names():
             if name not in self._restart_at:
                 code = self.cluster.process(name).returncode
@@ -176,6 +189,21 @@ class Supervisor:
                 how = "the standby process" if had_standby and self.cluster.standby is not proc else "a new process"
                 events.append(f"{name} restarted (pid {proc.pid}, {how})")
         return events
+
+    def _host_quiet(self, now: float) -> bool:
+        """Whether the host has been quiet for standby_when_quiet_s, or the standby has waited
+        standby_at_latest_s (counted from the first call since the last start)."""
+        if self.host_load is None:
+            self.host_load = HostLoad()
+        share = self.host_load()
+        if self._standby_due_at is None:
+            self._standby_due_at = now
+        if share is None or share > _QUIET_HOST_SHARE:
+            self._quiet_since = None
+        elif self._quiet_since is None:
+            self._quiet_since = now
+        return (now - self._standby_due_at >= self.standby_at_latest_s
+                or (self._quiet_since is not None and now - self._quiet_since >= self.standby_when_quiet_s))
 
     def _next_backoff(self, name: str, now: float) -> float:
         ran_s = now - self._started_at.get(name, now)
@@ -462,6 +490,10 @@ def nodes_host(proxy_host: str) -> str:
 def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
+
+# The host's cores at most this busy (all of them together, between two supervisor ticks) count
+# as quiet for starting the standby process.
+_QUIET_HOST_SHARE = 0.3
 
 # NOTE: the share of a GPU its nodes hold in all when several share it (split evenly).
 _SHARED_GPU_UTILIZATION = 0.9

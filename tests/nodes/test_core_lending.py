@@ -15,8 +15,9 @@ import textwrap
 
 import pytest
 
+from engine.cpu_quota import read_core_times
 from node import core_lending
-from node.core_lending import Borrower, Lender, read_core_times
+from node.core_lending import Borrower, Lender
 
 CHILD = textwrap.dedent("""
     import os, sys, torch

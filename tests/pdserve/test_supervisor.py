@@ -60,6 +60,45 @@ def test_a_process_that_keeps_dying_is_restarted_with_doubling_backoff(tmp_path)
     assert all(proc.poll() is not None for _, proc in cluster.procs)
 
 
+class _StandbyCluster(Cluster):
+    """Records standby starts instead of starting one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.standby_starts: list[float] = []
+        self.standing_by = False
+
+    @property
+    def has_standby(self) -> bool:
+        return self.standing_by
+
+    def start_standby(self) -> None:
+        self.standing_by = True
+        self.standby_starts.append(-1.0)
+
+
+def test_the_standby_starts_once_the_host_is_quiet_or_at_the_latest_after_15_s():
+    cluster, clock, load = _StandbyCluster(), Clock(), iter([])
+    supervisor = Supervisor(cluster, keep_standby=True, clock=clock, host_load=lambda: next(load))
+
+    def ticks(shares: list[float | None]) -> None:
+        nonlocal load
+        load = iter(shares)
+        for _ in shares:
+            supervisor.tick()
+            clock.now += 0.2
+
+    ticks([None, 0.9, 0.6, 0.2, 0.2, 0.2, 0.2, 0.9])  # the first requests after ready: never quiet for 1 s
+    assert cluster.standby_starts == []
+    ticks([0.1] * 6)  # quiet for 1 s
+    assert len(cluster.standby_starts) == 1
+    cluster.standing_by = False  # it became a node (a restart): a new one is due again, once quiet
+    ticks([0.9] * 74)
+    assert len(cluster.standby_starts) == 1
+    ticks([0.9] * 3)  # 15 s after it was due, busy or not
+    assert len(cluster.standby_starts) == 2
+
+
 def test_backoff_starts_over_after_a_long_healthy_run(tmp_path):
     cluster, clock = Cluster(), Clock()
     supervisor = Supervisor(cluster, initial_backoff_s=1.0, reset_after_s=60.0, clock=clock)
@@ -147,6 +186,8 @@ def test_pdserve_up_restarts_a_killed_decode_node_and_stops_everything_on_sigter
     [decode_url] = re.findall(r"decode0: (http://\S+)/health", log.read_text())
     blocks = _total_blocks(decode_url)  # sized by the node from free memory (no --num-blocks given)
     [decode_pid] = [pid for pid, cmd in children.items() if "--node-id decode0" in cmd]
+    # The standby process starts once the host is quiet (not beside the first requests after ready).
+    wait_for(lambda: any("pdserve.standby" in cmd for cmd in _children_of(proc.pid).values()), timeout_s=90)
     os.kill(decode_pid, signal.SIGKILL)
     wait_for(lambda: "decode0 restarted" in log.read_text(), timeout_s=30)
     # The standby process (imports done, kept ready by the launcher) became the node.
