@@ -349,7 +349,6 @@ def main(args: argparse.Namespace) -> int:
     if args.log_format:
         node_args += ["--log-format", args.log_format]
         proxy_args += ["--log-format", args.log_format]
-    print(f"pdserve up: starting {args.prefill} prefill + {args.decode} decode nodes and the proxy ...", flush=True)
     try:
         gpus = gpu_plan(args.prefill, args.decode, _gpu_list(args.gpus, "--gpus"),
                         _gpu_list(args.prefill_gpus, "--prefill-gpus"), _gpu_list(args.decode_gpus, "--decode-gpus"),
@@ -360,6 +359,7 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"pdserve up: {exc}", file=sys.stderr)
         return 2
+    print(f"pdserve up: starting {args.prefill} prefill + {args.decode} decode nodes and the proxy ...", flush=True)
     if any(gpus):
         print("pdserve up: GPUs " + ", ".join(f"{name} on {gpu}" for name, gpu in zip(_node_names(args.prefill,
                                                                                             args.decode), gpus)),
