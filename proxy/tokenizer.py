@@ -7,6 +7,7 @@ character, and stop strings."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.metadata
 import json
@@ -158,17 +159,19 @@ class ModelTokenizer:
             return bytes([int(match.group(1), 16)])
         # NOTE: after another token, not alone: a SentencePiece decoder strips the leading space of
         # a text's first token ("▁def" alone is "def", but " def" where it follows text).
-        anchor = self._anchor()
+        anchor = self._anchor
         if anchor is None:
             return self.tokenizer.decode([token_id], skip_special_tokens=False).encode()
-        before = self.tokenizer.decode([anchor], skip_special_tokens=False)
-        return self.tokenizer.decode([anchor, token_id], skip_special_tokens=False).removeprefix(before).encode()
+        anchor_id, anchor_text = anchor
+        text = self.tokenizer.decode([anchor_id, token_id], skip_special_tokens=False)
+        return text.removeprefix(anchor_text).encode()
 
-    def _anchor(self) -> int | None:
-        """A plain one-letter token, decoded before a token to read that token's text in context."""
-        if not hasattr(self, "_anchor_id"):
-            self._anchor_id = next((i for i in map(self.tokenizer.token_to_id, "aeiostxAE") if i is not None), None)
-        return self._anchor_id
+    @functools.cached_property
+    def _anchor(self) -> tuple[int, str] | None:
+        """A plain one-letter token and its text, decoded before a token to read that token's text
+        in context."""
+        anchor = next((i for i in map(self.tokenizer.token_to_id, "aeiostxAE") if i is not None), None)
+        return None if anchor is None else (anchor, self.tokenizer.decode([anchor], skip_special_tokens=False))
 
     def token_text(self, token_id: int) -> str:
         """One token's text as logprobs show it: the text when its bytes are whole characters,
