@@ -43,8 +43,10 @@ import openai
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from pdserve.launcher import Supervisor, health_ok, pin_kv_capacity, start_local, wait_healthy  # noqa: E402
+from pdserve.cluster import Supervisor  # noqa: E402
+from pdserve.launcher import pin_kv_capacity, start_local, wait_healthy  # noqa: E402
 from pdserve.make_model import make_model  # noqa: E402
+from pdserve.ports import health_ok  # noqa: E402
 from tests.e2e.conftest import node_load  # noqa: E402
 
 MAX_TOKENS = 48

@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from pdserve.default_model import ensure_default_model  # noqa: E402
-from pdserve.launcher import free_port, wait_http_ok  # noqa: E402
+from pdserve.ports import free_port, wait_http_ok  # noqa: E402
 
 MODES = {"default": [], "no-lend": ["--no-lend-cores"]}
 README_CHAT = {"model": "smollm2", "messages": [{"role": "user", "content": "What is the capital of France?"}],

@@ -54,7 +54,7 @@ def main() -> int:
 
 
 def _fuzz(base_url: str, args: argparse.Namespace) -> FuzzReport:
-    from pdserve.launcher import wait_http_ok
+    from pdserve.ports import wait_http_ok
 
     wait_http_ok(base_url + "/health", timeout_s=10)
     started = time.monotonic()

@@ -31,7 +31,8 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.results_io import write_result  # noqa: E402
 from pdserve.bench import BenchConfig, DatasetConfig, EndpointConfig, LoadConfig, run_benchmark  # noqa: E402
-from pdserve.launcher import gpu_plan, start_local, visible_gpus, wait_healthy  # noqa: E402
+from pdserve.gpus import gpu_plan, visible_gpus  # noqa: E402
+from pdserve.launcher import start_local, wait_healthy  # noqa: E402
 
 SETUPS = {"colocated": 0, "1P+1D": 1}
 

@@ -127,7 +127,7 @@ def main() -> None:
 
         print(json.dumps(uvloop.run(_client_rounds(args))))
         return
-    from pdserve.launcher import free_port, wait_http_ok
+    from pdserve.ports import free_port, wait_http_ok
 
     port = free_port()
     server = subprocess.Popen([sys.executable, "-c", _SERVER, str(port), str(args.chunks), str(args.gap_ms / 1e3)])

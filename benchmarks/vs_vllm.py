@@ -202,7 +202,7 @@ def served_pdserve(args, model_dir: Path, vocab: int, layout: str) -> dict:
 
 def served_vllm(args, model_dir: Path, vocab: int) -> dict:
     sys.path.insert(0, str(REPO))
-    from pdserve.launcher import free_port
+    from pdserve.ports import free_port
 
     port = free_port()
     argv = [args.vllm_python, str(Path(__file__).resolve()), "--worker", "vllm-serve", "--model", str(model_dir),
@@ -219,11 +219,11 @@ def served_vllm(args, model_dir: Path, vocab: int) -> dict:
 
 
 def vllm_serve_env(model_dir: Path, dtype: str) -> dict[str, str]:
-    """VLLM_ENV, or where `pdserve up` keeps a core for its proxy (pdserve.launcher's
+    """VLLM_ENV, or where `pdserve up` keeps a core for its proxy (pdserve.cores'
     auto_proxy_cores, for one node in this dtype) the same for vLLM: its worker on the other cores
     and one core reserved for its API server (faster that way on `tiny` in bfloat16 than with the
     worker on both cores)."""
-    from pdserve.launcher import auto_proxy_cores
+    from pdserve.cores import auto_proxy_cores
 
     cores = sorted(os.sched_getaffinity(0))
     if not auto_proxy_cores(model_dir, len(cores), 1, dtype):

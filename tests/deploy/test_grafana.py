@@ -17,7 +17,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.config import ModelConfig
-from pdserve.launcher import free_port, wait_healthy
+from pdserve.launcher import wait_healthy
+from pdserve.ports import free_port
 from tests.deploy.test_manifests import (
     AUTOSCALING_OVERLAY,
     OPERATOR_OVERLAY,

@@ -15,7 +15,9 @@ import pytest
 import zmq
 
 from engine import protocol
-from pdserve.launcher import Cluster, Deployment, free_port, start_local, wait_healthy
+from pdserve.cluster import Cluster
+from pdserve.launcher import Deployment, start_local, wait_healthy
+from pdserve.ports import free_port
 
 # Small enough that a long prompt is split across prefill steps (chunked prefill).
 NODE_ARGS = ("--max-num-batched-tokens", "256", "--num-blocks", "512", "--max-num-seqs", "32")

@@ -12,7 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
-from pdserve.launcher import wait_healthy, wait_http_ok
+from pdserve.launcher import wait_healthy
+from pdserve.ports import wait_http_ok
 from tests.e2e.conftest import KV_PATH_ONLY, NODE_ARGS, _start, node_load, start_nodes, wait_blocks_free
 from tests.e2e.test_pipeline import hf, hf_greedy, random_prompts  # noqa: F401 - hf is a fixture
 

@@ -33,7 +33,7 @@ from kv_transfer import side_channel
 from kv_transfer.errors import HandshakeFailed
 from kv_transfer.layout import KVLayout
 from kv_transfer.messages import SIDE_CHANNEL_VERSION, Hello, HelloReply
-from pdserve.launcher import free_port, wait_http_ok
+from pdserve.ports import free_port, wait_http_ok
 from tests.conftest import held_port
 from tests.e2e.conftest import (
     CLUSTER_SECRET,

@@ -22,7 +22,8 @@ import openai
 import pytest
 
 from engine.protocol import curve_keys
-from pdserve.launcher import Cluster, Deployment, wait_healthy
+from pdserve.cluster import Cluster
+from pdserve.launcher import Deployment, wait_healthy
 from pdserve.netns import TestNetwork
 from tests.e2e.conftest import CLUSTER_SECRET, NODE_ARGS, assert_kv_path_only, node_load, wait_blocks_free
 from tests.e2e.test_pipeline import hf, hf_greedy, random_prompts  # noqa: F401 - hf is a fixture

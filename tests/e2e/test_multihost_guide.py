@@ -19,7 +19,8 @@ import httpx
 import pytest
 
 from engine.protocol import curve_keys
-from pdserve.launcher import Cluster, Deployment, wait_healthy
+from pdserve.cluster import Cluster
+from pdserve.launcher import Deployment, wait_healthy
 from pdserve.netns import TestNetwork
 from tests.e2e.conftest import assert_kv_path_only
 from tests.e2e.test_pipeline import client_for, hf, hf_greedy, model_name, random_prompts  # noqa: F401

@@ -22,7 +22,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pdserve.launcher import Cluster, Deployment, free_port, wait_healthy
+from pdserve.cluster import Cluster
+from pdserve.launcher import Deployment, wait_healthy
+from pdserve.ports import free_port
 from tests.conftest import assert_every_request_answered
 from tests.e2e.conftest import KV_PATH_ONLY, NODE_ARGS, assert_kv_path_only, node_load, wait_blocks_free
 from tests.e2e.test_availability import MAX_TOKENS, _Streams

@@ -10,16 +10,13 @@ from __future__ import annotations
 import re
 
 import pytest
-from transformers import AutoTokenizer
 
-from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine.engine import LLMEngine
 from engine.grammar import GrammarRefused, Grammars
 from engine.protocol import MAX_GRAMMAR_BYTES, SamplingError, StructuredKind, StructuredOutput
 from engine.sampling_params import SamplingParams
+from tests.engine.run_requests import EOS_IDS, PROMPT, run_to_end
 
-EOS_IDS = (0, 2)  # the tiny model's eos ids
-PROMPT = [5, 60, 7, 300, 9, 41]
 MAX_TOKENS = 96  # every grammar here is complete well within it
 SEEDS = range(8)
 
@@ -47,37 +44,16 @@ def ebnf(grammar: str) -> StructuredOutput:
     return StructuredOutput(StructuredKind.EBNF, grammar=grammar)
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir) -> LLMEngine:
-    config = EngineConfig(ModelConfig.from_pretrained(tiny_model_dir), CacheConfig(num_blocks=512),
-                          SchedulerConfig(max_num_seqs=32))
-    return LLMEngine(config)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir):
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
-
-
 def texts(engine: LLMEngine, tokenizer, spec: StructuredOutput, seeds=SEEDS) -> list[str]:
     """The texts of a greedy request and one sampled request per seed, run together, each
     checked to end with eos (finish "stop"); the engine then holds nothing."""
     requests = {"greedy": SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, structured=spec)}
     requests |= {f"s{seed}": SamplingParams(temperature=1.0, seed=seed, max_tokens=MAX_TOKENS, structured=spec)
                  for seed in seeds}
-    for request_id, params in requests.items():
-        engine.add_request(request_id, PROMPT, params)
-    tokens: dict[str, list[int]] = {request_id: [] for request_id in requests}
-    reasons = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            tokens[out.request_id] += [t.token_id for t in out.new_tokens]
-            if out.is_finished:
-                reasons[out.request_id] = out.finish_reason.value
-    engine.check_leaks()
-    for request_id, ids in tokens.items():
-        assert reasons[request_id] == "stop" and ids[-1] in EOS_IDS, (request_id, tokenizer.decode(ids))
-    return [tokenizer.decode(ids[:-1]) for ids in tokens.values()]
+    results = run_to_end(engine, requests)
+    for request_id, (ids, reason) in results.items():
+        assert reason == "stop" and ids[-1] in EOS_IDS, (request_id, tokenizer.decode(ids))
+    return [tokenizer.decode(ids[:-1]) for ids, _ in results.values()]
 
 
 @pytest.mark.parametrize("pattern", REGEXES)

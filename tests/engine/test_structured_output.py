@@ -8,16 +8,12 @@ from __future__ import annotations
 import json
 
 import pytest
-from transformers import AutoTokenizer
 
-from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from engine.engine import LLMEngine
 from engine.grammar import Grammars
 from engine.protocol import StructuredKind, StructuredOutput
 from engine.sampling_params import SamplingParams
+from tests.engine.run_requests import EOS_IDS, PROMPT, run_to_end
 
-EOS_IDS = (0, 2)  # the tiny model's eos ids (<|endoftext|>, <|im_end|>)
-PROMPT = [5, 60, 7, 300, 9, 41]
 # Bounded everywhere (fixed keys, maxLength, an integer range, an enum), so even the tiny random
 # model's outputs end well within MAX_TOKENS (measured: about 100 tokens, most of them whitespace).
 PERSON_SCHEMA = {
@@ -44,33 +40,6 @@ def check_person(value) -> None:
     assert value["color"] in ("red", "green", "blue"), value
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir) -> LLMEngine:
-    config = EngineConfig(ModelConfig.from_pretrained(tiny_model_dir), CacheConfig(num_blocks=1024),
-                          SchedulerConfig(max_num_seqs=32))
-    return LLMEngine(config)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir):
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
-
-
-def run(engine: LLMEngine, requests: dict[str, SamplingParams], prompt=PROMPT) -> dict[str, tuple[list[int], str]]:
-    """Run the requests together to the end: request_id -> (tokens, finish reason)."""
-    for request_id, params in requests.items():
-        engine.add_request(request_id, prompt, params)
-    tokens = {request_id: [] for request_id in requests}
-    reasons = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            tokens[out.request_id] += [t.token_id for t in out.new_tokens]
-            if out.is_finished:
-                reasons[out.request_id] = out.finish_reason.value
-    engine.check_leaks()  # every block free, every matcher gone
-    return {request_id: (tokens[request_id], reasons[request_id]) for request_id in requests}
-
-
 def as_json(tokenizer, tokens: list[int]):
     """The output before its closing eos, parsed by a strict JSON parser."""
     assert tokens[-1] in EOS_IDS, tokens[-5:]
@@ -82,7 +51,7 @@ def test_json_schema_at_temperature_one_parses_and_validates_for_20_seeds(engine
                 for seed in range(20)}
     # An unconstrained neighbour in the same batch.
     requests["free"] = SamplingParams(temperature=1.0, seed=1, max_tokens=40, ignore_eos=True)
-    results = run(engine, requests)
+    results = run_to_end(engine, requests)
     for request_id in requests:
         if request_id == "free":
             continue
@@ -93,7 +62,7 @@ def test_json_schema_at_temperature_one_parses_and_validates_for_20_seeds(engine
 
 
 def test_greedy_json_schema_with_truncation_and_ignore_eos_still_ends_at_the_grammar(engine, tokenizer):
-    results = run(engine, {
+    results = run_to_end(engine, {
         "greedy": SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, structured=PERSON),
         "truncated": SamplingParams(temperature=0.8, top_k=5, top_p=0.9, seed=3, max_tokens=MAX_TOKENS,
                                     ignore_eos=True, structured=PERSON),
@@ -104,7 +73,7 @@ def test_greedy_json_schema_with_truncation_and_ignore_eos_still_ends_at_the_gra
 
 
 def test_complete_grammar_overrides_min_tokens(engine, tokenizer):
-    [(tokens, reason)] = run(engine, {"m": SamplingParams(temperature=1.0, seed=5, min_tokens=MAX_TOKENS - 1,
+    [(tokens, reason)] = run_to_end(engine, {"m": SamplingParams(temperature=1.0, seed=5, min_tokens=MAX_TOKENS - 1,
                                                           max_tokens=MAX_TOKENS, structured=PERSON)}).values()
     assert reason == "stop" and len(tokens) < MAX_TOKENS - 1
     check_person(as_json(tokenizer, tokens))
@@ -115,7 +84,7 @@ def test_json_object_with_a_bias_towards_closing_is_an_object(engine, tokenizer)
     any_object = StructuredOutput(StructuredKind.JSON_OBJECT)
     requests = {f"o{seed}": SamplingParams(temperature=1.0, seed=seed, max_tokens=MAX_TOKENS, structured=any_object,
                                            logit_bias={close_brace: 8.0}) for seed in range(5)}
-    for tokens, reason in run(engine, requests).values():
+    for tokens, reason in run_to_end(engine, requests).values():
         assert reason == "stop"
         assert isinstance(as_json(tokenizer, tokens), dict)
 

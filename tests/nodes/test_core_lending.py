@@ -43,7 +43,7 @@ def test_the_borrower_follows_the_lenders_flag_and_its_own_prompts(tmp_path):
     assert len(os.sched_getaffinity(0)) >= 2, "lending needs two cores (CI has two)"
     own, lent = sorted(os.sched_getaffinity(0))[:2]
     flag = tmp_path / "flag"
-    flag.write_bytes(b"\x01")  # as pdserve.launcher makes it: busy
+    flag.write_bytes(b"\x01")  # as pdserve.cores makes it: busy
     done = subprocess.run([sys.executable, "-c", CHILD, str(own), str(lent), str(flag)], capture_output=True,
                           text=True, timeout=120, cwd=os.getcwd())
     assert done.returncode == 0, done.stderr
@@ -61,7 +61,7 @@ class Host:
         self.lender_ticks = 0
         self.cpu = 0.0
         flag = tmp_path / "flag"
-        flag.write_bytes(b"\x01")  # as pdserve.launcher makes it: busy
+        flag.write_bytes(b"\x01")  # as pdserve.cores makes it: busy
         self.lender = Lender(flag)
         switched: list[bool] = []
         monkeypatch.setattr(Borrower, "_switch", lambda b, borrow: (switched.append(borrow),

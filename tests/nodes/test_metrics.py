@@ -15,7 +15,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine import protocol
 from engine.config import ModelConfig
-from pdserve.launcher import free_port, wait_healthy
+from pdserve.launcher import wait_healthy
+from pdserve.ports import free_port
 from tests.e2e.conftest import KV_PATH_ONLY, start_nodes
 from tests.nodes.conftest import (
     GREEDY,

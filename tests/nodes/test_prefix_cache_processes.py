@@ -15,7 +15,8 @@ import torch
 import transformers
 
 from engine import protocol
-from pdserve.launcher import Cluster, free_port
+from pdserve.cluster import Cluster
+from pdserve.ports import free_port
 from tests.conftest import dealer
 
 GREEDY = protocol.SamplingOptions(max_tokens=6, temperature=0.0, ignore_eos=True)

@@ -9,56 +9,57 @@ from pathlib import Path
 import httpx
 from safetensors.torch import load_file
 
-from pdserve import launcher
+from pdserve import cores, launcher, ports
+from pdserve.cluster import Cluster
 
 
 def test_cores_are_split_evenly_and_all_used():
-    assert launcher._cpu_plan([0, 1], 1) == ["0,1"]
-    assert launcher._cpu_plan([0, 1], 2) == ["0", "1"]
-    assert launcher._cpu_plan([0, 1, 2, 3, 4], 2) == ["0,1", "2,3,4"]
-    assert launcher._cpu_plan([0, 1], 3) == ["0,1"] * 3  # fewer cores than nodes: all share
-    assert launcher._cpu_plan([0, 1], 0) == []
+    assert cores.cpu_plan([0, 1], 1) == ["0,1"]
+    assert cores.cpu_plan([0, 1], 2) == ["0", "1"]
+    assert cores.cpu_plan([0, 1, 2, 3, 4], 2) == ["0,1", "2,3,4"]
+    assert cores.cpu_plan([0, 1], 3) == ["0,1"] * 3  # fewer cores than nodes: all share
+    assert cores.cpu_plan([0, 1], 0) == []
 
 
 def test_proxy_cores_come_off_the_front_while_a_core_is_left():
-    assert launcher._cpu_plan([0, 1], 1, proxy_cores=1) == ["1"]
-    assert launcher._cpu_plan([0, 1, 2, 3], 2, proxy_cores=1) == ["1", "2,3"]
-    assert launcher._cpu_plan([4, 5, 6, 7], 1, proxy_cores=2) == ["6,7"]
-    assert launcher._cpu_plan([0], 1, proxy_cores=1) == ["0"]  # nothing would be left: no reservation
+    assert cores.cpu_plan([0, 1], 1, proxy_cores=1) == ["1"]
+    assert cores.cpu_plan([0, 1, 2, 3], 2, proxy_cores=1) == ["1", "2,3"]
+    assert cores.cpu_plan([4, 5, 6, 7], 1, proxy_cores=2) == ["6,7"]
+    assert cores.cpu_plan([0], 1, proxy_cores=1) == ["0"]  # nothing would be left: no reservation
 
 
 def test_parameters_are_counted_from_the_headers(tiny_model_dir):
     tensors = load_file(str(Path(tiny_model_dir) / "model.safetensors"))
-    assert launcher._num_parameters(tiny_model_dir) == sum(t.numel() for t in tensors.values())
+    assert cores._num_parameters(tiny_model_dir) == sum(t.numel() for t in tensors.values())
 
 
 def test_a_small_model_gets_a_proxy_core_only_when_each_node_keeps_one(tiny_model_dir, monkeypatch):
-    assert launcher.auto_proxy_cores(tiny_model_dir, num_cores=2, num_nodes=1, dtype="bfloat16") == 1
-    assert launcher.auto_proxy_cores(tiny_model_dir, num_cores=2, num_nodes=2, dtype="bfloat16") == 0
-    assert launcher.auto_proxy_cores(tiny_model_dir, num_cores=1, num_nodes=1, dtype="bfloat16") == 0
+    assert cores.auto_proxy_cores(tiny_model_dir, num_cores=2, num_nodes=1, dtype="bfloat16") == 1
+    assert cores.auto_proxy_cores(tiny_model_dir, num_cores=2, num_nodes=2, dtype="bfloat16") == 0
+    assert cores.auto_proxy_cores(tiny_model_dir, num_cores=1, num_nodes=1, dtype="bfloat16") == 0
     # tiny's float32 weights (13.6 MB) are past the line: its node measured faster on both cores
-    assert launcher.auto_proxy_cores(tiny_model_dir, num_cores=2, num_nodes=1) == 0
-    monkeypatch.setattr(launcher, "_num_parameters", lambda _: 135_000_000)  # SmolLM2-135M's size
-    assert launcher.auto_proxy_cores(tiny_model_dir, num_cores=2, num_nodes=1, dtype="bfloat16") == 0
+    assert cores.auto_proxy_cores(tiny_model_dir, num_cores=2, num_nodes=1) == 0
+    monkeypatch.setattr(cores, "_num_parameters", lambda _: 135_000_000)  # SmolLM2-135M's size
+    assert cores.auto_proxy_cores(tiny_model_dir, num_cores=2, num_nodes=1, dtype="bfloat16") == 0
 
 
 def test_the_dtype_for_the_proxy_core_rule_comes_from_the_node_flags():
-    assert launcher._node_dtype(["--num-blocks", "8", "--dtype", "bfloat16"]) == "bfloat16"
-    assert launcher._node_dtype(["--dtype=float16"]) == "float16"
-    assert launcher._node_dtype(["--num-blocks", "8"]) is None
+    assert cores.node_dtype(["--num-blocks", "8", "--dtype", "bfloat16"]) == "bfloat16"
+    assert cores.node_dtype(["--dtype=float16"]) == "float16"
+    assert cores.node_dtype(["--num-blocks", "8"]) is None
 
 
 def test_the_launchers_dtype_sizes_are_the_engines():
     from engine.config import DTYPES
 
-    assert {name: dtype.itemsize for name, dtype in DTYPES.items()} == launcher._BYTES_PER_ELEMENT
+    assert {name: dtype.itemsize for name, dtype in DTYPES.items()} == cores._BYTES_PER_ELEMENT
 
 
 def test_a_colocated_small_model_runs_beside_the_proxy(tiny_model_dir, tmp_path):
     """Live: the node of a colocated `tiny` deployment in bfloat16 (the dtype read from the node
     flags) is pinned off the first core (on a machine of one core, to that core) and answers."""
-    cores = sorted(os.sched_getaffinity(0))
-    expected = set(cores[1:]) or set(cores)
+    all_cores = sorted(os.sched_getaffinity(0))
+    expected = set(all_cores[1:]) or set(all_cores)
     deployment = launcher.start_local(tiny_model_dir, num_prefill=0, num_decode=1, log_dir=tmp_path,
                                       node_args=["--dtype", "bfloat16"])
     try:
@@ -73,23 +74,23 @@ def test_a_colocated_small_model_runs_beside_the_proxy(tiny_model_dir, tmp_path)
 
 
 def test_lending_pairs_prefill_node_i_with_decode_node_i_only_where_cores_are_their_own(tmp_path):
-    cluster = launcher.Cluster()
-    flags = launcher._lending_flags(cluster, ["0", "1"], num_prefill=1, num_decode=1)
+    cluster = Cluster()
+    flags = cores.lending_flags(cluster, ["0", "1"], num_prefill=1, num_decode=1)
     assert list(flags) == [0] and flags[0].read_bytes() == b"\x01" and cluster.files == [flags[0]]
-    assert list(launcher._lending_flags(cluster, ["0", "1", "2"], num_prefill=2, num_decode=1)) == [0]
-    assert launcher._lending_flags(cluster, ["0,1"] * 3, num_prefill=2, num_decode=1) == {}  # shared cores
-    assert launcher._lending_flags(cluster, ["0", "1", "2"], num_prefill=1, num_decode=2) == {}  # two borrowers
-    assert launcher._lending_flags(cluster, ["0,1"], num_prefill=0, num_decode=1) == {}  # colocated
-    assert launcher._lending_flags(cluster, [], num_prefill=1, num_decode=1) == {}  # not pinned
+    assert list(cores.lending_flags(cluster, ["0", "1", "2"], num_prefill=2, num_decode=1)) == [0]
+    assert cores.lending_flags(cluster, ["0,1"] * 3, num_prefill=2, num_decode=1) == {}  # shared cores
+    assert cores.lending_flags(cluster, ["0", "1", "2"], num_prefill=1, num_decode=2) == {}  # two borrowers
+    assert cores.lending_flags(cluster, ["0,1"], num_prefill=0, num_decode=1) == {}  # colocated
+    assert cores.lending_flags(cluster, [], num_prefill=1, num_decode=1) == {}  # not pinned
     cluster.stop()
     assert not any(path.exists() for path in cluster.files)
 
 
 def test_cores_are_lent_for_models_of_64_mb_and_up(tiny_model_dir, monkeypatch):
-    assert not launcher.auto_lend_cores(tiny_model_dir)  # 13.6 MB in float32: measured slower with it
-    assert not launcher.auto_lend_cores(tiny_model_dir, "bfloat16")
-    monkeypatch.setattr(launcher, "_num_parameters", lambda _: 111_000_000)  # `small`
-    assert launcher.auto_lend_cores(tiny_model_dir, "bfloat16") and launcher.auto_lend_cores(tiny_model_dir)
+    assert not cores.auto_lend_cores(tiny_model_dir)  # 13.6 MB in float32: measured slower with it
+    assert not cores.auto_lend_cores(tiny_model_dir, "bfloat16")
+    monkeypatch.setattr(cores, "_num_parameters", lambda _: 111_000_000)  # `small`
+    assert cores.auto_lend_cores(tiny_model_dir, "bfloat16") and cores.auto_lend_cores(tiny_model_dir)
 
 
 def test_free_ports_come_from_below_the_ephemeral_range():
@@ -98,19 +99,19 @@ def test_free_ports_come_from_below_the_ephemeral_range():
     ports, each bindable now."""
     import socket
 
-    low = launcher._ephemeral_range()[0]
-    ports = [launcher.free_port() for _ in range(64)]
-    assert len(set(ports)) == 64
-    assert all(launcher._LOWEST_PORT <= port < low for port in ports)
-    for port in ports:
+    low = ports._ephemeral_range()[0]
+    drawn = [ports.free_port() for _ in range(64)]
+    assert len(set(drawn)) == 64
+    assert all(ports._LOWEST_PORT <= port < low for port in drawn)
+    for port in drawn:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             sock.bind(("127.0.0.1", port))
 
 
 def test_free_port_takes_the_kernels_choice_where_the_range_leaves_no_room(monkeypatch):
-    monkeypatch.setattr(launcher, "_ephemeral_range", lambda: (launcher._LOWEST_PORT + 100, 60999))
-    ports = {launcher.free_port() for _ in range(8)}
-    assert len(ports) == 8 and all(port >= launcher._LOWEST_PORT + 100 for port in ports)
+    monkeypatch.setattr(ports, "_ephemeral_range", lambda: (ports._LOWEST_PORT + 100, 60999))
+    drawn = {ports.free_port() for _ in range(8)}
+    assert len(drawn) == 8 and all(port >= ports._LOWEST_PORT + 100 for port in drawn)
 
 
 def test_free_port_skips_a_port_in_use(monkeypatch):
@@ -121,19 +122,19 @@ def test_free_port_skips_a_port_in_use(monkeypatch):
         busy.listen()
         taken = busy.getsockname()[1]
         draws = iter([taken, taken + 1 if taken < 65535 else taken - 1])
-        monkeypatch.setattr(launcher.random, "choice", lambda _: next(draws))
-        monkeypatch.setattr(launcher, "_ephemeral_range", lambda: (65536, 65536))
-        assert launcher.free_port() != taken
+        monkeypatch.setattr(ports.random, "choice", lambda _: next(draws))
+        monkeypatch.setattr(ports, "_ephemeral_range", lambda: (65536, 65536))
+        assert ports.free_port() != taken
 
 
 def test_metrics_port_base_gives_node_i_port_base_plus_i(tiny_model_dir, monkeypatch):
     started = {}
-    monkeypatch.setattr(launcher.Cluster, "start", lambda self, name, argv, log_dir, env=None:
+    monkeypatch.setattr(Cluster, "start", lambda self, name, argv, log_dir, env=None:
                         started.__setitem__(name, argv))
     deployment = launcher.start_local(tiny_model_dir, num_prefill=2, num_decode=1, metrics_port_base=19100,
                                       pin_cpus=False)
-    ports = {name: argv[argv.index("--health-port") + 1] for name, argv in started.items() if name != "proxy"}
-    assert ports == {"prefill0": "19100", "prefill1": "19101", "decode0": "19102"}
+    health_ports = {name: argv[argv.index("--health-port") + 1] for name, argv in started.items() if name != "proxy"}
+    assert health_ports == {"prefill0": "19100", "prefill1": "19101", "decode0": "19102"}
     assert deployment.health_urls["decode0"] == "http://127.0.0.1:19102"
 
 
@@ -156,7 +157,7 @@ def test_metrics_port_base_names_a_port_in_use(monkeypatch):
 
 def test_a_proxy_on_every_interface_keeps_its_nodes_on_loopback(tiny_model_dir, monkeypatch):
     started = {}
-    monkeypatch.setattr(launcher.Cluster, "start", lambda self, name, argv, log_dir, env=None:
+    monkeypatch.setattr(Cluster, "start", lambda self, name, argv, log_dir, env=None:
                         started.__setitem__(name, argv))
     deployment = launcher.start_local(tiny_model_dir, host="0.0.0.0", pin_cpus=False)
     hosts = {name: argv[argv.index("--host") + 1] for name, argv in started.items()}

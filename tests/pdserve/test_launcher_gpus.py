@@ -7,7 +7,8 @@ import pytest
 from engine.config import CacheConfig
 from engine.kv_cache import gpu_budget_bytes
 from pdserve import launcher
-from pdserve.launcher import gpu_plan, visible_gpus
+from pdserve.cluster import Cluster
+from pdserve.gpus import gpu_plan, visible_gpus
 
 GIB = 1 << 30
 
@@ -63,7 +64,7 @@ def test_visible_gpus_follow_cuda_visible_devices(monkeypatch):
 def started(monkeypatch, tiny_model_dir):
     """start_local's processes as (name, argv, env), none of them run."""
     calls = []
-    monkeypatch.setattr(launcher.Cluster, "start",
+    monkeypatch.setattr(Cluster, "start",
                         lambda self, name, argv, log_dir=None, env=None: calls.append((name, argv, env or {})))
 
     def start(gpus, node_args=()):

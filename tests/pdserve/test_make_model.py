@@ -136,7 +136,7 @@ def smollm2_dir() -> Path:
 
 
 def _gguf_path() -> Path:
-    from pdserve.make_model import PACKAGED_MODELS, packaged_gguf_path
+    from pdserve.packaged_model import PACKAGED_MODELS, packaged_gguf_path
 
     return packaged_gguf_path(PACKAGED_MODELS["smollm2"])
 

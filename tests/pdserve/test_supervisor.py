@@ -14,7 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pdserve.launcher import Cluster, Supervisor, free_port, wait_http_ok
+from pdserve.cluster import Cluster, Supervisor
+from pdserve.ports import free_port, wait_http_ok
 from tests.conftest import assert_every_request_answered
 
 EXIT_AT_ONCE = [sys.executable, "-c", "import sys; sys.exit(3)"]

@@ -14,7 +14,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 from engine.protocol import Role
-from pdserve.launcher import wait_http_ok
+from pdserve.ports import wait_http_ok
 from proxy.app import create_app, server_options
 from proxy.config import ProxyConfig
 from tests.conftest import UvicornServer

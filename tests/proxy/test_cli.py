@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from engine.protocol import Role
-from pdserve.launcher import free_port, wait_http_ok
+from pdserve.ports import free_port, wait_http_ok
 from proxy.config import ProxyConfig
 from proxy.main import add_arguments, config_from_args
 from tests.proxy.fake_node import FakeNode, FakeNodeConfig

@@ -17,7 +17,7 @@ import pytest
 
 from engine import protocol
 from engine.protocol import Role
-from pdserve.launcher import free_port, wait_http_ok
+from pdserve.ports import free_port, wait_http_ok
 from tests.proxy.conftest import MODEL_NAME
 from tests.proxy.fake_node import FakeNode, FakeNodeConfig
 
