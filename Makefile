@@ -31,9 +31,15 @@ model: install
 run: model
 	$(VENV)/bin/pdserve up --model $(MODEL) --host $(HOST) --port $(PORT)
 
+# Most of the suite runs on TEST_WORKERS processes (pytest-xdist); the end-to-end deployments
+# (several processes of their own each: measured 1.5x slower side by side) and the tests marked
+# serial run alone after them. tests/conftest.py keeps the workers apart.
+TEST_WORKERS ?= 2
+
 test: install
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q --durations=25 tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not serial" --durations=15 tests
+	$(PY) -m pytest -q -m serial --durations=15 tests
 
 clean:
 	rm -rf $(VENV) models .cache

@@ -18,7 +18,7 @@ from engine.cpu_quota import usable_cores
 from pdserve.cluster import PDSERVE_COMMAND, Cluster, Supervisor
 from pdserve.cores import auto_lend_cores, auto_proxy_cores, cpu_plan, lending_flags, node_dtype
 from pdserve.gpus import check_tp, gpu_flags, gpu_list, gpu_plan, visible_gpus
-from pdserve.ports import free_port, wait_http_ok
+from pdserve.ports import free_port, port_range, wait_http_ok
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -144,7 +144,6 @@ def main(args: argparse.Namespace) -> int:
         print(f"pdserve up: {exc}", file=sys.stderr)
         return 2
     log_dir = Path(args.log_dir) if args.log_dir else None  # made by the first process started
-    stop = _install_signal_handlers()
     node_args, proxy_args = _given(args, _NODE_FLAGS, _NODE_SWITCHES), _given(args, _PROXY_FLAGS, _PROXY_SWITCHES)
     if args.log_format:
         node_args += ["--log-format", args.log_format]
@@ -156,9 +155,11 @@ def main(args: argparse.Namespace) -> int:
                         prefill_tp=args.prefill_tp, decode_tp=args.decode_tp)
         check_tp(args, gpus)
         _check_node_addresses(args)
+        port_range()
     except ValueError as exc:
         print(f"pdserve up: {exc}", file=sys.stderr)
         return 2
+    stop = _install_signal_handlers()
     print(f"pdserve up: starting {args.prefill} prefill + {args.decode} decode nodes and the proxy ...", flush=True)
     if any(gpus):
         print("pdserve up: GPUs " + ", ".join(f"{name} on {gpu}" for name, gpu in zip(_node_names(args.prefill,

@@ -4,6 +4,7 @@ twice), and polling an HTTP endpoint until it answers 200."""
 from __future__ import annotations
 
 import json
+import os
 import random
 import socket
 import time
@@ -18,14 +19,14 @@ _GIVEN_PORTS: set[tuple[str, int]] = set()
 def free_port(host: str = "127.0.0.1") -> int:
     """A port free on host now, never one this process was given before (the kernel may hand a
     just-released port out again, and the nodes of one deployment must not share one), drawn
-    below the kernel's ephemeral range where that leaves room: a port from the ephemeral range
-    can be taken by any outgoing connection or bind(0) of any process (UCX opens some as a node
-    starts) between now and the server's bind, which once failed a node's start-up with "Address
-    already in use". Raises OSError when no port is found."""
-    low = _ephemeral_range()[0]
-    below = range(_LOWEST_PORT, low) if low - _LOWEST_PORT >= 1024 else None
+    from PORT_RANGE_VARIABLE's range where it is set, else below the kernel's ephemeral range
+    where that leaves room: a port from the ephemeral range can be taken by any outgoing
+    connection or bind(0) of any process (UCX opens some as a node starts) between now and the
+    server's bind, which once failed a node's start-up with "Address already in use". Raises
+    OSError when no port is found, ValueError for a malformed PORT_RANGE_VARIABLE."""
+    draw_from = port_range()
     for _ in range(200):
-        port = random.choice(below) if below is not None else _kernel_port(host)
+        port = random.choice(draw_from) if draw_from is not None else _kernel_port(host)
         if (host, port) not in _GIVEN_PORTS and _can_bind(host, port):
             _GIVEN_PORTS.add((host, port))
             return port
@@ -33,6 +34,23 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 _LOWEST_PORT = 20000  # free_port draws from here to the ephemeral range's start
+PORT_RANGE_VARIABLE = "PDSERVE_PORT_RANGE"  # LOW-HIGH, both included: the ports free_port draws from
+
+
+def port_range() -> range | None:
+    """The ports free_port draws from: PORT_RANGE_VARIABLE's (e.g. 30000-30999, to fit a firewall
+    rule, or to keep two launchers on one host apart), else from _LOWEST_PORT up to the kernel's
+    ephemeral range where that leaves 1,024 or more; None: let the kernel choose."""
+    text = os.environ.get(PORT_RANGE_VARIABLE, "").strip()
+    if text:
+        low, sep, high = text.partition("-")
+        if not (sep and low.strip().isdigit() and high.strip().isdigit()
+                and 1024 <= int(low) <= int(high) <= 65535):
+            raise ValueError(f"{PORT_RANGE_VARIABLE}={text!r}: two port numbers LOW-HIGH, 1024 <= LOW <= HIGH <= "
+                             "65535, e.g. 30000-30999")
+        return range(int(low), int(high) + 1)
+    low = _ephemeral_range()[0]
+    return range(_LOWEST_PORT, low) if low - _LOWEST_PORT >= 1024 else None
 
 
 def _ephemeral_range() -> tuple[int, int]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import os
 import socket
 import sys
@@ -27,6 +28,36 @@ if not torch.cuda.is_available():
 
 REPO = Path(__file__).resolve().parent.parent
 CACHE = REPO / ".cache" / "models"
+
+# Under pytest-xdist (make test runs most of the suite as `pytest -n 2`) each worker is a process
+# of its own: it keeps torch to one thread (two workers of two threads on two cores made the
+# engine tests 1.3x slower, OpenMP's threads spinning at barriers for a core), and it and the
+# servers it starts draw ports from a range of their own (pdserve.ports.PORT_RANGE_VARIABLE), so
+# two workers never pick one port for servers that bind it seconds later.
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if _WORKER:
+    from pdserve import ports
+
+    torch.set_num_threads(1)
+    if ports.PORT_RANGE_VARIABLE not in os.environ:
+        _draw = ports.port_range() or range(ports._LOWEST_PORT, 32768)
+        _width = len(_draw) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+        _low = _draw.start + int(_WORKER.removeprefix("gw")) * _width
+        os.environ[ports.PORT_RANGE_VARIABLE] = f"{_low}-{_low + _width - 1}"
+
+
+@contextlib.contextmanager
+def cache_lock(name: str) -> Iterator[None]:
+    """Hold .cache/models/NAME.lock: one process at a time makes (or checks) that cached model."""
+    import fcntl
+
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with open(CACHE / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 @contextlib.contextmanager
@@ -158,9 +189,10 @@ def _cached_model(preset: str) -> Path:
     code_hash = hashlib.sha256(code + stamp_text.encode()).hexdigest()
     path = CACHE / f"{preset}-seed0"
     stamp = path / ".stamp"
-    if not (stamp.exists() and stamp.read_text() == code_hash and (path / "model.safetensors").exists()):
-        make_model(path, preset, seed=0, show_progress=False)
-        stamp.write_text(code_hash)
+    with cache_lock(path.name):
+        if not (stamp.exists() and stamp.read_text() == code_hash and (path / "model.safetensors").exists()):
+            make_model(path, preset, seed=0, show_progress=False)
+            stamp.write_text(code_hash)
     return path
 
 
@@ -204,6 +236,21 @@ def _ucx_settings_stay_in_their_test() -> Iterator[None]:
     for name in [name for name in os.environ if name.startswith("UCX_") and name not in before]:
         del os.environ[name]
     os.environ.update(before)
+
+
+@pytest.fixture(autouse=True)
+def _root_logger_stays_as_it_was() -> Iterator[None]:
+    """A test that configures logging (cli.main does, on the sys.stderr pytest captures) leaves
+    no handler of its own on the root logger: one left on a captured stream outlives the capture,
+    and a later test's proxy thread logging through it printed "--- Logging error ---". pytest's
+    own capture handlers are left to pytest."""
+    root = logging.getLogger()
+    before, level = set(root.handlers), root.level
+    yield
+    for handler in list(root.handlers):
+        if handler not in before and not type(handler).__module__.startswith("_pytest"):
+            root.removeHandler(handler)
+    root.setLevel(level)
 
 
 @pytest.fixture

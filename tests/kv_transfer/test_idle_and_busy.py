@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import msgspec
+import pytest
 import torch
 
 from kv_transfer.base import RemoteLease
@@ -17,6 +18,9 @@ from kv_transfer.factory import create_connector
 from kv_transfer.layout import KVLayout
 from kv_transfer.lease import LeaseTable
 from tests.kv_transfer.helpers import json_line
+
+# Alone on the machine (make test's serial part): a CPU share and a read's time are bounded here.
+pytestmark = pytest.mark.serial
 
 REPO = Path(__file__).resolve().parents[2]
 LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype="float32", num_blocks=160,

@@ -21,17 +21,19 @@ def cached_smollm2(path: Path = SMOLLM2_DIR) -> Path:
     and library versions is there (a stamp holds their hash). Written beside and renamed, so a
     run stopped mid-conversion never leaves a half-written checkpoint behind."""
     from pdserve.make_model import make_model
+    from tests.conftest import cache_lock
 
     versions = " ".join(f"{name}={importlib.metadata.version(name)}" for name in _LIBRARIES)
     code = b"".join((REPO / "pdserve" / name).read_bytes() for name in _CODE)
     code_hash = hashlib.sha256(code + f"{versions} {sys.version}".encode()).hexdigest()
     stamp = path / ".stamp"
-    if stamp.exists() and stamp.read_text() == code_hash and (path / "model.safetensors").exists():
-        return path
-    partial = path.with_name(f"{path.name}.partial-{os.getpid()}")
-    shutil.rmtree(partial, ignore_errors=True)
-    make_model(partial, "smollm2", show_progress=False)
-    (partial / ".stamp").write_text(code_hash)
-    shutil.rmtree(path, ignore_errors=True)
-    partial.rename(path)
+    with cache_lock(path.name):
+        if stamp.exists() and stamp.read_text() == code_hash and (path / "model.safetensors").exists():
+            return path
+        partial = path.with_name(f"{path.name}.partial-{os.getpid()}")
+        shutil.rmtree(partial, ignore_errors=True)
+        make_model(partial, "smollm2", show_progress=False)
+        (partial / ".stamp").write_text(code_hash)
+        shutil.rmtree(path, ignore_errors=True)
+        partial.rename(path)
     return path

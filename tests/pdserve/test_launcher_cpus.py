@@ -7,9 +7,10 @@ import os
 from pathlib import Path
 
 import httpx
+import pytest
 from safetensors.torch import load_file
 
-from pdserve import cores, launcher, ports
+from pdserve import cli, cores, launcher, ports
 from pdserve.cluster import Cluster
 
 
@@ -93,11 +94,13 @@ def test_cores_are_lent_for_models_of_64_mb_and_up(tiny_model_dir, monkeypatch):
     assert cores.auto_lend_cores(tiny_model_dir, "bfloat16") and cores.auto_lend_cores(tiny_model_dir)
 
 
-def test_free_ports_come_from_below_the_ephemeral_range():
+def test_free_ports_come_from_below_the_ephemeral_range(monkeypatch):
     """Ports the kernel hands out itself (outgoing connections, bind(0): UCX's, say) can take a
     port between free_port and the server's bind; free_port draws below that range, distinct
     ports, each bindable now."""
     import socket
+
+    monkeypatch.delenv(ports.PORT_RANGE_VARIABLE, raising=False)  # set for pytest-xdist's workers
 
     low = ports._ephemeral_range()[0]
     drawn = [ports.free_port() for _ in range(64)]
@@ -109,13 +112,38 @@ def test_free_ports_come_from_below_the_ephemeral_range():
 
 
 def test_free_port_takes_the_kernels_choice_where_the_range_leaves_no_room(monkeypatch):
+    monkeypatch.delenv(ports.PORT_RANGE_VARIABLE, raising=False)
     monkeypatch.setattr(ports, "_ephemeral_range", lambda: (ports._LOWEST_PORT + 100, 60999))
+    assert ports.port_range() is None
     drawn = {ports.free_port() for _ in range(8)}
     assert len(drawn) == 8 and all(port >= ports._LOWEST_PORT + 100 for port in drawn)
 
 
+def test_free_ports_come_from_the_range_the_environment_names(monkeypatch):
+    monkeypatch.setenv(ports.PORT_RANGE_VARIABLE, "41000-41031")
+    drawn = {ports.free_port() for _ in range(16)}
+    assert len(drawn) == 16 and all(41000 <= port <= 41031 for port in drawn)
+
+
+@pytest.mark.parametrize("text", ["41000", "41000-", "a-b", "500-600", "41000-40000", "41000-70000"])
+def test_a_malformed_port_range_is_a_value_error_naming_it(monkeypatch, text):
+    monkeypatch.setenv(ports.PORT_RANGE_VARIABLE, text)
+    with pytest.raises(ValueError, match=f"PDSERVE_PORT_RANGE={text!r}: two port numbers LOW-HIGH"):
+        ports.free_port()
+
+
+def test_up_with_a_malformed_port_range_is_one_line_before_anything_starts(tiny_model_dir, monkeypatch, capsys):
+    monkeypatch.setenv(ports.PORT_RANGE_VARIABLE, "9000")
+    monkeypatch.setattr(Cluster, "start", lambda *_, **__: pytest.fail("a process was started"))
+    assert cli.main(["up", "--model", str(tiny_model_dir)]) == 2
+    *_, last = capsys.readouterr().err.strip().splitlines()  # after the settings it read
+    assert last.startswith("pdserve up: PDSERVE_PORT_RANGE='9000': two port numbers LOW-HIGH")
+
+
 def test_free_port_skips_a_port_in_use(monkeypatch):
     import socket
+
+    monkeypatch.delenv(ports.PORT_RANGE_VARIABLE, raising=False)
 
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
         busy.bind(("127.0.0.1", 0))

@@ -15,12 +15,8 @@ from proxy.log_context import current_request_id, install_record_factory
 
 @pytest.fixture
 def captured():
-    root = logging.getLogger()
-    saved = (list(root.handlers), root.level)
-    stream = io.StringIO()
-    yield stream
-    root.handlers[:] = saved[0]
-    root.setLevel(saved[1])
+    """A stream to log to; the root logger is put back after the test (tests/conftest.py)."""
+    return io.StringIO()
 
 
 def test_json_lines_carry_time_level_logger_message_and_request_id(captured):
