@@ -21,6 +21,7 @@ import httpx
 import torch
 import transformers
 
+from engine.cpu_quota import HostLoad
 from pdserve.launcher import Deployment, start_local, wait_healthy
 from tests.e2e.test_pipeline import hf  # noqa: F401 - a fixture
 
@@ -52,7 +53,7 @@ MIN_SLO_MET = 2 / 3
 # seven runs of the file alone had all admitted requests within it. Admission that misjudges the
 # rate misses in every attempt; a passing slow moment in one.
 MAX_SLOWDOWN = 3.0
-MAX_ATTEMPTS = 3
+MAX_ATTEMPTS = 4
 
 
 # transformers renamed the forward's and the output's past_key_values to cache (the old name warns
@@ -229,6 +230,7 @@ def test_slo_admission_at_three_times_the_sustainable_rate_keeps_admitted_ttft(t
     try:
         model = httpx.get(deployment.base_url + "/v1/models", timeout=10).json()["data"][0]["id"]
         for attempt in range(MAX_ATTEMPTS):
+            _wait_for_a_quiet_host()
             results, rate, service_s = asyncio.run(_run_at_three_times_capacity(deployment, model, attempt))
             admitted = [(elapsed, first) for r, elapsed, first in results if r.status_code == 200]
             slowdown = statistics.median(elapsed - first for elapsed, first in admitted) / service_s
@@ -249,6 +251,20 @@ def test_slo_admission_at_three_times_the_sustainable_rate_keeps_admitted_ttft(t
         assert _p90(refused) < MAX_REJECT_SHARE * admitted_s, (_p90(refused), admitted_s)
     finally:
         deployment.stop()
+
+
+def _wait_for_a_quiet_host(quiet_share: float = 0.3, at_most_s: float = 15.0) -> None:
+    """Wait (at most at_most_s) for a second in which this host's cores were at most quiet_share
+    busy: the admission's prediction is made from the warm-up, and work left running by what ran
+    before (seen in make test: all 3 attempts missed, decoding at 1.1-1.5x) slows what follows."""
+    load, deadline = HostLoad(), time.monotonic() + at_most_s
+    load()
+    while time.monotonic() < deadline:
+        time.sleep(1.0)
+        share = load()
+        if share is None or share <= quiet_share:
+            return
+    print(f"the host stayed busy for {at_most_s:.0f} s ({100 * share:.0f}% in the last second); running anyway")
 
 
 async def _run_at_three_times_capacity(deployment: Deployment, model: str, seed: int) -> tuple[list, float, float]:
