@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from benchmarks import render_results
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -28,3 +30,12 @@ def test_every_phase_runs_and_is_recorded(tiny_model_dir, tmp_path):
         assert row["bound_ms"] > 0 and row["step_ms_min"] <= row["step_ms_median"] <= row["step_ms_max"]
     assert preset["offline"]["output_tokens_per_s"] > 0 and preset["hf"]["output_tokens_per_s"] > 0
     assert "RESULT {" in proc.stdout
+    # The docs render such a record (smoke runs are left out there: taken as a real run here), and
+    # plot it: the first GPU record must not meet a renderer that never ran.
+    [record] = render_results.load(tmp_path)
+    record["result"]["smoke"] = False
+    blocks, plots = render_results.render([record])
+    assert "No results" not in blocks["gpu_engine"] and "**tiny**" in blocks["gpu_engine"], blocks["gpu_engine"]
+    for name, draw in plots:
+        draw(tmp_path / name)
+        assert (tmp_path / name).stat().st_size > 0

@@ -1,0 +1,132 @@
+"""Renderers for docs/benchmarks.md's GPU benchmarks: the Triton kernels, the engine's decode step
+and prefill, KV transfer between GPUs and disaggregated serving on GPUs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from benchmarks.results_format import IMG_LINK, cpu, latest, num, provenance, pyplot, save, slug, table
+
+
+def render_kernels_gpu(records: list[dict]) -> tuple[list[str], list]:
+    lines = []
+    for record in latest(records, cpu):
+        result = record["result"]
+        ceilings = result.get("ceilings") or {}
+        lines += [f"Ceilings measured on the same GPU: a device-to-device copy at {num(ceilings.get('copy_gbps'), 0)}"
+                  f" GB/s, a bf16 matmul at {num(ceilings.get('matmul_tflops'), 0)} TFLOP/s.", ""]
+        rows = []
+        for k in result["kernels"]:
+            if "error" in k:
+                rows.append([k["kernel"], "", "", "", "", f"error: {k['error']}", ""])
+                continue
+            share = (f"{100 * k['frac_of_copy_bw']:.0f}% of copy" if "frac_of_copy_bw" in k else
+                     f"{100 * k['frac_of_matmul']:.0f}% of matmul" if "frac_of_matmul" in k else "")
+            achieved = num(k.get("gbps"), 0, " GB/s") if "gbps" in k else num(k.get("tflops"), 0, " TFLOP/s")
+            versus = (f"{k['speedup_vs_torch']:.2f}x torch" if "speedup_vs_torch" in k else
+                      f"{k['ratio_to_sdpa_flash']:.2f}x SDPA flash's time" if "ratio_to_sdpa_flash" in k else "")
+            target = (f">= {100 * k['target_frac_of_copy_bw']:.0f}% of copy" if "target_frac_of_copy_bw" in k else
+                      f"<= {k['target_ratio_to_sdpa_flash']}x flash" if "target_ratio_to_sdpa_flash" in k else "")
+            rows.append([k["kernel"], k.get("shape", ""), num(k.get("ms"), 3, " ms"), achieved, share, versus, target])
+        lines += table(["kernel", "shape", "time", "achieved", "share of ceiling", "vs torch", "target"], rows)
+        lines += ["", "- " + provenance(record), ""]
+    return lines, []
+
+
+def render_gpu_engine(records: list[dict]) -> tuple[list[str], list]:
+    runs = [r for r in records if not r["result"].get("smoke")]
+    if not runs:
+        return ["*No GPU run recorded yet.*"], []
+    record = runs[-1]
+    result = record["result"]
+    hw = result["hardware"]
+    lines = [f"Bounds measured on the same GPU: a device-to-device copy at {num(hw['copy_bandwidth_gbs'], 0)} GB/s, "
+             f"a bf16 matmul at {num(hw['bf16_matmul_tflops'], 0)} TFLOP/s.", ""]
+    plots = []
+    for preset in result["presets"]:
+        name = preset["preset"]
+        if "error" in preset or "decode" not in preset:
+            lines += [f"**{name}**: {preset.get('error', 'not run (time)')}", ""]
+            continue
+        eager = {row["batch"]: row for row in preset.get("decode_eager", [])}
+        rows = [[str(row["batch"]), num(row["step_ms_median"], 3, " ms"),
+                 num(eager[row["batch"]]["step_ms_median"], 3, " ms") if row["batch"] in eager else "",
+                 num(row["bound_ms"], 3, " ms"), f"{100 * row['of_bound']:.0f}%"] for row in preset["decode"]]
+        graphs = preset.get("graphs", {})
+        lines += [f"**{name}** decode step (median; {len(graphs.get('sizes', []))} graphs captured in "
+                  f"{num(graphs.get('capture_s'), 1)} s, {num(graphs.get('memory_mib'), 0)} MiB):", ""]
+        lines += table(["batch", "CUDA graphs", "--enforce-eager", "bandwidth bound", "of bound"], rows)
+        if preset.get("prefill"):
+            first = preset["prefill"][0]
+            lines += ["", f"**{name}** prefill (one step, {first['num_prompts'] * first['prompt_len']:,} tokens):", ""]
+            lines += table(["prompt", "tokens/s", "TFLOP/s", "of matmul rate"],
+                           [[f"{row['num_prompts']} x {row['prompt_len']:,}", num(row["tokens_per_s"], 0),
+                             num(row["tflops"], 0), f"{100 * row['of_matmul_rate']:.0f}%"]
+                            for row in preset["prefill"]])
+        if preset.get("offline"):
+            hf = preset.get("hf", {}).get("output_tokens_per_s")
+            lines += ["", f"**{name}** offline, 256 x 512 -> 128: {num(preset['offline']['output_tokens_per_s'], 0)} "
+                          f"output tok/s; transformers generate (sdpa, batch 256): {num(hf, 0)} tok/s."]
+        figure = f"gpu_engine_{slug(name)}.png"
+        lines += ["", f"![decode step vs bound]({IMG_LINK}/{figure})", ""]
+        plots.append((figure, lambda path, preset=preset: plot_gpu_decode(preset, path)))
+    lines += ["- " + provenance(record), ""]
+    return lines, plots
+
+
+def plot_gpu_decode(preset: dict, path: Path) -> None:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    batches = [row["batch"] for row in preset["decode"]]
+    ax.plot(batches, [row["step_ms_median"] for row in preset["decode"]], "o-", label="CUDA graphs")
+    if preset.get("decode_eager"):
+        ax.plot([row["batch"] for row in preset["decode_eager"]],
+                [row["step_ms_median"] for row in preset["decode_eager"]], "s--", label="--enforce-eager")
+    ax.plot(batches, [row["bound_ms"] for row in preset["decode"]], "k:", label="bandwidth bound")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("decode batch")
+    ax.set_ylabel("step (ms)")
+    ax.set_title(preset["preset"])
+    ax.legend()
+    save(fig, path)
+
+
+def render_kv_transfer_gpu(records: list[dict]) -> tuple[list[str], list]:
+    runs = [r for r in records if r["result"].get("device") != "cpu"]
+    if not runs:
+        return ["*No GPU run recorded yet.*"], []
+    record = runs[-1]
+    rows = []
+    for name, r in record["result"]["settings"].items():
+        rows.append([name, num(r.get("gb_s"), 1, " GB/s"), num(r.get("ms"), 2, " ms"),
+                     f"{r.get('transport')} ({r.get('method')})"] if "gb_s" in r else
+                    [name, "", "", r.get("error", "")[:80]])
+    return table(["UCX settings", "READ", "time", "transport"], rows) + ["", "- " + provenance(record)], []
+
+
+def render_gpu_served(records: list[dict]) -> tuple[list[str], list]:
+    runs = [r for r in records if r["result"].get("device") != "cpu"]
+    if not runs:
+        return ["*No GPU run recorded yet.*"], []
+    record = runs[-1]
+    result = record["result"]
+    rows = []
+    for name, r in result["setups"].items():
+        if "output_throughput" not in r:
+            rows.append([name, r.get("error", "")[:80], "", "", ""])
+            continue
+        pulls = r.get("pulls") or {}
+        ttft, tpot = r["ttft_ms"], r["tpot_ms"]
+        rows.append([name, num(r["output_throughput"], 0), f"{num(ttft['p50'], 0)} / {num(ttft['p99'], 0)}",
+                     f"{num(tpot['p50'], 1)} / {num(tpot['p99'], 1)}",
+                     f"{num(pulls.get('gb_s'), 1)} GB/s over {(pulls.get('transport') or {}).get('transport')}"
+                     if pulls else ""])
+    lines = [f"{result['num_requests']} x {result['prompt_len']} -> {result['output_len']} tokens, all at once, "
+             f"{result['model']}:", ""]
+    lines += table(["setup", "output tok/s", "TTFT p50 / p99 (ms)", "TPOT p50 / p99 (ms)", "KV pulls"], rows)
+    if "pd_over_colocated" in result:
+        lines += ["", f"1P+1D / colocated: {result['pd_over_colocated']:.2f}x; greedy outputs equal: "
+                      f"{result['greedy_equal']}."]
+    return lines + ["", "- " + provenance(record)], []
