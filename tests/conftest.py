@@ -30,10 +30,10 @@ REPO = Path(__file__).resolve().parent.parent
 CACHE = REPO / ".cache" / "models"
 
 # Under pytest-xdist (make test runs most of the suite as `pytest -n 2`) each worker is a process
-# of its own: it keeps torch to one thread (two workers of two threads on two cores made the
-# engine tests 1.3x slower, OpenMP's threads spinning at barriers for a core), and it and the
-# servers it starts draw ports from a range of their own (pdserve.ports.PORT_RANGE_VARIABLE), so
-# two workers never pick one port for servers that bind it seconds later.
+# of its own: it keeps torch to one thread (with torch's two threads per worker that part took
+# 640 s on 2 cores, with one 542 s: two workers' OpenMP threads wait at barriers for a core), and
+# it and the servers it starts draw ports from a range of their own (pdserve.ports
+# PORT_RANGE_VARIABLE), so two workers never pick one port for servers that bind it seconds later.
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 if _WORKER:
     from pdserve import ports
