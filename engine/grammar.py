@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.protocol import STRUCTURED_FIELDS, SamplingError, StructuredKind, StructuredOutput, check_structured
+from engine.protocol import STRUCTURED_FIELDS, StructuredKind, StructuredOutput
+from engine.sampling_rules import SamplingError, check_structured
 from engine.schema_budget import SchemaRefused, check_pattern, check_schema
 
 if TYPE_CHECKING:

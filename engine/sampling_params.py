@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import msgspec
 
-from engine.protocol import SamplingOptions, check_sampling
+from engine.protocol import SamplingOptions
+from engine.sampling_rules import check_sampling
 
 
 class SamplingParams(SamplingOptions, frozen=True):

@@ -10,7 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine import protocol
+from engine import protocol, sampling_rules
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ def _is_union_member(item: str | int) -> bool:
     return "[" in item or item[:1].isupper() or item in ("str", "int", "float", "bool", "none", "dict", "list")
 
 
-def from_sampling(exc: protocol.SamplingError) -> ApiError:
+def from_sampling(exc: sampling_rules.SamplingError) -> ApiError:
     """A 400 for a sampling option out of its range, naming the option as param."""
     return ApiError(400, str(exc), exc.param)
 

@@ -1,8 +1,9 @@
 """Request bodies (pydantic, strictly typed) of /v1/completions, /tokenize and /detokenize, the
 fields both completion endpoints share (response_format, logit_bias and vLLM's structured output
 fields among them), and the prompts and sampling options they ask for; every sampling default
-and range comes from engine.protocol. Unknown fields are refused, but at the top level of a
-completion body (see proxy.field_policy). Chat bodies are in proxy.chat_schemas."""
+comes from engine.protocol, every range from engine.sampling_rules. Unknown fields are refused,
+but at the top level of a completion body (see proxy.field_policy). Chat bodies are in
+proxy.chat_schemas."""
 
 from __future__ import annotations
 
@@ -12,15 +13,8 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, Field, PrivateAttr, ValidationError, field_validator
 
-from engine.protocol import (
-    SAMPLING_RANGES,
-    SamplingError,
-    SamplingOptions,
-    StructuredKind,
-    StructuredOutput,
-    check_sampling,
-    check_structured,
-)
+from engine.protocol import SamplingOptions, StructuredKind, StructuredOutput
+from engine.sampling_rules import SAMPLING_RANGES, SamplingError, check_sampling, check_structured
 from engine.schema_budget import SchemaRefused, SchemaTooCostly, check_pattern, check_schema
 from proxy.errors import ApiError, field_path, from_sampling, from_validation
 from proxy.field_policy import GENERATION, STRICT, undeclared_fields, unknown_fields_error
@@ -34,15 +28,15 @@ MAX_N = 64  # choices per prompt a request may ask for
 MAX_CHOICES = 256  # choices (prompts x n) one request may ask for: each is a request on the nodes
 MAX_STOP_STRINGS = 64  # each is searched for in every token's text
 MAX_STOP_CHARS = 1024  # per stop string: the longest is held back from the stream while it may begin
-MAX_TOKEN_ID_DIGITS = 10  # a logit_bias key: engine.protocol.MAX_TOKEN_ID has 10 digits
+MAX_TOKEN_ID_DIGITS = 10  # a logit_bias key: engine.sampling_rules.MAX_TOKEN_ID has 10 digits
 
 _DEFAULTS = SamplingOptions()
 _RANGES = {name: (low, high, is_low_allowed) for name, low, high, is_low_allowed in SAMPLING_RANGES}
 
 
 def sampling_field(option: str) -> Any:
-    """A pydantic Field with the default and the range engine.protocol gives the sampling option
-    (out-of-range values fail validation naming the request field)."""
+    """A pydantic Field with the sampling option's default (engine.protocol) and range
+    (engine.sampling_rules): out-of-range values fail validation naming the request field."""
     return Field(default=getattr(_DEFAULTS, option), **_bounds(option))
 
 
@@ -98,7 +92,7 @@ class GenerationRequest(BaseModel):
     n: int = Field(default=1, ge=1, le=MAX_N)
     best_of: int | None = Field(default=None, ge=1, le=MAX_N)  # only best_of == n: one sample per choice
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] = Field(default_factory=list)  # count and range: engine.protocol; vocab: the service
+    stop_token_ids: list[int] = Field(default_factory=list)  # count, range: engine.sampling_rules; vocab: service
     ignore_eos: bool = _DEFAULTS.ignore_eos
     min_tokens: int = sampling_field("min_tokens")
     stream: bool = False
@@ -250,7 +244,7 @@ class GenerationRequest(BaseModel):
 
     def _check_grammar(self) -> None:
         """At most one field asks for a grammar, one the nodes enforce, within its bounds
-        (engine.protocol) and the grammar budget (engine.schema_budget), as the node checks it
+        (engine.sampling_rules) and the grammar budget (engine.schema_budget), as the node checks it
         again before it compiles; whether the grammar library parses it is the node's to say."""
         if self.structured_outputs is not None:
             self.structured_outputs.check_supported()
@@ -279,7 +273,7 @@ class GenerationRequest(BaseModel):
 
     def sampling(self, max_tokens: int, seed_offset: int) -> SamplingOptions:
         """The options of one choice (its seed offset by its index); raises ApiError (400) for
-        an option engine.protocol.check_sampling refuses."""
+        an option engine.sampling_rules.check_sampling refuses."""
         seed = None if self.seed is None else self.seed + seed_offset
         options = SamplingOptions(
             max_tokens=max_tokens, min_tokens=min(self.min_tokens, max_tokens), temperature=self.temperature,

@@ -28,6 +28,7 @@ import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine import protocol
+from engine import sampling_rules as rules
 from engine.protocol import SamplingOptions
 from kv_transfer import side_channel
 from kv_transfer.errors import HandshakeFailed
@@ -259,8 +260,8 @@ def _send_hostile_requests(prefill: RawPeer, decode: RawPeer) -> protocol.KVHand
     huge = SamplingOptions(max_tokens=4, top_k=2**64 - 1)
     decode.send(protocol.DecodeRequest("huge-top-k", [5, 6, 7], huge))
     assert decode.until(_error_for("huge-top-k"))[-1].is_client_error
-    edges = SamplingOptions(max_tokens=3, top_k=protocol.MAX_INT64, seed=protocol.MAX_SEED, temperature=1.0,
-                            stop_token_ids=[protocol.MAX_TOKEN_ID])
+    edges = SamplingOptions(max_tokens=3, top_k=rules.MAX_INT64, seed=rules.MAX_SEED, temperature=1.0,
+                            stop_token_ids=[rules.MAX_TOKEN_ID])
     decode.send(protocol.DecodeRequest("edges", [5, 6, 7], edges))
     decode.until(_finished("edges"))
     decode.send(protocol.DecodeRequest("dup", [5, 6, 7], SamplingOptions(max_tokens=40, temperature=0)))

@@ -13,8 +13,9 @@ import pytest
 
 from engine.engine import LLMEngine
 from engine.grammar import GrammarRefused, Grammars
-from engine.protocol import MAX_GRAMMAR_BYTES, SamplingError, StructuredKind, StructuredOutput
+from engine.protocol import StructuredKind, StructuredOutput
 from engine.sampling_params import SamplingParams
+from engine.sampling_rules import MAX_GRAMMAR_BYTES, SamplingError
 from tests.engine.run_requests import EOS_IDS, PROMPT, run_to_end
 
 MAX_TOKENS = 96  # every grammar here is complete well within it

@@ -9,10 +9,12 @@ import msgspec
 import pytest
 
 from engine import protocol
-from engine.protocol import SamplingError, SamplingOptions, StructuredKind, StructuredOutput, TokenLogprob
+from engine import sampling_rules as rules
+from engine.protocol import SamplingOptions, StructuredKind, StructuredOutput, TokenLogprob
+from engine.sampling_rules import SamplingError
 
 SCHEMA = '{"type": "object", "properties": {"a": {"type": "integer"}}}'
-HUGE_SCHEMA = '{"a": "' + "x" * protocol.MAX_JSON_SCHEMA_BYTES + '"}'
+HUGE_SCHEMA = '{"a": "' + "x" * rules.MAX_JSON_SCHEMA_BYTES + '"}'
 
 
 def test_new_fields_round_trip_through_msgpack():
@@ -41,7 +43,7 @@ def test_regex_choice_and_ebnf_round_trip_and_only_their_field_goes_on_the_wire(
     frame = protocol.encode(request)
     assert protocol.decode_to_node(frame) == request and b"json_schema" not in frame
     assert frame.startswith(b"PD" + (8).to_bytes(2, "big"))  # version 8: the kinds a version 7 node cannot read
-    protocol.check_sampling(request.sampling)
+    rules.check_sampling(request.sampling)
 
 
 def test_frames_of_another_version_or_without_a_header_are_refused_before_decoding():
@@ -73,7 +75,7 @@ def test_curve_keys_are_derived_alike_everywhere_and_never_printed():
     (dict(logit_bias={1: float("nan")}), "logit_bias"),
     (dict(logit_bias={-1: 0.0}), "logit_bias"),
     (dict(prompt_logprobs=-1), "prompt_logprobs"),
-    (dict(prompt_logprobs=protocol.MAX_LOGPROBS + 1), "prompt_logprobs"),
+    (dict(prompt_logprobs=rules.MAX_LOGPROBS + 1), "prompt_logprobs"),
     (dict(structured=StructuredOutput(StructuredKind.JSON_SCHEMA)), "structured"),
     (dict(structured=StructuredOutput(StructuredKind.JSON_OBJECT, SCHEMA)), "structured"),
     (dict(structured=StructuredOutput(StructuredKind.JSON_SCHEMA, "{not json")), "structured"),
@@ -82,16 +84,16 @@ def test_curve_keys_are_derived_alike_everywhere_and_never_printed():
     (dict(structured=StructuredOutput(StructuredKind.REGEX)), "structured"),
     (dict(structured=StructuredOutput(StructuredKind.REGEX, regex="")), "structured"),
     (dict(structured=StructuredOutput(StructuredKind.REGEX, SCHEMA, regex="a")), "structured"),
-    (dict(structured=StructuredOutput(StructuredKind.REGEX, regex="a" * (protocol.MAX_REGEX_BYTES + 1))),
+    (dict(structured=StructuredOutput(StructuredKind.REGEX, regex="a" * (rules.MAX_REGEX_BYTES + 1))),
      "structured"),
     (dict(structured=StructuredOutput(StructuredKind.JSON_SCHEMA, SCHEMA, grammar="root ::= \"a\"")), "structured"),
     (dict(structured=StructuredOutput(StructuredKind.CHOICE, choices=())), "structured"),
     (dict(structured=StructuredOutput(StructuredKind.CHOICE, regex="a")), "structured"),
-    (dict(structured=StructuredOutput(StructuredKind.CHOICE, choices=("a",) * (protocol.MAX_NUM_GRAMMAR_CHOICES + 1))),
+    (dict(structured=StructuredOutput(StructuredKind.CHOICE, choices=("a",) * (rules.MAX_NUM_GRAMMAR_CHOICES + 1))),
      "structured"),
-    (dict(structured=StructuredOutput(StructuredKind.CHOICE, choices=("é" * (protocol.MAX_GRAMMAR_CHOICES_BYTES // 2),
+    (dict(structured=StructuredOutput(StructuredKind.CHOICE, choices=("é" * (rules.MAX_GRAMMAR_CHOICES_BYTES // 2),
                                                                        "b"))), "structured"),
-    (dict(structured=StructuredOutput(StructuredKind.EBNF, grammar="x" * (protocol.MAX_GRAMMAR_BYTES + 1))),
+    (dict(structured=StructuredOutput(StructuredKind.EBNF, grammar="x" * (rules.MAX_GRAMMAR_BYTES + 1))),
      "structured"),
     (dict(structured=StructuredOutput(StructuredKind.JSON_OBJECT, choices=("a",))), "structured"),
     (dict(logit_bias={2**31: 1.0}), "logit_bias"),
@@ -102,7 +104,7 @@ def test_curve_keys_are_derived_alike_everywhere_and_never_printed():
     (dict(seed=-1), "seed"),
     (dict(stop_token_ids=[2**31]), "stop_token_ids"),
     (dict(stop_token_ids=[-1]), "stop_token_ids"),
-    (dict(stop_token_ids=list(range(protocol.MAX_STOP_TOKEN_IDS + 1))), "stop_token_ids"),
+    (dict(stop_token_ids=list(range(rules.MAX_STOP_TOKEN_IDS + 1))), "stop_token_ids"),
     (dict(temperature=float("nan")), "temperature"),
     (dict(top_p=float("nan")), "top_p"),
     (dict(min_p=float("inf")), "min_p"),
@@ -111,23 +113,23 @@ def test_curve_keys_are_derived_alike_everywhere_and_never_printed():
 ])
 def test_out_of_range_values_raise_sampling_error_naming_the_field(kwargs, param):
     with pytest.raises(SamplingError, match=param) as info:
-        protocol.check_sampling(SamplingOptions(**kwargs))
+        rules.check_sampling(SamplingOptions(**kwargs))
     assert info.value.param == param
 
 
 def test_edges_of_the_ranges_are_allowed():
-    protocol.check_sampling(SamplingOptions(
-        logit_bias={0: -100.0, 3: 100}, prompt_logprobs=protocol.MAX_LOGPROBS,
+    rules.check_sampling(SamplingOptions(
+        logit_bias={0: -100.0, 3: 100}, prompt_logprobs=rules.MAX_LOGPROBS,
         structured=StructuredOutput(StructuredKind.JSON_OBJECT)))
-    protocol.check_sampling(SamplingOptions(prompt_logprobs=0, structured=StructuredOutput(
+    rules.check_sampling(SamplingOptions(prompt_logprobs=0, structured=StructuredOutput(
         StructuredKind.JSON_SCHEMA, SCHEMA)))
     for structured in (
-        StructuredOutput(StructuredKind.REGEX, regex="a" * protocol.MAX_REGEX_BYTES),
-        StructuredOutput(StructuredKind.EBNF, grammar="x" * protocol.MAX_GRAMMAR_BYTES),
-        StructuredOutput(StructuredKind.CHOICE, choices=("ab",) * protocol.MAX_NUM_GRAMMAR_CHOICES),
-        StructuredOutput(StructuredKind.CHOICE, choices=("é" * (protocol.MAX_GRAMMAR_CHOICES_BYTES // 2),)),
+        StructuredOutput(StructuredKind.REGEX, regex="a" * rules.MAX_REGEX_BYTES),
+        StructuredOutput(StructuredKind.EBNF, grammar="x" * rules.MAX_GRAMMAR_BYTES),
+        StructuredOutput(StructuredKind.CHOICE, choices=("ab",) * rules.MAX_NUM_GRAMMAR_CHOICES),
+        StructuredOutput(StructuredKind.CHOICE, choices=("é" * (rules.MAX_GRAMMAR_CHOICES_BYTES // 2),)),
     ):
-        protocol.check_sampling(SamplingOptions(structured=structured))
+        rules.check_sampling(SamplingOptions(structured=structured))
 
 
 def test_integer_options_at_their_64_bit_edges_are_accepted_and_sample_without_overflow(tiny_model_dir):
@@ -136,12 +138,12 @@ def test_integer_options_at_their_64_bit_edges_are_accepted_and_sample_without_o
     from engine.sampling_params import SamplingParams
 
     engine = LLMEngine(EngineConfig(ModelConfig.from_pretrained(tiny_model_dir), CacheConfig(num_blocks=16)))
-    edges = SamplingParams(max_tokens=protocol.MAX_INT64, min_tokens=2, top_k=protocol.MAX_INT64,
-                           seed=protocol.MAX_SEED, stop_token_ids=[protocol.MAX_TOKEN_ID, 0], temperature=1.0,
-                           top_p=0.9, logprobs=protocol.MAX_LOGPROBS)
+    edges = SamplingParams(max_tokens=rules.MAX_INT64, min_tokens=2, top_k=rules.MAX_INT64,
+                           seed=rules.MAX_SEED, stop_token_ids=[rules.MAX_TOKEN_ID, 0], temperature=1.0,
+                           top_p=0.9, logprobs=rules.MAX_LOGPROBS)
     engine.add_request("edges", [5, 6, 7], edges)
     engine.add_request("greedy", [5, 6, 7], SamplingParams(max_tokens=3, temperature=0.0,
-                                                           stop_token_ids=[protocol.MAX_TOKEN_ID]))
+                                                           stop_token_ids=[rules.MAX_TOKEN_ID]))
     outputs = []
     for _ in range(4):
         outputs += engine.step()

@@ -18,6 +18,7 @@ import time
 import pytest
 
 from engine import protocol
+from engine import sampling_rules as rules
 from engine.protocol import Role, SamplingOptions, StructuredKind, StructuredOutput
 from node.server import NodeServer, ServerConfig
 from tests.nodes.conftest import GREEDY, PROMPT, PROXY, make_engine
@@ -170,8 +171,8 @@ def test_regex_choice_and_ebnf_compile_on_the_gate_and_one_that_cannot_is_a_clie
     bad = {"bad-regex": (StructuredOutput(StructuredKind.REGEX, regex="(("), "Regex parsing error"),
            "bad-ebnf": (StructuredOutput(StructuredKind.EBNF, grammar="root ::= y"), 'Rule "y" is not defined'),
            "costly": (StructuredOutput(StructuredKind.REGEX, regex="a*" * 40), "40 repetitions of open count"),
-           "big": (StructuredOutput(StructuredKind.EBNF, grammar="root ::= " + '"a" ' * protocol.MAX_GRAMMAR_BYTES),
-                   f"the limit is {protocol.MAX_GRAMMAR_BYTES}")}
+           "big": (StructuredOutput(StructuredKind.EBNF, grammar="root ::= " + '"a" ' * rules.MAX_GRAMMAR_BYTES),
+                   f"the limit is {rules.MAX_GRAMMAR_BYTES}")}
     specs = {**good, **{request_id: spec for request_id, (spec, _) in bad.items()}}
     for request_id, spec in specs.items():
         options = SamplingOptions(temperature=0.0, max_tokens=32, structured=spec)

@@ -13,7 +13,8 @@ import pytest
 from tokenizers import Tokenizer
 
 from engine import protocol
-from engine.protocol import MAX_JSON_SCHEMA_BYTES, StructuredKind, StructuredOutput
+from engine.protocol import StructuredKind, StructuredOutput
+from engine.sampling_rules import MAX_JSON_SCHEMA_BYTES
 from tests.proxy.conftest import MODEL_NAME
 from tests.proxy.fake_node import fake_prompt_logprobs
 

@@ -7,6 +7,7 @@ import httpx
 import pytest
 
 from engine import protocol
+from engine import sampling_rules as rules
 from tests.proxy.conftest import MODEL_NAME
 
 
@@ -17,7 +18,7 @@ def _post(proxy, body: dict, path: str = "/v1/completions") -> httpx.Response:
 def _out_of_range_values() -> list[tuple[str, object]]:
     """(field, a value just outside its protocol range) for every side of every range."""
     cases = []
-    for name, low, high, is_low_allowed in protocol.SAMPLING_RANGES:
+    for name, low, high, is_low_allowed in rules.SAMPLING_RANGES:
         step = 1 if isinstance(low if low is not None else high, int) else 0.5
         if low is not None:
             cases.append((name, low - step if is_low_allowed else low))
@@ -35,7 +36,7 @@ def test_every_protocol_range_is_enforced_naming_the_field(proxy, name, value):
 
 def test_chat_logprob_fields_follow_the_protocol_ranges(proxy):
     messages = [{"role": "user", "content": "hi"}]
-    too_many = _post(proxy, {"messages": messages, "logprobs": True, "top_logprobs": protocol.MAX_LOGPROBS + 1},
+    too_many = _post(proxy, {"messages": messages, "logprobs": True, "top_logprobs": rules.MAX_LOGPROBS + 1},
                      "/v1/chat/completions")
     assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "top_logprobs"
     zero = _post(proxy, {"messages": messages, "max_completion_tokens": 0}, "/v1/chat/completions")

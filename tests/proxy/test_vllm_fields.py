@@ -18,6 +18,7 @@ import pytest
 import transformers
 
 from engine import protocol
+from engine import sampling_rules as rules
 from engine.protocol import StructuredKind, StructuredOutput
 from tests.proxy.conftest import MODEL_NAME
 
@@ -158,8 +159,8 @@ def test_a_regex_or_grammar_the_node_cannot_parse_is_a_400_naming_the_field(star
 
 
 _COSTLY = "(a|b){10007}"
-_MANY_CHOICES = [f"c{i}" for i in range(protocol.MAX_NUM_GRAMMAR_CHOICES + 1)]
-_BIG_GRAMMAR = "root ::= " + " | ".join(['"abcdefgh"'] * (protocol.MAX_GRAMMAR_BYTES // 11 + 1))
+_MANY_CHOICES = [f"c{i}" for i in range(rules.MAX_NUM_GRAMMAR_CHOICES + 1)]
+_BIG_GRAMMAR = "root ::= " + " | ".join(['"abcdefgh"'] * (rules.MAX_GRAMMAR_BYTES // 11 + 1))
 
 
 @pytest.mark.parametrize("body, param, words", [
@@ -167,13 +168,13 @@ _BIG_GRAMMAR = "root ::= " + " | ".join(['"abcdefgh"'] * (protocol.MAX_GRAMMAR_B
                                                 "spells out 20014 characters"),
     ({"guided_regex": "a*" * 40}, "guided_regex", "40 repetitions of open count"),
     ({"structured_outputs": {"regex": "(a+)+$"}}, "structured_outputs.regex", "repeats without bound"),
-    ({"guided_regex": "a" * (protocol.MAX_REGEX_BYTES + 1)}, "guided_regex",
-     f"limit is {protocol.MAX_REGEX_BYTES}"),
-    ({"guided_grammar": _BIG_GRAMMAR}, "guided_grammar", f"limit is {protocol.MAX_GRAMMAR_BYTES}"),
+    ({"guided_regex": "a" * (rules.MAX_REGEX_BYTES + 1)}, "guided_regex",
+     f"limit is {rules.MAX_REGEX_BYTES}"),
+    ({"guided_grammar": _BIG_GRAMMAR}, "guided_grammar", f"limit is {rules.MAX_GRAMMAR_BYTES}"),
     ({"structured_outputs": {"grammar": _BIG_GRAMMAR}}, "structured_outputs.grammar", "structured.grammar has"),
-    ({"guided_choice": _MANY_CHOICES}, "guided_choice", f"the limits are {protocol.MAX_NUM_GRAMMAR_CHOICES} choices"),
-    ({"structured_outputs": {"choice": ["x" * (protocol.MAX_GRAMMAR_CHOICES_BYTES + 1)]}},
-     "structured_outputs.choice", f"{protocol.MAX_GRAMMAR_CHOICES_BYTES} bytes"),
+    ({"guided_choice": _MANY_CHOICES}, "guided_choice", f"the limits are {rules.MAX_NUM_GRAMMAR_CHOICES} choices"),
+    ({"structured_outputs": {"choice": ["x" * (rules.MAX_GRAMMAR_CHOICES_BYTES + 1)]}},
+     "structured_outputs.choice", f"{rules.MAX_GRAMMAR_CHOICES_BYTES} bytes"),
     ({"guided_regex": ""}, "guided_regex", "at least 1 character"),
     ({"guided_choice": []}, "guided_choice", "at least 1 item"),
     ({"structured_outputs": {"grammar": ""}}, "structured_outputs.grammar", "at least 1 character"),
