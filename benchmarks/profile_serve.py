@@ -58,7 +58,7 @@ PROXY_PARTS = {
     "HTTP + SSE (uvicorn, h11, starlette)": ("h11", "starlette", "_SelectorSocketTransport"),
     "JSON encoding": ("json/", "_sse"),
     "detokenize, stop strings, logprobs": "proxy/choices.py",
-    "request flow and routing": ("proxy/request_flow.py", "proxy/nodes.py"),
+    "request flow and routing": ("proxy/request_flow.py", "proxy/nodes.py", "proxy/node_client.py"),
     "asyncio loop": "asyncio/",
 }
 

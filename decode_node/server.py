@@ -28,7 +28,8 @@ from engine.engine import LLMEngine
 from engine.protocol import KVFallbackReason, KVOutcome, KVSource, Role, num_blocks_for
 from engine.sampling_params import SamplingParams
 from kv_transfer.base import FailureCode, KVConnector, ReadResult, RemoteLease, check_address
-from node.server import NodeServer, ServerConfig
+from node.config import ServerConfig
+from node.server import NodeServer
 from node.transfer import kv_layout_info
 
 logger = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ from engine.model_files import check_model_dir
 from engine.protocol import Role, curve_keys, default_of
 from kv_transfer.config import BACKENDS, TransferConfig
 from kv_transfer.security import is_wildcard
-from node.server import ServerConfig
+from node.config import ServerConfig
 
 
 def add_node_arguments(parser: argparse.ArgumentParser) -> None:

@@ -24,7 +24,6 @@ import logging
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
 
 import msgspec
 
@@ -33,11 +32,12 @@ from engine.engine import LLMEngine, StepOutput
 from engine.protocol import ErrorReply, KVOutcome, KVSource, RequestDelta, Role, TokenBatch
 from engine.sampling_params import SamplingParams
 from engine.tp_group import TensorParallelError
-from kv_transfer.security import CurveKeys, check_bind_host
+from node.config import ServerConfig
 from node.control import ControlSocket
 from node.core_lending import Borrower, Lender
 from node.grammar_gate import GrammarGate
 from node.health import HealthServer
+from node.load_report import LoadSnapshot, record_load
 from node.metrics import NodeMetrics
 from node.prefix_cache import PrefixDigests
 from node.proxies import ProxyTable, short_id
@@ -53,50 +53,6 @@ _ORPHAN_CHECK_INTERVAL_S = 0.5
 # The loop away longer than this is its own doing, not its proxies' silence (ProxyTable.forgive).
 _OWN_STALL_S = 1.0
 _LOCAL = KVOutcome(KVSource.LOCAL)
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    node_id: str
-    host: str = "127.0.0.1"
-    port: int = 0  # 0: pick a free port
-    load_report_interval_s: float = 0.25
-    # A proxy heard from neither by message nor by ping for this long is gone: its requests are
-    # aborted and their blocks and leases freed. Proxies ping every node at least every second.
-    orphan_timeout_s: float = 10.0
-    # Longest wait for a proxy to take a frame (its queue full) before its requests are ended.
-    send_timeout_s: float = 5.0
-    # The cluster's CURVE keys (engine.protocol.curve_keys): only holders of the secret connect.
-    # None: no secret, and host must be loopback.
-    curve_keys: CurveKeys | None = field(default=None, repr=False)
-    # Port of the HTTP /health and /ready endpoint for orchestrators (on host); 0: none.
-    health_port: int = 0
-    # Longest a drain (SIGTERM) waits for running requests and unpulled leases before the node
-    # stops anyway (what is left is aborted with the process).
-    drain_timeout_s: float = 60.0
-    # Bounded waiting queue: a new request is refused (ErrorReply kind QUEUE_FULL_ERROR_KIND,
-    # which the proxy retries on another node) while this many wait here (not yet running: in the
-    # scheduler's queue, or for a KV pull). Each proxy bounds what it sends; this bounds what
-    # several proxies together can queue on one node.
-    max_num_waiting: int = 1024
-    # Structured requests' grammars compile on this many threads, off the loop (node.grammar_gate);
-    # one compile may take grammar_compile_timeout_s (then its schema is refused, a 400), and may
-    # wait as long for a free thread (then the request is refused as QueueFull, to retry elsewhere).
-    grammar_threads: int = 2
-    grammar_compile_timeout_s: float = 5.0
-
-    def __post_init__(self) -> None:
-        for name in ("max_num_waiting", "grammar_threads"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("port", "health_port"):
-            if not 0 <= getattr(self, name) < 65536:
-                raise ValueError(f"{name} must be in [0, 65536), got {getattr(self, name)}")
-        for name in ("load_report_interval_s", "orphan_timeout_s", "send_timeout_s", "drain_timeout_s",
-                     "grammar_compile_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        check_bind_host(self.host, self.curve_keys, "node")
 
 
 class NodeServer:
@@ -115,7 +71,7 @@ class NodeServer:
         self.prefix_digests = PrefixDigests(engine)  # the prefix-cache digest in LoadReports
         # Structured requests wait here while their grammar compiles on a worker thread.
         self.grammar_gate = GrammarGate(engine.grammars, config.grammar_threads, config.grammar_compile_timeout_s)
-        self._load = _LoadSnapshot({}, {})  # replaced whole by the loop; read by the heartbeat
+        self._load = LoadSnapshot({}, {})  # replaced whole by the loop; read by the heartbeat
         self._is_stopping = threading.Event()
         self._heartbeat = threading.Thread(target=self._send_heartbeats, name="node-heartbeat", daemon=True)
         self._next_orphan_check_at = 0.0
@@ -510,39 +466,7 @@ class NodeServer:
 
     def _record_load(self) -> None:
         """Snapshot the load for the heartbeat thread (the loop's state must not be read there)."""
-        engine = self.engine
-        scheduler = engine.scheduler
-        fields = dict(
-            node_id=self.config.node_id,
-            role=self.role,
-            protocol_version=protocol.PROTOCOL_VERSION,
-            model_name=engine.config.model.name,
-            max_model_len=engine.max_total_tokens,
-            block_size=engine.block_size,
-            num_running=len(scheduler.running),
-            num_waiting=len(scheduler.waiting),
-            num_queued_prompt_tokens=scheduler.num_queued_prompt_tokens,
-            num_free_blocks=engine.num_free_blocks,
-            num_promised_blocks=self.num_promised_blocks(),
-            num_total_blocks=engine.block_pool.num_blocks,
-            num_kv_fallbacks=self.num_kv_fallbacks,
-            prefill_tokens_per_s=engine.prefill_rate.tokens_per_s,
-            kv_layout=self.kv_layout_info(),
-            num_kv_fallbacks_by_reason=dict(self.num_kv_fallbacks_by_reason),
-            num_rejected_messages=self.num_rejected_messages,
-            num_orphaned_requests=self.num_orphaned_requests,
-            boot_id=self.boot_id,
-            progress=self.progress,
-            is_draining=self.is_draining,
-            max_num_waiting=self.config.max_num_waiting,
-            num_prefix_query_tokens=engine.prefix_stats.num_query_tokens,
-            num_prefix_hit_tokens=engine.prefix_stats.num_hit_tokens,
-            num_computed_prefill_tokens=engine.prefix_stats.num_computed_prefill_tokens,
-            metrics_port=self._health.port if self._health is not None else 0,
-            **self.load_extras(),
-        )
-        self.prefix_digests.refresh()
-        self._load = _LoadSnapshot(fields, dict(self.proxies.last_request_seqs), self.prefix_digests)
+        self._load = record_load(self, self._health.port if self._health is not None else 0)
 
     def _send_load_report(self, identity: bytes) -> None:
         self.send(identity, self._load.report_for(identity))
@@ -554,18 +478,3 @@ class NodeServer:
                 # NOTE: a report is state, superseded by the next: skipped (not waited for)
                 # when the proxy's queue is full, so this thread never stalls the loop's sends.
                 self.control.try_send(identity, protocol.encode(load.report_for(identity)))
-
-
-@dataclass(frozen=True)
-class _LoadSnapshot:
-    """LoadReport fields as the loop last recorded them, and the proxies it has heard from with
-    the seq of each one's last request (the report to a proxy echoes its own)."""
-
-    fields: dict
-    last_request_seqs: dict[bytes, int] = field(default_factory=dict)
-    prefix_digests: PrefixDigests | None = None  # the prefix-cache digest, for the proxies it is due to
-
-    def report_for(self, identity: bytes) -> protocol.LoadReport:
-        digest = self.prefix_digests.due_for(identity) if self.prefix_digests is not None else None
-        return protocol.LoadReport(**self.fields, sent_at=time.time(), prefix_cache=digest,
-                                   last_request_seq=self.last_request_seqs.get(identity, 0))

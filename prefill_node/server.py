@@ -19,7 +19,8 @@ from engine.protocol import Role
 from engine.request import FinishReason
 from kv_transfer.base import KVConnector
 from kv_transfer.lease import LeaseTable
-from node.server import NodeServer, ServerConfig
+from node.config import ServerConfig
+from node.server import NodeServer
 from node.transfer import kv_layout_info
 
 logger = logging.getLogger(__name__)

@@ -18,7 +18,8 @@ from proxy.choices import ChoiceState
 from proxy.clients import ClientCounts
 from proxy.errors import ApiError, rate_limited
 from proxy.metrics import ProxyMetrics
-from proxy.nodes import NodeClient, NodePool
+from proxy.node_client import NodeClient
+from proxy.nodes import NodePool
 
 logger = logging.getLogger(__name__)
 

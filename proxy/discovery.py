@@ -23,8 +23,9 @@ from pathlib import Path
 import yaml
 
 from proxy.config import is_loopback_host
+from proxy.node_client import NodeClient
 from proxy.node_names import NodeNames
-from proxy.nodes import NodeClient, NodePool
+from proxy.nodes import NodePool
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 
 from engine import protocol
 from proxy.errors import ApiError, NodeDied, NodeRejected, NoNodeAvailable, rate_limited
-from proxy.nodes import NodeClient, NodePool
+from proxy.node_client import NodeClient
+from proxy.nodes import NodePool
 from proxy.routing import PromptBlocks
 
 logger = logging.getLogger(__name__)

@@ -42,7 +42,7 @@ from engine.protocol import default_of
 from proxy.config import ProxyConfig, RoutingPolicy
 
 if TYPE_CHECKING:
-    from proxy.nodes import NodeClient
+    from proxy.node_client import NodeClient
 
 # NOTE: how long a prompt sent to a node counts as cached there without the node's digest
 # saying so. A conversation's next turn starts after its previous one ended, and the node's

@@ -414,7 +414,7 @@ def test_a_gap_in_a_nodes_token_deltas_fails_the_request_explicitly():
     frame) raises NodeDied (a 502, or an SSE error event once streaming) instead of yielding a
     silently shorter answer."""
     from proxy.errors import NodeDied
-    from proxy.nodes import NodeClient
+    from proxy.node_client import NodeClient
     from proxy.request_flow import _decode_steps
 
     async def run() -> list:

@@ -22,7 +22,8 @@ from engine.protocol import Role
 from engine.sampling_params import SamplingParams
 from kv_transfer.config import TransferConfig
 from kv_transfer.fake import FakeConnector, FakeRegistry
-from node.server import NodeServer, ServerConfig
+from node.config import ServerConfig
+from node.server import NodeServer
 from node.transfer import connector_for, kv_layout
 from prefill_node.server import PrefillNode
 from tests.conftest import dealer

@@ -11,8 +11,9 @@ import urllib.request
 import pytest
 
 from engine import protocol
+from node.config import ServerConfig
 from node.health import HealthServer
-from node.server import NodeServer, ServerConfig
+from node.server import NodeServer
 from tests.nodes.conftest import DEFAULT_MAX_NUM_SEQS, make_engine, next_message
 
 GREEDY = protocol.SamplingOptions(max_tokens=8, temperature=0.0, ignore_eos=True)

@@ -10,7 +10,8 @@ import time
 import pytest
 
 from engine import protocol
-from node.server import NodeServer, ServerConfig
+from node.config import ServerConfig
+from node.server import NodeServer
 from tests.conftest import dealer, poison_sampling
 from tests.nodes.conftest import DEFAULT_MAX_NUM_SEQS, make_engine
 

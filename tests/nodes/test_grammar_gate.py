@@ -20,7 +20,8 @@ import pytest
 from engine import protocol
 from engine import sampling_rules as rules
 from engine.protocol import Role, SamplingOptions, StructuredKind, StructuredOutput
-from node.server import NodeServer, ServerConfig
+from node.config import ServerConfig
+from node.server import NodeServer
 from tests.nodes.conftest import GREEDY, PROMPT, PROXY, make_engine
 
 MAX_WAIT_S = 60.0

@@ -14,7 +14,8 @@ import transformers
 
 from engine import protocol
 from engine.protocol import Role, SamplingOptions, StructuredKind, StructuredOutput
-from node.server import NodeServer, ServerConfig
+from node.config import ServerConfig
+from node.server import NodeServer
 from tests.nodes.conftest import (
     PROMPT,
     PROXY,

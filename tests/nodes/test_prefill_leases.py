@@ -14,7 +14,7 @@ from kv_transfer.base import RemoteLease
 from kv_transfer.config import TransferConfig
 from kv_transfer.factory import create_connector
 from kv_transfer.lease import LeaseTable
-from node.server import ServerConfig
+from node.config import ServerConfig
 from node.transfer import connector_for, kv_layout
 from prefill_node.server import PrefillNode
 from tests.nodes.conftest import DEFAULT_MAX_NUM_SEQS, make_engine, next_message

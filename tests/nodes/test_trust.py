@@ -13,7 +13,8 @@ import pytest
 
 from engine import protocol
 from kv_transfer.config import TransferConfig
-from node.server import NodeServer, ServerConfig
+from node.config import ServerConfig
+from node.server import NodeServer
 from proxy.config import ProxyConfig
 from tests.conftest import dealer
 from tests.nodes.conftest import DEFAULT_MAX_NUM_SEQS, make_engine

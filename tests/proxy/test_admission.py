@@ -18,8 +18,9 @@ from proxy.admission import Admission, AdmissionLimits, is_full
 from proxy.errors import ApiError
 from proxy.main import add_arguments, config_from_args
 from proxy.metrics import ProxyMetrics
+from proxy.node_client import NodeClient, _Unreported, take_report
 from proxy.node_names import NodeNames
-from proxy.nodes import NodeClient, NodePool, _take_report, _Unreported
+from proxy.nodes import NodePool
 from tests.proxy.conftest import MODEL_NAME
 
 
@@ -40,7 +41,7 @@ def _pool(num_prefill: int = 0, num_decode: int = 1) -> NodePool:
 
 def _set(node: NodeClient, **fields) -> None:
     role = protocol.Role.PREFILL if node.kind == "prefill" else protocol.Role.DECODE
-    _take_report(node, _report(role, **fields))
+    take_report(node, _report(role, **fields))
 
 
 def _admission(pool: NodePool, **limits) -> Admission:

@@ -1,4 +1,4 @@
-"""The proxy's liveness view of one node (proxy.nodes.NodeClient), without sockets: a new boot
+"""The proxy's liveness view of one node (proxy.node_client.NodeClient), without sockets: a new boot
 id fails the old process's requests, a loop that stops progressing with work is down although it
 reports, a draining node gets no new requests but keeps its running ones."""
 
@@ -10,7 +10,7 @@ import msgspec
 
 from engine import protocol
 from proxy.errors import NodeDied
-from proxy.nodes import NodeClient, _take_report
+from proxy.node_client import NodeClient, take_report
 
 _REPORT = protocol.LoadReport(node_id="d", role=protocol.Role.DECODE, protocol_version=protocol.PROTOCOL_VERSION,
                               model_name="m", max_model_len=64, block_size=16, num_running=0, num_waiting=0,
@@ -24,32 +24,32 @@ def _report(**changes) -> protocol.LoadReport:
 
 def test_a_new_boot_id_fails_the_old_processes_requests():
     node = NodeClient("127.0.0.1:1", "decode", heartbeat_timeout_s=3.0)
-    _take_report(node, _report())
+    take_report(node, _report())
     queue = node.queues["r1"] = asyncio.Queue()
-    _take_report(node, _report(progress=2))
+    take_report(node, _report(progress=2))
     assert queue.empty()
-    _take_report(node, _report(boot_id="b", progress=1))
+    take_report(node, _report(boot_id="b", progress=1))
     assert isinstance(queue.get_nowait(), NodeDied)
     assert node.is_healthy and node.boot_id == "b"
 
 
 def test_a_node_whose_loop_stands_still_with_work_is_down_although_it_reports():
     node = NodeClient("127.0.0.1:1", "decode", heartbeat_timeout_s=3.0, stall_timeout_s=0.05)
-    _take_report(node, _report(num_running=1))
+    take_report(node, _report(num_running=1))
     assert node.is_healthy
     node.progress_changed_at -= 1.0
-    _take_report(node, _report(num_running=1))  # the same progress: no step since
+    take_report(node, _report(num_running=1))  # the same progress: no step since
     assert node.is_stalled and not node.is_healthy
-    _take_report(node, _report(num_running=1, progress=2))
+    take_report(node, _report(num_running=1, progress=2))
     assert node.is_healthy
     node.progress_changed_at -= 1.0
-    _take_report(node, _report(num_running=0, progress=2))  # idle: no progress needed
+    take_report(node, _report(num_running=0, progress=2))  # idle: no progress needed
     assert node.is_healthy
 
 
 def test_a_draining_node_stays_healthy_but_takes_no_new_requests():
     node = NodeClient("127.0.0.1:1", "prefill", heartbeat_timeout_s=3.0)
-    _take_report(node, _report(is_draining=True))
+    take_report(node, _report(is_draining=True))
     assert node.is_healthy and not node.is_routable
 
 

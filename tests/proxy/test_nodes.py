@@ -6,7 +6,8 @@ import concurrent.futures
 import time
 
 from engine import protocol
-from proxy.nodes import NodeClient, NodePool
+from proxy.node_client import NodeClient
+from proxy.nodes import NodePool
 
 
 class _AcceptingSocket:

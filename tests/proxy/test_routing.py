@@ -15,9 +15,9 @@ import httpx
 import pytest
 
 from engine import protocol
-from proxy import nodes as nodes_module
 from proxy.config import RoutingPolicy
-from proxy.nodes import LocalPrefillPolicy, NodeClient, NodePool
+from proxy.node_client import NodeClient, take_report
+from proxy.nodes import LocalPrefillPolicy, NodePool
 from proxy.routing import OPTIMISTIC_TTL_S, PrefixView, PromptBlocks, RoutingConfig
 from tests.proxy.conftest import MODEL_NAME
 
@@ -38,7 +38,7 @@ def _report(node: NodeClient, queued: int = 0, digest: list[int] | None = None, 
             boot_id: str = "boot-1", free_blocks: int = 1000, running: int = 0, rate: float = 0.0) -> None:
     """Feed the node a LoadReport through the pool's own handler (as if received)."""
     role = protocol.Role.PREFILL if node.kind == "prefill" else protocol.Role.DECODE
-    nodes_module._take_report(node, protocol.LoadReport(
+    take_report(node, protocol.LoadReport(
         node_id=node.address, role=role, protocol_version=protocol.PROTOCOL_VERSION, model_name="m",
         max_model_len=100_000, block_size=BLOCK, num_running=running, num_waiting=0, num_queued_prompt_tokens=queued,
         num_free_blocks=free_blocks, num_total_blocks=1000, boot_id=boot_id, prefill_tokens_per_s=rate,
