@@ -156,6 +156,7 @@ def test_the_nodes_own_absence_is_not_its_proxys_silence(make_node):
     engine.check_leaks()
 
 
+@pytest.mark.serial  # bounds a wait in seconds: alone on the machine (make test's serial part)
 def test_send_to_a_proxy_that_stops_reading_waits_a_bounded_time_and_never_drops_a_frame(monkeypatch):
     from node import control
 

@@ -20,6 +20,10 @@ from proxy import connection_guard
 from proxy.config import ProxyConfig
 from tests.proxy.conftest import MODEL_NAME
 
+# Alone on the machine (make test's serial part): these bound a connection's life in seconds, and
+# beside a second pytest-xdist worker the client read a kept-alive answer about 0.46 s late.
+pytestmark = pytest.mark.serial
+
 HOSTILE = "127.0.0.2"  # any 127/8 address is loopback on Linux: a second client on this host
 SMALL_BODY = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 2}
 NUM_LARGE_STALLS = 16  # the issue's: 16 bodies of 8 MiB, all but one byte sent
