@@ -14,7 +14,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -46,18 +46,32 @@ if _WORKER:
         os.environ[ports.PORT_RANGE_VARIABLE] = f"{_low}-{_low + _width - 1}"
 
 
-@contextlib.contextmanager
-def cache_lock(name: str) -> Iterator[None]:
-    """Hold .cache/models/NAME.lock: one process at a time makes (or checks) that cached model."""
+def cached_checkpoint(path: Path, modules: tuple[str, ...], libraries: tuple[str, ...],
+                      make: Callable[[Path], object]) -> Path:
+    """path as make(directory) writes it, unless a copy made by the same pdserve modules and library
+    versions is there (a stamp holds their hash). One process at a time (a lock beside it: two
+    pytest-xdist workers may want it at once); written beside and renamed, so a run stopped midway
+    never leaves half a checkpoint behind."""
     import fcntl
+    import importlib.metadata
+    import shutil
 
-    CACHE.mkdir(parents=True, exist_ok=True)
-    with open(CACHE / f"{name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    versions = " ".join(f"{name}={importlib.metadata.version(name)}" for name in libraries)
+    code = b"".join((REPO / "pdserve" / name).read_bytes() for name in modules)
+    code_hash = hashlib.sha256(code + f"{versions} {sys.version}".encode()).hexdigest()
+    stamp = path / ".stamp"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(f"{path.name}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released as the file closes
+        if stamp.exists() and stamp.read_text() == code_hash and (path / "model.safetensors").exists():
+            return path
+        partial = path.with_name(f"{path.name}.partial-{os.getpid()}")
+        shutil.rmtree(partial, ignore_errors=True)
+        make(partial)
+        (partial / ".stamp").write_text(code_hash)
+        shutil.rmtree(path, ignore_errors=True)
+        partial.rename(path)
+    return path
 
 
 @contextlib.contextmanager
@@ -177,23 +191,12 @@ def _every_deployment_answered_every_request() -> Iterator[None]:
 
 
 def _cached_model(preset: str) -> Path:
-    """Make the preset into .cache/models/<preset>-seed0 unless a copy made by the same
-    make_model and make_tokenizer code and library versions is already there (a stamp holds their hash)."""
-    import tokenizers
-    import transformers
-
+    """The preset in .cache/models/<preset>-seed0, made once per make-model code and libraries."""
     from pdserve.make_model import make_model
 
-    stamp_text = f"{torch.__version__} {transformers.__version__} {tokenizers.__version__} {sys.version}"
-    code = b"".join((REPO / "pdserve" / name).read_bytes() for name in ("make_model.py", "make_tokenizer.py"))
-    code_hash = hashlib.sha256(code + stamp_text.encode()).hexdigest()
-    path = CACHE / f"{preset}-seed0"
-    stamp = path / ".stamp"
-    with cache_lock(path.name):
-        if not (stamp.exists() and stamp.read_text() == code_hash and (path / "model.safetensors").exists()):
-            make_model(path, preset, seed=0, show_progress=False)
-            stamp.write_text(code_hash)
-    return path
+    return cached_checkpoint(CACHE / f"{preset}-seed0", ("make_model.py", "make_tokenizer.py"),
+                             ("torch", "transformers", "tokenizers"),
+                             lambda out: make_model(out, preset, seed=0, show_progress=False))
 
 
 def poison_sampling(sampler, request_id: str, error: Exception) -> None:
