@@ -12,15 +12,17 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from engine.async_decodes import AsyncDecodes, InFlight
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig
-from engine.decode_graphs import DecodeGraphs, PendingTokens, capture_sizes
+from engine.decode_graphs import DecodeGraphs, capture_sizes
 from engine.grammar import Grammars
 from engine.host_memory import keep_freed_memory
 from engine.protocol import Role, TokenLogprob, num_blocks_for
 from engine.request import FinishReason, Request
+from engine.request_checks import RequestChecks
 from engine.runner import ModelRunner, PromptSpan, StepLogits
-from engine.sampler import Sampler, is_plain_greedy, prompt_token_logprobs
+from engine.sampler import Sampler, prompt_token_logprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import PrefixCacheStats, Scheduler, SchedulerOutput
 from engine.tp_group import TensorParallelError
@@ -74,20 +76,6 @@ class StepOutput:
         return self.finish_reason is not None
 
 
-# An output token whose step is still running (async scheduling): its place in output_token_ids.
-PENDING_TOKEN = -1
-
-
-@dataclass
-class _InFlight:
-    """A launched decode step whose tokens are not read yet: each request's token goes to
-    output_token_ids[index] (a PENDING_TOKEN until then)."""
-
-    decodes: list[Request]
-    indices: list[int]
-    pending: PendingTokens
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         torch.manual_seed(config.seed)
@@ -114,8 +102,10 @@ class LLMEngine:
         self.grammars = Grammars(model_cfg.model_dir, model_cfg.vocab_size, model_cfg.eos_token_ids)
         # A lone request must always fit, or it would preempt itself forever.
         self.max_total_tokens = min(model_cfg.max_model_len, num_blocks * self.block_size)
+        self.checks = RequestChecks(model_cfg, self.max_total_tokens, self.grammars)
+        self.async_decodes = AsyncDecodes(self.runner.graphs, self.scheduler, config.async_scheduling)
         self._requests: dict[str, Request] = {}
-        self._in_flight: _InFlight | None = None
+        self._in_flight: InFlight | None = None
         self.num_steps = 0
         self.prefill_rate = PrefillRate()
         logger.info("engine ready: %s, %d blocks of %d tokens", model_cfg.name, num_blocks, self.block_size)
@@ -270,9 +260,9 @@ class LLMEngine:
         if scheduled.is_empty:
             return []
         self.num_steps += 1
-        if self._launches(scheduled):
+        if self.async_decodes.takes(scheduled):
             try:
-                self._in_flight = self._launch(scheduled.decodes, None)
+                self._in_flight = self.async_decodes.launch(scheduled.decodes, None)
             except Exception as exc:  # noqa: BLE001 - run it the synchronous way, with its isolation
                 logger.warning("launching step %d failed (%s: %s); running it synchronously", self.num_steps,
                                type(exc).__name__, exc)
@@ -287,57 +277,21 @@ class LLMEngine:
                            len(scheduled.decodes) + len(scheduled.prefills), type(exc).__name__, exc)
             return self._run_one_by_one(scheduled)
 
-    def _launches(self, scheduled: SchedulerOutput) -> bool:
-        graphs = self.runner.graphs
-        return (self.config.async_scheduling and graphs is not None and graphs.takes(scheduled.decodes,
-                                                                                       len(scheduled.prefills))
-                and all(is_plain_greedy(r) for r in scheduled.decodes))
-
-    def _launch(self, decodes: list[Request], previous: _InFlight | None) -> _InFlight:
-        """Queue these decodes' step; then (nothing raises after) their progress moves on and a
-        PENDING_TOKEN holds each one's place. With previous, every request's input is its
-        pending token from previous."""
-        fed = None
-        if previous is not None:
-            rows = {id(r): row for row, r in enumerate(previous.decodes)}
-            fed = [rows[id(r)] for r in decodes]
-        pending = self.runner.graphs.launch(decodes, fed, previous.pending if previous else None)
-        indices = []
-        for request in decodes:
-            request.num_computed_tokens += 1
-            indices.append(request.num_output_tokens)
-            request.output_token_ids.append(PENDING_TOKEN)
-        return _InFlight(decodes, indices, pending)
-
     def _continue_and_read(self) -> list[StepOutput]:
         """Launch the step after the one in flight where the same requests can only decode again,
         then read the one in flight (its tokens, finishes)."""
         current = self._in_flight
         live = [r for r in current.decodes if not r.is_finished]
         self._in_flight = None
-        if live and self._decodes_again(live):
+        if live and self.async_decodes.decodes_again(live):
             try:
-                self._in_flight = self._launch(live, current)
+                self._in_flight = self.async_decodes.launch(live, current)
                 self.num_steps += 1
             except Exception as exc:  # noqa: BLE001 - the next call schedules it the synchronous way
                 logger.warning("launching step %d failed (%s: %s)", self.num_steps + 1, type(exc).__name__, exc)
         return self._read(current)
 
-    def _decodes_again(self, live: list[Request]) -> bool:
-        """Whether the next schedule() could only be one more decode of exactly these requests,
-        none of which ends on a length limit in the step in flight; takes their next slots."""
-        scheduler = self.scheduler
-        if len(scheduler.running) != len(live) or {id(r) for r in scheduler.running} != {id(r) for r in live}:
-            return False
-        if scheduler.waiting and len(scheduler.running) < scheduler.config.max_num_seqs:
-            return False  # it would admit a prompt
-        for request in live:
-            if (request.num_output_tokens >= request.params.max_tokens or request.num_tokens >= request.max_total_tokens
-                    or not is_plain_greedy(request)):
-                return False
-        return all(scheduler.reserve_next_token(r) for r in live)
-
-    def _read(self, step: _InFlight) -> list[StepOutput]:
+    def _read(self, step: InFlight) -> list[StepOutput]:
         tokens = step.pending.tokens()
         outputs = []
         for request, index, token_id in zip(step.decodes, step.indices, tokens):
@@ -465,82 +419,18 @@ class LLMEngine:
     ) -> Request:
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        outputs = list(output_token_ids or [])
-        self.check_token_ids(request_id, prompt_token_ids, outputs)
-        self._check_logit_bias(request_id, params)
-        request = Request(request_id, list(prompt_token_ids), params, self.max_total_tokens)
-        request.output_token_ids = outputs
-        if params.structured is not None:
-            request.grammar = self.grammars.new_matcher(request_id, params.structured, outputs)
-        if params.prompt_logprobs is not None and not outputs:
-            request.prompt_logprobs = [TokenLogprob(prompt_token_ids[0])]  # nothing precedes token 0
-        return request
+        return self.checks.new_request(request_id, prompt_token_ids, params, output_token_ids)
 
     def check_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, output_token_ids: list[int],
     ) -> None:
-        """Raise ValueError (naming the request) for anything add_request would refuse: bad
-        token ids, a logit_bias id outside the vocab, a schema the grammar library refuses, or
-        output tokens that break the grammar. Takes nothing; for a node to check before it
-        spends blocks or a transfer on the request."""
-        self.check_token_ids(request_id, prompt_token_ids, output_token_ids)
-        self._check_logit_bias(request_id, params)
-        if params.structured is not None:
-            self.grammars.new_matcher(request_id, params.structured, output_token_ids)
-
-    def _check_logit_bias(self, request_id: str, params: SamplingParams) -> None:
-        vocab = self.config.model.vocab_size
-        bad = [t for t in params.logit_bias or () if t >= vocab]
-        if bad:
-            raise ValueError(f"request {request_id}: logit_bias token ids {bad[:5]} are outside [0, {vocab})")
+        """Raise ValueError (naming the request) for anything add_request would refuse
+        (request_checks.RequestChecks.check_request). Takes nothing; for a node to check before
+        it spends blocks or a transfer on the request."""
+        self.checks.check_request(request_id, prompt_token_ids, params, output_token_ids)
 
     def check_token_ids(self, request_id: str, prompt: list[int], outputs: list[int]) -> None:
-        if not prompt:
-            raise ValueError(f"request {request_id}: prompt must not be empty")
-        limit = self.max_total_tokens
-        if len(prompt) + len(outputs) >= limit:
-            raise ValueError(
-                f"request {request_id}: prompt has {len(prompt) + len(outputs)} tokens; the "
-                f"limit is {limit - 1} (max_model_len {limit} leaves room for one output token)"
-            )
-        vocab = self.config.model.vocab_size
-        bad = [t for t in (*prompt, *outputs) if not (isinstance(t, int) and 0 <= t < vocab)]
-        if bad:
-            raise ValueError(f"request {request_id}: token ids {bad[:5]} are outside [0, {vocab})")
-
-    def warm_up(self, num_tokens: int | None = None) -> None:
-        """Run throwaway prompts of num_tokens in all (by default one full step: the scheduler's
-        max_num_batched_tokens) before serving, twice: one-time costs (kernel builds, and the
-        memory a full step's activations take) happen here, and prefill_rate starts from a
-        measurement. The prompts are up to max_total_tokens - 2 tokens each, each with a first
-        token of its own, and the first run computes them in one step where the cache allows (a
-        smaller warm-up left a full chunk's first run page-faulting its larger activations). Call
-        only while the engine has no requests; leaves no block allocated."""
-        budget = self.config.scheduler.max_num_batched_tokens if num_tokens is None else num_tokens
-        longest = max(1, self.max_total_tokens - 2)  # room for the 2 output tokens
-        prompts: list[list[int]] = []
-        free_blocks = self.block_pool.num_blocks
-        while budget > 0:
-            length = min(budget, longest, (free_blocks - 1) * self.block_size - 2)
-            if length < 1:
-                break
-            first = len(prompts)
-            prompts.append([(first + t) % self.config.model.vocab_size for t in range(length)])
-            free_blocks -= num_blocks_for(length + 2, self.block_size)
-            budget -= length
-        if not prompts:
-            prompts = [[0]]
-        params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
-        for run in range(2):
-            for i, prompt in enumerate(prompts):
-                self.add_request(f"__warm_up_{run}_{i}__", prompt, params)
-            while self.has_unfinished():
-                for output in self.step():
-                    if output.finish_reason is FinishReason.PREFILLED:
-                        self.free_blocks(output.block_ids)
-        self.block_pool.reset_cache()  # the throwaway prompts' blocks are nobody's prefix
-        self.scheduler.prefix_stats = PrefixCacheStats()
-        self.check_leaks()
+        self.checks.check_token_ids(request_id, prompt, outputs)
 
     def check_leaks(self) -> None:
         """Assert that an idle engine holds no blocks (tests and shutdown call it)."""

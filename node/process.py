@@ -18,6 +18,7 @@ import torch
 from engine.cpu_quota import usable_cores
 from engine.engine import LLMEngine
 from engine.protocol import Role
+from engine.warm_up import warm_up
 from node.args import NodeConfigs, node_configs_from_args
 from node.core_lending import Borrower, Lender
 from node.server import NodeServer
@@ -57,7 +58,7 @@ def serve(args: argparse.Namespace, role: Role, build_server: BuildServer) -> in
     signal.signal(signal.SIGINT, lambda *_: server.stop())
     phases.append(("server (sockets, KV transfer agent)", time.monotonic() - started))
     started = time.monotonic()
-    engine.warm_up()  # NOTE: a full step, before the first report (routing sees a measured prefill rate)
+    warm_up(engine)  # NOTE: a full step, before the first report (routing sees a measured prefill rate)
     phases.append(("warm-up step", time.monotonic() - started))
     logging.getLogger(__name__).info("%s node ready %.2f s after its process started: %s", role.value,
                                      sum(s for _, s in phases), ", ".join(f"{n} {s:.2f} s" for n, s in phases))

@@ -24,6 +24,7 @@ from engine.engine import LLMEngine
 from engine.kv_cache import block_size_bytes, num_cache_blocks
 from engine.protocol import Role, TokenLogprob
 from engine.sampling_params import SamplingParams
+from engine.warm_up import warm_up
 
 # NOTE: a NIXL (UCX) pull moved KV at 0.61-0.62 of an in-process copy's speed for 512 to 8,192
 # tokens of the small preset (benchmarks/kv_transfer.py; docs/benchmarks.md); the fixed part covers the
@@ -242,7 +243,7 @@ def _profile_prefill(model: ModelConfig, plan: ProfilePlan, progress: Progress) 
     block_size = CacheConfig().block_size
     num_blocks = max(sum(math.ceil(n / block_size) for n in b) for b in batches) + 2
     engine = _engine(model, Role.PREFILL, num_blocks, max_tokens)
-    engine.warm_up(min(256, plan.max_prompt_len))
+    warm_up(engine, min(256, plan.max_prompt_len))
     rng, points, started = random.Random(0), [], time.perf_counter()
     for batch in batches:
         expected_s = _predicted_prefill_s(points, sum(batch)) * plan.num_prefill_repeats if points else 0.0
@@ -287,7 +288,7 @@ def _profile_decode(model: ModelConfig, plan: ProfilePlan, progress: Progress,
     mixed_prompt = max(1, plan.max_prompt_len // 2)
     num_blocks = plan.max_batch * per_request + math.ceil(mixed_prompt / block_size) + 4
     engine = _engine(model, Role.DECODE, num_blocks, max(2048, mixed_prompt + plan.max_batch))
-    engine.warm_up(min(128, plan.max_prompt_len))
+    warm_up(engine, min(128, plan.max_prompt_len))
     rng, points = random.Random(1), []
     for num_seqs, context_len in plan.decode_points():
         seconds, num_context = _time_decode(engine, num_seqs, context_len, plan.num_decode_steps, rng)

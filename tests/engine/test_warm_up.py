@@ -1,4 +1,4 @@
-"""LLMEngine.warm_up: by default one full step (the scheduler's token budget) of throwaway
+"""engine.warm_up: by default one full step (the scheduler's token budget) of throwaway
 prompts, within the cache; nothing left allocated or cached."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ import pytest
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine.engine import LLMEngine
+from engine.warm_up import warm_up
 
 
 def warmed_steps(model_dir, num_blocks: int, num_tokens: int | None = None) -> tuple[LLMEngine, list[tuple[int, int]]]:
@@ -22,7 +23,7 @@ def warmed_steps(model_dir, num_blocks: int, num_tokens: int | None = None) -> t
         return run_batch(scheduled)
 
     engine._run_batch = recording
-    engine.warm_up(num_tokens)
+    warm_up(engine, num_tokens)
     return engine, steps
 
 

@@ -1,0 +1,69 @@
+"""Async scheduling's bookkeeping: which steps are launched without waiting, the launched step's
+places in its requests' outputs, and whether the step after it can be launched before it is read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.decode_graphs import DecodeGraphs, PendingTokens
+from engine.request import Request
+from engine.sampler import is_plain_greedy
+from engine.scheduler import Scheduler, SchedulerOutput
+
+# An output token whose step is still running: its place in output_token_ids.
+PENDING_TOKEN = -1
+
+
+@dataclass
+class InFlight:
+    """A launched decode step whose tokens are not read yet: each request's token goes to
+    output_token_ids[index] (a PENDING_TOKEN until then)."""
+
+    decodes: list[Request]
+    indices: list[int]
+    pending: PendingTokens
+
+
+class AsyncDecodes:
+    """Launches pure decode steps of plain greedy requests on the static decode path (graphs)
+    and says when the next one may follow before the one in flight is read."""
+
+    def __init__(self, graphs: DecodeGraphs | None, scheduler: Scheduler, enabled: bool) -> None:
+        self.graphs = graphs
+        self.scheduler = scheduler
+        self.enabled = enabled and graphs is not None
+
+    def takes(self, scheduled: SchedulerOutput) -> bool:
+        """Whether this scheduled step is launched without waiting for it."""
+        return (self.enabled and self.graphs.takes(scheduled.decodes, len(scheduled.prefills))
+                and all(is_plain_greedy(r) for r in scheduled.decodes))
+
+    def launch(self, decodes: list[Request], previous: InFlight | None) -> InFlight:
+        """Queue these decodes' step; then (nothing raises after) their progress moves on and a
+        PENDING_TOKEN holds each one's place. With previous, every request's input is its
+        pending token from previous."""
+        fed = None
+        if previous is not None:
+            rows = {id(r): row for row, r in enumerate(previous.decodes)}
+            fed = [rows[id(r)] for r in decodes]
+        pending = self.graphs.launch(decodes, fed, previous.pending if previous else None)
+        indices = []
+        for request in decodes:
+            request.num_computed_tokens += 1
+            indices.append(request.num_output_tokens)
+            request.output_token_ids.append(PENDING_TOKEN)
+        return InFlight(decodes, indices, pending)
+
+    def decodes_again(self, live: list[Request]) -> bool:
+        """Whether the next schedule() could only be one more decode of exactly these requests,
+        none of which ends on a length limit in the step in flight; takes their next slots."""
+        scheduler = self.scheduler
+        if len(scheduler.running) != len(live) or {id(r) for r in scheduler.running} != {id(r) for r in live}:
+            return False
+        if scheduler.waiting and len(scheduler.running) < scheduler.config.max_num_seqs:
+            return False  # it would admit a prompt
+        for request in live:
+            if (request.num_output_tokens >= request.params.max_tokens or request.num_tokens >= request.max_total_tokens
+                    or not is_plain_greedy(request)):
+                return False
+        return all(scheduler.reserve_next_token(r) for r in live)

@@ -1,0 +1,44 @@
+"""An engine's warm-up before serving: throwaway prompts that pay its one-time costs."""
+
+from __future__ import annotations
+
+from engine.engine import LLMEngine
+from engine.protocol import num_blocks_for
+from engine.request import FinishReason
+from engine.sampling_params import SamplingParams
+from engine.scheduler import PrefixCacheStats
+
+
+def warm_up(engine: LLMEngine, num_tokens: int | None = None) -> None:
+    """Run throwaway prompts of num_tokens in all (by default one full step: the scheduler's
+    max_num_batched_tokens) before serving, twice: one-time costs (kernel builds, and the
+    memory a full step's activations take) happen here, and prefill_rate starts from a
+    measurement. The prompts are up to max_total_tokens - 2 tokens each, each with a first
+    token of its own, and the first run computes them in one step where the cache allows (a
+    smaller warm-up left a full chunk's first run page-faulting its larger activations). Call
+    only while the engine has no requests; leaves no block allocated."""
+    budget = engine.config.scheduler.max_num_batched_tokens if num_tokens is None else num_tokens
+    longest = max(1, engine.max_total_tokens - 2)  # room for the 2 output tokens
+    prompts: list[list[int]] = []
+    free_blocks = engine.block_pool.num_blocks
+    while budget > 0:
+        length = min(budget, longest, (free_blocks - 1) * engine.block_size - 2)
+        if length < 1:
+            break
+        first = len(prompts)
+        prompts.append([(first + t) % engine.config.model.vocab_size for t in range(length)])
+        free_blocks -= num_blocks_for(length + 2, engine.block_size)
+        budget -= length
+    if not prompts:
+        prompts = [[0]]
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    for run in range(2):
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"__warm_up_{run}_{i}__", prompt, params)
+        while engine.has_unfinished():
+            for output in engine.step():
+                if output.finish_reason is FinishReason.PREFILLED:
+                    engine.free_blocks(output.block_ids)
+    engine.block_pool.reset_cache()  # the throwaway prompts' blocks are nobody's prefix
+    engine.scheduler.prefix_stats = PrefixCacheStats()
+    engine.check_leaks()
