@@ -36,7 +36,7 @@ def convert_packaged_model(model: PackagedModel, out: Path, dtype: str = "float3
     gguf_path = packaged_gguf_path(model)
     if show_progress:
         print(f"make-model: converting {model.title} ({gguf_path.name} from the {model.distribution} package) "
-              f"to a {dtype} checkpoint in {out} (about 30 s) ...", file=sys.stderr, flush=True)
+              f"to a {dtype} checkpoint in {out} (30-60 s) ...", file=sys.stderr, flush=True)
     start = time.monotonic()
     hf_model, tokenizer = load_gguf(gguf_path)
     plain = _plain_llama(hf_model, dtype)
