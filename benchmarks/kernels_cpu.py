@@ -93,13 +93,7 @@ def bench_cpu_decode(repeats: int) -> dict:
     }
     err = (decode_attention_cpu(query, cache[:, 3], tables, lens, scale)
            - decode_attention_ref(query, cache[:, 3], tables, lens, scale)).abs().max().item()
-    times: dict[str, list[float]] = {name: [] for name in ways}
-    for _ in range(repeats):
-        for name, way in ways.items():
-            start = time.perf_counter()
-            way()
-            times[name].append(1000 * (time.perf_counter() - start))
-    ms = {name: statistics.median(values) for name, values in times.items()}
+    ms = median_ms(ways, repeats)
     num_bytes = num_seqs * seq_len * num_layers * 2 * num_kv_heads * head_dim * 4
     return {
         "device": "cpu (1 thread)", "kernel": "paged_decode_attention",

@@ -217,6 +217,11 @@ class LLMEngine:
     def prefix_stats(self) -> PrefixCacheStats:
         return self.scheduler.prefix_stats
 
+    def forget_prefixes(self) -> None:
+        """Drop every cached prefix block (they stay free) and the prefix-cache counts."""
+        self.block_pool.reset_cache()
+        self.scheduler.prefix_stats = PrefixCacheStats()
+
     def prefix_cache_keys(self, limit: int) -> tuple[int, list[int]]:
         """(version, keys of the cached blocks, most recently used first, at most limit): what
         the node reports for cache-aware routing. version grows when the set changes."""

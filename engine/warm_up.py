@@ -6,7 +6,6 @@ from engine.engine import LLMEngine
 from engine.protocol import num_blocks_for
 from engine.request import FinishReason
 from engine.sampling_params import SamplingParams
-from engine.scheduler import PrefixCacheStats
 
 
 def warm_up(engine: LLMEngine, num_tokens: int | None = None) -> None:
@@ -39,6 +38,5 @@ def warm_up(engine: LLMEngine, num_tokens: int | None = None) -> None:
             for output in engine.step():
                 if output.finish_reason is FinishReason.PREFILLED:
                     engine.free_blocks(output.block_ids)
-    engine.block_pool.reset_cache()  # the throwaway prompts' blocks are nobody's prefix
-    engine.scheduler.prefix_stats = PrefixCacheStats()
+    engine.forget_prefixes()  # the throwaway prompts' blocks are nobody's prefix
     engine.check_leaks()
