@@ -357,6 +357,9 @@ class LoadReport(msgspec.Struct, tag="load_report", frozen=True):
     # Version 7: the node refuses new requests (ErrorReply kind QUEUE_FULL_ERROR_KIND) while
     # num_waiting + num_pending_pulls is at this bound; 0: unbounded (or not said).
     max_num_waiting: int = 0
+    # The most requests the node runs at once (its max_num_seqs); 0: not said. A proxy that
+    # knows it sees a node's slots full before anything queues there.
+    max_num_seqs: int = 0
     # The port of the node's health server (/metrics), on the host of its address; 0: none.
     # Proxies re-export its vllm:* series on their own /metrics.
     metrics_port: int = 0

@@ -63,6 +63,7 @@ def _load_fields(server: NodeServer, metrics_port: int) -> dict:
         progress=server.progress,
         is_draining=server.is_draining,
         max_num_waiting=server.config.max_num_waiting,
+        max_num_seqs=engine.config.scheduler.max_num_seqs,
         num_prefix_query_tokens=engine.prefix_stats.num_query_tokens,
         num_prefix_hit_tokens=engine.prefix_stats.num_hit_tokens,
         num_computed_prefill_tokens=engine.prefix_stats.num_computed_prefill_tokens,

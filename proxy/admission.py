@@ -121,7 +121,7 @@ class Admission:
         self.is_draining = False  # the proxy is shutting down (proxy.drain): new requests get 503
         self.drain = DrainRate()
         # Per decode node (by address): requests it ran while others queued, its capacity as last
-        # seen (max_num_seqs, or fewer when KV blocks ran short); unknown until it queues.
+        # seen (max_num_seqs, or fewer when KV blocks ran short); see _slots.
         self.num_slots: dict[str, int] = {}
         pool.is_full = lambda node: is_full(node, limits.max_node_waiting)  # routing passes over full nodes
 
@@ -201,31 +201,37 @@ class Admission:
     def estimate(self, num_prompt_tokens: int) -> WaitEstimate:
         """How long a request with a prompt of num_prompt_tokens would wait now (see WaitEstimate).
         The prefill queue: the best node's queued prompt tokens (reported plus sent since) over its
-        measured prefill rate. The decode queue: the requests queued on the decode nodes (see
-        _num_queued) over the drain rate; routing is assumed to balance the nodes."""
+        measured prefill rate. The decode slot: none to wait for while a decode node has one free;
+        else the slots that must free first (one per request queued past the nodes' slots, and one
+        for this request) over the drain rate; routing is assumed to balance the nodes."""
         decode = [n for n in self.pool.decode if n.is_routable]
         is_colocated = not self.pool.prefill
         prefillers = decode if is_colocated else [n for n in self.pool.prefill if n.is_routable]
         prefill_queue_s, prefill_s = _prefill_wait(prefillers, num_prompt_tokens, self.limits.max_node_waiting)
         rate = self.drain.per_s(time.monotonic())
-        num_queued = sum(self._num_queued(n) for n in decode)
-        decode_queue_s = num_queued / rate if rate and num_queued else 0.0
+        slots = [self._slots(n) for n in decode]
+        num_waits = 0 if not slots or any(free > 0 for _, free in slots) else 1 + sum(q for q, _ in slots)
+        decode_queue_s = num_waits / rate if rate and num_waits else 0.0
         queue_s = max(prefill_queue_s, decode_queue_s)
         # NOTE: disaggregated, the first token comes from the prefill node, before any decode wait.
         ttft_s = (queue_s if is_colocated else prefill_queue_s) + prefill_s
         return WaitEstimate(queue_s, prefill_s, ttft_s, decode_queue_s)
 
-    def _num_queued(self, node: NodeClient) -> int:
-        """Requests queued on a decode node: reported (waiting, waiting for a KV pull) plus those
-        sent since; with no queue reported, those sent since past its free slots (none while its
-        capacity is unknown)."""
+    def _slots(self, node: NodeClient) -> tuple[int, int]:
+        """(requests queued past its slots, free slots) on a decode node, counting those sent since
+        its report. Its slots: while it reports a queue, those it runs (fewer than max_num_seqs when
+        KV blocks ran short); else the max_num_seqs it reports, or (a node that does not say) as
+        many as it ran when it last queued; unknown (never said, never queued): taken as free."""
         report = node.last_report
         num_queued = report.num_waiting + report.num_pending_pulls
         if num_queued:
-            self.num_slots[node.address] = report.num_running
-            return num_queued + len(node.unreported)
-        num_slots = self.num_slots.get(node.address)
-        return 0 if num_slots is None else max(0, report.num_running + len(node.unreported) - num_slots)
+            self.num_slots[node.address] = num_slots = report.num_running
+        else:
+            num_slots = report.max_num_seqs or self.num_slots.get(node.address)
+        if num_slots is None:
+            return 0, 1
+        num_held = report.num_running + num_queued + len(node.unreported)
+        return max(0, num_held - num_slots), max(0, num_slots - num_held)
 
     def _all_full(self) -> str | None:
         """The kind of node ("prefill", "decode") of which every healthy one is full; None if a

@@ -347,7 +347,7 @@ class FakeNode:
             model_name=self.config.model_name, max_model_len=self.config.max_model_len,
             block_size=self.config.block_size, num_running=num_decoding,
             num_waiting=len(self._prefills) + len(self._running) - num_decoding,
-            max_num_waiting=self.config.max_num_waiting,
+            max_num_waiting=self.config.max_num_waiting, max_num_seqs=self.config.max_num_seqs or 0,
             num_queued_prompt_tokens=queued, num_free_blocks=self.config.num_total_blocks - self._num_used_blocks(),
             num_total_blocks=self.config.num_total_blocks, num_leases=len(self.leases),
             num_kv_fallbacks=0, sent_at=time.time(), last_request_seq=self._last_request_seqs.get(identity, 0),

@@ -69,14 +69,15 @@ def test_idle_nodes_mean_no_wait_and_full_nodes_are_told_apart():
     assert is_full(decode, 5)
 
 
-def test_decode_queue_wait_is_the_queue_over_the_drain_rate():
+def test_decode_queue_wait_is_the_slots_to_free_over_the_drain_rate():
     pool = _pool()
     admission = _admission(pool)
     _set(pool.decode[0], num_running=2, num_waiting=6)
     assert admission.estimate(10).queue_s == 0  # no drain rate measured yet: not estimated
     _finish(admission, 11, 0.5)  # 2 finishes per second
     wait = admission.estimate(10)
-    assert wait.decode_queue_s == pytest.approx(3.0, rel=0.05) and wait.queue_s == wait.decode_queue_s
+    # 6 queued ahead, then a slot for this request: 7 finishes at 2 per second
+    assert wait.decode_queue_s == pytest.approx(3.5, rel=0.05) and wait.queue_s == wait.decode_queue_s
     assert wait.ttft_s == pytest.approx(wait.queue_s)  # colocated: the first token waits for a slot
 
 
@@ -86,11 +87,28 @@ def test_requests_sent_since_the_report_join_a_queue_but_not_an_idle_node():
     admission = _admission(pool)
     _finish(admission, 11, 0.5)
     decode.unreported.extend(_Unreported(seq, 16, 16) for seq in range(1, 5))
-    assert admission.estimate(1).decode_queue_s == 0
+    assert admission.estimate(1).decode_queue_s == 0  # its slots are unknown: taken as free
     _set(decode, num_waiting=2, num_running=2)
-    assert admission.estimate(1).decode_queue_s == pytest.approx(3.0, rel=0.05)  # (2 + 4) / 2 per s
+    assert admission.estimate(1).decode_queue_s == pytest.approx(3.5, rel=0.05)  # (2 + 4 + 1) / 2 per s
     _set(decode, num_waiting=0, num_running=1)  # the node runs 2 at most (seen while it queued)
-    assert admission.estimate(1).decode_queue_s == pytest.approx(1.5, rel=0.05)  # 1 + 4 - 2 queue
+    assert admission.estimate(1).decode_queue_s == pytest.approx(2.0, rel=0.05)  # 1 + 4 - 2 queued, + 1
+
+
+def test_a_node_that_says_its_slots_makes_a_request_wait_once_they_are_full():
+    pool = _pool(num_decode=2)
+    admission = _admission(pool)
+    _finish(admission, 11, 0.5)
+    first, second = pool.decode
+    _set(first, num_running=4, max_num_seqs=4)
+    _set(second, num_running=3, max_num_seqs=4)
+    assert admission.estimate(1).decode_queue_s == 0  # a free slot on the second node
+    second.unreported.append(_Unreported(1, 16, 16))
+    # nothing queued yet, but every slot is held: this request waits for the next one to free
+    assert admission.estimate(1).decode_queue_s == pytest.approx(0.5, rel=0.05)
+    _set(first, num_running=4, num_waiting=3, max_num_seqs=4)
+    assert admission.estimate(1).decode_queue_s == pytest.approx(2.0, rel=0.05)  # 3 queued, + 1
+    _set(first, num_running=3, num_waiting=1, max_num_seqs=4)  # KV blocks short: 3 is all it runs
+    assert admission.estimate(1).decode_queue_s == pytest.approx(1.0, rel=0.05)
 
 
 def test_prefill_wait_takes_the_soonest_prefill_node_and_its_own_prefill_time():
@@ -101,9 +119,9 @@ def test_prefill_wait_takes_the_soonest_prefill_node_and_its_own_prefill_time():
     wait = admission.estimate(500)
     assert (wait.queue_s, wait.prefill_s, wait.ttft_s) == pytest.approx((1.0, 0.5, 1.5))
     _finish(admission, 11, 0.5)
-    _set(pool.decode[0], num_waiting=20)  # 10 s for a decode slot: counts in the wait, not in TTFT
+    _set(pool.decode[0], num_waiting=20)  # 10.5 s for a decode slot: counts in the wait, not in TTFT
     wait = admission.estimate(500)
-    assert wait.queue_s == pytest.approx(10.0, rel=0.05) and wait.ttft_s == pytest.approx(1.5)
+    assert wait.queue_s == pytest.approx(10.5, rel=0.05) and wait.ttft_s == pytest.approx(1.5)
 
 
 def test_limits_refuse_with_429_retry_after_and_reason():
@@ -111,7 +129,7 @@ def test_limits_refuse_with_429_retry_after_and_reason():
     admission = _admission(pool, max_queue_wait_s=2.0, slo_ttft_s=1.0)
     _finish(admission, 11, 0.5)
     admission.check([10])
-    _set(pool.decode[0], num_waiting=5)  # 2.5 s
+    _set(pool.decode[0], num_waiting=4)  # 4 queued and this one: 2.5 s
     with pytest.raises(ApiError) as refused:
         admission.check([10])
     error = refused.value
