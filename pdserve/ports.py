@@ -53,6 +53,19 @@ def port_range() -> range | None:
     return range(_LOWEST_PORT, low) if low - _LOWEST_PORT >= 1024 else None
 
 
+def share_of_range(index: int, count: int) -> str | None:
+    """A PORT_RANGE_VARIABLE value for the index-th (from 0) of count processes that draw ports
+    side by side (test workers), so no two draw the same: an equal share of port_range(), or, where
+    that is None, of the ports above the kernel's ephemeral range; None where a share would hold
+    fewer than 256 ports (each then lets the kernel choose)."""
+    draw = port_range() or range(_ephemeral_range()[1] + 1, 65536)
+    width = len(draw) // count
+    if width < 256:
+        return None
+    low = draw.start + index * width
+    return f"{low}-{low + width - 1}"
+
+
 def _ephemeral_range() -> tuple[int, int]:
     """The kernel's range for ports it picks itself (Linux's default where unreadable)."""
     try:

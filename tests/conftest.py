@@ -39,11 +39,10 @@ if _WORKER:
     from pdserve import ports
 
     torch.set_num_threads(1)
-    if ports.PORT_RANGE_VARIABLE not in os.environ:
-        _draw = ports.port_range() or range(ports._LOWEST_PORT, 32768)
-        _width = len(_draw) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-        _low = _draw.start + int(_WORKER.removeprefix("gw")) * _width
-        os.environ[ports.PORT_RANGE_VARIABLE] = f"{_low}-{_low + _width - 1}"
+    _share = ports.share_of_range(int(_WORKER.removeprefix("gw")),
+                                  int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    if ports.PORT_RANGE_VARIABLE not in os.environ and _share is not None:
+        os.environ[ports.PORT_RANGE_VARIABLE] = _share
 
 
 def cached_checkpoint(path: Path, modules: tuple[str, ...], libraries: tuple[str, ...],

@@ -125,6 +125,15 @@ def test_free_ports_come_from_the_range_the_environment_names(monkeypatch):
     assert len(drawn) == 16 and all(41000 <= port <= 41031 for port in drawn)
 
 
+def test_side_by_side_processes_get_disjoint_shares_of_the_ports(monkeypatch):
+    monkeypatch.setenv(ports.PORT_RANGE_VARIABLE, "41000-41999")
+    assert [ports.share_of_range(i, 3) for i in range(3)] == ["41000-41332", "41333-41665", "41666-41998"]
+    assert ports.share_of_range(0, 4) is None  # 250 ports each: too few
+    monkeypatch.delenv(ports.PORT_RANGE_VARIABLE)
+    monkeypatch.setattr(ports, "_ephemeral_range", lambda: (ports._LOWEST_PORT + 100, 60999))
+    assert ports.share_of_range(1, 2) == "63268-65535"  # no room below: above the ephemeral range
+
+
 @pytest.mark.parametrize("text", ["41000", "41000-", "a-b", "500-600", "41000-40000", "41000-70000"])
 def test_a_malformed_port_range_is_a_value_error_naming_it(monkeypatch, text):
     monkeypatch.setenv(ports.PORT_RANGE_VARIABLE, text)
