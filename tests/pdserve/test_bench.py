@@ -377,6 +377,9 @@ def test_sharegpt_answer_lengths_come_from_tokenize_when_the_endpoint_has_it(fak
     assert {s.turns[0].max_tokens for s in dataset.sessions} == {12 if has_tokenize else math.ceil(len(answer) / 4)}
 
 
+OUTPUT_LEN = 48  # tokens per request: the decoding after the first token is what a late first-token time would add
+
+
 def _histogram_means(base_url: str) -> dict[str, tuple[float, float]]:
     """(sum, count) of the proxy's TTFT and E2E histograms."""
     import httpx
@@ -395,7 +398,7 @@ def test_real_deployment_run_has_no_failures_and_agrees_with_the_proxys_metrics(
     try:
         wait_healthy(deployment, 180)
         config = BenchConfig(EndpointConfig(base_url=deployment.base_url, timeout_s=120),
-                             DatasetConfig(num_requests=6, input_len=32, output_len=8, vocab_high=2000),
+                             DatasetConfig(num_requests=6, input_len=32, output_len=OUTPUT_LEN, vocab_high=2000),
                              LoadConfig(request_rate=20.0, max_concurrency=3, show_progress=False))
         # Warm up outside the measured window: first requests pay one-off costs on both sides.
         run_benchmark(replace(config, dataset=replace(config.dataset, num_requests=2, seed=1)))
@@ -406,16 +409,23 @@ def test_real_deployment_run_has_no_failures_and_agrees_with_the_proxys_metrics(
         deployment.stop()
     s = result.summary
     assert s["num_failed"] == 0, s["failures"]
-    assert s["output_tokens_source"] == {"usage": 6} and s["total_output_tokens"] == 6 * 8
+    assert s["output_tokens_source"] == {"usage": 6} and s["total_output_tokens"] == 6 * OUTPUT_LEN
+    proxy_ms = {}
     for name, key in (("pdserve_time_to_first_token_seconds", "ttft_ms"),
                       ("pdserve_e2e_request_latency_seconds", "e2e_ms")):
         total_s, count = (a - b for a, b in zip(after[name], before[name]))
         assert count == 6
-        proxy_ms, client_ms = 1000 * total_s / count, s[key]["mean"]
+        proxy_ms[key] = 1000 * total_s / count
+    decode_ms = proxy_ms["e2e_ms"] - proxy_ms["ttft_ms"]  # the proxy's first token to its last, on average
+    print({key: (round(s[key]["mean"], 1), round(value, 1)) for key, value in proxy_ms.items()})
+    for key, value in proxy_ms.items():
         # The client's span holds the proxy's (connecting, HTTP parsing, the SSE hop): never below
-        # it (2 ms for clock reads), and above it by the loopback overhead, 10-50 ms measured on
-        # two cores shared with the nodes; 100 ms or 25% allows for a busier machine.
-        assert proxy_ms - 2 <= client_ms <= proxy_ms + max(100.0, 0.25 * proxy_ms), (key, client_ms, proxy_ms)
+        # it (2 ms for clock reads), and above it by the loopback overhead: 10-50 ms measured on two
+        # cores shared with the nodes, 103 ms once beside the other test worker. Allowed: 150 ms or
+        # a quarter; for TTFT, also half the decoding that follows, so a first token timed at the
+        # stream's end still fails.
+        slack = max(150.0, 0.25 * value, 0.5 * decode_ms if key == "ttft_ms" else 0.0)
+        assert value - 2 <= s[key]["mean"] <= value + slack, (key, s[key]["mean"], value, decode_ms)
 
 
 def test_load_client_benchmark_streams_every_chunk_through_both_clients():
