@@ -417,7 +417,6 @@ def test_real_deployment_run_has_no_failures_and_agrees_with_the_proxys_metrics(
         assert count == 6
         proxy_ms[key] = 1000 * total_s / count
     decode_ms = proxy_ms["e2e_ms"] - proxy_ms["ttft_ms"]  # the proxy's first token to its last, on average
-    print({key: (round(s[key]["mean"], 1), round(value, 1)) for key, value in proxy_ms.items()})
     for key, value in proxy_ms.items():
         # The client's span holds the proxy's (connecting, HTTP parsing, the SSE hop): never below
         # it (2 ms for clock reads), and above it by the loopback overhead: 10-50 ms measured on two
