@@ -59,7 +59,7 @@ def bench_cpu_decode(repeats: int) -> dict:
 
     torch.set_num_threads(1)
     keep_freed_memory()  # as the engine does: the gather's copies then reuse heap pages, no faults
-    num_layers, num_blocks, block_size, num_heads, num_kv_heads, head_dim = 30, 2000, 16, 9, 3, 64
+    num_layers, num_blocks, num_heads, num_kv_heads, head_dim = 30, 2000, 9, 3, 64
     num_seqs, seq_len = 64, 300
     gen = torch.Generator().manual_seed(0)
 
@@ -69,8 +69,8 @@ def bench_cpu_decode(repeats: int) -> dict:
         advise_huge_pages(copy)  # before the copy touches its pages
         return copy.copy_(values)
 
-    cache = on_huge_pages(torch.randn(num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim, generator=gen))
-    blocks_per_seq = num_blocks_for(seq_len, block_size)
+    cache = on_huge_pages(torch.randn(num_blocks, num_layers, 2, BLOCK_SIZE, num_kv_heads, head_dim, generator=gen))
+    blocks_per_seq = num_blocks_for(seq_len, BLOCK_SIZE)
     tables = torch.randperm(num_blocks, generator=gen)[:num_seqs * blocks_per_seq].view(num_seqs, -1).int()
     lens = torch.full((num_seqs,), seq_len, dtype=torch.int32)
     query = torch.randn(num_seqs, num_heads, head_dim, generator=gen)
