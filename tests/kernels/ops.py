@@ -57,7 +57,7 @@ def write_kv(key, value, kv_cache_layer, slot_mapping, force_triton=False):
     positions = torch.zeros(key.shape[0], dtype=torch.int64, device=key.device)
     table = torch.zeros(1, key.shape[-1], dtype=key.dtype, device=key.device)
     table[:, : key.shape[-1] // 2] = 1.0  # cos 1, sin 0: the rotation is the identity
-    query = key.new_empty(key.shape[0], 1, key.shape[-1])
+    query = key.new_zeros(key.shape[0], 1, key.shape[-1])  # dropped; garbage times sin 0 can make NaN
     _backend(force_triton).rotary_and_write_kv(query, key.clone(), value, positions, table, kv_cache_layer,
                                                 slot_mapping)
 
