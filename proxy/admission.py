@@ -203,7 +203,8 @@ class Admission:
         The prefill queue: the best node's queued prompt tokens (reported plus sent since) over its
         measured prefill rate. The decode slot: none to wait for while a decode node has one free;
         else the slots that must free first (one per request queued past the nodes' slots, and one
-        for this request) over the drain rate; routing is assumed to balance the nodes."""
+        for this request) over the drain rate. Routing sends a request to a node with a free slot
+        while one has one (proxy.routing.has_free_slot), round-robin excepted."""
         decode = [n for n in self.pool.decode if n.is_routable]
         is_colocated = not self.pool.prefill
         prefillers = decode if is_colocated else [n for n in self.pool.prefill if n.is_routable]

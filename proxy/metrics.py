@@ -166,7 +166,8 @@ def _routing_decisions(nodes: list, node_name: Callable[[object], str]) -> Metri
     decisions = CounterMetricFamily("pdserve_routing_decisions", "requests routed to the node, by reason: cache "
                                     "(it caches the longest prefix of the prompt), load (no node caches any, or a "
                                     "less loaded one was worth more), cap (a node caching more was past the load "
-                                    "cap), round_robin, least_loaded, local_prefill (prefilled on this decode node)",
+                                    "cap), slot (a decode node caching more had no free slot), round_robin, "
+                                    "least_loaded, local_prefill (prefilled on this decode node)",
                                     labels=[*_NODE_LABELS, "reason"])
     for node in nodes:
         for reason, count in sorted(getattr(node, "routing_decisions", {}).items()):

@@ -14,7 +14,10 @@ many leading tokens of the prompt that node holds (its cached prefix). Then:
 - **Decode**: among the nodes whose load (running + waiting + sent since the last report) is at
   most the least-loaded node's + max_extra_decode_requests (8 by default) and with free blocks
   for the prompt's uncached part, the one caching the longest prefix of the prompt (it pulls
-  only the rest; the conversation's earlier turns are there), then the most free blocks.
+  only the rest; the conversation's earlier turns are there), then the most free blocks. A node
+  with a free slot (fewer requests than the max_num_seqs it reports) comes first, under every
+  policy but round-robin: a cached prefix saves a pull, a full node makes the request wait for a
+  whole other request to finish (the proxy's admission counts on this, proxy.admission).
 - **Conditional disaggregation** (NodePool.pick_local_prefill) counts only uncached tokens on
   both sides: a mostly cached prompt is cheap to prefill on the decode node holding it.
 
@@ -27,7 +30,8 @@ there. A node without a digest yet caches nothing as far as routing knows.
 Each choice is counted on the chosen node by reason (NodeClient.routing_decisions, exported as
 pdserve_routing_decisions_total): "cache" (the node caching the longest prefix), "load" (no node
 caches any of it, or a less loaded node was worth more than the cached tokens), "cap" (a node
-caching more was past the cap), "round_robin", "least_loaded".
+caching more was past the cap), "slot" (a node caching more had no free slot), "round_robin",
+"least_loaded".
 """
 
 from __future__ import annotations
@@ -134,10 +138,18 @@ def num_cached_tokens(node: NodeClient, prompt: PromptBlocks | None) -> int:
     return min(num_blocks * block_size, max(len(prompt) - 1, 0))
 
 
-def decode_score(node: NodeClient) -> tuple[int, int]:
-    """Free blocks left once the requests the node accepted and those sent since its last report
-    take theirs (in the node's own block size), then fewest requests."""
-    return num_unclaimed_blocks(node), -decode_load(node)
+def decode_score(node: NodeClient) -> tuple[bool, int, int]:
+    """A free slot first; then free blocks left once the requests the node accepted and those
+    sent since its last report take theirs (in the node's own block size); then fewest requests."""
+    return has_free_slot(node), num_unclaimed_blocks(node), -decode_load(node)
+
+
+def has_free_slot(node: NodeClient) -> bool:
+    """Whether a decode node would run one more request at once: it holds (running, waiting,
+    pulling, sent since its report) fewer than the max_num_seqs it reports; a node that does not
+    report it counts as having one."""
+    report = node.last_report
+    return not report.max_num_seqs or decode_load(node) + report.num_pending_pulls < report.max_num_seqs
 
 
 def num_unclaimed_blocks(node: NodeClient) -> int:
@@ -205,13 +217,16 @@ class Router:
         def has_room(node: NodeClient) -> bool:
             block_size = node.last_report.block_size
             needed = protocol.num_blocks_for(len(prompt), block_size) - cached[id(node)] // block_size
-            return decode_score(node)[0] >= needed
+            return num_unclaimed_blocks(node) >= needed
 
         eligible = [n for n in candidates
                     if decode_load(n) <= least_load + self.config.max_extra_decode_requests and has_room(n)]
         if not eligible:  # every node short of blocks: the usual choice (most free blocks)
             return _count(max(candidates, key=decode_score), "load")
-        chosen = max(eligible, key=lambda n: (cached[id(n)], decode_score(n)))
+        with_slot = [n for n in eligible if has_free_slot(n)]
+        chosen = max(with_slot or eligible, key=lambda n: (cached[id(n)], decode_score(n)))
+        if with_slot and max(cached[id(n)] for n in eligible) > cached[id(chosen)]:
+            return _count(chosen, "slot")
         return _count(chosen, _reason(cached, eligible, chosen))
 
 

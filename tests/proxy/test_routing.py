@@ -35,12 +35,14 @@ class _AcceptingSocket:
 
 
 def _report(node: NodeClient, queued: int = 0, digest: list[int] | None = None, version: int = 1,
-            boot_id: str = "boot-1", free_blocks: int = 1000, running: int = 0, rate: float = 0.0) -> None:
+            boot_id: str = "boot-1", free_blocks: int = 1000, running: int = 0, rate: float = 0.0,
+            max_num_seqs: int = 0, waiting: int = 0) -> None:
     """Feed the node a LoadReport through the pool's own handler (as if received)."""
     role = protocol.Role.PREFILL if node.kind == "prefill" else protocol.Role.DECODE
     take_report(node, protocol.LoadReport(
         node_id=node.address, role=role, protocol_version=protocol.PROTOCOL_VERSION, model_name="m",
-        max_model_len=100_000, block_size=BLOCK, num_running=running, num_waiting=0, num_queued_prompt_tokens=queued,
+        max_model_len=100_000, block_size=BLOCK, num_running=running, num_waiting=waiting,
+        num_queued_prompt_tokens=queued, max_num_seqs=max_num_seqs,
         num_free_blocks=free_blocks, num_total_blocks=1000, boot_id=boot_id, prefill_tokens_per_s=rate,
         last_request_seq=node.num_requests_sent,
         prefix_cache=None if digest is None else protocol.PrefixCacheDigest(version, digest)))
@@ -224,6 +226,29 @@ def test_decode_prefers_the_node_holding_the_conversation_within_load_limits(mak
     # within the cap but without room for the uncached blocks: the other node
     _report(pool.decode[1], free_blocks=3, digest=_hashes(prompt[:256]), version=3)
     assert pool.pick_decode(prompt=PromptBlocks(prompt)) is pool.decode[0]
+
+
+@pytest.mark.parametrize("policy", [RoutingPolicy.CACHE_AWARE, RoutingPolicy.LEAST_LOADED])
+def test_decode_prefers_a_free_slot_to_a_cached_prefix_and_to_free_blocks(make_pool, policy):
+    """decode[1] caches the conversation and has more free blocks, but runs its max_num_seqs (4):
+    the request would wait there for another to finish, so decode[0] takes it while it has a slot.
+    The admission's TTFT estimate counts on this (0 wait while any node has a free slot)."""
+    prompt = _prompt(320)
+    pool = make_pool(num_decode=2, policy=policy)
+    _report(pool.decode[0], free_blocks=500, running=3, max_num_seqs=4)
+    _report(pool.decode[1], free_blocks=900, digest=_hashes(prompt[:256]), running=4, max_num_seqs=4)
+    assert pool.pick_decode(prompt=PromptBlocks(prompt)) is pool.decode[0]
+    reason = "slot" if policy is RoutingPolicy.CACHE_AWARE else "least_loaded"
+    assert pool.decode[0].routing_decisions == {reason: 1}
+    # a request sent there since its report takes its last slot: both full, the usual choice
+    other = _prompt(64, first=7)
+    pool.decode[0].send_request(protocol.PrefillRequest("r0", other, SAMPLING), PromptBlocks(other))
+    assert pool.pick_decode(prompt=PromptBlocks(prompt)) is pool.decode[1]
+    # a waiting request holds a slot too; a node that does not report max_num_seqs has one
+    pool = make_pool(num_decode=2, policy=policy)
+    _report(pool.decode[0], free_blocks=900, digest=_hashes(prompt[:256]), waiting=1, running=3, max_num_seqs=4)
+    _report(pool.decode[1], free_blocks=500, running=5)
+    assert pool.pick_decode(prompt=PromptBlocks(prompt)) is pool.decode[1]
 
 
 def test_local_prefill_counts_cached_tokens(make_pool):
