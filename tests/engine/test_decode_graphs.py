@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from engine.decode_graphs import DecodeGraphs, bucket_for, capture_sizes
+from engine.decode_graphs import DecodeGraphs, PendingTokens, bucket_for, capture_sizes
 from engine.engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from tests.engine.test_correctness import MAX_TOKENS, make_prompts, run_to_completion, transformers_greedy
@@ -166,11 +166,13 @@ def test_aborts_and_finishes_between_static_steps_leave_nothing(tiny_model_dir, 
 
 
 def test_static_outputs_are_the_models_logits(tiny_model_dir):
-    """One bucket's logits rows equal an eager forward's for the same decodes."""
+    """One bucket's logits rows equal an eager forward's for the same decodes. The requests ask
+    for logprobs, so the eager step gives every row's logits (plain greedy rows would take the
+    backend's greedy head where it has one: tokens without logits)."""
     engine = engine_for(tiny_model_dir, "static", max_num_seqs=4)
     prompts = make_prompts(ModelConfig.from_pretrained(tiny_model_dir).vocab_size)[3:6]
     for i, prompt in enumerate(prompts):
-        engine.add_request(f"q{i}", prompt, SamplingParams(max_tokens=3, temperature=0.0))
+        engine.add_request(f"q{i}", prompt, SamplingParams(max_tokens=3, temperature=0.0, logprobs=0))
     while len(engine.scheduler.running) < 3 or any(r.num_output_tokens == 0 for r in engine.scheduler.running):
         engine.step()
     scheduled = engine.scheduler.schedule()
@@ -239,6 +241,38 @@ def test_one_step_late_stops_aborts_and_arrivals_give_the_synchronous_results(ti
     assert finishes["r1"] == "stop" and finishes["r4"] == "length" and finishes["r2"] is None
     for rid, stream in results["async"].items():
         assert [index for index, _, _ in stream] == list(range(len(stream))), rid
+
+
+def test_an_outside_write_waits_for_a_launched_step_still_writing_to_its_blocks(tiny_model_dir, monkeypatch):
+    """Async: a request that ends while a launched step computes its next token gives its blocks
+    back at once, and that step still writes one KV slot in them. A writer outside the steps (a
+    decode node's NIXL read) asking wait_for_late_writes for any of them waits for the step; for
+    other blocks it does not."""
+    waits = []
+    real = PendingTokens.wait
+    monkeypatch.setattr(PendingTokens, "wait", lambda self: (waits.append(self), real(self))[1])
+    engine = engine_for(tiny_model_dir, "static", max_num_seqs=4, num_blocks=64)
+    for i, prompt in enumerate(make_prompts(ModelConfig.from_pretrained(tiny_model_dir).vocab_size)[:2]):
+        engine.add_request(f"w{i}", prompt, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+    for _ in range(20):
+        engine.step()
+        if engine._in_flight is not None:
+            break
+    in_flight = engine._in_flight
+    assert in_flight is not None and len(in_flight.decodes) == 2
+    victim, survivor = in_flight.decodes
+    blocks = list(victim.block_ids)
+    engine.abort(victim.request_id)
+    assert in_flight.late_blocks == set(blocks) and engine.block_pool.num_free_blocks > 0
+    elsewhere = [b for b in range(64) if b not in blocks and b not in survivor.block_ids]
+    waits.clear()
+    engine.wait_for_late_writes(elsewhere)
+    assert waits == []
+    engine.wait_for_late_writes([blocks[-1]])
+    assert waits == [in_flight.pending] and not in_flight.late_blocks
+    while engine.has_unfinished():
+        engine.step()
+    engine.check_leaks()
 
 
 def test_the_device_tables_follow_every_row_sending_only_what_changed(tiny_model_dir, monkeypatch):
