@@ -176,6 +176,7 @@ class DecodeNode(NodeServer):
                 self._join_batch(pull)
                 continue
             self._pulls[request_id] = pull
+            self.engine.wait_for_late_writes(local_ids)  # NIXL's copies are not ordered with the engine's steps
             self.connector.start_read(request_id, replace(pull.lease, block_ids=pull.lease.block_ids[len(cached):]),
                                       local_ids)
 

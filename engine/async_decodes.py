@@ -3,7 +3,7 @@ places in its requests' outputs, and whether the step after it can be launched b
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.decode_graphs import DecodeGraphs, PendingTokens
 from engine.request import Request
@@ -17,11 +17,13 @@ PENDING_TOKEN = -1
 @dataclass
 class InFlight:
     """A launched decode step whose tokens are not read yet: each request's token goes to
-    output_token_ids[index] (a PENDING_TOKEN until then)."""
+    output_token_ids[index] (a PENDING_TOKEN until then). late_blocks: blocks of its requests
+    that ended (and were freed) after it was launched; it still writes one KV slot in them."""
 
     decodes: list[Request]
     indices: list[int]
     pending: PendingTokens
+    late_blocks: set[int] = field(default_factory=set)
 
 
 class AsyncDecodes:

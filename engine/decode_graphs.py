@@ -67,10 +67,14 @@ class PendingTokens:
             self._event = torch.cuda.Event()
             self._event.record()
 
-    def tokens(self) -> list[int]:
-        """Wait for the step and return its tokens (the one host sync of a step)."""
+    def wait(self) -> None:
+        """Until the step has run on the device."""
         if self._event is not None:
             self._event.synchronize()
+
+    def tokens(self) -> list[int]:
+        """Wait for the step and return its tokens (the one host sync of a step)."""
+        self.wait()
         return self._host.tolist()
 
 

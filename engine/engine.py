@@ -258,7 +258,8 @@ class LLMEngine:
         tokens before they are read. Each call still returns one step's tokens. A request that
         stops (a stop token or eos) is then known one step late: its extra step's token is dropped
         and its blocks are freed at once (the GPU's late write to them is ordered before any later
-        step's). Length limits are known ahead and never overrun."""
+        step's; a writer outside the steps calls wait_for_late_writes first). Length limits are
+        known ahead and never overrun."""
         if self._in_flight is not None:
             return self._continue_and_read()
         scheduled = self.scheduler.schedule()
@@ -399,7 +400,21 @@ class LLMEngine:
     def _finish(self, request: Request, reason: FinishReason) -> None:
         request.grammar = None  # the matcher goes with the last reference to it
         request.prompt_logprobs = None
+        in_flight = self._in_flight
+        if in_flight is not None and any(r is request for r in in_flight.decodes):
+            in_flight.late_blocks.update(request.block_ids)  # see wait_for_late_writes
         self.scheduler.finish(request, reason)
+
+    def wait_for_late_writes(self, block_ids: list[int]) -> None:
+        """Call before anything that is not one of this engine's steps writes block_ids (a NIXL
+        read into them: its copies are not ordered with the steps'). A request that ended while a
+        launched step still computes its next token gave its blocks back at once; that step
+        writes one KV slot in them: if it is still in flight and wrote to one of block_ids, wait
+        for it."""
+        in_flight = self._in_flight
+        if in_flight is not None and in_flight.late_blocks and not in_flight.late_blocks.isdisjoint(block_ids):
+            in_flight.pending.wait()
+            in_flight.late_blocks.clear()
 
     def _finish_reason(self, request: Request, token_id: int, num_outputs: int) -> FinishReason | None:
         """Why the request ends with token_id, its num_outputs-th output token; None: it goes on."""
