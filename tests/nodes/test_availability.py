@@ -135,7 +135,10 @@ def test_a_full_waiting_queue_refuses_new_requests_with_a_retryable_kind(one_seq
 
 def test_a_drain_message_drains_as_sigterm_does(one_seq_node):
     server, thread, socket = one_seq_node
-    socket.send(protocol.encode(protocol.DecodeRequest("running", [5, 6, 7], GREEDY, seq=1)))
+    # long enough to be still running when the drain and the late request come (else the node,
+    # drained at once, ends before answering the late one)
+    long = protocol.SamplingOptions(max_tokens=200, temperature=0.0, ignore_eos=True)
+    socket.send(protocol.encode(protocol.DecodeRequest("running", [5, 6, 7], long, seq=1)))
     next_message(socket, protocol.TokenBatch)
     socket.send(protocol.encode(protocol.Drain("test")))
     deadline = time.monotonic() + 5
