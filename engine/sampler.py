@@ -1,9 +1,10 @@
 """Sampler: picks each request's next token from its logits row, per-request settings in one batch.
 
 Random draws use the exponential race (argmax of p / E with E ~ Exp(1)), which samples from p
-exactly. A seeded request's noise comes from a generator seeded by (seed, output index), so
+exactly. A seeded request's noise comes from a CPU generator seeded by (seed, output index), so
 its tokens depend neither on the batch it runs in nor on the node that samples them (prefill
-node for the first token, decode node after).
+node for the first token, decode node after). Everything else is computed where the logits are
+(on a GPU, unseeded noise is drawn there too).
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ class Sampler:
         self._argmax = argmax if argmax is not None else (lambda x: x.argmax(dim=-1))
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
-        self._generator = torch.Generator().manual_seed(seed)
+        self._seed = seed
+        self._generators = {torch.device("cpu"): torch.Generator().manual_seed(seed)}  # unseeded rows' noise
         self._row_generator = torch.Generator()
 
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[TokenLogprob]:
@@ -50,7 +52,7 @@ class Sampler:
         logits = self._apply_penalties(logits, requests)
         logits = self._apply_bias_and_grammars(logits, requests)
         logits = self._mask_early_stops(logits, requests)
-        token_ids = torch.empty(len(requests), dtype=torch.long)
+        token_ids = torch.empty(len(requests), dtype=torch.long, device=logits.device)
         greedy_idx = [i for i, r in enumerate(requests) if r.params.is_greedy]
         random_idx = [i for i, r in enumerate(requests) if not r.params.is_greedy]
         if len(greedy_idx) == len(requests):
@@ -79,11 +81,12 @@ class Sampler:
             return logits
         logits = logits.clone()
         picked = [requests[i] for i in rows]
-        output_counts = self._token_counts([r.output_token_ids for r in picked])
-        seen = self._token_counts([r.prompt_token_ids for r in picked]) + output_counts > 0
-        rep = torch.tensor([r.params.repetition_penalty for r in picked]).unsqueeze(1)
-        freq = torch.tensor([r.params.frequency_penalty for r in picked]).unsqueeze(1)
-        presence = torch.tensor([r.params.presence_penalty for r in picked]).unsqueeze(1)
+        device = logits.device
+        output_counts = self._token_counts([r.output_token_ids for r in picked]).to(device)
+        seen = self._token_counts([r.prompt_token_ids for r in picked]).to(device) + output_counts > 0
+        rep = torch.tensor([r.params.repetition_penalty for r in picked], device=device).unsqueeze(1)
+        freq = torch.tensor([r.params.frequency_penalty for r in picked], device=device).unsqueeze(1)
+        presence = torch.tensor([r.params.presence_penalty for r in picked], device=device).unsqueeze(1)
         sub = logits[rows]
         # Repetition penalty as in transformers: shrink positive logits, grow negative ones.
         penalized = torch.where(sub > 0, sub / rep, sub * rep)
@@ -136,9 +139,9 @@ class Sampler:
         return logits
 
     def _sample_random(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        rows = _row_settings(requests, self.vocab_size)
+        rows = _row_settings(requests, self.vocab_size, logits.device)
         probs = torch.softmax(logits / rows.temperature, dim=-1)
-        noise = self._exponential_noise(requests)
+        noise = self._exponential_noise(requests, logits.device)
         if bool((rows.top_k < self.vocab_size).any()) or bool((rows.top_p < 1.0).any()):
             return self._sample_truncated(probs, noise, rows)
         probs = _apply_min_p(probs, rows.min_p)
@@ -146,7 +149,7 @@ class Sampler:
 
     def _sample_truncated(self, probs: torch.Tensor, noise: torch.Tensor, rows: _Rows) -> torch.Tensor:
         sorted_probs, sorted_ids = probs.sort(dim=-1, descending=True)
-        rank = torch.arange(probs.shape[-1]).unsqueeze(0)
+        rank = torch.arange(probs.shape[-1], device=probs.device).unsqueeze(0)
         outside_k = rank >= rows.top_k.unsqueeze(1)
         # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
@@ -157,14 +160,19 @@ class Sampler:
         chosen_rank = (sorted_probs / sorted_noise).argmax(dim=-1, keepdim=True)
         return sorted_ids.gather(1, chosen_rank).squeeze(1)
 
-    def _exponential_noise(self, requests: list[Request]) -> torch.Tensor:
-        noise = torch.empty(len(requests), self.vocab_size)
-        noise.exponential_(generator=self._generator)
+    def _exponential_noise(self, requests: list[Request], device: torch.device) -> torch.Tensor:
+        """[len(requests), vocab] Exp(1) draws on device: unseeded rows from the sampler's generator
+        for that device, seeded rows from their own (on the CPU: the same draws on every node)."""
+        generator = self._generators.get(device)
+        if generator is None:
+            generator = self._generators[device] = torch.Generator(device=device).manual_seed(self._seed)
+        noise = torch.empty(len(requests), self.vocab_size, device=device)
+        noise.exponential_(generator=generator)
         for row, request in enumerate(requests):
             if request.params.seed is not None:
                 seed = request.params.seed * _SEED_STRIDE + request.num_output_tokens
                 self._row_generator.manual_seed(seed % (2**63))
-                noise[row].exponential_(generator=self._row_generator)
+                noise[row] = torch.empty(self.vocab_size).exponential_(generator=self._row_generator)
         return noise
 
 
@@ -187,12 +195,13 @@ def _apply_logit_bias(logits: torch.Tensor, requests: list[Request]) -> None:
             logits[row, token_ids] += torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
 
 
-def _row_settings(requests: list[Request], vocab_size: int) -> _Rows:
+def _row_settings(requests: list[Request], vocab_size: int, device: torch.device) -> _Rows:
     return _Rows(
-        temperature=torch.tensor([r.params.temperature for r in requests]).unsqueeze(1),
-        top_k=torch.tensor([r.params.top_k if 0 < r.params.top_k < vocab_size else vocab_size for r in requests]),
-        top_p=torch.tensor([r.params.top_p for r in requests]),
-        min_p=torch.tensor([r.params.min_p for r in requests]),
+        temperature=torch.tensor([r.params.temperature for r in requests], device=device).unsqueeze(1),
+        top_k=torch.tensor([r.params.top_k if 0 < r.params.top_k < vocab_size else vocab_size for r in requests],
+                           device=device),
+        top_p=torch.tensor([r.params.top_p for r in requests], device=device),
+        min_p=torch.tensor([r.params.min_p for r in requests], device=device),
     )
 
 

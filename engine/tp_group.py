@@ -60,7 +60,9 @@ class TPGroup:
 
     def min_int(self, value: int) -> int:
         """The smallest of the ranks' values (what every rank's memory allows)."""
-        return int(self.all_reduce(torch.tensor([value], dtype=torch.int64), dist.ReduceOp.MIN).item())
+        nccl = getattr(dist, "ProcessGroupNCCL", None)  # NCCL takes CUDA tensors only (the rank's device)
+        device = "cuda" if nccl is not None and isinstance(self.group, nccl) else "cpu"
+        return int(self.all_reduce(torch.tensor([value], dtype=torch.int64, device=device), dist.ReduceOp.MIN).item())
 
     def embed(self, table: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         """The embedding rows of token_ids [num_tokens] from the ranks' vocabulary slices (table:

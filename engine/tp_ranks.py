@@ -339,7 +339,7 @@ def _pack_step(input_ids: torch.Tensor, meta: AttentionMetadata, logits_indices:
     header = [_OP_STEP, input_ids.shape[0], meta.num_decode_tokens, meta.prefill_seq_lens.shape[0], width,
               logits_indices.shape[0]]
     parts = [torch.tensor(header, dtype=torch.int64)]
-    parts += [t.reshape(-1).to(torch.int64) for t in _step_tensors(input_ids, meta, logits_indices)]
+    parts += [t.reshape(-1).to("cpu", torch.int64) for t in _step_tensors(input_ids, meta, logits_indices)]
     return torch.cat(parts).numpy().tobytes()
 
 

@@ -1,4 +1,5 @@
-"""torch.distributed connector (gloo on CPU, NCCL-capable layout on GPU) for clusters without UCX.
+"""torch.distributed connector (gloo) for clusters without UCX. A GPU cache's blocks travel through
+host memory (NCCL is not used here: it cannot pair two processes on one GPU).
 
 Each reader/holder pair gets its own two-rank process group, made on demand: the reader hosts
 a TCPStore (on a port the store picks) and names it in its Hello (GlooStoreInfo); both sides
@@ -76,8 +77,9 @@ class GlooConnector(SideChannelConnector):
     def _start_transfer(self, read: PendingRead, peer: Peer) -> None:
         group, _ = peer.handle
         tag = next(self._tags)
+        # NOTE: gloo moves host memory only: a GPU cache's blocks land in host memory, then in the cache.
         staging = torch.empty(self._blocks_shape(len(read.local_block_ids)), dtype=self.kv_cache.dtype,
-                              device=self.kv_cache.device)
+                              pin_memory=self.kv_cache.is_cuda)
         self._staging[read.request_id] = staging
         try:
             work = group.recv([staging], _HOLDER_RANK, tag)
@@ -163,7 +165,7 @@ class GlooConnector(SideChannelConnector):
             logger.warning("no gloo group with %s for request %s", message.engine_id, request_id)
             return
         group, _ = group_and_store
-        group.send([self._blocks_for(message)], _READER_RANK, message.tag).wait(self._timeout)
+        group.send([self._blocks_for(message).cpu()], _READER_RANK, message.tag).wait(self._timeout)  # host memory
 
     def _blocks_for(self, message: ReadRequest) -> torch.Tensor:
         """The asked blocks of the lease (all of them, or those past the prefix the reader had

@@ -141,6 +141,8 @@ class NixlConnector(SideChannelConnector):
         return any(read.confirmation is None for read in list(self._reads.values()))
 
     def _progress_loop(self) -> None:
+        if self._mem_type == "VRAM":  # UCX's CUDA transports progress here: give the thread the cache's device
+            torch.cuda.set_device(self.kv_cache.device)
         while not self._is_stopping.is_set():
             self._wake.wait(_PROGRESS_INTERVAL_S if self.may_transfer() else _IDLE_PROGRESS_INTERVAL_S)
             self._wake.clear()

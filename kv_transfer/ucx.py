@@ -119,7 +119,8 @@ def _flush_c_streams() -> None:
         _libc().fflush(None)
 
 
-_TITLE = re.compile(r"remote memory read by ucp_get\S* into (\w[\w-]*) memory from (\w[\w-]*)")
+# "into host memory from host"; GPU memory with its device: "into cuda/GPU0 from cuda/dev[0]".
+_TITLE = re.compile(r"remote memory read by ucp_get\S* into (\w[\w-]*)(?: memory|/\S+) from (\S+)")
 _ROW = re.compile(r"\|\s*(\S+)\s*\|\s*([^|]+?)\s*\|\s*([^|]+?)\s*\|\s*$")
 
 

@@ -60,13 +60,13 @@ def _decode_triton(query, kv_cache_layer, block_tables, seq_lens, scale, num_spl
         query, kv_cache_layer, block_tables, seq_lens, partial_acc, partial_max, partial_sum,
         scale * LOG2E, min_tokens_per_split,
         query.stride(0), query.stride(1), *kv_cache_layer.stride()[:4], block_tables.stride(0),
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_GROUP=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
         DOT_FP32=dot_in_fp32(query), num_warps=4, num_stages=2,
     )
     _decode_reduce_kernel[(num_seqs, num_heads)](
-        partial_acc, partial_max, partial_sum, out, out.stride(0), out.stride(1),
-        NUM_SPLITS=num_splits, BLOCK_SPLITS=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim, BLOCK_D=block_d,
+        partial_acc, partial_max, partial_sum, out, out.stride(0), out.stride(1), num_splits,
+        BLOCK_SPLITS=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim, BLOCK_D=block_d,
     )
     return out
 
@@ -79,7 +79,7 @@ if triton is not None:
         qk_scale, min_tokens_per_split,
         stride_query_seq, stride_query_head, stride_cache_block, stride_cache_kv, stride_cache_offset,
         stride_cache_head, stride_table_seq,
-        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr,
     ):
         """One (sequence, KV head, split): the GROUP query heads sharing that KV head against the
@@ -89,10 +89,12 @@ if triton is not None:
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
+        # NOTE: the split count is the grid's, not a constexpr: one compiled kernel for every count.
+        num_splits = tl.num_programs(2)
         seq_len = tl.load(seq_lens_ptr + seq)
-        # This sequence's splits: its length over NUM_SPLITS, at least min_tokens_per_split, whole
+        # This sequence's splits: its length over num_splits, at least min_tokens_per_split, whole
         # BLOCK_N steps once longer than one (the last splits of a short sequence are empty).
-        tokens_per_split = tl.maximum(tl.cdiv(seq_len, NUM_SPLITS), min_tokens_per_split)
+        tokens_per_split = tl.maximum(tl.cdiv(seq_len, num_splits), min_tokens_per_split)
         if tokens_per_split > BLOCK_N:
             tokens_per_split = tl.cdiv(tokens_per_split, BLOCK_N) * BLOCK_N
         split_start = split * tokens_per_split
@@ -134,23 +136,23 @@ if triton is not None:
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
-        out_offs = (seq * GROUP * tl.num_programs(1) + heads).to(tl.int64) * NUM_SPLITS + split
+        out_offs = (seq * GROUP * tl.num_programs(1) + heads).to(tl.int64) * num_splits + split
         tl.store(max_ptr + out_offs, m_i, mask=mask_g)
         tl.store(sum_ptr + out_offs, l_i, mask=mask_g)
         tl.store(acc_ptr + out_offs[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=mask_g[:, None] & mask_d[None, :])
 
     @triton.jit
-    def _decode_reduce_kernel(acc_ptr, max_ptr, sum_ptr, out_ptr, stride_out_seq, stride_out_head,
-                              NUM_SPLITS: tl.constexpr, BLOCK_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    def _decode_reduce_kernel(acc_ptr, max_ptr, sum_ptr, out_ptr, stride_out_seq, stride_out_head, num_splits,
+                              BLOCK_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
                               BLOCK_D: tl.constexpr):
         """One (sequence, head): merge the splits' partial softmaxes; an empty sequence gives 0."""
         seq = tl.program_id(0)
         head = tl.program_id(1)
         offs_s = tl.arange(0, BLOCK_SPLITS)
         offs_d = tl.arange(0, BLOCK_D)
-        mask_s = offs_s < NUM_SPLITS
+        mask_s = offs_s < num_splits
         mask_d = offs_d < HEAD_DIM
-        row = (seq * tl.num_programs(1) + head).to(tl.int64) * NUM_SPLITS
+        row = (seq * tl.num_programs(1) + head).to(tl.int64) * num_splits
         m = tl.load(max_ptr + row + offs_s, mask=mask_s, other=float("-inf"))
         split_sums = tl.load(sum_ptr + row + offs_s, mask=mask_s, other=0.0)
         m_all = tl.max(m, axis=0)

@@ -19,10 +19,14 @@ def prefill_attention(query, kv_cache_layer, block_tables, cu_query_lens, seq_le
 
 def _tile_sizes(query: torch.Tensor) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps). On CUDA the sizes of Triton's fused-attention tutorial
-    for Hopper; under the interpreter small tiles so odd lengths cross several tiles."""
+    for Hopper, halved for float32 heads over 64 wide (their Q tile and two stages of K and V
+    would take ~190 KiB of shared memory); under the interpreter small tiles so odd lengths
+    cross several tiles."""
     if not query.is_cuda:
         return 16, 32, 4
-    return 128, 64, 8 if query.shape[-1] > 64 else 4
+    if query.shape[-1] <= 64:
+        return 128, 64, 4
+    return (64, 32, 4) if query.dtype == torch.float32 else (128, 64, 8)
 
 
 def _prefill_triton(query, kv_cache_layer, block_tables, cu_query_lens, seq_lens, scale, max_query_len):

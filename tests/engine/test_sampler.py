@@ -8,6 +8,7 @@ import torch
 from engine.request import Request
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
+from tests.kernels.conftest import ENGINE_DEVICES
 
 VOCAB = 50
 
@@ -132,6 +133,28 @@ def test_logprobs_are_log_softmax_with_top_n():
     for row, token in enumerate(tokens):
         assert token.logprob == pytest.approx(want[row, token.token_id].item(), abs=1e-6)
         assert [t for t, _ in token.top] == want[row].topk(3).indices.tolist()
+
+
+@pytest.mark.parametrize("device", ENGINE_DEVICES)
+def test_every_kind_of_row_samples_where_the_logits_are(device):
+    """One batch of every kind (greedy, logprobs, penalties, min_tokens, logit_bias, seeded and
+    unseeded temperature, top-k, top-p, min-p) with its logits on the device: seeded and greedy
+    rows choose what they choose on the CPU, the rest stay in range."""
+    logits = random_logits(10, seed=11)
+    batch = [req(SamplingParams(temperature=0.0)), req(SamplingParams(temperature=0.0, logprobs=2)),
+             req(SamplingParams(temperature=0.0, repetition_penalty=1.5, frequency_penalty=0.5,
+                                presence_penalty=0.5), outputs=[7, 7]),
+             req(SamplingParams(temperature=0.0, min_tokens=3)),
+             req(SamplingParams(temperature=0.0, logit_bias={3: 50})),
+             req(SamplingParams(temperature=0.7, seed=5)), req(SamplingParams(temperature=1.0, top_k=4, seed=6)),
+             req(SamplingParams(temperature=1.0, top_p=0.5, seed=7)), req(SamplingParams(temperature=1.0, min_p=0.1)),
+             req(SamplingParams(temperature=1.2, repetition_penalty=1.3, seed=8), outputs=[1])]
+    on_cpu = Sampler(VOCAB, eos_token_ids=(0,)).sample(logits, batch)
+    tokens = Sampler(VOCAB, eos_token_ids=(0,)).sample(logits.to(device), batch)
+    chosen = [t.token_id for t in tokens]
+    assert chosen[:8] + chosen[9:] == [t.token_id for t in on_cpu[:8] + on_cpu[9:]]
+    assert chosen[4] == 3 and chosen[3] != 0 and 0 <= chosen[8] < VOCAB
+    assert tokens[1].logprob == pytest.approx(on_cpu[1].logprob, abs=1e-5)
 
 
 @pytest.mark.parametrize(

@@ -77,6 +77,21 @@ def test_the_read_transport_and_warnings_come_from_the_report(tmp_path, caplog):
     assert not Transport("cuda_ipc/cuda", "zero-copy", "cuda").is_tcp_fallback
 
 
+def test_gpu_memory_is_named_with_its_device_in_the_report(tmp_path):
+    """UCX names GPU memory by its system device ("cuda/GPU0", "cuda/dev[0]"), host memory as
+    "host memory" (as in UCX_PROTO_INFO=y logs of NIXL pulls between GPUs)."""
+    path = tmp_path / "ucx.1.log"
+    path.write_text("""\
+[2.0] [h:1:0]   | ucp_context_0 intra-node cfg#3                                     |
+[2.0] [h:1:0]   | remote memory read by ucp_get*(multi) into cuda/GPU0 from cuda/dev[0] |
+[2.0] [h:1:0]   +--------+-----------+---------------+
+[2.0] [h:1:0]   | 0..inf | zero-copy | cuda_ipc/cuda |
+[2.0] [h:1:0]   +--------+-----------+---------------+
+""")
+    transport = ProtocolReport(path).poll()
+    assert transport == Transport("cuda_ipc/cuda", "zero-copy", "cuda") and not transport.is_tcp_fallback
+
+
 def test_a_real_read_reports_its_transport(holders, monkeypatch):  # noqa: F811 - the fixture imported above
     """NIXL on host memory between two processes: the connector names what UCX chose."""
     if ucx._report_file is None:  # UCX's logging is the connector's to choose here, not the caller's
@@ -101,14 +116,21 @@ def test_a_real_read_reports_its_transport(holders, monkeypatch):  # noqa: F811 
 
 def test_the_gpu_read_benchmark_runs_on_host_memory(tmp_path):
     """benchmarks/kv_transfer_gpu.py (the GPU slot's NIXL check) at toy size on the CPU: each
-    setting's processes read, and the transport is named."""
+    setting's processes read, and the transport is named. Its reader and holder processes keep
+    the PYTHONPATH they were given (the GPU check installs its wheels there): a sitecustomize on
+    it notes every process that starts."""
     import json
     import subprocess
     import sys
     from pathlib import Path
 
     repo = Path(__file__).resolve().parents[2]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")} | {"PDSERVE_RESULTS_DIR": str(tmp_path)}
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import os\nwith open(os.path.join(os.path.dirname(__file__), 'pids'), 'a') "
+                                           "as f:\n    f.write(f'{os.getpid()}\\n')\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")} | {"PDSERVE_RESULTS_DIR": str(tmp_path),
+                                                                               "PYTHONPATH": str(site)}
     proc = subprocess.run([sys.executable, "benchmarks/kv_transfer_gpu.py", "--device", "cpu", "--blocks", "8",
                            "--repeats", "1"], cwd=repo, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -118,6 +140,7 @@ def test_the_gpu_read_benchmark_runs_on_host_memory(tmp_path):
     for result in settings.values():
         assert result["gb_s"] > 0 and "/" in result["transport"], result
     assert settings["before"]["env"]["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] == "auto"
+    assert len(set((site / "pids").read_text().split())) == 1 + 2 * 2  # this run, each setting's reader and holder
     # The docs' renderer takes such a record (CPU runs are left out there: taken as a GPU run here).
     from benchmarks import render_results
 
