@@ -420,9 +420,10 @@ def _product_error(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> 
 def test_gate_up_kernel_fuses_silu_and_mul(rows, inter, in_features, small_batches, gate_up_calls):
     """A gated MLP's stacked gate and up weights: gate_up_silu equals silu(x Wg^T) * (x Wu^T) and
     linear the plain projection, the product as accurate as the float32 reference path (within 4x
-    its worst error) and the activation within 8 float32 epsilons of silu and mul of it: odd intermediate sizes (a partial 32-output panel, a partial 16-lane vector), row
-    counts that leave a partial 6-row tile and cross the 252-row blocks, odd input counts (a
-    partial 64-input chunk), x's rows strided. Without the kernel (the probe) oneDNN serves both,
+    its worst error) and the activation within 8 float32 epsilons of silu and mul of it: odd
+    intermediate sizes (a partial 32-output panel, a partial 16-lane vector), row counts that
+    leave a partial 6-row tile and cross the 252-row blocks, odd input counts (a partial 64-input
+    chunk), x's rows strided. Without the kernel (the probe) oneDNN serves both,
     within any float32 summation's error bound, the activation SiLU-and-mul of its product."""
     weight = randn(2 * inter, in_features, dtype=torch.float32, seed=50) * 0.2
     x = randn(rows, in_features + 8, dtype=torch.float32, seed=51)[:, :in_features]
