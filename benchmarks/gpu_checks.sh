@@ -4,25 +4,33 @@
 # engine benchmark (benchmarks/gpu_engine.py: its models made on the device), KV reads of GPU
 # memory between two processes over NIXL (benchmarks/kv_transfer_gpu.py: GB/s and UCX's transport),
 # 1P+1D against colocated served through the proxy (benchmarks/gpu_served.py, on the engine
-# benchmark's llama-1b), the kernel tests, then the Triton kernels' benchmark. Logs, results
-# (results/) and a summary (summary.txt) go to LOG_DIR (default benchmarks/out/gpu); STEPS picks
-# among engine, gpu_engine, kv, served, kernels and bench (default the first five, in that order).
-# TOTAL_S (default 480) bounds the whole: each step's timeout is cut to what is left. The wheels
-# the device image lacks sit in .whl/ (made here by `.venv/bin/python benchmarks/gpu_wheels.py`,
-# 35 MiB, carried with the call) and are installed into a scratch folder.
-#   bash benchmarks/gpu_checks.sh [LOG_DIR [STEPS...]]     # on the device: bash benchmarks/gpu_checks.sh "$OUT"
+# benchmark's llama-1b), the kernel tests, then the Triton kernels' benchmark. STEPS picks among engine,
+# gpu_engine, kv, served, kernels and bench (default the first five, in that order). TOTAL_S (default
+# 480) bounds the whole: each step's timeout is cut to what is left, and a step with under 20 s left is
+# skipped. Logs and results are written to a scratch folder; OUT_DIR (default benchmarks/out/gpu) gets
+# summary.txt, results/*.json and all of it as gpu_checks.tgz (a device call brings back 8 files).
+# The wheels the device image lacks sit in .whl/ (made here by `.venv/bin/python benchmarks/gpu_wheels.py`,
+# carried with the call) and are installed into a scratch folder.
+#   bash benchmarks/gpu_checks.sh [OUT_DIR [STEPS...]]     # on the device: bash benchmarks/gpu_checks.sh "$OUT"
 set -u
-out=${1:-benchmarks/out/gpu}
+dest=${1:-benchmarks/out/gpu}
 shift || true
 steps=${*:-engine gpu_engine kv served kernels}
 total=${TOTAL_S:-480}
-mkdir -p "$out/results"
+out=$(mktemp -d "${TMPDIR:-/tmp}/gpu_checks.XXXXXX")
+mkdir -p "$out/results" "$dest/results"
 export PYTHONUNBUFFERED=1 PDSERVE_RESULTS_DIR="$out/results"
-# A step's timeout: its own, or what is left of TOTAL_S if less.
+# A step's timeout: its own, or what is left of TOTAL_S if less (at least 1 s: timeout 0 never ends).
 limit() { local left=$((total - SECONDS)); echo $(( $1 < left ? $1 : (left > 1 ? left : 1) )); }
+# timeout, then SIGKILL 10 s after its SIGTERM (a step's cleanup stops the servers it started).
+run_for() { timeout -k 10 "$@"; }
 if compgen -G ".whl/*.whl" >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+    if python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+            .whl/*.whl >"$out/wheels.log" 2>&1; then
+        export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+    else
+        echo "== wheels: install failed (see wheels.log)" | tee -a "$out/summary.txt"
+    fi
 fi
 {
     nvidia-smi -L
@@ -30,32 +38,40 @@ fi
 "transformers", transformers.__version__, torch.cuda.get_device_name())'
     grep -m1 "model name" /proc/cpuinfo; nproc; command -v cc
 } 2>&1 | tee "$out/env.log"
+# Every import the steps need, up front: a missing wheel named in 2 s, not inside a step.
+python3 -c "import fastapi, uvicorn, httptools, msgspec, zmq, pydantic, xgrammar, gguf, httpx, aiohttp, nixl" \
+    >>"$out/env.log" 2>&1 && echo "== imports: ok" | tee -a "$out/summary.txt" \
+    || { echo "== imports: FAILED" | tee -a "$out/summary.txt"; tail -3 "$out/env.log" | tee -a "$out/summary.txt"; }
 pytest_args=(-q -p no:cacheprovider -p no:benchmark -rfEs --durations=15 --timeout=150)
 for step in $steps; do
     start=$SECONDS
+    if [ $((total - SECONDS)) -lt 20 ]; then
+        echo "== $step: skipped, $((total - SECONDS)) s of TOTAL_S left" | tee -a "$out/summary.txt"
+        continue
+    fi
     case $step in
-        bench) timeout "$(limit 150)" python3 benchmarks/kernels.py --iters 30 2>&1 | tee "$out/kernels_bench.log" | grep -v '^RESULT'
+        bench) run_for "$(limit 150)" python3 benchmarks/kernels.py --iters 30 2>&1 | tee "$out/kernels_bench.log" | grep -v '^RESULT'
                rc=${PIPESTATUS[0]} ;;
-        engine) timeout "$(limit 120)" python3 -m pytest tests/engine/test_decode_graphs.py tests/engine/test_correctness.py \
-                    tests/engine/test_bfloat16.py -k cuda \
+        engine) run_for "$(limit 110)" python3 -m pytest tests/engine/test_decode_graphs.py tests/engine/test_correctness.py \
+                    tests/engine/test_bfloat16.py tests/engine/test_sampler.py -k cuda \
                     "${pytest_args[@]}" >"$out/engine_tests.log" 2>&1
                 rc=$?; tail -30 "$out/engine_tests.log" ;;
-        gpu_engine) left=$(limit 170)
-                    timeout "$left" python3 benchmarks/gpu_engine.py --presets llama-1b,llama-8b --budget-s $((left - 10)) \
+        gpu_engine) left=$(limit 160)
+                    run_for "$left" python3 benchmarks/gpu_engine.py --presets llama-1b,llama-8b --budget-s $((left - 10)) \
                         2>&1 | tee "$out/gpu_engine.log" | grep -v '^RESULT'
                     rc=${PIPESTATUS[0]} ;;
-        kv) timeout "$(limit 50)" python3 benchmarks/kv_transfer_gpu.py --timeout-s 22 2>&1 \
+        kv) run_for "$(limit 60)" python3 benchmarks/kv_transfer_gpu.py --timeout-s 28 2>&1 \
                 | tee "$out/kv_transfer_gpu.log" | grep -v '^RESULT'
             rc=${PIPESTATUS[0]} ;;
         served) left=$(limit 130)
-                timeout "$left" python3 benchmarks/gpu_served.py --budget-s $((left - 5)) --log-dir "$out/served_logs" \
+                run_for "$left" python3 benchmarks/gpu_served.py --budget-s $((left - 5)) --log-dir "$out/served_logs" \
                     2>&1 | tee "$out/gpu_served.log" | grep -v '^RESULT'
                 rc=${PIPESTATUS[0]} ;;
         # Workers run torch on two threads each: the CPU kernels' tests run here too, built first as an
         # install builds them (setup.py; build outputs do not travel).
-        kernels) timeout "$(limit 120)" python3 setup.py -q build_ext --inplace -j "$(nproc)" \
+        kernels) run_for "$(limit 120)" python3 setup.py -q build_ext --inplace -j "$(nproc)" \
                      >"$out/build_native.log" 2>&1 || echo "building the CPU kernels failed: see $out/build_native.log"
-                 OMP_NUM_THREADS=2 timeout "$(limit 200)" python3 -m pytest tests/kernels -n 6 "${pytest_args[@]}" \
+                 OMP_NUM_THREADS=2 run_for "$(limit 200)" python3 -m pytest tests/kernels -n 6 "${pytest_args[@]}" \
                      >"$out/kernel_tests.log" 2>&1
                  rc=$?; grep -E "^(FAILED|ERROR)" "$out/kernel_tests.log" | head -40; tail -22 "$out/kernel_tests.log" ;;
         *) echo "unknown step $step"; rc=2 ;;
@@ -67,4 +83,7 @@ grep -E "decode batch|prefill [0-9]|offline|transformers generate|graphs capture
     >>"$out/summary.txt" 2>/dev/null
 grep -E "GB/s|failed|timed out" "$out/kv_transfer_gpu.log" >>"$out/summary.txt" 2>/dev/null
 grep -E "tok/s|colocated|failed|skipped" "$out/gpu_served.log" >>"$out/summary.txt" 2>/dev/null
+cp "$out/summary.txt" "$dest/"
+cp "$out"/results/*.json "$dest/results/" 2>/dev/null || true
+tar czf "$dest/gpu_checks.tgz" -C "$out" .
 cat "$out/summary.txt"

@@ -20,6 +20,7 @@ Ends with `RESULT {json}`; --budget-s bounds the whole run (a setup that would n
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 from pathlib import Path
@@ -33,13 +34,15 @@ from benchmarks.results_io import write_result  # noqa: E402
 from pdserve.bench import BenchConfig, DatasetConfig, EndpointConfig, LoadConfig, run_benchmark  # noqa: E402
 from pdserve.gpus import gpu_plan, visible_gpus  # noqa: E402
 from pdserve.launcher import start_local, wait_healthy  # noqa: E402
+from pdserve.make_model import make_model  # noqa: E402
 
 SETUPS = {"colocated": 0, "1P+1D": 1}
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=str(REPO / ".cache" / "models" / "llama-1b-bf16"))
+    parser.add_argument("--model", default=str(REPO / ".cache" / "models" / "llama-1b-bf16"),
+                        help="made here (llama-1b, --dtype) when missing; gpu_engine.py makes the same one")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--num-requests", type=int, default=256)
@@ -127,13 +130,22 @@ def run_setup(name: str, args: argparse.Namespace, started: float) -> dict:
         deployment.stop()
 
 
+class Stopped(Exception):
+    """SIGTERM (the step's timeout): the running setup's servers are stopped, the results so far written."""
+
+
+def _stop(signum, _frame) -> None:
+    raise Stopped(f"stopped by signal {signum}")
+
+
 def main() -> int:
     args = parse_args()
     started = time.monotonic()
+    signal.signal(signal.SIGTERM, _stop)
     if not (Path(args.model) / "config.json").exists():
-        print(f"gpu_served: no model at {args.model} (benchmarks/gpu_engine.py makes llama-1b there)",
-              file=sys.stderr)
-        return 2
+        print(f"making llama-1b at {args.model}", flush=True)
+        make_model(Path(args.model), "llama-1b", seed=0, show_progress=True, dtype=args.dtype,
+                   device=args.device)
     results = {}
     for name in SETUPS:
         left = args.budget_s - (time.monotonic() - started)
@@ -142,6 +154,10 @@ def main() -> int:
             continue
         try:
             results[name] = run_setup(name, args, started)
+        except Stopped as exc:
+            results[name] = {"error": str(exc)}
+            print(f"{name}: {exc}", flush=True)
+            break
         except (RuntimeError, TimeoutError, httpx.HTTPError) as exc:
             results[name] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
             print(f"{name}: failed: {exc}", flush=True)

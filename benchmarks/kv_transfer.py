@@ -90,14 +90,17 @@ def cache_shape() -> tuple[int, ...]:
 BENCH_SECRET = "kv-transfer-benchmark-secret"
 
 
-def start_holder(backend: str, host: str = "127.0.0.1", wrap=list, layout: KVLayout = LAYOUT):
+def start_holder(backend: str, host: str = "127.0.0.1", wrap=list, layout: KVLayout = LAYOUT,
+                 stderr=subprocess.DEVNULL):
     """The holder process (wrap(argv) may run it elsewhere, e.g. in a network namespace, with
-    the bench's cluster secret); its cache on KV_BENCH_DEVICE (default cpu)."""
+    the bench's cluster secret); its cache on KV_BENCH_DEVICE (default cpu); stderr: where its
+    own goes (None: this process's)."""
     secret = [] if host.startswith("127.") else [BENCH_SECRET]
     argv = wrap([sys.executable, "-c", HOLDER, msgspec.json.encode(layout).decode(), backend, host, *secret])
+    python_path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))  # the given path kept
     proc = subprocess.Popen(argv,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, start_new_session=True)
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True,
+                            cwd=REPO, env={**os.environ, "PYTHONPATH": python_path}, start_new_session=True)
     while True:
         line = proc.stdout.readline()
         if not line:

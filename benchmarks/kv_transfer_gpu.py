@@ -69,7 +69,7 @@ def reader(args: argparse.Namespace) -> int:
     read_once, start_holder = bench.read_once, bench.start_holder
     layout = layout_for(args.blocks)
     os.environ["KV_BENCH_STORAGE"], os.environ["KV_BENCH_DEVICE"] = "block", args.device
-    holder = start_holder("nixl", layout=layout)
+    holder = start_holder("nixl", layout=layout, stderr=None)  # its errors in this reader's (shown on failure)
     shape = (layout.num_blocks, layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
     cache = torch.zeros(shape, dtype=torch.bfloat16, device=args.device)
     connector = create_connector(TransferConfig(backend="nixl", host="127.0.0.1"), cache, layout, "reader")
@@ -105,7 +105,8 @@ def main() -> int:
     for name in args.settings.split(","):
         env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}
         env.update(SETTINGS[name])
-        env["PYTHONPATH"] = str(REPO)
+        # the repo first, the path it was given kept (gpu_checks.sh installs its carried wheels there)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
         argv = [sys.executable, __file__, "--reader", "--blocks", str(args.blocks), "--repeats", str(args.repeats),
                 "--device", args.device]
         try:

@@ -1,12 +1,15 @@
 """benchmarks/gpu_checks.sh, the one command a lent GPU runs, checked here with stand-ins for
 python3 and nvidia-smi (each call logged, one step made to fail): every step runs in order with
 the command lines its scripts accept, a failed step is recorded and the next ones still run, the
-time budget bounds each step, and the summary is written. The Python each step runs has its own
-CPU tests (test_gpu_engine_bench.py, kv_transfer/test_ucx.py, the gpu_served smoke)."""
+time budget bounds each step (a step without time left is skipped), and what comes back is at most
+the 8 files a device call returns: the summary, the results and one archive of all the logs. The
+Python each step runs has its own CPU tests (test_gpu_engine_bench.py, kv_transfer/test_ucx.py,
+the gpu_served smoke)."""
 
 import os
 import stat
 import subprocess
+import tarfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -31,7 +34,7 @@ def _run(tmp_path: Path, steps: list[str], total_s: int, failing: str = "") -> t
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "TOTAL_S": str(total_s), "FAIL_ON": failing}
     proc = subprocess.run(["bash", "benchmarks/gpu_checks.sh", str(out), *steps], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=60)
-    lines = [line for line in calls.read_text().splitlines() if "pip install" not in line]
+    lines = [line for line in calls.read_text().splitlines() if "pip install" not in line and not line.startswith("-c")]
     return proc, lines, out
 
 
@@ -39,22 +42,28 @@ def test_every_step_runs_in_order_with_its_scripts_arguments_and_the_summary_is_
     proc, calls, out = _run(tmp_path, STEPS, total_s=480, failing="kv_transfer_gpu.py")
     assert proc.returncode == 0, proc.stderr
     summary = (out / "summary.txt").read_text()
-    exits = [line.split()[1:4] for line in summary.splitlines() if line.startswith("== ")]
+    exits = [line.split()[1:4] for line in summary.splitlines() if line.startswith("== ") and "imports" not in line]
     assert exits == [[step + ":", "exit", "3," if step == "kv" else "0,"] for step in STEPS]
-    scripts = [next(word for word in call.split() if word.endswith(".py") or word == "pytest") for call in calls[1:]]
+    scripts = [next(word for word in call.split() if word.endswith(".py") or word == "pytest") for call in calls]
     assert scripts == ["pytest", "benchmarks/gpu_engine.py", "benchmarks/kv_transfer_gpu.py",
                        "benchmarks/gpu_served.py", "setup.py", "pytest", "benchmarks/kernels.py"]
-    assert "--presets llama-1b,llama-8b --budget-s 160" in calls[2]  # the step's 170 s, less 10
-    assert "--log-dir" in calls[4] and f"{out}/served_logs" in calls[4]
-    assert "tests/kernels -n 6" in calls[6]
-    assert (out / "env.log").read_text().startswith("GPU 0: stand-in")
+    assert "--presets llama-1b,llama-8b --budget-s 150" in calls[1]  # the step's 160 s, less 10
+    assert "--log-dir" in calls[3] and "/served_logs" in calls[3]
+    assert "tests/kernels -n 6" in calls[5]
+    assert "== imports: ok" in summary  # the stand-in python3 imports everything
     assert "12 passed" in summary  # the test steps' counts
+    # what comes back: the summary, results/ and the archive of everything
+    assert sorted(p.name for p in out.iterdir()) == ["gpu_checks.tgz", "results", "summary.txt"]
+    with tarfile.open(out / "gpu_checks.tgz") as archive:
+        names = set(archive.getnames())
+        assert {"./env.log", "./summary.txt", "./engine_tests.log", "./gpu_engine.log"} <= names, names
+        assert archive.extractfile("./env.log").read().decode().startswith("GPU 0: stand-in")
 
 
 def test_the_time_budget_cuts_each_steps_limit(tmp_path):
     proc, calls, _ = _run(tmp_path, ["gpu_engine", "served"], total_s=100)
     assert proc.returncode == 0, proc.stderr
-    [engine, served] = calls[1:]
+    [engine, served] = calls
     budget = int(engine.split("--budget-s ")[1].split()[0])
     assert 80 <= budget <= 90  # what is left of 100 s, less 10
     assert int(served.split("--budget-s ")[1].split()[0]) <= 95
@@ -63,5 +72,13 @@ def test_the_time_budget_cuts_each_steps_limit(tmp_path):
 def test_an_unknown_step_is_named_and_the_rest_still_run(tmp_path):
     proc, calls, out = _run(tmp_path, ["nonsense", "kv"], total_s=100)
     assert "unknown step nonsense" in proc.stdout
-    assert (out / "summary.txt").read_text().splitlines()[:2] == ["== nonsense: exit 2, 0 s", "== kv: exit 0, 0 s"]
+    assert (out / "summary.txt").read_text().splitlines()[1:3] == ["== nonsense: exit 2, 0 s", "== kv: exit 0, 0 s"]
     assert any("kv_transfer_gpu.py" in call for call in calls)
+
+
+def test_a_step_without_time_left_is_skipped(tmp_path):
+    proc, calls, out = _run(tmp_path, ["kv", "served"], total_s=10)
+    assert proc.returncode == 0, proc.stderr
+    summary = (out / "summary.txt").read_text()
+    assert "== kv: skipped" in summary and "== served: skipped" in summary
+    assert calls == []  # nothing but the set-up ran
