@@ -19,10 +19,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 # Missing from the device image (KINDS.md lists what it has).
-# Their own requirements the image lacks too: opentelemetry-api (fastapi imports it), apache-tvm-ffi (xgrammar).
+# With their own requirements the image lacks (opentelemetry-api: fastapi imports it; apache-tvm-ffi:
+# xgrammar) or may hold too old (typing-extensions >= 4.16 for pydantic, yarl >= 1.25.1 for aiohttp).
 PACKAGES = ("msgspec", "pyzmq", "fastapi", "starlette", "uvicorn", "httptools", "uvloop", "pydantic", "pydantic_core",
-            "annotated-types", "annotated-doc", "typing-inspection", "opentelemetry-api", "xgrammar", "apache-tvm-ffi",
-            "gguf", "httpx", "aiohttp", "nixl", "nixl-cu13")
+            "annotated-types", "annotated-doc", "typing-inspection", "typing-extensions", "opentelemetry-api",
+            "xgrammar", "apache-tvm-ffi", "gguf", "httpx", "aiohttp", "yarl", "nixl", "nixl-cu13")
 PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in (17, 24, 26, 27, 28, 31, 34, 35)] + ["manylinux2014_x86_64",
                                                                                       "manylinux1_x86_64"]
 # In the NIXL wheel: paths (prefixes or fragments) pdserve never loads.
