@@ -26,6 +26,7 @@ def make_process_group(store: dist.Store, rank: int, size: int, device: str):
     connector's: no global default group): NCCL for CUDA tensors, gloo for CPU ones."""
     timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
     if torch.device(device).type == "cuda":
+        torch.cuda.set_device(torch.device(device).index or 0)  # NCCL works on the current device: the rank's own
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         return dist.ProcessGroupNCCL(store, rank, size, options)
@@ -60,7 +61,7 @@ class TPGroup:
 
     def min_int(self, value: int) -> int:
         """The smallest of the ranks' values (what every rank's memory allows)."""
-        nccl = getattr(dist, "ProcessGroupNCCL", None)  # NCCL takes CUDA tensors only (the rank's device)
+        nccl = getattr(dist, "ProcessGroupNCCL", None)  # NCCL takes CUDA tensors only (the current device's)
         device = "cuda" if nccl is not None and isinstance(self.group, nccl) else "cpu"
         return int(self.all_reduce(torch.tensor([value], dtype=torch.int64, device=device), dist.ReduceOp.MIN).item())
 
