@@ -130,7 +130,7 @@ def run_setup(name: str, args: argparse.Namespace, started: float) -> dict:
         deployment.stop()
 
 
-class Stopped(Exception):
+class Stopped(BaseException):  # noqa: N818 - not an error: no `except Exception` on the way may take it
     """SIGTERM (the step's timeout): the running setup's servers are stopped, the results so far written."""
 
 

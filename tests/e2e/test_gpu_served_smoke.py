@@ -1,0 +1,85 @@
+"""benchmarks/gpu_served.py (the GPU check's served step) on the CPU with the tiny model: both
+setups serve, every measured prompt's KV is pulled (counted from the decode node's metrics, the
+transport named), greedy outputs agree; and a SIGTERM (the step's timeout) stops it cleanly:
+its servers gone, its results so far written."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _command(model: Path, tmp_path: Path, num_requests: int, output_len: int) -> list[str]:
+    return [sys.executable, "benchmarks/gpu_served.py", "--device", "cpu", "--dtype", "float32", "--model", str(model),
+            "--num-requests", str(num_requests), "--prompt-len", "32", "--output-len", str(output_len),
+            "--max-num-seqs", "8", "--max-num-batched-tokens", "256", "--budget-s", "200",
+            "--log-dir", str(tmp_path / "logs")]
+
+
+def _result(results: Path) -> dict:
+    [record] = results.glob("gpu_served-*.json")
+    return json.loads(record.read_text())["result"]
+
+
+def _processes_naming(text: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if text in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+def test_both_setups_serve_and_every_prompt_is_pulled(tiny_model_dir, tmp_path):
+    results = tmp_path / "results"
+    proc = subprocess.run(_command(tiny_model_dir, tmp_path, 6, 8), cwd=REPO, capture_output=True, text=True,
+                          timeout=240, env={**os.environ, "PDSERVE_RESULTS_DIR": str(results)})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    result = _result(results)
+    colocated, disaggregated = result["setups"]["colocated"], result["setups"]["1P+1D"]
+    assert colocated["num_failed"] == disaggregated["num_failed"] == 0
+    pulls = disaggregated["pulls"]
+    assert pulls["count"] == 6 and pulls["bytes"] > 0 and pulls["fallbacks"] == 0, pulls
+    assert pulls["transport"]["memory"] == "host" and pulls["transport"]["transport"], pulls
+    assert result["greedy_equal"] is True and len(colocated["texts"]) == 16
+
+
+def test_sigterm_stops_the_servers_and_writes_what_it_has(tiny_model_dir, tmp_path):
+    model = tmp_path / "model-for-sigterm"
+    model.symlink_to(tiny_model_dir)  # a path only this run's servers name
+    results = tmp_path / "results"
+    proc = subprocess.Popen(_command(model, tmp_path, 4000, 64), cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PDSERVE_RESULTS_DIR": str(results)})
+    try:
+        deadline = time.monotonic() + 60
+        while len(_processes_naming(str(model))) < 3:  # the bench process, its node and its proxy
+            assert proc.poll() is None and time.monotonic() < deadline, "the colocated setup did not start"
+            time.sleep(0.2)
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    left = _processes_naming(str(model))
+    for pid in left:  # this test's own servers, were they left: never outlive it
+        os.kill(pid, signal.SIGKILL)
+    assert proc.returncode == 1, output[-2000:]
+    assert "stopped by signal" in result_error(_result(results)), output[-2000:]
+    assert left == [], "servers left running"
+
+
+def result_error(result: dict) -> str:
+    return result["setups"]["colocated"].get("error", "")
