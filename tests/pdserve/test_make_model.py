@@ -200,6 +200,23 @@ def _gguf_dequantized(gguf_path: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def test_the_conversion_reads_the_gguf_once_and_gives_gguf_its_functions_back():
+    """make-model shares one GGUFReader per file and one tensor-name map per architecture while
+    transformers loads the file (pdserve.packaged_model._gguf_read_once); afterwards gguf is as it
+    was. What the shared readers give is checked against gguf alone above."""
+    import gguf
+
+    from pdserve.packaged_model import _gguf_read_once
+
+    real_reader, real_name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    with _gguf_read_once():
+        first = gguf.GGUFReader(str(_gguf_path()))
+        assert gguf.GGUFReader(_gguf_path()) is first and isinstance(first, real_reader)
+        llama = gguf.MODEL_ARCH.LLAMA
+        assert gguf.get_tensor_name_map(llama, 30) is gguf.get_tensor_name_map(llama, 30)
+    assert gguf.GGUFReader is real_reader and gguf.get_tensor_name_map is real_name_map
+
+
 def test_smollm2_tokenizer_is_the_gguf_vocabulary_and_splits_digits_like_llama_cpp(smollm2_dir):
     from gguf import GGUFReader
 
