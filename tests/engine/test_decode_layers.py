@@ -71,7 +71,7 @@ def test_fused_decode_layers_equal_the_python_loop(model_fixture, dtype, request
 
 
 def test_fused_decode_layers_reject_what_is_outside_the_caches(tiny_model_dir):
-    llm = LLM(str(tiny_model_dir), dtype="float32", device="cpu", enable_prefix_caching=False)
+    llm = LLM(str(tiny_model_dir), dtype="float32", device="cpu", enable_prefix_caching=False, num_blocks=64)
     model, cache = llm.engine.model, llm.engine.kv_cache
     num_blocks, block_size = cache.shape[0], cache.shape[3]
     rows = 2
