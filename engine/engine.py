@@ -16,6 +16,7 @@ from engine.async_decodes import AsyncDecodes, InFlight
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig
 from engine.decode_graphs import DecodeGraphs, capture_sizes
+from engine.errors import EngineBroken, device_failure
 from engine.grammar import Grammars
 from engine.host_memory import keep_freed_memory
 from engine.protocol import Role, TokenLogprob, num_blocks_for
@@ -25,7 +26,6 @@ from engine.runner import ModelRunner, PromptSpan, StepLogits
 from engine.sampler import Sampler, prompt_token_logprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import PrefixCacheStats, Scheduler, SchedulerOutput
-from engine.tp_group import TensorParallelError
 from engine.tp_ranks import TPRanks, build_rank
 from engine.tp_shard import tp_shard
 from kernels.select import select_backend
@@ -82,6 +82,9 @@ class LLMEngine:
         if config.device == "cpu":
             keep_freed_memory()  # before the cache and weights exist, so they come from the heap too
         model_cfg = config.model
+        if torch.device(config.device).type == "cuda":
+            # Triton launches on the current device, whatever its tensors' device (cuda:N, N > 0).
+            torch.cuda.set_device(torch.device(config.device).index or 0)
         self.backend = select_backend(config.device, config.kernel_backend)
         # A prefill-only engine runs big batches: no copies of the projections for small ones (build_rank).
         self.ranks: TPRanks | None = None
@@ -120,8 +123,13 @@ class LLMEngine:
             # TODO(issue 52): capture each rank's step (its collectives inside the graph).
             logger.info("decode graphs: not yet with tensor parallelism; every step runs eagerly")
             return None
+        capture = mode == "auto"
+        if capture and not self.backend.graph_capturable:
+            logger.info("decode graphs: the %s backend's steps cannot be captured; static buffers, run eagerly",
+                        self.backend.name)
+            capture = False
         graphs = DecodeGraphs(self.model, self.kv_cache, self.block_size, config.model.max_model_len,
-                              capture_sizes(config.scheduler.max_num_seqs), capture=mode == "auto")
+                              capture_sizes(config.scheduler.max_num_seqs), capture=capture)
         report = graphs.capture()
         if graphs.use_graphs:
             logger.info("decode graphs: %d batch sizes (%s) captured in %.1f s, %.0f MiB of device memory",
@@ -249,8 +257,9 @@ class LLMEngine:
         the KV of its scheduled tokens, at the requests' own slots, which the retry writes
         again with the same values. Costs one extra forward per request, on failure only.
         Raises only when scheduling itself fails (a bug: the caller fails everything), or with
-        TensorParallelError when a rank of a tensor-parallel engine failed: the engine can run no
-        more steps (the caller fails everything and ends it).
+        EngineBroken when a rank of a tensor-parallel engine failed or the device did (a CUDA
+        error: no request would run again): the engine can run no more steps (the caller fails
+        everything and ends it).
 
         Async scheduling (EngineConfig.async_scheduling, with the static decode path): a pure
         decode step of plain greedy requests is launched without waiting for it; while it runs
@@ -260,6 +269,16 @@ class LLMEngine:
         and its blocks are freed at once (the GPU's late write to them is ordered before any later
         step's; a writer outside the steps calls wait_for_late_writes first). Length limits are
         known ahead and never overrun."""
+        try:
+            return self._step()
+        except EngineBroken:
+            raise
+        except Exception as exc:
+            if device_failure(exc):
+                raise EngineBroken(f"the device failed ({type(exc).__name__}: {exc})") from exc
+            raise
+
+    def _step(self) -> list[StepOutput]:
         if self._in_flight is not None:
             return self._continue_and_read()
         scheduled = self.scheduler.schedule()
@@ -276,9 +295,9 @@ class LLMEngine:
                 return self._continue_and_read()
         try:
             return self._run_batch(scheduled)
-        except TensorParallelError:
-            raise  # the engine's ranks are broken: nothing is isolated, the engine is done
         except Exception as exc:  # noqa: BLE001 - isolate the request(s) at fault, keep the rest
+            if isinstance(exc, EngineBroken) or device_failure(exc):
+                raise  # the ranks or the device are broken: nothing is isolated, the engine is done
             logger.warning("step %d of %d requests failed (%s: %s); retrying them one by one", self.num_steps,
                            len(scheduled.decodes) + len(scheduled.prefills), type(exc).__name__, exc)
             return self._run_one_by_one(scheduled)
@@ -312,15 +331,16 @@ class LLMEngine:
         """Run, gather and sample; only then commit (progress, prompt logprobs, tokens)."""
         started = time.perf_counter()
         step_logits = self.runner.execute(scheduled)
+        prompt_logprobs = [(span, _prompt_logprobs_of(span)) for span in step_logits.prompt_spans]
+        sampled_requests = step_logits.sampled_requests
+        tokens = self._sample(step_logits)
+        # NOTE: timed once the tokens are on the host: on a GPU, execute() returns when the work is queued.
         elapsed = time.perf_counter() - started
         self.prefill_rate.observe(scheduled.num_prefill_tokens, elapsed)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("step %d: %d decodes, %d prefill tokens in %d chunks, %d free blocks, %.1f ms",
                          self.num_steps, len(scheduled.decodes), scheduled.num_prefill_tokens,
                          len(scheduled.prefills), self.num_free_blocks, 1000 * elapsed)
-        prompt_logprobs = [(span, _prompt_logprobs_of(span)) for span in step_logits.prompt_spans]
-        sampled_requests = step_logits.sampled_requests
-        tokens = self._sample(step_logits)
         # NOTE: nothing above changed a request; from here on nothing raises but a bug.
         for request, num_new in scheduled.scheduled():
             request.num_computed_tokens += num_new
@@ -351,6 +371,8 @@ class LLMEngine:
             try:
                 outputs += self._run_batch(alone)
             except Exception as exc:  # noqa: BLE001 - this request's own failure: end it alone
+                if isinstance(exc, EngineBroken) or device_failure(exc):
+                    raise
                 outputs.append(self._fail(request, exc))
         return outputs
 

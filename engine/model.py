@@ -37,6 +37,8 @@ class AttentionMetadata:
     # from those rows alone, see CausalLM._layers).
     logits_block_tables: torch.Tensor | None = None  # [num_logits, max_blocks] int32
     logits_seq_lens: torch.Tensor | None = None  # [num_logits] int32
+    # The longest prefill chunk, known on the host (0: not given, the backend reads it if it needs it).
+    prefill_max_query_len: int = 0
 
 
 class CausalLM:
@@ -172,6 +174,6 @@ class CausalLM:
         if num_decodes < query.shape[0]:
             parts.append(self.ops.prefill_attention(
                 query[num_decodes:], kv_cache_layer, meta.prefill_block_tables,
-                meta.prefill_cu_query_lens, meta.prefill_seq_lens, self.scale,
+                meta.prefill_cu_query_lens, meta.prefill_seq_lens, self.scale, meta.prefill_max_query_len or None,
             ))
         return parts[0] if len(parts) == 1 else torch.cat(parts)

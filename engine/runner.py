@@ -152,6 +152,7 @@ class ModelRunner:
             prefill_seq_lens=seq_lens[num_decodes:],
             logits_block_tables=block_tables[request_idx[logits_indices]],
             logits_seq_lens=(positions[logits_indices] + 1).to(torch.int32),
+            prefill_max_query_len=max(num_new[num_decodes:], default=0),
         )
         batch = BatchInputs(
             input_ids=torch.tensor(token_ids, dtype=torch.long),

@@ -8,6 +8,7 @@ import datetime
 import torch
 import torch.distributed as dist
 
+from engine.errors import EngineBroken
 from engine.tp_shard import TPShard
 from engine.tp_shm import ShmChannel
 
@@ -16,7 +17,7 @@ from engine.tp_shm import ShmChannel
 COLLECTIVE_TIMEOUT_S = 120.0
 
 
-class TensorParallelError(RuntimeError):
+class TensorParallelError(EngineBroken):
     """A rank of the engine's tensor-parallel group failed or left: the group, and so the engine,
     cannot run another step."""
 

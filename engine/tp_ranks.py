@@ -367,9 +367,15 @@ def _unpack_step(message: bytes, device: str) -> tuple[torch.Tensor, AttentionMe
         decode_block_tables=cut[3].reshape(decodes, width).to(i32), decode_seq_lens=cut[4].to(i32),
         prefill_block_tables=cut[5].reshape(prefills, width).to(i32), prefill_cu_query_lens=cut[6].to(i32),
         prefill_seq_lens=cut[7].to(i32), logits_block_tables=cut[9].reshape(logits, width).to(i32),
-        logits_seq_lens=cut[10].to(i32),
+        logits_seq_lens=cut[10].to(i32), prefill_max_query_len=_longest_chunk(values[len(_HEADER):], sizes),
     )
     return cut[0], meta, cut[8]
+
+
+def _longest_chunk(values: torch.Tensor, sizes: list[int]) -> int:
+    """The longest prefill chunk of a packed step (its prefill_cu_query_lens, still on the host)."""
+    cu = values[sum(sizes[:6]) : sum(sizes[:7])]
+    return int((cu[1:] - cu[:-1]).max()) if len(cu) > 1 else 0
 
 
 def _worker_main(address: str, rank: int) -> None:

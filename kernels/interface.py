@@ -44,6 +44,10 @@ class Backend(ABC):
     """One compute backend for one device; chosen once (kernels/select.py)."""
 
     name: str = ""
+    # Whether a decode step of its ops can be captured in a CUDA graph and replayed: no host syncs,
+    # no shapes taken from the data (the Triton backend); else decode graphs run their static
+    # buffers eagerly.
+    graph_capturable: bool = False
 
     def __init__(self, device: str) -> None:
         self.device = device
@@ -128,12 +132,15 @@ class Backend(ABC):
         return self._decode_attention(query, kv_cache_layer, block_tables, seq_lens, scale)
 
     def prefill_attention(self, query: torch.Tensor, kv_cache_layer: torch.Tensor, block_tables: torch.Tensor,
-                          cu_query_lens: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                          cu_query_lens: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                          max_query_len: int | None = None) -> torch.Tensor:
         """query: [num_tokens, num_heads, head_dim]; sequence b's queries are
         query[cu_query_lens[b]:cu_query_lens[b+1]] at its last q_len positions of seq_lens[b], each
-        attending causally to the cache (the chunk's own K/V already written)."""
+        attending causally to the cache (the chunk's own K/V already written). max_query_len: the
+        longest chunk where the caller knows it (a GPU backend then reads nothing back)."""
         _check_prefill_attention(query, kv_cache_layer, block_tables, cu_query_lens, seq_lens)
-        return self._prefill_attention(query, kv_cache_layer, block_tables, cu_query_lens, seq_lens, scale)
+        return self._prefill_attention(query, kv_cache_layer, block_tables, cu_query_lens, seq_lens, scale,
+                                       max_query_len)
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         """x: [rows, cols] -> int64 [rows], torch.argmax(x, dim=-1) (ties and NaN alike)."""
@@ -169,7 +176,8 @@ class Backend(ABC):
     def _decode_attention(self, query, kv_cache_layer, block_tables, seq_lens, scale): ...
 
     @abstractmethod
-    def _prefill_attention(self, query, kv_cache_layer, block_tables, cu_query_lens, seq_lens, scale): ...
+    def _prefill_attention(self, query, kv_cache_layer, block_tables, cu_query_lens, seq_lens, scale,
+                           max_query_len): ...
 
     @abstractmethod
     def _argmax(self, x): ...

@@ -29,9 +29,9 @@ import msgspec
 
 from engine import protocol
 from engine.engine import LLMEngine, StepOutput
+from engine.errors import EngineBroken
 from engine.protocol import ErrorReply, KVOutcome, KVSource, RequestDelta, Role, TokenBatch
 from engine.sampling_params import SamplingParams
-from engine.tp_group import TensorParallelError
 from node.config import ServerConfig
 from node.control import ControlSocket
 from node.core_lending import Borrower, Lender
@@ -406,7 +406,7 @@ class NodeServer:
         started_at = time.monotonic()
         try:
             outputs = self.engine.step()
-        except TensorParallelError as exc:
+        except EngineBroken as exc:
             logger.error("%s; ending every request (to run elsewhere) and stopping this node", exc)
             self._fail_all(exc, protocol.NODE_FAILED_ERROR_KIND)
             self.failure = exc

@@ -86,7 +86,8 @@ class CpuBackend(Backend):
             return ref.decode_attention_ref(query, kv_cache_layer, block_tables, seq_lens, scale)
         return out
 
-    def _prefill_attention(self, query, kv_cache_layer, block_tables, cu_query_lens, seq_lens, scale):
+    def _prefill_attention(self, query, kv_cache_layer, block_tables, cu_query_lens, seq_lens, scale,
+                           max_query_len):
         out = None
         if self.lib:
             out = ops.prefill_attention(self.lib, query, kv_cache_layer, block_tables, cu_query_lens, seq_lens, scale)

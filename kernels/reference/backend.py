@@ -64,7 +64,8 @@ class ReferenceBackend(TorchProjections, Backend):
     def _decode_attention(self, query, kv_cache_layer, block_tables, seq_lens, scale):
         return ops.decode_attention_ref(query, kv_cache_layer, block_tables, seq_lens, scale)
 
-    def _prefill_attention(self, query, kv_cache_layer, block_tables, cu_query_lens, seq_lens, scale):
+    def _prefill_attention(self, query, kv_cache_layer, block_tables, cu_query_lens, seq_lens, scale,
+                           max_query_len):
         return ops.prefill_attention_ref(query, kv_cache_layer, block_tables, cu_query_lens, seq_lens, scale)
 
     def _argmax(self, x):

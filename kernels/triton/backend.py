@@ -16,6 +16,7 @@ def available() -> bool:
 
 class TritonBackend(TorchProjections, Backend):
     name = "triton"
+    graph_capturable = True
 
     def __init__(self, device: str) -> None:
         if triton is None:
@@ -37,8 +38,9 @@ class TritonBackend(TorchProjections, Backend):
     def _decode_attention(self, query, kv_cache_layer, block_tables, seq_lens, scale):
         return decode_attention(query, kv_cache_layer, block_tables, seq_lens, scale)
 
-    def _prefill_attention(self, query, kv_cache_layer, block_tables, cu_query_lens, seq_lens, scale):
-        return prefill_attention(query, kv_cache_layer, block_tables, cu_query_lens, seq_lens, scale)
+    def _prefill_attention(self, query, kv_cache_layer, block_tables, cu_query_lens, seq_lens, scale,
+                           max_query_len):
+        return prefill_attention(query, kv_cache_layer, block_tables, cu_query_lens, seq_lens, scale, max_query_len)
 
     def _argmax(self, x):
         return x.argmax(dim=-1)

@@ -38,7 +38,8 @@ def _prefill_triton(query, kv_cache_layer, block_tables, cu_query_lens, seq_lens
     if max_query_len is None:
         max_query_len = int((cu_query_lens[1:] - cu_query_lens[:-1]).max())
     block_m, block_n, num_warps = _tile_sizes(query)
-    grid = (cdiv(max_query_len, block_m), num_seqs * num_heads)
+    # NOTE: (sequence, head) pairs on the grid's first axis: its second and third stop at 65,535.
+    grid = (num_seqs * num_heads, cdiv(max_query_len, block_m))
     _prefill_attention_kernel[grid](
         query, kv_cache_layer, block_tables, cu_query_lens, seq_lens, out, scale * LOG2E,
         query.stride(0), query.stride(1), *kv_cache_layer.stride()[:4], block_tables.stride(0),
@@ -100,9 +101,9 @@ if triton is not None:
         """One (query tile, sequence, head). Keys every row of the tile may see run unmasked;
         the tiles crossing the diagonal or the sequence end run masked."""
         # NOTE: over 40 lines: the prologue (tile bounds, query load) and two loops belong together.
-        tile = tl.program_id(0)
-        seq = tl.program_id(1) // NUM_HEADS
-        head = tl.program_id(1) % NUM_HEADS
+        tile = tl.program_id(1)
+        seq = tl.program_id(0) // NUM_HEADS
+        head = tl.program_id(0) % NUM_HEADS
         q_start = tl.load(cu_query_lens_ptr + seq)
         q_len = tl.load(cu_query_lens_ptr + seq + 1) - q_start
         if tile * BLOCK_M < q_len:

@@ -6,9 +6,11 @@ forward, in it, or in sampling (after the KV was written)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine.engine import LLMEngine
+from engine.errors import EngineBroken
 from engine.request import FinishReason
 from engine.sampling_params import SamplingParams
 from tests.conftest import poison_sampling
@@ -102,4 +104,34 @@ def test_fault_of_the_batch_as_a_whole_fails_nobody(tiny_model_dir, reference):
     assert num_failed == [1]
     for request_id, tokens in reference.items():
         assert [t for out in outputs[request_id] for t in out.new_tokens] == tokens, request_id
+    engine.check_leaks()
+
+
+@pytest.mark.parametrize("error", [
+    torch.AcceleratorError("CUDA error: an illegal memory access was encountered"),
+    RuntimeError("CUDA error: device-side assert triggered"),
+])
+def test_a_device_failure_is_the_engines_not_a_requests(tiny_model_dir, error):
+    """A CUDA error leaves the device unusable: the step raises EngineBroken (its node fails every
+    request to run elsewhere and stops) instead of retrying each request alone and failing them
+    all while the node stays up. An out-of-memory error is still one batch's: isolated."""
+    engine = make_engine(tiny_model_dir)
+    real_execute = engine.runner.execute
+    calls = []
+
+    def broken(scheduled):
+        calls.append(scheduled)
+        raise error
+
+    engine.runner.execute = broken
+    for request_id in ("short", "long"):
+        engine.add_request(request_id, PROMPTS[request_id], GREEDY)
+    with pytest.raises(EngineBroken, match="the device failed"):
+        engine.step()
+    assert len(calls) == 1  # no retry one by one
+    engine.runner.execute = lambda scheduled: (_ for _ in ()).throw(torch.OutOfMemoryError("CUDA out of memory"))
+    outputs = engine.step()
+    assert {o.request_id for o in outputs} == {"short", "long"}
+    assert all(o.finish_reason is FinishReason.ERROR for o in outputs)
+    engine.runner.execute = real_execute
     engine.check_leaks()

@@ -189,3 +189,38 @@ def test_a_shared_cache_past_the_free_room_is_refused_in_one_line(tiny_model_dir
     with pytest.raises(ValueError, match=r"does not fit in .* \(0\.00 GiB free\): give it more room"):
         kv_cache.map_shared_kv_cache(model, 64, 16, str(tmp_path / "cache"))
     assert not (tmp_path / "cache").exists()
+
+
+def test_the_longest_prefill_chunk_reaches_the_backend_from_the_host(tiny_model_dir, monkeypatch):
+    """Each prefill attention call gets its longest chunk as a host int (a GPU backend reads
+    nothing back per layer): from the runner, and from a worker rank's unpacked step alike."""
+    from engine import tp_ranks
+
+    engine = make_engine(tiny_model_dir, 1, num_blocks=64)
+    seen = []
+    real = engine.backend._prefill_attention
+
+    def spy(query, kv_cache_layer, block_tables, cu, seq_lens, scale, max_query_len):
+        seen.append((int((cu[1:] - cu[:-1]).max()), max_query_len))
+        return real(query, kv_cache_layer, block_tables, cu, seq_lens, scale, max_query_len)
+
+    monkeypatch.setattr(engine.backend, "_prefill_attention", spy)
+    prepared = []
+    real_prepare = engine.runner._prepare_host
+
+    def prepare(scheduled):
+        batch = real_prepare(scheduled)
+        prepared.append(([n for _, n in scheduled.prefills], batch))
+        return batch
+
+    monkeypatch.setattr(engine.runner, "_prepare_host", prepare)
+    for i, prompt in enumerate(make_prompts(engine.config.model.vocab_size)[8:14]):
+        engine.add_request(f"c{i}", prompt, SamplingParams(max_tokens=3, temperature=0.0))
+    while engine.has_unfinished():
+        engine.step()
+    assert seen and all(longest == given for longest, given in seen), seen
+    chunks, batch = prepared[0]
+    assert batch.meta.prefill_max_query_len == max(chunks) and len(set(chunks)) > 1
+    packed = tp_ranks._pack_step(batch.input_ids, batch.meta, batch.logits_indices)
+    assert tp_ranks._unpack_step(packed, "cpu")[1].prefill_max_query_len == max(chunks)
+    assert all(b.meta.prefill_max_query_len == 0 for c, b in prepared if not c)  # decode-only steps
