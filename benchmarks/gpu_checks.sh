@@ -7,8 +7,9 @@
 # benchmark's llama-1b), the kernel tests, then the Triton kernels' benchmark. STEPS picks among engine,
 # gpu_engine, kv, served, kernels and bench (default the first five, in that order). TOTAL_S (default
 # 480) bounds the whole: each step's timeout is cut to what is left, and a step with under 20 s left is
-# skipped. Logs and results are written to a scratch folder; OUT_DIR (default benchmarks/out/gpu) gets
-# summary.txt, results/*.json and all of it as gpu_checks.tgz (a device call brings back 8 files).
+# skipped. Logs go to a scratch folder; OUT_DIR (default benchmarks/out/gpu) gets summary.txt as it
+# grows, and after each step results/*.json and all the logs as gpu_checks.tgz (a device call brings
+# back 8 files, and nothing written after it is cut off).
 # The wheels the device image lacks sit in .whl/ (made here by `.venv/bin/python benchmarks/gpu_wheels.py`,
 # carried with the call) and are installed into a scratch folder.
 #   bash benchmarks/gpu_checks.sh [OUT_DIR [STEPS...]]     # on the device: bash benchmarks/gpu_checks.sh "$OUT"
@@ -19,17 +20,24 @@ steps=${*:-engine gpu_engine kv served kernels}
 total=${TOTAL_S:-480}
 out=$(mktemp -d "${TMPDIR:-/tmp}/gpu_checks.XXXXXX")
 mkdir -p "$out/results" "$dest/results"
+summary="$dest/summary.txt"
+: >"$summary"
 export PYTHONUNBUFFERED=1 PDSERVE_RESULTS_DIR="$out/results"
 # A step's timeout: its own, or what is left of TOTAL_S if less (at least 1 s: timeout 0 never ends).
 limit() { local left=$((total - SECONDS)); echo $(( $1 < left ? $1 : (left > 1 ? left : 1) )); }
-# timeout, then SIGKILL 10 s after its SIGTERM (a step's cleanup stops the servers it started).
-run_for() { timeout -k 10 "$@"; }
+# timeout, then SIGKILL 30 s after its SIGTERM (a step's cleanup stops the servers it started).
+run_for() { timeout -k 30 "$@"; }
+# What a cut-off call still brings back: the results and the logs so far.
+save() {
+    cp "$out"/results/*.json "$dest/results/" 2>/dev/null
+    tar czf "$dest/gpu_checks.tgz" -C "$out" .
+}
 if compgen -G ".whl/*.whl" >/dev/null; then
     if python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
             .whl/*.whl >"$out/wheels.log" 2>&1; then
         export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
     else
-        echo "== wheels: install failed (see wheels.log)" | tee -a "$out/summary.txt"
+        echo "== wheels: install failed (see wheels.log)" | tee -a "$summary"
     fi
 fi
 {
@@ -40,13 +48,13 @@ fi
 } 2>&1 | tee "$out/env.log"
 # Every import the steps need, up front: a missing wheel named in 2 s, not inside a step.
 python3 -c "import fastapi, uvicorn, httptools, msgspec, zmq, pydantic, xgrammar, gguf, httpx, aiohttp, nixl" \
-    >>"$out/env.log" 2>&1 && echo "== imports: ok" | tee -a "$out/summary.txt" \
-    || { echo "== imports: FAILED" | tee -a "$out/summary.txt"; tail -3 "$out/env.log" | tee -a "$out/summary.txt"; }
+    >>"$out/env.log" 2>&1 && echo "== imports: ok" | tee -a "$summary" \
+    || { echo "== imports: FAILED" | tee -a "$summary"; tail -3 "$out/env.log" | tee -a "$summary"; }
 pytest_args=(-q -p no:cacheprovider -p no:benchmark -rfEs --durations=15 --timeout=150)
 for step in $steps; do
     start=$SECONDS
     if [ $((total - SECONDS)) -lt 20 ]; then
-        echo "== $step: skipped, $((total - SECONDS)) s of TOTAL_S left" | tee -a "$out/summary.txt"
+        echo "== $step: skipped, $((total - SECONDS)) s of TOTAL_S left" | tee -a "$summary"
         continue
     fi
     case $step in
@@ -76,14 +84,13 @@ for step in $steps; do
                  rc=$?; grep -E "^(FAILED|ERROR)" "$out/kernel_tests.log" | head -40; tail -22 "$out/kernel_tests.log" ;;
         *) echo "unknown step $step"; rc=2 ;;
     esac
-    echo "== $step: exit $rc, $((SECONDS - start)) s" | tee -a "$out/summary.txt"
+    echo "== $step: exit $rc, $((SECONDS - start)) s" | tee -a "$summary"
+    save
 done
-grep -hE "passed|failed" "$out"/engine_tests.log "$out"/kernel_tests.log 2>/dev/null | tail -4 >>"$out/summary.txt"
+grep -hE "passed|failed" "$out"/engine_tests.log "$out"/kernel_tests.log 2>/dev/null | tail -4 >>"$summary"
 grep -E "decode batch|prefill [0-9]|offline|transformers generate|graphs captured|skipped" "$out/gpu_engine.log" \
-    >>"$out/summary.txt" 2>/dev/null
-grep -E "GB/s|failed|timed out" "$out/kv_transfer_gpu.log" >>"$out/summary.txt" 2>/dev/null
-grep -E "tok/s|colocated|failed|skipped" "$out/gpu_served.log" >>"$out/summary.txt" 2>/dev/null
-cp "$out/summary.txt" "$dest/"
-cp "$out"/results/*.json "$dest/results/" 2>/dev/null || true
-tar czf "$dest/gpu_checks.tgz" -C "$out" .
-cat "$out/summary.txt"
+    >>"$summary" 2>/dev/null
+grep -E "GB/s|failed|timed out" "$out/kv_transfer_gpu.log" >>"$summary" 2>/dev/null
+grep -E "tok/s|colocated|failed|skipped" "$out/gpu_served.log" >>"$summary" 2>/dev/null
+save
+cat "$summary"

@@ -130,11 +130,48 @@ def run_setup(name: str, args: argparse.Namespace, started: float) -> dict:
         deployment.stop()
 
 
+def run_setups(args: argparse.Namespace, started: float, results: dict, phase: dict) -> None:
+    """Each setup in turn into results (made llama-1b first where the model is missing); phase
+    ["now"]: what runs (a SIGTERM's error goes there)."""
+    phase["now"] = "model"
+    if not (Path(args.model) / "config.json").exists():
+        print(f"making llama-1b at {args.model}", flush=True)
+        make_model(Path(args.model), "llama-1b", seed=0, show_progress=True, dtype=args.dtype,
+                   device=args.device)
+    for name in SETUPS:
+        phase["now"] = name
+        left = args.budget_s - (time.monotonic() - started)
+        if left < 40:
+            print(f"{name}: skipped, {left:.0f} s left", flush=True)
+            continue
+        try:
+            results[name] = run_setup(name, args, started)
+        except (RuntimeError, TimeoutError, httpx.HTTPError) as exc:
+            results[name] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+            print(f"{name}: failed: {exc}", flush=True)
+            continue
+        print(_line(name, results[name]), flush=True)
+
+
+def _line(name: str, r: dict) -> str:
+    ttft, tpot = r["ttft_ms"], r["tpot_ms"]
+    line = (f"{name:>9}: {r['output_throughput']:,.0f} output tok/s, TTFT p50 {ttft['p50']:.0f} ms "
+            f"p99 {ttft['p99']:.0f} ms, TPOT p50 {tpot['p50']:.1f} ms p99 {tpot['p99']:.1f} ms, "
+            f"{r['num_failed']} failed")
+    if "pulls" in r:
+        p = r["pulls"]
+        mean_ms = 1e3 * (p["mean_s"] or 0)
+        line += (f"; {p['count']:.0f} pulls at {p['gb_s'] or 0:.2f} GB/s (mean {mean_ms:.1f} ms), "
+                 f"{p['fallbacks']:.0f} fallbacks, over {p['transport']}")
+    return line
+
+
 class Stopped(BaseException):  # noqa: N818 - not an error: no `except Exception` on the way may take it
     """SIGTERM (the step's timeout): the running setup's servers are stopped, the results so far written."""
 
 
 def _stop(signum, _frame) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: the cleanup that follows is not cut short
     raise Stopped(f"stopped by signal {signum}")
 
 
@@ -142,37 +179,13 @@ def main() -> int:
     args = parse_args()
     started = time.monotonic()
     signal.signal(signal.SIGTERM, _stop)
-    if not (Path(args.model) / "config.json").exists():
-        print(f"making llama-1b at {args.model}", flush=True)
-        make_model(Path(args.model), "llama-1b", seed=0, show_progress=True, dtype=args.dtype,
-                   device=args.device)
-    results = {}
-    for name in SETUPS:
-        left = args.budget_s - (time.monotonic() - started)
-        if left < 40:
-            print(f"{name}: skipped, {left:.0f} s left", flush=True)
-            continue
-        try:
-            results[name] = run_setup(name, args, started)
-        except Stopped as exc:
-            results[name] = {"error": str(exc)}
-            print(f"{name}: {exc}", flush=True)
-            break
-        except (RuntimeError, TimeoutError, httpx.HTTPError) as exc:
-            results[name] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
-            print(f"{name}: failed: {exc}", flush=True)
-            continue
-        r = results[name]
-        ttft, tpot = r["ttft_ms"], r["tpot_ms"]
-        line = (f"{name:>9}: {r['output_throughput']:,.0f} output tok/s, TTFT p50 {ttft['p50']:.0f} ms "
-                f"p99 {ttft['p99']:.0f} ms, TPOT p50 {tpot['p50']:.1f} ms p99 {tpot['p99']:.1f} ms, "
-                f"{r['num_failed']} failed")
-        if "pulls" in r:
-            p = r["pulls"]
-            mean_ms = 1e3 * (p["mean_s"] or 0)
-            line += (f"; {p['count']:.0f} pulls at {p['gb_s'] or 0:.2f} GB/s (mean {mean_ms:.1f} ms), "
-                     f"{p['fallbacks']:.0f} fallbacks, over {p['transport']}")
-        print(line, flush=True)
+    results: dict = {}
+    phase = {"now": "model"}
+    try:
+        run_setups(args, started, results, phase)
+    except Stopped as exc:
+        results[phase["now"]] = {"error": str(exc)}
+        print(f"{phase['now']}: {exc}", flush=True)
     ok = {k: v for k, v in results.items() if "output_throughput" in v}
     payload = {"device": args.device, "model": Path(args.model).name, "num_requests": args.num_requests,
                "prompt_len": args.prompt_len, "output_len": args.output_len, "setups": results}

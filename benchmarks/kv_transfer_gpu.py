@@ -21,6 +21,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -69,31 +70,42 @@ def reader(args: argparse.Namespace) -> int:
     read_once, start_holder = bench.read_once, bench.start_holder
     layout = layout_for(args.blocks)
     os.environ["KV_BENCH_STORAGE"], os.environ["KV_BENCH_DEVICE"] = "block", args.device
-    holder = start_holder("nixl", layout=layout, stderr=None)  # its errors in this reader's (shown on failure)
-    shape = (layout.num_blocks, layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
-    cache = torch.zeros(shape, dtype=torch.bfloat16, device=args.device)
-    connector = create_connector(TransferConfig(backend="nixl", host="127.0.0.1"), cache, layout, "reader")
-    try:
-        remote = list(range(args.blocks))
-        local = list(range(1, 2 * args.blocks, 2))
-        times = [read_once(connector, holder, f"r{i}", remote, local) for i in range(args.repeats + 1)][1:]
-        for _ in range(50):  # the report is read at most once a second after a read
-            if connector.transport is not None:
-                break
-            connector._report_checked_at = 0.0
-            connector._check_ucx_report()
-            time.sleep(0.05)
-        seconds = statistics.median(times)
-        num_bytes = args.blocks * layout.block_numel * 2
-        transport = connector.transport
-        print(json.dumps({"gb_s": num_bytes / seconds / 1e9, "ms": 1e3 * seconds, "bytes": num_bytes,
-                          "transport": transport.transport if transport else None,
-                          "method": transport.method if transport else None,
-                          "env": {k: v for k, v in os.environ.items() if k.startswith("UCX_")}}), flush=True)
-    finally:
-        connector.close()
-        holder[0].kill()
-        holder[0].wait()
+    # The holder's own errors go to a file shown in this reader's on failure (not to its stderr: the
+    # holder, in a session of its own, would keep the caller's pipe open past this reader's end).
+    with tempfile.TemporaryFile(mode="w+") as holder_log:
+        holder = connector = None
+        try:
+            holder = start_holder("nixl", layout=layout, stderr=holder_log)
+            shape = (layout.num_blocks, layout.num_layers, 2, layout.block_size, layout.num_kv_heads,
+                     layout.head_dim)
+            cache = torch.zeros(shape, dtype=torch.bfloat16, device=args.device)
+            connector = create_connector(TransferConfig(backend="nixl", host="127.0.0.1"), cache, layout, "reader")
+            remote = list(range(args.blocks))
+            local = list(range(1, 2 * args.blocks, 2))
+            times = [read_once(connector, holder, f"r{i}", remote, local) for i in range(args.repeats + 1)][1:]
+            for _ in range(50):  # the report is read at most once a second after a read
+                if connector.transport is not None:
+                    break
+                connector._report_checked_at = 0.0
+                connector._check_ucx_report()
+                time.sleep(0.05)
+            seconds = statistics.median(times)
+            num_bytes = args.blocks * layout.block_numel * 2
+            transport = connector.transport
+            print(json.dumps({"gb_s": num_bytes / seconds / 1e9, "ms": 1e3 * seconds, "bytes": num_bytes,
+                              "transport": transport.transport if transport else None,
+                              "method": transport.method if transport else None,
+                              "env": {k: v for k, v in os.environ.items() if k.startswith("UCX_")}}), flush=True)
+        except BaseException:
+            holder_log.seek(0)
+            print(f"holder's log:\n{holder_log.read()[-2000:]}", file=sys.stderr, flush=True)
+            raise
+        finally:
+            if connector is not None:
+                connector.close()
+            if holder is not None:
+                holder[0].kill()
+                holder[0].wait()
     return 0
 
 

@@ -82,9 +82,12 @@ class LLMEngine:
         if config.device == "cpu":
             keep_freed_memory()  # before the cache and weights exist, so they come from the heap too
         model_cfg = config.model
-        if torch.device(config.device).type == "cuda":
-            # Triton launches on the current device, whatever its tensors' device (cuda:N, N > 0).
-            torch.cuda.set_device(torch.device(config.device).index or 0)
+        # Triton launches on the thread's current device, whatever its tensors' (cuda:N): set here for
+        # the build and the capture, and at every step (the thread stepping may be another). Plain
+        # "cuda" is the current device, left as the caller set it.
+        self._cuda_index = torch.device(config.device).index if config.device.startswith("cuda") else None
+        if self._cuda_index is not None:
+            torch.cuda.set_device(self._cuda_index)
         self.backend = select_backend(config.device, config.kernel_backend)
         # A prefill-only engine runs big batches: no copies of the projections for small ones (build_rank).
         self.ranks: TPRanks | None = None
@@ -269,6 +272,8 @@ class LLMEngine:
         and its blocks are freed at once (the GPU's late write to them is ordered before any later
         step's; a writer outside the steps calls wait_for_late_writes first). Length limits are
         known ahead and never overrun."""
+        if self._cuda_index is not None:
+            torch.cuda.set_device(self._cuda_index)
         try:
             return self._step()
         except EngineBroken:
@@ -334,7 +339,10 @@ class LLMEngine:
         prompt_logprobs = [(span, _prompt_logprobs_of(span)) for span in step_logits.prompt_spans]
         sampled_requests = step_logits.sampled_requests
         tokens = self._sample(step_logits)
-        # NOTE: timed once the tokens are on the host: on a GPU, execute() returns when the work is queued.
+        # NOTE: timed once the step has run: on a GPU, execute() returns when the work is queued, and
+        # only sampling reads anything back (a step of middle prefill chunks samples nothing).
+        if not sampled_requests and self.kv_cache.is_cuda:
+            torch.cuda.synchronize(self.kv_cache.device)
         elapsed = time.perf_counter() - started
         self.prefill_rate.observe(scheduled.num_prefill_tokens, elapsed)
         if logger.isEnabledFor(logging.DEBUG):

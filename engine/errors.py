@@ -2,22 +2,19 @@
 
 from __future__ import annotations
 
-import torch
+# CUDA errors after which the device's context is unusable (every later call fails too), as the
+# CUDA runtime words them; an out-of-memory error or a bad launch configuration is not one.
+_STICKY_CUDA_ERRORS = ("illegal memory access", "device-side assert", "misaligned address", "illegal instruction",
+                       "unspecified launch failure", "hardware stack error", "uncorrectable ECC error")
 
 
 class EngineBroken(RuntimeError):
-    """The engine cannot run another step: a tensor-parallel rank is gone, or its device failed
-    (a CUDA error leaves the device's context unusable). Its node fails every request it holds (to
-    run elsewhere) and stops."""
+    """The engine cannot run another step: a tensor-parallel rank is gone, or its device failed.
+    Its node fails every request it holds (to run elsewhere) and stops."""
 
 
 def device_failure(exc: BaseException) -> bool:
-    """Whether exc is the accelerator's own failure (an illegal address, a device-side assert: every
-    later call fails too), not one request's: torch.AcceleratorError, or a RuntimeError naming a CUDA
-    error. An out-of-memory error is not one (the step's requests can run again alone)."""
-    if isinstance(exc, torch.OutOfMemoryError):
-        return False
-    accelerator_error = getattr(torch, "AcceleratorError", None)
-    if accelerator_error is not None and isinstance(exc, accelerator_error):
-        return True
-    return isinstance(exc, RuntimeError) and "CUDA error" in str(exc)
+    """Whether exc is the accelerator's own failure (an illegal address, a device-side assert...:
+    the context is lost), not one batch's."""
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and "CUDA error" in text and any(s in text for s in _STICKY_CUDA_ERRORS)

@@ -168,11 +168,15 @@ class Sampler:
             generator = self._generators[device] = torch.Generator(device=device).manual_seed(self._seed)
         noise = torch.empty(len(requests), self.vocab_size, device=device)
         noise.exponential_(generator=generator)
-        for row, request in enumerate(requests):
-            if request.params.seed is not None:
+        seeded = [row for row, request in enumerate(requests) if request.params.seed is not None]
+        if seeded:
+            rows = torch.empty(len(seeded), self.vocab_size)
+            for i, row in enumerate(seeded):
+                request = requests[row]
                 seed = request.params.seed * _SEED_STRIDE + request.num_output_tokens
                 self._row_generator.manual_seed(seed % (2**63))
-                noise[row] = torch.empty(self.vocab_size).exponential_(generator=self._row_generator)
+                rows[i].exponential_(generator=self._row_generator)
+            noise[seeded] = rows.to(device)  # one copy for all of them
         return noise
 
 

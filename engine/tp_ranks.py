@@ -50,7 +50,7 @@ _PACKAGE_ROOT = Path(__file__).resolve().parent.parent  # where `engine` is impo
 
 # A step message: an int64 header, then every int tensor of the step flattened (see _pack_step).
 _OP_STEP, _OP_STOP = 1, 2
-_HEADER = ("op", "num_tokens", "num_decodes", "num_prefills", "table_width", "num_logits")
+_HEADER = ("op", "num_tokens", "num_decodes", "num_prefills", "table_width", "num_logits", "max_query_len")
 
 
 @dataclass
@@ -337,9 +337,9 @@ def _core_group(rank: int, size: int) -> list[int] | None:
 def _pack_step(input_ids: torch.Tensor, meta: AttentionMetadata, logits_indices: torch.Tensor) -> bytes:
     width = meta.decode_block_tables.shape[1]  # the decode and prefill tables are row slices of one table
     header = [_OP_STEP, input_ids.shape[0], meta.num_decode_tokens, meta.prefill_seq_lens.shape[0], width,
-              logits_indices.shape[0]]
+              logits_indices.shape[0], meta.prefill_max_query_len]
     parts = [torch.tensor(header, dtype=torch.int64)]
-    parts += [t.reshape(-1).to("cpu", torch.int64) for t in _step_tensors(input_ids, meta, logits_indices)]
+    parts += [t.reshape(-1).to(torch.int64) for t in _step_tensors(input_ids, meta, logits_indices)]
     return torch.cat(parts).numpy().tobytes()
 
 
@@ -367,15 +367,9 @@ def _unpack_step(message: bytes, device: str) -> tuple[torch.Tensor, AttentionMe
         decode_block_tables=cut[3].reshape(decodes, width).to(i32), decode_seq_lens=cut[4].to(i32),
         prefill_block_tables=cut[5].reshape(prefills, width).to(i32), prefill_cu_query_lens=cut[6].to(i32),
         prefill_seq_lens=cut[7].to(i32), logits_block_tables=cut[9].reshape(logits, width).to(i32),
-        logits_seq_lens=cut[10].to(i32), prefill_max_query_len=_longest_chunk(values[len(_HEADER):], sizes),
+        logits_seq_lens=cut[10].to(i32), prefill_max_query_len=header["max_query_len"],
     )
     return cut[0], meta, cut[8]
-
-
-def _longest_chunk(values: torch.Tensor, sizes: list[int]) -> int:
-    """The longest prefill chunk of a packed step (its prefill_cu_query_lens, still on the host)."""
-    cu = values[sum(sizes[:6]) : sum(sizes[:7])]
-    return int((cu[1:] - cu[:-1]).max()) if len(cu) > 1 else 0
 
 
 def _worker_main(address: str, rank: int) -> None:

@@ -107,15 +107,15 @@ def _gguf_read_once():
     """While transformers loads a GGUF: one gguf.GGUFReader per file, and one tensor-name map per
     (architecture, layers). transformers opens the file for the config, the weights and the
     tokenizer (and we for its pre-tokenizer), each reader parsing every metadata field again, and
-    builds the name map anew for each of the model's modules: 4 readers and 397 maps for SmolLM2,
-    ~20 of the conversion's 32 s. Both are only read; gguf's own functions are back afterwards."""
+    builds the name map anew for each of the model's modules; both are only read, so one of each
+    serves. gguf's own functions are back afterwards."""
     import gguf
 
     real_reader, real_name_map = gguf.GGUFReader, gguf.get_tensor_name_map
     readers: dict[tuple[str, str], object] = {}
 
     def reader(path, mode="r"):
-        key = (os.fspath(path), mode)
+        key = (os.path.realpath(path), mode)
         if key not in readers:
             readers[key] = real_reader(path, mode)
         return readers[key]

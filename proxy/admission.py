@@ -20,6 +20,7 @@ from proxy.errors import ApiError, rate_limited
 from proxy.metrics import ProxyMetrics
 from proxy.node_client import NodeClient
 from proxy.nodes import NodePool
+from proxy.routing import decode_held, decode_slots
 
 logger = logging.getLogger(__name__)
 
@@ -220,18 +221,18 @@ class Admission:
 
     def _slots(self, node: NodeClient) -> tuple[int, int]:
         """(requests queued past its slots, free slots) on a decode node, counting those sent since
-        its report. Its slots: while it reports a queue, those it runs (fewer than max_num_seqs when
-        KV blocks ran short); else the max_num_seqs it reports, or (a node that does not say) as
-        many as it ran when it last queued; unknown (never said, never queued): taken as free."""
+        its report. Its slots: proxy.routing.decode_slots (what routing goes by too), or for a node
+        that does not say, as many as it ran when it last queued; unknown (never said, never
+        queued): taken as free."""
         report = node.last_report
-        num_queued = report.num_waiting + report.num_pending_pulls
-        if num_queued:
-            self.num_slots[node.address] = num_slots = report.num_running
-        else:
-            num_slots = report.max_num_seqs or self.num_slots.get(node.address)
+        num_slots = decode_slots(node)
+        if report.num_waiting + report.num_pending_pulls:
+            self.num_slots[node.address] = num_slots
+        elif num_slots is None:
+            num_slots = self.num_slots.get(node.address)
         if num_slots is None:
             return 0, 1
-        num_held = report.num_running + num_queued + len(node.unreported)
+        num_held = decode_held(node)
         return max(0, num_held - num_slots), max(0, num_slots - num_held)
 
     def _all_full(self) -> str | None:

@@ -47,8 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how much a decode node's own queue wait counts against the pool's (>= 1)")
     parser.add_argument("--routing", choices=[p.value for p in RoutingPolicy], default=_default("routing").value,
                         help="cache-aware: the prefill node with the fewest uncached + queued prefill tokens, the "
-                             "decode node caching the longest prefix (within the caps below); least-loaded and "
-                             "round-robin ignore caches")
+                             "decode node caching the longest prefix (within the caps below; one with a free slot "
+                             "first); least-loaded and round-robin ignore caches")
     parser.add_argument("--routing-max-extra-prefill-tokens", type=int,
                         default=_default("routing_max_extra_prefill_tokens"),
                         help="cache-aware: a prefill node queued more prefill tokens than this past the least "

@@ -145,11 +145,25 @@ def decode_score(node: NodeClient) -> tuple[bool, int, int]:
 
 
 def has_free_slot(node: NodeClient) -> bool:
-    """Whether a decode node would run one more request at once: it holds (running, waiting,
-    pulling, sent since its report) fewer than the max_num_seqs it reports; a node that does not
-    report it counts as having one."""
+    """Whether a decode node would run one more request at once: it holds fewer than its slots
+    (decode_slots); a node that says nothing of them counts as having one."""
+    slots = decode_slots(node)
+    return slots is None or decode_held(node) < slots
+
+
+def decode_slots(node: NodeClient) -> int | None:
+    """The requests a decode node runs at once: while it reports a queue, those it runs (fewer than
+    max_num_seqs when KV blocks ran short); else the max_num_seqs it reports; None: not said."""
     report = node.last_report
-    return not report.max_num_seqs or decode_load(node) + report.num_pending_pulls < report.max_num_seqs
+    if report.num_waiting + report.num_pending_pulls:
+        return report.num_running
+    return report.max_num_seqs or None
+
+
+def decode_held(node: NodeClient) -> int:
+    """Requests on a decode node, running or not yet: reported running, waiting and pulling, and
+    those sent since its report."""
+    return decode_load(node) + node.last_report.num_pending_pulls
 
 
 def num_unclaimed_blocks(node: NodeClient) -> int:
@@ -221,7 +235,7 @@ class Router:
 
         eligible = [n for n in candidates
                     if decode_load(n) <= least_load + self.config.max_extra_decode_requests and has_room(n)]
-        if not eligible:  # every node short of blocks: the usual choice (most free blocks)
+        if not eligible:  # every node short of blocks: the usual choice (a free slot, then most free blocks)
             return _count(max(candidates, key=decode_score), "load")
         with_slot = [n for n in eligible if has_free_slot(n)]
         chosen = max(with_slot or eligible, key=lambda n: (cached[id(n)], decode_score(n)))

@@ -38,10 +38,11 @@ def _prefill_triton(query, kv_cache_layer, block_tables, cu_query_lens, seq_lens
     if max_query_len is None:
         max_query_len = int((cu_query_lens[1:] - cu_query_lens[:-1]).max())
     block_m, block_n, num_warps = _tile_sizes(query)
-    # NOTE: (sequence, head) pairs on the grid's first axis: its second and third stop at 65,535.
-    grid = (num_seqs * num_heads, cdiv(max_query_len, block_m))
-    _prefill_attention_kernel[grid](
-        query, kv_cache_layer, block_tables, cu_query_lens, seq_lens, out, scale * LOG2E,
+    # NOTE: a 1-D grid (the second and third axes stop at 65,535): each (sequence, head) pair's
+    # query tiles side by side (they read the same K/V), the last (the longest causal) first.
+    num_tiles = cdiv(max_query_len, block_m)
+    _prefill_attention_kernel[(num_seqs * num_heads * num_tiles,)](
+        query, kv_cache_layer, block_tables, cu_query_lens, seq_lens, out, scale * LOG2E, num_tiles,
         query.stride(0), query.stride(1), *kv_cache_layer.stride()[:4], block_tables.stride(0),
         out.stride(0), out.stride(1),
         NUM_HEADS=num_heads, GROUP=num_heads // kv_cache_layer.shape[3], HEAD_DIM=head_dim,
@@ -92,7 +93,7 @@ if triton is not None:
 
     @triton.jit
     def _prefill_attention_kernel(
-        query_ptr, cache_ptr, block_tables_ptr, cu_query_lens_ptr, seq_lens_ptr, out_ptr, qk_scale,
+        query_ptr, cache_ptr, block_tables_ptr, cu_query_lens_ptr, seq_lens_ptr, out_ptr, qk_scale, num_tiles,
         stride_query_token, stride_query_head, stride_cache_block, stride_cache_kv, stride_cache_offset,
         stride_cache_head, stride_table_seq, stride_out_token, stride_out_head,
         NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -101,9 +102,10 @@ if triton is not None:
         """One (query tile, sequence, head). Keys every row of the tile may see run unmasked;
         the tiles crossing the diagonal or the sequence end run masked."""
         # NOTE: over 40 lines: the prologue (tile bounds, query load) and two loops belong together.
-        tile = tl.program_id(1)
-        seq = tl.program_id(0) // NUM_HEADS
-        head = tl.program_id(0) % NUM_HEADS
+        pair = tl.program_id(0) // num_tiles
+        tile = num_tiles - 1 - tl.program_id(0) % num_tiles
+        seq = pair // NUM_HEADS
+        head = pair % NUM_HEADS
         q_start = tl.load(cu_query_lens_ptr + seq)
         q_len = tl.load(cu_query_lens_ptr + seq + 1) - q_start
         if tile * BLOCK_M < q_len:

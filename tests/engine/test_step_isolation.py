@@ -112,26 +112,35 @@ def test_fault_of_the_batch_as_a_whole_fails_nobody(tiny_model_dir, reference):
     RuntimeError("CUDA error: device-side assert triggered"),
 ])
 def test_a_device_failure_is_the_engines_not_a_requests(tiny_model_dir, error):
-    """A CUDA error leaves the device unusable: the step raises EngineBroken (its node fails every
-    request to run elsewhere and stops) instead of retrying each request alone and failing them
-    all while the node stays up. An out-of-memory error is still one batch's: isolated."""
+    """A CUDA error that leaves the device unusable: the step raises EngineBroken (its node fails
+    every request to run elsewhere and stops) instead of retrying each request alone and failing
+    them all while the node stays up. Out of memory or a bad launch is still one batch's: isolated."""
     engine = make_engine(tiny_model_dir)
     real_execute = engine.runner.execute
     calls = []
 
-    def broken(scheduled):
-        calls.append(scheduled)
-        raise error
+    def failing(raised):
+        def execute(scheduled):
+            calls.append(scheduled)
+            raise raised
+        return execute
 
-    engine.runner.execute = broken
+    engine.runner.execute = failing(error)
     for request_id in ("short", "long"):
         engine.add_request(request_id, PROMPTS[request_id], GREEDY)
     with pytest.raises(EngineBroken, match="the device failed"):
         engine.step()
     assert len(calls) == 1  # no retry one by one
-    engine.runner.execute = lambda scheduled: (_ for _ in ()).throw(torch.OutOfMemoryError("CUDA out of memory"))
-    outputs = engine.step()
-    assert {o.request_id for o in outputs} == {"short", "long"}
-    assert all(o.finish_reason is FinishReason.ERROR for o in outputs)
+    for round_, isolated in enumerate((torch.OutOfMemoryError("CUDA error: out of memory"),
+                                       torch.AcceleratorError("CUDA error: invalid configuration argument"))):
+        if round_:
+            for request_id in ("short", "long"):
+                engine.add_request(request_id, PROMPTS[request_id], GREEDY)
+        calls.clear()
+        engine.runner.execute = failing(isolated)
+        outputs = engine.step()
+        assert len(calls) == 3  # the batch, then each request alone
+        assert sorted(o.request_id for o in outputs) == ["long", "short"]
+        assert all(o.finish_reason is FinishReason.ERROR for o in outputs)
     engine.runner.execute = real_execute
     engine.check_leaks()

@@ -53,6 +53,22 @@ def test_pull_copies_the_prompt_kv_and_decodes_as_colocated(pair, expected_token
     assert pair.prefill.num_expired_leases == 0
 
 
+def test_a_pull_first_waits_for_late_writes_into_its_blocks(pair, expected_tokens, monkeypatch):
+    """Before its read starts, the decode node asks its engine to settle the blocks it will fill
+    (an async step may still write a slot of a request that ended: LLMEngine.wait_for_late_writes)."""
+    order = []
+    real_wait, real_read = pair.decode.engine.wait_for_late_writes, pair.decode.connector.start_read
+    monkeypatch.setattr(pair.decode.engine, "wait_for_late_writes",
+                        lambda ids: (order.append(("wait", list(ids))), real_wait(ids))[1])
+    monkeypatch.setattr(pair.decode.connector, "start_read",
+                        lambda rid, lease, ids: (order.append(("read", list(ids))), real_read(rid, lease, ids))[1])
+    pair.send_decode("w", pair.prefill_prompt("w"))
+    pair.run(lambda: pair.tokens_of("w") is not None)
+    assert [kind for kind, _ in order] == ["wait", "read"] and order[0][1] == order[1][1] and order[0][1]
+    assert pair.tokens_of("w") == expected_tokens
+    assert_nothing_held_once_released(pair)
+
+
 def test_failed_pull_falls_back_to_local_prefill_and_frees_both_sides(pair, expected_tokens):
     pair.decode.connector.inject("a", "fail")  # the read of "a", when it starts
     pair.pull("a")
