@@ -336,15 +336,14 @@ class LLMEngine:
         """Run, gather and sample; only then commit (progress, prompt logprobs, tokens)."""
         started = time.perf_counter()
         step_logits = self.runner.execute(scheduled)
-        prompt_logprobs = [(span, _prompt_logprobs_of(span)) for span in step_logits.prompt_spans]
-        sampled_requests = step_logits.sampled_requests
-        tokens = self._sample(step_logits)
-        # NOTE: timed once the step has run: on a GPU, execute() returns when the work is queued, and
-        # only sampling reads anything back (a step of middle prefill chunks samples nothing).
-        if not sampled_requests and self.kv_cache.is_cuda:
+        if self.kv_cache.is_cuda and scheduled.num_prefill_tokens >= self.prefill_rate.min_tokens:
+            # NOTE: on a GPU execute() returns once the work is queued: the rate is of the work done.
             torch.cuda.synchronize(self.kv_cache.device)
         elapsed = time.perf_counter() - started
         self.prefill_rate.observe(scheduled.num_prefill_tokens, elapsed)
+        prompt_logprobs = [(span, _prompt_logprobs_of(span)) for span in step_logits.prompt_spans]
+        sampled_requests = step_logits.sampled_requests
+        tokens = self._sample(step_logits)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("step %d: %d decodes, %d prefill tokens in %d chunks, %d free blocks, %.1f ms",
                          self.num_steps, len(scheduled.decodes), scheduled.num_prefill_tokens,
