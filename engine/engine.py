@@ -16,7 +16,7 @@ from engine.async_decodes import AsyncDecodes, InFlight
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig
 from engine.decode_graphs import DecodeGraphs, capture_sizes
-from engine.errors import EngineBroken, device_failure
+from engine.errors import EngineBroken, device_failure, ends_the_engine
 from engine.grammar import Grammars
 from engine.host_memory import keep_freed_memory
 from engine.protocol import Role, TokenLogprob, num_blocks_for
@@ -301,7 +301,7 @@ class LLMEngine:
         try:
             return self._run_batch(scheduled)
         except Exception as exc:  # noqa: BLE001 - isolate the request(s) at fault, keep the rest
-            if isinstance(exc, EngineBroken) or device_failure(exc):
+            if ends_the_engine(exc):
                 raise  # the ranks or the device are broken: nothing is isolated, the engine is done
             logger.warning("step %d of %d requests failed (%s: %s); retrying them one by one", self.num_steps,
                            len(scheduled.decodes) + len(scheduled.prefills), type(exc).__name__, exc)
@@ -378,7 +378,7 @@ class LLMEngine:
             try:
                 outputs += self._run_batch(alone)
             except Exception as exc:  # noqa: BLE001 - this request's own failure: end it alone
-                if isinstance(exc, EngineBroken) or device_failure(exc):
+                if ends_the_engine(exc):
                     raise
                 outputs.append(self._fail(request, exc))
         return outputs

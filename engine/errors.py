@@ -13,6 +13,11 @@ class EngineBroken(RuntimeError):
     Its node fails every request it holds (to run elsewhere) and stops."""
 
 
+def ends_the_engine(exc: BaseException) -> bool:
+    """Whether exc leaves the engine unable to step again (no request is isolated from it)."""
+    return isinstance(exc, EngineBroken) or device_failure(exc)
+
+
 def device_failure(exc: BaseException) -> bool:
     """Whether exc is the accelerator's own failure (an illegal address, a device-side assert...:
     the context is lost), not one batch's."""

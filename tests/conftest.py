@@ -134,6 +134,21 @@ class UvicornServer:
 # ---- the harness that tracks every request a proxy took on to its end ---------------------------
 
 
+def live_processes() -> dict[int, tuple[int, str]]:
+    """pid -> (parent pid, command line with spaces for NULs) of every live process (from /proc)."""
+    processes = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue  # it ended meanwhile
+        processes[int(entry.name)] = (int(stat.rsplit(")", 1)[1].split()[1]), cmdline)
+    return processes
+
+
 def assert_ledger_closed(num_open: int, num_unanswered: int, oldest_open: object = ()) -> None:
     """No request is open any more and none ended without an answer (proxy.ledger)."""
     assert num_unanswered == 0, f"{num_unanswered} requests ended without an answer"

@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+from tests.conftest import live_processes
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -29,15 +31,7 @@ def _result(results: Path) -> dict:
 
 
 def _processes_naming(text: str) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if text in (entry / "cmdline").read_bytes().decode(errors="replace"):
-                    found.append(int(entry.name))
-            except OSError:
-                continue
-    return found
+    return [pid for pid, (_, cmdline) in live_processes().items() if text in cmdline]
 
 
 def test_both_setups_serve_and_every_prompt_is_pulled(tiny_model_dir, tmp_path):
@@ -77,9 +71,5 @@ def test_sigterm_stops_the_servers_and_writes_what_it_has(tiny_model_dir, tmp_pa
     for pid in left:  # this test's own servers, were they left: never outlive it
         os.kill(pid, signal.SIGKILL)
     assert proc.returncode == 1, output[-2000:]
-    assert "stopped by signal" in result_error(_result(results)), output[-2000:]
+    assert "stopped by signal" in _result(results)["setups"]["colocated"].get("error", ""), output[-2000:]
     assert left == [], "servers left running"
-
-
-def result_error(result: dict) -> str:
-    return result["setups"]["colocated"].get("error", "")

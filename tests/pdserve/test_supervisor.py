@@ -16,7 +16,7 @@ import pytest
 
 from pdserve.cluster import Cluster, Supervisor
 from pdserve.ports import free_port, wait_http_ok
-from tests.conftest import assert_every_request_answered
+from tests.conftest import assert_every_request_answered, live_processes
 
 EXIT_AT_ONCE = [sys.executable, "-c", "import sys; sys.exit(3)"]
 SLEEP_LONG = [sys.executable, "-c", "import time; time.sleep(60)"]
@@ -131,19 +131,8 @@ def test_stop_ends_the_proxy_first_then_prefill_then_decode(tmp_path):
 
 
 def _children_of(pid: int) -> dict[int, str]:
-    """pid -> command line of every live process whose parent is pid (read from /proc)."""
-    children = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-            children[int(entry.name)] = cmdline
-    return children
+    """pid -> command line of every live process whose parent is pid."""
+    return {child: cmdline for child, (parent, cmdline) in live_processes().items() if parent == pid}
 
 
 @pytest.fixture
