@@ -6,10 +6,11 @@ node on core 1, core lending on by default for it), waits for ready, sends the R
 request --chats times one after another (their latencies: the first after ready, then the rest),
 then --streams concurrent streams of --stream-tokens greedy tokens (output tokens/s), then stops
 it. A condition `busy<N>` runs a bounded busy loop pinned to core N from before the start to the
-end of the run (started and killed here). The decode node's counts of borrowed and preempted
-borrowed steps come from its /metrics.
+end of the run (started and killed here), `busy<N>:<P>` one busy P% of each 10 ms (a bursty
+neighbour). The decode node's counts of borrowed and preempted borrowed steps come from its
+/metrics.
 
-    .venv/bin/python benchmarks/core_lending.py [--pairs 2] [--conditions idle,busy0]
+    .venv/bin/python benchmarks/core_lending.py [--pairs 2] [--conditions idle,busy0:30,busy0]
 
 Ends with `RESULT {json}`.
 """
@@ -40,14 +41,23 @@ from pdserve.ports import free_port, wait_http_ok  # noqa: E402
 MODES = {"default": [], "no-lend": ["--no-lend-cores"]}
 README_CHAT = {"model": "smollm2", "messages": [{"role": "user", "content": "What is the capital of France?"}],
                "max_tokens": 32, "temperature": 0}
-_HOG = "import time\nend = time.monotonic() + {s}\nwhile time.monotonic() < end:\n    pass\n"
+_HOG = """import time
+end, duty = time.monotonic() + {s}, {duty}
+while time.monotonic() < end:
+    began = time.monotonic()
+    while time.monotonic() - began < duty * 0.01:
+        pass
+    if duty < 1:
+        time.sleep((1 - duty) * 0.01)
+"""
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="model directory (default: the default model, made if missing)")
     parser.add_argument("--pairs", type=int, default=2, help="alternated pairs per condition")
-    parser.add_argument("--conditions", default="idle,busy0", help="idle, busy<N> (a busy loop on core N)")
+    parser.add_argument("--conditions", default="idle,busy0", help="idle, busy<N> (a busy loop on core N), "
+                        "busy<N>:<P> (busy P%% of each 10 ms on core N)")
     parser.add_argument("--chats", type=int, default=5)
     parser.add_argument("--streams", type=int, default=16)
     parser.add_argument("--stream-tokens", type=int, default=64)
@@ -59,9 +69,9 @@ def parse_args() -> argparse.Namespace:
 def start_hog(condition: str, seconds: float) -> subprocess.Popen | None:
     if condition == "idle":
         return None
-    core = int(condition.removeprefix("busy"))
-    return subprocess.Popen([sys.executable, "-c", _HOG.format(s=seconds)],
-                            preexec_fn=lambda: os.sched_setaffinity(0, {core}))
+    core, _, percent = condition.removeprefix("busy").partition(":")
+    return subprocess.Popen([sys.executable, "-c", _HOG.format(s=seconds, duty=int(percent or 100) / 100)],
+                            preexec_fn=lambda: os.sched_setaffinity(0, {int(core)}))
 
 
 def decode_counts(url: str) -> dict[str, float]:

@@ -195,7 +195,8 @@ def render_core_lending(records: list[dict]) -> tuple[list[str], list]:
         rows.append(["", "**default / no-lend**", "", f"**{row['chat_ratio']:.2f}x**",
                      f"**{row['stream_ratio']:.2f}x**", ""])
     lines = [f"{r['model']}, {r['cores']} cores; the README's chat request {r['chats']} times after ready, then "
-             f"{r['streams']} concurrent streams of {r['stream_tokens']} tokens; busy<N>: a busy loop on core N:", ""]
+             f"{r['streams']} concurrent streams of {r['stream_tokens']} tokens; busy<N>: a busy loop on core N "
+             "(busy<N>:<P>: busy P% of each 10 ms):", ""]
     lines += table(["condition", "run", "first chat after ready (s)", "later chats, median (s)",
                     "streams (output tok/s)", "borrowed decode steps (preempted)"], rows)
     return lines + ["", "- " + provenance(record), ""], []

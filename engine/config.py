@@ -165,6 +165,10 @@ class CacheConfig:
     # On a GPU without an explicit budget: the share of the GPU's memory this engine may hold in
     # all (weights, KV cache, activations, graphs); several engines on one GPU split it this way.
     gpu_memory_utilization: float = 0.9
+    # A CPU cache's pages faulted in (zeroed) at start-up, not by the steps that first write them
+    # (kv_cache.allocate_kv_cache); off where a start must be quick (a node restarted from a
+    # standby process), which then takes memory as its blocks are first used.
+    prefault: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

@@ -67,10 +67,12 @@ def stored_layer_major(cache: torch.Tensor) -> torch.Tensor:
 
 
 def allocate_kv_cache(model: ModelConfig, num_blocks: int, block_size: int, device: str,
-                      shared_file: str | None = None) -> torch.Tensor:
+                      shared_file: str | None = None, prefault: bool = True) -> torch.Tensor:
     """The zeroed cache; on the CPU layer-major (see above) on transparent huge pages where Linux
-    gives them. shared_file (the CPU only): the cache is that file, mapped shared and created at
-    its size (a tmpfs path, /dev/shm: memory another process maps too, map_shared_kv_cache)."""
+    gives them, its pages faulted in here where prefault (else by the steps that first write
+    them: a page fault in one of a step's threads stalls them all at the next barrier).
+    shared_file (the CPU only): the cache is that file, mapped shared and created at its size (a
+    tmpfs path, /dev/shm: memory another process maps too, map_shared_kv_cache)."""
     shape = (num_blocks, *block_shape(model, block_size))
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=model.dtype, device=device)
@@ -78,6 +80,8 @@ def allocate_kv_cache(model: ModelConfig, num_blocks: int, block_size: int, devi
         return map_shared_kv_cache(model, num_blocks, block_size, shared_file)
     stored = zeroed_pages((shape[1], shape[0], *shape[2:]), model.dtype)  # layer-major: see above
     advise_huge_pages(stored)  # NOTE: the advice applies to pages not yet touched: all of them here
+    if prefault:
+        stored.zero_()
     return stored.transpose(0, 1)
 
 

@@ -83,7 +83,8 @@ def build_rank(config: EngineConfig, backend: Backend, group: TPGroup | None,
     if group is not None:
         num_blocks = group.min_int(num_blocks)
     model = CausalLM(local, weights, backend, group)
-    cache = allocate_kv_cache(local, num_blocks, config.cache.block_size, config.device, shared_file)
+    cache = allocate_kv_cache(local, num_blocks, config.cache.block_size, config.device, shared_file,
+                              config.cache.prefault)
     return RankModel(model, cache, num_blocks)
 
 

@@ -8,15 +8,20 @@ decode node, before each step, runs on its own cores plus the lender's while tha
 lender has work. The lender's new work waits for at most one decode step, during which both share
 its cores.
 
-Lending only helps while nothing else runs on the lender's cores: a decode step's threads wait at
-every op's barrier for the one that was preempted (measured on a 2-core EPYC, SmolLM2 float32 at
-batch 1, a busy loop on the lender's core: 290-307 ms a borrowed step against 119-121 ms on the
-decode node's own core). So the borrower measures, and borrows only while
-- the lender's cores were idle (at most _MAX_FOREIGN_BUSY of their time in /proc/stat) over the
-  last window of at least _WINDOW_S in which the lender said idle and this node was off them, and
-- its borrowed steps got their cores: a borrowed step whose process CPU time is under
-  _MIN_CPU_SHARE of (wall time x threads) was preempted, and the borrower then keeps off the
-  lender's cores for a back-off that doubles on each such step (from _BACKOFF_S to _MAX_BACKOFF_S).
+Lending only helps while nothing else runs on the lender's cores. A decode step's threads meet at
+every op's barrier, so a step waits for its slowest thread: with n own cores and m lent ones whose
+threads get a fraction f of their cores, it takes 1/((n+m)f) of its work's time against 1/n on its
+own cores (with a busy loop on the lent core, SmolLM2's decode step took 2.5x its time on the decode
+node's own core). Borrowing pays where (n+m)f/n is at least _MIN_GAIN (lent_share_needed). So the
+borrower measures, and borrows only while
+- the lender's cores were idle enough (another process busy at most 1 - lent_share_needed of their
+  time in /proc/stat) over the last window of at least _WINDOW_S in which the lender said idle and
+  this node was off them, and
+- its borrowed steps got their cores: over each span of borrowed steps of at least _JUDGE_SPAN_S,
+  the process CPU time over (wall time x threads) is at least min_cpu_share (the own cores'
+  threads run or wait spinning throughout, the lent ones get f). A span under it sends the
+  borrower back to its own cores for a back-off that doubles on each such span (from _BACKOFF_S
+  to _MAX_BACKOFF_S).
 
 Only the stepping thread's affinity changes: the node's other threads (heartbeat, health server,
 ZMQ) stay on its own cores. OpenMP's extra threads are made while the stepping thread may run on
@@ -46,19 +51,32 @@ _BUSY, _IDLE = 1, 0
 _FLAG_SIZE = 16
 _PID = slice(8, 16)
 
-# NOTE: measured on a 2-core EPYC, SmolLM2 float32, 2 threads at batch 1: a borrowed step's process
-# CPU share was 0.975-0.995 with the lender's core idle and 0.57-0.64 with a busy loop on it.
-_MIN_CPU_SHARE = 0.85
-# Steps shorter than this are not judged: their CPU time is too coarse to read a share from. Nor is
-# the first borrowed step after a switch, whose extra threads wake up (or are made) during it.
-_MIN_JUDGED_STEP_S = 0.005
+# Borrowing must promise this speed-up over the own cores: the model above is optimistic (measured on
+# a 2-core Xeon, float32 `small` at batch 32, one own and one lent core, a duty-cycled load on the
+# lent one: break-even at a CPU share of 0.78, where the model with 1.1 asks 0.775).
+_MIN_GAIN = 1.1
+# Borrowed steps are judged together over at least this long: one step's share swings with a
+# proxy's burst of replies, and the first borrowed step after a switch is not counted (its extra
+# threads wake up, or are made, during it).
+_JUDGE_SPAN_S = 0.4
 # /proc/stat counts in ticks of 10 ms: a window of 0.2 s gives each core 20 of them.
 _WINDOW_S = 0.2
-_MAX_FOREIGN_BUSY = 0.5
 # A window's verdict stands this long (across the lender's busy spells, when no window can be read).
 _VERDICT_TTL_S = 5.0
 _BACKOFF_S, _MAX_BACKOFF_S = 1.0, 30.0
 _LOG_EVERY_S = 60.0  # the cores' verdict changes at INFO at most this often (DEBUG otherwise)
+
+
+def lent_share_needed(own: int, lent: int) -> float:
+    """The fraction of its core each thread on a lent core must get for a borrowed step to run
+    _MIN_GAIN times as fast as on the own cores alone (the module's model)."""
+    return min(1.0, _MIN_GAIN * own / (own + lent))
+
+
+def min_cpu_share(own: int, lent: int) -> float:
+    """The process CPU share (CPU time over wall time x threads) of borrowed steps that got
+    lent_share_needed of the lent cores."""
+    return (own + lent * lent_share_needed(own, lent)) / (own + lent)
 
 
 class _Flag:
@@ -104,6 +122,9 @@ class Borrower(_Flag):
         self._reported_busy = False
         self._logged_at = -_LOG_EVERY_S
         self._borrowed_steps = 0  # since the last switch to borrowing
+        self._span = (0.0, 0.0, 0)  # the borrowed steps not yet judged: wall and CPU time, count
+        self._min_cpu_share = min_cpu_share(len(self._own), len(self._lent))
+        self._max_foreign_busy = 1.0 - lent_share_needed(len(self._own), len(self._lent))
         self._off_until = 0.0
         self._backoff_s = _BACKOFF_S
         self.is_borrowing = False
@@ -132,12 +153,12 @@ class Borrower(_Flag):
                   and (self.is_borrowing or self.cores_free))
         if borrow != self.is_borrowing:
             self._switch(borrow)
-            self._borrowed_steps = 0
+            self._borrowed_steps, self._span = 0, (0.0, 0.0, 0)
 
     @contextmanager
     def step(self) -> Iterator[None]:
-        """Around one engine step: a borrowed step that did not get its cores (another process
-        preempted a thread) ends borrowing for a back-off."""
+        """Around one engine step: borrowed steps that did not get their cores (another process
+        preempted a thread) end borrowing for a back-off."""
         if not self.is_borrowing:
             yield
             return
@@ -145,16 +166,22 @@ class Borrower(_Flag):
         yield
         wall, cpu = self._clock() - wall, self._cpu_time() - cpu
         self._borrowed_steps += 1
-        if wall < _MIN_JUDGED_STEP_S or self._borrowed_steps == 1:
+        if self._borrowed_steps == 1:
             return
+        wall, cpu, steps = self._span[0] + wall, self._span[1] + cpu, self._span[2] + 1
+        if wall < _JUDGE_SPAN_S:
+            self._span = (wall, cpu, steps)
+            return
+        self._span = (0.0, 0.0, 0)
         share = cpu / (wall * len(self._all))
-        if share >= _MIN_CPU_SHARE:  # the cores were ours: as good as a free window
+        if share >= self._min_cpu_share:  # the cores were ours: as good as a free window
             self._backoff_s = _BACKOFF_S
             self._free_at = self._clock()
             return
-        self.num_preempted_steps += 1
-        logger.info("a step on cores %s got %.0f%% of them (another process runs there): back on cores %s "
-                    "for %.0f s", sorted(self._all), 100 * share, sorted(self._own), self._backoff_s)
+        self.num_preempted_steps += steps
+        logger.info("steps on cores %s got %.0f%% of them over %.1f s (another process runs there; borrowing "
+                    "pays from %.0f%%): back on cores %s for %.0f s", sorted(self._all), 100 * share, wall,
+                    100 * self._min_cpu_share, sorted(self._own), self._backoff_s)
         self._off_until = self._clock() + self._backoff_s
         self._backoff_s = min(2 * self._backoff_s, _MAX_BACKOFF_S)
         self._free_at = None
@@ -179,7 +206,7 @@ class Borrower(_Flag):
             return
         busy, total = times[0] - busy0, times[1] - total0
         share = busy / total if total > 0 else 0.0
-        free = share <= _MAX_FOREIGN_BUSY
+        free = share <= self._max_foreign_busy
         self._free_at = now if free else None
         if free == self._reported_busy:
             self._reported_busy = not free

@@ -121,8 +121,9 @@ class NodeMetrics:
         self.borrowed_steps = self._counter("pdserve_node_borrowed_core_steps", "decode node: steps run on its "
                                             "prefill node's cores too, lent while that one had nothing to prefill")
         self.preempted_borrowed_steps = self._counter(
-            "pdserve_node_preempted_borrowed_core_steps", "decode node: borrowed steps that did not get their cores "
-            "(another process ran there), each followed by a back-off on its own cores")
+            "pdserve_node_preempted_borrowed_core_steps", "decode node: borrowed steps that did not get enough of "
+            "their cores (judged over spans of steps; another process ran there), each such span followed by a "
+            "back-off on its own cores")
         self.lent_cores_free = Gauge("pdserve_node_lent_cores_free", "decode node: 1 while its prefill node's "
                                      "cores were last found free of other processes' work (it may borrow them)",
                                      LABELS, registry=self.registry).labels(**self.labels)

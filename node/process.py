@@ -11,6 +11,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -43,6 +44,7 @@ def serve(args: argparse.Namespace, role: Role, build_server: BuildServer) -> in
     handed_over_at = os.environ.pop(_STANDBY_HANDED_OVER_ENV, None)  # a standby process became this node
     phases = ([("start-up and imports", seconds_since_process_start())] if handed_over_at is None
               else [("standby hand-over", time.monotonic() - float(handed_over_at))])
+    configs = start_configs(configs, handed_over=handed_over_at is not None)
     started = time.monotonic()
     engine = LLMEngine(configs.engine)
     phases.append(("engine (weights, KV cache)", time.monotonic() - started))
@@ -68,6 +70,15 @@ def serve(args: argparse.Namespace, role: Role, build_server: BuildServer) -> in
     # (a tensor-parallel rank lost) exits 1, so that its supervisor restarts it.
     exit_now(0 if server.failure is None else 1)
     return 0
+
+
+def start_configs(configs: NodeConfigs, *, handed_over: bool) -> NodeConfigs:
+    """configs as this start uses them: a node that took over a standby process (a restart, where
+    serving again soon matters most) leaves its CPU KV cache's pages to the steps that first write
+    them instead of zeroing them before it is ready."""
+    if not handed_over:
+        return configs
+    return replace(configs, engine=replace(configs.engine, cache=replace(configs.engine.cache, prefault=False)))
 
 
 def seconds_since_process_start() -> float:

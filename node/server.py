@@ -184,7 +184,7 @@ class NodeServer:
             with self.borrower.step():
                 self._step()
             if self.borrower.num_preempted_steps != preempted:
-                self.metrics.preempted_borrowed_steps.inc()
+                self.metrics.preempted_borrowed_steps.inc(self.borrower.num_preempted_steps - preempted)
 
     def close(self) -> None:
         self._is_stopping.set()

@@ -38,12 +38,22 @@ def test_cpu_kv_cache_is_zeros_that_take_no_memory_or_time_until_touched(monkeyp
     monkeypatch.setattr(kv_cache, "advise_huge_pages", lambda tensor: advised.append(tensor.data_ptr()) or 0)
     model = SimpleNamespace(num_layers=4, num_kv_heads=4, head_dim=64, dtype=torch.float32)
     before = _rss_bytes()
-    cache = kv_cache.allocate_kv_cache(model, num_blocks=2048, block_size=16, device="cpu")  # 256 MiB
+    cache = kv_cache.allocate_kv_cache(model, num_blocks=2048, block_size=16, device="cpu", prefault=False)  # 256 MiB
     assert _rss_bytes() - before < 16 << 20  # nothing written up front
     assert cache.shape == (2048, 4, 2, 16, 4, 64) and advised == [cache.data_ptr()]
     assert bool(torch.all(cache[::97] == 0)) and bool(torch.all(cache[-1] == 0))
     cache[5].fill_(1.0)
     assert float(cache[5].sum()) == cache[5].numel() and float(cache[4].abs().sum()) == 0.0
+
+
+def test_a_prefaulted_cpu_kv_cache_is_in_memory_before_any_step():
+    """prefault (the default): the pages are faulted in by the allocation, not by the first steps
+    that write them."""
+    model = SimpleNamespace(num_layers=4, num_kv_heads=4, head_dim=64, dtype=torch.float32)
+    before = _rss_bytes()
+    cache = kv_cache.allocate_kv_cache(model, num_blocks=2048, block_size=16, device="cpu")
+    assert _rss_bytes() - before >= (256 << 20) * 0.95
+    assert cache.shape == (2048, 4, 2, 16, 4, 64) and float(cache.abs().sum()) == 0.0
 
 
 def test_cpu_kv_cache_is_stored_layer_major():

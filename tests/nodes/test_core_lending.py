@@ -67,6 +67,7 @@ class Host:
         monkeypatch.setattr(Borrower, "_switch", lambda b, borrow: (switched.append(borrow),
                                                                    setattr(b, "is_borrowing", borrow)))
         self.switched = switched
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})  # one own core, whatever this host has
         self.borrower = Borrower(flag, {99}, clock=lambda: self.now, core_times=self._core_times,
                                  cpu_time=lambda: self.cpu)
         self.lenders_read: list[int] = []
@@ -145,37 +146,70 @@ def test_a_window_needs_the_lender_idle_and_the_borrower_off_its_cores(host):
     assert host.borrower.is_borrowing
 
 
-def test_a_preempted_borrowed_step_backs_off_and_the_back_off_doubles(host):
+def spans(host, count: int, cpu_share: float) -> None:
+    """count judged spans of borrowed steps (4 steps of a quarter of a span each)."""
+    for _ in range(4 * count):
+        host.step(core_lending._JUDGE_SPAN_S / 4 + 1e-6, cpu_share)  # the clock sums to a span, at least
+
+
+def test_preempted_borrowed_steps_back_off_and_the_back_off_doubles(host):
     host.idle_for(0.3)
     host.step(0.1, cpu_share=0.3)  # the first after a switch is not judged: its threads wake up in it
-    host.step(0.1, cpu_share=0.99)
+    spans(host, 1, cpu_share=0.99)
     assert host.borrower.is_borrowing and host.borrower.num_preempted_steps == 0
-    host.step(0.1, cpu_share=0.6)  # a thread waited for its core
-    assert not host.borrower.is_borrowing and host.borrower.num_preempted_steps == 1
+    spans(host, 1, cpu_share=0.6)  # a thread waited for its core
+    assert not host.borrower.is_borrowing and host.borrower.num_preempted_steps == 4
     host.idle_for(0.9)
     assert not host.borrower.is_borrowing  # within the first back-off (1 s)
     host.idle_for(0.3)
     assert host.borrower.is_borrowing
     host.step(0.1, cpu_share=0.3)
     assert host.borrower.is_borrowing  # again the first after the switch
-    host.step(0.1, cpu_share=0.5)
+    spans(host, 1, cpu_share=0.5)
     host.idle_for(1.5)
     assert not host.borrower.is_borrowing  # the second back-off is 2 s
     host.idle_for(0.7)
     assert host.borrower.is_borrowing
     host.step(0.1, cpu_share=0.95)
-    host.step(0.1, cpu_share=0.95)  # a good step: the next back-off is 1 s again
-    host.step(0.1, cpu_share=0.5)
+    spans(host, 1, cpu_share=0.95)  # good steps: the next back-off is 1 s again
+    spans(host, 1, cpu_share=0.5)
     host.idle_for(1.3)
     assert host.borrower.is_borrowing
 
 
-def test_short_steps_and_steps_on_its_own_cores_are_not_judged(host):
-    host.step(0.1, cpu_share=0.3)  # not borrowing
+def test_steps_are_judged_over_a_span_and_not_on_its_own_cores(host):
+    host.step(1.0, cpu_share=0.3)  # not borrowing
     host.idle_for(0.3)
     host.step(0.1, cpu_share=0.99)
-    host.step(core_lending._MIN_JUDGED_STEP_S / 2, cpu_share=0.1)
+    # One short step that did not get its cores, in a span that did: the span stands.
+    host.step(core_lending._JUDGE_SPAN_S / 4, cpu_share=0.55)
+    host.step(core_lending._JUDGE_SPAN_S * 3 / 4 + 1e-6, cpu_share=0.95)
     assert host.borrower.is_borrowing and host.borrower.num_preempted_steps == 0
+
+
+def test_borrowing_pays_where_the_slowest_thread_still_wins_over_the_own_cores():
+    # One own core and one lent: a lent thread must get 55% of its core (a step waits for it), which
+    # makes the process's share (1 + 0.55) / 2; the measured break-even was 0.78.
+    assert core_lending.lent_share_needed(1, 1) == pytest.approx(0.55)
+    assert core_lending.min_cpu_share(1, 1) == pytest.approx(0.775)
+    # Few lent cores beside many own ones must be nearly free; many lent beside one, less so.
+    assert core_lending.lent_share_needed(3, 1) == pytest.approx(0.825)
+    assert core_lending.lent_share_needed(1, 3) == pytest.approx(0.275)
+    assert core_lending.lent_share_needed(10, 1) == 1.0
+
+
+@pytest.mark.parametrize(("cpu_share", "borrowing"), [(0.80, True), (0.74, False)])
+def test_the_judged_share_is_the_break_even_one(host, cpu_share, borrowing):
+    host.idle_for(0.3)
+    host.step(0.1, cpu_share=0.99)
+    spans(host, 1, cpu_share=cpu_share)  # a proxy's replies beside a borrowed step: it still pays
+    assert host.borrower.is_borrowing is borrowing
+
+
+@pytest.mark.parametrize(("foreign_share", "borrowing"), [(0.4, True), (0.6, False)])
+def test_the_window_asks_the_lent_share_of_the_cores_free(host, foreign_share, borrowing):
+    host.idle_for(0.5, foreign_share=foreign_share)
+    assert host.borrower.is_borrowing is borrowing
 
 
 def test_a_restarted_lender_starts_a_new_window(host, tmp_path):

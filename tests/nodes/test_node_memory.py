@@ -42,3 +42,19 @@ def test_freed_activations_are_kept_for_the_next_step():
     assert kept == "True" and faults <= STEP_PAGES
     _, faults = faults_of_steps("default")
     assert faults > STEP_PAGES  # the control: the same bound fails without it
+
+
+def test_a_node_zeroes_its_kv_cache_at_start_but_not_when_restarted_from_a_standby(tiny_model_dir):
+    import argparse
+
+    from engine.protocol import Role
+    from node.args import add_node_arguments, node_configs_from_args
+    from node.process import start_configs
+
+    parser = argparse.ArgumentParser()
+    add_node_arguments(parser)
+    configs = node_configs_from_args(parser.parse_args(["--model", str(tiny_model_dir)]), Role.DECODE)
+    assert configs.engine.cache.prefault
+    assert start_configs(configs, handed_over=False).engine.cache.prefault
+    restarted = start_configs(configs, handed_over=True)
+    assert not restarted.engine.cache.prefault and restarted.engine.cache.block_size == configs.engine.cache.block_size
