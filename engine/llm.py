@@ -41,8 +41,8 @@ class RequestOutput:
 
 class LLM:
     """A plain (colocated) engine on local weights. Options (each default is its config field's):
-    dtype and max_model_len (ModelConfig.from_pretrained), block_size, num_blocks and
-    kv_cache_memory_bytes (CacheConfig), max_num_seqs and max_num_batched_tokens
+    dtype and max_model_len (ModelConfig.from_pretrained), block_size, num_blocks,
+    kv_cache_memory_bytes and prefault (CacheConfig), max_num_seqs and max_num_batched_tokens
     (SchedulerConfig), device ("auto": CUDA when available), seed, enable_prefix_caching,
     kernel_backend, decode_graphs, async_scheduling and tensor_parallel_size (EngineConfig). Raises TypeError
     for an unknown option, ValueError for a bad value. close() (or a with block) stops a
