@@ -56,8 +56,7 @@ _PID = slice(8, 16)
 # lent one: break-even at a CPU share of 0.78, where the model with 1.1 asks 0.775).
 _MIN_GAIN = 1.1
 # Borrowed steps are judged together over at least this long: one step's share swings with a
-# proxy's burst of replies, and the first borrowed step after a switch is not counted (its extra
-# threads wake up, or are made, during it).
+# proxy's burst of replies.
 _JUDGE_SPAN_S = 0.4
 # /proc/stat counts in ticks of 10 ms: a window of 0.2 s gives each core 20 of them.
 _WINDOW_S = 0.2
@@ -121,8 +120,9 @@ class Borrower(_Flag):
         self._free_at: float | None = None  # when a window last found the lender's cores free
         self._reported_busy = False
         self._logged_at = -_LOG_EVERY_S
-        self._borrowed_steps = 0  # since the last switch to borrowing
-        self._span = (0.0, 0.0, 0)  # the borrowed steps not yet judged: wall and CPU time, count
+        # The borrowed steps not yet judged (wall and CPU time, count); None until the first after a
+        # switch has run (not judged: its extra threads wake up, or are made, during it).
+        self._span: tuple[float, float, int] | None = None
         self._min_cpu_share = min_cpu_share(len(self._own), len(self._lent))
         self._max_foreign_busy = 1.0 - lent_share_needed(len(self._own), len(self._lent))
         self._off_until = 0.0
@@ -153,7 +153,7 @@ class Borrower(_Flag):
                   and (self.is_borrowing or self.cores_free))
         if borrow != self.is_borrowing:
             self._switch(borrow)
-            self._borrowed_steps, self._span = 0, (0.0, 0.0, 0)
+            self._span = None
 
     @contextmanager
     def step(self) -> Iterator[None]:
@@ -165,8 +165,8 @@ class Borrower(_Flag):
         wall, cpu = self._clock(), self._cpu_time()
         yield
         wall, cpu = self._clock() - wall, self._cpu_time() - cpu
-        self._borrowed_steps += 1
-        if self._borrowed_steps == 1:
+        if self._span is None:
+            self._span = (0.0, 0.0, 0)
             return
         wall, cpu, steps = self._span[0] + wall, self._span[1] + cpu, self._span[2] + 1
         if wall < _JUDGE_SPAN_S:
