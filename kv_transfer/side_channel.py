@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 import msgspec
@@ -208,11 +209,18 @@ def _request_socket(address: str, keys: CurveKeys | None) -> zmq.Socket:
 
 
 def _exchange(socket: zmq.Socket, address: str, message: SideMessage, timeout_s: float) -> SideMessage:
+    deadline = time.monotonic() + timeout_s
     try:
+        # NOTE: the send is bounded too: a DEALER whose connection failed its security handshake
+        # (no or another cluster secret) can be left with no peer, and a send then waits forever.
+        socket.setsockopt(zmq.SNDTIMEO, max(1, int(timeout_s * 1000)))
         socket.send(encode(message))
-        if not socket.poll(int(timeout_s * 1000)):
+        if not socket.poll(max(0, int((deadline - time.monotonic()) * 1000))):
             raise HandshakeFailed(f"no answer from KV side channel {address} within {timeout_s} s")
         return decode(socket.recv())
+    except zmq.Again as exc:
+        raise HandshakeFailed(f"no answer from KV side channel {address} within {timeout_s} s "
+                              "(no connection took the request)") from exc
     except msgspec.DecodeError as exc:
         raise HandshakeFailed(f"bad answer from KV side channel {address}: {exc}") from exc
     except zmq.ZMQError as exc:

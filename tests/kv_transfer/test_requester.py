@@ -116,3 +116,45 @@ def test_an_unreachable_address_fails_as_before():
             requester.request("not an address", Ack(), timeout_s=0.5)
     finally:
         requester.close()
+
+
+class _PausedRequester(Requester):
+    """Waits pause_s between connecting and sending: the security handshake's time to fail first."""
+
+    def __init__(self, keys, pause_s: float) -> None:
+        super().__init__(keys)
+        self._pause_s = pause_s
+
+    def _take(self, address: str):
+        socket = super()._take(address)
+        time.sleep(self._pause_s)
+        return socket
+
+
+def test_a_request_refused_by_a_secured_server_always_ends_within_its_timeout():
+    """A connection that fails its security handshake can leave the DEALER with no peer at all
+    (one in ten to one in four fresh connections here without the secret, by when the send comes); a send
+    then waits for one. Every request must still end, with HandshakeFailed, within its timeout:
+    each one runs on a thread of its own, and the test gives it the timeout and a margin."""
+    server = SideChannelServer("127.0.0.1", 0, _confirming, keys=curve_keys("requester-test-secret-0123456789"))
+    outcomes = []
+
+    def refused(pause_s: float) -> None:
+        requester = _PausedRequester(None, pause_s)
+        try:
+            requester.request(server.address, Ack(), timeout_s=0.1)
+            outcomes.append("answered")
+        except HandshakeFailed as exc:
+            outcomes.append(str(exc))
+        finally:
+            requester.close()
+
+    try:
+        for attempt in range(48):
+            thread = threading.Thread(target=refused, args=(0.002 * (attempt % 6),), daemon=True)
+            thread.start()
+            thread.join(timeout=2.0)
+            assert not thread.is_alive(), f"attempt {attempt}: the request is still waiting after 2 s"
+        assert len(outcomes) == 48 and all(o.startswith("no answer") for o in outcomes), outcomes
+    finally:
+        server.close()
