@@ -16,6 +16,25 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DECODE_GRAPH_MODES = ("auto", "off", "static")  # EngineConfig.decode_graphs
 DEFAULT_DTYPE = "float32"  # greedy output equals transformers' token for token in float32
+DTYPE_CHOICES = ("auto", *DTYPES)  # --dtype
+
+
+def resolve_dtype(dtype: str | None, device: str, model_dir: str | Path) -> str:
+    """The dtype to run in: dtype as given, or for "auto" (and None) float32 on the CPU (the
+    dtype that equals transformers token for token) and on CUDA the checkpoint's own bfloat16 or
+    float16, bfloat16 for a float32 checkpoint (float16 on a GPU without bfloat16). Raises
+    ValueError for an unknown name."""
+    if dtype not in (None, "auto"):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {dtype!r}")
+        return dtype
+    if torch.device(device).type != "cuda":
+        return DEFAULT_DTYPE
+    hf = json.loads((Path(model_dir) / "config.json").read_text())
+    saved = hf.get("dtype") or hf.get("torch_dtype")  # transformers 5 writes dtype, 4 torch_dtype
+    if saved in ("bfloat16", "float16"):
+        return saved
+    return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
 
 
 def resolve_device(device: str) -> str:

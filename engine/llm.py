@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
-from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, resolve_device
+from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, resolve_device, resolve_dtype
 from engine.engine import LLMEngine, StepOutput
 from engine.protocol import TokenLogprob
 from engine.sampling_params import SamplingParams
@@ -41,7 +41,7 @@ class RequestOutput:
 
 class LLM:
     """A plain (colocated) engine on local weights. Options (each default is its config field's):
-    dtype and max_model_len (ModelConfig.from_pretrained), block_size, num_blocks,
+    dtype ("auto": engine.config.resolve_dtype) and max_model_len (ModelConfig.from_pretrained), block_size, num_blocks,
     kv_cache_memory_bytes and prefault (CacheConfig), max_num_seqs and max_num_batched_tokens
     (SchedulerConfig), device ("auto": CUDA when available), seed, enable_prefix_caching,
     kernel_backend, decode_graphs, async_scheduling and tensor_parallel_size (EngineConfig). Raises TypeError
@@ -50,12 +50,13 @@ class LLM:
 
     def __init__(self, model: str, *, dtype: str | None = None, max_model_len: int | None = None,
                  device: str = "auto", **options) -> None:
-        model_options = {"dtype": dtype} if dtype else {}
+        device = resolve_device(device)
         config = EngineConfig(
-            model=ModelConfig.from_pretrained(model, max_model_len=max_model_len, **model_options),
+            model=ModelConfig.from_pretrained(model, dtype=resolve_dtype(dtype, device, model),
+                                              max_model_len=max_model_len),
             cache=CacheConfig(**_pick(options, CacheConfig)),
             scheduler=SchedulerConfig(**_pick(options, SchedulerConfig)),
-            device=resolve_device(device),
+            device=device,
             **_pick(options, EngineConfig, only=("seed", "enable_prefix_caching", "kernel_backend",
                                                   "decode_graphs", "async_scheduling", "tensor_parallel_size")),
         )

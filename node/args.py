@@ -7,13 +7,14 @@ import argparse
 from dataclasses import dataclass
 
 from engine.config import (
-    DTYPES,
+    DTYPE_CHOICES,
     KERNEL_BACKENDS,
     CacheConfig,
     EngineConfig,
     ModelConfig,
     SchedulerConfig,
     resolve_device,
+    resolve_dtype,
 )
 from engine.model_files import check_model_dir
 from engine.protocol import Role, curve_keys, default_of
@@ -70,7 +71,9 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=default_of(ServerConfig, "port"),
                         help="control socket port (0: pick one)")
     parser.add_argument("--node-id", default=None, help="name in logs and reports (default: ROLE-PORT)")
-    parser.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default: float32")
+    parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                        help="auto: float32 on the CPU; on CUDA the checkpoint's bfloat16 or float16 "
+                             "(bfloat16 for a float32 checkpoint)")
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto (CUDA when available)")
     parser.add_argument("--max-model-len", type=int, default=None, help="default: the checkpoint's")
     parser.add_argument("--kernel-backend", default=default_of(EngineConfig, "kernel_backend"),
@@ -127,14 +130,15 @@ def node_configs_from_args(args: argparse.Namespace, role: Role) -> NodeConfigs:
     """Raises ValueError (naming the field) for a bad value (a non-loopback host without a
     cluster secret included), OSError for unreadable model files."""
     check_model_dir(args.model)
-    model_options = {"dtype": args.dtype} if args.dtype else {}
+    device = resolve_device(args.device)
     memory = int(args.kv_cache_memory_gb * (1 << 30)) if args.kv_cache_memory_gb else None
     engine = EngineConfig(
-        model=ModelConfig.from_pretrained(args.model, max_model_len=args.max_model_len, **model_options),
+        model=ModelConfig.from_pretrained(args.model, dtype=resolve_dtype(args.dtype, device, args.model),
+                                          max_model_len=args.max_model_len),
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks, kv_cache_memory_bytes=memory,
                           gpu_memory_utilization=args.gpu_memory_utilization),
         scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens),
-        device=resolve_device(args.device),
+        device=device,
         seed=args.seed,
         role=role,
         enable_prefix_caching=args.enable_prefix_caching,

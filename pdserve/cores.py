@@ -32,18 +32,23 @@ _BYTES_PER_ELEMENT = {"float32": 4, "bfloat16": 2, "float16": 2}  # engine.confi
 
 
 def auto_lend_cores(model_dir: Path, dtype: str | None = None) -> bool:
-    """Core lending for models whose weights in the nodes' dtype (None: float32) take at least
-    _LEND_CORES_FROM_WEIGHT_BYTES."""
-    return _num_parameters(model_dir) * _BYTES_PER_ELEMENT[dtype or "float32"] >= _LEND_CORES_FROM_WEIGHT_BYTES
+    """Core lending for models whose weights in the nodes' dtype (None or auto: float32, the CPU's)
+    take at least _LEND_CORES_FROM_WEIGHT_BYTES."""
+    return _num_parameters(model_dir) * _element_bytes(dtype) >= _LEND_CORES_FROM_WEIGHT_BYTES
 
 
 def auto_proxy_cores(model_dir: Path, num_cores: int, num_nodes: int, dtype: str | None = None) -> int:
-    """1 for a model whose weights in the nodes' dtype (None: float32, the nodes' default) take
+    """1 for a model whose weights in the nodes' dtype (None or auto: float32, the CPU's) take
     under _PROXY_CORE_BELOW_WEIGHT_BYTES, when every node still gets a core of its own; else 0."""
     if num_cores - 1 < num_nodes:
         return 0
-    weight_bytes = _num_parameters(model_dir) * _BYTES_PER_ELEMENT[dtype or "float32"]
+    weight_bytes = _num_parameters(model_dir) * _element_bytes(dtype)
     return int(weight_bytes < _PROXY_CORE_BELOW_WEIGHT_BYTES)
+
+
+def _element_bytes(dtype: str | None) -> int:
+    """Core lending and the proxy's core are CPU matters: auto there is float32."""
+    return _BYTES_PER_ELEMENT["float32" if dtype in (None, "auto") else dtype]
 
 
 def node_dtype(node_args: list[str] | tuple[str, ...]) -> str | None:

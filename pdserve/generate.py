@@ -17,8 +17,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                        help="weights and KV cache (default: float32)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="weights and KV cache; auto: float32 on the CPU, on CUDA the checkpoint's bfloat16 or "
+                             "float16 (bfloat16 for a float32 checkpoint)")
     parser.add_argument("--kernel-backend", default="auto", choices=KERNEL_BACKENDS,
                         help="compute backend: auto (Triton on CUDA, the compiled CPU kernels on the CPU), cpu, "
                              "triton, or reference (plain torch)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -74,13 +75,44 @@ def test_a_device_this_torch_cannot_use_is_one_line_naming_it(tiny_model_dir, ca
     assert resolve_device("cpu") == "cpu"
 
 
+def test_dtype_auto_is_float32_on_the_cpu_and_the_checkpoints_half_type_on_cuda(tmp_path, monkeypatch):
+    """--dtype auto (the default): float32 on the CPU, whatever the checkpoint says; on CUDA the
+    checkpoint's bfloat16 or float16 (transformers 5's "dtype" or 4's "torch_dtype"), and
+    bfloat16 for a float32 checkpoint, float16 where the GPU has no bfloat16."""
+    import torch
+
+    from engine.config import resolve_dtype
+
+    def checkpoint(**fields):
+        path = tmp_path / "-".join(f"{k}={v}" for k, v in fields.items())
+        path.mkdir()
+        (path / "config.json").write_text(json.dumps(fields))
+        return path
+
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    for device in ("cpu", "cuda", "cuda:1"):
+        for dtype in ("float32", "bfloat16", "float16"):
+            assert resolve_dtype(dtype, device, tmp_path / "unread") == dtype  # as given: config.json not read
+    for auto in ("auto", None):
+        assert resolve_dtype(auto, "cpu", checkpoint(dtype="bfloat16", n=str(auto))) == "float32"
+        assert resolve_dtype(auto, "cuda", checkpoint(dtype="float16", n=str(auto))) == "float16"
+        assert resolve_dtype(auto, "cuda:1", checkpoint(torch_dtype="bfloat16", n=str(auto))) == "bfloat16"
+        assert resolve_dtype(auto, "cuda", checkpoint(dtype="float32", n=str(auto))) == "bfloat16"
+        assert resolve_dtype(auto, "cuda", checkpoint(n=str(auto))) == "bfloat16"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    assert resolve_dtype("auto", "cuda", checkpoint(dtype="float32", n="old-gpu")) == "float16"
+    with pytest.raises(ValueError, match="dtype must be one of auto, float32, bfloat16, float16, got 'fp8'"):
+        resolve_dtype("fp8", "cpu", tmp_path)
+
+
 def test_help_shows_each_default_once(capsys):
     with pytest.raises(SystemExit):
         cli.main(["decode", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "--block-size BLOCK_SIZE default: 16" in text and "--max-num-seqs MAX_NUM_SEQS default: 128" in text
     assert "(default: 0.9)" in text  # --gpu-memory-utilization: its help, then its default
-    assert "default: float32" in text and "default: float32 (default" not in text  # said once, by the help
+    assert "bfloat16 for a float32 checkpoint) (default: auto) --device" in text  # --dtype's, by the formatter
+    assert "default: the checkpoint's --kernel-backend" in text  # --max-model-len's, by its help alone
 
 
 @pytest.mark.parametrize("command", ["up", "prefill", "decode", "proxy", "generate"])

@@ -40,6 +40,7 @@ def test_a_small_model_gets_a_proxy_core_only_when_each_node_keeps_one(tiny_mode
     assert cores.auto_proxy_cores(tiny_model_dir, num_cores=1, num_nodes=1, dtype="bfloat16") == 0
     # tiny's float32 weights (13.6 MB) are past the line: its node measured faster on both cores
     assert cores.auto_proxy_cores(tiny_model_dir, num_cores=2, num_nodes=1) == 0
+    assert cores.auto_proxy_cores(tiny_model_dir, num_cores=2, num_nodes=1, dtype="auto") == 0  # auto: float32 here
     monkeypatch.setattr(cores, "_num_parameters", lambda _: 135_000_000)  # SmolLM2-135M's size
     assert cores.auto_proxy_cores(tiny_model_dir, num_cores=2, num_nodes=1, dtype="bfloat16") == 0
 
