@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import torch
+
 from engine.engine import LLMEngine
+from engine.grammar import warm_up_masking
 from engine.protocol import num_blocks_for
 from engine.request import FinishReason
 from engine.sampling_params import SamplingParams
@@ -15,7 +18,8 @@ def warm_up(engine: LLMEngine, num_tokens: int | None = None) -> None:
     measurement. The prompts are up to max_total_tokens - 2 tokens each, each with a first
     token of its own, and the first run computes them in one step where the cache allows (a
     smaller warm-up left a full chunk's first run page-faulting its larger activations). Call
-    only while the engine has no requests; leaves no block allocated."""
+    only while the engine has no requests; leaves no block allocated. On CUDA, structured
+    output's masking is warmed up too (engine.grammar.warm_up_masking)."""
     budget = engine.config.scheduler.max_num_batched_tokens if num_tokens is None else num_tokens
     longest = max(1, engine.max_total_tokens - 2)  # room for the 2 output tokens
     prompts: list[list[int]] = []
@@ -40,3 +44,6 @@ def warm_up(engine: LLMEngine, num_tokens: int | None = None) -> None:
                     engine.free_blocks(output.block_ids)
     engine.forget_prefixes()  # the throwaway prompts' blocks are nobody's prefix
     engine.check_leaks()
+    model = engine.config.model
+    if torch.device(engine.config.device).type == "cuda":  # NOTE: on the CPU xgrammar stays unimported until used
+        warm_up_masking(model.vocab_size, engine.config.device, model.dtype)

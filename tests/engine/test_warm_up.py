@@ -4,17 +4,21 @@ prompts, within the cache; nothing left allocated or cached."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine.engine import LLMEngine
 from engine.warm_up import warm_up
+from tests.kernels.conftest import ENGINE_DEVICES
 
 
-def warmed_steps(model_dir, num_blocks: int, num_tokens: int | None = None) -> tuple[LLMEngine, list[tuple[int, int]]]:
+def warmed_steps(model_dir, num_blocks: int, num_tokens: int | None = None,
+                 device: str = "cpu") -> tuple[LLMEngine, list[tuple[int, int]]]:
     """The warm-up's steps as (prompts prefilled, prefill tokens), with max_model_len 100, a
     256-token step budget and 16-token blocks."""
     engine = LLMEngine(EngineConfig(ModelConfig.from_pretrained(model_dir, dtype="float32", max_model_len=100),
-                                    CacheConfig(num_blocks=num_blocks), SchedulerConfig(max_num_batched_tokens=256)))
+                                    CacheConfig(num_blocks=num_blocks), SchedulerConfig(max_num_batched_tokens=256),
+                                    device=device))
     steps = []
     run_batch = engine._run_batch
 
@@ -44,3 +48,21 @@ def test_the_warm_up_takes_what_it_is_asked_for_within_the_cache(tiny_model_dir,
     engine, steps = warmed_steps(tiny_model_dir, num_blocks, num_tokens)
     assert steps[0] == first_step
     engine.check_leaks()
+
+
+
+@pytest.mark.parametrize("device", ENGINE_DEVICES)
+def test_structured_masking_is_warmed_up_on_cuda_only(tiny_model_dir, device, monkeypatch):
+    """On CUDA the warm-up masks a row the way a structured request's step does (xgrammar's
+    Triton kernel compiled then, not on the first such request's step); on the CPU xgrammar stays
+    unimported until a structured request comes. The masking warm-up changes no logit."""
+    from engine import warm_up as warm_up_module
+    from engine.grammar import warm_up_masking
+
+    calls = []
+    monkeypatch.setattr(warm_up_module, "warm_up_masking", lambda *args: calls.append(args))
+    engine, _ = warmed_steps(tiny_model_dir, num_blocks=64, device=device)
+    model = engine.config.model
+    assert calls == ([(model.vocab_size, device, model.dtype)] if device == "cuda" else [])
+    for dtype in (torch.float32, torch.bfloat16):
+        warm_up_masking(1000, device, dtype)  # raises if an all-allowed mask changed a logit
