@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import http.server
+import socketserver
 import threading
 import time
 from collections.abc import Callable
@@ -30,7 +31,7 @@ class HealthServer:
 
     def __init__(self, host: str, port: int, node: _Node, render_metrics: Callable[[], bytes] | None = None) -> None:
         handler = _handler_for(node, render_metrics)
-        self._server = http.server.ThreadingHTTPServer((host, port), handler)
+        self._server = _Server((host, port), handler)
         self._server.daemon_threads = True
         self.port = self._server.server_address[1]
         self._thread = threading.Thread(target=self._server.serve_forever, name="node-health", daemon=True)
@@ -42,6 +43,16 @@ class HealthServer:
         if self._thread.is_alive():
             self._server.shutdown()
         self._server.server_close()
+
+
+class _Server(http.server.ThreadingHTTPServer):
+    def server_bind(self) -> None:
+        """As HTTPServer's, without its reverse DNS lookup of the address (socket.getfqdn): where
+        no resolver answers for it (a network namespace, a pod without cluster DNS for that
+        address) the lookup waited for the resolver's timeouts, ~10 s, before the node served.
+        server_name is only read by CGI handlers, which this server has none of."""
+        socketserver.TCPServer.server_bind(self)
+        self.server_name, self.server_port = self.server_address[:2]
 
 
 def is_live(node: _Node) -> bool:

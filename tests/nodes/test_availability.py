@@ -4,6 +4,7 @@ requests refused with a retryable code, running ones finished, then run() return
 
 from __future__ import annotations
 
+import socket as stdlib_socket
 import time
 import urllib.error
 import urllib.request
@@ -80,7 +81,14 @@ def _status(port: int, path: str) -> int:
         return exc.code
 
 
-def test_health_and_ready_follow_progress_and_draining():
+def test_health_and_ready_follow_progress_and_draining(monkeypatch):
+    """Also: starting it looks up no name for its address (http.server's getfqdn waited ~10 s
+    for a resolver's timeouts where none answers, as in a network namespace)."""
+    def no_lookups(*args):
+        raise AssertionError(f"a DNS lookup of {args}")
+
+    monkeypatch.setattr(stdlib_socket, "getfqdn", no_lookups)
+    monkeypatch.setattr(stdlib_socket, "gethostbyaddr", no_lookups)
     fake = _FakeNode()
     health = HealthServer("127.0.0.1", 0, fake)
     health.start()
