@@ -270,4 +270,3 @@ def warm_up_masking(vocab_size: int, device: str, dtype: torch.dtype) -> None:
     xgrammar.apply_token_bitmask_inplace(logits, bitmask.to(device), vocab_size=vocab_size, indices=[0])
     if not bool((logits == 0).all()):
         raise RuntimeError(f"xgrammar's masking on {device} changed logits an all-allowed bitmask keeps")
-

@@ -48,9 +48,9 @@ class HealthServer:
 class _Server(http.server.ThreadingHTTPServer):
     def server_bind(self) -> None:
         """As HTTPServer's, without its reverse DNS lookup of the address (socket.getfqdn): where
-        no resolver answers for it (a network namespace, a pod without cluster DNS for that
-        address) the lookup waited for the resolver's timeouts, ~10 s, before the node served.
-        server_name is only read by CGI handlers, which this server has none of."""
+        no resolver answers for it (a network namespace, a pod without DNS for that address) the
+        node would wait out the resolver's timeouts before serving. server_name is only read by
+        CGI handlers, which this server has none of."""
         socketserver.TCPServer.server_bind(self)
         self.server_name, self.server_port = self.server_address[:2]
 
