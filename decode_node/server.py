@@ -60,6 +60,10 @@ class DecodeNode(NodeServer):
         self.connector = connector
         self._admission: deque[_Pull] = deque()
         self._pulls: dict[str, _Pull] = {}
+        # Aborted pulls whose transfer the connector could not stop yet: their blocks wait for
+        # its word (a result for the request) before they are freed.
+        self._held: dict[str, _Pull] = {}
+        self.num_kv_blocks_lost = 0  # blocks of transfers that never stopped: out of use for good
         self._layout_info = kv_layout_info(connector.layout)
         self.num_kv_refusals = 0
         self.num_kv_blocks_pulled = 0
@@ -87,21 +91,33 @@ class DecodeNode(NodeServer):
                 return
         pull = self._pulls.pop(request_id, None)
         if pull is not None:
-            self.connector.abort_read(request_id)
-            self.engine.free_blocks(pull.block_ids)
+            if self.connector.abort_read(request_id):
+                self.engine.free_blocks(pull.block_ids)
+            else:
+                self._held[request_id] = pull
             self._release_remote(request_id, pull.lease)
             return
         self.engine.abort(request_id)
 
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._held  # NOTE: its read is still the connector's: the id is not free yet
+
     def has_pending_work(self) -> bool:
-        return bool(self._admission or self._pulls)
+        return bool(self._admission or self._pulls or self._held)
 
     def poll_transfers(self) -> None:
         self._start_pulls()
         for result in self.connector.poll():
+            held = self._held.pop(result.request_id, None)
+            if held is not None:
+                self._free_unless_lost(held, result)
+                continue
             pull = self._pulls.pop(result.request_id, None)
             if pull is None:
                 continue
+            if result.blocks_held:
+                self._free_unless_lost(pull, result)
+                pull.cached_block_ids, pull.local_block_ids = [], []  # NOTE: freed or lost just now
             if result.is_ok:
                 self._join_batch(pull)
             elif result.failure in _REFUSALS:
@@ -179,6 +195,18 @@ class DecodeNode(NodeServer):
             self.engine.wait_for_late_writes(local_ids)  # NIXL's copies are not ordered with the engine's steps
             self.connector.start_read(request_id, replace(pull.lease, block_ids=pull.lease.block_ids[len(cached):]),
                                       local_ids)
+
+    def _free_unless_lost(self, pull: _Pull, result: ReadResult) -> None:
+        """The connector is done with the pull's read: free its blocks, except, where its transfer
+        never stopped (blocks_held), the ones it read into: those stay taken for good, so that a
+        late write cannot land in another request's KV."""
+        if not result.blocks_held:
+            self.engine.free_blocks(pull.block_ids)
+            return
+        self.engine.free_blocks(pull.cached_block_ids)
+        self.num_kv_blocks_lost += len(pull.local_block_ids or [])
+        logger.error("request %s: %d KV blocks taken out of use (a transfer into them never stopped)",
+                     result.request_id, len(pull.local_block_ids or []), extra={"request_id": result.request_id})
 
     def _count_pull(self, pull: _Pull, num_cached: int, num_pulled: int) -> None:
         size = self.engine.block_size

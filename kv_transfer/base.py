@@ -34,6 +34,7 @@ class FailureCode(enum.Enum):
     TRANSFER = "transfer"
     TIMEOUT = "timeout"
     LEASE_LOST = "lease_lost"  # the holder did not confirm the lease after the read
+    ABORTED = "aborted"  # a read abort_read() could not stop at once, reported when its transfer ended
 
 
 class TransferState(enum.Enum):
@@ -48,12 +49,15 @@ class TransferState(enum.Enum):
 @dataclass(frozen=True)
 class ReadResult:
     """One read's outcome. When is_ok is False, error names the request and the cause, failure
-    its code, and the local blocks hold nothing the caller may rely on (the caller frees them)."""
+    its code, and the local blocks hold nothing the caller may rely on (the caller frees them,
+    unless blocks_held: a transfer into them never ended and may still write them, so they must
+    stay out of use)."""
 
     request_id: str
     is_ok: bool
     error: str | None = None
     failure: FailureCode | None = None
+    blocks_held: bool = False
 
 
 @dataclass(frozen=True)
@@ -119,15 +123,18 @@ class KVConnector(ABC):
     def poll(self) -> list[ReadResult]:
         """Drive handshakes, transfers and confirmations; return the reads that finished,
         failed, or passed transfer_timeout_s (failed and cancelled) since the last call, each
-        once. On success the holder confirmed the lease and ended it (it frees its blocks); on
-        failure the caller frees its local blocks and tells the holder with release_remote().
-        Either way the lease is no longer renewed."""
+        once. A failed read whose transfer could not be stopped is reported once it ended, or
+        after another transfer_timeout_s with blocks_held. On success the holder confirmed the
+        lease and ended it (it frees its blocks); on failure the caller frees its local blocks
+        and tells the holder with release_remote(). Either way the lease is no longer renewed."""
 
     @abstractmethod
-    def abort_read(self, request_id: str) -> None:
-        """Cancel a read (no-op if unknown or finished). When this returns nothing writes into
-        its local blocks any more, and poll() never reports it: the blocks are the caller's.
-        The holder is not told: call release_remote() for that."""
+    def abort_read(self, request_id: str) -> bool:
+        """Cancel a read (no-op if unknown or finished). True: nothing writes into its local
+        blocks any more, and poll() never reports it: the blocks are the caller's. False: its
+        transfer could not be stopped yet and may still write them; poll() reports the read
+        (failure ABORTED) once it ended, and only then are they the caller's (never, where that
+        result says blocks_held). The holder is not told: call release_remote() for that."""
 
     @abstractmethod
     def release_remote(self, request_id: str, lease: RemoteLease) -> None:

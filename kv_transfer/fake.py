@@ -8,7 +8,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -19,7 +19,9 @@ from kv_transfer.layout import KVLayout, check_compatible
 from kv_transfer.lease import LeaseTable
 from kv_transfer.shards import CacheShard, as_shards, check_shards, gather_heads, scatter_heads
 
-FAILURES = ("fail", "hang")  # fail: the read fails when it would finish; hang: it never finishes
+# fail: the read fails when it would finish; hang: it never finishes; stuck: it never finishes and
+# its transfer cannot be stopped (abort_read() says so, results wait) until unstick().
+FAILURES = ("fail", "hang", "stuck")
 
 
 class FakeRegistry:
@@ -71,6 +73,8 @@ class FakeConnector(KVConnector):
         self._reads: dict[str, _FakeRead] = {}
         self._failures: dict[str, str] = {}
         self._held: dict[str, RemoteLease] = {}
+        self._draining: dict[str, tuple[ReadResult, float]] = {}  # set aside: (result, since), as the real ones do
+        self._unstuck: set[str] = set()
         self.leases: LeaseTable | None = None  # holder side, once served
         self.agent_address = registry.add(self, config.side_channel_port or None)
 
@@ -91,21 +95,43 @@ class FakeConnector(KVConnector):
 
     def start_read(self, request_id: str, lease: RemoteLease, local_block_ids: list[int]) -> None:
         check_read(request_id, lease, local_block_ids, self._reads)
+        if request_id in self._draining:
+            raise ValueError(f"request {request_id!r} already has a read in flight (aborted, its transfer not "
+                             "yet stopped)")
         self._reads[request_id] = _FakeRead(request_id, lease, list(local_block_ids), self._clock(),
                                             self._num_polls_per_read, self._failures.pop(request_id, None))
 
+    def unstick(self, request_id: str) -> None:
+        """The stuck transfer of request_id has ended (see FAILURES)."""
+        self._unstuck.add(request_id)
+
     def poll(self) -> list[ReadResult]:
         results = []
+        for request_id, (result, since) in list(self._draining.items()):
+            if request_id in self._unstuck:
+                results.append(result)
+            elif self._clock() - since > self.config.transfer_timeout_s:
+                results.append(replace(result, blocks_held=True))
+            else:
+                continue
+            del self._draining[request_id]
         for read in list(self._reads.values()):
             result = self._advance(read)
             if result is not None:
                 del self._reads[read.request_id]
                 self._held.pop(read.request_id, None)
-                results.append(result)
+                if self._is_stuck(read):
+                    self._draining[read.request_id] = (result, self._clock())
+                else:
+                    results.append(result)
         return results
 
-    def abort_read(self, request_id: str) -> None:
-        self._reads.pop(request_id, None)
+    def abort_read(self, request_id: str) -> bool:
+        read = self._reads.pop(request_id, None)
+        if read is not None and self._is_stuck(read):
+            self._draining[request_id] = (self._failed(read, "aborted", FailureCode.ABORTED), self._clock())
+            return False
+        return True  # a fake read's copy happens whole inside poll(): none is ever under way here
 
     def release_remote(self, request_id: str, lease: RemoteLease) -> None:
         self._held.pop(request_id, None)
@@ -115,7 +141,7 @@ class FakeConnector(KVConnector):
 
     @property
     def num_reads_in_flight(self) -> int:
-        return len(self._reads)
+        return len(self._reads) + len(self._draining)
 
     def serve_leases(self, leases: LeaseTable) -> None:
         self.leases = leases
@@ -138,7 +164,7 @@ class FakeConnector(KVConnector):
         if self._clock() - read.started_at > self.config.transfer_timeout_s:
             return self._failed(read, f"no completion within {self.config.transfer_timeout_s} s", FailureCode.TIMEOUT)
         read.num_polls_left -= 1
-        if read.failure == "hang" or read.num_polls_left > 0:
+        if read.failure in ("hang", "stuck") or read.num_polls_left > 0:
             return None
         lease = read.lease
         holder = self._registry.get(lease.address)
@@ -160,6 +186,9 @@ class FakeConnector(KVConnector):
         if holder.leases is None or not holder.leases.end(read.request_id, lease.generation):
             return self._failed(read, "the lease was not confirmed after the read", FailureCode.LEASE_LOST)
         return ReadResult(read.request_id, True)
+
+    def _is_stuck(self, read: _FakeRead) -> bool:
+        return read.failure == "stuck" and read.request_id not in self._unstuck
 
     @staticmethod
     def _failed(read: _FakeRead, error: str, code: FailureCode) -> ReadResult:

@@ -115,11 +115,12 @@ class GlooConnector(SideChannelConnector):
         layout = self.layout
         return num_blocks, layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim
 
-    def _cancel(self, read: PendingRead) -> None:
+    def _cancel(self, read: PendingRead) -> bool:
         # NOTE: a posted gloo receive cannot be withdrawn; it lands in its own staging buffer,
         # never in the cache, so dropping our references is enough.
         self._staging.pop(read.request_id, None)
         read.handle = None
+        return True
 
     def _fail(self, read: PendingRead, error: str, code: FailureCode) -> ReadResult:
         self._staging.pop(read.request_id, None)  # a confirmed-or-not staging buffer, or a receive's

@@ -136,8 +136,8 @@ class NixlConnector(SideChannelConnector):
         """Whether a transfer may be under way: a lease held for a reader (it may be reading), a
         handshake of ours, or a read of ours not yet seen complete (one waiting only for the
         holder's confirmation, a side-channel message, needs no progress)."""
-        if self._handshakes or (self._leases is not None and len(self._leases)):
-            return True
+        if self._handshakes or self._draining or (self._leases is not None and len(self._leases)):
+            return True  # NOTE: a set-aside READ (SideChannelConnector._set_aside) is still under way
         return any(read.confirmation is None for read in list(self._reads.values()))
 
     def _progress_loop(self) -> None:
@@ -287,23 +287,18 @@ class NixlConnector(SideChannelConnector):
             return TransferState.FAILED, str(exc)
         return _transfer_state(nixl_state), nixl_state
 
-    def _cancel(self, read: PendingRead) -> None:
-        # NOTE: a READ in flight writes into blocks the caller gets back when abort_read()
-        # returns. Releasing the handle cancels it; where the backend refuses (the READ is
-        # being carried out), wait it out, bounded by transfer_timeout_s.
-        deadline = time.monotonic() + self.config.transfer_timeout_s
-        while True:
-            try:
-                self._agent.release_xfer_handle(read.handle)
-                break
-            except Exception as exc:  # noqa: BLE001 - nixl raises its own types
-                is_in_progress = self._state(read.handle)[0] is TransferState.IN_PROGRESS
-                if not is_in_progress or time.monotonic() > deadline:
-                    logger.warning("NIXL READ of %s could not be cancelled: %s", read.request_id, exc,
-                                   extra={"request_id": read.request_id})
-                    break
-                time.sleep(0.001)
+    def _cancel(self, read: PendingRead) -> bool:
+        # NOTE: a READ in flight writes into the local blocks: where the backend refuses to release
+        # it because it is being carried out, the read waits (SideChannelConnector._set_aside).
+        try:
+            self._agent.release_xfer_handle(read.handle)
+        except Exception as exc:  # noqa: BLE001 - nixl raises its own types
+            if self._state(read.handle)[0] is TransferState.IN_PROGRESS:
+                return False
+            logger.warning("NIXL READ of %s could not be released: %s", read.request_id, exc,
+                           extra={"request_id": read.request_id})
         read.handle = None
+        return True
 
     def _forget_peer(self, peer: Peer) -> None:
         agent_name, _, _ = peer.handle

@@ -21,7 +21,7 @@ import logging
 import time
 from abc import ABC, abstractmethod
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -104,6 +104,10 @@ class SideChannelConnector(KVConnector, ABC):
         self._peers: dict[str, Peer] = {}
         self._handshakes: dict[str, tuple[str, Future]] = {}  # engine id -> (address, (reply, handle))
         self._reads: dict[str, PendingRead] = {}
+        # Reads that failed or were aborted while their transfer could not be stopped: it may
+        # still write their local blocks, so their results wait until it ended (request id ->
+        # the read, its result, when it was set aside).
+        self._draining: dict[str, tuple[PendingRead, ReadResult, float]] = {}
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-handshake")
         self._confirmer = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-confirm")
         self._notifier = side_channel.Notifier(config.curve_keys)
@@ -125,6 +129,9 @@ class SideChannelConnector(KVConnector, ABC):
 
     def start_read(self, request_id: str, lease: RemoteLease, local_block_ids: list[int]) -> None:
         check_read(request_id, lease, local_block_ids, self._reads)
+        if request_id in self._draining:
+            raise ValueError(f"request {request_id!r} already has a read in flight (aborted, its transfer not "
+                             "yet stopped)")
         check_address(lease.address)
         self._reads[request_id] = PendingRead(request_id, lease, list(local_block_ids))
         if lease.engine_id not in self._peers and lease.engine_id not in self._handshakes:
@@ -132,7 +139,8 @@ class SideChannelConnector(KVConnector, ABC):
             self._handshakes[lease.engine_id] = (lease.address, future)
 
     def poll(self) -> list[ReadResult]:
-        results = self._finish_handshakes()
+        results = self._finish_draining()
+        results += self._finish_handshakes()
         now = time.monotonic()
         for read in list(self._reads.values()):
             if read.confirmation is not None:
@@ -144,18 +152,21 @@ class SideChannelConnector(KVConnector, ABC):
                                           FailureCode.TIMEOUT))
         results += self._poll_backend()
         results += self._finish_confirmations()
-        return results
+        return [r for r in results if r.request_id not in self._draining]  # theirs come once drained
 
-    def abort_read(self, request_id: str) -> None:
+    def abort_read(self, request_id: str) -> bool:
         read = self._reads.pop(request_id, None)
         if read is None:
-            return
-        if read.handle is not None:
-            self._cancel(read)
+            return True
         if read.confirmation is not None:
             read.confirmation.cancel()  # its answer, if any, is ignored
+        if read.handle is not None and not self._cancel(read):
+            self._set_aside(read, ReadResult(request_id, False, f"request {request_id}: aborted",
+                                             FailureCode.ABORTED))
+            return False
         self._release_read(read)
         self._drop_unneeded_handshake(read.remote_engine_id)
+        return True
 
     def release_remote(self, request_id: str, lease: RemoteLease) -> None:
         self._keeper.drop(request_id)
@@ -163,7 +174,7 @@ class SideChannelConnector(KVConnector, ABC):
 
     @property
     def num_reads_in_flight(self) -> int:
-        return len(self._reads)
+        return len(self._reads) + len(self._draining)
 
     @property
     def num_rejected_messages(self) -> int:
@@ -215,8 +226,10 @@ class SideChannelConnector(KVConnector, ABC):
         """Failed transfers (via _fail); call _transferred(read) for each one that completed."""
 
     @abstractmethod
-    def _cancel(self, read: PendingRead) -> None:
-        """Release a started transfer's backend resources."""
+    def _cancel(self, read: PendingRead) -> bool:
+        """Stop a started transfer and release its backend resources (read.handle None after).
+        False, without waiting: it is under way and cannot be stopped yet (it may still write
+        the local blocks); call again later."""
 
     def _on_confirmed(self, read: PendingRead) -> None:
         """Caller's thread: the holder confirmed the read; make its data the local blocks' (a
@@ -361,11 +374,44 @@ class SideChannelConnector(KVConnector, ABC):
         return results
 
     def _fail(self, read: PendingRead, error: str, code: FailureCode) -> ReadResult:
+        """The read's failure result; poll() withholds it while its transfer cannot be stopped."""
         self._reads.pop(read.request_id, None)
         self._keeper.drop(read.request_id)
-        if read.handle is not None:
-            self._cancel(read)
+        result = ReadResult(read.request_id, False, f"request {read.request_id}: {error}", code)
+        if read.handle is not None and not self._cancel(read):
+            self._set_aside(read, result)
+            return result
+        return self._ended(read, result)
+
+    def _set_aside(self, read: PendingRead, result: ReadResult) -> None:
+        logger.warning("KV read of request %s ended (%s) while its transfer still runs: its blocks stay held "
+                       "until it stops", read.request_id, result.failure.value, extra={"request_id": read.request_id})
+        self._draining[read.request_id] = (read, result, time.monotonic())
+
+    def _finish_draining(self) -> list[ReadResult]:
+        """The results of set-aside reads whose transfer stopped; after transfer_timeout_s more,
+        a result with blocks_held (their blocks stay out of use: nothing says the transfer ended)."""
+        results = []
+        for request_id, (read, result, since) in list(self._draining.items()):
+            if self._cancel(read):
+                del self._draining[request_id]
+                results.append(self._ended(read, result))
+            elif time.monotonic() - since > self.config.transfer_timeout_s:
+                del self._draining[request_id]
+                # NOTE: its staging buffers, if any, stay registered: the transfer may still write them.
+                peer = self._peers.pop(read.remote_engine_id, None)
+                if peer is not None:
+                    self._forget_peer(peer)
+                logger.error("KV read of request %s: its transfer did not stop within %s s; its %d local blocks "
+                             "stay out of use", request_id, self.config.transfer_timeout_s,
+                             len(read.local_block_ids), extra={"request_id": request_id})
+                results.append(replace(result, blocks_held=True))
+        return results
+
+    def _ended(self, read: PendingRead, result: ReadResult) -> ReadResult:
+        """Past a failed or aborted read's transfer: free what remains of it; returns result."""
         self._release_read(read)
+        code = result.failure
         if code in (FailureCode.TRANSFER, FailureCode.TIMEOUT):
             # NOTE: a failed transfer may mean the peer died or restarted: forget it, so the next
             # read handshakes again.
@@ -373,7 +419,7 @@ class SideChannelConnector(KVConnector, ABC):
             if peer is not None:
                 self._forget_peer(peer)
         self._drop_unneeded_handshake(read.remote_engine_id)
-        return ReadResult(read.request_id, False, f"request {read.request_id}: {error}", code)
+        return result
 
     def _succeed(self, read: PendingRead) -> ReadResult:
         self._reads.pop(read.request_id, None)

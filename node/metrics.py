@@ -442,9 +442,9 @@ class MeteredConnector:
             self.meter.done(result.request_id, None if result.is_ok else _code_of(result.failure))
         return results
 
-    def abort_read(self, request_id: str, *args, **kwargs) -> None:
+    def abort_read(self, request_id: str, *args, **kwargs) -> bool:
         self.meter.forget(request_id)
-        self.inner.abort_read(request_id, *args, **kwargs)
+        return self.inner.abort_read(request_id, *args, **kwargs)
 
     def release_remote(self, request_id: str, *args, **kwargs) -> None:
         self.meter.forget(request_id)

@@ -285,6 +285,55 @@ def test_aborted_reads_never_write_their_blocks_and_holder_is_told(backend, hold
         connector.close()
 
 
+def test_a_nixl_read_whose_transfer_cannot_be_stopped_is_reported_only_once_it_ended(holders, monkeypatch):
+    """NIXL refuses to release a READ while it is carried out (on one host UCX finishes it inside
+    the call that posts it, so here NIXL is made to say so): an abort answers False and the read
+    is reported (ABORTED) only once its transfer ended; a read that timed out meanwhile is
+    withheld, and after another transfer_timeout_s reported with blocks_held."""
+    from kv_transfer.base import TransferState
+
+    holder = holders("nixl", seed=11)
+    connector, _ = reader("nixl", transfer_timeout_s=1.0)
+    stuck = {"on": False}
+    release, state = connector._agent.release_xfer_handle, connector._state
+
+    def refusing_release(handle):
+        if stuck["on"]:
+            raise RuntimeError("NIXL_ERR_REPOST_ACTIVE")
+        return release(handle)
+
+    monkeypatch.setattr(connector._agent, "release_xfer_handle", refusing_release)
+    monkeypatch.setattr(connector, "_state", lambda h: (TransferState.IN_PROGRESS, "PROC") if stuck["on"] else state(h))
+
+    def posted(request_id: str, blocks: list[int]) -> None:
+        connector.start_read(request_id, holder.lease(request_id, blocks), blocks)
+        stuck["on"] = True  # the peer is known: the next poll posts the READ
+        assert connector.poll() == [] and connector._reads[request_id].handle is not None
+
+    try:
+        connector.start_read("warm", holder.lease("warm", [0]), [0])
+        assert poll_until(connector, {"warm"}, timeout_s=20)["warm"].is_ok
+        posted("a", [1, 2])
+        assert connector.abort_read("a") is False and connector.num_reads_in_flight == 1
+        assert [connector.poll() for _ in range(3)] == [[], [], []]
+        with pytest.raises(ValueError, match="already has a read in flight"):
+            connector.start_read("a", holder.lease("a2", [3]), [3])
+        stuck["on"] = False
+        [aborted] = poll_until(connector, {"a"}, timeout_s=5).values()
+        assert aborted.failure is FailureCode.ABORTED and not aborted.blocks_held
+        assert connector.num_reads_in_flight == 0
+
+        posted("t", [4, 5])
+        time.sleep(1.1)  # past transfer_timeout_s: it fails, but its transfer cannot be stopped
+        assert connector.poll() == [] and connector.num_reads_in_flight == 1
+        [timed_out] = poll_until(connector, {"t"}, timeout_s=5).values()
+        assert timed_out.failure is FailureCode.TIMEOUT and timed_out.blocks_held
+        assert connector.num_reads_in_flight == 0
+    finally:
+        stuck["on"] = False
+        connector.close()
+
+
 @pytest.mark.parametrize("backend", ["nixl", "gloo"])
 def test_read_from_an_address_nobody_serves_fails_within_the_handshake_timeout(backend):
     import socket

@@ -119,6 +119,46 @@ def test_abort_mid_pull_frees_both_sides_and_writes_nothing(pair_factory):
     assert_nothing_held_once_released(pair)
 
 
+def test_an_aborted_pull_whose_transfer_cannot_stop_keeps_its_blocks_until_it_ended(pair_factory):
+    """The connector cannot stop the read's transfer (abort_read says False): its blocks stay
+    taken, and its request id in use, until the connector reports the read, then are freed."""
+    pair = pair_factory(num_polls_per_read=3)
+    pair.decode.connector.inject("a", "stuck")
+    pair.pull("a")
+    pair.decode.run_once()
+    taken = pair.decode.engine.block_pool.num_blocks - pair.decode.engine.num_free_blocks
+    assert taken == 3 and pair.decode.connector.num_reads_in_flight == 1
+    pair.decode.handle_message(PROXY, protocol.Abort(["a"]))
+    for _ in range(5):
+        pair.decode.run_once()
+    assert pair.decode.engine.block_pool.num_blocks - pair.decode.engine.num_free_blocks == taken
+    assert pair.decode.has_request("a") and pair.decode.has_pending_work()
+    pair.decode.connector.unstick("a")
+    pair.decode.run_once()
+    assert not pair.decode.has_request("a") and pair.decode.num_kv_blocks_lost == 0
+    assert not pair.results(protocol.TokenBatch) and not pair.results(protocol.ErrorReply)
+    assert_nothing_held_once_released(pair)
+
+
+def test_a_pull_whose_transfer_never_stops_falls_back_and_its_blocks_stay_out_of_use(pair, expected_tokens):
+    """A timed-out read whose transfer cannot be stopped: no fallback while the connector waits
+    for it; after another transfer timeout, the request is prefilled locally and the 3 blocks
+    the transfer may still write stay taken for good."""
+    pair.decode.connector.inject("a", "stuck")
+    pair.pull("a")
+    pair.decode.run_once()
+    pair.clock.now += 5.1  # past the reader's transfer_timeout_s: the read failed, its transfer runs on
+    for _ in range(5):
+        pair.decode.run_once()
+    assert pair.decode.num_kv_fallbacks == 0 and pair.decode.has_pending_work()
+    pair.clock.now += 5.1  # and past another: the connector gives up on the transfer
+    pair.run(lambda: pair.tokens_of("a") is not None)
+    assert pair.decode.num_kv_fallbacks_by_reason == {"timeout": 1} and pair.tokens_of("a") == expected_tokens
+    assert pair.decode.num_kv_blocks_lost == 3
+    pair.run(lambda: not pair.decode.engine.has_unfinished())
+    assert pair.decode.engine.block_pool.num_blocks - pair.decode.engine.num_free_blocks == 3
+
+
 def test_back_pressure_queues_pulls_until_blocks_free_and_abort_while_queued_releases(pair_factory, expected_tokens):
     pair = pair_factory(decode_blocks=4)  # one request (3 prompt blocks + 1 for its tokens) at a time
     first, second, third = (pair.prefill_prompt(rid) for rid in ("a", "b", "c"))
