@@ -127,7 +127,8 @@ class DecodeNode(NodeServer):
 
     def load_extras(self) -> dict:
         return {"num_pending_pulls": len(self._pulls) + len(self._admission),
-                "num_kv_blocks_pulled": self.num_kv_blocks_pulled, "num_kv_blocks_skipped": self.num_kv_blocks_skipped}
+                "num_kv_blocks_pulled": self.num_kv_blocks_pulled, "num_kv_blocks_skipped": self.num_kv_blocks_skipped,
+                "num_kv_blocks_lost": self.num_kv_blocks_lost}
 
     def num_promised_blocks(self) -> int:
         """Also the prompts waiting for a pull (their blocks are taken when the pull starts)."""

@@ -354,6 +354,8 @@ class LoadReport(msgspec.Struct, tag="load_report", frozen=True):
     num_computed_prefill_tokens: int = 0
     num_kv_blocks_pulled: int = 0
     num_kv_blocks_skipped: int = 0
+    # A decode node's KV blocks taken out of use for good: a transfer into them never stopped.
+    num_kv_blocks_lost: int = 0
     # Version 7: the node refuses new requests (ErrorReply kind QUEUE_FULL_ERROR_KIND) while
     # num_waiting + num_pending_pulls is at this bound; 0: unbounded (or not said).
     max_num_waiting: int = 0

@@ -284,6 +284,8 @@ class _LoadCollector:
         yield self._counter("pdserve_node_rejected_messages", "messages refused (malformed, unauthenticated, "
                             "oversized, wrong version, unexpected)", load.get("num_rejected_messages", 0))
         yield self._fallbacks(load.get("num_kv_fallbacks_by_reason", {}))
+        yield self._counter("pdserve_node_kv_blocks_lost", "decode node: KV blocks taken out of use for good (a "
+                            "transfer into them never stopped)", load.get("num_kv_blocks_lost", 0))
 
     def _fallbacks(self, by_reason: dict[str, int]) -> CounterMetricFamily:
         family = CounterMetricFamily("pdserve_node_kv_pull_fallbacks", "decode node: KV pulls that failed and were "

@@ -102,6 +102,7 @@ def test_in_process_pair_counts_every_token_request_phase_and_pulled_byte(pair, 
     assert value(decode, "pdserve_node_kv_pull_seconds_count") == n
     assert value(decode, "pdserve_node_kv_pull_wait_seconds_count") == n
     assert value(decode, "pdserve_node_kv_pull_fallbacks_total") == 0
+    assert value(decode, "pdserve_node_kv_blocks_lost_total") == 0
     assert {labels["reason"] for labels, _ in decode["pdserve_node_kv_pull_fallbacks_total"]} >= {
         r.value for r in protocol.KVFallbackReason}
 

@@ -154,7 +154,7 @@ def test_a_pull_whose_transfer_never_stops_falls_back_and_its_blocks_stay_out_of
     pair.clock.now += 5.1  # and past another: the connector gives up on the transfer
     pair.run(lambda: pair.tokens_of("a") is not None)
     assert pair.decode.num_kv_fallbacks_by_reason == {"timeout": 1} and pair.tokens_of("a") == expected_tokens
-    assert pair.decode.num_kv_blocks_lost == 3
+    assert pair.decode.num_kv_blocks_lost == 3 and pair.decode.load_extras()["num_kv_blocks_lost"] == 3
     pair.run(lambda: not pair.decode.engine.has_unfinished())
     assert pair.decode.engine.block_pool.num_blocks - pair.decode.engine.num_free_blocks == 3
 
