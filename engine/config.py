@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from engine.protocol import Role
+from engine.protocol import DTYPE_CHOICES, Role
 from engine.tp_shard import check_tensor_parallel
 from kernels.select import BACKENDS as KERNEL_BACKENDS
 
@@ -16,7 +16,6 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DECODE_GRAPH_MODES = ("auto", "off", "static")  # EngineConfig.decode_graphs
 DEFAULT_DTYPE = "float32"  # greedy output equals transformers' token for token in float32
-DTYPE_CHOICES = ("auto", *DTYPES)  # --dtype
 
 
 def resolve_dtype(dtype: str | None, device: str, model_dir: str | Path) -> str:

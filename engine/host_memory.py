@@ -53,10 +53,9 @@ def keep_freed_memory() -> bool:
 
 def zeroed_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A tensor of zeros on memory of its own (an anonymous mapping, which the kernel zeroes page
-    by page on first touch): nothing is written up front, so a large cache costs no time here
-    (zeroing 2 GiB took 0.5-1.9 s on the 2-core machines here) and its pages are faulted in when
-    first written. Not committed up front either: memory is taken as it is touched. The mapping
-    lives as long as the tensor."""
+    by page on first touch): nothing is written up front, and its pages are faulted in when first
+    written. Not committed up front either: memory is taken as it is touched.
+    The mapping lives as long as the tensor."""
     num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if num_bytes == 0:
         return torch.zeros(shape, dtype=dtype)

@@ -95,6 +95,11 @@ class SamplingOptions(msgspec.Struct, frozen=True, omit_defaults=True):
     prompt_logprobs: int | None = None
 
 
+# --dtype's names: "auto" (engine.config.resolve_dtype) or one of engine.config.DTYPES. Here, and
+# torch-free, for the command lines that list them without importing torch.
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+
+
 def default_of(config_class: type, name: str) -> object:
     """The default of a config dataclass's field, for command lines that show it: the field stays
     the one place a default is written (here because every process may import this module)."""

@@ -7,7 +7,6 @@ import argparse
 from dataclasses import dataclass
 
 from engine.config import (
-    DTYPE_CHOICES,
     KERNEL_BACKENDS,
     CacheConfig,
     EngineConfig,
@@ -17,7 +16,7 @@ from engine.config import (
     resolve_dtype,
 )
 from engine.model_files import check_model_dir
-from engine.protocol import Role, curve_keys, default_of
+from engine.protocol import DTYPE_CHOICES, Role, curve_keys, default_of
 from kv_transfer.config import BACKENDS, TransferConfig
 from kv_transfer.security import is_wildcard
 from node.config import ServerConfig

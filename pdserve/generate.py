@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from engine.protocol import DTYPE_CHOICES
 from kernels.select import BACKENDS as KERNEL_BACKENDS
 
 
@@ -17,7 +18,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+    parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                         help="weights and KV cache; auto: float32 on the CPU, on CUDA the checkpoint's bfloat16 or "
                              "float16 (bfloat16 for a float32 checkpoint)")
     parser.add_argument("--kernel-backend", default="auto", choices=KERNEL_BACKENDS,

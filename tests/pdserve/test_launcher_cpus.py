@@ -57,6 +57,13 @@ def test_the_launchers_dtype_sizes_are_the_engines():
     assert {name: dtype.itemsize for name, dtype in DTYPES.items()} == cores._BYTES_PER_ELEMENT
 
 
+def test_the_torch_free_dtype_choices_are_the_engines():
+    from engine.config import DTYPES
+    from engine.protocol import DTYPE_CHOICES
+
+    assert ("auto", *DTYPES) == DTYPE_CHOICES
+
+
 def test_a_colocated_small_model_runs_beside_the_proxy(tiny_model_dir, tmp_path):
     """Live: the node of a colocated `tiny` deployment in bfloat16 (the dtype read from the node
     flags) is pinned off the first core (on a machine of one core, to that core) and answers."""
