@@ -15,6 +15,14 @@ blocks). When every full block is cached (a full hit) nothing is pulled: the lea
 once and the partial last block, if any (< block_size tokens), is computed here with the first
 token's step. Cached blocks a pull builds on hold a reference until the request ends, so they
 are never evicted under it; pulled full blocks are cached once the read is confirmed.
+
+Streamed pulls (a handle without a first token: protocol.KVProgress): the request takes its
+blocks for the whole prompt when admitted, then reads each range of blocks its prefill node has
+completed as KVProgress messages name them, one read at a time, none confirmed; the last read,
+of the rest once the first token and the whole-prompt handle came, is confirmed, and that
+confirmation vouches for every part (the lease held throughout). A handle of another
+generation (the prefill restarted) discards what was read; a part that fails is read again with
+the rest, and only that last read's failure falls back.
 """
 
 from __future__ import annotations
@@ -42,14 +50,26 @@ _REFUSALS = {FailureCode.LAYOUT_MISMATCH: "LayoutMismatch", FailureCode.BAD_BLOC
 class _Pull:
     message: protocol.DecodeRequest
     params: SamplingParams
-    lease: RemoteLease
-    local_block_ids: list[int] | None = None  # set once the read started
+    lease: RemoteLease  # a stream's grows with each KVProgress
+    first_token: protocol.TokenLogprob | None  # None: the prompt's KV is still streaming in
+    local_block_ids: list[int] | None = None  # set once the read started (a stream's: once admitted)
     cached_block_ids: list[int] = field(default_factory=list)  # the prompt's blocks found cached here
+    # A stream's progress: prompt blocks [0, num_done) hold the KV of lease generation
+    # done_generation (unconfirmed; cached blocks count as done), and the part read in flight.
+    num_done: int = 0
+    done_generation: int = 0
+    part: tuple[int, int, int] | None = None  # (generation, first block, end) of the part read in flight
+    is_part_failed: bool = False  # a part read failed: the rest is read in one, once the first token came
+    failure: ReadResult | None = None  # a stream's read that failed for good: it falls back once the first token came
 
     @property
     def block_ids(self) -> list[int]:
         """Every block the pull holds here, in prompt order."""
         return self.cached_block_ids + (self.local_block_ids or [])
+
+    @property
+    def is_streaming(self) -> bool:
+        return self.first_token is None
 
 
 class DecodeNode(NodeServer):
@@ -68,6 +88,7 @@ class DecodeNode(NodeServer):
         self.num_kv_refusals = 0
         self.num_kv_blocks_pulled = 0
         self.num_kv_blocks_skipped = 0  # handle blocks not pulled: found in this node's prefix cache
+        self.num_streamed_pulls = 0  # pulls that read part of the prompt while it was prefilled
 
     def handle_decode_request(self, message: protocol.DecodeRequest) -> None:
         if message.kv_handle is None:
@@ -81,7 +102,38 @@ class DecodeNode(NodeServer):
             self._release_remote(message.request_id, lease)
             raise
         self.connector.hold(message.request_id, lease)
-        self._admission.append(_Pull(message, params, lease))
+        self._admission.append(_Pull(message, params, lease, message.first_token))
+
+    def handle_kv_progress(self, message: protocol.KVProgress) -> None:
+        """More of a streamed prompt's KV (see the module docstring); raises ValueError for a
+        handle that does not fit the request."""
+        pull = self._pulls.get(message.request_id) or self._queued(message.request_id)
+        if pull is None:
+            if message.request_id not in self.engine.request_ids():
+                # NOTE: the request ended here (failed, aborted): nobody will read this lease.
+                self._release_remote(message.request_id, _lease_of(message.kv_handle))
+            return
+        if not pull.is_streaming:
+            return  # its last handle came already
+        handle = message.kv_handle
+        self._check_handle(pull.message, handle, is_final=message.first_token is not None)
+        if message.first_token is not None:
+            self.engine.check_request(pull.message.request_id, pull.message.prompt_token_ids, pull.params,
+                                      [message.first_token.token_id])
+        lease = _lease_of(handle)
+        if lease.generation != pull.lease.generation:
+            self.connector.hold(message.request_id, lease)  # the stream's lease ended with its old generation
+        pull.lease, pull.first_token = lease, message.first_token
+        if pull.local_block_ids is not None:
+            self._advance(pull)
+
+    def fail_kv_progress(self, message: protocol.KVProgress, exc: ValueError) -> None:
+        """A KVProgress handle_kv_progress refused: the request ends with the error."""
+        pull = self._pulls.get(message.request_id) or self._queued(message.request_id)
+        self._release_remote(message.request_id, _lease_of(message.kv_handle))
+        if pull is not None and pull.is_streaming:
+            self.handle_abort(message.request_id, b"")
+            self.reply_error(message.request_id, exc, is_client_error=True)
 
     def handle_abort(self, request_id: str, identity: bytes) -> None:
         for idx, pull in enumerate(self._admission):
@@ -112,12 +164,20 @@ class DecodeNode(NodeServer):
             if held is not None:
                 self._free_unless_lost(held, result)
                 continue
-            pull = self._pulls.pop(result.request_id, None)
+            pull = self._pulls.get(result.request_id)
             if pull is None:
                 continue
+            if pull.part is not None and not result.blocks_held and result.failure not in _REFUSALS:
+                self._part_done(pull, result)
+                continue
+            del self._pulls[result.request_id]
             if result.blocks_held:
                 self._free_unless_lost(pull, result)
                 pull.cached_block_ids, pull.local_block_ids = [], []  # NOTE: freed or lost just now
+                if pull.is_streaming:  # no first token yet to continue from: falls back once it came
+                    pull.part, pull.failure = None, result
+                    self._pulls[result.request_id] = pull
+                    continue
             if result.is_ok:
                 self._join_batch(pull)
             elif result.failure in _REFUSALS:
@@ -128,7 +188,7 @@ class DecodeNode(NodeServer):
     def load_extras(self) -> dict:
         return {"num_pending_pulls": len(self._pulls) + len(self._admission),
                 "num_kv_blocks_pulled": self.num_kv_blocks_pulled, "num_kv_blocks_skipped": self.num_kv_blocks_skipped,
-                "num_kv_blocks_lost": self.num_kv_blocks_lost}
+                "num_kv_blocks_lost": self.num_kv_blocks_lost, "num_kv_streamed": self.num_streamed_pulls}
 
     def num_promised_blocks(self) -> int:
         """Also the prompts waiting for a pull (their blocks are taken when the pull starts)."""
@@ -153,25 +213,37 @@ class DecodeNode(NodeServer):
         super().close()
 
     def _check_pull_request(self, message: protocol.DecodeRequest) -> SamplingParams:
-        if message.first_token is None:
-            raise ValueError(f"request {message.request_id}: a KV handle needs the first token")
-        handle = message.kv_handle
-        check_address(handle.agent_address)
-        num_needed = num_blocks_for(len(message.prompt_token_ids), self.engine.block_size)
-        if handle.num_tokens != len(message.prompt_token_ids) or len(handle.block_ids) != num_needed:
-            raise ValueError(
-                f"request {message.request_id}: KV handle has {handle.num_tokens} tokens in "
-                f"{len(handle.block_ids)} blocks for a prompt of {len(message.prompt_token_ids)} tokens"
-            )
-        if handle.lease_timeout_s <= 0:
-            raise ValueError(f"request {message.request_id}: KV handle has lease_timeout_s {handle.lease_timeout_s}")
+        self._check_handle(message, message.kv_handle, is_final=message.first_token is not None)
         # Validates the prompt (its length bounds the block count by this node's cache) and the
         # parameters (logit_bias ids, the grammar and the first token under it) before any block
         # is taken.
         params = SamplingParams.from_options(message.sampling)
-        self.engine.check_request(message.request_id, message.prompt_token_ids, params,
-                                  [message.first_token.token_id])
+        first = [message.first_token.token_id] if message.first_token is not None else []
+        self.engine.check_request(message.request_id, message.prompt_token_ids, params, first)
         return params
+
+    def _check_handle(self, message: protocol.DecodeRequest, handle: protocol.KVHandle, is_final: bool) -> None:
+        """Raises ValueError unless handle names the prompt's blocks (is_final), or, streamed,
+        whole blocks short of its last."""
+        check_address(handle.agent_address)
+        size = self.engine.block_size
+        num_prompt = len(message.prompt_token_ids)
+        num_needed = num_blocks_for(num_prompt, size)
+        if is_final:
+            fits = handle.num_tokens == num_prompt and len(handle.block_ids) == num_needed
+        else:
+            fits = handle.num_tokens == len(handle.block_ids) * size and 0 < len(handle.block_ids) < num_needed
+        if not fits:
+            part = "" if is_final else "streamed "
+            raise ValueError(
+                f"request {message.request_id}: {part}KV handle has {handle.num_tokens} tokens in "
+                f"{len(handle.block_ids)} blocks for a prompt of {num_prompt} tokens"
+            )
+        if handle.lease_timeout_s <= 0:
+            raise ValueError(f"request {message.request_id}: KV handle has lease_timeout_s {handle.lease_timeout_s}")
+
+    def _queued(self, request_id: str) -> _Pull | None:
+        return next((p for p in self._admission if p.message.request_id == request_id), None)
 
     def _start_pulls(self) -> None:
         max_seqs = self.engine.config.scheduler.max_num_seqs
@@ -181,21 +253,63 @@ class DecodeNode(NodeServer):
             num_full = len(prompt) // self.engine.block_size
             cached = self.engine.acquire_cached_prefix(request_id, prompt, num_full)
             is_full_hit = num_full > 0 and len(cached) == num_full
-            local_ids = [] if is_full_hit else self.engine.block_pool.allocate(len(pull.lease.block_ids) - len(cached))
+            num_remote = num_blocks_for(len(prompt), self.engine.block_size)  # a stream's handle names fewer yet
+            local_ids = [] if is_full_hit else self.engine.block_pool.allocate(num_remote - len(cached))
             if local_ids is None:
                 self.engine.free_blocks(cached)
                 return  # back-pressure: wait until running requests free blocks
             self._admission.popleft()
-            self._count_pull(pull, len(cached), len(local_ids))
+            self._count_pull(pull, len(cached), len(local_ids), num_remote)
             pull.cached_block_ids, pull.local_block_ids = cached, local_ids
             if is_full_hit:
                 self._release_remote(request_id, pull.lease)  # nothing to read: the holder frees it now
-                self._join_batch(pull)
+                if pull.is_streaming:
+                    self._pulls[request_id] = pull  # joins once its first token comes
+                else:
+                    self._join_batch(pull)
                 continue
             self._pulls[request_id] = pull
             self.engine.wait_for_late_writes(local_ids)  # NIXL's copies are not ordered with the engine's steps
-            self.connector.start_read(request_id, replace(pull.lease, block_ids=pull.lease.block_ids[len(cached):]),
-                                      local_ids)
+            if pull.is_streaming:
+                self.num_streamed_pulls += 1
+                pull.num_done, pull.done_generation = len(cached), pull.lease.generation
+                self._advance(pull)
+            else:
+                self.connector.start_read(request_id, replace(pull.lease, block_ids=pull.lease.block_ids[len(cached):]),
+                                          local_ids)
+
+    def _advance(self, pull: _Pull) -> None:
+        """Start a stream's next read, if it has none in flight: the blocks completed since the
+        last part (not confirmed), or, once the first token came, the rest (confirmed); after a
+        full prefix-cache hit, join once the first token came."""
+        request_id = pull.message.request_id
+        if pull.part is not None:
+            return
+        if pull.failure is not None:
+            if not pull.is_streaming:
+                self._pulls.pop(request_id, None)
+                self._fall_back(pull, pull.failure)
+            return
+        if not pull.local_block_ids:  # a full hit: nothing to read
+            if not pull.is_streaming:
+                self._pulls.pop(request_id, None)
+                self._release_remote(request_id, pull.lease)
+                self._join_batch(pull)
+            return
+        lease = pull.lease
+        if lease.generation != pull.done_generation:  # a new lease: what was read is not its data
+            pull.num_done, pull.done_generation = len(pull.cached_block_ids), lease.generation
+        end = len(lease.block_ids)
+        if end <= pull.num_done or (pull.is_streaming and pull.is_part_failed):
+            return
+        start, num_cached = pull.num_done, len(pull.cached_block_ids)
+        local = pull.local_block_ids[start - num_cached:end - num_cached]
+        if pull.is_streaming:
+            pull.part = (lease.generation, start, end)
+            self.connector.start_read(request_id, replace(lease, block_ids=lease.block_ids[start:end]), local,
+                                      confirm=False)
+        else:
+            self.connector.start_read(request_id, replace(lease, block_ids=lease.block_ids[start:end]), local)
 
     def _free_unless_lost(self, pull: _Pull, result: ReadResult) -> None:
         """The connector is done with the pull's read: free its blocks, except, where its transfer
@@ -209,11 +323,24 @@ class DecodeNode(NodeServer):
         logger.error("request %s: %d KV blocks taken out of use (a transfer into them never stopped)",
                      result.request_id, len(pull.local_block_ids or []), extra={"request_id": result.request_id})
 
-    def _count_pull(self, pull: _Pull, num_cached: int, num_pulled: int) -> None:
+    def _part_done(self, pull: _Pull, result: ReadResult) -> None:
+        """A stream's part read ended: what it read counts if it is still the stream's lease;
+        a failed part is read again with the rest (whose read may fail the pull)."""
+        generation, _, end = pull.part
+        pull.part = None
+        if result.is_ok and generation == pull.done_generation:
+            pull.num_done = end
+        elif not result.is_ok:
+            pull.is_part_failed = True
+            logger.info("KV stream of request %s: a part read failed (%s); it is read again with the rest",
+                        result.request_id, result.error, extra={"request_id": result.request_id})
+        self._advance(pull)
+
+    def _count_pull(self, pull: _Pull, num_cached: int, num_pulled: int, num_remote: int) -> None:
         size = self.engine.block_size
         self.engine.count_prefix_lookup(len(pull.message.prompt_token_ids), num_cached * size)
         self.num_kv_blocks_pulled += num_pulled
-        self.num_kv_blocks_skipped += len(pull.lease.block_ids) - num_pulled
+        self.num_kv_blocks_skipped += num_remote - num_pulled
 
     def _join_batch(self, pull: _Pull) -> None:
         """The request runs here: with its whole prompt's KV (pulled), or, after a full hit, its
@@ -222,7 +349,7 @@ class DecodeNode(NodeServer):
         num_computed = None if pull.local_block_ids else len(pull.cached_block_ids) * self.engine.block_size
         try:
             self.engine.add_prefilled_request(message.request_id, message.prompt_token_ids, pull.params,
-                                              message.first_token, pull.block_ids, num_computed)
+                                              pull.first_token, pull.block_ids, num_computed)
         except ValueError as exc:
             self.engine.free_blocks(pull.block_ids)
             self.reply_error(message.request_id, exc, is_client_error=True)
@@ -252,7 +379,7 @@ class DecodeNode(NodeServer):
                        reason.value, result.error, extra={"request_id": message.request_id})
         try:
             self.engine.add_request(message.request_id, message.prompt_token_ids, pull.params,
-                                    output_token_ids=[message.first_token.token_id])
+                                    output_token_ids=[pull.first_token.token_id])
         except ValueError as exc:
             self.reply_error(message.request_id, exc, is_client_error=True)
             return

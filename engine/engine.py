@@ -53,6 +53,14 @@ class PrefillRate:
             self.tokens_per_s += self.weight * (rate - self.tokens_per_s)
 
 
+@dataclass(frozen=True)
+class PromptProgress:
+    """LLMEngine.prompt_progress's answer."""
+
+    final_block_ids: list[int]
+    num_preemptions: int
+
+
 @dataclass
 class StepOutput:
     """New tokens of one request from one step. block_ids is set only for a PREFILLED finish:
@@ -249,6 +257,23 @@ class LLMEngine:
     def free_blocks(self, block_ids: list[int]) -> None:
         """Return blocks the caller owns (a PREFILLED request's, or ones it allocated)."""
         self.block_pool.free(block_ids)
+
+    def prompt_progress(self, request_id: str) -> PromptProgress | None:
+        """Where an unfinished request's prompt stands: its blocks, in order, whose KV no later
+        step writes (the full blocks of its computed prompt tokens), and how often it was
+        preempted (each preemption frees its blocks: those named before may since hold another
+        request's KV). None if the request is not here. The blocks stay the engine's."""
+        request = self._requests.get(request_id)
+        if request is None:
+            return None
+        num_final = min(request.num_computed_tokens, request.num_prompt_tokens) // self.block_size
+        return PromptProgress(request.block_ids[:num_final], request.num_preemptions)
+
+    def wait_for_kv_writes(self) -> None:
+        """Return once the KV writes of every step run so far are in memory (a GPU's run after the
+        step returned), so another process may read those blocks. A no-op on the CPU."""
+        if self.config.device.startswith("cuda"):
+            torch.cuda.synchronize(self.config.device)
 
     def step(self) -> list[StepOutput]:
         """Schedule, run and sample one step; returns the requests that got tokens or ended.

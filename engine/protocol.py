@@ -25,7 +25,9 @@ import msgspec
 # more 7-era additions are listed where they are defined.
 # 8: StructuredKind regex, choice and ebnf (StructuredOutput.regex, choices, grammar): a node of
 # version 7 could not decode them.
-PROTOCOL_VERSION = 8
+# 9: KV streaming: PrefillRequest.stream_kv, KVProgress both ways, DecodeRequest with a handle and
+# no first token (the prompt's KV still being written).
+PROTOCOL_VERSION = 9
 _FRAME_MAGIC = b"PD"
 _FRAME_HEADER = _FRAME_MAGIC + PROTOCOL_VERSION.to_bytes(2, "big")
 # NOTE: the largest proxy -> node message a node takes: a 128k-token prompt is ~640 KB of
@@ -208,12 +210,17 @@ class PrefillRequest(msgspec.Struct, tag="prefill_request", frozen=True):
     sampling: SamplingOptions
     sent_at: float = 0.0  # time.time() at the proxy, for queueing metrics
     seq: int = 0  # the proxy's count of requests sent to this node; echoed in LoadReport
+    # Stream the KV: while a prompt of several chunks is prefilled, the node leases its blocks
+    # from the first chunk on and sends a KVProgress after each chunk that completed blocks.
+    stream_kv: bool = False
 
 
 class DecodeRequest(msgspec.Struct, tag="decode_request", frozen=True):
     """A request for a decode node. With kv_handle set, the prompt's KV is pulled from the
     prefill node and first_token continues it; with kv_handle None, the node prefills locally
-    (colocated mode or fallback) and first_token must be None."""
+    (colocated mode or fallback) and first_token must be None. A kv_handle without a first token
+    starts a streamed pull: the handle names the prompt's blocks completed so far (a KVProgress
+    handle), and KVProgress messages bring the rest, the last one with the first token."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -230,6 +237,19 @@ class DecodeRequest(msgspec.Struct, tag="decode_request", frozen=True):
 
 class Abort(msgspec.Struct, tag="abort", frozen=True):
     request_ids: list[str]
+
+
+class KVProgress(msgspec.Struct, tag="kv_progress", frozen=True):
+    """A streamed prompt's KV so far (PrefillRequest.stream_kv). Prefill node -> proxy, after a
+    chunk that completed blocks: kv_handle names the lease (the same generation throughout) and
+    its blocks that no later chunk writes, num_tokens the prompt tokens they hold (whole blocks).
+    Proxy -> the decode node pulling it: the same; and last, with first_token set, the prefill's
+    whole-prompt handle (the PrefillResult's). A handle of another generation than the stream's
+    means the stream broke (the prefill restarted): what was read of it is not used."""
+
+    request_id: str
+    kv_handle: KVHandle
+    first_token: TokenLogprob | None = None
 
 
 class ReleaseKV(msgspec.Struct, tag="release_kv", frozen=True):
@@ -361,6 +381,9 @@ class LoadReport(msgspec.Struct, tag="load_report", frozen=True):
     num_kv_blocks_skipped: int = 0
     # A decode node's KV blocks taken out of use for good: a transfer into them never stopped.
     num_kv_blocks_lost: int = 0
+    # Version 9, KV streaming: prompts a prefill node streamed (leased from their first chunk), and
+    # pulls a decode node read in parts while their prompt was prefilled.
+    num_kv_streamed: int = 0
     # Version 7: the node refuses new requests (ErrorReply kind QUEUE_FULL_ERROR_KIND) while
     # num_waiting + num_pending_pulls is at this bound; 0: unbounded (or not said).
     max_num_waiting: int = 0
@@ -400,8 +423,8 @@ class Drain(msgspec.Struct, tag="drain", frozen=True):
     reason: str = ""  # for the node's log
 
 
-ToNode = PrefillRequest | DecodeRequest | Abort | ReleaseKV | Ping | Drain
-FromNode = PrefillResult | TokenBatch | ErrorReply | LoadReport
+ToNode = PrefillRequest | DecodeRequest | Abort | ReleaseKV | Ping | Drain | KVProgress
+FromNode = PrefillResult | TokenBatch | ErrorReply | LoadReport | KVProgress
 
 _encoder = msgspec.msgpack.Encoder()
 _to_node_decoder = msgspec.msgpack.Decoder(ToNode)

@@ -112,12 +112,19 @@ class KVConnector(ABC):
         Never blocks. Raises ValueError for a malformed address."""
 
     @abstractmethod
-    def start_read(self, request_id: str, lease: RemoteLease, local_block_ids: list[int]) -> None:
+    def start_read(self, request_id: str, lease: RemoteLease, local_block_ids: list[int],
+                   confirm: bool = True) -> None:
         """Queue a read of the lease's blocks into local blocks, pairwise (same count). Never
         blocks (the first read from a peer handshakes in the background); the outcome comes
         from poll(). The local blocks stay the caller's, who must not free them before that
         outcome or abort_read(). Raises ValueError on unequal counts, a malformed address or a
-        request id already in flight."""
+        request id already in flight.
+
+        confirm False: a part of a streamed lease (lease.block_ids some of its blocks). Its
+        success is the transfer's alone: the holder is not asked, the lease stays held and
+        renewed, and the data read is usable only once a later read of the same lease with
+        confirm succeeds (that confirmation covers every part read before it). A failed part
+        leaves the lease held too: the caller reads again or calls release_remote()."""
 
     @abstractmethod
     def poll(self) -> list[ReadResult]:
@@ -126,7 +133,8 @@ class KVConnector(ABC):
         once. A failed read whose transfer could not be stopped is reported once it ended, or
         after another transfer_timeout_s with blocks_held. On success the holder confirmed the
         lease and ended it (it frees its blocks); on failure the caller frees its local blocks
-        and tells the holder with release_remote(). Either way the lease is no longer renewed."""
+        and tells the holder with release_remote(). Either way the lease is no longer renewed
+        (except after a part read: see start_read)."""
 
     @abstractmethod
     def abort_read(self, request_id: str) -> bool:

@@ -1,7 +1,8 @@
 """FakeConnector: KVConnector in one process, for node tests: connectors sharing a FakeRegistry
 reach each other by address and copy blocks directly, with failures injected on demand. Leases
 behave as over the side channel: hold() renews at once and on renew_held(), a read copies the
-blocks and then confirms (ends) the holder's lease, failing LEASE_LOST when it had ended."""
+blocks and then confirms (ends) the holder's lease, failing LEASE_LOST when it had ended (a part
+of a stream, read without confirm, only copies)."""
 
 from __future__ import annotations
 
@@ -53,6 +54,7 @@ class _FakeRead:
     started_at: float
     num_polls_left: int
     failure: str | None
+    confirm: bool = True
 
 
 class FakeConnector(KVConnector):
@@ -93,13 +95,14 @@ class FakeConnector(KVConnector):
         for request_id, lease in self._held.items():
             self._renew(request_id, lease)
 
-    def start_read(self, request_id: str, lease: RemoteLease, local_block_ids: list[int]) -> None:
+    def start_read(self, request_id: str, lease: RemoteLease, local_block_ids: list[int],
+                   confirm: bool = True) -> None:
         check_read(request_id, lease, local_block_ids, self._reads)
         if request_id in self._draining:
             raise ValueError(f"request {request_id!r} already has a read in flight (aborted, its transfer not "
                              "yet stopped)")
         self._reads[request_id] = _FakeRead(request_id, lease, list(local_block_ids), self._clock(),
-                                            self._num_polls_per_read, self._failures.pop(request_id, None))
+                                            self._num_polls_per_read, self._failures.pop(request_id, None), confirm)
 
     def unstick(self, request_id: str) -> None:
         """The stuck transfer of request_id has ended (see FAILURES)."""
@@ -119,7 +122,8 @@ class FakeConnector(KVConnector):
             result = self._advance(read)
             if result is not None:
                 del self._reads[read.request_id]
-                self._held.pop(read.request_id, None)
+                if read.confirm:
+                    self._held.pop(read.request_id, None)
                 if self._is_stuck(read):
                     self._draining[read.request_id] = (result, self._clock())
                 else:
@@ -183,6 +187,8 @@ class FakeConnector(KVConnector):
             return self._failed(read, f"block ids {bad[:5]} are outside the holder's cache", FailureCode.BAD_BLOCKS)
         scatter_heads(self.shards, read.local_block_ids,
                       gather_heads(holder.shards, lease.block_ids, holder.layout.num_kv_heads))
+        if not read.confirm:
+            return ReadResult(read.request_id, True)  # a part: confirmed with the stream's last read
         if holder.leases is None or not holder.leases.end(read.request_id, lease.generation):
             return self._failed(read, "the lease was not confirmed after the read", FailureCode.LEASE_LOST)
         return ReadResult(read.request_id, True)

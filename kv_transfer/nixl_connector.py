@@ -124,8 +124,9 @@ class NixlConnector(SideChannelConnector):
         self._progress = threading.Thread(target=self._progress_loop, name="kv-nixl-progress", daemon=True)
         self._progress.start()
 
-    def start_read(self, request_id: str, lease: RemoteLease, local_block_ids: list[int]) -> None:
-        super().start_read(request_id, lease, local_block_ids)
+    def start_read(self, request_id: str, lease: RemoteLease, local_block_ids: list[int],
+                   confirm: bool = True) -> None:
+        super().start_read(request_id, lease, local_block_ids, confirm)
         self._wake.set()
 
     def serve_leases(self, leases: LeaseTable) -> None:

@@ -69,6 +69,7 @@ class PendingRead:
     started_at: float = field(default_factory=time.monotonic)
     handle: object = None  # the backend's transfer handle once started
     confirmation: Future | None = None  # set once the transfer completed: the holder's answer
+    confirm: bool = True  # False: a part of a streamed lease, not confirmed (see KVConnector.start_read)
 
     @property
     def remote_engine_id(self) -> str:
@@ -127,13 +128,14 @@ class SideChannelConnector(KVConnector, ABC):
         check_address(lease.address)
         self._keeper.hold(request_id, lease)
 
-    def start_read(self, request_id: str, lease: RemoteLease, local_block_ids: list[int]) -> None:
+    def start_read(self, request_id: str, lease: RemoteLease, local_block_ids: list[int],
+                   confirm: bool = True) -> None:
         check_read(request_id, lease, local_block_ids, self._reads)
         if request_id in self._draining:
             raise ValueError(f"request {request_id!r} already has a read in flight (aborted, its transfer not "
                              "yet stopped)")
         check_address(lease.address)
-        self._reads[request_id] = PendingRead(request_id, lease, list(local_block_ids))
+        self._reads[request_id] = PendingRead(request_id, lease, list(local_block_ids), confirm=confirm)
         if lease.engine_id not in self._peers and lease.engine_id not in self._handshakes:
             future = self._executor.submit(self._handshake, lease.address)
             self._handshakes[lease.engine_id] = (lease.address, future)
@@ -232,8 +234,9 @@ class SideChannelConnector(KVConnector, ABC):
         the local blocks); call again later."""
 
     def _on_confirmed(self, read: PendingRead) -> None:
-        """Caller's thread: the holder confirmed the read; make its data the local blocks' (a
-        backend that read into a staging buffer copies it now)."""
+        """Caller's thread: the holder confirmed the read (or it is a part of a stream, confirmed
+        later); make its data the local blocks' (a backend that read into a staging buffer
+        copies it now)."""
 
     def _release_read(self, read: PendingRead) -> None:
         """The read ended (succeeded, failed or aborted; any transfer of it cancelled): free what
@@ -344,7 +347,11 @@ class SideChannelConnector(KVConnector, ABC):
         """The backend's transfer completed: ask the holder, off this thread, whether the lease
         held throughout (see the module docstring)."""
         read.handle = None
-        read.confirmation = self._confirmer.submit(self._confirm, read.request_id, read.lease)
+        if read.confirm:
+            read.confirmation = self._confirmer.submit(self._confirm, read.request_id, read.lease)
+        else:
+            read.confirmation = Future()  # a part of a stream: confirmed with its last read
+            read.confirmation.set_result(True)
 
     def _confirm(self, request_id: str, lease: RemoteLease) -> bool:
         """Confirmation thread: True when the holder says the lease held until now (and ended it)."""
@@ -376,7 +383,8 @@ class SideChannelConnector(KVConnector, ABC):
     def _fail(self, read: PendingRead, error: str, code: FailureCode) -> ReadResult:
         """The read's failure result; poll() withholds it while its transfer cannot be stopped."""
         self._reads.pop(read.request_id, None)
-        self._keeper.drop(read.request_id)
+        if read.confirm:
+            self._keeper.drop(read.request_id)
         result = ReadResult(read.request_id, False, f"request {read.request_id}: {error}", code)
         if read.handle is not None and not self._cancel(read):
             self._set_aside(read, result)
@@ -423,7 +431,8 @@ class SideChannelConnector(KVConnector, ABC):
 
     def _succeed(self, read: PendingRead) -> ReadResult:
         self._reads.pop(read.request_id, None)
-        self._keeper.drop(read.request_id)
+        if read.confirm:
+            self._keeper.drop(read.request_id)
         self._release_read(read)
         return ReadResult(read.request_id, True)
 

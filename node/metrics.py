@@ -286,6 +286,9 @@ class _LoadCollector:
         yield self._fallbacks(load.get("num_kv_fallbacks_by_reason", {}))
         yield self._counter("pdserve_node_kv_blocks_lost", "decode node: KV blocks taken out of use for good (a "
                             "transfer into them never stopped)", load.get("num_kv_blocks_lost", 0))
+        yield self._counter("pdserve_node_kv_streamed", "prefill node: prompts whose KV was offered chunk by chunk "
+                            "while prefilled; decode node: pulls that read a prompt's KV so",
+                            load.get("num_kv_streamed", 0))
 
     def _fallbacks(self, by_reason: dict[str, int]) -> CounterMetricFamily:
         family = CounterMetricFamily("pdserve_node_kv_pull_fallbacks", "decode node: KV pulls that failed and were "

@@ -221,6 +221,14 @@ class NodeServer:
         raise ValueError(
             f"request {message.request_id}: this node does not take prefill requests (role {self.role.value})")
 
+    def handle_kv_progress(self, message: protocol.KVProgress) -> None:
+        """A streamed prompt's KV so far, for the decode node pulling it; raises ValueError."""
+        raise ValueError(f"request {message.request_id}: this node does not pull KV (role {self.role.value})")
+
+    def fail_kv_progress(self, message: protocol.KVProgress, exc: ValueError) -> None:
+        """handle_kv_progress refused message: the request, if here, ends with exc."""
+        self.control.rejects.reject("unexpected", str(exc))
+
     def handle_abort(self, request_id: str, identity: bytes) -> None:
         """End request_id for the proxy at identity (no-op for an unknown request)."""
         self.engine.abort(request_id)
@@ -334,6 +342,8 @@ class NodeServer:
         elif isinstance(message, protocol.ReleaseKV):
             for request_id in message.request_ids:
                 self.handle_release(request_id, identity)
+        elif isinstance(message, protocol.KVProgress):
+            self._take_kv_progress(message, identity)
         elif isinstance(message, protocol.Drain):
             if not self.is_draining:
                 logger.info("%s node %s: drain asked by proxy %s (%s)", self.role.value, self.config.node_id,
@@ -374,6 +384,17 @@ class NodeServer:
         self.metrics.request_ended(request_id, "abort")
         self.forget(request_id)
         self.handle_abort(request_id, identity)
+
+    def _take_kv_progress(self, message: protocol.KVProgress, identity: bytes) -> None:
+        owner = self.proxies.owner(message.request_id)
+        if owner is not None and owner != identity:
+            self.control.rejects.reject("foreign_kv_progress", f"{short_id(identity)} sent KV progress of "
+                                                               f"{message.request_id} of {short_id(owner)}")
+            return
+        try:
+            self.handle_kv_progress(message)
+        except ValueError as exc:
+            self.fail_kv_progress(message, exc)
 
     def _admit(self, message) -> None:
         try:

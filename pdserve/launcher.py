@@ -87,7 +87,8 @@ _NODE_SWITCHES = ("--enable-prefix-caching", "--enforce-eager", "--async-schedul
 
 
 _PROXY_FLAGS = (("--served-model-name", str), ("--chat-template", str), ("--api-key", str),
-                ("--local-prefill-min-wait-s", float), ("--routing", str), ("--slo-ttft-ms", float),
+                ("--local-prefill-min-wait-s", float), ("--kv-stream-min-tokens", int), ("--routing", str),
+                ("--slo-ttft-ms", float),
                 ("--header-timeout-s", float), ("--keep-alive-timeout-s", float), ("--min-upload-bytes-per-s", float),
                 ("--upload-rate-window-s", float), ("--max-client-uploads", int), ("--max-client-requests", int))
 

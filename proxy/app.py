@@ -91,7 +91,7 @@ def create_app(config: ProxyConfig) -> FastAPI:
                     curve_keys(config.cluster_secret) if config.cluster_secret is not None else None,
                     config.stall_timeout_s, RetryLimits(config.max_attempts, config.max_migrations,
                                                                       config.decode_wait_s),
-                    RoutingConfig.of(config))
+                    RoutingConfig.of(config), config.kv_stream_min_tokens)
     names = NodeNames(config.prefill_addresses, config.decode_addresses, config.expose_node_addresses)
     metrics = ProxyMetrics(lambda: pool.all, lambda: pool.num_local_prefills, names.name)
     node_metrics = NodeSeries(lambda: pool.all if config.node_metrics else ())

@@ -67,6 +67,11 @@ class ProxyConfig:
     # None: always the prefill pool.
     local_prefill_min_wait_s: float | None = 1.0
     local_prefill_penalty: float = 2.0
+    # KV streaming: a prompt of at least kv_stream_min_tokens tokens that its prefill node runs in
+    # several chunks is read by its decode node chunk by chunk while it is prefilled (the decode
+    # node is picked, and takes the prompt's blocks, at the first chunk). None: never; the whole
+    # prompt's KV is read once it is prefilled.
+    kv_stream_min_tokens: int | None = 0
     # Routing (proxy.routing): cache-aware sends a prompt to the prefill node with the lowest
     # uncached prompt tokens + queued prefill tokens, passing over nodes queued more than
     # routing_max_extra_prefill_tokens past the least queued one, and to the decode node caching
@@ -146,6 +151,8 @@ class ProxyConfig:
         if self.max_attempts < 1 or self.max_migrations < 0:
             raise ValueError(f"max_attempts must be >= 1 and max_migrations >= 0, got {self.max_attempts} and "
                              f"{self.max_migrations}")
+        if self.kv_stream_min_tokens is not None and self.kv_stream_min_tokens < 0:
+            raise ValueError(f"kv_stream_min_tokens must be >= 0, got {self.kv_stream_min_tokens}")
         if self.local_prefill_penalty < 1:
             raise ValueError(f"local_prefill_penalty must be >= 1, got {self.local_prefill_penalty}")
         self._check_routing()

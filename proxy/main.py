@@ -43,6 +43,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--local-prefill-min-wait-s", type=float, default=_default("local_prefill_min_wait_s"),
                         help="prefill on the decode node when the prefill pool's queue wait is at least this "
                              "and the decode node would start sooner (negative: never)")
+    parser.add_argument("--kv-stream-min-tokens", type=int, default=_default("kv_stream_min_tokens"),
+                        help="a prompt of at least this many tokens that its prefill node runs in several chunks "
+                             "is read by its decode node chunk by chunk while it is prefilled (negative: never; "
+                             "the KV is read once the whole prompt is prefilled)")
     parser.add_argument("--local-prefill-penalty", type=float, default=_default("local_prefill_penalty"),
                         help="how much a decode node's own queue wait counts against the pool's (>= 1)")
     parser.add_argument("--routing", choices=[p.value for p in RoutingPolicy], default=_default("routing").value,
@@ -178,6 +182,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         max_model_len=args.max_model_len,
         local_prefill_min_wait_s=_never_if_negative(args.local_prefill_min_wait_s),
         local_prefill_penalty=args.local_prefill_penalty,
+        kv_stream_min_tokens=None if args.kv_stream_min_tokens < 0 else args.kv_stream_min_tokens,
         routing=RoutingPolicy(args.routing),
         routing_max_extra_prefill_tokens=args.routing_max_extra_prefill_tokens,
         routing_max_extra_decode_requests=args.routing_max_extra_decode_requests,

@@ -51,8 +51,10 @@ class NodePool:
     def __init__(self, prefill_addresses, decode_addresses, heartbeat_timeout_s: float,
                  local_prefill: LocalPrefillPolicy | None = None,
                  curve_keys: protocol.CurveKeys | None = None, stall_timeout_s: float = STALL_TIMEOUT_S,
-                 retry_limits: RetryLimits | None = None, routing: RoutingConfig | None = None) -> None:
+                 retry_limits: RetryLimits | None = None, routing: RoutingConfig | None = None,
+                 kv_stream_min_tokens: int | None = None) -> None:
         self.context = zmq.asyncio.Context()
+        self.kv_stream_min_tokens = kv_stream_min_tokens  # ProxyConfig's: read by proxy.request_flow
         self.prefill = [NodeClient(a, "prefill", heartbeat_timeout_s, stall_timeout_s=stall_timeout_s)
                         for a in prefill_addresses]
         self.decode = [NodeClient(a, "decode", heartbeat_timeout_s, stall_timeout_s=stall_timeout_s)

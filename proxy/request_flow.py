@@ -84,9 +84,15 @@ class _Cleanup:
     # The prefill node whose lease the decode node (holder) took over: released by the proxy
     # too if that decode node fails (it may have died before pulling).
     pulled_from: NodeClient | None = None
+    # A decode node reading the prompt's KV as it is prefilled (a streamed pull), before it holds
+    # the request: told to abort unless the request moved on to it.
+    streaming_to: NodeClient | None = None
     is_finished: bool = False
 
     def run(self) -> None:
+        if self.streaming_to is not None:
+            self.streaming_to.close(self.request_id)
+            _send_quietly(self.streaming_to, protocol.Abort([self.request_id]), self.request_id)
         if self.holder is not None:
             self.holder.close(self.request_id)
             if not self.is_finished:
@@ -100,7 +106,7 @@ class _Cleanup:
         if self.pulled_from is not None:
             self.lease_holder = self.pulled_from
         self.run()
-        self.holder = self.lease_holder = self.pulled_from = None
+        self.holder = self.lease_holder = self.pulled_from = self.streaming_to = None
 
 
 @dataclass
@@ -200,7 +206,10 @@ class _Run:
     async def _disaggregated(self, prefill: NodeClient) -> AsyncIterator[Step]:
         cleanup = self.cleanup
         cleanup.holder = prefill
-        result = await _prefill(prefill, self.request_id, self.prompt, self.sampling, self.first_token_timeout_s)
+        min_tokens = self.pool.kv_stream_min_tokens
+        stream = _Stream(self, prefill) if min_tokens is not None and len(self.prompt_ids) >= min_tokens else None
+        result = await _prefill(prefill, self.request_id, self.prompt, self.sampling, self.first_token_timeout_s,
+                                stream)
         cleanup.holder = None  # the prefill is done; from here on the node only holds the lease
         if result.kv_handle is not None:
             cleanup.lease_holder = prefill
@@ -208,13 +217,18 @@ class _Run:
             cleanup.is_finished = True
             yield self._record(Step([result.first_token], result.finish_reason, result.prompt_logprobs))
             return
-        decode = self.pool.pick_decode(prefill, frozenset(self.excluded), self.prompt)  # NOTE: the holder's KV layout
-        if decode is None:
-            raise NoNodeAvailable(f"no healthy decode node shares the KV layout of prefill node {prefill.address}")
-        queue = decode.open(self.request_id)
-        cleanup.holder = decode
-        decode.send_request(protocol.DecodeRequest(self.request_id, self.prompt_ids, self.sampling,
-                                                   result.first_token, result.kv_handle, time.time()), self.prompt)
+        if stream is not None and stream.decode is not None:
+            decode, queue = stream.decode, stream.queue
+            cleanup.holder, cleanup.streaming_to = decode, None
+            decode.send(protocol.KVProgress(self.request_id, result.kv_handle, result.first_token))
+        else:
+            decode = self.pool.pick_decode(prefill, frozenset(self.excluded), self.prompt)  # NOTE: the holder's layout
+            if decode is None:
+                raise NoNodeAvailable(f"no healthy decode node shares the KV layout of prefill node {prefill.address}")
+            queue = decode.open(self.request_id)
+            cleanup.holder = decode
+            decode.send_request(protocol.DecodeRequest(self.request_id, self.prompt_ids, self.sampling,
+                                                       result.first_token, result.kv_handle, time.time()), self.prompt)
         # NOTE: the decode node releases the lease from here on, pulled or not (unless it fails)
         cleanup.lease_holder, cleanup.pulled_from = None, cleanup.lease_holder
         yield self._record(Step([result.first_token], prompt_logprobs=result.prompt_logprobs))
@@ -262,12 +276,58 @@ async def _decode_steps(queue: asyncio.Queue, decode: NodeClient, request_id: st
             return
 
 
+class _Stream:
+    """A streamed pull (protocol.KVProgress): the decode node picked at the prefill's first
+    KVProgress gets the request then, and each KVProgress after; the caller sends it the last one,
+    with the first token. A decode node that cannot be reached ends the stream (the prompt's KV
+    then goes the usual way, to a decode node picked once it is prefilled)."""
+
+    def __init__(self, run: _Run, prefill: NodeClient) -> None:
+        self.run, self.prefill = run, prefill
+        self.decode: NodeClient | None = None
+        self.queue: asyncio.Queue | None = None
+        self.is_given_up = False
+
+    def forward(self, message: protocol.KVProgress) -> None:
+        if self.is_given_up:
+            return
+        run = self.run
+        try:
+            if self.decode is not None:
+                self.decode.send(message)
+                return
+            decode = run.pool.pick_decode(self.prefill, frozenset(run.excluded), run.prompt)
+            if decode is None:
+                return  # none takes it now: asked again at the next KVProgress
+            self.decode, self.queue = decode, decode.open(run.request_id)
+            run.cleanup.streaming_to = decode
+            decode.send_request(protocol.DecodeRequest(run.request_id, run.prompt_ids, run.sampling,
+                                                       kv_handle=message.kv_handle, sent_at=time.time()), run.prompt)
+        except NodeDied as exc:
+            logger.warning("request %s: KV stream to decode node %s ended: %s", run.request_id, self.decode.address,
+                           exc)
+            run.excluded.add(id(self.decode))
+            run.cleanup.streaming_to = None
+            self.decode.close(run.request_id)
+            self.decode = self.queue = None
+            self.is_given_up = True
+
+
 async def _prefill(node: NodeClient, request_id: str, prompt: PromptBlocks, sampling: protocol.SamplingOptions,
-                   timeout_s: float) -> protocol.PrefillResult:
+                   timeout_s: float, stream: _Stream | None = None) -> protocol.PrefillResult:
+    """The prefill node's result; with stream, its KVProgress messages meanwhile are forwarded.
+    timeout_s bounds the whole prefill."""
     queue = node.open(request_id)
+    deadline = time.monotonic() + timeout_s
     try:
-        node.send_request(protocol.PrefillRequest(request_id, prompt.token_ids, sampling, time.time()), prompt)
-        message = await _next(queue, timeout_s, node, request_id)
+        node.send_request(protocol.PrefillRequest(request_id, prompt.token_ids, sampling, time.time(),
+                                                  stream_kv=stream is not None), prompt)
+        while True:
+            message = await _next(queue, max(0.0, deadline - time.monotonic()), node, request_id, timeout_s)
+            if not isinstance(message, protocol.KVProgress):
+                break
+            if stream is not None:
+                stream.forward(message)
     finally:
         node.close(request_id)
     if isinstance(message, protocol.ErrorReply):
@@ -275,7 +335,9 @@ async def _prefill(node: NodeClient, request_id: str, prompt: PromptBlocks, samp
     return message
 
 
-async def _next(queue: asyncio.Queue, timeout_s: float, node: NodeClient, request_id: str):
+async def _next(queue: asyncio.Queue, timeout_s: float, node: NodeClient, request_id: str,
+                timeout_s_named: float | None = None):
+    """The next message; timeout_s_named: the bound the error names (default timeout_s)."""
     # NOTE: asyncio.timeout, not wait_for: on Python 3.11 wait_for drops a cancellation that
     # lands while the queue hands over a message (returns the message instead), and a request
     # whose client left would then stream on for nobody, never aborted on its node.
@@ -283,8 +345,9 @@ async def _next(queue: asyncio.Queue, timeout_s: float, node: NodeClient, reques
         async with asyncio.timeout(timeout_s):
             message = await queue.get()
     except TimeoutError as exc:
+        bound = timeout_s if timeout_s_named is None else timeout_s_named
         raise TimeoutError(f"request {request_id}: no answer from {node.kind} node {node.address} "
-                           f"within {timeout_s:g} s") from exc
+                           f"within {bound:g} s") from exc
     if isinstance(message, Exception):  # NodeDied from the pool's watcher, or the proxy's drain ending it
         raise message
     return message

@@ -42,7 +42,7 @@ def test_regex_choice_and_ebnf_round_trip_and_only_their_field_goes_on_the_wire(
     request = protocol.DecodeRequest("r", [1], SamplingOptions(structured=structured))
     frame = protocol.encode(request)
     assert protocol.decode_to_node(frame) == request and b"json_schema" not in frame
-    assert frame.startswith(b"PD" + (8).to_bytes(2, "big"))  # version 8: the kinds a version 7 node cannot read
+    assert protocol.frame_version(frame) >= 8  # version 8 brought the kinds a version 7 node cannot read
     rules.check_sampling(request.sampling)
 
 
@@ -150,3 +150,14 @@ def test_integer_options_at_their_64_bit_edges_are_accepted_and_sample_without_o
     assert {o.request_id for o in outputs} == {"edges", "greedy"} and all(o.error is None for o in outputs)
     engine.abort("edges")
     engine.check_leaks()
+
+
+def test_kv_progress_goes_both_ways_and_a_streamed_request_asks_for_it():
+    handle = protocol.KVHandle("e-1", "10.0.0.1:5600", [4, 9], 32, 7, 30.0)
+    progress = protocol.KVProgress("r", handle)
+    last = protocol.KVProgress("r", handle, protocol.TokenLogprob(5, -0.5))
+    assert protocol.decode_from_node(protocol.encode(progress)) == progress  # prefill node -> proxy
+    assert protocol.decode_to_node(protocol.encode(last)) == last  # proxy -> decode node, the last with its token
+    request = protocol.PrefillRequest("r", [1, 2], SamplingOptions(), stream_kv=True)
+    assert protocol.decode_to_node(protocol.encode(request)).stream_kv
+    assert not protocol.decode_to_node(protocol.encode(protocol.PrefillRequest("r", [1], SamplingOptions()))).stream_kv

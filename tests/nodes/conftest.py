@@ -36,11 +36,12 @@ DEFAULT_MAX_NUM_SEQS = SchedulerConfig.max_num_seqs
 
 
 def make_engine(model_dir, role: Role = Role.COLOCATED, num_blocks: int = 64, dtype: str = "float32",
-                max_num_seqs: int = 8) -> LLMEngine:
+                max_num_seqs: int = 8,
+                max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens) -> LLMEngine:
     """An engine on model_dir's weights; 8 sequences at a time unless told (the pair tests')."""
     model = ModelConfig.from_pretrained(model_dir, dtype=dtype)
-    return LLMEngine(EngineConfig(model, CacheConfig(num_blocks=num_blocks), SchedulerConfig(max_num_seqs=max_num_seqs),
-                                  role=role))
+    scheduler = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+    return LLMEngine(EngineConfig(model, CacheConfig(num_blocks=num_blocks), scheduler, role=role))
 
 
 def colocated_tokens(model_dir, sampling: dict[str, protocol.SamplingOptions],
@@ -189,11 +190,12 @@ class Pair:
 
 def build_pair(model_dir, *, decode_blocks: int = 64, decode_dtype: str = "float32", lease_timeout_s: float = 30.0,
                num_polls_per_read: int = 1, decode_max_seqs: int = 8, prefill_blocks: int = 64,
-               metered: bool = False) -> Pair:
+               metered: bool = False, prefill_chunk: int = SchedulerConfig.max_num_batched_tokens) -> Pair:
     """metered: the connectors built as a node process builds them (node.transfer.connector_for:
-    metered, default timeouts, not on the pair's clock); num_polls_per_read applies without."""
+    metered, default timeouts, not on the pair's clock); num_polls_per_read applies without.
+    prefill_chunk: the prefill engine's token budget per step (a longer prompt takes chunks)."""
     registry, clock = FakeRegistry(), Clock()
-    prefill_engine = make_engine(model_dir, Role.PREFILL, prefill_blocks)
+    prefill_engine = make_engine(model_dir, Role.PREFILL, prefill_blocks, max_num_batched_tokens=prefill_chunk)
     decode_engine = make_engine(model_dir, Role.DECODE, decode_blocks, decode_dtype, decode_max_seqs)
     if metered:
         holder = connector_for(prefill_engine, TransferConfig(backend="fake"), "prefill", registry)

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import time
+
+import msgspec
 
 from engine import protocol
 from proxy.nodes import NodePool
@@ -61,3 +64,118 @@ def test_a_request_cancelled_as_its_next_tokens_arrive_is_aborted_on_its_node():
     sent = asyncio.run(main())
     assert [type(m) for m in sent] == [protocol.DecodeRequest, protocol.Abort]
     assert sent[1].request_ids == ["r1"]
+
+
+def _streaming_pool(kv_stream_min_tokens: int | None = 0) -> NodePool:
+    """One prefill and one decode node behind recording sockets, reporting."""
+    pool = NodePool(("127.0.0.1:1",), ("127.0.0.1:2",), heartbeat_timeout_s=60,
+                    kv_stream_min_tokens=kv_stream_min_tokens)
+    for node, role in ((pool.prefill[0], protocol.Role.PREFILL), (pool.decode[0], protocol.Role.DECODE)):
+        node.socket = _RecordingSocket()
+        node.last_report = msgspec.structs.replace(_report(block_size=16, num_free_blocks=100), role=role)
+        node.last_seen = time.monotonic()
+    return pool
+
+
+_HANDLE = protocol.KVHandle("p-1", "127.0.0.1:9", [3, 4, 5], 40, 7, 30.0)
+
+
+def _part(num_blocks: int) -> protocol.KVProgress:
+    return protocol.KVProgress("r", msgspec.structs.replace(_HANDLE, block_ids=_HANDLE.block_ids[:num_blocks],
+                                                            num_tokens=16 * num_blocks))
+
+
+async def _turn() -> None:
+    for _ in range(10):
+        await asyncio.sleep(0)
+
+
+def test_a_streamed_prompt_reaches_its_decode_node_chunk_by_chunk_then_with_its_first_token():
+    async def main() -> tuple[list, list, list[int]]:
+        pool = _streaming_pool()
+        try:
+            [prefill], [decode] = pool.prefill, pool.decode
+            tokens = []
+
+            async def consume() -> None:
+                async for step in run_request(pool, "r", list(range(1, 41)), protocol.SamplingOptions(max_tokens=3),
+                                              5.0, 5.0):
+                    tokens.extend(t.token_id for t in step.tokens)
+
+            task = asyncio.create_task(consume())
+            await _turn()
+            assert decode.socket.sent == []  # no decode node before the first chunk's KV
+            prefill.queues["r"].put_nowait(_part(1))
+            await _turn()
+            prefill.queues["r"].put_nowait(_part(2))
+            await _turn()
+            first = protocol.TokenLogprob(11)
+            prefill.queues["r"].put_nowait(protocol.PrefillResult("r", first, 40, _HANDLE))
+            await _turn()
+            decode.queues["r"].put_nowait(protocol.RequestDelta("r", [protocol.TokenLogprob(12),
+                                                                     protocol.TokenLogprob(13)], 1, "length"))
+            await asyncio.wait_for(task, 5)
+            return prefill.socket.sent, decode.socket.sent, tokens
+        finally:
+            pool.context.term()
+
+    to_prefill, to_decode, tokens = asyncio.run(main())
+    assert [type(m) for m in to_prefill] == [protocol.PrefillRequest] and to_prefill[0].stream_kv
+    start, part, last = to_decode
+    assert isinstance(start, protocol.DecodeRequest) and start.first_token is None
+    assert start.kv_handle == _part(1).kv_handle and start.prompt_token_ids == list(range(1, 41))
+    assert part == _part(2)
+    assert last == protocol.KVProgress("r", _HANDLE, protocol.TokenLogprob(11))
+    assert tokens == [11, 12, 13]
+
+
+def test_a_prefill_failing_mid_stream_aborts_the_streamed_pull_too():
+    async def main() -> tuple[list, list]:
+        pool = _streaming_pool()
+        try:
+            [prefill], [decode] = pool.prefill, pool.decode
+
+            async def consume() -> None:
+                async for _ in run_request(pool, "r", list(range(1, 41)), protocol.SamplingOptions(max_tokens=3),
+                                           5.0, 5.0):
+                    pass
+
+            task = asyncio.create_task(consume())
+            await _turn()
+            prefill.queues["r"].put_nowait(_part(1))
+            await _turn()
+            prefill.queues["r"].put_nowait(protocol.ErrorReply("r", "BadPrompt", "no", is_client_error=True))
+            try:
+                await asyncio.wait_for(task, 5)
+            except Exception as exc:  # noqa: BLE001 - the client's error: the node refused the request
+                assert "no" in str(exc)
+            return prefill.socket.sent, decode.socket.sent
+        finally:
+            pool.context.term()
+
+    to_prefill, to_decode = asyncio.run(main())
+    assert [type(m) for m in to_decode] == [protocol.DecodeRequest, protocol.Abort]
+    assert to_decode[1].request_ids == ["r"]
+
+
+def test_with_streaming_off_the_prefill_is_not_asked_to_stream():
+    async def main() -> list:
+        pool = _streaming_pool(kv_stream_min_tokens=None)
+        try:
+            [prefill] = pool.prefill
+            task = asyncio.create_task(_drain(run_request(pool, "r", [1, 2, 3], protocol.SamplingOptions(), 5.0, 5.0)))
+            await _turn()
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            return prefill.socket.sent
+        finally:
+            pool.context.term()
+
+    sent = asyncio.run(main())
+    assert isinstance(sent[0], protocol.PrefillRequest) and not sent[0].stream_kv
+
+
+async def _drain(stream) -> None:
+    async for _ in stream:
+        pass
