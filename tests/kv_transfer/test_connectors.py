@@ -5,6 +5,7 @@ and with a cluster secret the side channel answers only its holders (and survive
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -440,5 +441,46 @@ def test_a_nixl_reader_asks_for_frequent_progress_only_until_its_read_completes(
         results += poll_until(connector, {"r"} - {r.request_id for r in results}, timeout_s=30).values()
         assert [r.is_ok for r in results] == [True]
         assert not connector.may_transfer()
+    finally:
+        connector.close()
+
+
+@pytest.mark.parametrize("backend", ["nixl", "gloo"])
+def test_parts_of_a_streamed_lease_are_read_unconfirmed_and_its_last_read_confirms_them(backend, holders):
+    """A decode node streaming a prompt's KV: each part's read leaves the lease held (the holder
+    releases nothing), the last read's confirmation ends it, and every part arrived intact."""
+    holder = holders(backend, seed=10)
+    connector, cache = reader(backend)
+    try:
+        lease = holder.lease("s", [3, 8, 5, 1])
+        connector.hold("s", lease)
+        for remote, local in (([3], [10]), ([8, 5], [11, 12])):
+            connector.start_read("s", dataclasses.replace(lease, block_ids=remote), local, confirm=False)
+            assert poll_until(connector, {"s"}, timeout_s=20)["s"].is_ok
+        connector.start_read("probe", holder.lease("probe", [0]), [0])  # its release comes after any of "s"
+        assert poll_until(connector, {"probe"}, timeout_s=20)["probe"].is_ok
+        assert holder.released(1) == {"probe"}  # "s" still held: nothing of it confirmed yet
+        assert torch.equal(cache[[10, 11, 12]], holder.cache[[3, 8, 5]])
+        connector.start_read("s", dataclasses.replace(lease, block_ids=[1]), [13])
+        assert poll_until(connector, {"s"}, timeout_s=20)["s"].is_ok
+        assert holder.released(1) == {"s"}
+        assert torch.equal(cache[[10, 11, 12, 13]], holder.cache[[3, 8, 5, 1]])
+        assert connector.num_reads_in_flight == 0
+    finally:
+        connector.close()
+
+
+def test_a_streamed_lease_that_ended_after_a_part_was_read_fails_its_last_read_as_lease_lost(holders):
+    holder = holders("nixl", seed=11)
+    connector, _ = reader("nixl")
+    try:
+        lease = holder.lease("x", [2, 4])
+        connector.hold("x", lease)
+        connector.start_read("x", dataclasses.replace(lease, block_ids=[2]), [6], confirm=False)
+        assert poll_until(connector, {"x"}, timeout_s=20)["x"].is_ok
+        holder.expire("x")  # freed and reused before the prompt finished
+        connector.start_read("x", dataclasses.replace(lease, block_ids=[4]), [7])
+        result = poll_until(connector, {"x"}, timeout_s=20)["x"]
+        assert not result.is_ok and result.failure is FailureCode.LEASE_LOST, result
     finally:
         connector.close()

@@ -234,6 +234,26 @@ def test_lease_generations_gate_renewal_confirmation_and_release():
     assert leases.release_owned(b"p1") == [("b", [4])] and leases.request_ids() == ["c"]
 
 
+def test_a_streams_lease_hands_no_block_back_until_it_takes_over_the_finished_prompts():
+    """Its blocks are a running request's until grow(owns_blocks=True): ending it any way hands
+    none back (they would be freed twice); after the hand-over it ends as any lease."""
+    clock = Clock()
+    leases = LeaseTable(5.0, clock)
+    streams = {rid: leases.add(rid, [1, 2], owner=b"p", owns_blocks=False) for rid in "abcde"}
+    assert leases.grow("a", streams["a"], [1, 2, 7]) and leases.blocks_of("a", streams["a"]) == [1, 2, 7]
+    with pytest.raises(ValueError, match="request a"):
+        leases.grow("a", streams["a"], [2, 1, 7, 8])  # not where the lease's blocks begin
+    assert not leases.grow("a", streams["a"] + 100, [1, 2, 7, 8])  # another generation: nothing done
+    assert leases.end("a", streams["a"]) and leases.pop_ended() == []  # confirmed, but nothing to free
+    assert leases.release("b") == []
+    assert leases.release_owned(b"p") == [("c", []), ("d", []), ("e", [])]
+    lease = leases.add("f", [4], owns_blocks=False)
+    assert leases.grow("f", lease, [4, 5], owns_blocks=True)  # the prompt finished: its blocks are the lease's
+    assert leases.end("f", lease) and leases.pop_ended() == [("f", [4, 5])]
+    leases.add("g", [6], owns_blocks=False)
+    assert leases.pop_expired(clock.now + 5.0) == [("g", [])]
+
+
 def test_read_whose_lease_ended_first_is_reported_lease_lost_and_its_data_unused(world):
     registry, clock, holder = world
     reader = make_reader(registry, clock, num_polls_per_read=2)
