@@ -4,8 +4,9 @@
 # engine benchmark (benchmarks/gpu_engine.py: its models made on the device), KV reads of GPU
 # memory between two processes over NIXL (benchmarks/kv_transfer_gpu.py: GB/s and UCX's transport),
 # 1P+1D against colocated served through the proxy (benchmarks/gpu_served.py, on the engine
-# benchmark's llama-1b), the kernel tests, then the Triton kernels' benchmark. STEPS picks among engine,
-# gpu_engine, kv, served, kernels and bench (default the first five, in that order). TOTAL_S (default
+# benchmark's llama-1b), the KV pull streamed chunk by chunk against whole (benchmarks/kv_streaming.py,
+# same model, two nodes on the GPU), the kernel tests, then the Triton kernels' benchmark. STEPS picks
+# among engine, gpu_engine, kv, served, stream, kernels and bench (default the first six, in that order). TOTAL_S (default
 # 480) bounds the whole: each step's timeout is cut to what is left, and a step with under 20 s left is
 # skipped. Logs go to a scratch folder; OUT_DIR (default benchmarks/out/gpu) gets summary.txt as it
 # grows, and after each step results/*.json and all the logs as gpu_checks.tgz (a device call brings
@@ -16,7 +17,7 @@
 set -u
 dest=${1:-benchmarks/out/gpu}
 shift || true
-steps=${*:-engine gpu_engine kv served kernels}
+steps=${*:-engine gpu_engine kv served stream kernels}
 total=${TOTAL_S:-480}
 out=$(mktemp -d "${TMPDIR:-/tmp}/gpu_checks.XXXXXX")
 mkdir -p "$out/results" "$dest/results"
@@ -75,6 +76,9 @@ for step in $steps; do
                 run_for "$left" python3 benchmarks/gpu_served.py --budget-s $((left - 5)) --log-dir "$out/served_logs" \
                     2>&1 | tee "$out/gpu_served.log" | grep -v '^RESULT'
                 rc=${PIPESTATUS[0]} ;;
+        stream) run_for "$(limit 100)" python3 benchmarks/kv_streaming.py --device cuda --dtype bfloat16 \
+                    --model-dir .cache/models/llama-1b-bf16 --rounds 4 2>&1 | tee "$out/kv_streaming.log" | grep -v '^RESULT'
+                rc=${PIPESTATUS[0]} ;;
         # Workers run torch on two threads each: the CPU kernels' tests run here too, built first as an
         # install builds them (setup.py; build outputs do not travel).
         kernels) run_for "$(limit 120)" python3 setup.py -q build_ext --inplace -j "$(nproc)" \
@@ -92,5 +96,6 @@ grep -E "decode batch|prefill [0-9]|offline|transformers generate|graphs capture
     >>"$summary" 2>/dev/null
 grep -E "GB/s|failed|timed out" "$out/kv_transfer_gpu.log" >>"$summary" 2>/dev/null
 grep -E "tok/s|colocated|failed|skipped" "$out/gpu_served.log" >>"$summary" 2>/dev/null
+grep -E "^\| [0-9]|streamed / whole" "$out/kv_streaming.log" >>"$summary" 2>/dev/null
 save
 cat "$summary"

@@ -12,6 +12,7 @@ the second gap minus TPOT; the table gives it per prompt length and mode, with t
 streamed / whole.
 
     .venv/bin/python benchmarks/kv_streaming.py [--lengths 512 4096] [--rounds 6] [--chunk 1024]
+    python3 benchmarks/kv_streaming.py --device cuda --dtype bfloat16 --model-dir DIR   # on a GPU
 
 --chunk is the prefill node's --max-num-batched-tokens: with 1024, a 512-token prompt is one
 chunk (nothing to stream: the control) and a 4,096-token one is four. Prints progress, the
@@ -34,7 +35,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks.results_io import write_result  # noqa: E402
+from benchmarks.results_served import plot_kv_streaming  # noqa: E402
 from pdserve.default_model import ensure_model  # noqa: E402
+from pdserve.gpus import gpu_plan, visible_gpus  # noqa: E402
 from pdserve.launcher import start_local, wait_healthy  # noqa: E402
 from pdserve.ports import free_port  # noqa: E402
 from pdserve.tune_space import NO_LOCAL_PREFILL  # noqa: E402
@@ -80,13 +83,20 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6, help="requests per mode and length (after one warm-up)")
     parser.add_argument("--output-len", type=int, default=8)
     parser.add_argument("--chunk", type=int, default=1024, help="the nodes' --max-num-batched-tokens")
+    parser.add_argument("--model-dir", default=None, help="a checkpoint to use instead of the preset")
+    parser.add_argument("--device", default="cpu", help="the nodes' --device (cuda: both on the visible GPUs, "
+                        "each its own where there are two, else sharing one)")
+    parser.add_argument("--dtype", default="auto")
     args = parser.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
-    model_dir = ensure_model(REPO / ".cache" / "models" / args.model_preset, args.model_preset)
-    node_args = ["--max-num-batched-tokens", str(args.chunk), "--transfer-backend", "nixl"]
+    model_dir = (Path(args.model_dir) if args.model_dir else
+                 ensure_model(REPO / ".cache" / "models" / args.model_preset, args.model_preset))
+    node_args = ["--max-num-batched-tokens", str(args.chunk), "--transfer-backend", "nixl", "--device", args.device,
+                 "--dtype", args.dtype, "--max-model-len", str(max(args.lengths) + args.output_len + 64)]
+    gpus = gpu_plan(1, 1, visible=visible_gpus()) if args.device != "cpu" else None
     deployment = start_local(model_dir, num_prefill=1, num_decode=1, node_args=node_args,
                              proxy_args=[*NO_LOCAL_PREFILL, "--kv-stream-min-tokens", "0"], log_dir=OUT / "logs",
-                             pin_cpus=True)
+                             pin_cpus=args.device == "cpu", gpus=gpus)
     try:
         wait_healthy(deployment, 300)
         proxy_argv = list(deployment.cluster.argvs["proxy"])
@@ -109,9 +119,10 @@ def main() -> None:
     finally:
         deployment.stop()
     print_table(rows)
-    plot(rows, OUT / "kv_streaming.png")
+    plot_kv_streaming(rows, OUT / "kv_streaming.png")
     payload = {"rows": rows, "chunk": args.chunk, "output_len": args.output_len, "rounds": args.rounds,
-               "model": args.model_preset, "plot": str((OUT / "kv_streaming.png").relative_to(REPO))}
+               "model": model_dir.name, "device": args.device, "dtype": args.dtype,
+               "plot": str((OUT / "kv_streaming.png").relative_to(REPO))}
     (OUT / "result.json").write_text(json.dumps(payload, indent=1))
     write_result("kv_streaming", payload)
 
@@ -160,26 +171,6 @@ def print_table(rows: list[dict]) -> None:
         ratio = row["pull_cost_ratio"]
         print(f"{row['length']} tokens: pull cost streamed / whole = {ratio:.2f}" if ratio is not None else
               f"{row['length']} tokens: no pull cost measured")
-
-
-def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    width = 0.35
-    xs = range(len(rows))
-    for k, mode in enumerate(MODES):
-        ax.bar([x + (k - 0.5) * width for x in xs], [r[f"{mode}_pull_cost_s"] * 1e3 for r in rows], width,
-               label=mode)
-    ax.set_xticks(list(xs), [f"{r['length']} tokens" for r in rows])
-    ax.set_ylabel("pull cost: 1st->2nd token gap - TPOT (ms)")
-    ax.set_title("KV pulled whole vs streamed chunk by chunk (1P+1D, CPU)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":

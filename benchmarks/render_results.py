@@ -51,7 +51,7 @@ RENDERERS: dict[str, Callable[[list[dict]], tuple[list[str], list]]] = {
     "gpu_engine": results_gpu.render_gpu_engine, "kv_transfer_gpu": results_gpu.render_kv_transfer_gpu,
     "gpu_served": results_gpu.render_gpu_served, "tensor_parallel": results_cpu.render_tensor_parallel,
     "kv_transfer_tp": results_cpu.render_kv_transfer_tp, "hostile_soak": results_served.render_hostile_soak,
-    "core_lending": results_served.render_core_lending,
+    "core_lending": results_served.render_core_lending, "kv_streaming": results_served.render_kv_streaming,
 }
 
 

@@ -243,3 +243,40 @@ def render_ab_trees(records: list[dict]) -> tuple[list[str], list]:
     lines = [f"`{result['preset']}`, {result['dtype']}: tree A `{result['tree_a']}`, tree B `{result['tree_b']}`.", ""]
     lines += table(["mode", "A tok/s", "B tok/s", "B / A", "each round's B / A"], rows)
     return lines + ["", "- " + provenance(record), ""], []
+
+
+def render_kv_streaming(records: list[dict]) -> tuple[list[str], list]:
+    """The newest run: per prompt length, the pull streamed chunk by chunk against whole."""
+    record = records[-1]
+    r = record["result"]
+    rows = []
+    for row in r["rows"]:
+        for mode in ("streamed", "whole"):
+            rows.append([f"{row['length']:,}", mode, num(row[f"{mode}_ttft_s"] * 1e3, 1),
+                         num(row[f"{mode}_second_gap_s"] * 1e3, 1), num(row[f"{mode}_tpot_s"] * 1e3, 1),
+                         num(row[f"{mode}_pull_cost_s"] * 1e3, 1)])
+        ratio = row["pull_cost_ratio"]
+        rows.append(["", "**streamed / whole**", "", "", "", f"**{ratio:.2f}x**" if ratio is not None else ""])
+    device = r.get("device", "cpu")
+    where = "one core each" if device == "cpu" else f"{device}, {r.get('dtype')}"
+    lines = [f"{r['model']}, 1 prefill + 1 decode node ({where}, NIXL, chunks of {r['chunk']:,} tokens), two "
+             f"proxies on them, one streaming the KV and one not; one request at a time, alternating, "
+             f"{r['rounds']} per mode and length, medians; pull cost = the gap from the first token to the second "
+             "minus TPOT:", ""]
+    lines += table(["prompt tokens", "KV pull", "TTFT ms", "1st -> 2nd token ms", "TPOT ms", "pull cost ms"], rows)
+    lines += ["", "- " + provenance(record), ""]
+    return with_plot(lines, "kv_streaming.png", "pull cost, streamed vs whole",
+                     lambda path: plot_kv_streaming(r["rows"], path))
+
+
+def plot_kv_streaming(rows: list[dict], path: Path) -> None:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    width = 0.35
+    for k, mode in enumerate(("streamed", "whole")):
+        ax.bar([x + (k - 0.5) * width for x in range(len(rows))], [row[f"{mode}_pull_cost_s"] * 1e3 for row in rows],
+               width, label=mode)
+    ax.set_xticks(list(range(len(rows))), [f"{row['length']:,} tokens" for row in rows])
+    ax.set_ylabel("pull cost (ms): 1st->2nd token gap - TPOT")
+    ax.legend()
+    save(fig, path)
