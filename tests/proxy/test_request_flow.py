@@ -179,3 +179,25 @@ def test_with_streaming_off_the_prefill_is_not_asked_to_stream():
 async def _drain(stream) -> None:
     async for _ in stream:
         pass
+
+
+def test_a_client_leaving_mid_stream_aborts_the_prefill_and_the_streamed_pull():
+    async def main() -> tuple[list, list]:
+        pool = _streaming_pool()
+        try:
+            [prefill], [decode] = pool.prefill, pool.decode
+            task = asyncio.create_task(_drain(run_request(pool, "r", list(range(1, 41)),
+                                                          protocol.SamplingOptions(max_tokens=3), 5.0, 5.0)))
+            await _turn()
+            prefill.queues["r"].put_nowait(_part(1))
+            await _turn()
+            task.cancel()  # the client left while the prompt was still prefilled
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            return prefill.socket.sent, decode.socket.sent
+        finally:
+            pool.context.term()
+
+    to_prefill, to_decode = asyncio.run(main())
+    assert [type(m) for m in to_prefill] == [protocol.PrefillRequest, protocol.Abort]
+    assert [type(m) for m in to_decode] == [protocol.DecodeRequest, protocol.Abort]
