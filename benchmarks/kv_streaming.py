@@ -149,6 +149,12 @@ def run(urls: dict[str, str], health: dict[str, str], args) -> list[dict]:
             row[f"{mode}_pull_cost_s"] = statistics.median(s["second_gap_s"] - s["tpot_s"] for s in samples[mode])
         whole = row["whole_pull_cost_s"]
         row["pull_cost_ratio"] = row["streamed_pull_cost_s"] / whole if whole > 0 else None
+        # Each round's streamed request against its whole one (sent next to it): what streaming
+        # costs the prefill, if anything, without the drift between rounds.
+        row["ttft_ratio_each_round"] = [a["ttft_s"] / b["ttft_s"] for a, b in zip(samples["streamed"],
+                                                                                   samples["whole"])]
+        row["ttft_ratio"] = statistics.median(row["ttft_ratio_each_round"])
+        row["samples"] = samples
         rows.append(row)
     streamed = node_counter(health["decode0"], "pdserve_node_kv_streamed_total") - streamed_before
     for row in rows:
@@ -168,6 +174,8 @@ def print_table(rows: list[dict]) -> None:
                   f"{row[f'{mode}_second_gap_s'] * 1e3:.1f} | {row[f'{mode}_tpot_s'] * 1e3:.1f} | "
                   f"{row[f'{mode}_pull_cost_s'] * 1e3:.1f} |")
     for row in rows:
+        print(f"{row['length']} tokens: TTFT streamed / whole, each round's pair: median {row['ttft_ratio']:.3f} "
+              f"({min(row['ttft_ratio_each_round']):.3f}-{max(row['ttft_ratio_each_round']):.3f})")
         ratio = row["pull_cost_ratio"]
         print(f"{row['length']} tokens: pull cost streamed / whole = {ratio:.2f}" if ratio is not None else
               f"{row['length']} tokens: no pull cost measured")

@@ -256,13 +256,14 @@ def render_kv_streaming(records: list[dict]) -> tuple[list[str], list]:
                          num(row[f"{mode}_second_gap_s"] * 1e3, 1), num(row[f"{mode}_tpot_s"] * 1e3, 1),
                          num(row[f"{mode}_pull_cost_s"] * 1e3, 1)])
         ratio = row["pull_cost_ratio"]
-        rows.append(["", "**streamed / whole**", "", "", "", f"**{ratio:.2f}x**" if ratio is not None else ""])
+        ttft = f"{row['ttft_ratio']:.3f}x ({rng(row['ttft_ratio_each_round'])})" if "ttft_ratio" in row else ""
+        rows.append(["", "**streamed / whole**", ttft, "", "", f"**{ratio:.2f}x**" if ratio is not None else ""])
     device = r.get("device", "cpu")
     where = "one core each" if device == "cpu" else f"{device}, {r.get('dtype')}"
     lines = [f"{r['model']}, 1 prefill + 1 decode node ({where}, NIXL, chunks of {r['chunk']:,} tokens), two "
              f"proxies on them, one streaming the KV and one not; one request at a time, alternating, "
-             f"{r['rounds']} per mode and length, medians; pull cost = the gap from the first token to the second "
-             "minus TPOT:", ""]
+             f"{r['rounds']} per mode and length, medians (TTFT ratio: the median of each round's pair, its range); "
+             "pull cost = the gap from the first token to the second minus TPOT:", ""]
     lines += table(["prompt tokens", "KV pull", "TTFT ms", "1st -> 2nd token ms", "TPOT ms", "pull cost ms"], rows)
     lines += ["", "- " + provenance(record), ""]
     return with_plot(lines, "kv_streaming.png", "pull cost, streamed vs whole",
