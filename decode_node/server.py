@@ -157,6 +157,12 @@ class DecodeNode(NodeServer):
     def has_pending_work(self) -> bool:
         return bool(self._admission or self._pulls or self._held)
 
+    def needs_polling(self) -> bool:
+        """Not for streams waiting for their next KVProgress (its arrival wakes the loop): a
+        decode node would otherwise spin its loop through a long prompt's whole prefill."""
+        return bool(self._admission or self._held or any(not p.is_streaming or p.part is not None
+                                                         for p in self._pulls.values()))
+
     def poll_transfers(self) -> None:
         self._start_pulls()
         for result in self.connector.poll():

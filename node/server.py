@@ -161,7 +161,7 @@ class NodeServer:
             # before this, a node back from a 40 s stall aborted its proxy's requests as orphans.
             self.proxies.forgive(away)
         self.last_progress_at = now
-        busy = self.engine.has_unfinished() or self._has_work_beside_engine()
+        busy = self.engine.has_unfinished() or self.needs_polling() or len(self.grammar_gate) > 0
         self._receive_all(timeout_ms=0 if self.engine.has_unfinished() else (_BUSY_POLL_MS if busy else _IDLE_POLL_MS))
         self._admit_compiled()
         self.poll_transfers()
@@ -203,6 +203,11 @@ class NodeServer:
     def has_pending_work(self) -> bool:
         """True while transfers are in flight (the loop then polls them without idling)."""
         return False
+
+    def needs_polling(self) -> bool:
+        """True while work beside the engine moves on without a message to wake the loop
+        (transfers in flight): the loop then looks every _BUSY_POLL_MS."""
+        return self.has_pending_work()
 
     def has_request(self, request_id: str) -> bool:
         """Whether request_id is in use here beyond the requests proxies own (a prefill lease)."""

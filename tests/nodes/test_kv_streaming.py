@@ -252,3 +252,23 @@ def test_a_streamed_pull_is_counted_on_both_nodes_metrics(pair_factory, tiny_mod
     assert value(decode, "pdserve_node_kv_pull_wait_seconds_count") == 1
     assert value(decode, "pdserve_node_kv_pull_fallbacks_total") == 0
     assert_nothing_held(pair)
+
+
+def test_a_stream_waiting_for_its_next_chunk_keeps_its_node_from_draining_but_not_busy(reads, pair_factory):
+    """The decode node's loop looks every 2 ms only while a read is in flight: a stream waiting for
+    the next KVProgress is woken by its arrival (a long prefill would spin the loop throughout)."""
+    pair, started = reads
+    relay = Relay(pair, "w", LONG)
+    relay.run(lambda: started and pair.decode.connector.num_reads_in_flight == 0)
+    assert relay.result is None and not pair.decode.needs_polling()
+    assert pair.decode.has_pending_work()  # still a request here: the node does not count as drained
+    relay.run(lambda: pair.tokens_of("w") is not None)
+    assert_nothing_held_once_released(pair)
+    hung = pair_factory(prefill_chunk=16)
+    hung.decode.connector.inject("h", "hang")
+    relay = Relay(hung, "h", LONG)
+    relay.run(lambda: hung.decode.connector.num_reads_in_flight == 1)
+    assert hung.decode.needs_polling()  # a read in flight
+    for node in (hung.prefill, hung.decode):
+        node.handle_message(PROXY, protocol.Abort(["h"]))
+    assert_nothing_held_once_released(hung)
