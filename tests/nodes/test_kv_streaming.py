@@ -6,6 +6,8 @@ the rest; aborts and early finishes leave nothing held on either side."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -238,6 +240,8 @@ def test_a_streamed_handle_that_names_the_whole_prompt_is_refused(pair):
 def test_a_streamed_pull_is_counted_on_both_nodes_metrics(pair_factory, tiny_model_dir):
     pair = pair_factory(prefill_chunk=16, metered=True)
     relay = Relay(pair, "m", LONG)
+    relay.run(lambda: pair.results(protocol.PrefillResult))
+    time.sleep(1.5)  # as if the prefill's last steps took that long
     relay.run(lambda: pair.tokens_of("m") is not None)
     pair.run(release_notices_processed(pair))
     pair.prefill.run_once()
@@ -251,6 +255,9 @@ def test_a_streamed_pull_is_counted_on_both_nodes_metrics(pair_factory, tiny_mod
     assert value(decode, "pdserve_node_kv_pull_seconds_count") == 5  # four parts and the rest
     assert value(decode, "pdserve_node_kv_pull_wait_seconds_count") == 1
     assert value(decode, "pdserve_node_kv_pull_fallbacks_total") == 0
+    # The decode node's request metrics start at the last KVProgress, as a whole pull's at its
+    # request: here 1.5 s after the first chunk reached it.
+    assert value(decode, "vllm:e2e_request_latency_seconds_sum") < 1.5
     assert_nothing_held(pair)
 
 
