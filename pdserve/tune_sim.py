@@ -25,9 +25,10 @@ from pdserve.tune_space import Layout, Slo, Workload
 # context tokens, a mixed step as their sum with one fixed cost), times the profile's contention
 # factor for a step started while another node is mid-step; the proxy's routing (prefill: fewest queued prompt tokens;
 # decode/colocated: most free KV, then fewest requests); a decode node starting pulls only between
-# steps and below max_num_seqs, each pull lasting profile.transfer_s, the request joining at the
-# next step.
-# Left out: preemption (a request reserves its whole KV at admission), the proxy's, HTTP's and the
+# steps and below max_num_seqs, each pull lasting profile.transfer_s of the prompt's last chunk (the
+# rest streamed while it was prefilled: streamed_tail), the request joining at the next step.
+# Left out: preemption (a request reserves its whole KV at admission), a streamed prompt's decode
+# blocks taken from its first chunk on and chunks shared with other prompts in a step, the proxy's, HTTP's and the
 # node loop's own CPU time apart from the fixed per-step cost the served calibration adds (tune.py),
 # the proxy's conditional disaggregation (layouts run with it off), report staleness, EOS (the
 # workload asks for exactly output_len tokens), and other load on the machine.
@@ -219,7 +220,7 @@ class _Simulation:
             job = engine.admission.popleft()
             engine.num_held_tokens += engine.reserved_tokens(job)
             engine.num_pulls += 1
-            self.at(now_s + self.profile.transfer_s(job.num_prompt_tokens),
+            self.at(now_s + self.profile.transfer_s(streamed_tail(job.num_prompt_tokens, engine.layout)),
                     lambda now, job=job: self.pulled(engine, job, now))
 
     def pulled(self, engine: _Engine, job: _Job, now_s: float) -> None:
@@ -228,6 +229,14 @@ class _Simulation:
         if not engine.is_busy:
             self.start_pulls(engine, now_s)
             self.kick(engine, now_s)
+
+
+def streamed_tail(num_prompt_tokens: int, layout: Layout) -> int:
+    """The prompt tokens whose KV a decode node still reads once the prompt is prefilled: the
+    proxy streams by default (--kv-stream-min-tokens 0), so a prompt of several chunks has had
+    all but its last chunk read while the prefill ran (architecture.md, KV streaming)."""
+    budget = layout.max_num_batched_tokens
+    return num_prompt_tokens - budget * ((num_prompt_tokens - 1) // budget)
 
 
 @dataclass(frozen=True)

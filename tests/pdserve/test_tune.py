@@ -22,7 +22,7 @@ from pdserve.tune_profile import (
     attention_pairs,
     fit_linear,
 )
-from pdserve.tune_sim import SimPlan, attainment_at, bench_arrivals, predict_goodput, simulate
+from pdserve.tune_sim import SimPlan, attainment_at, bench_arrivals, predict_goodput, simulate, streamed_tail
 from pdserve.tune_space import Layout, Slo, Workload, enumerate_layouts
 
 
@@ -58,6 +58,14 @@ def test_lone_disaggregated_request_pays_the_pull_once_in_its_tpot():
     outcome = simulate(DISAGG_1_1, profile, workload, [0.0])
     assert outcome.ttft_s[0] == pytest.approx(0.5)
     assert outcome.tpot_s[0] == pytest.approx((profile.transfer_s(500) + 10 * 0.02) / 10)
+
+
+def test_a_chunked_prompts_pull_after_its_prefill_is_only_its_last_chunks_the_rest_was_streamed():
+    profile = replace(make_profile(), copy_bytes_per_s=1e4)  # a slow pull: 1 byte of KV per token
+    layout = Layout(1, 1, max_num_batched_tokens=256)
+    assert [streamed_tail(n, layout) for n in (100, 256, 257, 600, 768)] == [100, 256, 1, 88, 256]
+    outcome = simulate(layout, profile, Workload(600, 11), [0.0])
+    assert outcome.tpot_s[0] == pytest.approx((profile.transfer_s(88) + 10 * 0.02) / 10)
 
 
 def test_chunked_prefill_takes_one_step_per_chunk_with_attention_to_earlier_chunks():
