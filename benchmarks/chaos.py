@@ -21,6 +21,7 @@ Target: >= 99.5% completed (of those not disconnected on purpose), 0 wrong, 0 le
 <= 2 s.
 
     .venv/bin/python benchmarks/chaos.py [--duration-s 300] [--streams 4] [--kill-every-s 30]
+        [--long-prompts 8 --chunk 128 --no-prefix-caching]   # prompts of several chunks: KV streamed
 
 Ends with `RESULT {json}`.
 """
@@ -51,6 +52,9 @@ from tests.e2e.conftest import node_load  # noqa: E402
 
 MAX_TOKENS = 48
 PROMPTS = [f"chaos prompt {i}: " + "the quick brown fox jumps over the lazy dog " * (1 + i % 5) for i in range(16)]
+# Hundreds of tokens each: several chunks under --chunk 128, so their KV is streamed.
+LONG_PROMPTS = [f"long chaos prompt {i}: " + "a lazy dog sleeps under the quick brown fox " * (12 + 4 * i)
+                for i in range(8)]
 
 
 @dataclass
@@ -236,9 +240,18 @@ def main() -> int:
     parser.add_argument("--num-blocks", type=int, default=None, help="per node (default: sized by each node)")
     parser.add_argument("--standby", action=argparse.BooleanOptionalAction, default=True,
                         help="restart nodes from a standby process (as pdserve up does)")
+    parser.add_argument("--long-prompts", type=int, default=0, choices=range(len(LONG_PROMPTS) + 1),
+                        help="add this many long prompts (hundreds of tokens) to the mix")
+    parser.add_argument("--chunk", type=int, default=None, help="the nodes' --max-num-batched-tokens")
+    parser.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                        help="the nodes' prefix caching (off: a repeated prompt is prefilled, and its KV "
+                             "pulled, in full each time)")
     args = parser.parse_args()
+    PROMPTS.extend(LONG_PROMPTS[:args.long_prompts])
     log_dir = Path(tempfile.mkdtemp(prefix="pdserve-chaos-"))
     node_args = ["--max-num-seqs", "32"] + (["--num-blocks", str(args.num_blocks)] if args.num_blocks else [])
+    node_args += ["--max-num-batched-tokens", str(args.chunk)] if args.chunk else []
+    node_args += [] if args.prefix_caching else ["--no-enable-prefix-caching"]
     deployment = start_local(_tiny_model(), num_prefill=2, num_decode=2, log_dir=log_dir, pin_cpus=False,
                              node_args=node_args)
     try:
@@ -268,6 +281,11 @@ def main() -> int:
             _recovery(kill, counts)
         wait_healthy(deployment, 120)
         result = _result(counts, kills, _leaks(deployment), rss_start, _rss_all(deployment), log_dir)
+        # NOTE: counted by each node since its last start (a restarted node starts from 0).
+        result["streamed_kv_since_restarts"] = {name: node_load(address).num_kv_streamed
+                                                for name, address in deployment.node_addresses.items()}
+        result["long_prompts"], result["chunk"], result["prefix_caching"] = (args.long_prompts, args.chunk,
+                                                                             args.prefix_caching)
     finally:
         deployment.stop()
     print(json.dumps({k: v for k, v in result.items() if k != "errors"}, indent=1))  # noqa: T201 - the CLI's output

@@ -217,10 +217,9 @@ class _Run:
             cleanup.is_finished = True
             yield self._record(Step([result.first_token], result.finish_reason, result.prompt_logprobs))
             return
-        if stream is not None and stream.decode is not None:
+        if stream is not None and stream.finish(result):
             decode, queue = stream.decode, stream.queue
             cleanup.holder, cleanup.streaming_to = decode, None
-            decode.send(protocol.KVProgress(self.request_id, result.kv_handle, result.first_token))
         else:
             decode = self.pool.pick_decode(prefill, frozenset(self.excluded), self.prompt)  # NOTE: the holder's layout
             if decode is None:
@@ -278,9 +277,10 @@ async def _decode_steps(queue: asyncio.Queue, decode: NodeClient, request_id: st
 
 class _Stream:
     """A streamed pull (protocol.KVProgress): the decode node picked at the prefill's first
-    KVProgress gets the request then, and each KVProgress after; the caller sends it the last one,
-    with the first token. A decode node that cannot be reached ends the stream (the prompt's KV
-    then goes the usual way, to a decode node picked once it is prefilled)."""
+    KVProgress gets the request then, each KVProgress after, and the last one, with the first
+    token (finish). A decode node that cannot be reached, died or answered meanwhile (a refusal)
+    ends the stream: the prompt's KV then goes the usual way, to a decode node picked once it is
+    prefilled, rather than the request failing before its first token (and prefilling again)."""
 
     def __init__(self, run: _Run, prefill: NodeClient) -> None:
         self.run, self.prefill = run, prefill
@@ -304,13 +304,37 @@ class _Stream:
             decode.send_request(protocol.DecodeRequest(run.request_id, run.prompt_ids, run.sampling,
                                                        kv_handle=message.kv_handle, sent_at=time.time()), run.prompt)
         except NodeDied as exc:
-            logger.warning("request %s: KV stream to decode node %s ended: %s", run.request_id, self.decode.address,
-                           exc)
+            self._give_up(str(exc), is_dead=True)
+
+    def finish(self, result: protocol.PrefillResult) -> bool:
+        """Send the decode node the prompt's last KVProgress; False (the stream given up) when there
+        is none, or it died or answered meanwhile (the caller then picks a decode node anew)."""
+        if self.decode is None:
+            return False
+        if not self.decode.is_healthy or not self.queue.empty():
+            early = None if self.queue.empty() else self.queue.get_nowait()
+            is_dead = not self.decode.is_healthy or isinstance(early, NodeDied)
+            self._give_up(f"it answered before the prompt was prefilled: {early!r}" if early is not None
+                          else "it is not healthy", is_dead)
+            return False
+        try:
+            self.decode.send(protocol.KVProgress(self.run.request_id, result.kv_handle, result.first_token))
+        except NodeDied as exc:
+            self._give_up(str(exc), is_dead=True)
+            return False
+        return True
+
+    def _give_up(self, why: str, is_dead: bool) -> None:
+        run = self.run
+        logger.warning("request %s: KV stream to decode node %s ended: %s", run.request_id, self.decode.address, why)
+        if is_dead:
             run.excluded.add(id(self.decode))
-            run.cleanup.streaming_to = None
-            self.decode.close(run.request_id)
-            self.decode = self.queue = None
-            self.is_given_up = True
+        else:  # a refusal: the node dropped the request already; an Abort changes nothing there
+            _send_quietly(self.decode, protocol.Abort([run.request_id]), run.request_id)
+        run.cleanup.streaming_to = None
+        self.decode.close(run.request_id)
+        self.decode = self.queue = None
+        self.is_given_up = True
 
 
 async def _prefill(node: NodeClient, request_id: str, prompt: PromptBlocks, sampling: protocol.SamplingOptions,

@@ -73,7 +73,7 @@ def _streaming_pool(kv_stream_min_tokens: int | None = 0) -> NodePool:
     for node, role in ((pool.prefill[0], protocol.Role.PREFILL), (pool.decode[0], protocol.Role.DECODE)):
         node.socket = _RecordingSocket()
         node.last_report = msgspec.structs.replace(_report(block_size=16, num_free_blocks=100), role=role)
-        node.last_seen = time.monotonic()
+        node.last_seen = node.progress_changed_at = time.monotonic()
     return pool
 
 
@@ -201,3 +201,37 @@ def test_a_client_leaving_mid_stream_aborts_the_prefill_and_the_streamed_pull():
     to_prefill, to_decode = asyncio.run(main())
     assert [type(m) for m in to_prefill] == [protocol.PrefillRequest, protocol.Abort]
     assert [type(m) for m in to_decode] == [protocol.DecodeRequest, protocol.Abort]
+
+
+def test_a_decode_node_refusing_the_streamed_pull_gets_the_prompt_the_usual_way_once_prefilled():
+    """It answered (full) while the prompt was prefilled: the stream ends, and the prefilled prompt
+    goes to a decode node picked then, with its whole handle, instead of failing before its first
+    token (and being prefilled again)."""
+    async def main() -> tuple[list, list[int]]:
+        pool = _streaming_pool()
+        try:
+            [prefill], [decode] = pool.prefill, pool.decode
+            tokens = []
+
+            async def consume() -> None:
+                async for step in run_request(pool, "r", list(range(1, 41)), protocol.SamplingOptions(max_tokens=2),
+                                              5.0, 5.0):
+                    tokens.extend(t.token_id for t in step.tokens)
+
+            task = asyncio.create_task(consume())
+            await _turn()
+            prefill.queues["r"].put_nowait(_part(1))
+            await _turn()
+            decode.queues["r"].put_nowait(protocol.ErrorReply("r", protocol.QUEUE_FULL_ERROR_KIND, "full", False))
+            prefill.queues["r"].put_nowait(protocol.PrefillResult("r", protocol.TokenLogprob(11), 40, _HANDLE))
+            await _turn()
+            decode.queues["r"].put_nowait(protocol.RequestDelta("r", [protocol.TokenLogprob(12)], 1, "length"))
+            await asyncio.wait_for(task, 5)
+            return decode.socket.sent, tokens
+        finally:
+            pool.context.term()
+
+    to_decode, tokens = asyncio.run(main())
+    assert [type(m) for m in to_decode] == [protocol.DecodeRequest, protocol.Abort, protocol.DecodeRequest]
+    assert to_decode[2].kv_handle == _HANDLE and to_decode[2].first_token == protocol.TokenLogprob(11)
+    assert tokens == [11, 12]
