@@ -246,14 +246,16 @@ def main() -> int:
     parser.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                         help="the nodes' prefix caching (off: a repeated prompt is prefilled, and its KV "
                              "pulled, in full each time)")
+    parser.add_argument("--kv-stream-min-tokens", type=int, default=None, help="the proxy's (default: its default)")
     args = parser.parse_args()
     PROMPTS.extend(LONG_PROMPTS[:args.long_prompts])
     log_dir = Path(tempfile.mkdtemp(prefix="pdserve-chaos-"))
     node_args = ["--max-num-seqs", "32"] + (["--num-blocks", str(args.num_blocks)] if args.num_blocks else [])
     node_args += ["--max-num-batched-tokens", str(args.chunk)] if args.chunk else []
     node_args += [] if args.prefix_caching else ["--no-enable-prefix-caching"]
+    proxy_args = [] if args.kv_stream_min_tokens is None else ["--kv-stream-min-tokens", str(args.kv_stream_min_tokens)]
     deployment = start_local(_tiny_model(), num_prefill=2, num_decode=2, log_dir=log_dir, pin_cpus=False,
-                             node_args=node_args)
+                             node_args=node_args, proxy_args=proxy_args)
     try:
         wait_healthy(deployment, 180)
         blocks = pin_kv_capacity(deployment) or {n: node_load(a).num_total_blocks
@@ -286,6 +288,7 @@ def main() -> int:
                                                 for name, address in deployment.node_addresses.items()}
         result["long_prompts"], result["chunk"], result["prefix_caching"] = (args.long_prompts, args.chunk,
                                                                              args.prefix_caching)
+        result["kv_stream_min_tokens"] = args.kv_stream_min_tokens
     finally:
         deployment.stop()
     print(json.dumps({k: v for k, v in result.items() if k != "errors"}, indent=1))  # noqa: T201 - the CLI's output
