@@ -144,9 +144,11 @@ def test_32_concurrent_mixed_requests_complete_and_free_every_block(disaggregate
         after = wait_blocks_free(address)
         assert after.num_free_blocks == before[name].num_free_blocks == after.num_total_blocks, name
         streamed[name] = after.num_kv_streamed - before[name].num_kv_streamed
-    # Every chunked prompt's KV was streamed (leased from its first chunk, read in parts): those
-    # over the budget, and shorter ones that shared a step's budget.
-    assert streamed["prefill0"] == streamed["decode0"] >= sum(len(p) > 256 for p in prompts) > 0, streamed
+    # Every chunked prompt's KV was offered as a stream (leased from its first chunk): those over the
+    # budget, and shorter ones that shared a step's budget. The decode node read parts of those it
+    # took in before their prefill ended (one whose last KVProgress came first is read whole).
+    assert streamed["prefill0"] >= sum(len(p) > 256 for p in prompts) > 0, streamed
+    assert 0 < streamed["decode0"] <= streamed["prefill0"], streamed
 
 
 def test_client_disconnect_mid_stream_frees_blocks_on_both_nodes(disaggregated):
