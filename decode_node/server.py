@@ -107,7 +107,7 @@ class DecodeNode(NodeServer):
     def handle_kv_progress(self, message: protocol.KVProgress) -> None:
         """More of a streamed prompt's KV (see the module docstring); raises ValueError for a
         handle that does not fit the request."""
-        pull = self._pulls.get(message.request_id) or self._queued(message.request_id)
+        pull = self._pull_of(message.request_id)
         if pull is None:
             if message.request_id not in self.engine.request_ids():
                 # NOTE: the request ended here (failed, aborted): nobody will read this lease.
@@ -133,7 +133,7 @@ class DecodeNode(NodeServer):
 
     def fail_kv_progress(self, message: protocol.KVProgress, exc: ValueError) -> None:
         """A KVProgress handle_kv_progress refused: the request ends with the error."""
-        pull = self._pulls.get(message.request_id) or self._queued(message.request_id)
+        pull = self._pull_of(message.request_id)
         self._release_remote(message.request_id, _lease_of(message.kv_handle))
         if pull is not None and pull.is_streaming:
             self.handle_abort(message.request_id, b"")
@@ -252,8 +252,10 @@ class DecodeNode(NodeServer):
         if handle.lease_timeout_s <= 0:
             raise ValueError(f"request {message.request_id}: KV handle has lease_timeout_s {handle.lease_timeout_s}")
 
-    def _queued(self, request_id: str) -> _Pull | None:
-        return next((p for p in self._admission if p.message.request_id == request_id), None)
+    def _pull_of(self, request_id: str) -> _Pull | None:
+        """request_id's pull, reading or queued for blocks; None if it has none here."""
+        return self._pulls.get(request_id) or next((p for p in self._admission if p.message.request_id == request_id),
+                                                   None)
 
     def _start_pulls(self) -> None:
         max_seqs = self.engine.config.scheduler.max_num_seqs
@@ -316,10 +318,8 @@ class DecodeNode(NodeServer):
         local = pull.local_block_ids[start - num_cached:end - num_cached]
         if pull.is_streaming:
             pull.part = (lease.generation, start, end)
-            self.connector.start_read(request_id, replace(lease, block_ids=lease.block_ids[start:end]), local,
-                                      confirm=False)
-        else:
-            self.connector.start_read(request_id, replace(lease, block_ids=lease.block_ids[start:end]), local)
+        self.connector.start_read(request_id, replace(lease, block_ids=lease.block_ids[start:end]), local,
+                                  confirm=not pull.is_streaming)
 
     def _free_unless_lost(self, pull: _Pull, result: ReadResult) -> None:
         """The connector is done with the pull's read: free its blocks, except, where its transfer

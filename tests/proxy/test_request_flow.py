@@ -85,6 +85,16 @@ def _part(num_blocks: int) -> protocol.KVProgress:
                                                             num_tokens=16 * num_blocks))
 
 
+def _streamed_request(pool: NodePool, tokens: list[int], max_tokens: int = 3) -> asyncio.Task:
+    """Request "r" (a 40-token prompt) run on pool, its tokens appended to tokens as they come."""
+    async def consume() -> None:
+        async for step in run_request(pool, "r", list(range(1, 41)), protocol.SamplingOptions(max_tokens=max_tokens),
+                                      5.0, 5.0):
+            tokens.extend(t.token_id for t in step.tokens)
+
+    return asyncio.create_task(consume())
+
+
 async def _turn() -> None:
     for _ in range(10):
         await asyncio.sleep(0)
@@ -96,13 +106,7 @@ def test_a_streamed_prompt_reaches_its_decode_node_chunk_by_chunk_then_with_its_
         try:
             [prefill], [decode] = pool.prefill, pool.decode
             tokens = []
-
-            async def consume() -> None:
-                async for step in run_request(pool, "r", list(range(1, 41)), protocol.SamplingOptions(max_tokens=3),
-                                              5.0, 5.0):
-                    tokens.extend(t.token_id for t in step.tokens)
-
-            task = asyncio.create_task(consume())
+            task = _streamed_request(pool, tokens, max_tokens=3)
             await _turn()
             assert decode.socket.sent == []  # no decode node before the first chunk's KV
             prefill.queues["r"].put_nowait(_part(1))
@@ -134,13 +138,7 @@ def test_a_prefill_failing_mid_stream_aborts_the_streamed_pull_too():
         pool = _streaming_pool()
         try:
             [prefill], [decode] = pool.prefill, pool.decode
-
-            async def consume() -> None:
-                async for _ in run_request(pool, "r", list(range(1, 41)), protocol.SamplingOptions(max_tokens=3),
-                                           5.0, 5.0):
-                    pass
-
-            task = asyncio.create_task(consume())
+            task = _streamed_request(pool, [])
             await _turn()
             prefill.queues["r"].put_nowait(_part(1))
             await _turn()
@@ -163,7 +161,7 @@ def test_with_streaming_off_the_prefill_is_not_asked_to_stream():
         pool = _streaming_pool(kv_stream_min_tokens=None)
         try:
             [prefill] = pool.prefill
-            task = asyncio.create_task(_drain(run_request(pool, "r", [1, 2, 3], protocol.SamplingOptions(), 5.0, 5.0)))
+            task = _streamed_request(pool, [])
             await _turn()
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -174,20 +172,12 @@ def test_with_streaming_off_the_prefill_is_not_asked_to_stream():
 
     sent = asyncio.run(main())
     assert isinstance(sent[0], protocol.PrefillRequest) and not sent[0].stream_kv
-
-
-async def _drain(stream) -> None:
-    async for _ in stream:
-        pass
-
-
 def test_a_client_leaving_mid_stream_aborts_the_prefill_and_the_streamed_pull():
     async def main() -> tuple[list, list]:
         pool = _streaming_pool()
         try:
             [prefill], [decode] = pool.prefill, pool.decode
-            task = asyncio.create_task(_drain(run_request(pool, "r", list(range(1, 41)),
-                                                          protocol.SamplingOptions(max_tokens=3), 5.0, 5.0)))
+            task = _streamed_request(pool, [])
             await _turn()
             prefill.queues["r"].put_nowait(_part(1))
             await _turn()
@@ -212,13 +202,7 @@ def test_a_decode_node_refusing_the_streamed_pull_gets_the_prompt_the_usual_way_
         try:
             [prefill], [decode] = pool.prefill, pool.decode
             tokens = []
-
-            async def consume() -> None:
-                async for step in run_request(pool, "r", list(range(1, 41)), protocol.SamplingOptions(max_tokens=2),
-                                              5.0, 5.0):
-                    tokens.extend(t.token_id for t in step.tokens)
-
-            task = asyncio.create_task(consume())
+            task = _streamed_request(pool, tokens, max_tokens=2)
             await _turn()
             prefill.queues["r"].put_nowait(_part(1))
             await _turn()
