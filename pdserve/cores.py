@@ -70,17 +70,22 @@ def _num_parameters(model_dir: Path) -> int:
     return total
 
 
-def cpu_plan(cores: list[int], num_nodes: int, proxy_cores: int = 0) -> list[str]:
+def cpu_plan(cores: list[int], num_nodes: int, proxy_cores: int = 0, weights: list[int] | None = None) -> list[str]:
     """Give each node its own cores where the machine has enough, after the first proxy_cores
-    (kept for the proxy and clients while at least one core is left); else all nodes share."""
+    (kept for the proxy and clients while at least one core is left); else all nodes share.
+    weights: each node's share (a tensor-parallel node's rank count), where the cores cover
+    their sum; else every node gets an equal share."""
     if 0 < proxy_cores < len(cores):
         cores = cores[proxy_cores:]
     if num_nodes <= 0:
         return []
     if len(cores) < num_nodes:
         return [",".join(map(str, cores))] * num_nodes
-    # Sizes differ by at most one core, and every core goes to a node.
-    bounds = [i * len(cores) // num_nodes for i in range(num_nodes + 1)]
+    if weights is None or len(weights) != num_nodes or min(weights) < 1 or len(cores) < sum(weights):
+        weights = [1] * num_nodes
+    # Sizes follow the weights within one core, and every core goes to a node.
+    ends = [sum(weights[:i]) for i in range(num_nodes + 1)]
+    bounds = [end * len(cores) // ends[-1] for end in ends]
     return [",".join(map(str, cores[bounds[i]:bounds[i + 1]])) for i in range(num_nodes)]
 
 

@@ -60,8 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lend-cores", action=argparse.BooleanOptionalAction, default=None,
                         help="decode node i runs on prefill node i's cores too while that one has nothing to "
                              "prefill (node.core_lending), where nodes have cores of their own and there are at "
-                             "least as many prefill nodes as decode nodes (default: for models whose weights take "
-                             "at least 64 MB in the nodes' dtype)")
+                             "least as many prefill nodes as decode nodes, each of one rank (default: for models "
+                             "whose weights take at least 64 MB in the nodes' dtype)")
     parser.add_argument("--metrics-port-base", type=int, default=None,
                         help="node i (prefill nodes first) serves /health, /ready and /metrics on this port + i "
                              "(default: free ports, printed when ready); the proxy's /metrics has the nodes' "
@@ -222,8 +222,9 @@ def start_local(
 ) -> Deployment:
     """Start nodes and proxy as separate processes (not waiting for health: see wait_healthy).
     On any failure the caller must stop() the returned deployment's cluster. pin_cpus: each node
-    on cores of its own where there are enough (see cpu_plan), proxy_cores of them (None: see
-    auto_proxy_cores) left to the proxy and the clients. lend_cores: where nodes have cores of
+    on cores of its own where there are enough (see cpu_plan; a tensor-parallel node gets a share
+    per rank), proxy_cores of them (None: see auto_proxy_cores) left to the proxy and the
+    clients. lend_cores: where nodes have cores of
     their own, prefill node i lends its cores to decode node i while it has nothing to prefill
     (node.core_lending); only with at least as many prefill nodes as decode nodes, so that no two
     decode nodes borrow the same cores. None: see auto_lend_cores. gpus: per node (prefill nodes
@@ -234,17 +235,20 @@ def start_local(
     proxy_host, host = host, node_host or nodes_host(host)
     cluster = Cluster()
     cpus = []
+    ranks = [tensor_parallel[0]] * num_prefill + [tensor_parallel[1]] * num_decode  # each node's processes
     if pin_cpus:
         cores = usable_cores()  # the affinity, cut to a container's CPU limit
         if proxy_cores is None:
-            proxy_cores = auto_proxy_cores(model_dir, len(cores), num_prefill + num_decode, node_dtype(node_args))
-        cpus = cpu_plan(cores, num_prefill + num_decode, proxy_cores)
+            proxy_cores = auto_proxy_cores(model_dir, len(cores), sum(ranks), node_dtype(node_args))
+        cpus = cpu_plan(cores, num_prefill + num_decode, proxy_cores, ranks)
     pdserve = list(PDSERVE_COMMAND)
     common = ["--model", str(model_dir), "--host", host, *node_args]
     addresses: dict[str, str] = {}
     health_urls: dict[str, str] = {}
     if lend_cores is None:
         lend_cores = auto_lend_cores(model_dir, node_dtype(node_args))
+    # NOTE: lending resizes one process's threads; a tensor-parallel node's ranks keep their own cores.
+    lend_cores = lend_cores and max(ranks, default=1) == 1
     lending = lending_flags(cluster, cpus, num_prefill, num_decode) if lend_cores else {}
     for i in range(num_prefill + num_decode):
         kind = "prefill" if i < num_prefill else "decode"

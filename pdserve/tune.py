@@ -1,5 +1,6 @@
-"""`pdserve tune`: choose the P:D split of K units (one core each) and the nodes' batch limits that
-maximize goodput for a workload under TTFT/TPOT SLOs. Profiles one unit in-process (tune_profile),
+"""`pdserve tune`: choose the P:D split of K units (one core each), the nodes' tensor-parallel sizes
+and batch limits that maximize goodput for a workload under TTFT/TPOT SLOs. Profiles a node of
+each size in-process (tune_profile),
 predicts every layout's goodput with a queue simulation (tune_sim), starts the best layouts and
 measures them with pdserve bench (tune_measure), and ranks them (tune_report)."""
 
@@ -19,7 +20,9 @@ from pathlib import Path
 
 import httpx
 
+from engine.config import ModelConfig
 from engine.protocol import default_of
+from engine.tp_shard import check_tensor_parallel
 from pdserve.bench_report import jsonable
 from pdserve.tune_measure import (
     BurstLatency,
@@ -33,7 +36,7 @@ from pdserve.tune_measure import (
     single_latency,
     warm_up,
 )
-from pdserve.tune_profile import Profile, ProfilePlan, profile_model
+from pdserve.tune_profile import Profile, ProfilePlan, Profiles, profile_model
 from pdserve.tune_report import Candidate, format_table, result_json
 from pdserve.tune_sim import SimPlan, bench_arrivals, predict_goodput, simulate
 from pdserve.tune_space import Layout, Slo, Workload, enumerate_layouts, scheduler_default
@@ -72,11 +75,22 @@ class TuneConfig:
     log_dir: Path | None = None
     load_profile: Path | None = None
     save_profile: Path | None = None
+    tp_sizes: tuple[int, ...] = (1,)  # a node's tensor-parallel sizes considered; a node of size t takes t units
 
     def __post_init__(self) -> None:
         for name in ("num_units", "num_requests", "min_requests", "measure_top", "max_points", "num_sim_seeds"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.tp_sizes or min(self.tp_sizes) < 1:
+            raise ValueError(f"tensor-parallel sizes must be >= 1, got {list(self.tp_sizes)}")
+        if max(self.tp_sizes) > self.num_units:
+            raise ValueError(f"a tensor-parallel node of {max(self.tp_sizes)} ranks needs as many units; "
+                             f"there are {self.num_units}")
+
+    @property
+    def profiled_tp_sizes(self) -> tuple[int, ...]:
+        """One rank always (the served calibration runs on it), and every size considered."""
+        return tuple(sorted({1, *self.tp_sizes}))
         if self.min_requests > self.num_requests:
             raise ValueError(f"min_requests {self.min_requests} exceeds num_requests {self.num_requests}")
         if not self.max_minutes > 0:
@@ -105,6 +119,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma list of node max_num_seqs to consider")
     parser.add_argument("--max-num-batched-tokens", default=None,
                         help="comma list (default: the node's default, the longest prompt, half of it)")
+    parser.add_argument("--tp-sizes", default="1", metavar="T[,T...]",
+                        help="comma list of tensor-parallel sizes to consider for each node (a node of size T "
+                             "takes T units; each size is profiled)")
     parser.add_argument("--measure-top", type=int, default=default_of(TuneConfig, "measure_top"),
                         help="measure the best layout of this many P:D splits")
     parser.add_argument("--max-points", type=int, default=default_of(TuneConfig, "max_points"),
@@ -134,7 +151,8 @@ def config_from_args(args: argparse.Namespace) -> TuneConfig:
         max_points=args.max_points, num_sim_seeds=args.sim_seeds, arrival_seed=args.arrival_seed,
         log_dir=Path(args.log_dir) if args.log_dir else None,
         load_profile=Path(args.load_profile) if args.load_profile else None,
-        save_profile=Path(args.save_profile) if args.save_profile else None)
+        save_profile=Path(args.save_profile) if args.save_profile else None,
+        tp_sizes=tuple(sorted(_int_list(args.tp_sizes, "--tp-sizes"))))
 
 
 def _int_list(text: str, flag: str) -> tuple[int, ...]:
@@ -150,12 +168,20 @@ def _int_list(text: str, flag: str) -> tuple[int, ...]:
 def main(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
-        enumerate_layouts(config.num_units, list(config.max_num_seqs), list(config.max_num_batched_tokens))
+        enumerate_layouts(config.num_units, list(config.max_num_seqs), list(config.max_num_batched_tokens),
+                          config.tp_sizes)
     except ValueError as exc:
         print(f"pdserve tune: {exc}", file=sys.stderr)
         return 2
     if not (config.model_dir / "config.json").exists():
         print(f"pdserve tune: no checkpoint in {config.model_dir}", file=sys.stderr)
+        return 2
+    try:
+        model = ModelConfig.from_pretrained(str(config.model_dir))
+        for size in config.tp_sizes:
+            check_tensor_parallel(model, size)
+    except ValueError as exc:
+        print(f"pdserve tune: {exc}", file=sys.stderr)
         return 2
     if config.log_dir is None and not config.is_dry_run:
         config = replace(config, log_dir=Path(tempfile.mkdtemp(prefix="pdserve-tune-")))
@@ -167,7 +193,7 @@ def main(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"pdserve tune: profiling failed: {exc}", file=sys.stderr)
         return 1
-    if not config.is_dry_run and profile.served_check is None:
+    if not config.is_dry_run and profile.base.served_check is None:
         profile = _served_calibration(config, profile, say)
     if config.save_profile is not None:
         config.save_profile.parent.mkdir(parents=True, exist_ok=True)
@@ -204,42 +230,64 @@ def _threads_per_unit(config: TuneConfig) -> int:
     return max(1, len(os.sched_getaffinity(0)) // config.num_units)
 
 
-def _profile(config: TuneConfig, clock: Clock, say: Say) -> Profile:
+def _profile(config: TuneConfig, clock: Clock, say: Say) -> Profiles:
+    """A profile of a node of each size considered (loaded, or timed here). Raises ValueError
+    when a loaded one lacks a size."""
     if config.load_profile is not None:
         say(f"profile: loading {config.load_profile}")
-        return Profile.from_json(json.loads(config.load_profile.read_text()))
+        profiles = Profiles.from_json(json.loads(config.load_profile.read_text()))
+        for size in config.profiled_tp_sizes:
+            profiles[size]  # noqa: B018 - raises ValueError naming the size
+        return profiles
+    sizes = config.profiled_tp_sizes
     plan = ProfilePlan(max_prompt_len=max(w.input_len for w in config.workloads),
                        max_context_len=max(w.input_len + w.output_len for w in config.workloads),
-                       budget_s=_PROFILE_SHARE * clock.left_s)
+                       budget_s=_PROFILE_SHARE * clock.left_s / len(sizes))
     threads = _threads_per_unit(config)
-    say(f"profile: {config.model_dir.name} on {threads} core(s), prompts up to {plan.max_prompt_len} tokens, "
-        f"contexts up to {plan.max_context_len}")
-    profile = profile_model(str(config.model_dir), plan, threads, say)
-    p, d, m = profile.prefill.to_json(), profile.decode.to_json(), profile.mixed_check
-    say(f"profile: prefill_s = {p['fixed_s']:.4f} + {p['per_token_s']:.3g} * tokens + "
-        f"{p['per_attention_pair_s']:.3g} * pairs (worst point {100 * p['max_rel_error']:.0f}% off)")
-    say(f"profile: decode_step_s = {d['fixed_s']:.4f} + {d['per_seq_s']:.3g} * batch + "
-        f"{d['per_context_token_s']:.3g} * context tokens (worst point {100 * d['max_rel_error']:.0f}% off)")
-    say(f"profile: mixed step predicted {1000 * m['predicted_s']:.1f} ms, measured {1000 * m['seconds']:.1f} ms; "
-        f"KV pull of {plan.max_prompt_len} tokens ~{1000 * profile.transfer_s(plan.max_prompt_len):.1f} ms")
-    return profile
+    by_tp = {}
+    for size in sizes:
+        ranks = f", {size} tensor-parallel ranks of" if size > 1 else " on"
+        say(f"profile: {config.model_dir.name}{ranks} {threads} core(s), prompts up to {plan.max_prompt_len} "
+            f"tokens, contexts up to {plan.max_context_len}")
+        profile = profile_model(str(config.model_dir), plan, threads, say, tensor_parallel_size=size)
+        p, d, m = profile.prefill.to_json(), profile.decode.to_json(), profile.mixed_check
+        tag = f"TP{size} " if size > 1 else ""
+        say(f"profile: {tag}prefill_s = {p['fixed_s']:.4f} + {p['per_token_s']:.3g} * tokens + "
+            f"{p['per_attention_pair_s']:.3g} * pairs (worst point {100 * p['max_rel_error']:.0f}% off)")
+        say(f"profile: {tag}decode_step_s = {d['fixed_s']:.4f} + {d['per_seq_s']:.3g} * batch + "
+            f"{d['per_context_token_s']:.3g} * context tokens (worst point {100 * d['max_rel_error']:.0f}% off)")
+        say(f"profile: {tag}mixed step predicted {1000 * m['predicted_s']:.1f} ms, measured "
+            f"{1000 * m['seconds']:.1f} ms; KV pull of {plan.max_prompt_len} tokens "
+            f"~{1000 * profile.transfer_s(plan.max_prompt_len):.1f} ms")
+        by_tp[size] = profile
+    return Profiles(by_tp)
 
 
-def _served_calibration(config: TuneConfig, profile: Profile, say: Say) -> Profile:
+def _served_calibration(config: TuneConfig, profiles: Profiles, say: Say) -> Profiles:
+    """profiles, each with the serving stack's costs measured on colocated nodes of its own
+    size (_calibrated_on_served_nodes): a node of several ranks has serving costs of its own, not
+    a one-rank node's."""
+    return Profiles({size: _calibrated_on_served_nodes(config, profile, say)
+                     for size, profile in profiles.by_tp.items()})
+
+
+def _calibrated_on_served_nodes(config: TuneConfig, profile: Profile, say: Say) -> Profile:
     """profile with the serving stack's own per-step cost added: calibrated() on requests alone
-    through the proxy to K colocated nodes, one unit each (a lone node would get every core). So
-    every layout's prediction, and the choice of what to measure, carries it. Unchanged, with a
-    warning, if the nodes do not come up. Measured deployments are not calibrated again: two requests alone vary
-    by up to 15% in TTFT between deployments of one layout, and re-calibrating on them put a
-    replay 45% off where this one calibration was 10% off; a deployment's own costs (the KV
-    pull, routing) are the simulation's to model."""
+    through the proxy to colocated nodes of the profile's size using the K units (a lone node
+    would get every core). So every layout's prediction, and the choice of what to measure,
+    carries it. Unchanged, with a warning, if the nodes do not come up. Measured deployments are
+    not calibrated again: two requests alone vary by up to 15% in TTFT between deployments of
+    one layout, and re-calibrating on them put a replay 45% off where this one calibration was
+    10% off; a deployment's own costs (the KV pull, routing) are the simulation's to model."""
     workload = max(config.workloads, key=lambda w: w.input_len)
-    layout = Layout(0, config.num_units)  # one node per unit: each pinned to a unit's cores, as profiled
-    log_dir = config.log_dir / "served-calibration"
+    size = profile.tensor_parallel_size
+    # one node per unit (or per size units): each pinned to its units' cores, as profiled
+    layout = Layout(0, config.num_units // size, decode_tp=size)
+    log_dir = config.log_dir / ("served-calibration" + (f"-tp{size}" if size > 1 else ""))
     say(f"profile: requests alone through the proxy to one of {layout.name} ({workload.name}; logs {log_dir})")
     try:
         with deployed(config.model_dir, 0, layout.num_decode, layout.node_args(), layout.proxy_args(),
-                      log_dir) as deployment:
+                      log_dir, (1, size)) as deployment:
             warm_up(deployment.base_url, workload)
             single = _single_check(deployment.base_url, layout, profile, workload, say, "profile")
             burst = burst_latency(deployment.base_url, workload, _BURST_PER_UNIT * layout.num_units)
@@ -256,7 +304,7 @@ def _served_calibration(config: TuneConfig, profile: Profile, say: Say) -> Profi
     return replace(served, served_check=single)
 
 
-def _tune_workload(config: TuneConfig, profile: Profile, workload: Workload, clock: Clock, workload_idx: int,
+def _tune_workload(config: TuneConfig, profile: Profiles, workload: Workload, clock: Clock, workload_idx: int,
                    say: Say) -> list[Candidate]:
     candidates = _predict(config, profile, workload, say)
     if config.is_dry_run:
@@ -270,8 +318,9 @@ def _tune_workload(config: TuneConfig, profile: Profile, workload: Workload, clo
     return candidates
 
 
-def _predict(config: TuneConfig, profile: Profile, workload: Workload, say: Say) -> list[Candidate]:
-    layouts = enumerate_layouts(config.num_units, list(config.max_num_seqs), list(config.max_num_batched_tokens))
+def _predict(config: TuneConfig, profile: Profiles, workload: Workload, say: Say) -> list[Candidate]:
+    layouts = enumerate_layouts(config.num_units, list(config.max_num_seqs), list(config.max_num_batched_tokens),
+                                config.tp_sizes)
     seeds = tuple(range(config.arrival_seed, config.arrival_seed + config.num_sim_seeds))
     plan = SimPlan(config.num_requests, seeds)
     started = time.monotonic()
@@ -294,7 +343,7 @@ def _to_measure(candidates: list[Candidate], measure_top: int) -> list[Candidate
     return [c for c in best.values() if 0 < c.predicted_rate < math.inf][:measure_top]
 
 
-def _measure(config: TuneConfig, profile: Profile, workload: Workload, candidate: Candidate, share_s: float,
+def _measure(config: TuneConfig, profile: Profiles, workload: Workload, candidate: Candidate, share_s: float,
              clock: Clock, say: Say) -> None:
     """Start candidate's layout, run rates around its goodput as simulated for the measured runs'
     own size and arrivals, and record the points and the crossing on candidate."""
@@ -317,7 +366,7 @@ def _measure(config: TuneConfig, profile: Profile, workload: Workload, candidate
 
     try:
         with deployed(config.model_dir, layout.num_prefill, layout.num_decode, layout.node_args(),
-                      layout.proxy_args(), log_dir) as deployment:
+                      layout.proxy_args(), log_dir, (layout.prefill_tp, layout.decode_tp)) as deployment:
             warm_up(deployment.base_url, workload)
             candidate.single = _single_check(deployment.base_url, layout, profile, workload, say)
             base = bench_config(deployment.base_url, workload, num_requests, config.slo, seed=1000,
@@ -335,7 +384,7 @@ def _measure(config: TuneConfig, profile: Profile, workload: Workload, candidate
         candidate.note = "not measured: out of time"
 
 
-def _single_check(base_url: str, layout: Layout, profile: Profile, workload: Workload, say: Say,
+def _single_check(base_url: str, layout: Layout, profile: Profile | Profiles, workload: Workload, say: Say,
                   stage: str = "measure") -> dict:
     """Requests alone (one after another), beside their simulated latency: what the profile
     leaves out (HTTP, the proxy, the node loop, the deployment's own processes and pinning)
@@ -398,7 +447,7 @@ def per_seq_calibrated(profile: Profile, layout: Layout, workload: Workload, bur
     return profile.with_per_seq_extra(extra)
 
 
-def _point_measurer(base, layout: Layout, profile: Profile, workload: Workload, slo: Slo, candidate: Candidate,
+def _point_measurer(base, layout: Layout, profile: Profiles, workload: Workload, slo: Slo, candidate: Candidate,
                     say: Say) -> Callable[[float], float]:
     """attainment_at(rate) for bracket_search: one bench run, recorded beside the simulation of
     the same arrivals."""
@@ -429,14 +478,14 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.0f} ms"
 
 
-def _point_estimate_s(layout: Layout, profile: Profile, workload: Workload, num_requests: int, rate: float,
+def _point_estimate_s(layout: Layout, profile: Profiles, workload: Workload, num_requests: int, rate: float,
                       arrival_seed: int) -> float:
     """Seconds a measured run should take: its simulated duration, with slack."""
     sim = simulate(layout, profile, workload, bench_arrivals(num_requests, rate, arrival_seed))
     return _POINT_SLACK * sim.duration_s + 3.0
 
 
-def _plan_run(config: TuneConfig, profile: Profile, workload: Workload, candidate: Candidate,
+def _plan_run(config: TuneConfig, profile: Profiles, workload: Workload, candidate: Candidate,
               share_s: float) -> tuple[int, float] | None:
     """The most requests per run (num_requests down to min_requests) for which a start and three
     runs (at the goodput simulated for runs of that size and the measured arrivals, or the

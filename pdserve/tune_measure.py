@@ -25,14 +25,16 @@ _VOCAB_HIGH = 2000
 
 @contextlib.contextmanager
 def deployed(model_dir: Path, num_prefill: int, num_decode: int, node_args: list[str], proxy_args: list[str],
-             log_dir: Path | None, ready_timeout_s: float = 300.0) -> Iterator[Deployment]:
-    """Start the nodes (one core each where the machine has enough: start_local pins them) and
-    the proxy, wait for health, yield, and stop them all. Raises RuntimeError / TimeoutError
-    (with the logs) when they do not come up."""
+             log_dir: Path | None, tensor_parallel: tuple[int, int] = (1, 1),
+             ready_timeout_s: float = 300.0) -> Iterator[Deployment]:
+    """Start the nodes (one core per rank where the machine has enough: start_local pins them;
+    tensor_parallel: the prefill and the decode nodes' sizes) and the proxy, wait for health,
+    yield, and stop them all. Raises RuntimeError / TimeoutError (with the logs) when they do
+    not come up."""
     if log_dir is not None:
         log_dir.mkdir(parents=True, exist_ok=True)
     deployment = start_local(model_dir, num_prefill=num_prefill, num_decode=num_decode, node_args=node_args,
-                             proxy_args=proxy_args, log_dir=log_dir, pin_cpus=True)
+                             proxy_args=proxy_args, log_dir=log_dir, pin_cpus=True, tensor_parallel=tensor_parallel)
     try:
         wait_healthy(deployment, ready_timeout_s)
         yield deployment

@@ -24,6 +24,7 @@ from engine.engine import LLMEngine
 from engine.kv_cache import block_size_bytes, num_cache_blocks
 from engine.protocol import Role, TokenLogprob
 from engine.sampling_params import SamplingParams
+from engine.tp_shard import check_tensor_parallel
 from engine.warm_up import warm_up
 
 # NOTE: a NIXL (UCX) pull moved KV at 0.61-0.62 of an in-process copy's speed for 512 to 8,192
@@ -106,6 +107,7 @@ class Profile:
     # bandwidth and clocks); the simulation applies it while another node is busy. 1.0: not measured.
     contention: float = 1.0
     points: list[dict] = field(default_factory=list)
+    tensor_parallel_size: int = 1  # a node of this many ranks, num_threads cores each
 
     def step_s(self, num_decodes: int, num_context_tokens: int, num_prefill_tokens: int, num_pairs: int) -> float:
         """One engine step: the prefill and decode parts add, with one fixed cost (the larger of
@@ -151,14 +153,57 @@ class Profile:
                    model(data["decode"], DECODE_FEATURES), int(data["kv_bytes_per_token"]),
                    float(data["copy_bytes_per_s"]), int(data["kv_capacity_tokens"]), data.get("mixed_check"),
                    served_check=data.get("served_check"), points=list(data.get("points", [])),
-                   contention=float(data.get("contention", 1.0)))
+                   contention=float(data.get("contention", 1.0)),
+                   tensor_parallel_size=int(data.get("tensor_parallel_size", 1)))
 
     def to_json(self) -> dict:
         return {"model": self.model_name, "num_threads": self.num_threads, "prefill": self.prefill.to_json(),
                 "decode": self.decode.to_json(), "kv_bytes_per_token": self.kv_bytes_per_token,
                 "copy_bytes_per_s": self.copy_bytes_per_s, "kv_capacity_tokens": self.kv_capacity_tokens,
                 "mixed_check": self.mixed_check, "points": self.points, "served_check": self.served_check,
-                "contention": self.contention}
+                "contention": self.contention, "tensor_parallel_size": self.tensor_parallel_size}
+
+
+@dataclass(frozen=True)
+class Profiles:
+    """A Profile per tensor-parallel size profiled, keyed by it: what a layout's nodes run on."""
+
+    by_tp: dict[int, Profile]
+
+    def __post_init__(self) -> None:
+        if not self.by_tp:
+            raise ValueError("no profile")
+        for size, profile in self.by_tp.items():
+            if profile.tensor_parallel_size != size:
+                raise ValueError(f"the profile of {profile.tensor_parallel_size} ranks is filed under {size}")
+
+    @classmethod
+    def of(cls, profile: Profile | Profiles) -> Profiles:
+        return profile if isinstance(profile, Profiles) else cls({profile.tensor_parallel_size: profile})
+
+    @property
+    def base(self) -> Profile:
+        """The smallest size's (one rank's, where profiled)."""
+        return self.by_tp[min(self.by_tp)]
+
+    def __getitem__(self, size: int) -> Profile:
+        if size not in self.by_tp:
+            raise ValueError(f"no profile of a {size}-rank tensor-parallel node (profiled: {sorted(self.by_tp)})")
+        return self.by_tp[size]
+
+    def map(self, change: Callable[[Profile], Profile]) -> Profiles:
+        return Profiles({size: change(profile) for size, profile in self.by_tp.items()})
+
+    def to_json(self) -> dict:
+        return {"profiles": [self.by_tp[size].to_json() for size in sorted(self.by_tp)]}
+
+    @classmethod
+    def from_json(cls, data: dict) -> Profiles:
+        """The inverse of to_json; a single Profile's record (as saved before tensor-parallel
+        sizes were profiled) reads as that one profile."""
+        records = data.get("profiles", [data])
+        profiles = [Profile.from_json(record) for record in records]
+        return cls({p.tensor_parallel_size: p for p in profiles})
 
 
 @dataclass(frozen=True)
@@ -201,23 +246,28 @@ def one_unit(num_threads: int) -> Iterator[None]:
 
 
 def profile_model(model_dir: str, plan: ProfilePlan, num_threads: int = 1,
-                  progress: Progress = lambda _: None) -> Profile:
-    """Time plan's points on num_threads cores and fit the models; blocks (seconds to minutes,
-    bounded by plan.budget_s for the prefill part). Raises ValueError when too few points fit
-    the budget or the model cannot hold them."""
+                  progress: Progress = lambda _: None, tensor_parallel_size: int = 1) -> Profile:
+    """Time plan's points on num_threads cores per rank of an engine of tensor_parallel_size
+    ranks and fit the models; blocks (seconds to minutes, bounded by plan.budget_s for the
+    prefill part). Raises ValueError when too few points fit the budget, the model cannot hold
+    them or cannot be split that way."""
     model = ModelConfig.from_pretrained(model_dir)
     if plan.max_context_len + 1 > model.max_model_len:
         raise ValueError(f"context {plan.max_context_len} exceeds the model's max_model_len {model.max_model_len}")
-    others = sorted(os.sched_getaffinity(0))[:-num_threads]  # the cores one_unit leaves to the other units
-    with one_unit(num_threads):
-        prefill_points = _profile_prefill(model, plan, progress)
+    check_tensor_parallel(model, tensor_parallel_size)
+    num_cores = num_threads * tensor_parallel_size
+    others = sorted(os.sched_getaffinity(0))[:-num_cores]  # the cores one_unit leaves to the other units
+    with one_unit(num_cores):
+        prefill_points = _profile_prefill(model, plan, progress, tensor_parallel_size)
         prefill = _fit_prefill(prefill_points)
-        decode_points, mixed, copy_bytes_per_s, contention = _profile_decode(model, plan, progress, others)
+        decode_points, mixed, copy_bytes_per_s, contention = _profile_decode(model, plan, progress, others,
+                                                                             tensor_parallel_size)
     decode = fit_linear([p["features"] for p in decode_points], [p["seconds"] for p in decode_points], DECODE_FEATURES)
     kv_bytes = block_size_bytes(model, CacheConfig().block_size) // CacheConfig().block_size
     capacity = num_cache_blocks(model, CacheConfig(), "cpu") * CacheConfig().block_size
     profile = Profile(model.name, num_threads, prefill, decode, kv_bytes, copy_bytes_per_s, capacity,
-                      points=prefill_points + decode_points, contention=contention)
+                      points=prefill_points + decode_points, contention=contention,
+                      tensor_parallel_size=tensor_parallel_size)
     return _with_mixed_check(profile, mixed)
 
 
@@ -227,9 +277,11 @@ def _fit_prefill(points: list[dict]) -> LinearModel:
     return fit_linear([p["features"] for p in points], [p["seconds"] for p in points], PREFILL_FEATURES)
 
 
-def _engine(model: ModelConfig, role: Role, num_blocks: int, max_num_batched_tokens: int) -> LLMEngine:
+def _engine(model: ModelConfig, role: Role, num_blocks: int, max_num_batched_tokens: int,
+            tensor_parallel_size: int) -> LLMEngine:
     scheduler = SchedulerConfig(max_num_seqs=1024, max_num_batched_tokens=max_num_batched_tokens)
-    return LLMEngine(EngineConfig(model, CacheConfig(num_blocks=num_blocks), scheduler, role=role))
+    return LLMEngine(EngineConfig(model, CacheConfig(num_blocks=num_blocks), scheduler, role=role,
+                                  tensor_parallel_size=tensor_parallel_size))
 
 
 def _prompt(rng: random.Random, length: int, vocab_size: int) -> list[int]:
@@ -237,27 +289,42 @@ def _prompt(rng: random.Random, length: int, vocab_size: int) -> list[int]:
     return [rng.randrange(8, max(9, min(vocab_size, 2000))) for _ in range(length)]
 
 
-def _profile_prefill(model: ModelConfig, plan: ProfilePlan, progress: Progress) -> list[dict]:
+def _profile_prefill(model: ModelConfig, plan: ProfilePlan, progress: Progress,
+                     tensor_parallel_size: int) -> list[dict]:
     batches = plan.prefill_batches()
     max_tokens = max(sum(b) for b in batches)
     block_size = CacheConfig().block_size
     num_blocks = max(sum(math.ceil(n / block_size) for n in b) for b in batches) + 2
-    engine = _engine(model, Role.PREFILL, num_blocks, max_tokens)
-    warm_up(engine, min(256, plan.max_prompt_len))
-    rng, points, started = random.Random(0), [], time.perf_counter()
-    for batch in batches:
-        expected_s = _predicted_prefill_s(points, sum(batch)) * plan.num_prefill_repeats if points else 0.0
-        if expected_s > plan.budget_s - (time.perf_counter() - started):
-            progress(f"profile: skipping prefill {batch}: over the profiling budget")
-            continue
-        seconds = min(_time_prefill(engine, batch, rng, model.vocab_size) for _ in range(plan.num_prefill_repeats))
-        pairs = sum(attention_pairs(n, 0) for n in batch)
-        points.append({"kind": "prefill", "prompt_lens": batch, "features": [1.0, sum(batch), pairs],
-                       "seconds": seconds})
-        progress(f"profile: prefill {len(batch)} x {batch[0]} tokens: {1000 * seconds:.1f} ms")
-    del engine
-    gc.collect()
+    with _closing(_engine(model, Role.PREFILL, num_blocks, max_tokens, tensor_parallel_size)) as engine:
+        warm_up(engine, min(256, plan.max_prompt_len))
+        rng, points, started = random.Random(0), [], time.perf_counter()
+        for batch in batches:
+            expected_s = _predicted_prefill_s(points, sum(batch)) * plan.num_prefill_repeats if points else 0.0
+            if expected_s > plan.budget_s - (time.perf_counter() - started):
+                progress(f"profile: skipping prefill {batch}: over the profiling budget")
+                continue
+            seconds = min(_time_prefill(engine, batch, rng, model.vocab_size) for _ in range(plan.num_prefill_repeats))
+            pairs = sum(attention_pairs(n, 0) for n in batch)
+            points.append({"kind": "prefill", "prompt_lens": batch, "features": [1.0, sum(batch), pairs],
+                           "seconds": seconds})
+            progress(f"profile: prefill {_tp_text(tensor_parallel_size)}{len(batch)} x {batch[0]} tokens: "
+                     f"{1000 * seconds:.1f} ms")
     return points
+
+
+@contextlib.contextmanager
+def _closing(engine: LLMEngine) -> Iterator[LLMEngine]:
+    """The engine, closed (its other ranks stopped) and its memory given back on the way out."""
+    try:
+        yield engine
+    finally:
+        engine.close()
+        del engine
+        gc.collect()
+
+
+def _tp_text(size: int) -> str:
+    return f"TP{size} " if size > 1 else ""
 
 
 def _predicted_prefill_s(points: list[dict], num_tokens: int) -> float:
@@ -279,29 +346,29 @@ def _time_prefill(engine: LLMEngine, batch: list[int], rng: random.Random, vocab
     return seconds
 
 
-def _profile_decode(model: ModelConfig, plan: ProfilePlan, progress: Progress,
-                    others: list[int]) -> tuple[list[dict], dict, float, float]:
+def _profile_decode(model: ModelConfig, plan: ProfilePlan, progress: Progress, others: list[int],
+                    tensor_parallel_size: int) -> tuple[list[dict], dict, float, float]:
     """Decode points (requests joined with blocks already holding their context: the KV's
     values do not change the time), one mixed step, and the copy speed of a prompt's blocks."""
     block_size = CacheConfig().block_size
     per_request = math.ceil((plan.max_context_len + plan.num_decode_steps + 2) / block_size)
     mixed_prompt = max(1, plan.max_prompt_len // 2)
     num_blocks = plan.max_batch * per_request + math.ceil(mixed_prompt / block_size) + 4
-    engine = _engine(model, Role.DECODE, num_blocks, max(2048, mixed_prompt + plan.max_batch))
-    warm_up(engine, min(128, plan.max_prompt_len))
-    rng, points = random.Random(1), []
-    for num_seqs, context_len in plan.decode_points():
-        seconds, num_context = _time_decode(engine, num_seqs, context_len, plan.num_decode_steps, rng)
-        points.append({"kind": "decode", "num_seqs": num_seqs, "context_len": context_len,
-                       "features": [1.0, num_seqs, num_context], "seconds": seconds})
-        progress(f"profile: decode {num_seqs} x {context_len} context: {1000 * seconds:.1f} ms/step")
-    mixed = _time_mixed(engine, max(1, plan.max_batch // 4), plan.max_context_len, mixed_prompt, rng)
-    progress(f"profile: mixed step ({mixed['num_seqs']} decodes + {mixed_prompt} prompt tokens): "
-             f"{1000 * mixed['seconds']:.1f} ms")
-    copy_bytes_per_s = _copy_speed(engine, min(plan.max_prompt_len, plan.max_context_len), block_size)
-    contention = _contention(engine, max(1, plan.max_batch // 4), plan.max_context_len, rng, others, progress)
-    del engine
-    gc.collect()
+    tag = _tp_text(tensor_parallel_size)
+    with _closing(_engine(model, Role.DECODE, num_blocks, max(2048, mixed_prompt + plan.max_batch),
+                          tensor_parallel_size)) as engine:
+        warm_up(engine, min(128, plan.max_prompt_len))
+        rng, points = random.Random(1), []
+        for num_seqs, context_len in plan.decode_points():
+            seconds, num_context = _time_decode(engine, num_seqs, context_len, plan.num_decode_steps, rng)
+            points.append({"kind": "decode", "num_seqs": num_seqs, "context_len": context_len,
+                           "features": [1.0, num_seqs, num_context], "seconds": seconds})
+            progress(f"profile: decode {tag}{num_seqs} x {context_len} context: {1000 * seconds:.1f} ms/step")
+        mixed = _time_mixed(engine, max(1, plan.max_batch // 4), plan.max_context_len, mixed_prompt, rng)
+        progress(f"profile: mixed step {tag}({mixed['num_seqs']} decodes + {mixed_prompt} prompt tokens): "
+                 f"{1000 * mixed['seconds']:.1f} ms")
+        copy_bytes_per_s = _copy_speed(engine, min(plan.max_prompt_len, plan.max_context_len), block_size)
+        contention = _contention(engine, max(1, plan.max_batch // 4), plan.max_context_len, rng, others, progress)
     return points, mixed, copy_bytes_per_s, contention
 
 

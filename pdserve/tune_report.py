@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pdserve.tune_measure import Crossing
-from pdserve.tune_profile import Profile
+from pdserve.tune_profile import Profile, Profiles
 from pdserve.tune_space import Layout, Workload
 
 if TYPE_CHECKING:
@@ -53,6 +53,7 @@ class Candidate:
     def to_json(self, model_dir: str) -> dict:
         layout = self.layout
         return {"layout": layout.name, "num_prefill": layout.num_prefill, "num_decode": layout.num_decode,
+                "prefill_tp": layout.prefill_tp, "decode_tp": layout.decode_tp,
                 "max_num_seqs": layout.max_num_seqs, "max_num_batched_tokens": layout.max_num_batched_tokens,
                 "predicted_req_s": self.predicted_rate, "replay_req_s": self.replay_rate,
                 "measured": None if self.measured is None else self.measured.to_json(),
@@ -79,8 +80,8 @@ def winner(candidates: list[Candidate]) -> tuple[Candidate, str]:
     return top, "measured" if top.measured_rate else "measured, but no layout met the SLO at the rates run"
 
 
-def format_table(config: TuneConfig, profile: Profile, workload: Workload, candidates: list[Candidate]) -> str:
-    slo = config.slo
+def format_table(config: TuneConfig, profiles: Profiles, workload: Workload, candidates: list[Candidate]) -> str:
+    slo, profile = config.slo, profiles.base
     lines = [f" pdserve tune: {workload.name} ".center(_WIDTH, "="),
              f"Model {config.model_dir} ({profile.model_name}), {config.num_units} units of {profile.num_threads} "
              f"core(s); SLO TTFT <= {1000 * slo.ttft_s:g} ms and TPOT <= {1000 * slo.tpot_s:g} ms for "
@@ -130,7 +131,7 @@ def _measured_text(c: Candidate) -> str:
     return f"{prefix}{c.measured.rate:.3g}"
 
 
-def result_json(config: TuneConfig, profile: Profile, results: list[tuple[Workload, list[Candidate]]],
+def result_json(config: TuneConfig, profiles: Profiles, results: list[tuple[Workload, list[Candidate]]],
                 elapsed_s: float) -> dict:
     model_dir = str(config.model_dir)
     workloads = []
@@ -143,4 +144,10 @@ def result_json(config: TuneConfig, profile: Profile, results: list[tuple[Worklo
             "slo": {"ttft_ms": 1000 * config.slo.ttft_s, "tpot_ms": 1000 * config.slo.tpot_s,
                     "target": config.slo.target},
             "num_requests": config.num_requests, "sim_seeds": config.num_sim_seeds, "elapsed_s": elapsed_s,
-            "workloads": workloads, "profile": {k: v for k, v in profile.to_json().items() if k != "points"}}
+            "workloads": workloads, "tp_sizes": list(config.tp_sizes),
+            "profile": _without_points(profiles.base),
+            "profiles": [_without_points(profiles[size]) for size in sorted(profiles.by_tp)]}
+
+
+def _without_points(profile: Profile) -> dict:
+    return {k: v for k, v in profile.to_json().items() if k != "points"}

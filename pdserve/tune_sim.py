@@ -14,7 +14,7 @@ import numpy as np
 
 from pdserve.bench_config import LoadConfig
 from pdserve.bench_load import arrival_offsets
-from pdserve.tune_profile import Profile, attention_pairs
+from pdserve.tune_profile import Profile, Profiles, attention_pairs
 from pdserve.tune_space import Layout, Slo, Workload
 
 # NOTE: what the simulation keeps and leaves out. Kept: each node's step loop as engine.scheduler
@@ -152,13 +152,13 @@ class _Engine:
 
 
 class _Simulation:
-    """The event loop: arrivals, step ends and pull completions, in time order."""
+    """The event loop: arrivals, step ends and pull completions, in time order. Each node runs on
+    the profile of its tensor-parallel size."""
 
-    def __init__(self, layout: Layout, profile: Profile) -> None:
-        self.profile = profile
-        self.prefill = [_Engine("prefill", layout, profile) for _ in range(layout.num_prefill)]
+    def __init__(self, layout: Layout, profiles: Profiles) -> None:
+        self.prefill = [_Engine("prefill", layout, profiles[layout.prefill_tp]) for _ in range(layout.num_prefill)]
         decode_role = "colocated" if layout.is_colocated else "decode"
-        self.decode = [_Engine(decode_role, layout, profile) for _ in range(layout.num_decode)]
+        self.decode = [_Engine(decode_role, layout, profiles[layout.decode_tp]) for _ in range(layout.num_decode)]
         self.events: list[tuple[float, int, Callable[[float], None]]] = []
         self._seq = 0
         self.jobs: dict[int, _Job] = {}
@@ -185,7 +185,7 @@ class _Simulation:
         """As the proxy: most free KV (everything routed there and unfinished counts), then fewest requests."""
         def score(engine: _Engine) -> tuple[int, int]:
             held = sum(self.jobs[idx].num_tokens for idx in engine.assigned)
-            return self.profile.kv_capacity_tokens - held, -len(engine.assigned)
+            return engine.profile.kv_capacity_tokens - held, -len(engine.assigned)
         return max(self.decode, key=score)
 
     def kick(self, engine: _Engine, now_s: float) -> None:
@@ -195,7 +195,7 @@ class _Simulation:
         if batch:
             engine.batch, engine.is_busy = batch, True
             shared = any(e.is_busy for e in (*self.prefill, *self.decode) if e is not engine)
-            step_s = engine.step_s(batch) * (self.profile.contention if shared else 1.0)
+            step_s = engine.step_s(batch) * (engine.profile.contention if shared else 1.0)
             self.at(now_s + step_s, lambda now: self.step_end(engine, now))
 
     def step_end(self, engine: _Engine, now_s: float) -> None:
@@ -220,7 +220,7 @@ class _Simulation:
             job = engine.admission.popleft()
             engine.num_held_tokens += engine.reserved_tokens(job)
             engine.num_pulls += 1
-            self.at(now_s + self.profile.transfer_s(streamed_tail(job.num_prompt_tokens, engine.layout)),
+            self.at(now_s + engine.profile.transfer_s(streamed_tail(job.num_prompt_tokens, engine.layout)),
                     lambda now, job=job: self.pulled(engine, job, now))
 
     def pulled(self, engine: _Engine, job: _Job, now_s: float) -> None:
@@ -258,14 +258,17 @@ class SimOutcome:
                 for name, values in (("ttft", self.ttft_s), ("tpot", self.tpot_s))}
 
 
-def simulate(layout: Layout, profile: Profile, workload: Workload, arrivals_s: list[float]) -> SimOutcome:
-    """Serve one request of workload's shape per arrival time. Raises ValueError when one
-    request cannot fit a node's KV cache (it would never be served)."""
-    if workload.input_len + workload.output_len > profile.kv_capacity_tokens:
+def simulate(layout: Layout, profile: Profile | Profiles, workload: Workload, arrivals_s: list[float]) -> SimOutcome:
+    """Serve one request of workload's shape per arrival time, each node on the profile of its
+    tensor-parallel size. Raises ValueError when one request cannot fit a node's KV cache (it
+    would never be served) or a size was not profiled."""
+    profiles = Profiles.of(profile)
+    capacity = min(profiles[size].kv_capacity_tokens for size in layout.tp_sizes)
+    if workload.input_len + workload.output_len > capacity:
         raise ValueError(f"a {workload.name} request needs {workload.input_len + workload.output_len} tokens of KV; "
-                         f"a node holds {profile.kv_capacity_tokens}")
+                         f"a node holds {capacity}")
     jobs = [_Job(idx, at_s, workload.input_len, workload.output_len) for idx, at_s in enumerate(arrivals_s)]
-    _Simulation(layout, profile).run(jobs)
+    _Simulation(layout, profiles).run(jobs)
     assert all(j.last_token_s is not None for j in jobs), "simulation ended with unfinished requests"
     ttft = [j.first_token_s - j.arrival_s for j in jobs]
     tpot = [(j.last_token_s - j.first_token_s) / (j.num_output_tokens - 1) if j.num_output_tokens > 1 else 0.0
@@ -288,12 +291,13 @@ class SimPlan:
     rel_tol: float = 0.01  # the bisection stops when hi / lo < 1 + rel_tol
 
 
-def attainment_at(layout: Layout, profile: Profile, workload: Workload, slo: Slo, rate: float, plan: SimPlan) -> float:
+def attainment_at(layout: Layout, profile: Profile | Profiles, workload: Workload, slo: Slo, rate: float,
+                  plan: SimPlan) -> float:
     outcomes = [simulate(layout, profile, workload, bench_arrivals(plan.num_requests, rate, s)) for s in plan.seeds]
     return sum(o.attainment(slo) for o in outcomes) / len(outcomes)
 
 
-def predict_goodput(layout: Layout, profile: Profile, workload: Workload, slo: Slo, plan: SimPlan) -> float:
+def predict_goodput(layout: Layout, profile: Profile | Profiles, workload: Workload, slo: Slo, plan: SimPlan) -> float:
     """The highest rate (req/s) whose simulated attainment is >= slo.target, by bisection between
     a rate where requests never overlap and one where attainment fails (doubling up from the
     units' prefill capacity); 0.0 if even lone requests miss the SLO; workload.rate_max caps it;
@@ -302,7 +306,7 @@ def predict_goodput(layout: Layout, profile: Profile, workload: Workload, slo: S
     def passes(rate: float) -> bool:
         return attainment_at(layout, profile, workload, slo, rate, plan) >= slo.target
 
-    capacity = layout.num_units / profile.prefill_s(workload.input_len)
+    capacity = layout.num_units / Profiles.of(profile).base.prefill_s(workload.input_len)
     hi = workload.rate_max if workload.rate_max is not None else capacity
     while passes(hi):
         if workload.rate_max is not None:

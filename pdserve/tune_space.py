@@ -1,5 +1,5 @@
-"""What `pdserve tune` chooses between: a Layout (P:D split of K units, or K colocated replicas,
-with the nodes' batch limits), the candidates for K units, a workload, the SLO, and the
+"""What `pdserve tune` chooses between: a Layout (P:D split of K units, or colocated replicas,
+with the nodes' tensor-parallel sizes and batch limits), the candidates for K units, a workload, the SLO, and the
 `pdserve up` command line and node/proxy arguments that start a layout."""
 
 from __future__ import annotations
@@ -25,19 +25,26 @@ def scheduler_default(name: str) -> int:
 @dataclass(frozen=True)
 class Layout:
     """One deployment of K units (one core each): num_prefill prefill nodes + num_decode decode
-    nodes, or (num_prefill 0) num_decode colocated nodes; every node gets the same batch limits
-    (pdserve up passes node flags to all nodes)."""
+    nodes, or (num_prefill 0) num_decode colocated nodes; each prefill node a tensor-parallel
+    group of prefill_tp units, each decode or colocated node one of decode_tp units; every node
+    gets the same batch limits (pdserve up passes node flags to all nodes)."""
 
     num_prefill: int
     num_decode: int
     max_num_seqs: int = scheduler_default("max_num_seqs")
     max_num_batched_tokens: int = scheduler_default("max_num_batched_tokens")
+    prefill_tp: int = 1
+    decode_tp: int = 1
 
     def __post_init__(self) -> None:
         if self.num_prefill < 0:
             raise ValueError(f"num_prefill must be >= 0, got {self.num_prefill}")
         if self.num_decode < 1:
             raise ValueError(f"num_decode must be >= 1, got {self.num_decode}")
+        if self.prefill_tp < 1 or self.decode_tp < 1:
+            raise ValueError(f"tensor-parallel sizes must be >= 1, got {self.prefill_tp} and {self.decode_tp}")
+        if self.num_prefill == 0 and self.prefill_tp != 1:
+            raise ValueError(f"a colocated layout has no prefill nodes to split, got prefill_tp {self.prefill_tp}")
         SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens)  # raises ValueError naming the field
 
     @property
@@ -46,13 +53,18 @@ class Layout:
 
     @property
     def num_units(self) -> int:
-        return self.num_prefill + self.num_decode
+        return self.num_prefill * self.prefill_tp + self.num_decode * self.decode_tp
+
+    @property
+    def tp_sizes(self) -> set[int]:
+        """The tensor-parallel sizes its nodes run (the profiles a simulation needs)."""
+        return {self.decode_tp} if self.is_colocated else {self.prefill_tp, self.decode_tp}
 
     @property
     def split_name(self) -> str:
         if self.is_colocated:
-            return f"{self.num_decode}x colocated"
-        return f"{self.num_prefill}P+{self.num_decode}D"
+            return f"{self.num_decode}x colocated{_tp_tag(self.decode_tp)}"
+        return f"{self.num_prefill}P{_tp_tag(self.prefill_tp)}+{self.num_decode}D{_tp_tag(self.decode_tp)}"
 
     @property
     def name(self) -> str:
@@ -74,20 +86,36 @@ class Layout:
     def up_command(self, model_dir: str) -> str:
         """The `pdserve up` line that starts this layout."""
         parts = ["pdserve", "up", "--model", model_dir, "--prefill", str(self.num_prefill),
-                 "--decode", str(self.num_decode), *self.node_args(), *self.proxy_args()]
-        return " ".join(parts)
+                 "--decode", str(self.num_decode)]
+        if self.prefill_tp > 1:
+            parts += ["--prefill-tp", str(self.prefill_tp)]
+        if self.decode_tp > 1:
+            parts += ["--decode-tp", str(self.decode_tp)]
+        return " ".join([*parts, *self.node_args(), *self.proxy_args()])
 
 
-def enumerate_layouts(num_units: int, max_num_seqs: list[int], max_num_batched_tokens: list[int]) -> list[Layout]:
-    """Every split pP+dD with p + d = num_units, p, d >= 1, and num_units colocated replicas,
-    each with every (max_num_seqs, max_num_batched_tokens) pair. Raises ValueError for
-    num_units < 1 or empty limit lists."""
+def _tp_tag(size: int) -> str:
+    return f"(TP{size})" if size > 1 else ""
+
+
+def enumerate_layouts(num_units: int, max_num_seqs: list[int], max_num_batched_tokens: list[int],
+                      tp_sizes: tuple[int, ...] = (1,)) -> list[Layout]:
+    """Every layout using exactly num_units units: pP+dD splits (p, d >= 1) with a
+    tensor-parallel size from tp_sizes on each side, and colocated replicas of each size; each
+    with every (max_num_seqs, max_num_batched_tokens) pair. Raises ValueError for num_units < 1,
+    empty lists, or a size < 1."""
     if num_units < 1:
         raise ValueError(f"units must be >= 1, got {num_units}")
     if not max_num_seqs or not max_num_batched_tokens:
         raise ValueError("need at least one max_num_seqs and one max_num_batched_tokens value")
-    splits = [(p, num_units - p) for p in range(1, num_units)] + [(0, num_units)]
-    return [Layout(p, d, seqs, tokens) for p, d in splits for seqs in max_num_seqs for tokens in max_num_batched_tokens]
+    if not tp_sizes or min(tp_sizes) < 1:
+        raise ValueError(f"tensor-parallel sizes must be >= 1, got {list(tp_sizes)}")
+    sizes = sorted(set(tp_sizes))
+    splits = [(p, ptp, (num_units - p * ptp) // dtp, dtp) for ptp in sizes for dtp in sizes
+              for p in range(1, num_units) if num_units - p * ptp >= dtp and (num_units - p * ptp) % dtp == 0]
+    splits += [(0, 1, num_units // tp, tp) for tp in sizes if num_units % tp == 0]
+    return [Layout(p, d, seqs, tokens, prefill_tp=ptp, decode_tp=dtp)
+            for p, ptp, d, dtp in splits for seqs in max_num_seqs for tokens in max_num_batched_tokens]
 
 
 @dataclass(frozen=True)

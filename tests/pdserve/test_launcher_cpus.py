@@ -22,6 +22,30 @@ def test_cores_are_split_evenly_and_all_used():
     assert cores.cpu_plan([0, 1], 0) == []
 
 
+def test_a_tensor_parallel_node_gets_a_share_per_rank_where_the_cores_cover_them():
+    assert cores.cpu_plan([0, 1, 2], 2, weights=[1, 2]) == ["0", "1,2"]
+    assert cores.cpu_plan([0, 1, 2, 3, 4, 5], 2, weights=[2, 1]) == ["0,1,2,3", "4,5"]
+    assert cores.cpu_plan([0, 1, 2], 2, proxy_cores=1, weights=[1, 1]) == ["1", "2"]
+    assert cores.cpu_plan([0, 1], 2, weights=[1, 2]) == ["0", "1"]  # too few for the ranks: one share each
+
+
+def test_up_pins_a_tensor_parallel_node_to_a_core_per_rank_and_lends_none(tiny_model_dir, monkeypatch):
+    started = {}
+    monkeypatch.setattr(launcher, "usable_cores", lambda: [0, 1, 2, 3, 4, 5])
+    monkeypatch.setattr(Cluster, "start", lambda self, name, argv, log_dir=None, env=None: started.update({name: argv}))
+
+    def flag(argv, name):
+        return argv[argv.index(name) + 1] if name in argv else None
+
+    launcher.start_local(tiny_model_dir, num_prefill=2, num_decode=1, tensor_parallel=(1, 2), proxy_cores=1,
+                         lend_cores=True).cluster.stop()  # removes any lending flag file (no process was started)
+    assert [flag(started[n], "--cpus") for n in ("prefill0", "prefill1", "decode0")] == ["1", "2", "3,4,5"]
+    assert [flag(started[n], "--tensor-parallel-size") for n in ("prefill0", "decode0")] == [None, "2"]
+    assert not any("--lend-flag" in argv or "--borrow-flag" in argv for argv in started.values())
+    launcher.start_local(tiny_model_dir, num_prefill=1, num_decode=1, proxy_cores=0, lend_cores=True).cluster.stop()
+    assert "--lend-flag" in started["prefill0"] and "--borrow-flag" in started["decode0"]  # one rank each: lent
+
+
 def test_proxy_cores_come_off_the_front_while_a_core_is_left():
     assert cores.cpu_plan([0, 1], 1, proxy_cores=1) == ["1"]
     assert cores.cpu_plan([0, 1, 2, 3], 2, proxy_cores=1) == ["1", "2,3"]

@@ -3,6 +3,7 @@ K units, the profile fit, the rate search and crossing, and the CLI's dry run on
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -11,14 +12,15 @@ from dataclasses import replace
 import pytest
 import torch
 
-from pdserve import cli
+from pdserve import cli, tune
 from pdserve.tune import calibrated, per_seq_calibrated
-from pdserve.tune_measure import BurstLatency, bracket_search, crossing
+from pdserve.tune_measure import BurstLatency, Clock, bracket_search, crossing
 from pdserve.tune_profile import (
     DECODE_FEATURES,
     PREFILL_FEATURES,
     LinearModel,
     Profile,
+    Profiles,
     attention_pairs,
     fit_linear,
 )
@@ -26,10 +28,12 @@ from pdserve.tune_sim import SimPlan, attainment_at, bench_arrivals, predict_goo
 from pdserve.tune_space import Layout, Slo, Workload, enumerate_layouts
 
 
-def make_profile(prefill=(0.0, 1e-3, 0.0), decode=(0.02, 0.0, 0.0), capacity: int = 1 << 20) -> Profile:
+def make_profile(prefill=(0.0, 1e-3, 0.0), decode=(0.02, 0.0, 0.0), capacity: int = 1 << 20,
+                 tensor_parallel_size: int = 1) -> Profile:
     """A unit whose prefill costs 1 ms per token and whose decode step is a flat 20 ms."""
     return Profile("fake", 1, LinearModel(PREFILL_FEATURES, prefill), LinearModel(DECODE_FEATURES, decode),
-                   kv_bytes_per_token=1, copy_bytes_per_s=1e12, kv_capacity_tokens=capacity)
+                   kv_bytes_per_token=1, copy_bytes_per_s=1e12, kv_capacity_tokens=capacity,
+                   tensor_parallel_size=tensor_parallel_size)
 
 
 def scaled(profile: Profile, factor: float) -> Profile:
@@ -83,6 +87,19 @@ def test_a_step_started_while_another_node_computes_takes_the_contention_factor_
     assert lone.ttft_s[0] == pytest.approx(0.5)  # nothing else computing: as profiled
     pair = simulate(Layout(0, 2), profile, workload, [0.0, 0.0])
     assert sorted(pair.ttft_s) == pytest.approx([0.5, 0.75])  # the second node started mid-step of the first
+
+
+def test_each_node_runs_on_the_profile_of_its_tensor_parallel_size():
+    one = make_profile()
+    two = make_profile(prefill=(0.0, 0.4e-3, 0.0), decode=(0.012, 0.0, 0.0), tensor_parallel_size=2)
+    profiles, workload = Profiles({1: one, 2: two}), Workload(500, 11)
+    split = simulate(Layout(1, 1, prefill_tp=2), profiles, workload, [0.0])
+    assert split.ttft_s[0] == pytest.approx(0.2)  # the TP2 prefill node's prompt
+    assert split.tpot_s[0] == pytest.approx((one.transfer_s(500) + 10 * 0.02) / 10)  # the TP1 decode node's steps
+    colocated = simulate(Layout(0, 1, decode_tp=2), profiles, workload, [0.0])
+    assert colocated.ttft_s[0] == pytest.approx(0.2) and colocated.tpot_s[0] == pytest.approx(0.012)
+    with pytest.raises(ValueError, match="no profile of a 4-rank"):
+        simulate(Layout(0, 1, decode_tp=4), profiles, workload, [0.0])
 
 
 def test_requests_queue_behind_each_other_on_one_prefill_unit():
@@ -160,6 +177,24 @@ def test_layouts_of_four_units_cross_every_split_with_every_batch_limit():
     assert all(x.num_units == 4 for x in layouts)
 
 
+def test_layouts_with_tensor_parallel_nodes_use_every_unit_once():
+    assert [x.split_name for x in enumerate_layouts(2, [128], [2048], (1, 2))] == [
+        "1P+1D", "2x colocated", "1x colocated(TP2)"]
+    layouts = enumerate_layouts(4, [128], [2048], (1, 2))
+    assert sorted(x.split_name for x in layouts) == sorted([
+        "1P+3D", "2P+2D", "3P+1D", "2P+1D(TP2)", "1P(TP2)+2D", "1P(TP2)+1D(TP2)", "4x colocated",
+        "2x colocated(TP2)"])
+    assert all(x.num_units == 4 for x in layouts)
+    assert [x.split_name for x in enumerate_layouts(3, [128], [2048], (2,))] == []  # no exact use of 3
+
+
+def test_up_command_names_each_sides_tensor_parallel_size():
+    line = Layout(1, 2, 8, 512, prefill_tp=2).up_command("m")
+    assert line.startswith("pdserve up --model m --prefill 1 --decode 2 --prefill-tp 2 --max-num-seqs 8 ")
+    assert "--decode-tp" not in line
+    assert "--decode 1 --decode-tp 4 " in Layout(0, 1, decode_tp=4).up_command("m")
+
+
 def test_up_command_turns_conditional_disaggregation_off_only_for_split_layouts():
     split, colocated = Layout(1, 1, 8, 512), Layout(0, 2)
     assert split.up_command("m") == ("pdserve up --model m --prefill 1 --decode 1 --max-num-seqs 8 "
@@ -168,7 +203,9 @@ def test_up_command_turns_conditional_disaggregation_off_only_for_split_layouts(
 
 
 @pytest.mark.parametrize("bad", [dict(num_prefill=-1, num_decode=1), dict(num_prefill=1, num_decode=0),
-                                 dict(num_prefill=1, num_decode=1, max_num_seqs=0)])
+                                 dict(num_prefill=1, num_decode=1, max_num_seqs=0),
+                                 dict(num_prefill=1, num_decode=1, decode_tp=0),
+                                 dict(num_prefill=0, num_decode=1, prefill_tp=2)])
 def test_bad_layouts_are_refused(bad):
     with pytest.raises(ValueError):
         Layout(**bad)
@@ -218,6 +255,49 @@ def test_profile_survives_a_json_round_trip():
     assert Profile.from_json(json.loads(json.dumps(profile.to_json()))) == profile
     served = replace(profile, served_check={"ttft_ms": 500.0, "decode_extra_ms": 4.5})
     assert Profile.from_json(json.loads(json.dumps(served.to_json()))) == served
+
+
+def test_profiles_of_several_sizes_survive_a_json_round_trip_and_a_single_profile_reads_as_one():
+    profiles = Profiles({1: make_profile(), 2: make_profile(prefill=(0.0, 5e-4, 0.0), tensor_parallel_size=2)})
+    assert Profiles.from_json(json.loads(json.dumps(profiles.to_json()))) == profiles
+    assert Profiles.from_json(make_profile().to_json()) == Profiles({1: make_profile()})
+    with pytest.raises(ValueError, match="filed under 1"):
+        Profiles({1: make_profile(tensor_parallel_size=2)})
+
+
+def test_each_size_is_calibrated_on_colocated_nodes_of_its_own_size(monkeypatch, tmp_path):
+    started = []
+
+    @contextlib.contextmanager
+    def deployed(model_dir, num_prefill, num_decode, node_args, proxy_args, log_dir, tensor_parallel):
+        started.append((num_prefill, num_decode, tensor_parallel, log_dir.name))
+        raise RuntimeError("not started in this test")
+        yield
+
+    monkeypatch.setattr(tune, "deployed", deployed)
+    config = tune.TuneConfig(tmp_path, 4, Slo(2.0, 0.05), (Workload(500, 11),), log_dir=tmp_path, tp_sizes=(2,))
+    profiles = Profiles({1: make_profile(), 2: make_profile(tensor_parallel_size=2)})
+    assert tune._served_calibration(config, profiles, lambda _: None) == profiles  # none came up: unchanged
+    assert started == [(0, 4, (1, 1), "served-calibration"), (0, 2, (1, 2), "served-calibration-tp2")]
+
+
+def test_a_measured_layout_is_deployed_with_its_tensor_parallel_sizes(monkeypatch, tmp_path):
+    started = []
+
+    @contextlib.contextmanager
+    def deployed(model_dir, num_prefill, num_decode, node_args, proxy_args, log_dir, tensor_parallel):
+        started.append((num_prefill, num_decode, tensor_parallel))
+        raise RuntimeError("not started in this test")
+        yield
+
+    monkeypatch.setattr(tune, "deployed", deployed)
+    workload = Workload(500, 11)
+    config = tune.TuneConfig(tmp_path, 3, Slo(2.0, 0.05), (workload,), log_dir=tmp_path, tp_sizes=(1, 2))
+    profiles = Profiles({1: make_profile(), 2: make_profile(tensor_parallel_size=2)})
+    candidate = tune.Candidate(Layout(1, 1, prefill_tp=2), 1.0)
+    tune._measure(config, profiles, workload, candidate, 3600.0, Clock(3600.0), lambda _: None)
+    assert started == [(1, 1, (2, 1))]
+    assert candidate.note.startswith("failed: RuntimeError")
 
 
 def test_mixed_step_counts_the_fixed_cost_once():
@@ -304,15 +384,21 @@ def test_dry_run_on_the_tiny_model_profiles_predicts_and_ranks(tiny_model_dir, c
     affinity, threads = os.sched_getaffinity(0), torch.get_num_threads()
     code = cli.main(["tune", "--model", str(tiny_model_dir), "--units", "2", "--slo-ttft-ms", "60",
                      "--slo-tpot-ms", "8", "--workload", "128:8", "--dry-run", "--num-requests", "16",
-                     "--sim-seeds", "2", "--max-num-seqs", "128", "--max-num-batched-tokens", "2048,64"])
+                     "--sim-seeds", "2", "--max-num-seqs", "128", "--max-num-batched-tokens", "2048,64",
+                     "--tp-sizes", "1,2"])
     out, err = capsys.readouterr()
     assert code == 0
     assert "profile: prefill" in err and "profile: decode" in err
+    assert "profile: prefill TP2" in err and "profile: TP2 decode_step_s" in err  # a two-rank engine timed
     assert "1P+1D seqs=128 tokens=2048" in out and "2x colocated seqs=128 tokens=64" in out
+    assert "1x colocated(TP2) seqs=128 tokens=64" in out
     assert "Winner (predicted)" in out and "pdserve up --model" in out
     result = json.loads(out.strip().splitlines()[-1].removeprefix("RESULT "))
     ranking = result["workloads"][0]["ranking"]
-    assert result["dry_run"] and len(ranking) == 4
+    assert result["dry_run"] and len(ranking) == 6
+    assert [p["tensor_parallel_size"] for p in result["profiles"]] == [1, 2]
+    split = next(r for r in ranking if r["decode_tp"] == 2)
+    assert "--prefill 0 --decode 1 --decode-tp 2 " in split["up_command"]
     # NOTE: a layout that meets the SLO even with all 16 requests at once predicts goodput inf,
     # written "inf" (JSON has no infinity): on a fast CPU the tiny model's can.
     predicted = [float(r["predicted_req_s"]) for r in ranking]
@@ -333,7 +419,9 @@ def test_dry_run_with_a_saved_profile_needs_no_profiling(tiny_model_dir, tmp_pat
 
 
 @pytest.mark.parametrize("bad", [["--workload", "1024"], ["--workload", "8:8", "--units", "0"],
-                                 ["--workload", "8:8", "--max-num-seqs", "x"]])
+                                 ["--workload", "8:8", "--max-num-seqs", "x"],
+                                 ["--workload", "8:8", "--units", "2", "--tp-sizes", "1,4"],
+                                 ["--workload", "8:8", "--units", "3", "--tp-sizes", "3"]])
 def test_bad_arguments_exit_with_2(tiny_model_dir, bad, capsys):
     args = ["tune", "--model", str(tiny_model_dir), "--slo-ttft-ms", "100", "--slo-tpot-ms", "10", "--dry-run"]
     assert cli.main(args + bad) == 2
