@@ -14,7 +14,7 @@ from engine.model import CausalLM
 from engine.sampling_params import SamplingParams
 from kernels.select import select_backend
 from pdserve.launcher import start_local, wait_healthy
-from tests.e2e.conftest import KV_PATH_ONLY, assert_kv_path_only
+from tests.e2e.conftest import KV_PATH_ONLY, assert_kv_path_only, node_load
 from tests.pdserve.real_model import cached_smollm2
 
 MAX_TOKENS = 16
@@ -102,6 +102,30 @@ def test_completions_through_the_deployment_equal_transformers_streaming_and_not
         stream = client.completions.create(model=name, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
                                            stream=True)
         assert "".join(c.choices[0].text for c in stream if c.choices) == want_text
+
+
+def test_a_prompt_prefilled_in_chunks_equals_transformers(deployment, hf):
+    """A prompt of three prefill chunks (NODE_ARGS' budget of 256 tokens). On 1P+1D the proxy
+    streams its KV (--kv-stream-min-tokens 0, the default): the decode node reads the first
+    chunks' blocks while the prefill node runs the last, and both nodes count the stream."""
+    _, tokenizer = hf
+    prompt_ids = tokenizer.encode(" ".join(
+        f"Chapter {n}. The lighthouse keeper counted the ships that passed the northern cape, wrote each name "
+        f"in a ledger, and at dusk lit the lamp that had guided sailors home for {n + 40} years." for n in range(14)))
+    assert 512 < len(prompt_ids) <= 768, len(prompt_ids)
+    want_ids = hf_greedy(hf, prompt_ids)
+    before = {name: node_load(address) for name, address in deployment.node_addresses.items()}
+    client = openai.OpenAI(base_url=deployment.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    reply = client.completions.create(model=client.models.list().data[0].id, prompt=prompt_ids,
+                                      max_tokens=MAX_TOKENS, temperature=0)
+    assert reply.usage.prompt_tokens == len(prompt_ids) and reply.usage.completion_tokens == len(want_ids)
+    assert reply.choices[0].text == tokenizer.decode(want_ids, skip_special_tokens=True)
+    streamed = {name: node_load(address).num_kv_streamed - before[name].num_kv_streamed
+                for name, address in deployment.node_addresses.items()}
+    if "prefill0" in streamed:
+        assert streamed == {"prefill0": 1, "decode0": 1}, streamed
+    else:
+        assert streamed == {"decode0": 0}, streamed
 
 
 def test_chat_through_the_deployment_equals_transformers_and_answers_paris(deployment, hf):
