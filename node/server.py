@@ -463,6 +463,7 @@ class NodeServer:
         for identity in list(self._unreachable):
             self.proxies.drop(identity)
             self._end_requests_of(identity, "unreachable", tell=False)
+            self._unreachable.discard(identity)  # nothing of it is left; a send that fails again marks it again
 
     def _end_requests_of(self, identity: bytes, why: str, tell: bool) -> None:
         """End identity's requests and leases; tell: each ended request is answered with an

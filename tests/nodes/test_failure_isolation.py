@@ -203,6 +203,12 @@ def test_requests_of_a_proxy_a_send_gave_up_on_end_and_others_go_on(node):
             node.sent.append((identity, message))
 
     server.send = send
+    dropped = []
+    drop = server.proxies.drop
+    server.proxies.drop = lambda identity: (dropped.append(identity), drop(identity))
     node.run(lambda: node.tokens("fine") and "stuck" not in server.engine.request_ids())
     assert server.num_orphaned_requests == 1 and len(node.tokens("fine")) == GREEDY.max_tokens
     server.engine.check_leaks()
+    for _ in range(5):
+        server.run_once()
+    assert dropped == [PROXY]  # forgotten once its requests ended, not dropped again at every turn of the loop
