@@ -7,7 +7,8 @@ Reports: sent / completed / failed / wrong / disconnected, leaked blocks (every 
 blocks free at the end), RSS of every process at start and end, and per kill:
   serve_s    from the kill until the first probe request sent after it completes correctly (a
              probe thread sends a short greedy request every 0.2 s): how long new requests are
-             not served normally;
+             not served normally; probes_after: the first probes sent after the kill (sent and
+             done, seconds from the kill, and whether each came back right);
   stall_s    the longest pause of any stream in flight at the kill, from its last chunk before
              the kill to its next chunk after it (migration or retry included);
   recovery_s max(serve_s, stall_s), with its max and p50 over the kills;
@@ -121,6 +122,7 @@ def _client_loop(client, model, expected, counts: Counts, stop: threading.Event,
 PROBE_PROMPT = PROMPTS[0]
 PROBE_TOKENS = 4
 _PROBE_INTERVAL_S = 0.2
+_PROBES_SHOWN = 6
 
 
 def _probe_loop(client, model, expected: str, counts: Counts, stop: threading.Event) -> None:
@@ -144,6 +146,9 @@ def _recovery(kill: dict, counts: Counts) -> None:
     killed_at = kill["killed_at"]
     served = [done for sent, done, ok in counts.probes if sent >= killed_at and ok]
     kill["serve_s"] = round(min(served) - killed_at, 2) if served else None
+    # the first probes sent after the kill: (sent, done) from the kill, and whether each was right
+    kill["probes_after"] = [(round(sent - killed_at, 2), round(done - killed_at, 2), ok)
+                            for sent, done, ok in sorted(counts.probes) if sent >= killed_at][:_PROBES_SHOWN]
     stall = 0.0
     for started_at, chunk_times, ended_at in counts.timelines:
         if not started_at < killed_at < ended_at:
