@@ -2,7 +2,8 @@
 1 decode node: Qwen2 (qwen2-tiny, whose tokenizer class replaces tokenizer.json's pre-tokenizer) and
 Mistral (mistral-tiny: a SentencePiece-style BPE with byte fallback and "<s>", the [INST] template
 in tokenizer_config.json). For text and chat, the prompt ids are AutoTokenizer's and the greedy
-float32 output is transformers'; every prompt's KV is pulled (local prefill off, no fallback)."""
+float32 output is transformers'; every prompt's KV is pulled (local prefill off, no fallback), a
+long one streamed chunk by chunk."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ import pytest
 import torch
 import transformers
 
-from tests.e2e.conftest import KV_PATH_ONLY, _start, assert_kv_path_only
-from tests.e2e.test_pipeline import client_for, hf_greedy, model_name
+from tests.e2e.conftest import KV_PATH_ONLY, _start, assert_kv_path_only, node_load
+from tests.e2e.test_pipeline import client_for, hf_greedy, model_name, random_prompts
 
 FAMILIES = {"qwen2-tiny": "qwen2_tiny_model_dir", "mistral-tiny": "mistral_tiny_model_dir"}
 # The first: the file's own pre-tokenizer parts Qwen2's "\n    " otherwise (see test_tokenizer_equals_transformers);
@@ -92,4 +93,25 @@ def test_chat_greedy_equals_transformers_streaming_and_not(family):
     stream = client.chat.completions.create(model=name, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0,
                                             stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == want_text
+    assert_kv_path_only(deployment)
+
+
+def test_a_prompt_streamed_to_the_decode_node_in_chunks_equals_transformers(family):
+    """600 tokens, three chunks of the nodes' 256-token budget: the decode node reads the first
+    chunks' KV while the last is prefilled (both nodes count the stream)."""
+    deployment, hf = family
+    prompt_ids = random_prompts(1, [600], seed=11)[0]
+    want_ids, want_logprobs = hf_greedy(hf, prompt_ids, MAX_TOKENS)
+    before = {name: node_load(address) for name, address in deployment.node_addresses.items()}
+    client = client_for(deployment)
+    full = client.completions.create(model=model_name(client), prompt=prompt_ids, max_tokens=MAX_TOKENS,
+                                     temperature=0, logprobs=1)
+    assert full.system_fingerprint == "pdserve-kv:pulled"
+    assert (full.usage.prompt_tokens, full.usage.completion_tokens) == (len(prompt_ids), len(want_ids))
+    assert full.choices[0].text == hf[1].decode(want_ids, skip_special_tokens=True)
+    got_logprobs = full.choices[0].logprobs.token_logprobs
+    assert max(abs(a - b) for a, b in zip(got_logprobs, want_logprobs, strict=True)) < 1e-4
+    streamed = {name: node_load(address).num_kv_streamed - before[name].num_kv_streamed
+                for name, address in deployment.node_addresses.items()}
+    assert streamed == {"prefill0": 1, "decode0": 1}, streamed
     assert_kv_path_only(deployment)
