@@ -10,6 +10,7 @@ import argparse
 import json
 import math
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -356,7 +357,8 @@ def _measure(config: TuneConfig, profile: Profiles, workload: Workload, candidat
         return
     num_requests, start_rate = plan
     candidate.num_requests = num_requests
-    log_dir = config.log_dir / f"{workload.name.replace(':', '-')}-{layout.name.replace(' ', '_')}"
+    # a name a shell takes unquoted: "256-64-1P_TP2_+1D_seqs=128_tokens=2048"
+    log_dir = config.log_dir / re.sub(r"[^\w.=+-]", "_", f"{workload.name.replace(':', '-')}-{layout.name}")
     say(f"measure {layout.name}: starting ({num_requests} requests per rate, from {start_rate:.3g} req/s; "
         f"logs {log_dir})")
 

@@ -286,7 +286,7 @@ def test_a_measured_layout_is_deployed_with_its_tensor_parallel_sizes(monkeypatc
 
     @contextlib.contextmanager
     def deployed(model_dir, num_prefill, num_decode, node_args, proxy_args, log_dir, tensor_parallel):
-        started.append((num_prefill, num_decode, tensor_parallel))
+        started.append((num_prefill, num_decode, tensor_parallel, log_dir.name))
         raise RuntimeError("not started in this test")
         yield
 
@@ -296,7 +296,7 @@ def test_a_measured_layout_is_deployed_with_its_tensor_parallel_sizes(monkeypatc
     profiles = Profiles({1: make_profile(), 2: make_profile(tensor_parallel_size=2)})
     candidate = tune.Candidate(Layout(1, 1, prefill_tp=2), 1.0)
     tune._measure(config, profiles, workload, candidate, 3600.0, Clock(3600.0), lambda _: None)
-    assert started == [(1, 1, (2, 1))]
+    assert started == [(1, 1, (2, 1), "500-11-1P_TP2_+1D_seqs=128_tokens=2048")]  # logs in a plain folder name
     assert candidate.note.startswith("failed: RuntimeError")
 
 
