@@ -34,6 +34,7 @@ times, each time taking the node's one core from its model step.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from pathlib import Path
@@ -59,7 +60,15 @@ from kv_transfer.shards import (
     plan_read,
 )
 from kv_transfer.side_channel_connector import Peer, PendingRead, SideChannelConnector
-from kv_transfer.ucx import ProtocolReport, Transport, apply_settings, enable_protocol_report, rdma_ports, ucx_settings
+from kv_transfer.ucx import (
+    ProtocolReport,
+    Transport,
+    allocator_warning,
+    apply_settings,
+    enable_protocol_report,
+    rdma_ports,
+    ucx_settings,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +87,8 @@ def set_ucx_defaults(host: str, on_gpu: bool = False) -> Path | None:
                                          [] if is_loopback else rdma_ports()))
     logger.info("UCX settings for KV transfer (%s, %s memory): %s", host, "GPU" if on_gpu else "host",
                 " ".join(f"UCX_{k}={v}" for k, v in chosen.items()) or "UCX's defaults")
+    if (warning := allocator_warning(on_gpu, dict(os.environ))) is not None:
+        logger.warning(warning)
     return enable_protocol_report()
 
 

@@ -47,6 +47,21 @@ def ucx_settings(host: str, on_gpu: bool, interface: str | None, rdma_ports: lis
     return settings
 
 
+def allocator_warning(on_gpu: bool, environ: dict[str, str]) -> str | None:
+    """A warning when torch's CUDA allocator is set to expandable segments (PYTORCH_CUDA_ALLOC_CONF
+    or PYTORCH_ALLOC_CONF): the KV cache is then virtual (VMM) memory, which UCX's cuda_ipc shares
+    only through fabric handles (openucx/ucx#11548), and reads between processes on one host fall
+    back to TCP through host memory. None where it does not apply."""
+    if not on_gpu:
+        return None
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        options = dict(part.split(":", 1) for part in environ.get(name, "").replace(" ", "").split(",") if ":" in part)
+        if options.get("expandable_segments", "").lower() == "true":
+            return (f"{name} sets expandable_segments: the KV cache is virtual (VMM) memory, which UCX may not "
+                    "share over cuda_ipc, so KV reads can fall back to TCP; unset it on prefill and decode nodes")
+    return None
+
+
 def rdma_ports(root: Path = SYSFS_INFINIBAND) -> list[str]:
     """UCX names of this machine's RDMA ports whose state is ACTIVE (e.g. mlx5_0:1)."""
     ports = []

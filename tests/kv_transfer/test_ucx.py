@@ -27,6 +27,15 @@ def test_settings_for_each_address_and_memory_kind(host, on_gpu, interface, port
     assert ucx_settings(host, on_gpu, interface, ports) == expected
 
 
+def test_expandable_segments_are_named_as_a_risk_to_gpu_kv_reads_only():
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        warning = ucx.allocator_warning(True, {name: "max_split_size_mb:128, expandable_segments:True"})
+        assert warning is not None and name in warning and "cuda_ipc" in warning
+    assert ucx.allocator_warning(False, {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}) is None
+    assert ucx.allocator_warning(True, {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}) is None
+    assert ucx.allocator_warning(True, {}) is None
+
+
 def test_rdma_ports_are_the_active_ones(tmp_path):
     for device, port, state in [("mlx5_0", "1", "4: ACTIVE"), ("mlx5_1", "1", "1: DOWN"), ("mlx5_2", "1", "4: ACTIVE"),
                                 ("mlx5_2", "2", "2: INIT")]:
