@@ -46,6 +46,7 @@ fi
     python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__,
 "transformers", transformers.__version__, torch.cuda.get_device_name())'
     grep -m1 "model name" /proc/cpuinfo; nproc; command -v cc
+    env | grep -E '^(PYTORCH|UCX|NCCL|CUDA)_' || true  # settings that change how KV moves (see kv_transfer/ucx.py)
 } 2>&1 | tee "$out/env.log"
 # Every import the steps need, up front: a missing wheel named in 2 s, not inside a step.
 python3 -c "import fastapi, uvicorn, httptools, msgspec, zmq, pydantic, xgrammar, gguf, httpx, aiohttp, nixl" \
