@@ -191,9 +191,6 @@ class Profiles:
             raise ValueError(f"no profile of a {size}-rank tensor-parallel node (profiled: {sorted(self.by_tp)})")
         return self.by_tp[size]
 
-    def map(self, change: Callable[[Profile], Profile]) -> Profiles:
-        return Profiles({size: change(profile) for size, profile in self.by_tp.items()})
-
     def to_json(self) -> dict:
         return {"profiles": [self.by_tp[size].to_json() for size in sorted(self.by_tp)]}
 
