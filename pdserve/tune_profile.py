@@ -27,11 +27,12 @@ from engine.sampling_params import SamplingParams
 from engine.tp_shard import check_tensor_parallel
 from engine.warm_up import warm_up
 
-# NOTE: a NIXL (UCX) pull moved KV at 0.61-0.62 of an in-process copy's speed for 512 to 8,192
-# tokens of the small preset (benchmarks/kv_transfer.py; docs/benchmarks.md); the fixed part covers the
-# messages around a pull (proxy -> decode node -> prefill node's agent), a few ms on loopback.
-NIXL_COPY_RATIO = 0.62
-TRANSFER_FIXED_S = 0.005
+# NOTE: a NIXL (UCX) pull of a prompt's layer-major blocks into scattered ones, as a fixed cost
+# (the messages around it, the descriptors) plus the bytes at a share of an in-process copy's
+# speed: 10 ms + 0.55 x copy fits 512 to 8,192 tokens of the small preset within 5%
+# (benchmarks/kv_transfer.py; docs/benchmarks.md, KV transfer).
+NIXL_COPY_RATIO = 0.55
+TRANSFER_FIXED_S = 0.010
 
 PREFILL_FEATURES = ("fixed_s", "per_token_s", "per_attention_pair_s")
 DECODE_FEATURES = ("fixed_s", "per_seq_s", "per_context_token_s")
