@@ -265,32 +265,30 @@ def test_profiles_of_several_sizes_survive_a_json_round_trip_and_a_single_profil
         Profiles({1: make_profile(tensor_parallel_size=2)})
 
 
-def test_each_size_is_calibrated_on_colocated_nodes_of_its_own_size(monkeypatch, tmp_path):
-    started = []
+@pytest.fixture
+def started(monkeypatch) -> list[tuple]:
+    """The deployments tune asks for, (num_prefill, num_decode, tensor_parallel, log folder name);
+    none comes up (tune.deployed raises RuntimeError)."""
+    asked = []
 
     @contextlib.contextmanager
     def deployed(model_dir, num_prefill, num_decode, node_args, proxy_args, log_dir, tensor_parallel):
-        started.append((num_prefill, num_decode, tensor_parallel, log_dir.name))
+        asked.append((num_prefill, num_decode, tensor_parallel, log_dir.name))
         raise RuntimeError("not started in this test")
         yield
 
     monkeypatch.setattr(tune, "deployed", deployed)
+    return asked
+
+
+def test_each_size_is_calibrated_on_colocated_nodes_of_its_own_size(started, tmp_path):
     config = tune.TuneConfig(tmp_path, 4, Slo(2.0, 0.05), (Workload(500, 11),), log_dir=tmp_path, tp_sizes=(2,))
     profiles = Profiles({1: make_profile(), 2: make_profile(tensor_parallel_size=2)})
     assert tune._served_calibration(config, profiles, lambda _: None) == profiles  # none came up: unchanged
     assert started == [(0, 4, (1, 1), "served-calibration"), (0, 2, (1, 2), "served-calibration-tp2")]
 
 
-def test_a_measured_layout_is_deployed_with_its_tensor_parallel_sizes(monkeypatch, tmp_path):
-    started = []
-
-    @contextlib.contextmanager
-    def deployed(model_dir, num_prefill, num_decode, node_args, proxy_args, log_dir, tensor_parallel):
-        started.append((num_prefill, num_decode, tensor_parallel, log_dir.name))
-        raise RuntimeError("not started in this test")
-        yield
-
-    monkeypatch.setattr(tune, "deployed", deployed)
+def test_a_measured_layout_is_deployed_with_its_tensor_parallel_sizes(started, tmp_path):
     workload = Workload(500, 11)
     config = tune.TuneConfig(tmp_path, 3, Slo(2.0, 0.05), (workload,), log_dir=tmp_path, tp_sizes=(1, 2))
     profiles = Profiles({1: make_profile(), 2: make_profile(tensor_parallel_size=2)})
