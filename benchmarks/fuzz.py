@@ -22,7 +22,8 @@ sys.path.insert(0, str(REPO))
 from engine.protocol import Role  # noqa: E402
 from proxy.app import create_app  # noqa: E402
 from proxy.config import ProxyConfig  # noqa: E402
-from tests.proxy.conftest import MODEL_NAME, _Server, _write_model_dir  # noqa: E402
+from tests.conftest import UvicornServer  # noqa: E402
+from tests.proxy.conftest import MODEL_NAME, _write_model_dir  # noqa: E402
 from tests.proxy.fake_node import FakeNode, FakeNodeConfig  # noqa: E402
 from tests.proxy.fuzzing import FuzzReport, check_still_serving, fuzz_schema, send_hostile  # noqa: E402
 
@@ -42,7 +43,7 @@ def main() -> int:
                  for role in (Role.PREFILL, Role.DECODE)]
         config = ProxyConfig(model_dir=str(model_dir), served_model_name=MODEL_NAME, max_model_len=64,
                              prefill_addresses=(nodes[0].address,), decode_addresses=(nodes[1].address,))
-        server = _Server(create_app(config))
+        server = UvicornServer(create_app(config))
         server.start()
         try:
             report = _fuzz(f"http://127.0.0.1:{server.port}", args)
