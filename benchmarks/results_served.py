@@ -229,9 +229,12 @@ def render_profile_serve(records: list[dict]) -> tuple[list[str], list]:
 def render_fuzz(records: list[dict]) -> tuple[list[str], list]:
     record = records[-1]
     r = record["result"]
-    statuses = ", ".join(f"{count:,} x {status}" for by in r["by_status"].values() for status, count in by.items())
-    lines = [f"{r['num_cases']:,} cases ({statuses}), **{r['num_problems']} problems**.", "", "- " + provenance(record),
-             ""]
+    statuses = "; ".join(f"{source}: " + ", ".join(f"{count:,} x {status}" for status, count in by.items())
+                         for source, by in r["by_status"].items())
+    accepted = r.get("num_negative_accepted")
+    tail = "" if accepted is None else f", {accepted} negative cases accepted"
+    lines = [f"{r['num_cases']:,} cases ({statuses}), **{r['num_problems']} problems**{tail}.", "",
+             "- " + provenance(record), ""]
     return lines, []
 
 
