@@ -120,7 +120,6 @@ class DecodeNode(NodeServer):
         if message.first_token is not None:
             self.engine.check_request(pull.message.request_id, pull.message.prompt_token_ids, pull.params,
                                       [message.first_token.token_id])
-        if message.first_token is not None:
             # NOTE: the node's request metrics (TTFT, queue time, e2e) count from here, as for a
             # whole-prompt pull: not from the first chunk, with the rest of the prefill in them.
             self.metrics.request_arrived(message.request_id)

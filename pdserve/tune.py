@@ -37,7 +37,7 @@ from pdserve.tune_measure import (
     single_latency,
     warm_up,
 )
-from pdserve.tune_profile import Profile, ProfilePlan, Profiles, profile_model
+from pdserve.tune_profile import Profile, ProfilePlan, Profiles, profile_model, tp_prefix
 from pdserve.tune_report import Candidate, format_table, result_json
 from pdserve.tune_sim import SimPlan, bench_arrivals, predict_goodput, simulate
 from pdserve.tune_space import Layout, Slo, Workload, enumerate_layouts, scheduler_default
@@ -252,7 +252,7 @@ def _profile(config: TuneConfig, clock: Clock, say: Say) -> Profiles:
             f"tokens, contexts up to {plan.max_context_len}")
         profile = profile_model(str(config.model_dir), plan, threads, say, tensor_parallel_size=size)
         p, d, m = profile.prefill.to_json(), profile.decode.to_json(), profile.mixed_check
-        tag = f"TP{size} " if size > 1 else ""
+        tag = tp_prefix(size)
         say(f"profile: {tag}prefill_s = {p['fixed_s']:.4f} + {p['per_token_s']:.3g} * tokens + "
             f"{p['per_attention_pair_s']:.3g} * pairs (worst point {100 * p['max_rel_error']:.0f}% off)")
         say(f"profile: {tag}decode_step_s = {d['fixed_s']:.4f} + {d['per_seq_s']:.3g} * batch + "

@@ -305,7 +305,7 @@ def _profile_prefill(model: ModelConfig, plan: ProfilePlan, progress: Progress,
             pairs = sum(attention_pairs(n, 0) for n in batch)
             points.append({"kind": "prefill", "prompt_lens": batch, "features": [1.0, sum(batch), pairs],
                            "seconds": seconds})
-            progress(f"profile: prefill {_tp_text(tensor_parallel_size)}{len(batch)} x {batch[0]} tokens: "
+            progress(f"profile: prefill {tp_prefix(tensor_parallel_size)}{len(batch)} x {batch[0]} tokens: "
                      f"{1000 * seconds:.1f} ms")
     return points
 
@@ -321,7 +321,8 @@ def _closing(engine: LLMEngine) -> Iterator[LLMEngine]:
         gc.collect()
 
 
-def _tp_text(size: int) -> str:
+def tp_prefix(size: int) -> str:
+    """A progress line's prefix: 'TP2 ' for a tensor-parallel size above 1, nothing for one rank."""
     return f"TP{size} " if size > 1 else ""
 
 
@@ -352,7 +353,7 @@ def _profile_decode(model: ModelConfig, plan: ProfilePlan, progress: Progress, o
     per_request = math.ceil((plan.max_context_len + plan.num_decode_steps + 2) / block_size)
     mixed_prompt = max(1, plan.max_prompt_len // 2)
     num_blocks = plan.max_batch * per_request + math.ceil(mixed_prompt / block_size) + 4
-    tag = _tp_text(tensor_parallel_size)
+    tag = tp_prefix(tensor_parallel_size)
     with _closing(_engine(model, Role.DECODE, num_blocks, max(2048, mixed_prompt + plan.max_batch),
                           tensor_parallel_size)) as engine:
         warm_up(engine, min(128, plan.max_prompt_len))

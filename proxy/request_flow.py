@@ -311,8 +311,8 @@ class _Stream:
         is none, or it died or answered meanwhile (the caller then picks a decode node anew)."""
         if self.decode is None:
             return False
-        if not self.decode.is_healthy or not self.queue.empty():
-            early = None if self.queue.empty() else self.queue.get_nowait()
+        early = None if self.queue.empty() else self.queue.get_nowait()
+        if early is not None or not self.decode.is_healthy:
             is_dead = not self.decode.is_healthy or isinstance(early, NodeDied)
             self._give_up(f"it answered before the prompt was prefilled: {early!r}" if early is not None
                           else "it is not healthy", is_dead)

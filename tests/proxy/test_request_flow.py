@@ -7,6 +7,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import time
+from collections.abc import Iterator
 
 import msgspec
 
@@ -66,15 +67,20 @@ def test_a_request_cancelled_as_its_next_tokens_arrive_is_aborted_on_its_node():
     assert sent[1].request_ids == ["r1"]
 
 
-def _streaming_pool(kv_stream_min_tokens: int | None = 0) -> NodePool:
-    """One prefill and one decode node behind recording sockets, reporting."""
+@contextlib.contextmanager
+def _streaming_pool(kv_stream_min_tokens: int | None = 0) -> Iterator[NodePool]:
+    """One prefill and one decode node behind recording sockets, reporting; its context ended on
+    the way out."""
     pool = NodePool(("127.0.0.1:1",), ("127.0.0.1:2",), heartbeat_timeout_s=60,
                     kv_stream_min_tokens=kv_stream_min_tokens)
     for node, role in ((pool.prefill[0], protocol.Role.PREFILL), (pool.decode[0], protocol.Role.DECODE)):
         node.socket = _RecordingSocket()
         node.last_report = msgspec.structs.replace(_report(block_size=16, num_free_blocks=100), role=role)
         node.last_seen = node.progress_changed_at = time.monotonic()
-    return pool
+    try:
+        yield pool
+    finally:
+        pool.context.term()
 
 
 _HANDLE = protocol.KVHandle("p-1", "127.0.0.1:9", [3, 4, 5], 40, 7, 30.0)
@@ -102,8 +108,7 @@ async def _turn() -> None:
 
 def test_a_streamed_prompt_reaches_its_decode_node_chunk_by_chunk_then_with_its_first_token():
     async def main() -> tuple[list, list, list[int]]:
-        pool = _streaming_pool()
-        try:
+        with _streaming_pool() as pool:
             [prefill], [decode] = pool.prefill, pool.decode
             tokens = []
             task = _streamed_request(pool, tokens, max_tokens=3)
@@ -120,8 +125,6 @@ def test_a_streamed_prompt_reaches_its_decode_node_chunk_by_chunk_then_with_its_
                                                                      protocol.TokenLogprob(13)], 1, "length"))
             await asyncio.wait_for(task, 5)
             return prefill.socket.sent, decode.socket.sent, tokens
-        finally:
-            pool.context.term()
 
     to_prefill, to_decode, tokens = asyncio.run(main())
     assert [type(m) for m in to_prefill] == [protocol.PrefillRequest] and to_prefill[0].stream_kv
@@ -135,8 +138,7 @@ def test_a_streamed_prompt_reaches_its_decode_node_chunk_by_chunk_then_with_its_
 
 def test_a_prefill_failing_mid_stream_aborts_the_streamed_pull_too():
     async def main() -> tuple[list, list]:
-        pool = _streaming_pool()
-        try:
+        with _streaming_pool() as pool:
             [prefill], [decode] = pool.prefill, pool.decode
             task = _streamed_request(pool, [])
             await _turn()
@@ -148,8 +150,6 @@ def test_a_prefill_failing_mid_stream_aborts_the_streamed_pull_too():
             except Exception as exc:  # noqa: BLE001 - the client's error: the node refused the request
                 assert "no" in str(exc)
             return prefill.socket.sent, decode.socket.sent
-        finally:
-            pool.context.term()
 
     to_prefill, to_decode = asyncio.run(main())
     assert [type(m) for m in to_decode] == [protocol.DecodeRequest, protocol.Abort]
@@ -158,8 +158,7 @@ def test_a_prefill_failing_mid_stream_aborts_the_streamed_pull_too():
 
 def test_with_streaming_off_the_prefill_is_not_asked_to_stream():
     async def main() -> list:
-        pool = _streaming_pool(kv_stream_min_tokens=None)
-        try:
+        with _streaming_pool(kv_stream_min_tokens=None) as pool:
             [prefill] = pool.prefill
             task = _streamed_request(pool, [])
             await _turn()
@@ -167,15 +166,14 @@ def test_with_streaming_off_the_prefill_is_not_asked_to_stream():
             with contextlib.suppress(asyncio.CancelledError):
                 await task
             return prefill.socket.sent
-        finally:
-            pool.context.term()
 
     sent = asyncio.run(main())
     assert isinstance(sent[0], protocol.PrefillRequest) and not sent[0].stream_kv
+
+
 def test_a_client_leaving_mid_stream_aborts_the_prefill_and_the_streamed_pull():
     async def main() -> tuple[list, list]:
-        pool = _streaming_pool()
-        try:
+        with _streaming_pool() as pool:
             [prefill], [decode] = pool.prefill, pool.decode
             task = _streamed_request(pool, [])
             await _turn()
@@ -185,8 +183,6 @@ def test_a_client_leaving_mid_stream_aborts_the_prefill_and_the_streamed_pull():
             with contextlib.suppress(asyncio.CancelledError):
                 await task
             return prefill.socket.sent, decode.socket.sent
-        finally:
-            pool.context.term()
 
     to_prefill, to_decode = asyncio.run(main())
     assert [type(m) for m in to_prefill] == [protocol.PrefillRequest, protocol.Abort]
@@ -198,8 +194,7 @@ def test_a_decode_node_refusing_the_streamed_pull_gets_the_prompt_the_usual_way_
     goes to a decode node picked then, with its whole handle, instead of failing before its first
     token (and being prefilled again)."""
     async def main() -> tuple[list, list[int]]:
-        pool = _streaming_pool()
-        try:
+        with _streaming_pool() as pool:
             [prefill], [decode] = pool.prefill, pool.decode
             tokens = []
             task = _streamed_request(pool, tokens, max_tokens=2)
@@ -212,8 +207,6 @@ def test_a_decode_node_refusing_the_streamed_pull_gets_the_prompt_the_usual_way_
             decode.queues["r"].put_nowait(protocol.RequestDelta("r", [protocol.TokenLogprob(12)], 1, "length"))
             await asyncio.wait_for(task, 5)
             return decode.socket.sent, tokens
-        finally:
-            pool.context.term()
 
     to_decode, tokens = asyncio.run(main())
     assert [type(m) for m in to_decode] == [protocol.DecodeRequest, protocol.Abort, protocol.DecodeRequest]
