@@ -308,7 +308,16 @@ def summary_row(tokens: int, copy: dict, nixl: dict, gloo: dict) -> dict:
 
 
 if __name__ == "__main__":
+    from kv_transfer.ucx import exit_now
+
     if "--veth-reader" in sys.argv:
         veth_reader(*sys.argv[sys.argv.index("--veth-reader") + 1:][:3])
     else:
+        import argparse
+
+        parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+        parser.add_argument("--veth", action="store_true", help="also NIXL across a veth pair (root)")
+        parser.add_argument("--block-major", action="store_true", help="caches stored block-major (as on CUDA)")
+        parser.parse_args()  # NOTE: STORAGE and main() read the flags from sys.argv
         main()
+    exit_now(0)  # NOTE: this process loaded NIXL, whose exit-time teardown is not safe (see there)

@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -112,7 +113,14 @@ def reader(args: argparse.Namespace) -> int:
 def main() -> int:
     args = parse_args()
     if args.reader:
-        return reader(args)
+        from kv_transfer.ucx import exit_now
+
+        try:
+            code = reader(args)
+        except Exception:  # noqa: BLE001 - any failure: its traceback, then the exit code
+            traceback.print_exc()
+            code = 1
+        exit_now(code)  # NOTE: this process loaded NIXL, whose exit-time teardown is not safe (see there)
     results = {}
     for name in args.settings.split(","):
         env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}

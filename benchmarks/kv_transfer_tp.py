@@ -91,4 +91,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from kv_transfer.ucx import exit_now
+
+    exit_now(main())  # NOTE: this process loaded NIXL, whose exit-time teardown is not safe (see there)

@@ -23,9 +23,11 @@ import logging
 import os
 import re
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 logger = logging.getLogger(__name__)
 
@@ -101,12 +103,56 @@ def enable_protocol_report() -> Path | None:
         return None
     if "UCX_LOG_FILE" in os.environ or "UCX_PROTO_INFO" in os.environ:
         return None
-    folder = Path(tempfile.mkdtemp(prefix="pdserve-ucx-"))
+    _remove_folders_of_ended_processes(Path(tempfile.gettempdir()))
+    folder = Path(tempfile.mkdtemp(prefix=f"{_REPORT_PREFIX}{os.getpid()}-"))
     _report_file = folder / f"ucx.{os.getpid()}.log"
     os.environ["UCX_PROTO_INFO"] = "y"
     os.environ["UCX_LOG_FILE"] = str(folder / "ucx.%p.log")  # %p: a child process writes its own
-    atexit.register(shutil.rmtree, folder, True)
+    atexit.register(_remove_report_folder)
     return _report_file
+
+
+_REPORT_PREFIX = "pdserve-ucx-"  # then the pid of the process whose report folder it is
+
+
+def _remove_report_folder() -> None:
+    if _report_file is not None:
+        shutil.rmtree(_report_file.parent, ignore_errors=True)
+
+
+def _remove_folders_of_ended_processes(parent: Path) -> None:
+    """Remove this user's report folders in parent whose process is gone (one killed never removed
+    its own)."""
+    for folder in parent.glob(f"{_REPORT_PREFIX}*-*"):
+        pid = folder.name.removeprefix(_REPORT_PREFIX).split("-")[0]
+        with contextlib.suppress(OSError):
+            if pid.isdigit() and folder.stat().st_uid == os.getuid() and not _alive(int(pid)):
+                shutil.rmtree(folder, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def exit_now(code: int = 0) -> NoReturn:
+    """End this process at once with code, after flushing its logs and its Python and C streams and
+    removing its UCX report folder. For a process that loaded NIXL, whose exit-time teardown is not
+    safe: UCX's aborts where a peer died first, and the libnl bundled in NIXL's wheel crashes in its
+    destructor (SIGSEGV in rtnl_tc_unregister) where the host's own rdma-core (libibverbs and its
+    providers, which load the system's libnl) is loaded beside it."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    _flush_c_streams()
+    _remove_report_folder()
+    os._exit(code)
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from engine.cpu_quota import usable_cores
 from engine.engine import LLMEngine
 from engine.protocol import Role
 from engine.warm_up import warm_up
+from kv_transfer.ucx import exit_now
 from node.args import NodeConfigs, node_configs_from_args
 from node.core_lending import Borrower, Lender
 from node.server import NodeServer
@@ -66,7 +67,7 @@ def serve(args: argparse.Namespace, role: Role, build_server: BuildServer) -> in
                                      sum(s for _, s in phases), ", ".join(f"{n} {s:.2f} s" for n, s in phases))
     server.run()
     engine.close()
-    # NOTE: exit_now skips UCX's teardown, which aborts when a peer died first. A node that failed
+    # NOTE: exit_now skips NIXL's and UCX's exit-time teardown (see there). A node that failed
     # (a tensor-parallel rank lost) exits 1, so that its supervisor restarts it.
     exit_now(0 if server.failure is None else 1)
     return 0
@@ -111,14 +112,6 @@ def keep_freed_memory() -> bool:
         return False
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     return bool(mallopt(_M_TRIM_THRESHOLD, _KEEP_BYTES) and mallopt(_M_MMAP_THRESHOLD, _HEAP_UP_TO_BYTES))
-
-
-def exit_now(code: int = 0) -> None:
-    """Leave the process at once after a clean shutdown (flushing logs and streams first)."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 def _check_lending(args: argparse.Namespace, role: Role) -> None:

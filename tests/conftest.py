@@ -45,6 +45,26 @@ if _WORKER:
         os.environ[ports.PORT_RANGE_VARIABLE] = _share
 
 
+_SESSION = pytest.StashKey["pytest.Session"]()
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    session.config.stash[_SESSION] = session
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """A pytest process that loaded NIXL (tests that read KV in this process) ends through
+    kv_transfer.ucx.exit_now, with the session's exit status: its exit-time teardown is not safe
+    (see there). pytest-xdist's workers exit on their own: the controller has their results then."""
+    session = config.stash.get(_SESSION, None)
+    if _WORKER or session is None or "nixl" not in sys.modules:
+        return
+    from kv_transfer.ucx import exit_now
+
+    exit_now(int(session.exitstatus))
+
+
 def cached_checkpoint(path: Path, modules: tuple[str, ...], libraries: tuple[str, ...],
                       make: Callable[[Path], object]) -> Path:
     """path as make(directory) writes it, unless a copy made by the same pdserve modules and library

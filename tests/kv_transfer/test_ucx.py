@@ -5,6 +5,7 @@ report, and a real NIXL read of host memory between two processes)."""
 import logging
 import os
 import time
+from pathlib import Path
 
 import pytest
 
@@ -157,3 +158,45 @@ def test_the_gpu_read_benchmark_runs_on_host_memory(tmp_path):
     record["result"]["device"] = "cuda"
     block = render_results.render([record])[0]["kv_transfer_gpu"]
     assert all(f"{result['transport']}" in block for result in settings.values()) and "GB/s" in block, block
+
+
+def test_a_killed_processs_report_folder_is_removed_by_the_next_and_nothing_else(tmp_path):
+    import subprocess
+    import sys
+
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                           check=True)
+    gone = tmp_path / f"pdserve-ucx-{ended.stdout.strip()}-abc"
+    alive = tmp_path / f"pdserve-ucx-{os.getpid()}-def"
+    other = tmp_path / "pdserve-ucx-notapid-ghi"
+    for folder in (gone, alive, other):
+        folder.mkdir()
+        (folder / "ucx.1.log").write_text("x")
+    ucx._remove_folders_of_ended_processes(tmp_path)
+    assert not gone.exists() and alive.exists() and other.exists()
+
+
+def test_exit_now_flushes_output_removes_the_report_folder_and_exits_with_the_code(tmp_path):
+    """A process ends through exit_now (skipping NIXL's teardown) having written what it printed, both
+    Python's buffers and C's, and with its UCX report folder gone."""
+    import subprocess
+    import sys
+
+    code = ("import ctypes, logging, os, sys\n"
+            "from kv_transfer import ucx\n"
+            "logging.basicConfig(level=logging.INFO, stream=sys.stderr)\n"
+            "report = ucx.enable_protocol_report()\n"
+            "report.write_text('x')\n"
+            "print(report.parent, end='')\n"
+            "logging.getLogger('t').info('logged')\n"
+            "libc = ctypes.CDLL(None)\n"
+            "libc.fputs(b' from C', ctypes.c_void_p.in_dll(libc, 'stdout'))\n"
+            "ucx.exit_now(3)\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_") and k != "PYTHONUNBUFFERED"}
+    env["TMPDIR"] = str(tmp_path)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert proc.returncode == 3, proc.stderr
+    folder, c_part = proc.stdout.split(" ", 1)
+    assert c_part == "from C" and "logged" in proc.stderr
+    assert Path(folder).parent == tmp_path and not Path(folder).exists()

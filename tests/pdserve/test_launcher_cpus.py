@@ -211,11 +211,19 @@ def test_metrics_port_base_names_a_port_in_use(monkeypatch):
     import argparse
     import socket
 
+    # NOTE: the first port free and the second taken here, both outside the kernel's ephemeral range
+    # (ports.free_port), where any other process's outgoing connection could take the first meanwhile.
     with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
+        for _ in range(20):
+            base = ports.free_port()
+            try:
+                taken.bind(("127.0.0.1", base + 1))
+                break
+            except OSError:
+                continue
         taken.listen()
-        port = taken.getsockname()[1]
-        args = argparse.Namespace(metrics_port_base=port - 1, prefill=1, decode=1, host="0.0.0.0", node_host=None)
+        port = base + 1
+        args = argparse.Namespace(metrics_port_base=base, prefill=1, decode=1, host="0.0.0.0", node_host=None)
         try:
             launcher._check_node_addresses(args)
         except ValueError as exc:
