@@ -4,12 +4,14 @@ kernels/cpu/native.py, which picks the best level the CPU has. Never the build h
 on any CPU of its level, so an image built on one host runs on another. Everything else is in
 pyproject.toml."""
 
+import copy
 import os
 import platform
 import sys
 from pathlib import Path
 
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # for kernels.cpu.levels in an isolated build too
 from kernels.cpu.levels import LEVELS  # noqa: E402
@@ -35,5 +37,20 @@ def extensions() -> list[Extension]:
     ]
 
 
+class BuildEachLevelApart(build_ext):
+    """build_ext with each library's objects in a folder of its own. The levels compile the same
+    sources, whose objects build_ext names after the source alone: side by side in one folder, a
+    level would link objects another level's flags had just written (an AVX2 library holding
+    AVX-512 code, which dies with SIGILL on an AVX2-only CPU)."""
+
+    def build_extension(self, ext: Extension) -> None:
+        # NOTE: a copy per library, not self.build_temp set and restored: the libraries build on
+        # threads of their own (parallel), which would all see one attribute.
+        command = copy.copy(self)
+        command.build_temp = os.path.join(self.build_temp, ext.name.rsplit(".", 1)[-1])
+        build_ext.build_extension(command, ext)
+
+
 # NOTE: the four libraries build side by side, one per core (50 s -> 27 s on two cores).
-setup(ext_modules=extensions(), options={"build_ext": {"parallel": os.cpu_count() or 1}})
+setup(ext_modules=extensions(), cmdclass={"build_ext": BuildEachLevelApart},
+      options={"build_ext": {"parallel": os.cpu_count() or 1}})
