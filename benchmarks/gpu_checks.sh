@@ -47,6 +47,9 @@ fi
 "transformers", transformers.__version__, torch.cuda.get_device_name())'
     grep -m1 "model name" /proc/cpuinfo; nproc; command -v cc
     env | grep -E '^(PYTORCH|UCX|NCCL|CUDA)_' || true  # settings that change how KV moves (see kv_transfer/ucx.py)
+    # RDMA: the host's verbs providers (beside NIXL's own: see kv_transfer.ucx.exit_now) and its ports
+    echo "rdma-core providers: $(ls /etc/libibverbs.d 2>/dev/null | tr '\n' ' ')"
+    echo "rdma ports: $(ls /sys/class/infiniband 2>/dev/null | tr '\n' ' ')"
 } 2>&1 | tee "$out/env.log"
 # Every import the steps need, up front: a missing wheel named in 2 s, not inside a step.
 python3 -c "import fastapi, uvicorn, httptools, msgspec, zmq, pydantic, xgrammar, gguf, httpx, aiohttp, nixl" \
