@@ -56,6 +56,7 @@ from kv_transfer.config import TransferConfig
 from kv_transfer.factory import create_connector
 from kv_transfer.layout import KVLayout
 from kv_transfer.lease import LeaseTable
+from kv_transfer.ucx import exit_now
 from engine.protocol import curve_keys
 layout = msgspec.json.decode(sys.argv[1], type=KVLayout)
 keys = curve_keys(sys.argv[4]) if len(sys.argv) > 4 else None
@@ -78,7 +79,7 @@ print(json.dumps({"address": c.agent_address, "engine_id": c.engine_id}), flush=
 for line in sys.stdin:  # `REQUEST_ID BLOCK_IDS_JSON`: hold a lease, answer its generation
     request_id, block_ids = line.split(maxsplit=1)
     print(json.dumps({"generation": leases.add(request_id, json.loads(block_ids))}), flush=True)
-os._exit(0)
+exit_now(0)
 """
 
 

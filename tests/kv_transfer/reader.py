@@ -4,11 +4,10 @@ python reader.py BACKEND LAYOUT_JSON ADDRESS ENGINE_ID WARM_GENERATION.
 Reads one block (the holder's lease "warm" on block 0, of the given generation) to warm up and
 prints {"warm": ok}; waits for a line on stdin; then starts four reads (the holder is dead by
 then), polls them, prints one JSON line of results and of the blocks still allocated, and
-leaves with os._exit (UCX's teardown after a dead peer aborts).
+leaves through kv_transfer.ucx.exit_now (UCX's teardown after a dead peer aborts).
 """
 
 import json
-import os
 import sys
 import time
 
@@ -19,6 +18,7 @@ from kv_transfer.base import RemoteLease
 from kv_transfer.config import TransferConfig
 from kv_transfer.factory import create_connector
 from kv_transfer.layout import KVLayout
+from kv_transfer.ucx import exit_now
 from tests.kv_transfer.helpers import poll_until
 
 
@@ -45,7 +45,7 @@ def main() -> None:
     print(json.dumps({"failed": sorted(r for r, x in results.items() if not x.is_ok),
                       "errors": [x.error for x in results.values()], "seconds": time.monotonic() - started,
                       "still_allocated": allocated, "in_flight": connector.num_reads_in_flight}), flush=True)
-    os._exit(0)
+    exit_now(0)
 
 
 if __name__ == "__main__":

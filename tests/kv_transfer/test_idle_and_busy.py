@@ -31,6 +31,7 @@ from kv_transfer.config import TransferConfig
 from kv_transfer.factory import create_connector
 from kv_transfer.layout import KVLayout
 from kv_transfer.lease import LeaseTable
+from kv_transfer.ucx import exit_now
 layout = msgspec.json.decode(sys.argv[1], type=KVLayout)
 mode = sys.argv[2]
 shape = (layout.num_blocks, layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
@@ -56,7 +57,7 @@ else:  # model steps of 300 ms that never call into NIXL, ended leases read betw
             pass
         released += [request_id for request_id, _ in leases.pop_ended()]
     print(json.dumps({"released": released}), flush=True)
-os._exit(0)
+exit_now(0)
 """
 
 
