@@ -51,7 +51,9 @@ MIN_SLO_MET = 2 / 3
 # fewer than MIN_SLO_MET of them met the target: a clean-clone run of the suite once saw 8 of 21
 # (TTFT p50 611 ms with decoding at 1.3x, so the slowdown hit the queue, not the decode), where
 # seven runs of the file alone had all admitted requests within it. Admission that misjudges the
-# rate misses in every attempt; a passing slow moment in one.
+# rate misses in every attempt; a passing slow moment in one. The same holds for refusals slower
+# than MAX_REJECT_SHARE of the admitted time (a clean-clone run in a slow moment once saw p90 123 ms
+# against 224 ms): refusals made to wait miss in every attempt.
 MAX_SLOWDOWN = 3.0
 MAX_ATTEMPTS = 4
 
@@ -235,11 +237,14 @@ def test_slo_admission_at_three_times_the_sustainable_rate_keeps_admitted_ttft(t
             admitted = [(elapsed, first) for r, elapsed, first in results if r.status_code == 200]
             slowdown = statistics.median(elapsed - first for elapsed, first in admitted) / service_s
             met = [first for _, first in admitted if first <= slo_ttft_s]
-            if slowdown <= MAX_SLOWDOWN and len(met) >= MIN_SLO_MET * len(admitted):
+            refused = [elapsed for r, elapsed, _ in results if r.status_code != 200]
+            admitted_s = statistics.median(elapsed for elapsed, _ in admitted)
+            is_fast = not refused or _p90(refused) < MAX_REJECT_SHARE * admitted_s
+            if slowdown <= MAX_SLOWDOWN and len(met) >= MIN_SLO_MET * len(admitted) and is_fast:
                 break
-            print(f"attempt {attempt}: decoding took {slowdown:.1f}x the warm-up's time and {len(met)} of "
-                  f"{len(admitted)} admitted met the TTFT target; again")
-        refused = [elapsed for r, elapsed, _ in results if r.status_code != 200]
+            print(f"attempt {attempt}: decoding took {slowdown:.1f}x the warm-up's time, {len(met)} of "
+                  f"{len(admitted)} admitted met the TTFT target, refusals p90 "
+                  f"{1000 * (_p90(refused) if refused else 0):.0f} ms; again")
         assert all(_check_429(r.status_code, r.headers, r.json()) == "slo_ttft" for r, _, _ in results
                    if r.status_code != 200)
         print(f"rate {rate:.1f}/s: admitted {len(admitted)} ({len(met)} within {1000 * slo_ttft_s:.0f} ms TTFT, "
@@ -247,7 +252,6 @@ def test_slo_admission_at_three_times_the_sustainable_rate_keeps_admitted_ttft(t
               f"warm-up's time), refused {len(refused)} (p90 {1000 * _p90(refused):.1f} ms)")
         assert len(admitted) >= 3 and len(refused) >= 5
         assert len(met) >= MIN_SLO_MET * len(admitted)
-        admitted_s = statistics.median(elapsed for elapsed, _ in admitted)
         assert _p90(refused) < MAX_REJECT_SHARE * admitted_s, (_p90(refused), admitted_s)
     finally:
         deployment.stop()

@@ -142,7 +142,9 @@ def start_proxy(model_dir) -> Iterator:
         prefill = [FakeNode(FakeNodeConfig(role=Role.PREFILL, **node_fields)).start() for _ in range(num_prefill)]
         decode = [FakeNode(FakeNodeConfig(role=Role.DECODE, **node_fields)).start() for _ in range(num_decode)]
         started.extend(prefill + decode)
-        config_fields.setdefault("heartbeat_timeout_s", 1.0)
+        # The production default: the fake nodes share this process's GIL with the proxy, and a
+        # loaded 2-core CI machine starved them past a 1 s timeout (a live node failed as silent).
+        config_fields.setdefault("heartbeat_timeout_s", 3.0)
         config = ProxyConfig(served_model_name=MODEL_NAME,
                              prefill_addresses=tuple(n.address for n in prefill),
                              decode_addresses=(*(n.address for n in decode), *extra_decode_addresses),
