@@ -66,7 +66,8 @@ for step in $steps; do
         bench) run_for "$(limit 150)" python3 benchmarks/kernels.py --iters 30 2>&1 | tee "$out/kernels_bench.log" | grep -v '^RESULT'
                rc=${PIPESTATUS[0]} ;;
         engine) run_for "$(limit 110)" python3 -m pytest tests/engine/test_decode_graphs.py tests/engine/test_correctness.py \
-                    tests/engine/test_bfloat16.py tests/engine/test_sampler.py tests/engine/test_warm_up.py -k cuda \
+                    tests/engine/test_bfloat16.py tests/engine/test_sampler.py tests/engine/test_warm_up.py \
+                    tests/engine/test_tensor_parallel.py -k cuda \
                     "${pytest_args[@]}" >"$out/engine_tests.log" 2>&1
                 rc=$?; tail -30 "$out/engine_tests.log" ;;
         gpu_engine) left=$(limit 160)

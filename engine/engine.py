@@ -151,12 +151,12 @@ class LLMEngine:
     def kv_cache_shards(self) -> list[tuple[torch.Tensor, range]]:
         """Every rank's KV cache (rank 0's own first) with the model's KV heads it holds: what a KV
         connector moves blocks of (block ids mean the same block on every rank). Raises
-        ValueError where the worker ranks' caches are not mapped here (tp_ranks.shares_caches)."""
+        ValueError where this engine does not hold the worker ranks' caches (tp_ranks.shares_caches)."""
         if self.ranks is None:
             return [(self.kv_cache, range(self.config.model.num_kv_heads))]
         if not self.ranks.worker_caches:
-            raise ValueError("this split model's worker caches are not mapped into rank 0 (only CPU prefill and "
-                             "decode engines map them)")
+            raise ValueError("this split model's worker caches are not held by rank 0 (only prefill and decode "
+                             "engines hold them)")
         own = tp_shard(self.config.model, 0, self.config.tensor_parallel_size).kv_heads
         return [(self.kv_cache, own), *self.ranks.worker_caches]
 

@@ -11,6 +11,7 @@ import dataclasses
 import datetime
 import logging
 import os
+import pickle
 import secrets
 import subprocess
 import sys
@@ -25,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.multiprocessing.reductions import reduce_tensor
 
 from engine import tp_shm
 from engine.config import EngineConfig
@@ -58,7 +60,7 @@ class RankModel:
     """One rank's model on its shard, its KV cache and the block count all ranks agreed on."""
 
     model: CausalLM
-    kv_cache: torch.Tensor
+    kv_cache: torch.Tensor | None
     num_blocks: int
 
 
@@ -70,11 +72,10 @@ def rank_device(device: str, rank: int) -> str:
     return f"cuda:{(kind.index or 0) + rank}"
 
 
-def build_rank(config: EngineConfig, backend: Backend, group: TPGroup | None,
-               shared_file: str | None = None) -> RankModel:
+def build_rank(config: EngineConfig, backend: Backend, group: TPGroup | None, allocate: bool = True) -> RankModel:
     """Load this rank's shard (the whole model without a group), agree on the block count with the
-    other ranks (the smallest any rank's memory allows) and allocate the cache (in shared_file
-    where given: see kv_cache.allocate_kv_cache)."""
+    other ranks (the smallest any rank's memory allows) and allocate the cache (unless not
+    allocate: then kv_cache is None, for the caller to set; see shares_caches)."""
     shard = group.shard if group is not None else tp_shard(config.model, 0, 1)
     weights = load_weights(config.model, backend, decode_batches=config.role is not Role.PREFILL, shard=shard)
     local = local_model_config(config.model, shard)
@@ -83,8 +84,9 @@ def build_rank(config: EngineConfig, backend: Backend, group: TPGroup | None,
     if group is not None:
         num_blocks = group.min_int(num_blocks)
     model = CausalLM(local, weights, backend, group)
-    cache = allocate_kv_cache(local, num_blocks, config.cache.block_size, config.device, shared_file,
-                              config.cache.prefault)
+    if not allocate:
+        return RankModel(model, None, num_blocks)
+    cache = allocate_kv_cache(local, num_blocks, config.cache.block_size, config.device, prefault=config.cache.prefault)
     return RankModel(model, cache, num_blocks)
 
 
@@ -100,8 +102,9 @@ class TPRanks:
         self._pipes = pipes
         self._store = store
         self.is_broken = False
-        # The workers' caches mapped here too (shares_caches engines): (cache, the model's KV heads it holds)
+        # The workers' caches, allocated here (shares_caches engines): (cache, the model's KV heads it holds)
         self.worker_caches: list[tuple[torch.Tensor, range]] = []
+        self._shared_files = shared_files  # removed at the latest when the workers stop
         self._finalizer = weakref.finalize(self, _stop_workers, processes, pipes, shared_files)
 
     @classmethod
@@ -114,10 +117,12 @@ class TPRanks:
                               wait_for_workers=False)
         threads = max(1, torch.get_num_threads() // size)
         torch.set_num_threads(threads)
-        shared_files = _shared_cache_files(config)
+        if shares_caches(config) and config.device != "cpu":
+            for rank in range(1, size):  # NOTE: this process's context on each GPU before the workers size caches
+                torch.zeros(1, device=rank_device(config.device, rank))
         channel_file = _channel_file(config)
-        processes, pipes = _spawn_workers(config, store.port, threads, shared_files, channel_file)
-        ranks = cls(processes, pipes, store, [*shared_files, *filter(None, [channel_file])])
+        processes, pipes = _spawn_workers(config, store.port, threads, channel_file)
+        ranks = cls(processes, pipes, store, list(filter(None, [channel_file])))
         try:
             ranks._await("joining")
             alive = lambda: all(p.poll() is None for p in processes)  # noqa: E731 - the channel's check
@@ -125,9 +130,11 @@ class TPRanks:
             group = TPGroup(tp_shard(config.model, 0, size), config.model.vocab_size,
                             make_process_group(store, 0, size, config.device), channel)
             built = build_rank(config, backend, group)
+            if shares_caches(config):
+                ranks._await("sized")
+                ranks._give_worker_caches(config, built.num_blocks)
             ranks._await("ready")
-            ranks._map_worker_caches(config, built.num_blocks, shared_files)
-            _remove_files(list(filter(None, [channel_file])))
+            ranks._remove_shared_files()
         except TensorParallelError as exc:
             reported = ranks._start_errors()
             ranks.close()
@@ -182,14 +189,31 @@ class TPRanks:
                 raise TensorParallelError(f"tensor-parallel rank {rank} (pid {process.pid}) exited "
                                           f"with code {process.returncode}")
 
-    def _map_worker_caches(self, config: EngineConfig, num_blocks: int, shared_files: list[str]) -> None:
-        """Map each worker's cache file here too, then remove the files (the mappings stay)."""
-        for rank, path in enumerate(shared_files, start=1):
+    def _give_worker_caches(self, config: EngineConfig, num_blocks: int) -> None:
+        """Allocate each worker's cache here, on its device (a shared file on the CPU), and hand it
+        the cache to open (_export_cache): this process's one NIXL agent then registers memory it
+        allocated itself, which UCX's CUDA transports need (memory opened from another process's
+        IPC handle cannot be exported again)."""
+        for rank, pipe in enumerate(self._pipes, start=1):
             shard = tp_shard(config.model, rank, config.tensor_parallel_size)
-            cache = map_shared_kv_cache(local_model_config(config.model, shard), num_blocks, config.cache.block_size,
-                                        path)
+            device = rank_device(config.device, rank)
+            path = _shared_path(f"kv-rank{rank}") if device == "cpu" else None
+            if path is not None:
+                self._shared_files.append(path)
+            cache = allocate_kv_cache(local_model_config(config.model, shard), num_blocks, config.cache.block_size,
+                                      device, shared_file=path)
+            if cache.is_cuda:
+                torch.cuda.synchronize(cache.device)  # NOTE: the zeros are written before the worker reads them
             self.worker_caches.append((cache, shard.kv_heads))
-        _remove_files(shared_files)
+            try:
+                pipe.send(("cache", _export_cache(cache, path)))
+            except OSError as exc:
+                raise TensorParallelError(f"tensor-parallel rank {rank} is gone ({exc})") from exc
+
+    def _remove_shared_files(self) -> None:
+        """Remove the files made at start (the mappings stay)."""
+        _remove_files(self._shared_files)
+        self._shared_files.clear()
 
     def _start_errors(self) -> str:
         """The errors workers reported while starting ("rank N failed to start: ..."), "" if none."""
@@ -226,21 +250,35 @@ class TPRanks:
 
 
 def shares_caches(config: EngineConfig) -> bool:
-    """Whether the workers' caches are mapped into rank 0 too: on the CPU, for a node that moves
-    KV (prefill and decode roles), whose connector reads and writes every rank's cache."""
-    return config.device == "cpu" and config.role is not Role.COLOCATED and config.tensor_parallel_size > 1
+    """Whether rank 0 holds the workers' caches too: for a node that moves KV (prefill and decode
+    roles), whose connector reads and writes every rank's cache with one agent. Rank 0 allocates
+    them and each worker opens its own (TPRanks._give_worker_caches)."""
+    return config.role is not Role.COLOCATED and config.tensor_parallel_size > 1
+
+
+def _export_cache(cache: torch.Tensor, path: str | None) -> tuple:
+    """What a worker opens the cache rank 0 allocated for it from (_import_cache): the file it is
+    stored in on the CPU; on a GPU, torch's own reduction of a CUDA tensor (an IPC handle of the
+    memory, which the worker maps)."""
+    if cache.is_cuda:
+        return ("cuda_ipc", reduce_tensor(cache))
+    return ("file", path)
+
+
+def _import_cache(handle: tuple, config: EngineConfig, rank: int, num_blocks: int) -> torch.Tensor:
+    """The cache rank 0 allocated for this worker, from _export_cache's handle."""
+    kind, value = handle
+    if kind == "cuda_ipc":
+        rebuild, arguments = value
+        return rebuild(*arguments)
+    shard = tp_shard(config.model, rank, config.tensor_parallel_size)
+    return map_shared_kv_cache(local_model_config(config.model, shard), num_blocks, config.cache.block_size, value)
 
 
 def _shared_path(name: str) -> str:
     """A fresh path in shared memory (/dev/shm, else the temporary folder) for this process's ranks."""
     folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
     return os.path.join(folder, f"pdserve-tp-{os.getpid()}-{secrets.token_hex(8)}-{name}")
-
-
-def _shared_cache_files(config: EngineConfig) -> list[str]:
-    if not shares_caches(config):
-        return []
-    return [_shared_path(f"kv-rank{rank}") for rank in range(1, config.tensor_parallel_size)]
 
 
 def _channel_file(config: EngineConfig) -> str | None:
@@ -262,7 +300,7 @@ def _remove_files(paths: list[str]) -> None:
             os.unlink(path)
 
 
-def _spawn_workers(config: EngineConfig, store_port: int, threads: int, shared_files: list[str],
+def _spawn_workers(config: EngineConfig, store_port: int, threads: int,
                    channel_file: str | None) -> tuple[list, list[Connection]]:
     """Start ranks 1..size-1 as `python -m engine.tp_ranks` (a fresh interpreter: nothing of the
     caller's main module runs again, as multiprocessing's spawn would), each connecting back to an
@@ -294,8 +332,7 @@ def _spawn_workers(config: EngineConfig, store_port: int, threads: int, shared_f
         rank = pipe.recv()
         by_rank[rank] = pipe
         worker_config = dataclasses.replace(config, device=rank_device(config.device, rank))
-        pipe.send((worker_config, store_port, threads, _core_group(rank, size),
-                   shared_files[rank - 1] if shared_files else None, channel_file, tp_shm.SLOT_BYTES))
+        pipe.send((worker_config, store_port, threads, _core_group(rank, size), channel_file, tp_shm.SLOT_BYTES))
     return processes, [by_rank[rank] for rank in range(1, size)]
 
 
@@ -380,7 +417,7 @@ def _worker_main(address: str, rank: int) -> None:
     host, port = address.rsplit(":", 1)
     pipe = Client((host, int(port)), authkey=bytes.fromhex(os.environ.pop("PDSERVE_TP_AUTHKEY")))
     pipe.send(rank)
-    config, store_port, threads, cores, shared_file, channel_file, slot_bytes = pipe.recv()
+    config, store_port, threads, cores, channel_file, slot_bytes = pipe.recv()
     parent = os.getppid()
     torch.set_num_threads(threads)
     if cores:
@@ -397,12 +434,33 @@ def _worker_main(address: str, rank: int) -> None:
         channel = _channel(channel_file, rank, size, slot_bytes, lambda: os.getppid() == parent)
         group = TPGroup(tp_shard(config.model, rank, size), config.model.vocab_size,
                         make_process_group(store, rank, size, config.device), channel)
-        built = build_rank(config, select_backend(config.device, config.kernel_backend), group, shared_file)
+        shared = shares_caches(config)
+        built = build_rank(config, select_backend(config.device, config.kernel_backend), group, allocate=not shared)
+        if shared:
+            pipe.send(("sized", built.num_blocks))
+            handle = _cache_handle(pipe)
+            if handle is None:
+                return  # rank 0 stopped the group while starting
+            built.kv_cache = _import_cache(handle, config, rank, built.num_blocks)
     except Exception as exc:  # noqa: BLE001 - process edge: report it to rank 0, then end
         pipe.send(("error", f"{type(exc).__name__}: {exc}"))
         return
     pipe.send(("ready", built.num_blocks))
     _serve(pipe, built, config.device)
+
+
+def _cache_handle(pipe: Connection) -> tuple | None:
+    """The cache rank 0 sends while starting (_give_worker_caches); None when it sent a stop instead
+    or is gone."""
+    try:
+        message = pipe.recv_bytes()
+    except (EOFError, OSError):
+        return None
+    try:
+        kind, handle = pickle.loads(message)
+    except (pickle.UnpicklingError, ValueError, TypeError, EOFError):
+        return None  # a stop (_stop_workers): raw int64s, not a pickle
+    return handle if kind == "cache" else None
 
 
 def _serve(pipe: Connection, built: RankModel, device: str) -> None:

@@ -58,6 +58,7 @@ from kv_transfer.shards import (
     check_shards,
     joined_runs,
     plan_read,
+    wait_for_writes,
 )
 from kv_transfer.side_channel_connector import Peer, PendingRead, SideChannelConnector
 from kv_transfer.ucx import (
@@ -241,13 +242,16 @@ class NixlConnector(SideChannelConnector):
         return joined_runs(runs)
 
     def _on_confirmed(self, read: PendingRead) -> None:
+        written = set()
         for buffer, segments, _, theirs in self._staged.get(read.request_id, []):
             index = torch.tensor(read.local_block_ids, device=buffer.device)
             for segment in segments:
                 shard = self.shards[segment.local_rank]
                 ours = shard.kv_heads.start
-                shard.cache[index, :, :, :, segment.start - ours : segment.stop - ours] = \
-                    buffer[..., segment.start - theirs : segment.stop - theirs, :]
+                shard.cache[index.to(shard.cache.device), :, :, :, segment.start - ours : segment.stop - ours] = \
+                    buffer[..., segment.start - theirs : segment.stop - theirs, :].to(shard.cache.device)
+                written.add(shard.cache.device)
+        wait_for_writes(written)
 
     def _release_read(self, read: PendingRead) -> None:
         for _, _, registration, _ in self._staged.pop(read.request_id, []):

@@ -114,6 +114,15 @@ def scatter_heads(shards: list[CacheShard], block_ids: list[int], blocks: torch.
     for shard in shards:
         index = torch.tensor(block_ids, device=shard.cache.device)
         shard.cache[index] = blocks[..., shard.kv_heads.start : shard.kv_heads.stop, :].to(shard.cache.device)
+    wait_for_writes({shard.cache.device for shard in shards})
+
+
+def wait_for_writes(devices: set[torch.device]) -> None:
+    """Wait until this process's writes to the caches on devices are done: a worker rank's process
+    reads its cache on streams of its own, which no stream of this process orders (a no-op on the CPU)."""
+    for device in devices:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
 
 
 @dataclass(frozen=True)

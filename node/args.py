@@ -89,7 +89,7 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tensor-parallel-size", "-tp", type=int,
                         default=default_of(EngineConfig, "tensor_parallel_size"),
                         help="ranks the model is split over: one process each (one GPU each on CUDA); prefill and "
-                             "decode nodes of any sizes exchange KV (on GPUs: colocated nodes only, for now)")
+                             "decode nodes of any sizes exchange KV")
     parser.add_argument("--block-size", type=int, default=default_of(CacheConfig, "block_size"))
     parser.add_argument("--num-blocks", type=int, default=default_of(CacheConfig, "num_blocks"))
     parser.add_argument("--kv-cache-memory-gb", type=float, default=None,
@@ -146,11 +146,6 @@ def node_configs_from_args(args: argparse.Namespace, role: Role) -> NodeConfigs:
         async_scheduling=args.async_scheduling,
         tensor_parallel_size=args.tensor_parallel_size,
     )
-    if engine.tensor_parallel_size > 1 and role is not Role.COLOCATED and engine.device != "cpu":
-        # TODO(issue 52): map the ranks' GPU caches into rank 0's agent (CUDA IPC), or an agent per rank.
-        raise ValueError(f"--tensor-parallel-size {engine.tensor_parallel_size} on {engine.device}: a {role.value} "
-                         "node of a split model moves KV on the CPU only for now; on GPUs split models serve on "
-                         "colocated nodes (pdserve decode --colocated, or pdserve up --prefill 0)")
     keys = curve_keys(args.cluster_secret) if args.cluster_secret else None
     server = ServerConfig(args.node_id or f"{role.value}-{args.port}", args.host, args.port,
                           orphan_timeout_s=args.orphan_timeout_s, curve_keys=keys,

@@ -44,14 +44,11 @@ def _gpu_groups(pool: list[str], sizes: list[int]) -> list[str]:
     return groups
 
 
-def check_tp(args: argparse.Namespace, gpus: list[str | None]) -> None:
-    """Raises ValueError for a tensor-parallel size under 1, or above 1 on GPUs beside prefill nodes."""
+def check_tp(args: argparse.Namespace) -> None:
+    """Raises ValueError for a tensor-parallel size under 1."""
     for flag, size in (("--prefill-tp", args.prefill_tp), ("--decode-tp", args.decode_tp)):
         if size < 1:
             raise ValueError(f"{flag} must be >= 1, got {size}")
-    if args.prefill and max(args.prefill_tp, args.decode_tp) > 1 and any(gpus):
-        raise ValueError("--prefill-tp / --decode-tp above 1 on GPUs serve colocated nodes only for now "
-                         "(--prefill 0): prefill and decode nodes of split models exchange KV on the CPU only")
 
 
 def gpu_flags(gpus: list[str | None], index: int, node_args: list[str] | tuple[str, ...]) -> list[str]:

@@ -48,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(GPUs on CUDA)")
     parser.add_argument("--decode-tp", type=int, default=1,
                         help="tensor-parallel size of each decode node (any size beside --prefill-tp's: KV moves "
-                             "between any two; on GPUs, above 1 only with --prefill 0 for now)")
+                             "between any two)")
     parser.add_argument("--decode-gpus", default=None, help="GPUs for the decode nodes alone (as --gpus)")
     parser.add_argument("--log-format", choices=("text", "json"), default=None,
                         help="every process's log lines (default: text)")
@@ -150,11 +150,11 @@ def main(args: argparse.Namespace) -> int:
         node_args += ["--log-format", args.log_format]
         proxy_args += ["--log-format", args.log_format]
     try:
+        check_tp(args)
         gpus = gpu_plan(args.prefill, args.decode, gpu_list(args.gpus, "--gpus"),
                         gpu_list(args.prefill_gpus, "--prefill-gpus"), gpu_list(args.decode_gpus, "--decode-gpus"),
                         visible_gpus() if args.device in (None, "auto", "cuda") else [],
                         prefill_tp=args.prefill_tp, decode_tp=args.decode_tp)
-        check_tp(args, gpus)
         _check_node_addresses(args)
         port_range()
     except ValueError as exc:

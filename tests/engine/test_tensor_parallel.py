@@ -8,18 +8,25 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 import signal
+import subprocess
+import sys
+import textwrap
 
 import pytest
+import torch
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine.engine import LLMEngine
+from engine.protocol import Role
 from engine.sampling_params import SamplingParams
 from engine.tp_group import TensorParallelError
-from engine.tp_shard import check_tensor_parallel, tp_shard
-from tests.conftest import _cached_model
+from engine.tp_shard import check_tensor_parallel, local_model_config, tp_shard
+from tests.conftest import REPO, _cached_model
 from tests.engine.test_correctness import run_to_completion, transformers_greedy
+from tests.kernels.conftest import ENGINE_DEVICES
 
 # Sixteen prompts; the block budget below is small enough to preempt, the token budget to chunk.
 PROMPT_LENGTHS = [1, 2, 5, 9, 15, 16, 17, 24, 31, 33, 40, 48, 64, 80, 100, 120]
@@ -224,3 +231,40 @@ def test_the_longest_prefill_chunk_reaches_the_backend_from_the_host(tiny_model_
     packed = tp_ranks._pack_step(batch.input_ids, batch.meta, batch.logits_indices)
     assert tp_ranks._unpack_step(packed, "cpu")[1].prefill_max_query_len == max(chunks)
     assert all(b.meta.prefill_max_query_len == 0 for c, b in prepared if not c)  # decode-only steps
+
+
+@pytest.mark.parametrize("device", ENGINE_DEVICES)
+def test_a_cache_rank_0_allocates_is_the_memory_its_worker_opens(tiny_model_dir, tmp_path, device):
+    """Rank 0 allocates a worker's cache (the one NIXL agent registers its own memory) and hands it
+    over: the worker's process opens that very memory (a shared file on the CPU, a CUDA IPC handle
+    on a GPU), so what either writes the other reads."""
+    from engine.kv_cache import allocate_kv_cache
+    from engine.tp_ranks import _export_cache
+
+    config = make_engine_config(tiny_model_dir, 2, device)
+    local = local_model_config(config.model, tp_shard(config.model, 1, 2))
+    path = str(tmp_path / "kv-rank1") if device == "cpu" else None
+    cache = allocate_kv_cache(local, 8, 16, device, shared_file=path)
+    cache[3] = 1.0
+    if cache.is_cuda:
+        torch.cuda.synchronize()
+    (tmp_path / "handle").write_bytes(pickle.dumps((_export_cache(cache, path), config)))
+    child = textwrap.dedent(f"""
+        import pickle, sys, torch
+        from engine.tp_ranks import _import_cache
+        handle, config = pickle.loads(open({str(tmp_path / "handle")!r}, "rb").read())
+        cache = _import_cache(handle, config, 1, 8)
+        assert tuple(cache.shape) == {tuple(cache.shape)} and cache.stride() == {cache.stride()}, cache.stride()
+        assert bool((cache[3] == 1.0).all()) and not bool(cache[4].any())
+        cache[5] = 2.0
+        if cache.is_cuda:
+            torch.cuda.synchronize()
+    """)
+    subprocess.run([sys.executable, "-c", child], check=True, timeout=120, cwd=REPO,
+                   env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert bool((cache[5] == 2.0).all()) and bool((cache[3] == 1.0).all()) and not bool(cache[4].any())
+
+
+def make_engine_config(model_dir, tensor_parallel_size: int, device: str) -> EngineConfig:
+    return EngineConfig(model=ModelConfig.from_pretrained(model_dir), cache=CacheConfig(block_size=16, num_blocks=8),
+                        device=device, tensor_parallel_size=tensor_parallel_size, role=Role.DECODE)
