@@ -1,7 +1,8 @@
 """A stand-alone KV holder process for tests: python peer.py BACKEND SEED LAYOUT_JSON [PORT [SECRET]]
 (PEER_STORAGE=layer in the environment: the cache stored layer-major, as engine/kv_cache.py
-stores a CPU engine's; PEER_HEAD_RANGES=[[start, stop], ...]: the same values held by tensor-parallel
-ranks, a cache each holding those KV heads, kv_transfer.shards).
+stores a CPU engine's; PEER_DEVICE=cuda: on the GPU, as a GPU engine's; PEER_HEAD_RANGES=[[start,
+stop], ...]: the same values held by tensor-parallel ranks, a cache each holding those KV heads,
+kv_transfer.shards).
 
 Fills an engine-shaped cache with seeded random floats, serves it, prints its address and
 engine id as one JSON line. Then, for each line `lease REQUEST_ID [BLOCK_IDS]` on stdin, holds a
@@ -40,7 +41,7 @@ def main() -> None:
     backend, seed = sys.argv[1], int(sys.argv[2])
     layout = msgspec.json.decode(sys.argv[3], type=KVLayout)
     shape = (layout.num_blocks, layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
-    cache = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+    cache = torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(os.environ.get("PEER_DEVICE", "cpu"))
     if os.environ.get("PEER_STORAGE") == "layer":  # the same values stored layer-major, as a CPU engine's
         cache = stored_layer_major(cache)
     caches = [cache]

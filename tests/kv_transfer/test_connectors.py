@@ -52,8 +52,8 @@ class Holder:
 
     def __init__(self, backend: str, seed: int, layout: KVLayout = LAYOUT, port: int = 0,
                  secret: str | None = None, storage: str = "block",
-                 head_ranges: list[tuple[int, int]] | None = None) -> None:
-        env = {**os.environ, "PYTHONPATH": str(REPO), "PEER_STORAGE": storage,
+                 head_ranges: list[tuple[int, int]] | None = None, device: str = "cpu") -> None:
+        env = {**os.environ, "PYTHONPATH": str(REPO), "PEER_STORAGE": storage, "PEER_DEVICE": device,
                "PEER_HEAD_RANGES": json.dumps(head_ranges or [])}
         layout_json = msgspec.json.encode(layout).decode()
         argv = [sys.executable, str(PEER), backend, str(seed), layout_json, str(port), *([secret] if secret else [])]

@@ -16,6 +16,7 @@ from kv_transfer.config import TransferConfig
 from kv_transfer.factory import create_connector
 from kv_transfer.layout import KVLayout
 from kv_transfer.shards import CacheShard, HeadSegment, ShardRegions, byte_runs, head_segments
+from tests.kernels.conftest import gpu, requires_cuda
 from tests.kv_transfer.helpers import poll_until
 from tests.kv_transfer.test_connectors import Holder
 
@@ -37,11 +38,11 @@ def holders():
         holder.kill()
 
 
-def reader_shards(ranges: list[tuple[int, int]], storage: str) -> list[CacheShard]:
+def reader_shards(ranges: list[tuple[int, int]], storage: str, device: str = "cpu") -> list[CacheShard]:
     shards = []
     for start, stop in ranges:
         shape = (LAYOUT.num_blocks, LAYOUT.num_layers, 2, LAYOUT.block_size, stop - start, LAYOUT.head_dim)
-        cache = torch.full(shape, float("nan"))
+        cache = torch.full(shape, float("nan"), device=device)
         shards.append(CacheShard(stored_layer_major(cache) if storage == "layer" else cache, range(start, stop)))
     return shards
 
@@ -57,11 +58,18 @@ SPLITS = [
 
 # NOTE: gloo moves every head of a block whatever the splits (gather_heads / scatter_heads), so two
 # splits that each gather from and scatter to several ranks cover it; NIXL's runs differ per split.
-@pytest.mark.parametrize(("backend", "holder_ranges", "reader_ranges", "storage"),
-                         [("nixl", *split) for split in SPLITS] + [("gloo", *SPLITS[3]), ("gloo", *SPLITS[4])])
-def test_every_reader_rank_gets_its_own_heads(backend, holder_ranges, reader_ranges, storage, holders):
-    holder = holders(backend, seed=3, storage=storage, head_ranges=holder_ranges)
-    shards = reader_shards(reader_ranges, storage)
+# On a GPU (both sides' caches on it, stored block-major as a GPU engine's): every split over NIXL
+# (VRAM registered, staged heads copied on the device), one over gloo (through host memory).
+_ON_CUDA = [pytest.param(backend, holder, reader, "block", "cuda", marks=[gpu, requires_cuda])
+            for backend, (holder, reader, _) in [*(("nixl", s) for s in SPLITS), ("gloo", SPLITS[3])]]
+
+
+@pytest.mark.parametrize(("backend", "holder_ranges", "reader_ranges", "storage", "device"),
+                         [("nixl", *split, "cpu") for split in SPLITS] + [("gloo", *SPLITS[3], "cpu"),
+                                                                          ("gloo", *SPLITS[4], "cpu")] + _ON_CUDA)
+def test_every_reader_rank_gets_its_own_heads(backend, holder_ranges, reader_ranges, storage, device, holders):
+    holder = holders(backend, seed=3, storage=storage, head_ranges=holder_ranges, device=device)
+    shards = reader_shards(reader_ranges, storage, device)
     layout = msgspec.structs.replace(LAYOUT, kv_head_ranges=reader_ranges)
     connector = create_connector(TransferConfig(backend=backend), shards, layout, "reader")
     try:
@@ -79,7 +87,7 @@ def test_every_reader_rank_gets_its_own_heads(backend, holder_ranges, reader_ran
         for request_id, (remote, local) in plans.items():
             for shard in shards:
                 heads = shard.kv_heads
-                assert torch.equal(shard.cache[local], holder.cache[remote][..., heads.start : heads.stop, :]), \
+                assert torch.equal(shard.cache[local].cpu(), holder.cache[remote][..., heads.start : heads.stop, :]), \
                     (request_id, heads)
     finally:
         connector.close()
