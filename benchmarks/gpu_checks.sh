@@ -6,7 +6,7 @@
 # 1P+1D against colocated served through the proxy (benchmarks/gpu_served.py, on the engine
 # benchmark's llama-1b), the KV pull streamed chunk by chunk against whole (benchmarks/kv_streaming.py,
 # same model, two nodes on the GPU), the kernel tests, then the Triton kernels' benchmark. STEPS picks
-# among engine, gpu_engine, kv, tp, served, stream, kernels and bench (default the first seven, in that order). TOTAL_S (default
+# among engine, gpu_engine, kv, served, stream, tp, kernels and bench (default the first seven, in that order). TOTAL_S (default
 # 480) bounds the whole: each step's timeout is cut to what is left, and a step with under 20 s left is
 # skipped. Logs go to a scratch folder; OUT_DIR (default benchmarks/out/gpu) gets summary.txt as it
 # grows, and after each step results/*.json and all the logs as gpu_checks.tgz (a device call brings
@@ -17,7 +17,7 @@
 set -u
 dest=${1:-benchmarks/out/gpu}
 shift || true
-steps=${*:-engine gpu_engine kv tp served stream kernels}
+steps=${*:-engine gpu_engine kv served stream tp kernels}
 total=${TOTAL_S:-480}
 out=$(mktemp -d "${TMPDIR:-/tmp}/gpu_checks.XXXXXX")
 mkdir -p "$out/results" "$dest/results"
@@ -76,10 +76,13 @@ for step in $steps; do
         kv) run_for "$(limit 60)" python3 benchmarks/kv_transfer_gpu.py --timeout-s 28 2>&1 \
                 | tee "$out/kv_transfer_gpu.log" | grep -v '^RESULT'
             rc=${PIPESTATUS[0]} ;;
-        # Split models' KV on the GPU: reads between caches split over ranks (NIXL and gloo), and a
-        # worker rank opening the cache rank 0 allocated for it (CUDA IPC).
-        tp) run_for "$(limit 70)" python3 -m pytest tests/kv_transfer/test_tensor_parallel_reads.py \
-                tests/engine/test_tensor_parallel.py -k cuda -n 3 "${pytest_args[@]}" >"$out/tp_tests.log" 2>&1
+        # Split models on the GPU: reads between caches split over ranks (NIXL and gloo), a worker
+        # rank opening the cache rank 0 allocated for it (CUDA IPC), and split prefill and decode
+        # nodes served end to end (their ranks sharing the one GPU: PDSERVE_TP_SHARE_GPU). One file
+        # per worker: the end-to-end file's nodes are one module fixture.
+        tp) run_for "$(limit 200)" python3 -m pytest tests/kv_transfer/test_tensor_parallel_reads.py \
+                tests/engine/test_tensor_parallel.py tests/e2e/test_tensor_parallel_disagg.py -k cuda -n 3 \
+                --dist loadfile "${pytest_args[@]}" >"$out/tp_tests.log" 2>&1
             rc=$?; tail -15 "$out/tp_tests.log" ;;
         served) left=$(limit 130)
                 run_for "$left" python3 benchmarks/gpu_served.py --budget-s $((left - 5)) --log-dir "$out/served_logs" \

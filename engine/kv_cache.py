@@ -20,6 +20,7 @@ import torch
 
 from engine.config import CacheConfig, ModelConfig
 from engine.host_memory import advise_huge_pages, zeroed_pages
+from engine.tp_group import ranks_share_gpu
 
 # NOTE: with no explicit budget, the CPU cache takes this share of the memory that is free at
 # start-up, capped at 2 GiB: zero-filling the cache is start-up time (`make run` starts two nodes
@@ -45,11 +46,12 @@ def num_cache_blocks(model: ModelConfig, cache: CacheConfig, device: str, num_ra
     this rank's share of the model, tp_shard.local_model_config). On a GPU call it after the
     weights are loaded: the default budget is what is left of the engine's share (gpu_budget_bytes),
     per GPU. On the CPU a tensor-parallel engine's num_ranks ranks split one budget (they share
-    the host's memory), so its block count is about a one-rank engine's."""
+    the host's memory), so its block count is about a one-rank engine's; so do ranks sharing one
+    GPU (tp_group.ranks_share_gpu)."""
     if cache.num_blocks is not None:
         return cache.num_blocks
     budget = cache.kv_cache_memory_bytes or _default_budget_bytes(device, cache.gpu_memory_utilization)
-    if not device.startswith("cuda"):
+    if not device.startswith("cuda") or ranks_share_gpu():
         budget //= num_ranks
     num_blocks = budget // block_size_bytes(model, cache.block_size)
     if num_blocks < 1:

@@ -4,6 +4,7 @@ projection, the vocabulary-parallel embedding lookup and the LM head's gather to
 from __future__ import annotations
 
 import datetime
+import os
 
 import torch
 import torch.distributed as dist
@@ -15,6 +16,15 @@ from engine.tp_shm import ShmChannel
 # NOTE: every rank enters a step's collectives within one layer's compute of each other, so a
 # collective waiting this long means a rank is gone or stuck: the step fails (TensorParallelError).
 COLLECTIVE_TIMEOUT_S = 120.0
+# Set to 1: every rank of a split model on CUDA runs on the engine's own GPU and the ranks' sums go
+# over gloo through host memory (slow). NCCL takes one rank per GPU; this lets a machine with one
+# GPU run a split model's GPU paths (benchmarks/gpu_checks.sh: the KV of split prefill and decode
+# nodes), never a deployment.
+SHARE_GPU_VARIABLE = "PDSERVE_TP_SHARE_GPU"
+
+
+def ranks_share_gpu() -> bool:
+    return os.environ.get(SHARE_GPU_VARIABLE) == "1"
 
 
 class TensorParallelError(EngineBroken):
@@ -28,6 +38,8 @@ def make_process_group(store: dist.Store, rank: int, size: int, device: str):
     timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
     if torch.device(device).type == "cuda":
         torch.cuda.set_device(torch.device(device).index or 0)  # NCCL works on the current device: the rank's own
+        if ranks_share_gpu():
+            return dist.ProcessGroupGloo(store, rank, size, timeout)
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         return dist.ProcessGroupNCCL(store, rank, size, options)
@@ -46,6 +58,7 @@ class TPGroup:
         self.vocab_size = vocab_size
         self.group = group
         self.channel = channel
+        self._is_gloo = isinstance(group, dist.ProcessGroupGloo)
 
     @property
     def rank(self) -> int:
@@ -57,6 +70,10 @@ class TPGroup:
             return self._through_channel(self.channel.all_reduce, x)
         options = dist.AllreduceOptions()
         options.reduceOp = op
+        if x.is_cuda and self._is_gloo:  # NOTE: gloo works on host memory (ranks_share_gpu)
+            staged = x.cpu()
+            self._wait(self.group.allreduce([staged], options))
+            return x.copy_(staged)
         self._wait(self.group.allreduce([x], options))
         return x
 
@@ -89,6 +106,13 @@ class TPGroup:
             return None if gathered is None else gathered[:, : self.vocab_size]
         options = dist.GatherOptions()
         options.rootRank = 0
+        if padded.is_cuda and self._is_gloo:  # NOTE: gloo works on host memory (ranks_share_gpu)
+            gathered = self._gather(padded.cpu(), options)
+            return None if gathered is None else gathered.to(logits.device)
+        return self._gather(padded, options)
+
+    def _gather(self, padded: torch.Tensor, options) -> torch.Tensor | None:
+        shard = self.shard
         if shard.rank != 0:
             self._wait(self.group.gather([], [padded], options))
             return None

@@ -34,7 +34,7 @@ from engine.host_memory import keep_freed_memory
 from engine.kv_cache import allocate_kv_cache, map_shared_kv_cache, num_cache_blocks
 from engine.model import AttentionMetadata, CausalLM
 from engine.protocol import Role
-from engine.tp_group import COLLECTIVE_TIMEOUT_S, TensorParallelError, TPGroup, make_process_group
+from engine.tp_group import COLLECTIVE_TIMEOUT_S, TensorParallelError, TPGroup, make_process_group, ranks_share_gpu
 from engine.tp_shard import local_model_config, tp_shard
 from engine.tp_shm import ShmChannel, create_channel_file
 from engine.weights import load_weights
@@ -65,9 +65,10 @@ class RankModel:
 
 
 def rank_device(device: str, rank: int) -> str:
-    """Rank's device: on CUDA the rank-th GPU from the engine's (cuda:N + rank), else device."""
+    """Rank's device: on CUDA the rank-th GPU from the engine's (cuda:N + rank), else device (also
+    on CUDA where the ranks share the engine's GPU: tp_group.ranks_share_gpu)."""
     kind = torch.device(device)
-    if kind.type != "cuda":
+    if kind.type != "cuda" or ranks_share_gpu():
         return device
     return f"cuda:{(kind.index or 0) + rank}"
 
@@ -117,7 +118,7 @@ class TPRanks:
                               wait_for_workers=False)
         threads = max(1, torch.get_num_threads() // size)
         torch.set_num_threads(threads)
-        if shares_caches(config) and config.device != "cpu":
+        if shares_caches(config) and config.device != "cpu" and not ranks_share_gpu():
             for rank in range(1, size):  # NOTE: this process's context on each GPU before the workers size caches
                 torch.zeros(1, device=rank_device(config.device, rank))
         channel_file = _channel_file(config)
@@ -339,7 +340,7 @@ def _spawn_workers(config: EngineConfig, store_port: int, threads: int,
 def _check_devices(device: str, size: int) -> None:
     """Raises ValueError (one line) when the ranks' GPUs are not all visible."""
     kind = torch.device(device)
-    if kind.type == "cuda" and (kind.index or 0) + size > torch.cuda.device_count():
+    if kind.type == "cuda" and (kind.index or 0) + (1 if ranks_share_gpu() else size) > torch.cuda.device_count():
         raise ValueError(f"tensor_parallel_size {size} from {device} needs {(kind.index or 0) + size} GPUs; "
                          f"{torch.cuda.device_count()} are visible")
 

@@ -8,7 +8,11 @@ Per transport, four nodes (prefill and decode of TP=1 and TP=2) serve three prox
 (a node serves any number of proxies): the three pairs for the start-up of four nodes. A fourth
 proxy sends to both decode nodes; last, killing the split decode node's worker rank fails that
 node as a whole (it exits 1, leaving no rank behind) while every stream in flight on it completes
-unchanged on the other."""
+unchanged on the other.
+
+On a GPU (nixl-cuda) the same runs with every node on it, float32: a split node's ranks share the
+one GPU (engine.tp_group.ranks_share_gpu: NCCL takes one rank per GPU), so the KV moves between GPU
+caches over NIXL, each worker rank's cache allocated by rank 0 and opened by the worker."""
 
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from engine.tp_group import SHARE_GPU_VARIABLE
 from pdserve.cluster import Cluster
 from pdserve.launcher import Deployment, wait_healthy
 from pdserve.ports import free_port
@@ -29,15 +34,18 @@ from tests.conftest import assert_every_request_answered
 from tests.e2e.conftest import KV_PATH_ONLY, NODE_ARGS, assert_kv_path_only, node_load, wait_blocks_free
 from tests.e2e.test_availability import MAX_TOKENS, _Streams
 from tests.e2e.test_pipeline import client_for, hf, hf_greedy, model_name, random_prompts  # noqa: F401 - hf: fixture
+from tests.kernels.conftest import gpu, requires_cuda
 
 PAIRS = [(1, 2), (2, 1), (2, 2)]
 
 
-@pytest.fixture(scope="module", params=["nixl", "gloo"])
+@pytest.fixture(scope="module", params=["nixl", "gloo", pytest.param("nixl-cuda", marks=[gpu, requires_cuda])])
 def split_nodes(request, tiny_model_dir, tmp_path_factory):
     """{(prefill TP, decode TP): a Deployment of that pair's proxy and its two nodes}."""
-    backend = request.param
-    log_dir = tmp_path_factory.mktemp(f"tp-{backend}")
+    backend, _, device = request.param.partition("-")
+    on_gpu = ["--device", "cuda", "--dtype", "float32"] if device else []
+    env = {SHARE_GPU_VARIABLE: "1"} if device else None
+    log_dir = tmp_path_factory.mktemp(f"tp-{request.param}")
     cluster, addresses, health = Cluster(), {}, {}
     pdserve = [sys.executable, "-m", "pdserve.cli"]
     try:
@@ -46,9 +54,9 @@ def split_nodes(request, tiny_model_dir, tmp_path_factory):
                 name, port, health_port = f"{kind}-tp{size}", free_port(), free_port()
                 addresses[name], health[name] = f"127.0.0.1:{port}", f"http://127.0.0.1:{health_port}"
                 cluster.start(name, pdserve + [kind, "--model", str(tiny_model_dir), "--port", str(port), "--node-id",
-                                               name, "--health-port", str(health_port), *NODE_ARGS,
+                                               name, "--health-port", str(health_port), *NODE_ARGS, *on_gpu,
                                                "--transfer-backend", backend, "--tensor-parallel-size", str(size)],
-                              log_dir)
+                              log_dir, env)
         pairs = {}
         for prefill_tp, decode_tp in PAIRS:
             port, prefill, decode = free_port(), f"prefill-tp{prefill_tp}", f"decode-tp{decode_tp}"

@@ -268,3 +268,21 @@ def test_a_cache_rank_0_allocates_is_the_memory_its_worker_opens(tiny_model_dir,
 def make_engine_config(model_dir, tensor_parallel_size: int, device: str) -> EngineConfig:
     return EngineConfig(model=ModelConfig.from_pretrained(model_dir), cache=CacheConfig(block_size=16, num_blocks=8),
                         device=device, tensor_parallel_size=tensor_parallel_size, role=Role.DECODE)
+
+
+def test_ranks_share_the_engines_gpu_and_split_its_budget_only_when_asked(tiny_model_dir, monkeypatch):
+    """PDSERVE_TP_SHARE_GPU=1 (a one-GPU machine's test bed): every rank on the engine's GPU, the
+    budget split between them as on the CPU; else one GPU per rank, each its own budget."""
+    from engine.kv_cache import block_size_bytes, num_cache_blocks
+    from engine.tp_group import SHARE_GPU_VARIABLE
+    from engine.tp_ranks import rank_device
+
+    model = ModelConfig.from_pretrained(tiny_model_dir)
+    cache = CacheConfig(block_size=16, kv_cache_memory_bytes=64 * block_size_bytes(model, 16))
+    monkeypatch.delenv(SHARE_GPU_VARIABLE, raising=False)
+    assert [rank_device("cuda:1", r) for r in range(3)] == ["cuda:1", "cuda:2", "cuda:3"]
+    assert num_cache_blocks(model, cache, "cuda:1", 2) == 64
+    monkeypatch.setenv(SHARE_GPU_VARIABLE, "1")
+    assert [rank_device("cuda:1", r) for r in range(3)] == ["cuda:1"] * 3
+    assert num_cache_blocks(model, cache, "cuda:1", 2) == 32
+    assert rank_device("cpu", 1) == "cpu"
