@@ -439,6 +439,29 @@ def test_the_split_model_overlay_gives_prefill_pods_two_ranks_their_cores_and_sh
     assert _parse(decode)[0].tensor_parallel_size == 1
 
 
+GPU_TP_OVERLAY = REPO / "deploy" / "k8s" / "overlays" / "gpu-tp"
+
+
+@pytest.mark.parametrize(("kind", "size"), [("prefill", 2), ("decode", 4)])
+def test_the_split_gpu_overlay_gives_each_pod_a_gpu_per_rank_and_shared_memory(kind, size):
+    """deploy/k8s/overlays/gpu-tp: prefill pods of TP=2 and decode pods of TP=4 on GPUs (their
+    command lines parse so), each asking for exactly as many GPUs as it has ranks, with a
+    memory-backed /dev/shm for NCCL."""
+    manifests = render(GPU_TP_OVERLAY)
+    if shutil.which("kubectl"):
+        assert sorted(manifests, key=_key) == sorted(resolve(GPU_TP_OVERLAY), key=_key)
+    pod = _by(manifests, "Deployment", f"pdserve-{kind}")["spec"]["template"]["spec"]
+    [container] = pod["containers"]
+    args, _ = _parse(container)
+    assert (args.tensor_parallel_size, args.device) == (size, "cuda")
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == container["resources"]["requests"][
+        "nvidia.com/gpu"] == str(size)
+    [mount] = [m for m in container["volumeMounts"] if m["mountPath"] == "/dev/shm"]
+    [volume] = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    assert volume["emptyDir"]["medium"] == "Memory"
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+
+
 AUTOSCALING_OVERLAY = REPO / "deploy" / "k8s" / "overlays" / "autoscaling"
 
 
