@@ -65,12 +65,12 @@ class RankModel:
 
 
 def rank_device(device: str, rank: int) -> str:
-    """Rank's device: on CUDA the rank-th GPU from the engine's (cuda:N + rank), else device (also
-    on CUDA where the ranks share the engine's GPU: tp_group.ranks_share_gpu)."""
+    """Rank's device: on CUDA the rank-th GPU from the engine's (cuda:N + rank), or the engine's
+    own where the ranks share it (tp_group.ranks_share_gpu), always with its index; else device."""
     kind = torch.device(device)
-    if kind.type != "cuda" or ranks_share_gpu():
+    if kind.type != "cuda":
         return device
-    return f"cuda:{(kind.index or 0) + rank}"
+    return f"cuda:{(kind.index or 0) + (0 if ranks_share_gpu() else rank)}"
 
 
 def build_rank(config: EngineConfig, backend: Backend, group: TPGroup | None, allocate: bool = True) -> RankModel:

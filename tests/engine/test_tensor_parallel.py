@@ -284,5 +284,6 @@ def test_ranks_share_the_engines_gpu_and_split_its_budget_only_when_asked(tiny_m
     assert num_cache_blocks(model, cache, "cuda:1", 2) == 64
     monkeypatch.setenv(SHARE_GPU_VARIABLE, "1")
     assert [rank_device("cuda:1", r) for r in range(3)] == ["cuda:1"] * 3
+    assert rank_device("cuda", 1) == "cuda:0"  # an index: torch.cuda.set_device takes no bare "cuda"
     assert num_cache_blocks(model, cache, "cuda:1", 2) == 32
     assert rank_device("cpu", 1) == "cpu"
