@@ -77,9 +77,10 @@ for step in $steps; do
                 | tee "$out/kv_transfer_gpu.log" | grep -v '^RESULT'
             rc=${PIPESTATUS[0]} ;;
         # Split models on the GPU: reads between caches split over ranks (NIXL and gloo), a worker
-        # rank opening the cache rank 0 allocated for it (CUDA IPC), and split prefill and decode
-        # nodes served end to end (their ranks sharing the one GPU: PDSERVE_TP_SHARE_GPU). One file
-        # per worker: the end-to-end file's nodes are one module fixture.
+        # rank opening the cache rank 0 allocated for it (CUDA IPC), a TP=2 engine's decode steps
+        # captured as graphs between its collectives, and split prefill and decode nodes served end
+        # to end (their ranks sharing the one GPU: PDSERVE_TP_SHARE_GPU). One file per worker: the
+        # end-to-end file's nodes are one module fixture.
         tp) run_for "$(limit 200)" python3 -m pytest tests/kv_transfer/test_tensor_parallel_reads.py \
                 tests/engine/test_tensor_parallel.py tests/e2e/test_tensor_parallel_disagg.py -k cuda -n 3 \
                 --dist loadfile "${pytest_args[@]}" >"$out/tp_tests.log" 2>&1

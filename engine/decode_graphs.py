@@ -13,6 +13,11 @@ the device, so the engine can queue step N+1 before it reads step N's tokens (as
 
 Without graphs (DecodeGraphs(capture=False), any device) the same buffers and padding run
 eagerly: the CPU tests check the bucket, padding and buffer logic against the plain path that way.
+
+A split model (tensor parallelism): rank 0's DecodeGraphs has the worker ranks (TPRanks) build
+theirs, warm up and capture in the same order (the warm-ups' collectives pair up), and hands each
+step's staged buffers to them before it replays its own; each rank's step is captured as graphs
+between its collectives (engine.piecewise). No async launches: the workers do not hold the tokens.
 """
 
 from __future__ import annotations
@@ -21,11 +26,13 @@ import bisect
 import logging
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
 
 from engine.model import AttentionMetadata, CausalLM
+from engine.piecewise import Pieces, capture_pieces
 from engine.request import Request
 
 logger = logging.getLogger(__name__)
@@ -87,7 +94,9 @@ class CaptureReport:
 
 class DecodeGraphs:
     def __init__(self, model: CausalLM, kv_cache: torch.Tensor, block_size: int, max_model_len: int,
-                 sizes: tuple[int, ...], capture: bool) -> None:
+                 sizes: tuple[int, ...], capture: bool, ranks=None) -> None:
+        """ranks: rank 0's TPRanks of a split model (each step's staged buffers go to them); None
+        on one rank, and on a worker rank's own DecodeGraphs."""
         if not sizes or list(sizes) != sorted(set(sizes)) or sizes[0] < 1:
             raise ValueError(f"capture sizes must be ascending and positive, got {sizes}")
         self.model = model
@@ -95,6 +104,7 @@ class DecodeGraphs:
         self.block_size = block_size
         self.sizes = tuple(sizes)
         self.use_graphs = capture
+        self.ranks = ranks
         device = kv_cache.device
         rows = self.sizes[-1]
         self.width = -(-max_model_len // block_size)  # a request's most blocks
@@ -129,7 +139,7 @@ class DecodeGraphs:
         # Two: the tokens of step N are read while those of step N+1 are copied.
         self._host_tokens = [torch.zeros(rows, dtype=torch.long, pin_memory=pin) for _ in range(2)]
         self._next_host = 0
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._graphs: dict[int, torch.cuda.CUDAGraph | Pieces] = {}
         self._outputs: dict[int, DecodeOutputs] = {}
         self.report = CaptureReport(self.sizes, 0.0, 0)
         self._begin_staging()
@@ -146,7 +156,9 @@ class DecodeGraphs:
     def capture(self) -> CaptureReport:
         """Capture every bucket's graph, largest first, on one memory pool (a no-op without
         graphs). Each bucket runs eagerly twice first: kernels are compiled and libraries'
-        workspaces allocated outside the capture."""
+        workspaces allocated outside the capture. A split model's worker ranks do the same."""
+        if self.ranks is not None:
+            self.ranks.send_graphs(self.sizes, self.use_graphs)
         if not self.use_graphs:
             return self.report
         device = self.kv_cache.device
@@ -158,6 +170,10 @@ class DecodeGraphs:
             for _ in range(2):
                 self._forward(size)
             torch.cuda.synchronize(device)
+            if self.model.tp is not None:
+                self._graphs[size], self._outputs[size] = capture_pieces(partial(self._forward, size), self.model.tp,
+                                                                         pool)
+                continue
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 self._outputs[size] = self._forward(size)
@@ -199,7 +215,16 @@ class DecodeGraphs:
             self._np_ids[3, :num] = fed
         self._fill_padding(num, size)
         self._copy_in(size)
+        if self.ranks is not None:
+            ids, index, value = self._staging[self._next_staging ^ 1]
+            k = self._num_updates
+            self.ranks.send_graph_step(size, ids.numpy(), index[:k].numpy(), value[:k].numpy())
         return size
+
+    def replay_staged(self, size: int, ids: np.ndarray, index: np.ndarray, value: np.ndarray) -> None:
+        """A worker rank's step: rank 0's staged buffers (_stage) into this rank's, then its replay."""
+        self._load(torch.from_numpy(ids), torch.from_numpy(index), torch.from_numpy(value))
+        self._replay(size)
 
     def _replay(self, size: int) -> DecodeOutputs:
         if not self.use_graphs:
@@ -251,12 +276,17 @@ class DecodeGraphs:
         self._add_updates(0, self._np_lens[:size])
         ids, index, value = self._staging[self._next_staging ^ 1]
         k = self._num_updates
+        self._load(ids, index[:k], value[:k])
+
+    def _load(self, ids: torch.Tensor, index: torch.Tensor, value: torch.Tensor) -> None:
+        """Host buffers into the device's: ids whole, value scattered to index."""
+        k = index.shape[0]
         self._ids.copy_(ids, non_blocking=True)  # NOTE: whole (8 bytes x 4 x rows): a column slice is strided
-        self._update_index[:k].copy_(index[:k], non_blocking=True)
-        self._update_value[:k].copy_(value[:k], non_blocking=True)
+        self._update_index[:k].copy_(index, non_blocking=True)
+        self._update_value[:k].copy_(value, non_blocking=True)
         self._ints.index_copy_(0, self._update_index[:k], self._update_value[:k])
 
-    def _forward(self, size: int) -> DecodeOutputs:
+    def _forward(self, size: int) -> DecodeOutputs | None:
         ids = self._ids
         meta = AttentionMetadata(
             positions=ids[1, :size], slot_mapping=ids[2, :size], num_decode_tokens=size,
@@ -267,4 +297,6 @@ class DecodeGraphs:
         with torch.inference_mode():
             hidden = self.model.forward(ids[0, :size], meta, self.kv_cache, None)
             logits = self.model.logits(hidden)
+            if logits is None:
+                return None  # a worker rank's: the logits are gathered on rank 0
             return DecodeOutputs(logits, self.model.ops.argmax(logits))

@@ -117,7 +117,9 @@ class LLMEngine:
         # A lone request must always fit, or it would preempt itself forever.
         self.max_total_tokens = min(model_cfg.max_model_len, num_blocks * self.block_size)
         self.checks = RequestChecks(model_cfg, self.max_total_tokens, self.grammars)
-        self.async_decodes = AsyncDecodes(self.runner.graphs, self.scheduler, config.async_scheduling)
+        # NOTE: a split model's workers do not hold the sampled tokens an async launch feeds on the device.
+        self.async_decodes = AsyncDecodes(self.runner.graphs, self.scheduler,
+                                          config.async_scheduling and self.ranks is None)
         self._requests: dict[str, Request] = {}
         self._in_flight: InFlight | None = None
         self.num_steps = 0
@@ -130,17 +132,13 @@ class LLMEngine:
         on_cuda = torch.device(config.device).type == "cuda"
         if config.role is Role.PREFILL or mode == "off" or (mode == "auto" and not on_cuda):
             return None
-        if self.ranks is not None:
-            # TODO(issue 52): capture each rank's step (its collectives inside the graph).
-            logger.info("decode graphs: not yet with tensor parallelism; every step runs eagerly")
-            return None
         capture = mode == "auto"
         if capture and not self.backend.graph_capturable:
             logger.info("decode graphs: the %s backend's steps cannot be captured; static buffers, run eagerly",
                         self.backend.name)
             capture = False
         graphs = DecodeGraphs(self.model, self.kv_cache, self.block_size, config.model.max_model_len,
-                              capture_sizes(config.scheduler.max_num_seqs), capture=capture)
+                              capture_sizes(config.scheduler.max_num_seqs), capture=capture, ranks=self.ranks)
         report = graphs.capture()
         if graphs.use_graphs:
             logger.info("decode graphs: %d batch sizes (%s) captured in %.1f s, %.0f MiB of device memory",

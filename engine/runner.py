@@ -90,7 +90,8 @@ class ModelRunner:
     def _execute_decodes(self, decodes: list[Request]) -> StepLogits:
         """A pure decode step on the static buffers: the plain greedy rows take the step's argmax,
         the others their logits (the sampler's work, after the step)."""
-        out = self.graphs.run(decodes)
+        with self.ranks.guard() if self.ranks else nullcontext():
+            out = self.graphs.run(decodes)
         greedy_rows = [i for i, r in enumerate(decodes) if is_plain_greedy(r)]
         if len(greedy_rows) == len(decodes):
             return StepLogits(None, decodes, [], greedy_rows, out.tokens)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import os
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -59,6 +60,9 @@ class TPGroup:
         self.group = group
         self.channel = channel
         self._is_gloo = isinstance(group, dist.ProcessGroupGloo)
+        # Set while a step is captured as CUDA graphs between its collectives (engine.piecewise):
+        # cut(run, is_last) ends the graph so far; run() does the collective at each replay.
+        self.cut: Callable[[Callable[[], object], bool], None] | None = None
 
     @property
     def rank(self) -> int:
@@ -66,6 +70,12 @@ class TPGroup:
 
     def all_reduce(self, x: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
         """x summed (or op) over the ranks, in place; returns x."""
+        if self.cut is not None:  # NOTE: captured: x is static, summed in place at each replay
+            self.cut(lambda: self._all_reduce(x, op), False)
+            return x
+        return self._all_reduce(x, op)
+
+    def _all_reduce(self, x: torch.Tensor, op: dist.ReduceOp) -> torch.Tensor:
         if self.channel is not None and op == dist.ReduceOp.SUM and self.channel.fits(x):
             return self._through_channel(self.channel.all_reduce, x)
         options = dist.AllreduceOptions()
@@ -101,6 +111,16 @@ class TPGroup:
         if logits.shape[1] < shard.vocab_rows:
             padded = torch.nn.functional.pad(logits, (0, shard.vocab_rows - logits.shape[1]))
         padded = padded.contiguous()
+        if self.cut is not None:  # NOTE: captured: rank 0's logits land in a static buffer at each replay
+            if shard.rank != 0:
+                self.cut(lambda: self._gather_vocab(padded), True)
+                return None
+            out = torch.empty((padded.shape[0], self.vocab_size), dtype=padded.dtype, device=padded.device)
+            self.cut(lambda: out.copy_(self._gather_vocab(padded)), False)
+            return out
+        return self._gather_vocab(padded)
+
+    def _gather_vocab(self, padded: torch.Tensor) -> torch.Tensor | None:
         if self.channel is not None and self.channel.fits(padded):
             gathered = self._through_channel(self.channel.gather, padded)
             return None if gathered is None else gathered[:, : self.vocab_size]
@@ -108,7 +128,7 @@ class TPGroup:
         options.rootRank = 0
         if padded.is_cuda and self._is_gloo:  # NOTE: gloo works on host memory (ranks_share_gpu)
             gathered = self._gather(padded.cpu(), options)
-            return None if gathered is None else gathered.to(logits.device)
+            return None if gathered is None else gathered.to(padded.device)
         return self._gather(padded, options)
 
     def _gather(self, padded: torch.Tensor, options) -> torch.Tensor | None:

@@ -30,6 +30,7 @@ from torch.multiprocessing.reductions import reduce_tensor
 
 from engine import tp_shm
 from engine.config import EngineConfig
+from engine.decode_graphs import DecodeGraphs
 from engine.host_memory import keep_freed_memory
 from engine.kv_cache import allocate_kv_cache, map_shared_kv_cache, num_cache_blocks
 from engine.model import AttentionMetadata, CausalLM
@@ -52,6 +53,9 @@ _PACKAGE_ROOT = Path(__file__).resolve().parent.parent  # where `engine` is impo
 
 # A step message: an int64 header, then every int tensor of the step flattened (see _pack_step).
 _OP_STEP, _OP_STOP = 1, 2
+# The static decode path's (engine.decode_graphs): build it and capture ([op, capture, n, *sizes]),
+# and a step of it ([op, size, rows, k, *ids (4 x rows), *index (k), *value (k)]: DecodeGraphs._stage).
+_OP_GRAPHS, _OP_GRAPH_STEP = 3, 4
 _HEADER = ("op", "num_tokens", "num_decodes", "num_prefills", "table_width", "num_logits", "max_query_len")
 
 
@@ -155,6 +159,13 @@ class TPRanks:
         Whatever the block raises becomes a TensorParallelError and breaks the group for good: the
         workers may be waiting in a collective rank 0 left, which no later step can pair with."""
         self.send_step(input_ids, meta, logits_indices)
+        with self.guard():
+            yield
+
+    @contextlib.contextmanager
+    def guard(self) -> Iterator[None]:
+        """Rank 0's side of a step the workers were sent (step(), or send_graph_step by the static
+        decode path): whatever the block raises breaks the group, as in step()."""
         try:
             yield
         except TensorParallelError:
@@ -168,8 +179,21 @@ class TPRanks:
     def send_step(self, input_ids: torch.Tensor, meta: AttentionMetadata, logits_indices: torch.Tensor) -> None:
         """Hand every worker the step (host tensors) rank 0 runs next. Raises TensorParallelError
         when a worker is gone."""
+        self._send(_pack_step(input_ids, meta, logits_indices))
+
+    def send_graphs(self, sizes: tuple[int, ...], capture: bool) -> None:
+        """Have every worker build its static decode path for sizes and (capture) capture it, as
+        rank 0 does next: their warm-ups' collectives pair up with rank 0's."""
+        self._send(np.array([_OP_GRAPHS, int(capture), len(sizes), *sizes], dtype=np.int64).tobytes())
+
+    def send_graph_step(self, size: int, ids: np.ndarray, index: np.ndarray, value: np.ndarray) -> None:
+        """Hand every worker the static decode step rank 0 replays next (DecodeGraphs._stage's buffers)."""
+        header = np.array([_OP_GRAPH_STEP, size, ids.shape[1], len(index)], dtype=np.int64)
+        self._send(np.concatenate([header, ids.reshape(-1), index, value.astype(np.int64)]).tobytes())
+
+    def _send(self, message: bytes) -> None:
+        """message to every worker. Raises TensorParallelError when a worker is gone."""
         self._check_alive()
-        message = _pack_step(input_ids, meta, logits_indices)
         for rank, pipe in enumerate(self._pipes, start=1):
             try:
                 pipe.send_bytes(message)
@@ -447,7 +471,7 @@ def _worker_main(address: str, rank: int) -> None:
         pipe.send(("error", f"{type(exc).__name__}: {exc}"))
         return
     pipe.send(("ready", built.num_blocks))
-    _serve(pipe, built, config.device)
+    _serve(pipe, built, config)
 
 
 def _cache_handle(pipe: Connection) -> tuple | None:
@@ -464,13 +488,26 @@ def _cache_handle(pipe: Connection) -> tuple | None:
     return handle if kind == "cache" else None
 
 
-def _serve(pipe: Connection, built: RankModel, device: str) -> None:
+def _serve(pipe: Connection, built: RankModel, config: EngineConfig) -> None:
+    graphs = None
     while True:
         try:
             message = pipe.recv_bytes()
         except (EOFError, OSError):
             return  # rank 0 is gone
-        step = _unpack_step(message, device)  # NOTE: not inference tensors: kernels memo their versions
+        values = np.frombuffer(message, dtype=np.int64)
+        if values[0] == _OP_GRAPHS:
+            capture, num_sizes = bool(values[1]), int(values[2])
+            graphs = DecodeGraphs(built.model, built.kv_cache, config.cache.block_size, config.model.max_model_len,
+                                  tuple(int(s) for s in values[3 : 3 + num_sizes]), capture=capture)
+            graphs.capture()
+            continue
+        if values[0] == _OP_GRAPH_STEP:
+            size, rows, k = (int(v) for v in values[1:4])
+            ids, rest = values[4 : 4 + 4 * rows].reshape(4, rows).copy(), values[4 + 4 * rows :]
+            graphs.replay_staged(size, ids, rest[:k].copy(), rest[k : 2 * k].astype(np.int32))
+            continue
+        step = _unpack_step(message, config.device)  # NOTE: not inference tensors: kernels memo their versions
         if step is None:
             return
         input_ids, meta, logits_indices = step

@@ -287,3 +287,43 @@ def test_ranks_share_the_engines_gpu_and_split_its_budget_only_when_asked(tiny_m
     assert rank_device("cuda", 1) == "cuda:0"  # an index: torch.cuda.set_device takes no bare "cuda"
     assert num_cache_blocks(model, cache, "cuda:1", 2) == 32
     assert rank_device("cpu", 1) == "cpu"
+
+
+@pytest.mark.parametrize("device", ENGINE_DEVICES)
+@pytest.mark.parametrize("preset", ["tiny", "qwen2-tiny"])
+def test_tp2_static_decode_path_equals_transformers(preset, device, tiny_model_dir, qwen2_tiny_model_dir,
+                                                     monkeypatch):
+    """A split model's pure decode steps on the static decode path (on a GPU: each rank's step
+    captured as graphs between its collectives, the two ranks sharing the GPU): rank 0 stages each
+    step and the worker replays the same buffers, in padded buckets of many sizes, with
+    preemption; greedy equals transformers."""
+    from engine.decode_graphs import DecodeGraphs
+    from engine.tp_group import SHARE_GPU_VARIABLE
+
+    if device == "cuda":
+        monkeypatch.setenv(SHARE_GPU_VARIABLE, "1")  # the worker inherits it
+
+    model_dir = {"tiny": tiny_model_dir, "qwen2-tiny": qwen2_tiny_model_dir}[preset]
+    staged = []
+    real = DecodeGraphs._stage
+    monkeypatch.setattr(DecodeGraphs, "_stage", lambda self, decodes, fed=None: staged.append(len(decodes)) or
+                        real(self, decodes, fed))
+    prompts = make_prompts(ModelConfig.from_pretrained(model_dir).vocab_size, seed=3)
+    lengths = [4 + (5 * i) % 23 for i in range(len(prompts))]  # requests end at different steps
+    expected = transformers_greedy(model_dir, prompts, max(lengths))
+    engine = LLMEngine(EngineConfig(
+        model=ModelConfig.from_pretrained(model_dir), cache=CacheConfig(block_size=16, num_blocks=24),
+        scheduler=SchedulerConfig(max_num_seqs=13, max_num_batched_tokens=64), tensor_parallel_size=2,
+        device=device, decode_graphs="auto" if device == "cuda" else "static",
+    ))
+    try:
+        graphs = engine.runner.graphs
+        assert graphs is not None and graphs.use_graphs == (device == "cuda") and not engine.async_decodes.enabled
+        got = run_to_completion(engine, prompts, [SamplingParams(max_tokens=n, temperature=0.0) for n in lengths])
+        for i, ((want, _), tokens, n) in enumerate(zip(expected, got, lengths)):
+            assert [t.token_id for t in tokens] == want[:n], f"prompt {i}"
+        assert engine.scheduler.num_preemptions >= 1
+        assert len(set(staged)) >= 5, staged  # decode batches of many sizes, most padded
+        engine.check_leaks()
+    finally:
+        engine.close()
