@@ -2,7 +2,11 @@
 model exactly once; a TP=2 engine's greedy output equals transformers' (float32, with chunked
 prefill and preemption) on tiny, small (SmolLM2's shape: 9 heads over 2 ranks split unevenly, by
 whole GQA groups) and qwen2-tiny (QKV biases), and its seeded sampling equals TP=1's; a rank
-that dies fails the engine at its next step instead of hanging it."""
+that dies fails the engine at its next step instead of hanging it. Its pure decode steps on the
+static decode path equal transformers too, and a worker's KV cache is the memory rank 0 allocated
+for it. The CUDA cases (the ranks sharing one GPU: tp_group.ranks_share_gpu) run in
+benchmarks/gpu_checks.sh: the decode steps captured as graphs between the collectives, and the
+cache handed over as a CUDA IPC handle."""
 
 from __future__ import annotations
 
