@@ -57,6 +57,7 @@ _OP_STEP, _OP_STOP = 1, 2
 # and a step of it ([op, size, rows, k, *ids (4 x rows), *index (k), *value (k)]: DecodeGraphs._stage).
 _OP_GRAPHS, _OP_GRAPH_STEP = 3, 4
 _HEADER = ("op", "num_tokens", "num_decodes", "num_prefills", "table_width", "num_logits", "max_query_len")
+_STOP_MESSAGE = np.array([_OP_STOP] + [0] * (len(_HEADER) - 1), dtype=np.int64).tobytes()
 
 
 @dataclass
@@ -371,10 +372,9 @@ def _check_devices(device: str, size: int) -> None:
 
 def _stop_workers(processes: list[subprocess.Popen], pipes: list[Connection], shared_files: list[str]) -> None:
     _remove_files(shared_files)
-    stop = np.array([_OP_STOP] + [0] * (len(_HEADER) - 1), dtype=np.int64).tobytes()
     for pipe in pipes:
         with contextlib.suppress(OSError):  # already gone
-            pipe.send_bytes(stop)
+            pipe.send_bytes(_STOP_MESSAGE)
     deadline = time.monotonic() + STOP_TIMEOUT_S
     for process in processes:
         try:
@@ -481,10 +481,9 @@ def _cache_handle(pipe: Connection) -> tuple | None:
         message = pipe.recv_bytes()
     except (EOFError, OSError):
         return None
-    try:
-        kind, handle = pickle.loads(message)
-    except (pickle.UnpicklingError, ValueError, TypeError, EOFError):
-        return None  # a stop (_stop_workers): raw int64s, not a pickle
+    if message == _STOP_MESSAGE:
+        return None
+    kind, handle = pickle.loads(message)
     return handle if kind == "cache" else None
 
 
