@@ -1,8 +1,9 @@
 """Overload end to end: real node and proxy processes on the tiny model, nodes running at most 2
 requests at once. A burst of 50 long requests: those past the proxy's limits get a 429 with
-Retry-After at once, the admitted ones complete exactly as transformers' greedy output, and the
-proxy's memory stays bounded. SLO-aware admission at ~3x the sustainable rate: admitted
-requests mostly meet the TTFT target, the others are refused at once."""
+Retry-After at once (while the admitted ones still hold every slot) and reach no node, the admitted
+ones complete exactly as transformers' greedy output, and the proxy's memory stays bounded.
+SLO-aware admission at ~3x the sustainable rate: admitted requests mostly meet the TTFT target, the
+others are refused without reaching a node. How fast a 429 comes is printed, not asserted."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from urllib.parse import urlsplit
 import httpx
 import torch
 import transformers
+from prometheus_client.parser import text_string_to_metric_families
 
 from engine.cpu_quota import HostLoad
 from pdserve.launcher import Deployment, start_local, wait_healthy
@@ -30,13 +32,13 @@ MAX_NUM_REQUESTS = 8
 NUM_BURST = 50
 OUTPUT_LEN = 64
 # NOTE: a 429 is an answer the proxy gives without the nodes: in a burst of 50 at once on the
-# 2-core machine (both nodes busy decoding) they took 11-14 ms (p50) and 17-26 ms (p90) from the
-# send to the whole answer, the admitted requests seconds. Asserted as a ratio within the run (no
-# absolute time: machines differ): the p90 refusal under this share of the admitted requests'
-# median time from send to the whole answer, in the same run. The burst goes
-# out over raw connections opened beforehand: through httpx the client's own overhead for 50
-# concurrent requests (100-250 ms on this machine) would be measured instead of the proxy.
-MAX_REJECT_SHARE = 0.1
+# 2-core machine (both nodes busy decoding) they took 11-37 ms (p90) from the send to the whole
+# answer, the admitted requests 0.3 s to seconds. No time is asserted (a slow moment on the
+# machine stretches one more than the other); what "at once" means is: every refusal is answered
+# before the first admitted request ends (no slot had come back; a request arriving after one had
+# would be admitted), and no refused request reached a node. The burst goes out over raw
+# connections opened beforehand: through httpx the client's own overhead for 50 concurrent
+# requests (100-250 ms on this machine) would be measured instead of the proxy.
 # The proxy process's resident memory, sampled every 5 ms through the burst: 62 MB before and at
 # its peak here (tokenizers, FastAPI, ZMQ); refused requests leave nothing behind, admitted ones
 # hold their prompt and output, so a burst may add a little, never a pile per request.
@@ -51,9 +53,7 @@ MIN_SLO_MET = 2 / 3
 # fewer than MIN_SLO_MET of them met the target: a clean-clone run of the suite once saw 8 of 21
 # (TTFT p50 611 ms with decoding at 1.3x, so the slowdown hit the queue, not the decode), where
 # seven runs of the file alone had all admitted requests within it. Admission that misjudges the
-# rate misses in every attempt; a passing slow moment in one. The same holds for refusals slower
-# than MAX_REJECT_SHARE of the admitted time (a clean-clone run in a slow moment once saw p90 123 ms
-# against 224 ms): refusals made to wait miss in every attempt.
+# rate misses in every attempt; a passing slow moment in one.
 MAX_SLOWDOWN = 3.0
 MAX_ATTEMPTS = 4
 
@@ -124,6 +124,7 @@ class RawAnswer:
     headers: dict[str, str]
     body: bytes
     elapsed_s: float  # from the first byte sent to the last byte of the answer
+    ended_at: float  # time.monotonic() at the last byte of the answer
 
     def json(self) -> dict:
         return json.loads(self.body)
@@ -162,7 +163,8 @@ async def _raw_post(connection, body: dict) -> RawAnswer:
     status_line, *lines = head.decode("latin-1").split("\r\n")
     headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines if line)}
     content = await asyncio.wait_for(reader.readexactly(int(headers["content-length"])), 120)
-    return RawAnswer(int(status_line.split()[1]), headers, content, time.monotonic() - started)
+    ended_at = time.monotonic()
+    return RawAnswer(int(status_line.split()[1]), headers, content, ended_at - started, ended_at)
 
 
 def _client(deployment: Deployment) -> httpx.AsyncClient:
@@ -173,6 +175,20 @@ def _client(deployment: Deployment) -> httpx.AsyncClient:
 async def _warm_connections(client: httpx.AsyncClient, num: int) -> None:
     """Open num keep-alive connections first, so the burst measures the proxy, not TCP set-up."""
     await asyncio.gather(*(client.get("/health") for _ in range(num)))
+
+
+def _finished(deployment: Deployment, node: str, reason: str, want: int | None = None) -> int:
+    """How many requests the node finished for this reason (its vllm:request_success counter);
+    with want, read again for up to 10 s until it is want (the node counts a request after its
+    last token went out)."""
+    deadline = time.monotonic() + 10
+    while True:
+        text = httpx.get(deployment.health_urls[node] + "/metrics", timeout=10).text
+        num = sum(int(sample.value) for family in text_string_to_metric_families(text) for sample in family.samples
+                  if sample.name == "vllm:request_success_total" and sample.labels.get("finished_reason") == reason)
+        if want is None or num == want or time.monotonic() > deadline:
+            return num
+        time.sleep(0.1)
 
 
 def _p90(values: list[float]) -> float:
@@ -187,7 +203,7 @@ def _check_429(status: int, headers, error_body: dict) -> str:
     return error["code"]
 
 
-def test_burst_past_the_limits_gets_fast_429s_and_admitted_ones_match_transformers(tiny_model_dir, tmp_path,
+def test_burst_past_the_limits_gets_429s_at_once_and_admitted_ones_match_transformers(tiny_model_dir, tmp_path,
                                                                                    hf):  # noqa: F811
     deployment = _deploy(tiny_model_dir, tmp_path / "logs", 1,
                          ["--max-num-requests", str(MAX_NUM_REQUESTS), "--max-queue-wait-s", "2",
@@ -213,8 +229,13 @@ def test_burst_past_the_limits_gets_fast_429s_and_admitted_ones_match_transforme
               f"{1000 * _p90(reject_times):.1f} ms; admitted {len(admitted)}; proxy RSS {rss_before:.0f} MB, peak "
               f"{rss_peak:.0f} MB ({len(rss_samples)} samples)")
         admitted_s = statistics.median(r.elapsed_s for _, r in admitted)
-        assert _p90(reject_times) < MAX_REJECT_SHARE * admitted_s, (_p90(reject_times), admitted_s)
         print(f"admitted median {1000 * admitted_s:.0f} ms")
+        first_end = min(r.ended_at for _, r in admitted)
+        assert all(r.ended_at < first_end for r in refused), \
+            f"{sum(r.ended_at >= first_end for r in refused)} refusals came after an admitted request ended"
+        num_ran = 3 + len(admitted)  # the warm-up's and the admitted: the refused ones reached no node
+        assert _finished(deployment, "prefill0", "prefilled", num_ran) == num_ran
+        assert _finished(deployment, "decode0", "length", num_ran) == num_ran
         _, tokenizer = hf
         for i, response in admitted:
             want = _hf_greedy_ignoring_eos(hf, prompts[i], OUTPUT_LEN)
@@ -233,18 +254,16 @@ def test_slo_admission_at_three_times_the_sustainable_rate_keeps_admitted_ttft(t
         model = httpx.get(deployment.base_url + "/v1/models", timeout=10).json()["data"][0]["id"]
         for attempt in range(MAX_ATTEMPTS):
             _wait_for_a_quiet_host()
+            finished_before = _finished(deployment, "decode0", "length")
             results, rate, service_s = asyncio.run(_run_at_three_times_capacity(deployment, model, attempt))
             admitted = [(elapsed, first) for r, elapsed, first in results if r.status_code == 200]
             slowdown = statistics.median(elapsed - first for elapsed, first in admitted) / service_s
             met = [first for _, first in admitted if first <= slo_ttft_s]
             refused = [elapsed for r, elapsed, _ in results if r.status_code != 200]
-            admitted_s = statistics.median(elapsed for elapsed, _ in admitted)
-            is_fast = not refused or _p90(refused) < MAX_REJECT_SHARE * admitted_s
-            if slowdown <= MAX_SLOWDOWN and len(met) >= MIN_SLO_MET * len(admitted) and is_fast:
+            if slowdown <= MAX_SLOWDOWN and len(met) >= MIN_SLO_MET * len(admitted):
                 break
             print(f"attempt {attempt}: decoding took {slowdown:.1f}x the warm-up's time, {len(met)} of "
-                  f"{len(admitted)} admitted met the TTFT target, refusals p90 "
-                  f"{1000 * (_p90(refused) if refused else 0):.0f} ms; again")
+                  f"{len(admitted)} admitted met the TTFT target; again")
         assert all(_check_429(r.status_code, r.headers, r.json()) == "slo_ttft" for r, _, _ in results
                    if r.status_code != 200)
         print(f"rate {rate:.1f}/s: admitted {len(admitted)} ({len(met)} within {1000 * slo_ttft_s:.0f} ms TTFT, "
@@ -252,7 +271,9 @@ def test_slo_admission_at_three_times_the_sustainable_rate_keeps_admitted_ttft(t
               f"warm-up's time), refused {len(refused)} (p90 {1000 * _p90(refused):.1f} ms)")
         assert len(admitted) >= 3 and len(refused) >= 5
         assert len(met) >= MIN_SLO_MET * len(admitted)
-        assert _p90(refused) < MAX_REJECT_SHARE * admitted_s, (_p90(refused), admitted_s)
+        # the warm-up's 4 and the admitted ones ran on the node; the refused ones never reached it
+        num_ran = finished_before + 4 + len(admitted)
+        assert _finished(deployment, "decode0", "length", num_ran) == num_ran
     finally:
         deployment.stop()
 
