@@ -1,6 +1,6 @@
 """Renderers for docs/benchmarks.md's served and comparative benchmarks: against vLLM and an older
-tree, serving throughput, disaggregated vs colocated, prefix caching, chaos, hostile soak, core
-lending, the load generator, profiles and fuzzing.
+tree, serving throughput, disaggregated vs colocated, prefix caching, chaos, hostile soak, overload,
+core lending, the load generator, profiles and fuzzing.
 """
 
 from __future__ import annotations
@@ -176,6 +176,29 @@ def render_hostile_soak(records: list[dict]) -> tuple[list[str], list]:
     lines = table(["nodes", "requests", "canary exact", "canary TTFT p99 quiet -> hostile", "hostile answers",
                    "nodes marked stuck", "proxy log", "open / unanswered at the end", "run"], rows)
     return lines + [""], []
+
+
+def render_overload(records: list[dict]) -> tuple[list[str], list]:
+    """The newest run: one row per burst, and all bursts together."""
+    record = records[-1]
+    r = record["result"]
+
+    def row(name: str, b: dict) -> list:
+        refusal, admitted = b.get("refusal_ms", {}), b.get("admitted_ms", {})
+        return [name, b["admitted"], b["refused"], ", ".join(map(str, b["other"])) or "none",
+                f"{refusal.get('p50', 0):.1f} / {refusal.get('p90', 0):.1f} / {refusal.get('max', 0):.1f}",
+                f"{num(admitted.get('first_end', 0), 0)} / {num(admitted.get('median', 0), 0)}",
+                f"**{b['refusal_p90_over_admitted_median']:.3f}**" if "refusal_p90_over_admitted_median" in b else "",
+                b.get("refused_after_first_admitted_end", 0)]
+
+    rows = [row(str(i + 1), b) for i, b in enumerate(r["per_burst"])] + [row("**all**", r["all"])]
+    lines = [f"{r['model']}, 1P+1D, decode batch {r['max_num_seqs']}, `--max-num-requests {r['max_num_requests']}`; "
+             f"{r['bursts']} bursts of {r['burst']} completions x {r['output_len']} tokens sent at once; proxy RSS "
+             f"{r['proxy_rss_mb']['before']:.0f} MB before, {r['proxy_rss_mb']['peak']:.0f} MB at the peak:", ""]
+    lines += table(["burst", "admitted", "refused (429)", "other statuses", "refusal p50 / p90 / max (ms)",
+                    "admitted: first end / median (ms)", "refusal p90 / admitted median",
+                    "refusals after an admitted request ended"], rows)
+    return lines + ["", "- " + provenance(record), ""], []
 
 
 def render_core_lending(records: list[dict]) -> tuple[list[str], list]:
