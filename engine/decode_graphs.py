@@ -165,14 +165,14 @@ class DecodeGraphs:
         torch.cuda.synchronize(device)
         free_before = torch.cuda.mem_get_info(device)[0]
         started = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
+        pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(device)
         for size in reversed(self.sizes):
             for _ in range(2):
                 self._forward(size)
             torch.cuda.synchronize(device)
             if self.model.tp is not None:
                 self._graphs[size], self._outputs[size] = capture_pieces(partial(self._forward, size), self.model.tp,
-                                                                         pool)
+                                                                         pool, stream)
                 continue
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):

@@ -27,18 +27,22 @@ class Pieces:
         self.between: list[Callable[[], object]] = []
 
     def replay(self) -> None:
-        for i, graph in enumerate(self.graphs):
-            graph.replay()
-            if i < len(self.between):
-                self.between[i]()
+        # NOTE: the capture ran under inference mode (the forward's), so the static tensors the
+        # collectives update in place are inference tensors: so must the replay run.
+        with torch.inference_mode():
+            for i, graph in enumerate(self.graphs):
+                graph.replay()
+                if i < len(self.between):
+                    self.between[i]()
 
 
-def capture_pieces(step: Callable[[], object], group: TPGroup, pool) -> tuple[Pieces, object]:
-    """Capture step() (a forward on static buffers) as Pieces on the graph memory pool pool;
-    returns them and what step returned (its static outputs). Nothing runs on the device here: a
-    collective met during the capture is recorded, not done."""
+def capture_pieces(step: Callable[[], object], group: TPGroup, pool, stream) -> tuple[Pieces, object]:
+    """Capture step() (a forward on static buffers) as Pieces on the graph memory pool pool, from
+    stream (a side stream: one for all of a model's captures, as the caching allocator reuses the
+    pool's freed blocks only on the stream that took them); returns them and what step returned
+    (its static outputs). Nothing runs on the device here: a collective met during the capture is
+    recorded, not done."""
     pieces = Pieces()
-    stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     graph: torch.cuda.CUDAGraph | None = None
 

@@ -365,8 +365,9 @@ def _spawn_workers(config: EngineConfig, store_port: int, threads: int,
 def _check_devices(device: str, size: int) -> None:
     """Raises ValueError (one line) when the ranks' GPUs are not all visible."""
     kind = torch.device(device)
-    if kind.type == "cuda" and (kind.index or 0) + (1 if ranks_share_gpu() else size) > torch.cuda.device_count():
-        raise ValueError(f"tensor_parallel_size {size} from {device} needs {(kind.index or 0) + size} GPUs; "
+    needed = (kind.index or 0) + (1 if ranks_share_gpu() else size)
+    if kind.type == "cuda" and needed > torch.cuda.device_count():
+        raise ValueError(f"tensor_parallel_size {size} from {device} needs {needed} GPUs; "
                          f"{torch.cuda.device_count()} are visible")
 
 

@@ -47,7 +47,6 @@ class FakeGroup:
 def log(monkeypatch) -> list:
     entries: list = []
     monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: FakeGraph(entries))
-    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
     monkeypatch.setattr(torch.cuda, "current_stream", FakeStream)
     monkeypatch.setattr(torch.cuda, "stream", lambda _s: contextlib.nullcontext())
     return entries
@@ -62,7 +61,7 @@ def test_each_stretch_between_collectives_is_a_graph_and_replays_in_order(log):
         group.cut(lambda: log.append(("gather",)), False)
         return "outputs"
 
-    pieces, out = piecewise.capture_pieces(step, group, "pool")
+    pieces, out = piecewise.capture_pieces(step, group, "pool", FakeStream())
     assert out == "outputs" and group.cut is None
     assert log == [("begin", 0), ("end", 0), ("begin", 1), ("end", 1), ("begin", 2), ("end", 2), ("begin", 3),
                    ("end", 3)]
@@ -78,7 +77,7 @@ def test_a_last_collective_ends_the_capture(log):
         group.cut(lambda: log.append(("sum", 0)), False)
         group.cut(lambda: log.append(("gather",)), True)
 
-    pieces, _ = piecewise.capture_pieces(step, group, "pool")
+    pieces, _ = piecewise.capture_pieces(step, group, "pool", FakeStream())
     assert log == [("begin", 0), ("end", 0), ("begin", 1), ("end", 1)]
     log.clear()
     pieces.replay()
@@ -93,7 +92,7 @@ def test_a_failing_step_closes_its_capture_and_unhooks_the_group(log):
         raise RuntimeError("operation not permitted when stream is capturing")
 
     with pytest.raises(RuntimeError, match="capturing"):
-        piecewise.capture_pieces(step, group, "pool")
+        piecewise.capture_pieces(step, group, "pool", FakeStream())
     assert log[-1] == ("end", 1) and group.cut is None
 
 
@@ -120,3 +119,29 @@ def test_captured_collectives_act_at_replay_on_the_tensors_the_capture_saw(tiny_
     assert out.shape == (2, model.vocab_size) and len(recorded) == 2 and recorded[1][1] is False
     recorded[1][0]()
     assert torch.equal(out, logits)
+
+
+def test_replay_may_update_what_the_capture_made_under_inference_mode(tiny_model_dir, log):
+    """The capture runs the forward under torch.inference_mode, so the static tensors a collective
+    updates in place at replay (rank 0's gathered logits, a staged sum's) are inference tensors;
+    the replay, called from the engine's step outside that mode, must still be allowed to."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from engine.config import ModelConfig
+    from engine.tp_group import TPGroup
+    from engine.tp_shard import tp_shard
+
+    model = ModelConfig.from_pretrained(tiny_model_dir)
+    process_group = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, datetime.timedelta(seconds=10))
+    group = TPGroup(tp_shard(model, 0, 1), model.vocab_size, process_group)
+
+    def step():
+        with torch.inference_mode():
+            return group.gather_vocab(torch.full((2, model.vocab_size), 2.0))
+
+    pieces, out = piecewise.capture_pieces(step, group, "pool", FakeStream())
+    assert out.is_inference()
+    pieces.replay()  # the gather fills rank 0's static logits
+    assert torch.equal(out, torch.full_like(out, 2.0))
