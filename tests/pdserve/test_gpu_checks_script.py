@@ -34,7 +34,8 @@ def _run(tmp_path: Path, steps: list[str], total_s: int, failing: str = "") -> t
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "TOTAL_S": str(total_s), "FAIL_ON": failing}
     proc = subprocess.run(["bash", "benchmarks/gpu_checks.sh", str(out), *steps], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=60)
-    lines = [line for line in calls.read_text().splitlines() if "pip install" not in line and not line.startswith("-c")]
+    lines = [line for line in calls.read_text().splitlines()
+             if "pip install" not in line and "pip list" not in line and not line.startswith("-c")]
     return proc, lines, out
 
 
@@ -47,9 +48,9 @@ def test_every_step_runs_in_order_with_its_scripts_arguments_and_the_summary_is_
     scripts = [next(word for word in call.split() if word.endswith(".py") or word == "pytest") for call in calls]
     assert scripts == ["pytest", "benchmarks/gpu_engine.py", "benchmarks/kv_transfer_gpu.py",
                        "benchmarks/gpu_served.py", "setup.py", "pytest", "benchmarks/kernels.py"]
-    assert "--presets llama-1b,llama-8b --budget-s 150" in calls[1]  # the step's 160 s, less 10
+    assert "--presets llama-1b --budget-s 100" in calls[1]  # the step's 110 s, less 10
     assert "--log-dir" in calls[3] and "/served_logs" in calls[3]
-    assert "tests/kernels -n 6" in calls[5]
+    assert "tests/kernels -n 6" in calls[5] and "--deselect" in calls[5]  # the copy has no .git
     assert "== imports: ok" in summary  # the stand-in python3 imports everything
     assert "12 passed" in summary  # the test steps' counts
     # what comes back: the summary, results/ and the archive of everything
@@ -58,6 +59,24 @@ def test_every_step_runs_in_order_with_its_scripts_arguments_and_the_summary_is_
         names = set(archive.getnames())
         assert {"./env.log", "./engine_tests.log", "./gpu_engine.log"} <= names, names
         assert archive.extractfile("./env.log").read().decode().startswith("GPU 0: stand-in")
+
+
+def test_by_default_every_area_runs_once_and_the_commit_is_named(tmp_path, monkeypatch):
+    monkeypatch.setenv("PDSERVE_COMMIT", "abc1234")
+    proc, calls, out = _run(tmp_path, [], total_s=500)
+    assert proc.returncode == 0, proc.stderr
+    summary = (out / "summary.txt").read_text()
+    ran = [line.split()[1].rstrip(":") for line in summary.splitlines() if line.startswith("== ") and "exit" in line]
+    assert ran == ["engine", "kv", "gpu_engine", "served", "tp", "stream"]
+    with tarfile.open(out / "gpu_checks.tgz") as archive:
+        assert "commit abc1234" in archive.extractfile("./env.log").read().decode()
+
+
+def test_a_failed_import_stops_the_run_and_says_so(tmp_path):
+    proc, calls, out = _run(tmp_path, ["kv"], total_s=100, failing="openai")
+    assert proc.returncode == 1
+    assert "== imports: FAILED" in (out / "summary.txt").read_text()
+    assert calls == [] and (out / "gpu_checks.tgz").exists()  # no step ran; the logs came back
 
 
 def test_the_time_budget_cuts_each_steps_limit(tmp_path):
