@@ -175,7 +175,9 @@ class DecodeGraphs:
                                                                          pool, stream)
                 continue
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            # NOTE: stream, not torch's default capture stream: that one is made once per process, on
+            # the device current then, which is not this engine's where a process runs two GPUs.
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
                 self._outputs[size] = self._forward(size)
             self._graphs[size] = graph
         torch.cuda.synchronize(device)
@@ -210,7 +212,12 @@ class DecodeGraphs:
         size = bucket_for(num, self.sizes)
         assert size is not None, f"{num} decodes past the largest bucket {self.max_size}"
         self._begin_staging()
-        self._fill(decodes)
+        try:
+            self._fill(decodes)
+        except BaseException:
+            # _fill notes each row's blocks as on the device before _copy_in sends them: resend every table
+            self._row_owner = [None] * len(self._row_owner)
+            raise
         if fed is not None:
             self._np_ids[3, :num] = fed
         self._fill_padding(num, size)

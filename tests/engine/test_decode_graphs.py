@@ -306,3 +306,31 @@ def test_the_device_tables_follow_every_row_sending_only_what_changed(tiny_model
     steady = [k for size, k in sent[1:] if size >= 4]
     assert min(steady) <= 8 + 2, sent  # the lengths and a block or two, not whole tables
     engine.check_leaks()
+
+
+def test_a_step_whose_staging_failed_leaves_no_row_thinking_its_table_was_sent(tiny_model_dir, monkeypatch):
+    """_fill notes a row's blocks as on the device before they are sent: where it fails part way,
+    the next step must send every row's table again."""
+    engine = engine_for(tiny_model_dir, "static", max_num_seqs=4, async_scheduling=False)
+    graphs = engine.runner.graphs
+    for i, prompt in enumerate(make_prompts(ModelConfig.from_pretrained(tiny_model_dir).vocab_size, seed=3)[:3]):
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+    decodes = list(reversed(engine.scheduler.running))  # every row changes hands: each sends its table
+    assert len(decodes) == 3 and len({tuple(r.block_ids) for r in decodes}) == 3
+    real, calls = DecodeGraphs._add_updates, []
+
+    def failing(self, start, values):
+        calls.append(start)
+        if len(calls) == 2:
+            raise RuntimeError("staging failed")
+        real(self, start, values)
+
+    monkeypatch.setattr(DecodeGraphs, "_add_updates", failing)
+    with pytest.raises(RuntimeError, match="staging failed"):
+        graphs._stage(decodes)
+    monkeypatch.setattr(DecodeGraphs, "_add_updates", real)
+    graphs._stage(decodes)
+    for row, request in enumerate(decodes):
+        assert graphs._tables[row, : len(request.block_ids)].tolist() == request.block_ids, row
