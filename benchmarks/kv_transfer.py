@@ -61,6 +61,7 @@ from engine.protocol import curve_keys
 layout = msgspec.json.decode(sys.argv[1], type=KVLayout)
 keys = curve_keys(sys.argv[4]) if len(sys.argv) > 4 else None
 shape = (layout.num_blocks, layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
+torch.manual_seed(0)  # a reader may draw the same cache to check what it read (kv_transfer_gpu.py)
 cache = torch.randn(shape, dtype=getattr(torch, layout.dtype), device=os.environ.get("KV_BENCH_DEVICE", "cpu"))
 if os.environ.get("KV_BENCH_STORAGE") == "layer":
     cache = stored_layer_major(cache)

@@ -5,7 +5,9 @@ Each setting runs in fresh processes (UCX reads its settings when it loads): a h
 with a block-major bfloat16 cache of llama-1b's KV shape on the GPU (16 layers, 8 KV heads of 64:
 512 KiB a block of 16 tokens), and a reader process (this script with --reader) that pulls 256 MiB
 (512 blocks, scattered on the reader's side) --repeats times through the NixlConnector and reports the
-median GB/s and connector.transport. Settings:
+median GB/s and connector.transport, and checks that the blocks read are the holder's (it draws
+its cache from seed 0; the reader draws the same). A setting fails on wrong data, and pdserve's
+own where UCX fell back to TCP for GPU memory. Settings:
   pdserve   the node's own choice (kv_transfer/ucx.py: lo, GET over cuda_ipc enabled)
   before    UCX_NET_DEVICES=lo alone, GET over cuda_ipc left to UCX (what nodes set before)
 Ends with `RESULT {json}`. --device cpu --blocks 16 checks the script on host memory.
@@ -93,9 +95,13 @@ def reader(args: argparse.Namespace) -> int:
             seconds = statistics.median(times)
             num_bytes = args.blocks * layout.block_numel * 2
             transport = connector.transport
+            torch.manual_seed(0)  # the holder's cache (benchmarks/kv_transfer.py's HOLDER)
+            expected = torch.randn(shape, dtype=torch.bfloat16, device=args.device)
+            is_equal = torch.equal(cache[local], expected[remote])
             print(json.dumps({"gb_s": num_bytes / seconds / 1e9, "ms": 1e3 * seconds, "bytes": num_bytes,
-                              "transport": transport.transport if transport else None,
+                              "equal": is_equal, "transport": transport.transport if transport else None,
                               "method": transport.method if transport else None,
+                              "tcp_fallback": transport.is_tcp_fallback if transport else None,
                               "env": {k: v for k, v in os.environ.items() if k.startswith("UCX_")}}), flush=True)
         except BaseException:
             holder_log.seek(0)
@@ -141,11 +147,15 @@ def main() -> int:
         results[name] = json.loads(lines[-1])
         r = results[name]
         print(f"{name:>8}: {r['gb_s']:8.2f} GB/s ({r['ms']:.2f} ms for {r['bytes'] / 2**20:.0f} MiB) over "
-              f"{r['transport']} ({r['method']})", flush=True)
+              f"{r['transport']} ({r['method']}){'' if r['equal'] else '; WRONG DATA read'}", flush=True)
+        if name == "pdserve" and r["tcp_fallback"] and args.device != "cpu":
+            print("pdserve: UCX fell back to TCP for GPU memory (failed)", flush=True)
     from benchmarks.results_io import write_result
 
     write_result("kv_transfer_gpu", {"device": args.device, "blocks": args.blocks, "settings": results})
-    return 0 if all("gb_s" in r for r in results.values()) else 1
+    failed = [name for name, r in results.items() if "gb_s" not in r or not r["equal"]
+              or (name == "pdserve" and r["tcp_fallback"] and args.device != "cpu")]
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -118,18 +118,22 @@ class NixlConnector(SideChannelConnector):
         shards = as_shards(kv_cache)
         check_shards(shards, layout)  # before the agent exists, so a refusal leaks nothing
         self._mem_type = "VRAM" if shards[0].cache.is_cuda else "DRAM"
+        self._ucx_report = ProtocolReport(ucx_log) if ucx_log is not None else None
+        self._report_checked_at = 0.0
         agent_config = nixl_agent_config(enable_prog_thread=False, backends=["UCX"],
                                          sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
-        self._agent = nixl_agent(engine_id, agent_config)
         self._regions = [ShardRegions.of(shard) for shard in shards]
         whole = [(s.cache.data_ptr(), s.cache.numel() * s.cache.element_size(), s.cache.device.index or 0, "")
                  for s in shards]
-        self._reg = self._agent.register_memory(self._agent.get_reg_descs(whole, self._mem_type))
+        try:
+            self._agent = nixl_agent(engine_id, agent_config)
+            self._reg = self._agent.register_memory(self._agent.get_reg_descs(whole, self._mem_type))
+        except Exception:
+            self._check_ucx_report(force=True)  # UCX's reason into the log before the error goes up
+            raise
         self.num_descriptors_last_read = 0
         # request id -> per staged peer rank: (buffer, its segments, its registration, its first head)
         self._staged: dict[str, list[tuple[torch.Tensor, list[HeadSegment], object, int]]] = {}
-        self._ucx_report = ProtocolReport(ucx_log) if ucx_log is not None else None
-        self._report_checked_at = 0.0
         super().__init__(config, kv_cache, layout, engine_id)
         self._is_stopping = threading.Event()
         self._wake = threading.Event()  # set: progress now, a transfer may have begun (or stop)
@@ -165,6 +169,7 @@ class NixlConnector(SideChannelConnector):
                 self._agent.get_new_notifs()  # NOTE: for the progress it makes; our READs send no notices
             except Exception as exc:  # noqa: BLE001 - keep progressing; report once per failure
                 logger.warning("NIXL progress: %s", exc)
+            self._check_ucx_report()  # a holder's UCX warnings too (it sees no read end)
 
     def _answer_info(self, hello: Hello) -> NixlAgentInfo:
         shards = [NixlShardInfo(r.base_address, r.block_stride, r.layer_stride, r.layer_bytes, r.kv_heads.start,
@@ -200,10 +205,12 @@ class NixlConnector(SideChannelConnector):
                 agent_name)
             state = _transfer_state(self._agent.transfer(handle))
         except Exception as exc:  # noqa: BLE001 - nixl raises its own types; surface as ours
+            self._check_ucx_report(force=True)
             raise TransferFailed(f"NIXL READ could not start: {exc}") from exc
         read.handle = handle
         self.num_descriptors_last_read = len(lengths)
         if state is TransferState.FAILED:
+            self._check_ucx_report(force=True)
             raise TransferFailed("NIXL READ failed to post")
 
     def _runs(self, read: PendingRead, remote: list[ShardRegions]) -> ByteRuns:
@@ -271,6 +278,7 @@ class NixlConnector(SideChannelConnector):
                 self._transferred(read)
                 self._check_ucx_report()
             elif state is TransferState.FAILED:
+                self._check_ucx_report(force=True)  # UCX's reason into the log
                 results.append(self._fail(read, f"NIXL READ failed: {detail}", FailureCode.TRANSFER))
         return results
 
@@ -280,10 +288,11 @@ class NixlConnector(SideChannelConnector):
         completed, or where the operator set UCX's logging)."""
         return self._ucx_report.transport if self._ucx_report is not None else None
 
-    def _check_ucx_report(self) -> None:
-        """Read UCX's report (at most once a second): the transport, once, and its warnings."""
+    def _check_ucx_report(self, force: bool = False) -> None:
+        """Read UCX's report (at most once a second, unless force: after a failure): the transport,
+        once, and its warnings and errors. Called from the progress thread and the node's loop."""
         report, now = self._ucx_report, time.monotonic()
-        if report is None or now - self._report_checked_at < 1.0:
+        if report is None or (not force and now - self._report_checked_at < 1.0):
             return
         self._report_checked_at = now
         known = report.transport

@@ -103,7 +103,8 @@ def gather_heads(shards: list[CacheShard], block_ids: list[int], num_kv_heads: i
         shard = shards[segment.remote_rank]
         offset = shard.kv_heads.start
         # NOTE: the block index and the head slice in one indexing: only the segment's heads are copied
-        out[..., segment.start : segment.stop, :] = shard.cache[index, :, :, :,
+        rows = index.to(shard.cache.device)  # NOTE: a rank's cache may be on a GPU of its own
+        out[..., segment.start : segment.stop, :] = shard.cache[rows, :, :, :,
                                                                 segment.start - offset : segment.stop - offset]
     return out
 

@@ -25,6 +25,7 @@ import re
 import shutil
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
@@ -191,6 +192,7 @@ class ProtocolReport:
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        self._lock = threading.Lock()  # polled from a connector's progress thread and its node's loop
         self._offset = 0
         self._partial = ""
         self._in_read_table: str | None = None
@@ -199,6 +201,10 @@ class ProtocolReport:
 
     def poll(self) -> Transport | None:
         """Read what UCX wrote since the last call; returns the READ transport once known."""
+        with self._lock:
+            return self._poll()
+
+    def _poll(self) -> Transport | None:
         _flush_c_streams()  # UCX writes its log file through a buffered C stream
         try:
             with open(self.path, encoding="utf-8", errors="replace") as file:
