@@ -25,6 +25,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -50,8 +51,20 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-async def _post(connection: tuple[asyncio.StreamReader, asyncio.StreamWriter], body: dict) -> tuple[int, float, float]:
-    """(status, seconds from the first byte sent to the answer's last, time.monotonic() then)."""
+@dataclass
+class RawAnswer:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+    elapsed_s: float  # from the first byte sent to the last byte of the answer
+    ended_at: float  # time.monotonic() at the last byte of the answer
+
+    def json(self) -> dict:
+        return json.loads(self.body)
+
+
+async def raw_post(connection: tuple[asyncio.StreamReader, asyncio.StreamWriter], body: dict) -> RawAnswer:
+    """POST body to /v1/completions over an open connection (no client library's own time in it)."""
     reader, writer = connection
     payload = json.dumps(body).encode()
     request = (b"POST /v1/completions HTTP/1.1\r\nHost: proxy\r\nContent-Type: application/json\r\n"
@@ -62,12 +75,12 @@ async def _post(connection: tuple[asyncio.StreamReader, asyncio.StreamWriter], b
     head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 120)
     status_line, *lines = head.decode("latin-1").split("\r\n")
     headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines if line)}
-    await asyncio.wait_for(reader.readexactly(int(headers["content-length"])), 120)
+    content = await asyncio.wait_for(reader.readexactly(int(headers["content-length"])), 120)
     ended = time.monotonic()
-    return int(status_line.split()[1]), ended - started, ended
+    return RawAnswer(int(status_line.split()[1]), headers, content, ended - started, ended)
 
 
-async def _burst(base_url: str, bodies: list[dict], rss: list[float], pid: int) -> list[tuple[int, float, float]]:
+async def _burst(base_url: str, bodies: list[dict], rss: list[float], pid: int) -> list[RawAnswer]:
     url = urlsplit(base_url)
     connections = [await asyncio.open_connection(url.hostname, url.port) for _ in bodies]
 
@@ -78,7 +91,7 @@ async def _burst(base_url: str, bodies: list[dict], rss: list[float], pid: int) 
 
     sampler = asyncio.create_task(sample())
     try:
-        return list(await asyncio.gather(*(_post(conn, body) for conn, body in zip(connections, bodies))))
+        return list(await asyncio.gather(*(raw_post(conn, body) for conn, body in zip(connections, bodies))))
     finally:
         sampler.cancel()
         for _, writer in connections:
@@ -96,19 +109,20 @@ def _p90(values: list[float]) -> float:
     return statistics.quantiles(values, n=10)[-1] if len(values) > 1 else values[0]
 
 
-def _stats(answers: list[tuple[int, float, float]]) -> dict:
-    admitted = [a for a in answers if a[0] == 200]
-    refused = [a for a in answers if a[0] == 429]
+def _stats(answers: list[RawAnswer]) -> dict:
+    admitted = [a for a in answers if a.status == 200]
+    refused = [a for a in answers if a.status == 429]
     row = {"admitted": len(admitted), "refused": len(refused),
-           "other": sorted({a[0] for a in answers} - {200, 429})}
+           "other": sorted({a.status for a in answers} - {200, 429})}
     if refused:
-        times = [a[1] for a in refused]
+        times = [a.elapsed_s for a in refused]
         row["refusal_ms"] = {"p50": round(1000 * statistics.median(times), 2), "p90": round(1000 * _p90(times), 2),
                              "max": round(1000 * max(times), 2)}
     if admitted:
-        row["admitted_ms"] = {"median": round(1000 * statistics.median(a[1] for a in admitted), 1),
-                              "first_end": round(1000 * min(a[1] for a in admitted), 1)}
-        row["refused_after_first_admitted_end"] = sum(a[2] >= min(b[2] for b in admitted) for a in refused)
+        first_end = min(a.ended_at for a in admitted)
+        row["admitted_ms"] = {"median": round(1000 * statistics.median(a.elapsed_s for a in admitted), 1),
+                              "first_end": round(1000 * min(a.elapsed_s for a in admitted), 1)}
+        row["refused_after_first_admitted_end"] = sum(a.ended_at >= first_end for a in refused)
     if refused and admitted:
         row["refusal_p90_over_admitted_median"] = round(row["refusal_ms"]["p90"] / row["admitted_ms"]["median"], 4)
     return row

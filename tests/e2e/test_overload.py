@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import json
 import random
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -23,6 +21,7 @@ import torch
 import transformers
 from prometheus_client.parser import text_string_to_metric_families
 
+from benchmarks.overload import RawAnswer, raw_post
 from engine.cpu_quota import HostLoad
 from pdserve.launcher import Deployment, start_local, wait_healthy
 from tests.e2e.test_pipeline import hf  # noqa: F401 - a fixture
@@ -118,18 +117,6 @@ async def _send(client: httpx.AsyncClient, body: dict) -> tuple[httpx.Response, 
     return response, time.monotonic() - started, first_at
 
 
-@dataclass
-class RawAnswer:
-    status: int
-    headers: dict[str, str]
-    body: bytes
-    elapsed_s: float  # from the first byte sent to the last byte of the answer
-    ended_at: float  # time.monotonic() at the last byte of the answer
-
-    def json(self) -> dict:
-        return json.loads(self.body)
-
-
 async def _raw_burst(base_url: str, bodies: list[dict], sample: Callable[[], float]) -> tuple[list[RawAnswer], list]:
     """POST every body to /v1/completions at once, each over its own connection opened first;
     sample() is called every 5 ms meanwhile. Returns the answers and the samples."""
@@ -138,7 +125,7 @@ async def _raw_burst(base_url: str, bodies: list[dict], sample: Callable[[], flo
     samples = [sample()]
     sampler = asyncio.create_task(_sample_every(0.005, sample, samples))
     try:
-        return await asyncio.gather(*(_raw_post(conn, body) for conn, body in zip(connections, bodies))), samples
+        return await asyncio.gather(*(raw_post(conn, body) for conn, body in zip(connections, bodies))), samples
     finally:
         sampler.cancel()
         for _, writer in connections:
@@ -149,22 +136,6 @@ async def _sample_every(interval_s: float, sample: Callable[[], float], samples:
     while True:
         await asyncio.sleep(interval_s)
         samples.append(sample())
-
-
-async def _raw_post(connection, body: dict) -> RawAnswer:
-    reader, writer = connection
-    payload = json.dumps(body).encode()
-    request = (b"POST /v1/completions HTTP/1.1\r\nHost: proxy\r\nContent-Type: application/json\r\n"
-               b"Content-Length: %d\r\n\r\n" % len(payload)) + payload
-    started = time.monotonic()
-    writer.write(request)
-    await writer.drain()
-    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 120)
-    status_line, *lines = head.decode("latin-1").split("\r\n")
-    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines if line)}
-    content = await asyncio.wait_for(reader.readexactly(int(headers["content-length"])), 120)
-    ended_at = time.monotonic()
-    return RawAnswer(int(status_line.split()[1]), headers, content, ended_at - started, ended_at)
 
 
 def _client(deployment: Deployment) -> httpx.AsyncClient:
