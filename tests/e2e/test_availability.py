@@ -111,10 +111,11 @@ def _assert_no_leaks(cluster) -> None:
         assert report.num_leases == 0 and report.num_running == 0, f"{name}: {report}"
 
 
-def _wait_for(predicate, timeout_s: float, what: str) -> None:
+def _wait_for(predicate, timeout_s: float, what) -> None:
+    """what: the failure's message, or a function making it (then, with what it saw)."""
     deadline = time.monotonic() + timeout_s
     while not predicate():
-        assert time.monotonic() < deadline, what
+        assert time.monotonic() < deadline, what() if callable(what) else what
         time.sleep(0.02)
 
 
@@ -198,9 +199,10 @@ def test_prefill_node_killed_while_its_kv_awaits_pulls_every_stream_completes(ti
                                                                                hf):  # noqa: F811
     """The decode node runs one sequence at a time, so most requests wait there with their KV
     still on a prefill node (leased, renewed by the decode node, the read queued behind the
-    running request): SIGKILL of that prefill node lands inside their KV transfer. Each such
-    pull fails (the holder is gone) and falls back to a local prefill; every stream equals
-    transformers' greedy output, and the survivors end with every block free."""
+    running request): SIGKILL of that prefill node (whichever of the two holds leases then: the
+    proxy may route every prompt to one) lands inside their KV transfer. Each such pull fails (the
+    holder is gone) and falls back to a local prefill; every stream equals transformers' greedy
+    output, and the survivors end with every block free."""
     # NOTE: short KV timeouts: a pull from the dead holder fails within them (with the defaults,
     # 5 s per handshake and 30 s per read, the queued pulls fail one after another for minutes).
     decode_args = ["--max-num-seqs", "1", "--handshake-timeout-s", "1", "--transfer-timeout-s", "3"]
@@ -214,16 +216,25 @@ def test_prefill_node_killed_while_its_kv_awaits_pulls_every_stream_completes(ti
         addresses = deployment.node_addresses
         with ThreadPoolExecutor(len(prompts)) as pool:
             futures = [pool.submit(_stream_ids, client, p, 32) for p in prompts]
-            _wait_for(lambda: node_load(addresses["decode0"]).num_pending_pulls >= 3
-                      and node_load(addresses["prefill0"]).num_leases >= 1, 60,
-                      "no pulls waiting on prefill0's leases")
-            deployment.cluster.process("prefill0").kill()
+            holders = []
+
+            def pulls_wait_on_a_holder() -> bool:
+                if node_load(addresses["decode0"]).num_pending_pulls < 3:
+                    return False
+                holders[:] = [n for n in ("prefill0", "prefill1") if node_load(addresses[n]).num_leases >= 1]
+                return bool(holders)
+
+            _wait_for(pulls_wait_on_a_holder, 60, lambda: "no pulls waiting on a prefill node's leases: "
+                      + ", ".join(f"{n} {node_load(a)}" for n, a in addresses.items()) + "\n" + deployment.logs())
+            killed = holders[0]
+            print(f"\nkilled {killed} (holding leases: {holders})")
+            deployment.cluster.process(killed).kill()
             texts = [f.result(timeout=180) for f in futures]
         assert texts == want
         decode = node_load(addresses["decode0"])
         assert decode.num_kv_fallbacks >= 1, decode  # pulls from the killed holder fell back: the kill hit them
         assert set(decode.num_kv_fallbacks_by_reason) <= {"handshake", "transfer", "timeout", "lease_lost"}
-        for name in ("prefill1", "decode0"):
+        for name in {"prefill0", "prefill1", "decode0"} - {killed}:
             report = wait_blocks_free(addresses[name], timeout_s=30)
             assert report.num_free_blocks == report.num_total_blocks and report.num_leases == 0, (name, report)
     finally:
