@@ -8,7 +8,7 @@
 # same model, two nodes on the GPU), the kernel tests, then the Triton kernels' benchmark. STEPS picks
 # among engine, gpu_engine, kv, served, stream, tp, kernels and bench (default: engine kv gpu_engine
 # served tp stream, each with a short limit, so that a first run on a GPU meets every area once).
-# TOTAL_S (default 500) bounds the whole: each step's timeout is cut to what is left, and a step with
+# TOTAL_S (default 540) bounds the whole: each step's timeout is cut to what is left, and a step with
 # under 20 s left is skipped. PDSERVE_COMMIT names the commit in the results where the copy has no .git. Logs go to a scratch folder; OUT_DIR (default benchmarks/out/gpu) gets summary.txt as it
 # grows, and after each step results/*.json and all the logs as gpu_checks.tgz (a device call brings
 # back 8 files, and nothing written after it is cut off).
@@ -19,7 +19,7 @@ set -u
 dest=${1:-benchmarks/out/gpu}
 shift || true
 steps=${*:-engine kv gpu_engine served tp stream}
-total=${TOTAL_S:-500}
+total=${TOTAL_S:-540}
 out=$(mktemp -d "${TMPDIR:-/tmp}/gpu_checks.XXXXXX")
 mkdir -p "$out/results" "$dest/results"
 summary="$dest/summary.txt"
@@ -51,7 +51,8 @@ fi
     # the image's versions of what the carried wheels install over without their dependencies
     python3 -m pip list 2>/dev/null | grep -iE '^(anyio|idna|h11|httpcore|sniffio|multidict|aiosignal|propcache|numpy) '
 
-    env | grep -E '^(PYTORCH|UCX|NCCL|CUDA)_' || true  # settings that change how KV moves (see kv_transfer/ucx.py)
+    # settings that change how KV moves (see kv_transfer/ucx.py) or how float32 matmuls round (TF32 overrides)
+    env | grep -E '^(PYTORCH|TORCH|NVIDIA|UCX|NCCL|CUDA)_' || true
     # RDMA: the host's verbs providers (beside NIXL's own: see kv_transfer.ucx.exit_now) and its ports
     echo "rdma-core providers: $(ls /etc/libibverbs.d 2>/dev/null | tr '\n' ' ')"
     echo "rdma ports: $(ls /sys/class/infiniband 2>/dev/null | tr '\n' ' ')"
@@ -75,9 +76,10 @@ for step in $steps; do
     case $step in
         bench) run_for "$(limit 150)" python3 benchmarks/kernels.py --iters 30 2>&1 | tee "$out/kernels_bench.log" | grep -v '^RESULT'
                rc=${PIPESTATUS[0]} ;;
-        engine) run_for "$(limit 80)" python3 -m pytest tests/engine/test_decode_graphs.py tests/engine/test_correctness.py \
+        # A test's own timeout under the step's: a hang shows its traceback instead of being cut off.
+        engine) run_for "$(limit 120)" python3 -m pytest tests/engine/test_decode_graphs.py tests/engine/test_correctness.py \
                     tests/engine/test_bfloat16.py tests/engine/test_sampler.py tests/engine/test_warm_up.py -k cuda \
-                    "${pytest_args[@]}" >"$out/engine_tests.log" 2>&1
+                    "${pytest_args[@]}" --timeout=90 >"$out/engine_tests.log" 2>&1
                 rc=$?; tail -30 "$out/engine_tests.log" ;;
         gpu_engine) left=$(limit 110)
                     run_for "$left" python3 benchmarks/gpu_engine.py --presets llama-1b --budget-s $((left - 10)) \
@@ -91,9 +93,9 @@ for step in $steps; do
         # captured as graphs between its collectives, and split prefill and decode nodes served end
         # to end (their ranks sharing the one GPU: PDSERVE_TP_SHARE_GPU). One file per worker: the
         # end-to-end file's nodes are one module fixture.
-        tp) run_for "$(limit 120)" python3 -m pytest tests/kv_transfer/test_tensor_parallel_reads.py \
+        tp) run_for "$(limit 150)" python3 -m pytest tests/kv_transfer/test_tensor_parallel_reads.py \
                 tests/engine/test_tensor_parallel.py tests/e2e/test_tensor_parallel_disagg.py -k cuda -n 3 \
-                --dist loadfile "${pytest_args[@]}" >"$out/tp_tests.log" 2>&1
+                --dist loadfile "${pytest_args[@]}" --timeout=120 >"$out/tp_tests.log" 2>&1
             rc=$?; tail -15 "$out/tp_tests.log" ;;
         served) left=$(limit 100)
                 run_for "$left" python3 benchmarks/gpu_served.py --budget-s $((left - 5)) --log-dir "$out/served_logs" \

@@ -8,7 +8,6 @@ others are refused without reaching a node. How fast a 429 comes is printed, not
 from __future__ import annotations
 
 import asyncio
-import inspect
 import random
 import statistics
 import time
@@ -17,14 +16,12 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
-import torch
-import transformers
 from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.overload import RawAnswer, raw_post
 from engine.cpu_quota import HostLoad
 from pdserve.launcher import Deployment, start_local, wait_healthy
-from tests.e2e.test_pipeline import hf  # noqa: F401 - a fixture
+from tests.e2e.test_pipeline import hf, hf_greedy_ignoring_eos  # noqa: F401 - hf: a fixture
 
 NODE_ARGS = ("--max-num-batched-tokens", "256", "--num-blocks", "512", "--max-num-seqs", "2")
 MAX_NUM_REQUESTS = 8
@@ -55,24 +52,6 @@ MIN_SLO_MET = 2 / 3
 # rate misses in every attempt; a passing slow moment in one.
 MAX_SLOWDOWN = 3.0
 MAX_ATTEMPTS = 4
-
-
-# transformers renamed the forward's and the output's past_key_values to cache (the old name warns
-# and goes in 5.40); older releases know only past_key_values.
-CACHE_NAME = "cache" if "cache" in inspect.signature(transformers.LlamaForCausalLM.forward).parameters \
-    else "past_key_values"
-
-
-def _hf_greedy_ignoring_eos(hf, prompt_ids: list[int], num_tokens: int) -> list[int]:  # noqa: F811
-    """transformers' greedy tokens, going on past EOS as ignore_eos does (generate() stops there)."""
-    model, _ = hf
-    ids, past, out = torch.tensor([prompt_ids]), None, []
-    with torch.inference_mode():
-        for _ in range(num_tokens):
-            step = model(input_ids=ids, use_cache=True, **{CACHE_NAME: past})
-            past, ids = getattr(step, CACHE_NAME), step.logits[:, -1:].argmax(-1)
-            out.append(int(ids))
-    return out
 
 
 def _deploy(model_dir: Path, log_dir: Path, num_prefill: int, proxy_args: list[str]) -> Deployment:
@@ -209,7 +188,7 @@ def test_burst_past_the_limits_gets_429s_at_once_and_admitted_ones_match_transfo
         assert _finished(deployment, "decode0", "length", num_ran) == num_ran
         _, tokenizer = hf
         for i, response in admitted:
-            want = _hf_greedy_ignoring_eos(hf, prompts[i], OUTPUT_LEN)
+            want = hf_greedy_ignoring_eos(hf, prompts[i], OUTPUT_LEN)
             assert response.json()["choices"][0]["text"] == tokenizer.decode(want, skip_special_tokens=True), i
         assert rss_peak < MAX_PROXY_RSS_MB and rss_peak - rss_before < MAX_RSS_GROWTH_MB
         metrics = httpx.get(deployment.base_url + "/metrics", timeout=5).text

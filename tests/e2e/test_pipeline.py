@@ -4,6 +4,7 @@ transformers on the same checkpoint as the oracle."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import os
 import random
@@ -36,6 +37,24 @@ def hf_greedy(hf, prompt_ids: list[int], max_tokens: int) -> tuple[list[int], li
     tokens = out.sequences[0, len(prompt_ids):].tolist()
     logprobs = [torch.log_softmax(logits[0].float(), -1)[t].item() for logits, t in zip(out.logits, tokens)]
     return tokens, logprobs
+
+
+# transformers renamed the forward's and the output's past_key_values to cache (the old name warns
+# and goes in 5.40); older releases know only past_key_values.
+CACHE_NAME = "cache" if "cache" in inspect.signature(transformers.LlamaForCausalLM.forward).parameters \
+    else "past_key_values"
+
+
+def hf_greedy_ignoring_eos(hf, prompt_ids: list[int], num_tokens: int) -> list[int]:  # noqa: F811
+    """transformers' greedy tokens, going on past EOS as ignore_eos does (generate() stops there)."""
+    model, _ = hf
+    ids, past, out = torch.tensor([prompt_ids]), None, []
+    with torch.inference_mode():
+        for _ in range(num_tokens):
+            step = model(input_ids=ids, use_cache=True, **{CACHE_NAME: past})
+            past, ids = getattr(step, CACHE_NAME), step.logits[:, -1:].argmax(-1)
+            out.append(int(ids))
+    return out
 
 
 def client_for(deployment) -> openai.OpenAI:

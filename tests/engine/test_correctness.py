@@ -24,6 +24,11 @@ PROMPT_LENGTHS = [1, 2, 5, 15, 16, 17, 31, 33, 64, 100, 200, 333, 512, 700, 850,
 MAX_TOKENS = 12
 
 
+# float32 logprobs are up to ~4e-5 from float64's on these models, either way: the engine on a GPU
+# against transformers on the CPU may differ by twice that.
+LOGPROB_TOLERANCE = 2e-4
+
+
 def make_prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     # Skip the lowest ids: special tokens (eos) as prompt tokens are legal but unusual.
@@ -139,7 +144,7 @@ def test_greedy_batch_with_preemption_and_chunking_equals_transformers(model_dir
     for i, ((want_tokens, want_logprobs), tokens) in enumerate(zip(expected, got)):
         assert [t.token_id for t in tokens] == want_tokens, f"prompt {i} ({len(prompts[i])} tokens)"
         for t, want in zip(tokens, want_logprobs if asks[i] else []):
-            assert abs(t.logprob - want) < 1e-4, f"prompt {i}: logprob {t.logprob} vs {want}"
+            assert abs(t.logprob - want) < LOGPROB_TOLERANCE, f"prompt {i}: logprob {t.logprob} vs {want}"
         assert all(t.logprob is None for t in tokens) or asks[i]
     assert engine.num_free_blocks == free_at_start
     engine.check_leaks()
