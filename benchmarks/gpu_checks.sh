@@ -28,8 +28,9 @@ export PYTHONUNBUFFERED=1 PDSERVE_RESULTS_DIR="$out/results"
 export PDSERVE_COMMIT=${PDSERVE_COMMIT:-$(git rev-parse --short=7 HEAD 2>/dev/null)}
 # A step's timeout: its own, or what is left of TOTAL_S if less (at least 1 s: timeout 0 never ends).
 limit() { local left=$((total - SECONDS)); echo $(( $1 < left ? $1 : (left > 1 ? left : 1) )); }
-# timeout, then SIGKILL 30 s after its SIGTERM (a step's cleanup stops the servers it started).
-run_for() { timeout -k 30 "$@"; }
+# timeout, then SIGKILL 45 s after its SIGTERM (a step's cleanup stops the servers it started: up to 10 s for
+# each of the proxy, the prefill nodes and the decode nodes).
+run_for() { timeout -k 45 "$@"; }
 # What a cut-off call still brings back: the results and the logs so far.
 save() {
     cp "$out"/results/*.json "$dest/results/" 2>/dev/null

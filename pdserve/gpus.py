@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 import subprocess
+from pathlib import Path
 
 # NOTE: the share of a GPU its nodes hold in all when several share it (split evenly).
 _SHARED_GPU_UTILIZATION = 0.9
@@ -52,13 +53,28 @@ def check_tp(args: argparse.Namespace) -> None:
 
 
 def gpu_flags(gpus: list[str | None], index: int, node_args: list[str] | tuple[str, ...]) -> list[str]:
-    """A node's flags for its GPU: the device, and where k nodes share it, a 1/k share of its
-    memory (unless the user set a share or a budget)."""
-    flags = [] if "--device" in node_args else ["--device", "cuda"]
-    sharing = sum(1 for gpu in gpus if gpu == gpus[index])
-    if sharing > 1 and "--gpu-memory-utilization" not in node_args and "--kv-cache-memory-gb" not in node_args:
-        flags += ["--gpu-memory-utilization", f"{_SHARED_GPU_UTILIZATION / sharing:.4f}"]
+    """A node's flags for its GPUs: the device, and where k nodes share one of them (wholly or a
+    tensor-parallel group's part), a 1/k share of the memory the nodes may hold in all (the
+    user's --gpu-memory-utilization, else 0.9); none where the user gave each node a budget
+    (--kv-cache-memory-gb)."""
+    flags = [] if flag_value(node_args, "--device") is not None else ["--device", "cuda"]
+    mine = gpus[index].split(",")
+    sharing = max(sum(1 for other in gpus if other is not None and gpu in other.split(",")) for gpu in mine)
+    if sharing > 1 and flag_value(node_args, "--kv-cache-memory-gb") is None:
+        share = float(flag_value(node_args, "--gpu-memory-utilization") or _SHARED_GPU_UTILIZATION)
+        flags += ["--gpu-memory-utilization", f"{share / sharing:.4f}"]
     return flags
+
+
+def flag_value(argv: list[str] | tuple[str, ...], flag: str) -> str | None:
+    """flag's value in argv (`--flag value` or `--flag=value`; the last one given), or None."""
+    value = None
+    for i, word in enumerate(argv):
+        if word == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif word.startswith(flag + "="):
+            value = word.split("=", 1)[1]
+    return value
 
 
 def gpu_list(text: str | None, flag: str) -> list[str] | None:
@@ -73,12 +89,17 @@ def gpu_list(text: str | None, flag: str) -> list[str] | None:
 
 def visible_gpus() -> list[str]:
     """The GPUs this process may use, as a child's CUDA_VISIBLE_DEVICES names them: that
-    variable's entries where it is set, else one index per GPU nvidia-smi lists (none without it)."""
+    variable's entries where it is set, else one index per GPU nvidia-smi lists, else (no
+    nvidia-smi, as in a container with the driver's devices alone) one per /dev/nvidiaN."""
     listed = os.environ.get("CUDA_VISIBLE_DEVICES")
     if listed is not None:
         return [part.strip() for part in listed.split(",") if part.strip() and part.strip() != "-1"]
     try:
         out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20, check=True).stdout
     except (OSError, subprocess.SubprocessError):
-        return []
+        devices = [p for p in Path(_DEV).glob("nvidia*") if p.name.removeprefix("nvidia").isdigit()]
+        return [str(i) for i in range(len(devices))]
     return [str(i) for i, line in enumerate(line for line in out.splitlines() if line.startswith("GPU "))]
+
+
+_DEV = "/dev"

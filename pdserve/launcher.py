@@ -17,7 +17,7 @@ from pathlib import Path
 from engine.cpu_quota import usable_cores
 from pdserve.cluster import PDSERVE_COMMAND, Cluster, Supervisor
 from pdserve.cores import auto_lend_cores, auto_proxy_cores, cpu_plan, lending_flags, node_dtype
-from pdserve.gpus import check_tp, gpu_flags, gpu_list, gpu_plan, visible_gpus
+from pdserve.gpus import check_tp, flag_value, gpu_flags, gpu_list, gpu_plan, visible_gpus
 from pdserve.ports import free_port, port_range, wait_http_ok
 
 
@@ -34,7 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000)
     # Passed on to every node only when given: each default is the node's own (pdserve decode --help).
     for flag, kind in _NODE_FLAGS:
-        parser.add_argument(flag, type=kind, default=None, help="per node (default: the node's)")
+        parser.add_argument(flag, type=kind, default=None, help=_NODE_FLAG_HELP.get(flag, "per node (default: the "
+                                                                                          "node's)"))
     for flag in _NODE_SWITCHES:
         parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
                             help="per node (default: the node's)")
@@ -83,6 +84,13 @@ _NODE_FLAGS = (("--dtype", str), ("--transfer-backend", str), ("--kv-cache-memor
                ("--grammar-compile-timeout-s", float), ("--max-model-len", int))
 
 
+_NODE_FLAG_HELP = {
+    "--gpu-memory-utilization": "the share of each GPU's memory its nodes hold in all, split evenly among the nodes "
+                                "sharing it (default 0.9)",
+    "--device": "per node (default: the node's); cuda:N puts every node on GPU N, as --gpus N does",
+}
+
+
 _NODE_SWITCHES = ("--enable-prefix-caching", "--enforce-eager", "--async-scheduling")
 
 
@@ -94,6 +102,20 @@ _PROXY_FLAGS = (("--served-model-name", str), ("--chat-template", str), ("--api-
 
 
 _PROXY_SWITCHES = ("--strict-fields",)
+
+
+def _one_gpu_device(args: argparse.Namespace, node_args: list[str]) -> list[str]:
+    """--device cuda:N as --gpus N (each node then sees that GPU alone, as cuda, and those sharing
+    it split its memory); the node arguments with the device as the nodes name it. ValueError
+    beside a GPU list: one place says which GPUs."""
+    device = args.device or ""
+    if not device.startswith("cuda:"):
+        return node_args
+    if args.gpus or args.prefill_gpus or args.decode_gpus:
+        raise ValueError(f"--device {device} with --gpus/--prefill-gpus/--decode-gpus: name the GPUs in those lists "
+                         "and give --device cuda")
+    args.gpus = device.split(":", 1)[1]
+    return [("cuda" if i > 0 and node_args[i - 1] == "--device" else word) for i, word in enumerate(node_args)]
 
 
 def _check_node_addresses(args: argparse.Namespace) -> None:
@@ -151,9 +173,10 @@ def main(args: argparse.Namespace) -> int:
         proxy_args += ["--log-format", args.log_format]
     try:
         check_tp(args)
+        node_args = _one_gpu_device(args, node_args)
         gpus = gpu_plan(args.prefill, args.decode, gpu_list(args.gpus, "--gpus"),
                         gpu_list(args.prefill_gpus, "--prefill-gpus"), gpu_list(args.decode_gpus, "--decode-gpus"),
-                        visible_gpus() if args.device in (None, "auto", "cuda") else [],
+                        visible_gpus() if args.device in (None, "auto", "cuda") else [],  # cuda:N: --gpus N
                         prefill_tp=args.prefill_tp, decode_tp=args.decode_tp)
         _check_node_addresses(args)
         port_range()
@@ -221,7 +244,8 @@ def start_local(
     tensor_parallel: tuple[int, int] = (1, 1), metrics_port_base: int | None = None, node_host: str | None = None,
 ) -> Deployment:
     """Start nodes and proxy as separate processes (not waiting for health: see wait_healthy).
-    On any failure the caller must stop() the returned deployment's cluster. pin_cpus: each node
+    Where starting fails, what was started is stopped; on any failure after, the caller must
+    stop() the returned deployment's cluster. pin_cpus: each node
     on cores of its own where there are enough (see cpu_plan; a tensor-parallel node gets a share
     per rank), proxy_cores of them (None: see auto_proxy_cores) left to the proxy and the
     clients. lend_cores: where nodes have cores of
@@ -234,54 +258,61 @@ def start_local(
     where the nodes listen and the proxy reaches them (None: see nodes_host)."""
     proxy_host, host = host, node_host or nodes_host(host)
     cluster = Cluster()
-    cpus = []
-    ranks = [tensor_parallel[0]] * num_prefill + [tensor_parallel[1]] * num_decode  # each node's processes
-    if pin_cpus:
-        cores = usable_cores()  # the affinity, cut to a container's CPU limit
-        if proxy_cores is None:
-            proxy_cores = auto_proxy_cores(model_dir, len(cores), sum(ranks), node_dtype(node_args))
-        cpus = cpu_plan(cores, num_prefill + num_decode, proxy_cores, ranks)
-    pdserve = list(PDSERVE_COMMAND)
-    common = ["--model", str(model_dir), "--host", host, *node_args]
-    addresses: dict[str, str] = {}
-    health_urls: dict[str, str] = {}
-    if lend_cores is None:
-        lend_cores = auto_lend_cores(model_dir, node_dtype(node_args))
-    # NOTE: lending resizes one process's threads; a tensor-parallel node's ranks keep their own cores.
-    lend_cores = lend_cores and max(ranks, default=1) == 1
-    lending = lending_flags(cluster, cpus, num_prefill, num_decode) if lend_cores else {}
-    for i in range(num_prefill + num_decode):
-        kind = "prefill" if i < num_prefill else "decode"
-        name = f"{kind}{i if kind == 'prefill' else i - num_prefill}"
-        addresses[name] = f"{host}:{free_port(host)}"
-        health_port = metrics_port_base + i if metrics_port_base else free_port(host)
-        health_urls[name] = f"http://{host}:{health_port}"
-        argv = pdserve + [kind, *common, "--port", addresses[name].rsplit(":", 1)[1], "--node-id", name,
-                          "--health-port", str(health_port)]
-        if kind == "decode" and not num_prefill:
-            argv.append("--colocated")
-        tp = tensor_parallel[kind == "decode"]
-        if tp > 1:
-            argv += ["--tensor-parallel-size", str(tp)]
-        if cpus:
-            argv += ["--cpus", cpus[i]]
-        env = None
-        if gpus and gpus[i] is not None:
-            env = {"CUDA_VISIBLE_DEVICES": gpus[i]}
-            argv += gpu_flags(gpus, i, node_args)
-        pair = i if kind == "prefill" else i - num_prefill
-        if pair in lending:
-            argv += (["--lend-flag", str(lending[pair])] if kind == "prefill"
-                     else ["--borrow-flag", str(lending[pair]), "--borrow-cpus", cpus[pair]])
-        cluster.start(name, argv, log_dir, env)
-    http_port = port or free_port(proxy_host)
-    proxy_argv = pdserve + ["proxy", "--model", str(model_dir), "--host", proxy_host, "--port", str(http_port),
-                            "--decode", _joined(addresses, "decode"), *proxy_args]
-    if num_prefill:
-        proxy_argv += ["--prefill", _joined(addresses, "prefill")]
-    cluster.start("proxy", proxy_argv, log_dir)
-    reach = host if proxy_host in _WILDCARDS else proxy_host
-    return Deployment(cluster, f"http://{_url_host(reach)}:{http_port}", addresses, log_dir, health_urls)
+    try:
+        cpus = []
+        ranks = [tensor_parallel[0]] * num_prefill + [tensor_parallel[1]] * num_decode  # each node's processes
+        if pin_cpus:
+            cores = usable_cores()  # the affinity, cut to a container's CPU limit
+            if proxy_cores is None:
+                proxy_cores = auto_proxy_cores(model_dir, len(cores), sum(ranks), node_dtype(node_args))
+            cpus = cpu_plan(cores, num_prefill + num_decode, proxy_cores, ranks)
+        pdserve = list(PDSERVE_COMMAND)
+        common = ["--model", str(model_dir), "--host", host, *node_args]
+        addresses: dict[str, str] = {}
+        health_urls: dict[str, str] = {}
+        if lend_cores is None:
+            lend_cores = auto_lend_cores(model_dir, node_dtype(node_args))
+        # NOTE: lending resizes one process's threads; a tensor-parallel node's ranks keep their own cores,
+        # and a node on a GPU has no compute on its cores to lend or borrow.
+        on_gpus = (any(gpu is not None for gpu in gpus or [])
+                   or (flag_value(node_args, "--device") or "").startswith("cuda"))
+        lend_cores = lend_cores and max(ranks, default=1) == 1 and not on_gpus
+        lending = lending_flags(cluster, cpus, num_prefill, num_decode) if lend_cores else {}
+        for i in range(num_prefill + num_decode):
+            kind = "prefill" if i < num_prefill else "decode"
+            name = f"{kind}{i if kind == 'prefill' else i - num_prefill}"
+            addresses[name] = f"{host}:{free_port(host)}"
+            health_port = metrics_port_base + i if metrics_port_base else free_port(host)
+            health_urls[name] = f"http://{host}:{health_port}"
+            argv = pdserve + [kind, *common, "--port", addresses[name].rsplit(":", 1)[1], "--node-id", name,
+                              "--health-port", str(health_port)]
+            if kind == "decode" and not num_prefill:
+                argv.append("--colocated")
+            tp = tensor_parallel[kind == "decode"]
+            if tp > 1:
+                argv += ["--tensor-parallel-size", str(tp)]
+            if cpus:
+                argv += ["--cpus", cpus[i]]
+            env = None
+            if gpus and gpus[i] is not None:
+                env = {"CUDA_VISIBLE_DEVICES": gpus[i]}
+                argv += gpu_flags(gpus, i, node_args)
+            pair = i if kind == "prefill" else i - num_prefill
+            if pair in lending:
+                argv += (["--lend-flag", str(lending[pair])] if kind == "prefill"
+                         else ["--borrow-flag", str(lending[pair]), "--borrow-cpus", cpus[pair]])
+            cluster.start(name, argv, log_dir, env)
+        http_port = port or free_port(proxy_host)
+        proxy_argv = pdserve + ["proxy", "--model", str(model_dir), "--host", proxy_host, "--port", str(http_port),
+                                "--decode", _joined(addresses, "decode"), *proxy_args]
+        if num_prefill:
+            proxy_argv += ["--prefill", _joined(addresses, "prefill")]
+        cluster.start("proxy", proxy_argv, log_dir)
+        reach = host if proxy_host in _WILDCARDS else proxy_host
+        return Deployment(cluster, f"http://{_url_host(reach)}:{http_port}", addresses, log_dir, health_urls)
+    except BaseException:  # NOTE: a signal's exception too (a caller stopping mid-start): none left running
+        cluster.stop()
+        raise
 
 
 _WILDCARDS = ("0.0.0.0", "::", "")
