@@ -165,17 +165,18 @@ def decode_steps(llm: LLM, batch: int, vocab: int) -> list[float]:
 
 
 def model_bytes(llm: LLM, model_dir: Path) -> dict:
-    """What a decode step must read: every weight once (a tied LM head is the embedding), from
-    the checkpoint's shapes; and the KV bytes of one token."""
+    """What a decode step must read, from the checkpoint's shapes: every layer's weights and the LM
+    head once (a tied LM head is the embedding), an untied embedding's row per sequence
+    (embedding_row_bytes), and the KV bytes of one token."""
     cfg = llm.engine.config.model
     tied = json.loads((model_dir / "config.json").read_text()).get("tie_word_embeddings", False)
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     per_layer = cfg.hidden_size * (q + 2 * kv) + q * cfg.hidden_size + 3 * cfg.hidden_size * cfg.intermediate_size
     layer_params = cfg.num_layers * per_layer
-    params = layer_params + cfg.vocab_size * cfg.hidden_size * (1 if tied else 2)
+    params = layer_params + cfg.vocab_size * cfg.hidden_size
     kv_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * cfg.dtype.itemsize
     return {"weight_bytes": params * cfg.dtype.itemsize, "kv_bytes_per_token": kv_per_token,
-            "layer_params": layer_params}
+            "embedding_row_bytes": 0 if tied else cfg.hidden_size * cfg.dtype.itemsize, "layer_params": layer_params}
 
 
 def run_decode(llm: LLM, sizes: dict, hw: dict, vocab: int, batches) -> list[dict]:
@@ -183,7 +184,8 @@ def run_decode(llm: LLM, sizes: dict, hw: dict, vocab: int, batches) -> list[dic
     for batch in batches:
         times = decode_steps(llm, batch, vocab)
         context = S.decode_prompt + 8
-        read_bytes = sizes["weight_bytes"] + batch * context * sizes["kv_bytes_per_token"]
+        read_bytes = sizes["weight_bytes"] + batch * (context * sizes["kv_bytes_per_token"]
+                                                       + sizes["embedding_row_bytes"])
         bound_s = read_bytes / (hw["copy_bandwidth_gbs"] * 1e9)
         median = statistics.median(times)
         rows.append({"batch": batch, "step_ms_median": 1e3 * median, "step_ms_min": 1e3 * min(times),

@@ -259,14 +259,17 @@ def mask_logits(logits: torch.Tensor, grammars: list[RequestGrammar | None]) -> 
     xgrammar.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=logits.shape[-1], indices=rows)
 
 
-def warm_up_masking(vocab_size: int, device: str, dtype: torch.dtype) -> None:
-    """Mask one row of logits of this device and dtype with an all-allowed bitmask: xgrammar's
-    one-time costs of masking (on CUDA, the compile of its Triton kernel) paid before serving
-    instead of on the step loop of the first structured request. Leaves nothing behind."""
+def warm_up_masking(vocab_size: int, device: str) -> None:
+    """Mask logits of this device with an all-allowed bitmask, as the sampler masks them (float32:
+    a grammar's row is never plain greedy, so the sampler's logits are float32), one row and two:
+    xgrammar's one-time costs of masking (on CUDA, the compiles of its Triton kernel) paid before
+    serving instead of on the step loop of the first structured requests. Leaves nothing behind."""
     import xgrammar
 
-    logits = torch.zeros(1, vocab_size, dtype=dtype, device=device)
-    bitmask = xgrammar.allocate_token_bitmask(1, vocab_size)  # every token allowed
-    xgrammar.apply_token_bitmask_inplace(logits, bitmask.to(device), vocab_size=vocab_size, indices=[0])
-    if not bool((logits == 0).all()):
-        raise RuntimeError(f"xgrammar's masking on {device} changed logits an all-allowed bitmask keeps")
+    for num_rows in (1, 2):
+        logits = torch.zeros(num_rows, vocab_size, dtype=torch.float32, device=device)
+        bitmask = xgrammar.allocate_token_bitmask(num_rows, vocab_size)  # every token allowed
+        xgrammar.apply_token_bitmask_inplace(logits, bitmask.to(device), vocab_size=vocab_size,
+                                             indices=list(range(num_rows)))
+        if not bool((logits == 0).all()):
+            raise RuntimeError(f"xgrammar's masking on {device} changed logits an all-allowed bitmask keeps")

@@ -29,6 +29,7 @@ class _Rows:
     top_k: torch.Tensor  # [num_rows], vocab size where off
     top_p: torch.Tensor  # [num_rows]
     min_p: torch.Tensor  # [num_rows]
+    any_min_p: bool  # a row with min_p > 0 (known on the host: no device sync to ask)
 
 
 class Sampler:
@@ -142,9 +143,10 @@ class Sampler:
         rows = _row_settings(requests, self.vocab_size, logits.device)
         probs = torch.softmax(logits / rows.temperature, dim=-1)
         noise = self._exponential_noise(requests, logits.device)
-        if bool((rows.top_k < self.vocab_size).any()) or bool((rows.top_p < 1.0).any()):
+        # NOTE: decided from the requests' own settings, not the device tensors (no sync)
+        if any(0 < r.params.top_k < self.vocab_size or r.params.top_p < 1.0 for r in requests):
             return self._sample_truncated(probs, noise, rows)
-        probs = _apply_min_p(probs, rows.min_p)
+        probs = _apply_min_p(probs, rows.min_p, rows.any_min_p)
         return (probs / noise).argmax(dim=-1)
 
     def _sample_truncated(self, probs: torch.Tensor, noise: torch.Tensor, rows: _Rows) -> torch.Tensor:
@@ -155,7 +157,7 @@ class Sampler:
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
         outside_p = mass_before >= rows.top_p.unsqueeze(1)
         sorted_probs = sorted_probs.masked_fill(outside_k | outside_p, 0.0)
-        sorted_probs = _apply_min_p(sorted_probs, rows.min_p)
+        sorted_probs = _apply_min_p(sorted_probs, rows.min_p, rows.any_min_p)
         sorted_noise = noise.gather(1, sorted_ids)
         chosen_rank = (sorted_probs / sorted_noise).argmax(dim=-1, keepdim=True)
         return sorted_ids.gather(1, chosen_rank).squeeze(1)
@@ -206,11 +208,12 @@ def _row_settings(requests: list[Request], vocab_size: int, device: torch.device
                            device=device),
         top_p=torch.tensor([r.params.top_p for r in requests], device=device),
         min_p=torch.tensor([r.params.min_p for r in requests], device=device),
+        any_min_p=any(r.params.min_p > 0 for r in requests),
     )
 
 
-def _apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    if not bool((min_p > 0).any()):
+def _apply_min_p(probs: torch.Tensor, min_p: torch.Tensor, any_min_p: bool) -> torch.Tensor:
+    if not any_min_p:
         return probs
     threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
     return probs.masked_fill(probs < threshold, 0.0)
@@ -225,6 +228,8 @@ def _with_logprobs(
     chosen = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1).tolist()
     max_top = max(r.params.logprobs or 0 for r in requests)
     top_values, top_ids = raw_logprobs.topk(max_top, dim=-1) if max_top else (None, None)
+    if max_top:  # NOTE: to host memory once, not a device sync per row
+        top_values, top_ids = top_values.tolist(), top_ids.tolist()
     results = []
     for row, request in enumerate(requests):
         num_top = request.params.logprobs
@@ -233,7 +238,7 @@ def _with_logprobs(
             continue
         top = []
         if num_top:
-            top = list(zip(top_ids[row, :num_top].tolist(), top_values[row, :num_top].tolist()))
+            top = list(zip(top_ids[row][:num_top], top_values[row][:num_top]))
         results.append(TokenLogprob(ids[row], chosen[row], top))
     return results
 

@@ -82,7 +82,7 @@ if triton is not None:
 
     @triton.jit
     def _silu_and_mul_kernel(x_ptr, out_ptr, half, stride_x_token, stride_out_token, BLOCK: tl.constexpr):
-        token = tl.program_id(0)
+        token = tl.program_id(0).to(tl.int64)  # NOTE: token * stride passes 2**31 in a long step
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < half
         gate = tl.load(x_ptr + token * stride_x_token + offs, mask=mask, other=0.0).to(tl.float32)
@@ -93,7 +93,7 @@ if triton is not None:
     @triton.jit
     def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, new_residual_ptr, hidden, eps,
                          HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
+        row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < hidden
         x = tl.load(x_ptr + row * hidden + offs, mask=mask, other=0.0)
@@ -113,7 +113,7 @@ if triton is not None:
     @triton.jit
     def _rotary_kernel(x_ptr, positions_ptr, cache_ptr, stride_x_token, stride_x_head, stride_cache_pos,
                        HALF: tl.constexpr, BLOCK: tl.constexpr):
-        token = tl.program_id(0)
+        token = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
         offs = tl.arange(0, BLOCK)
         mask = offs < HALF
@@ -145,7 +145,7 @@ if triton is not None:
                                 BLOCK: tl.constexpr):
         """One (token, head): heads below NUM_HEADS are query heads, rotated in place; the rest are
         KV heads: the key head rotated in place, then it and the value head written to the slot."""
-        token = tl.program_id(0)
+        token = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
         offs = tl.arange(0, BLOCK)
         mask = offs < HALF
@@ -174,7 +174,7 @@ if triton is not None:
                          stride_key_token, stride_key_head, stride_value_token, stride_value_head,
                          stride_cache_block, stride_cache_kv, stride_cache_offset, stride_cache_head,
                          BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-        token = tl.program_id(0)
+        token = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
         slot = tl.load(slot_ptr + token)
         if slot >= 0:
