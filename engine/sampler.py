@@ -83,8 +83,8 @@ class Sampler:
         logits = logits.clone()
         picked = [requests[i] for i in rows]
         device = logits.device
-        output_counts = self._token_counts([r.output_token_ids for r in picked]).to(device)
-        seen = self._token_counts([r.prompt_token_ids for r in picked]).to(device) + output_counts > 0
+        output_counts = self._token_counts([r.output_token_ids for r in picked], device)
+        seen = self._token_counts([r.prompt_token_ids for r in picked], device) + output_counts > 0
         rep = torch.tensor([r.params.repetition_penalty for r in picked], device=device).unsqueeze(1)
         freq = torch.tensor([r.params.frequency_penalty for r in picked], device=device).unsqueeze(1)
         presence = torch.tensor([r.params.presence_penalty for r in picked], device=device).unsqueeze(1)
@@ -108,14 +108,16 @@ class Sampler:
             mask_logits(logits, [r.grammar for r in requests])
         return logits
 
-    def _token_counts(self, token_lists: list[list[int]]) -> torch.Tensor:
-        """[len(token_lists), vocab] float counts; padded with an extra column that is dropped."""
+    def _token_counts(self, token_lists: list[list[int]], device: torch.device) -> torch.Tensor:
+        """[len(token_lists), vocab] float counts on device (the token ids go there, not a
+        vocabulary-wide table); padded with an extra column that is dropped."""
         width = max((len(t) for t in token_lists), default=0)
         padded = torch.full((len(token_lists), max(width, 1)), self.vocab_size, dtype=torch.long)
         for row, tokens in enumerate(token_lists):
             if tokens:
                 padded[row, : len(tokens)] = torch.tensor(tokens)
-        counts = torch.zeros(len(token_lists), self.vocab_size + 1)
+        padded = padded.to(device)
+        counts = torch.zeros(len(token_lists), self.vocab_size + 1, device=device)
         counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float))
         return counts[:, : self.vocab_size]
 
@@ -125,18 +127,26 @@ class Sampler:
         rows = [i for i, r in enumerate(requests) if r.num_output_tokens < r.params.min_tokens]
         if not rows:
             return logits
-        logits = logits.clone()
-        for i in rows:
+        entry_rows, entry_ids, entry_of = [], [], []  # each (row, stop id), and its row's place in rows
+        for place, i in enumerate(rows):
             params = requests[i].params
             stop_ids = list(params.stop_token_ids)
             if not params.ignore_eos:
                 stop_ids += list(self.eos_token_ids)
             stop_ids = [t for t in stop_ids if t < self.vocab_size]
-            if stop_ids:
-                kept = logits[i, stop_ids].clone()
-                logits[i, stop_ids] = float("-inf")
-                if not bool(torch.isfinite(logits[i]).any()):
-                    logits[i, stop_ids] = kept
+            entry_rows += [i] * len(stop_ids)
+            entry_ids += stop_ids
+            entry_of += [place] * len(stop_ids)
+        if not entry_rows:
+            return logits
+        # NOTE: whole batch at once (no sync a row): masked, then put back where a row has nothing left
+        logits = logits.clone()
+        device = logits.device
+        at = (torch.tensor(entry_rows, device=device), torch.tensor(entry_ids, device=device))
+        kept = logits[at]
+        logits[at] = float("-inf")
+        has_other = torch.isfinite(logits[torch.tensor(rows, device=device)]).any(dim=1)
+        logits[at] = torch.where(has_other[torch.tensor(entry_of, device=device)], float("-inf"), kept)
         return logits
 
     def _sample_random(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:

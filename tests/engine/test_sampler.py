@@ -125,6 +125,22 @@ def test_min_tokens_blocks_eos_until_reached():
     assert sampler.sample(logits, [req(params, outputs=[3, 3])])[0].token_id == 0
 
 
+def test_min_tokens_gives_way_where_a_stop_is_all_that_is_left_and_rows_stay_apart():
+    """A row whose only finite logits are stop tokens (as where a finished grammar allows only
+    them) keeps them; in the same batch another row under min_tokens loses its stops, and a row past it keeps
+    them."""
+    logits = torch.zeros(3, VOCAB)
+    logits[:, 0] = 10.0  # eos the most likely everywhere
+    logits[0, :] = float("-inf")
+    logits[0, 7] = 1.0  # row 0: the stop id 7 alone allowed
+    logits[1, 7] = 10.0  # row 1: stop id 7 as likely as eos
+    sampler = Sampler(VOCAB, eos_token_ids=(0,))
+    under = SamplingParams(temperature=0.0, min_tokens=2, max_tokens=5, stop_token_ids=[7])
+    tokens = sampler.sample(logits, [req(under, outputs=[3]), req(under, outputs=[3]),
+                                     req(under, outputs=[3, 3])])
+    assert tokens[0].token_id == 7 and tokens[1].token_id not in (0, 7) and tokens[2].token_id in (0, 7)
+
+
 def test_logprobs_are_log_softmax_with_top_n():
     logits = random_logits(2, seed=9)
     sampler = Sampler(VOCAB, eos_token_ids=())
