@@ -52,6 +52,7 @@ RENDERERS: dict[str, Callable[[list[dict]], tuple[list[str], list]]] = {
     "gpu_served": results_gpu.render_gpu_served, "tensor_parallel": results_cpu.render_tensor_parallel,
     "kv_transfer_tp": results_cpu.render_kv_transfer_tp, "hostile_soak": results_served.render_hostile_soak,
     "overload": results_served.render_overload,
+    "proxy_capacity": results_served.render_proxy_capacity,
     "core_lending": results_served.render_core_lending, "kv_streaming": results_served.render_kv_streaming,
 }
 

@@ -1,6 +1,6 @@
 """Renderers for docs/benchmarks.md's served and comparative benchmarks: against vLLM and an older
 tree, serving throughput, disaggregated vs colocated, prefix caching, chaos, hostile soak, overload,
-core lending, the load generator, profiles and fuzzing.
+the proxy's capacity, core lending, the load generator, profiles and fuzzing.
 """
 
 from __future__ import annotations
@@ -198,6 +198,22 @@ def render_overload(records: list[dict]) -> tuple[list[str], list]:
     lines += table(["burst", "admitted", "refused (429)", "other statuses", "refusal p50 / p90 / max (ms)",
                     "admitted: first end / median (ms)", "refusal p90 / admitted median",
                     "refusals after an admitted request ended"], rows)
+    return lines + ["", "- " + provenance(record), ""], []
+
+
+def render_proxy_capacity(records: list[dict]) -> tuple[list[str], list]:
+    """The newest run: its rounds, and the proxy's CPU per token over them."""
+    record = records[-1]
+    r = record["result"]
+    rows = [[str(i + 1), num(x["output_tok_s"]), f"{x['completed']} / {x['failed']}", f"{x['proxy_cpu_s']:.2f}",
+             f"{x['nodes_cpu_s']:.2f}", f"{x['client_cpu_s']:.2f}", f"{x['proxy_us_per_token']:.1f}"]
+            for i, x in enumerate(r["rounds"])]
+    lines = [f"{r['num_requests']} streamed completions of {r['input_len']} -> {r['output_len']} tokens at rate inf, "
+             f"fake nodes stepping every {r['step_ms']:g} ms; the proxy's CPU per output token "
+             f"**{r['proxy_us_per_token_median']:.1f} µs** (median), so one proxy core carries about "
+             f"**{num(r['tok_s_per_proxy_core'])} tok/s**:", ""]
+    lines += table(["round", "output tok/s", "completed / failed", "proxy CPU s", "fake nodes CPU s", "client CPU s",
+                    "proxy µs per token"], rows)
     return lines + ["", "- " + provenance(record), ""], []
 
 
