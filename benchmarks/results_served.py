@@ -211,7 +211,7 @@ def render_proxy_capacity(records: list[dict]) -> tuple[list[str], list]:
     lines = [f"{r['num_requests']} streamed completions of {r['input_len']} -> {r['output_len']} tokens at rate inf, "
              f"fake nodes stepping every {r['step_ms']:g} ms; the proxy's CPU per output token "
              f"**{r['proxy_us_per_token_median']:.1f} µs** (median), so one proxy core carries about "
-             f"**{num(r['tok_s_per_proxy_core'])} tok/s**:", ""]
+             f"**{r['tok_s_per_proxy_core']:,} tok/s**:", ""]
     lines += table(["round", "output tok/s", "completed / failed", "proxy CPU s", "fake nodes CPU s", "client CPU s",
                     "proxy µs per token"], rows)
     return lines + ["", "- " + provenance(record), ""], []
