@@ -25,6 +25,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -80,33 +81,43 @@ async def raw_post(connection: tuple[asyncio.StreamReader, asyncio.StreamWriter]
     return RawAnswer(int(status_line.split()[1]), headers, content, ended - started, ended)
 
 
-async def _burst(base_url: str, bodies: list[dict], rss: list[float], pid: int) -> list[RawAnswer]:
+async def burst(base_url: str, bodies: list[dict], sample: Callable[[], float]) -> tuple[list[RawAnswer], list]:
+    """POST every body to /v1/completions at once, each over its own connection opened first;
+    sample() is called every 5 ms meanwhile. Returns the answers and the samples."""
     url = urlsplit(base_url)
     connections = [await asyncio.open_connection(url.hostname, url.port) for _ in bodies]
+    samples = [sample()]
 
-    async def sample() -> None:
+    async def sample_every() -> None:
         while True:
-            rss.append(_rss_mb(pid))
             await asyncio.sleep(0.005)
+            samples.append(sample())
 
-    sampler = asyncio.create_task(sample())
+    sampler = asyncio.create_task(sample_every())
     try:
-        return list(await asyncio.gather(*(raw_post(conn, body) for conn, body in zip(connections, bodies))))
+        return list(await asyncio.gather(*(raw_post(conn, body) for conn, body in zip(connections, bodies)))), samples
     finally:
         sampler.cancel()
         for _, writer in connections:
             writer.close()
 
 
-def _rss_mb(pid: int) -> float:
+def rss_mb(pid: int) -> float:
+    """The process's resident memory in MB (0 where /proc says none)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return 0.0
 
 
-def _p90(values: list[float]) -> float:
+def p90(values: list[float]) -> float:
     return statistics.quantiles(values, n=10)[-1] if len(values) > 1 else values[0]
+
+
+def prompts(num: int, seed: int) -> list[list[int]]:
+    """num random prompts of 8-39 token ids in [8, 1500) (the tiny model's vocabulary)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(8, 1500) for _ in range(rng.randrange(8, 40))] for _ in range(num)]
 
 
 def _stats(answers: list[RawAnswer]) -> dict:
@@ -116,7 +127,7 @@ def _stats(answers: list[RawAnswer]) -> dict:
            "other": sorted({a.status for a in answers} - {200, 429})}
     if refused:
         times = [a.elapsed_s for a in refused]
-        row["refusal_ms"] = {"p50": round(1000 * statistics.median(times), 2), "p90": round(1000 * _p90(times), 2),
+        row["refusal_ms"] = {"p50": round(1000 * statistics.median(times), 2), "p90": round(1000 * p90(times), 2),
                              "max": round(1000 * max(times), 2)}
     if admitted:
         first_end = min(a.ended_at for a in admitted)
@@ -143,8 +154,6 @@ def main() -> None:
     model_dir = REPO / ".cache" / "models" / MODEL
     if not (model_dir / "model.safetensors").exists():
         make_model(model_dir, "tiny", seed=0, show_progress=False)
-    rng = random.Random(1)
-    prompts = [[rng.randrange(8, 1500) for _ in range(rng.randrange(8, 40))] for _ in range(args.burst)]
     with tempfile.TemporaryDirectory() as tmp:
         log_dir = Path(args.log_dir) if args.log_dir else Path(tmp) / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -157,15 +166,16 @@ def main() -> None:
             wait_healthy(deployment, 180)
             model = httpx.get(deployment.base_url + "/v1/models", timeout=10).json()["data"][0]["id"]
             bodies = [{"model": model, "prompt": p, "max_tokens": args.output_len, "ignore_eos": True,
-                       "temperature": 0} for p in prompts]
+                       "temperature": 0} for p in prompts(args.burst, seed=1)]
             for body in bodies[:3]:  # warm-up: first steps, and the proxy's measured drain rate
                 httpx.post(deployment.base_url + "/v1/completions", json=body, timeout=120).raise_for_status()
             pid = deployment.cluster.process("proxy").pid
-            rss = [_rss_mb(pid)]
+            rss = [rss_mb(pid)]
             rss_before = rss[0]
             bursts, everything = [], []
             for i in range(args.bursts):
-                answers = asyncio.run(_burst(deployment.base_url, bodies, rss, pid))
+                answers, samples = asyncio.run(burst(deployment.base_url, bodies, lambda: rss_mb(pid)))
+                rss += samples
                 everything += answers
                 bursts.append(_stats(answers))
                 print(f"burst {i + 1}/{args.bursts}: {json.dumps(bursts[-1])}", flush=True)

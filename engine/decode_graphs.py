@@ -221,11 +221,9 @@ class DecodeGraphs:
         if fed is not None:
             self._np_ids[3, :num] = fed
         self._fill_padding(num, size)
-        self._copy_in(size)
+        ids, index, value = self._copy_in(size)
         if self.ranks is not None:
-            ids, index, value = self._staging[self._next_staging ^ 1]
-            k = self._num_updates
-            self.ranks.send_graph_step(size, ids.numpy(), index[:k].numpy(), value[:k].numpy())
+            self.ranks.send_graph_step(size, ids.numpy(), index.numpy(), value.numpy())
         return size
 
     def replay_staged(self, size: int, ids: np.ndarray, index: np.ndarray, value: np.ndarray) -> None:
@@ -277,13 +275,15 @@ class DecodeGraphs:
         self._np_ids[2, start:end] = -1
         self._np_lens[start:end] = 0
 
-    def _copy_in(self, size: int) -> None:
+    def _copy_in(self, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The staged step into the device buffers: its ids whole; its lengths and the tables'
-        changed entries scattered. Entries past a sequence's blocks are never read."""
+        changed entries scattered (returned: what a split model's workers load too). Entries past a
+        sequence's blocks are never read."""
         self._add_updates(0, self._np_lens[:size])
         ids, index, value = self._staging[self._next_staging ^ 1]
-        k = self._num_updates
-        self._load(ids, index[:k], value[:k])
+        staged = ids, index[: self._num_updates], value[: self._num_updates]
+        self._load(*staged)
+        return staged
 
     def _load(self, ids: torch.Tensor, index: torch.Tensor, value: torch.Tensor) -> None:
         """Host buffers into the device's: ids whole, value scattered to index."""

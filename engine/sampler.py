@@ -28,8 +28,7 @@ class _Rows:
     temperature: torch.Tensor  # [num_rows, 1]
     top_k: torch.Tensor  # [num_rows], vocab size where off
     top_p: torch.Tensor  # [num_rows]
-    min_p: torch.Tensor  # [num_rows]
-    any_min_p: bool  # a row with min_p > 0 (known on the host: no device sync to ask)
+    min_p: torch.Tensor | None  # [num_rows]; None where no row has one (known on the host: no device sync)
 
 
 class Sampler:
@@ -156,7 +155,7 @@ class Sampler:
         # NOTE: decided from the requests' own settings, not the device tensors (no sync)
         if any(0 < r.params.top_k < self.vocab_size or r.params.top_p < 1.0 for r in requests):
             return self._sample_truncated(probs, noise, rows)
-        probs = _apply_min_p(probs, rows.min_p, rows.any_min_p)
+        probs = _apply_min_p(probs, rows.min_p)
         return (probs / noise).argmax(dim=-1)
 
     def _sample_truncated(self, probs: torch.Tensor, noise: torch.Tensor, rows: _Rows) -> torch.Tensor:
@@ -167,7 +166,7 @@ class Sampler:
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
         outside_p = mass_before >= rows.top_p.unsqueeze(1)
         sorted_probs = sorted_probs.masked_fill(outside_k | outside_p, 0.0)
-        sorted_probs = _apply_min_p(sorted_probs, rows.min_p, rows.any_min_p)
+        sorted_probs = _apply_min_p(sorted_probs, rows.min_p)
         sorted_noise = noise.gather(1, sorted_ids)
         chosen_rank = (sorted_probs / sorted_noise).argmax(dim=-1, keepdim=True)
         return sorted_ids.gather(1, chosen_rank).squeeze(1)
@@ -217,13 +216,13 @@ def _row_settings(requests: list[Request], vocab_size: int, device: torch.device
         top_k=torch.tensor([r.params.top_k if 0 < r.params.top_k < vocab_size else vocab_size for r in requests],
                            device=device),
         top_p=torch.tensor([r.params.top_p for r in requests], device=device),
-        min_p=torch.tensor([r.params.min_p for r in requests], device=device),
-        any_min_p=any(r.params.min_p > 0 for r in requests),
+        min_p=(torch.tensor([r.params.min_p for r in requests], device=device)
+               if any(r.params.min_p > 0 for r in requests) else None),
     )
 
 
-def _apply_min_p(probs: torch.Tensor, min_p: torch.Tensor, any_min_p: bool) -> torch.Tensor:
-    if not any_min_p:
+def _apply_min_p(probs: torch.Tensor, min_p: torch.Tensor | None) -> torch.Tensor:
+    if min_p is None:
         return probs
     threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
     return probs.masked_fill(probs < threshold, 0.0)

@@ -51,11 +51,17 @@ def _element_bytes(dtype: str | None) -> int:
     return _BYTES_PER_ELEMENT["float32" if dtype in (None, "auto") else dtype]
 
 
-def node_dtype(node_args: list[str] | tuple[str, ...]) -> str | None:
-    """The --dtype among a node's arguments (either spelling; the last one wins), or None."""
+def node_flag(node_args: list[str] | tuple[str, ...], flag: str) -> str | None:
+    """flag's value among a node's arguments (`--flag value` or `--flag=value`; the last one
+    wins), or None."""
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    parser.add_argument("--dtype", default=None)
-    return parser.parse_known_args(list(node_args))[0].dtype
+    parser.add_argument(flag, dest="value", default=None)
+    return parser.parse_known_args(list(node_args))[0].value
+
+
+def node_dtype(node_args: list[str] | tuple[str, ...]) -> str | None:
+    """The --dtype among a node's arguments, or None."""
+    return node_flag(node_args, "--dtype")
 
 
 def _num_parameters(model_dir: Path) -> int:

@@ -8,6 +8,8 @@ import os
 import subprocess
 from pathlib import Path
 
+from pdserve.cores import node_flag
+
 # NOTE: the share of a GPU its nodes hold in all when several share it (split evenly).
 _SHARED_GPU_UTILIZATION = 0.9
 
@@ -57,24 +59,13 @@ def gpu_flags(gpus: list[str | None], index: int, node_args: list[str] | tuple[s
     tensor-parallel group's part), a 1/k share of the memory the nodes may hold in all (the
     user's --gpu-memory-utilization, else 0.9); none where the user gave each node a budget
     (--kv-cache-memory-gb)."""
-    flags = [] if flag_value(node_args, "--device") is not None else ["--device", "cuda"]
+    flags = [] if node_flag(node_args, "--device") is not None else ["--device", "cuda"]
     mine = gpus[index].split(",")
     sharing = max(sum(1 for other in gpus if other is not None and gpu in other.split(",")) for gpu in mine)
-    if sharing > 1 and flag_value(node_args, "--kv-cache-memory-gb") is None:
-        share = float(flag_value(node_args, "--gpu-memory-utilization") or _SHARED_GPU_UTILIZATION)
+    if sharing > 1 and node_flag(node_args, "--kv-cache-memory-gb") is None:
+        share = float(node_flag(node_args, "--gpu-memory-utilization") or _SHARED_GPU_UTILIZATION)
         flags += ["--gpu-memory-utilization", f"{share / sharing:.4f}"]
     return flags
-
-
-def flag_value(argv: list[str] | tuple[str, ...], flag: str) -> str | None:
-    """flag's value in argv (`--flag value` or `--flag=value`; the last one given), or None."""
-    value = None
-    for i, word in enumerate(argv):
-        if word == flag and i + 1 < len(argv):
-            value = argv[i + 1]
-        elif word.startswith(flag + "="):
-            value = word.split("=", 1)[1]
-    return value
 
 
 def gpu_list(text: str | None, flag: str) -> list[str] | None:

@@ -16,8 +16,8 @@ from pathlib import Path
 
 from engine.cpu_quota import usable_cores
 from pdserve.cluster import PDSERVE_COMMAND, Cluster, Supervisor
-from pdserve.cores import auto_lend_cores, auto_proxy_cores, cpu_plan, lending_flags, node_dtype
-from pdserve.gpus import check_tp, flag_value, gpu_flags, gpu_list, gpu_plan, visible_gpus
+from pdserve.cores import auto_lend_cores, auto_proxy_cores, cpu_plan, lending_flags, node_dtype, node_flag
+from pdserve.gpus import check_tp, gpu_flags, gpu_list, gpu_plan, visible_gpus
 from pdserve.ports import free_port, port_range, wait_http_ok
 
 
@@ -275,7 +275,7 @@ def start_local(
         # NOTE: lending resizes one process's threads; a tensor-parallel node's ranks keep their own cores,
         # and a node on a GPU has no compute on its cores to lend or borrow.
         on_gpus = (any(gpu is not None for gpu in gpus or [])
-                   or (flag_value(node_args, "--device") or "").startswith("cuda"))
+                   or (node_flag(node_args, "--device") or "").startswith("cuda"))
         lend_cores = lend_cores and max(ranks, default=1) == 1 and not on_gpus
         lending = lending_flags(cluster, cpus, num_prefill, num_decode) if lend_cores else {}
         for i in range(num_prefill + num_decode):

@@ -13,6 +13,7 @@ import httpx
 import msgspec
 import pytest
 import zmq
+from prometheus_client.parser import text_string_to_metric_families
 
 from engine import protocol
 from pdserve.cluster import Cluster
@@ -198,3 +199,10 @@ def borrowed_steps(health_url: str) -> float:
     found = re.search(r"^pdserve_node_borrowed_core_steps_total\{[^}]*\} (\S+)$", text, re.MULTILINE)
     assert found, "no pdserve_node_borrowed_core_steps_total on the decode node"
     return float(found.group(1))
+
+
+def finished_requests(health_url: str, reason: str) -> int:
+    """How many requests the node finished for this reason (its vllm:request_success counter)."""
+    text = httpx.get(health_url + "/metrics", timeout=10).text
+    return sum(int(sample.value) for family in text_string_to_metric_families(text) for sample in family.samples
+               if sample.name == "vllm:request_success_total" and sample.labels.get("finished_reason") == reason)

@@ -25,7 +25,6 @@ import msgspec
 import openai
 import pytest
 import zmq
-from prometheus_client.parser import text_string_to_metric_families
 
 from engine import protocol
 from engine import sampling_rules as rules
@@ -39,6 +38,7 @@ from tests.conftest import held_port
 from tests.e2e.conftest import (
     CLUSTER_SECRET,
     KV_PATH_ONLY,
+    finished_requests,
     node_load,
     secure,
     start_nodes,
@@ -377,7 +377,7 @@ def test_vanished_proxy_mid_stream_its_requests_end_and_every_block_comes_back(t
             assert report.num_running == report.num_leases == report.num_pending_pulls == 0, (name, report)
         took_s = time.monotonic() - killed_at
         orphaned = node_load(deployment.node_addresses["decode0"]).num_orphaned_requests
-        by_length = _finished_by_length(f"http://127.0.0.1:{health_port}")
+        by_length = finished_requests(f"http://127.0.0.1:{health_port}", "length")
         print(f"\nevery block back {took_s:.1f} s after the proxy was {how} (orphan timeout {orphan_timeout_s} s):"
               f" {orphaned} orphaned, {by_length} ended by length first")
         assert took_s < orphan_timeout_s + 3
@@ -388,12 +388,6 @@ def test_vanished_proxy_mid_stream_its_requests_end_and_every_block_comes_back(t
         with contextlib.suppress(ProcessLookupError):
             os.kill(deployment.cluster.process("proxy").pid, signal.SIGKILL)
         deployment.stop()
-
-
-def _finished_by_length(health_url: str) -> int:
-    text = httpx.get(health_url + "/metrics", timeout=10).text
-    return sum(int(sample.value) for family in text_string_to_metric_families(text) for sample in family.samples
-               if sample.name == "vllm:request_success_total" and sample.labels.get("finished_reason") == "length")
 
 
 def _all_held(deployment, streams: list[dict], num_waiting: int) -> bool:

@@ -8,19 +8,16 @@ others are refused without reaching a node. How fast a 429 comes is printed, not
 from __future__ import annotations
 
 import asyncio
-import random
 import statistics
 import time
-from collections.abc import Callable
 from pathlib import Path
-from urllib.parse import urlsplit
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks.overload import RawAnswer, raw_post
+from benchmarks import overload
 from engine.cpu_quota import HostLoad
 from pdserve.launcher import Deployment, start_local, wait_healthy
+from tests.e2e.conftest import finished_requests
 from tests.e2e.test_pipeline import hf, hf_greedy_ignoring_eos  # noqa: F401 - hf: a fixture
 
 NODE_ARGS = ("--max-num-batched-tokens", "256", "--num-blocks", "512", "--max-num-seqs", "2")
@@ -66,19 +63,6 @@ def _deploy(model_dir: Path, log_dir: Path, num_prefill: int, proxy_args: list[s
     return deployment
 
 
-def _rss_mb(deployment: Deployment) -> float:
-    pid = deployment.cluster.process("proxy").pid
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
-
-
-def _prompts(num: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(8, 1500) for _ in range(rng.randrange(8, 40))] for _ in range(num)]
-
-
 async def _send(client: httpx.AsyncClient, body: dict) -> tuple[httpx.Response, float, float | None]:
     """(the response, seconds to the whole answer, seconds to the first streamed token or None)."""
     started = time.monotonic()
@@ -96,27 +80,6 @@ async def _send(client: httpx.AsyncClient, body: dict) -> tuple[httpx.Response, 
     return response, time.monotonic() - started, first_at
 
 
-async def _raw_burst(base_url: str, bodies: list[dict], sample: Callable[[], float]) -> tuple[list[RawAnswer], list]:
-    """POST every body to /v1/completions at once, each over its own connection opened first;
-    sample() is called every 5 ms meanwhile. Returns the answers and the samples."""
-    url = urlsplit(base_url)
-    connections = [await asyncio.open_connection(url.hostname, url.port) for _ in bodies]
-    samples = [sample()]
-    sampler = asyncio.create_task(_sample_every(0.005, sample, samples))
-    try:
-        return await asyncio.gather(*(raw_post(conn, body) for conn, body in zip(connections, bodies))), samples
-    finally:
-        sampler.cancel()
-        for _, writer in connections:
-            writer.close()
-
-
-async def _sample_every(interval_s: float, sample: Callable[[], float], samples: list) -> None:
-    while True:
-        await asyncio.sleep(interval_s)
-        samples.append(sample())
-
-
 def _client(deployment: Deployment) -> httpx.AsyncClient:
     return httpx.AsyncClient(base_url=deployment.base_url, timeout=120,
                              limits=httpx.Limits(max_connections=100, max_keepalive_connections=100))
@@ -128,21 +91,14 @@ async def _warm_connections(client: httpx.AsyncClient, num: int) -> None:
 
 
 def _finished(deployment: Deployment, node: str, reason: str, want: int | None = None) -> int:
-    """How many requests the node finished for this reason (its vllm:request_success counter);
-    with want, read again for up to 10 s until it is want (the node counts a request after its
-    last token went out)."""
+    """finished_requests of the node; with want, read again for up to 10 s until it is want (the
+    node counts a request after its last token went out)."""
     deadline = time.monotonic() + 10
     while True:
-        text = httpx.get(deployment.health_urls[node] + "/metrics", timeout=10).text
-        num = sum(int(sample.value) for family in text_string_to_metric_families(text) for sample in family.samples
-                  if sample.name == "vllm:request_success_total" and sample.labels.get("finished_reason") == reason)
+        num = finished_requests(deployment.health_urls[node], reason)
         if want is None or num == want or time.monotonic() > deadline:
             return num
         time.sleep(0.1)
-
-
-def _p90(values: list[float]) -> float:
-    return statistics.quantiles(values, n=10)[-1] if len(values) > 1 else values[0]
 
 
 def _check_429(status: int, headers, error_body: dict) -> str:
@@ -160,15 +116,17 @@ def test_burst_past_the_limits_gets_429s_at_once_and_admitted_ones_match_transfo
                           "--local-prefill-min-wait-s", "-1"])
     try:
         model = httpx.get(deployment.base_url + "/v1/models", timeout=10).json()["data"][0]["id"]
-        prompts = _prompts(NUM_BURST, seed=1)
+        prompts = overload.prompts(NUM_BURST, seed=1)
         bodies = [{"model": model, "prompt": p, "max_tokens": OUTPUT_LEN, "ignore_eos": True, "temperature": 0}
                   for p in prompts]
 
         for body in bodies[:3]:  # warm-up (first steps compile and allocate) and a measured drain rate
             assert httpx.post(deployment.base_url + "/v1/completions", json=body, timeout=120).status_code == 200
-        rss_before = _rss_mb(deployment)
-        results, rss_samples = asyncio.run(_raw_burst(deployment.base_url, bodies, lambda: _rss_mb(deployment)))
-        rss_peak = max(rss_samples + [_rss_mb(deployment)])
+        proxy_pid = deployment.cluster.process("proxy").pid
+        rss_before = overload.rss_mb(proxy_pid)
+        results, rss_samples = asyncio.run(overload.burst(deployment.base_url, bodies,
+                                                          lambda: overload.rss_mb(proxy_pid)))
+        rss_peak = max(rss_samples + [overload.rss_mb(proxy_pid)])
         admitted = [(i, r) for i, r in enumerate(results) if r.status == 200]
         refused = [r for r in results if r.status != 200]
         reasons = {_check_429(r.status, r.headers, r.json()) for r in refused}
@@ -176,8 +134,8 @@ def test_burst_past_the_limits_gets_429s_at_once_and_admitted_ones_match_transfo
         assert reasons <= {"max_num_requests", "queue_wait"}, reasons
         reject_times = [r.elapsed_s for r in refused]
         print(f"429s: {len(refused)}, p50 {1000 * statistics.median(reject_times):.1f} ms, p90 "
-              f"{1000 * _p90(reject_times):.1f} ms; admitted {len(admitted)}; proxy RSS {rss_before:.0f} MB, peak "
-              f"{rss_peak:.0f} MB ({len(rss_samples)} samples)")
+              f"{1000 * overload.p90(reject_times):.1f} ms; admitted {len(admitted)}; proxy RSS {rss_before:.0f} MB, "
+              f"peak {rss_peak:.0f} MB ({len(rss_samples)} samples)")
         admitted_s = statistics.median(r.elapsed_s for _, r in admitted)
         print(f"admitted median {1000 * admitted_s:.0f} ms")
         first_end = min(r.ended_at for _, r in admitted)
@@ -218,7 +176,7 @@ def test_slo_admission_at_three_times_the_sustainable_rate_keeps_admitted_ttft(t
                    if r.status_code != 200)
         print(f"rate {rate:.1f}/s: admitted {len(admitted)} ({len(met)} within {1000 * slo_ttft_s:.0f} ms TTFT, "
               f"TTFT p50 {1000 * statistics.median(f for _, f in admitted):.0f} ms, decoding {slowdown:.1f}x the "
-              f"warm-up's time), refused {len(refused)} (p90 {1000 * _p90(refused):.1f} ms)")
+              f"warm-up's time), refused {len(refused)} (p90 {1000 * overload.p90(refused):.1f} ms)")
         assert len(admitted) >= 3 and len(refused) >= 5
         assert len(met) >= MIN_SLO_MET * len(admitted)
         # the warm-up's 4 and the admitted ones ran on the node; the refused ones never reached it
@@ -246,7 +204,7 @@ async def _run_at_three_times_capacity(deployment: Deployment, model: str, seed:
     """4 requests one at a time (warm-up; their mean time is service_s, and the proxy measures
     its drain rate), then 56 streamed at 3x the rate 2 slots sustain. Returns the answers (see
     _send), the rate and service_s."""
-    prompts = _prompts(60, seed=100 + seed)
+    prompts = overload.prompts(60, seed=100 + seed)
 
     def body(i: int) -> dict:
         return {"model": model, "prompt": prompts[i], "max_tokens": OUTPUT_LEN, "ignore_eos": True,

@@ -283,8 +283,9 @@ def test_the_device_tables_follow_every_row_sending_only_what_changed(tiny_model
     real = DecodeGraphs._copy_in
 
     def spy(self, size):
-        real(self, size)
+        staged = real(self, size)
         sent.append((size, self._num_updates))
+        return staged
 
     monkeypatch.setattr(DecodeGraphs, "_copy_in", spy)
     engine = engine_for(tiny_model_dir, "static", max_num_seqs=8, num_blocks=40, async_scheduling=False)
