@@ -30,6 +30,80 @@ _UNREACHABLE_GRACE_S = 0.5
 STALL_TIMEOUT_S = default_of(ProxyConfig, "stall_timeout_s")  # see ProxyConfig
 
 
+class _Expired:
+    """A MessageQueue's timer went off while its reader waited (wait: which wait)."""
+
+    __slots__ = ("wait",)
+
+    def __init__(self, wait: int) -> None:
+        self.wait = wait
+
+
+class MessageQueue(asyncio.Queue):
+    """A node's messages for one request, read with a bound on each wait (next_within).
+
+    NOTE: one lazily moved timer per queue instead of asyncio.timeout around each read: arming and
+    cancelling a timer per streamed token was a fifth of the proxy's CPU (benchmarks/proxy_capacity.py).
+    The timer stays armed across reads; when it goes off early (the reader waits on a later
+    deadline) it moves to that deadline, and where nobody waits it lapses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._wait = 0  # the current (or last) next_within call
+        self._deadline: float | None = None  # loop time the waiting reader gives up at; None: none waits
+        self._timer: asyncio.TimerHandle | None = None
+
+    async def next_within(self, timeout_s: float):
+        """The next message; TimeoutError where none comes within timeout_s of waiting."""
+        self._wait += 1
+        wait = self._wait
+        deadline = None
+        while True:
+            if self.empty():
+                loop = asyncio.get_running_loop()
+                if deadline is None:
+                    deadline = loop.time() + timeout_s
+                self._deadline = deadline
+                if self._timer is None or self._timer.when() > deadline:
+                    if self._timer is not None:
+                        self._timer.cancel()
+                    self._timer = loop.call_at(deadline, self._go_off)
+                try:
+                    message = await self.get()
+                finally:
+                    self._deadline = None
+            else:
+                message = self.get_nowait()
+            if type(message) is not _Expired:
+                return message
+            if message.wait == wait:
+                raise TimeoutError
+            # a stale one: the timer went off as a message came for an earlier wait
+
+    def ready(self):
+        """A message already here (None: none), without waiting."""
+        while not self.empty():
+            message = self.get_nowait()
+            if type(message) is not _Expired:
+                return message
+        return None
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _go_off(self) -> None:
+        self._timer = None
+        if self._deadline is None:
+            return  # nobody waits: the next wait arms it again
+        loop = asyncio.get_running_loop()
+        if loop.time() < self._deadline:
+            self._timer = loop.call_at(self._deadline, self._go_off)
+        else:
+            self.put_nowait(_Expired(self._wait))
+
+
 @dataclass(frozen=True)
 class _Unreported:
     seq: int
@@ -47,7 +121,7 @@ class NodeClient:
     last_seen: float = 0.0
     # Requests sent but not yet counted in a report of the node.
     unreported: list[_Unreported] = field(default_factory=list)
-    queues: dict[str, asyncio.Queue] = field(default_factory=dict)
+    queues: dict[str, MessageQueue] = field(default_factory=dict)
     num_requests_sent: int = 0
     last_ping_at: float = 0.0
     logged_version: int | None = None  # a foreign protocol version this node was logged speaking
@@ -130,14 +204,16 @@ class NodeClient:
             return None
         return (self.num_queued_prefill_tokens + num_prompt_tokens) / rate
 
-    def open(self, request_id: str) -> asyncio.Queue:
+    def open(self, request_id: str) -> MessageQueue:
         """A queue receiving this node's messages for request_id (until close())."""
-        queue: asyncio.Queue = asyncio.Queue()
+        queue = MessageQueue()
         self.queues[request_id] = queue
         return queue
 
     def close(self, request_id: str) -> None:
-        self.queues.pop(request_id, None)
+        queue = self.queues.pop(request_id, None)
+        if queue is not None:
+            queue.close()
 
     def send(self, message) -> None:
         """Queue a message without blocking; raises NodeDied if the node is not connected (or

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from engine import protocol
 from proxy.errors import ApiError, NodeDied, NodeRejected, NoNodeAvailable, rate_limited
-from proxy.node_client import NodeClient
+from proxy.node_client import MessageQueue, NodeClient
 from proxy.nodes import NodePool
 from proxy.routing import PromptBlocks
 
@@ -256,7 +256,7 @@ class _Run:
         return step
 
 
-async def _decode_steps(queue: asyncio.Queue, decode: NodeClient, request_id: str, next_token_idx: int,
+async def _decode_steps(queue: MessageQueue, decode: NodeClient, request_id: str, next_token_idx: int,
                         first_timeout_s: float, token_timeout_s: float) -> AsyncIterator[Step]:
     """The node's deltas from output index next_token_idx on (the tokens before it were
     sampled elsewhere: on a prefill node, or on a node the request migrated from)."""
@@ -285,7 +285,7 @@ class _Stream:
     def __init__(self, run: _Run, prefill: NodeClient) -> None:
         self.run, self.prefill = run, prefill
         self.decode: NodeClient | None = None
-        self.queue: asyncio.Queue | None = None
+        self.queue: MessageQueue | None = None
         self.is_given_up = False
 
     def forward(self, message: protocol.KVProgress) -> None:
@@ -311,7 +311,7 @@ class _Stream:
         is none, or it died or answered meanwhile (the caller then picks a decode node anew)."""
         if self.decode is None:
             return False
-        early = None if self.queue.empty() else self.queue.get_nowait()
+        early = self.queue.ready()
         if early is not None or not self.decode.is_healthy:
             is_dead = not self.decode.is_healthy or isinstance(early, NodeDied)
             self._give_up(f"it answered before the prompt was prefilled: {early!r}" if early is not None
@@ -359,15 +359,15 @@ async def _prefill(node: NodeClient, request_id: str, prompt: PromptBlocks, samp
     return message
 
 
-async def _next(queue: asyncio.Queue, timeout_s: float, node: NodeClient, request_id: str,
+async def _next(queue: MessageQueue, timeout_s: float, node: NodeClient, request_id: str,
                 timeout_s_named: float | None = None):
     """The next message; timeout_s_named: the bound the error names (default timeout_s)."""
-    # NOTE: asyncio.timeout, not wait_for: on Python 3.11 wait_for drops a cancellation that
-    # lands while the queue hands over a message (returns the message instead), and a request
-    # whose client left would then stream on for nobody, never aborted on its node.
+    # NOTE: not wait_for: on Python 3.11 wait_for drops a cancellation that lands while the queue
+    # hands over a message (returns the message instead), and a request whose client left would
+    # then stream on for nobody, never aborted on its node. A cancelled next_within leaves the
+    # message in the queue.
     try:
-        async with asyncio.timeout(timeout_s):
-            message = await queue.get()
+        message = await queue.next_within(timeout_s)
     except TimeoutError as exc:
         bound = timeout_s if timeout_s_named is None else timeout_s_named
         raise TimeoutError(f"request {request_id}: no answer from {node.kind} node {node.address} "
