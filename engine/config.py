@@ -235,6 +235,10 @@ class EngineConfig:
     async_scheduling: bool = True
     # Ranks the model is split over (engine.tp_ranks): one process each, one GPU each on CUDA.
     tensor_parallel_size: int = 1
+    # A node's engine: a worker rank lost and not noticed by a step within LOST_RANK_GRACE_S (NCCL
+    # waits on a dead peer until its watchdog; an idle engine would notice at its next request)
+    # ends this process (exit 1, for its supervisor to restart). Else the next step raises.
+    lost_rank_ends_process: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.role, Role):

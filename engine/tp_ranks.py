@@ -16,6 +16,7 @@ import secrets
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import weakref
 from collections.abc import Iterator
@@ -50,6 +51,12 @@ STOP_TIMEOUT_S = 10.0
 _STORE_TIMEOUT_S = 60.0
 _CONNECT_TIMEOUT_S = 60.0  # a worker's interpreter start and imports, before it connects back
 _PACKAGE_ROOT = Path(__file__).resolve().parent.parent  # where `engine` is importable from
+# How often rank 0 looks for lost workers, and a worker for a lost rank 0 (_watch_workers, _watch_parent).
+_WATCH_INTERVAL_S = 0.5
+# A lost worker that no step of rank 0 ran into (its error breaks the group, and the node stops)
+# within this ends a node's process (EngineConfig.lost_rank_ends_process). With gloo a step fails
+# at once; NCCL would wait for its watchdog (COLLECTIVE_TIMEOUT_S).
+LOST_RANK_GRACE_S = 5.0
 
 # A step message: an int64 header, then every int tensor of the step flattened (see _pack_step).
 _OP_STEP, _OP_STOP = 1, 2
@@ -111,7 +118,15 @@ class TPRanks:
         # The workers' caches, allocated here (shares_caches engines): (cache, the model's KV heads it holds)
         self.worker_caches: list[tuple[torch.Tensor, range]] = []
         self._shared_files = shared_files  # removed at the latest when the workers stop
-        self._finalizer = weakref.finalize(self, _stop_workers, processes, pipes, shared_files)
+        self._watch_stop = threading.Event()  # set before the workers are stopped
+        self._finalizer = weakref.finalize(self, _stop_workers, processes, pipes, shared_files, self._watch_stop)
+
+    def watch(self, ends_process: bool) -> None:
+        """Watch the workers from a thread of this process: one lost and not met by a step within
+        LOST_RANK_GRACE_S is logged; with ends_process, it ends this process (exit 1), its other
+        workers killed first."""
+        threading.Thread(target=_watch_workers, args=(weakref.ref(self), self._processes, self._watch_stop,
+                                                      ends_process), name="tp-watch", daemon=True).start()
 
     @classmethod
     def start(cls, config: EngineConfig, backend: Backend) -> tuple[TPRanks, RankModel]:
@@ -150,6 +165,7 @@ class TPRanks:
         except BaseException:
             ranks.close()
             raise
+        ranks.watch(config.lost_rank_ends_process)
         logger.info("tensor parallel: %d ranks (pids %s), %d threads each", size,
                     ", ".join(str(p.pid) for p in processes), threads)
         return ranks, built
@@ -371,7 +387,58 @@ def _check_devices(device: str, size: int) -> None:
                          f"{torch.cuda.device_count()} are visible")
 
 
-def _stop_workers(processes: list[subprocess.Popen], pipes: list[Connection], shared_files: list[str]) -> None:
+def _watch_workers(ranks_ref: weakref.ref, processes: list[subprocess.Popen], stop: threading.Event,
+                   ends_process: bool) -> None:
+    """TPRanks.watch's thread: until stop (the group closing), look for a worker that exited."""
+    lost_at = None
+    while not stop.wait(_WATCH_INTERVAL_S):
+        lost = [(rank, p) for rank, p in enumerate(processes, start=1) if p.poll() is not None]
+        ranks = ranks_ref()  # NOTE: held only until the next wait, so the group can still be collected
+        if ranks is None:
+            return
+        if not lost or ranks.is_broken:
+            lost_at = None  # nothing lost, or a step ran into it: the engine ends on that error
+            del ranks
+            continue
+        lost_at = lost_at or time.monotonic()
+        if time.monotonic() - lost_at < LOST_RANK_GRACE_S:
+            del ranks
+            continue
+        del ranks
+        what = ", ".join(f"rank {rank} (pid {p.pid}) exited with code {p.returncode}" for rank, p in lost)
+        if not ends_process:  # NOTE: the next step raises (_check_alive); one waiting on it now stays
+            logger.error("tensor-parallel %s; this engine cannot run another step", what)
+            return
+        logger.critical("tensor-parallel %s, and no step of rank 0 failed on it within %.0f s (a collective "
+                        "may be waiting for it): ending this node's process, its other ranks too",
+                        what, LOST_RANK_GRACE_S)
+        for process in processes:
+            with contextlib.suppress(OSError):
+                process.kill()
+        _end_process(1)
+
+
+def _watch_parent(parent: int) -> None:
+    """A worker's thread: end this process when rank 0's is gone (a step of this one may be waiting in
+    a collective for it, which would never return)."""
+    while os.getppid() == parent:
+        time.sleep(_WATCH_INTERVAL_S)
+    _end_process(1)
+
+
+def _end_process(code: int) -> None:
+    """Exit now, without the interpreter's teardown (a process group's may wait on a lost peer)."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
+def _stop_workers(processes: list[subprocess.Popen], pipes: list[Connection], shared_files: list[str],
+                  watch_stop: threading.Event | None = None) -> None:
+    if watch_stop is not None:
+        watch_stop.set()  # NOTE: first: the workers' exits below are no loss
     _remove_files(shared_files)
     for pipe in pipes:
         with contextlib.suppress(OSError):  # already gone
@@ -445,6 +512,7 @@ def _worker_main(address: str, rank: int) -> None:
     pipe.send(rank)
     config, store_port, threads, cores, channel_file, slot_bytes = pipe.recv()
     parent = os.getppid()
+    threading.Thread(target=_watch_parent, args=(parent,), name="tp-parent", daemon=True).start()
     torch.set_num_threads(threads)
     if cores:
         os.sched_setaffinity(0, cores)

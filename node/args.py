@@ -145,6 +145,7 @@ def node_configs_from_args(args: argparse.Namespace, role: Role) -> NodeConfigs:
         decode_graphs="off" if args.enforce_eager else default_of(EngineConfig, "decode_graphs"),
         async_scheduling=args.async_scheduling,
         tensor_parallel_size=args.tensor_parallel_size,
+        lost_rank_ends_process=True,
     )
     keys = curve_keys(args.cluster_secret) if args.cluster_secret else None
     server = ServerConfig(args.node_id or f"{role.value}-{args.port}", args.host, args.port,

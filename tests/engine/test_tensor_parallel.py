@@ -10,6 +10,7 @@ cache handed over as a CUDA IPC handle."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
@@ -18,6 +19,8 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -44,12 +47,13 @@ def make_prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(8, vocab_size) for _ in range(n)] for n in PROMPT_LENGTHS]
 
 
-def make_engine(model_dir, tensor_parallel_size: int, num_blocks: int = 20) -> LLMEngine:
+def make_engine(model_dir, tensor_parallel_size: int, num_blocks: int = 20, **fields) -> LLMEngine:
     return LLMEngine(EngineConfig(
         model=ModelConfig.from_pretrained(model_dir),
         cache=CacheConfig(block_size=16, num_blocks=num_blocks),
         scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=64),
         tensor_parallel_size=tensor_parallel_size,
+        **fields,
     ))
 
 
@@ -177,6 +181,64 @@ def test_a_dead_rank_fails_the_next_step_and_the_engine_stays_failed(tiny_model_
             engine.step()
     finally:
         engine.close()
+
+
+def test_a_nodes_engine_whose_worker_is_lost_while_nothing_steps_ends_its_process(tiny_model_dir):
+    """A node's engine (lost_rank_ends_process) whose main thread never runs into the lost rank (idle,
+    or waiting in an NCCL collective for it) exits 1 within the grace instead of waiting on it."""
+    child = textwrap.dedent(f"""
+        import time
+        from tests.engine.test_tensor_parallel import make_engine
+        engine = make_engine({str(tiny_model_dir)!r}, 2, lost_rank_ends_process=True)
+        print(engine.ranks._processes[0].pid, flush=True)
+        time.sleep(300)  # a main thread that never gets back to the engine
+    """)
+    process = subprocess.Popen([sys.executable, "-c", child], cwd=REPO, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        worker = int(process.stdout.readline())
+        os.kill(worker, signal.SIGKILL)
+        _, err = process.communicate(timeout=60)
+    finally:
+        process.kill()
+        process.wait()
+    assert process.returncode == 1
+    assert f"rank 1 (pid {worker}) exited with code -9" in err and "ending this node's process" in err
+
+
+def test_a_worker_whose_rank_0_is_gone_ends_although_it_is_busy():
+    """engine.tp_ranks._watch_parent: a worker stuck in a step (a collective waiting for rank 0) ends when
+    rank 0's process does."""
+    grandchild = ("import sys, threading, time; from engine.tp_ranks import _watch_parent; "
+                  "threading.Thread(target=_watch_parent, args=(int(sys.argv[1]),), daemon=True).start(); "
+                  "print('watching', flush=True); time.sleep(300)")
+    parent = textwrap.dedent(f"""
+        import os, subprocess, sys, time
+        worker = subprocess.Popen([sys.executable, "-c", {grandchild!r}, str(os.getpid())])
+        print(worker.pid, flush=True)
+        time.sleep(300)
+    """)
+    process = subprocess.Popen([sys.executable, "-c", parent], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        worker = int(process.stdout.readline())
+        assert process.stdout.readline() == "watching\n"
+        process.kill()
+        process.wait()
+        deadline = time.monotonic() + 60
+        while _alive(worker) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(worker)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(worker, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
 
 
 def test_the_benchmark_times_both_sizes_and_records_their_ratio(tiny_model_dir, tmp_path, monkeypatch):
