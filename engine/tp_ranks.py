@@ -13,6 +13,7 @@ import logging
 import os
 import pickle
 import secrets
+import signal
 import subprocess
 import sys
 import tempfile
@@ -513,6 +514,10 @@ def _worker_main(address: str, rank: int) -> None:
     config, store_port, threads, cores, channel_file, slot_bytes = pipe.recv()
     parent = os.getppid()
     threading.Thread(target=_watch_parent, args=(parent,), name="tp-parent", daemon=True).start()
+    # NOTE: rank 0 alone answers signals (a supervisor's SIGTERM to the process group drains the
+    # node, which needs its workers until it stops them; a terminal's Ctrl-C reaches them too).
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(threads)
     if cores:
         os.sched_setaffinity(0, cores)

@@ -183,6 +183,23 @@ def test_a_dead_rank_fails_the_next_step_and_the_engine_stays_failed(tiny_model_
         engine.close()
 
 
+def test_workers_leave_signals_to_rank_0(tiny_model_dir):
+    """A supervisor's SIGTERM to a node's process group (pdserve up) drains the node, which steps on
+    until it stops its workers itself; a terminal's Ctrl-C reaches the workers too."""
+    engine = make_engine(tiny_model_dir, 2)
+    try:
+        prompt = make_prompts(2000)[5]
+        before = run_to_completion(engine, [prompt], SamplingParams(max_tokens=3, temperature=0.0))
+        [worker] = engine.ranks._processes
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            os.kill(worker.pid, sig)
+        time.sleep(0.5)  # NOTE: time for a worker that took them to end
+        assert run_to_completion(engine, [prompt], SamplingParams(max_tokens=3, temperature=0.0)) == before
+        assert worker.poll() is None
+    finally:
+        engine.close()
+
+
 def test_a_nodes_engine_whose_worker_is_lost_while_nothing_steps_ends_its_process(tiny_model_dir):
     """A node's engine (lost_rank_ends_process) whose main thread never runs into the lost rank (idle,
     or waiting in an NCCL collective for it) exits 1 within the grace instead of waiting on it."""
