@@ -87,9 +87,16 @@ class LLM:
         outputs = [self._make_output(p) for p in prompt_list]
         for output in outputs:
             self.engine.check_token_ids(output.request_id, output.prompt_token_ids, [])
-        for output, params in zip(outputs, params_list):
-            self.engine.add_request(output.request_id, output.prompt_token_ids, params)
-        self._run(outputs, params_list, use_tqdm)
+        try:
+            for output, params in zip(outputs, params_list):
+                self.engine.add_request(output.request_id, output.prompt_token_ids, params)
+            self._run(outputs, params_list, use_tqdm)
+        except BaseException:
+            # NOTE: a failed request, a failed step or a Ctrl-C: the call's other requests would
+            # otherwise stay in the engine, holding blocks and stepping in the next call.
+            for output in outputs:
+                self.engine.abort(output.request_id)
+            raise
         return outputs
 
     def chat(
