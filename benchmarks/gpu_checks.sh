@@ -79,7 +79,8 @@ for step in $steps; do
                rc=${PIPESTATUS[0]} ;;
         # A test's own timeout under the step's: a hang shows its traceback instead of being cut off.
         engine) run_for "$(limit 120)" python3 -m pytest tests/engine/test_decode_graphs.py tests/engine/test_correctness.py \
-                    tests/engine/test_bfloat16.py tests/engine/test_sampler.py tests/engine/test_warm_up.py -k cuda \
+                    tests/engine/test_bfloat16.py tests/engine/test_sampler.py tests/engine/test_warm_up.py \
+                    tests/kernels/test_triton_variants.py -k cuda \
                     "${pytest_args[@]}" --timeout=90 >"$out/engine_tests.log" 2>&1
                 rc=$?; tail -30 "$out/engine_tests.log" ;;
         gpu_engine) left=$(limit 110)

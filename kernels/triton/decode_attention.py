@@ -73,7 +73,9 @@ def _decode_triton(query, kv_cache_layer, block_tables, seq_lens, scale, num_spl
 
 if triton is not None:
 
-    @triton.jit
+    # NOTE: the table's width varies step to step: one compiled kernel for every width, not one each
+    # for 1, multiples of 16 and the rest (a compile mid-serving stalls every request).
+    @triton.jit(do_not_specialize=["stride_table_seq"])
     def _decode_attention_kernel(
         query_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, acc_ptr, max_ptr, sum_ptr,
         qk_scale, min_tokens_per_split,
@@ -141,7 +143,7 @@ if triton is not None:
         tl.store(sum_ptr + out_offs, l_i, mask=mask_g)
         tl.store(acc_ptr + out_offs[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=mask_g[:, None] & mask_d[None, :])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_splits"])
     def _decode_reduce_kernel(acc_ptr, max_ptr, sum_ptr, out_ptr, stride_out_seq, stride_out_head, num_splits,
                               BLOCK_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
                               BLOCK_D: tl.constexpr):

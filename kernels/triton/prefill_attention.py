@@ -91,7 +91,8 @@ if triton is not None:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         return m_new, l_i, acc
 
-    @triton.jit
+    # NOTE: the tile count and the table's width vary step to step (see _decode_attention_kernel).
+    @triton.jit(do_not_specialize=["num_tiles", "stride_table_seq"])
     def _prefill_attention_kernel(
         query_ptr, cache_ptr, block_tables_ptr, cu_query_lens_ptr, seq_lens_ptr, out_ptr, qk_scale, num_tiles,
         stride_query_token, stride_query_head, stride_cache_block, stride_cache_kv, stride_cache_offset,
