@@ -9,7 +9,10 @@ The load is `pdserve bench`'s: --num-requests prompts of --prompt-len random tok
 --output-len tokens (ignore_eos), streamed, all at once (rate inf). Reported per setup: output
 tokens/s, TTFT and TPOT p50/p99, failures; for 1P+1D also the decode node's pulls (count, bytes,
 mean seconds, GB/s = bytes / pull seconds), its KV fallbacks, and the transport UCX reported
-(pdserve_kv_transport_info). Greedy outputs of 16 prompts through both setups are compared.
+(pdserve_kv_transport_info). The proxy's and the load generator's CPU over the run are reported as
+shares of one core: either near 1 means the run measured that process, not the nodes (the
+proxy is one asyncio process: benchmarks/proxy_capacity.py). Greedy outputs of 16 prompts
+through both setups are compared.
 Ends with `RESULT {json}`; --budget-s bounds the whole run (a setup that would not fit is skipped).
 
     python3 benchmarks/gpu_served.py [--model DIR] [--num-requests 256] [--budget-s 200]
@@ -20,6 +23,7 @@ Ends with `RESULT {json}`; --budget-s bounds the whole run (a setup that would n
 from __future__ import annotations
 
 import argparse
+import resource
 import signal
 import sys
 import time
@@ -30,6 +34,7 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchmarks.cpu_time import process_cpu_s  # noqa: E402
 from benchmarks.results_io import write_result  # noqa: E402
 from pdserve.bench import BenchConfig, DatasetConfig, EndpointConfig, LoadConfig, run_benchmark  # noqa: E402
 from pdserve.gpus import gpu_plan, visible_gpus  # noqa: E402
@@ -82,6 +87,12 @@ def greedy_texts(base_url: str, model: str, num: int = 16) -> list[str]:
     return texts
 
 
+def _own_cpu_s() -> float:
+    """This process's CPU seconds (the load generator runs here)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def node_metrics(url: str) -> dict:
     """The decode node's pull counters and transport from its /metrics."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -111,10 +122,14 @@ def run_setup(name: str, args: argparse.Namespace, started: float) -> dict:
         load(base, served, args, 8, 4, seed=1)  # warm-up: first-request costs out of the figures
         texts = greedy_texts(base, served)
         before = node_metrics(deployment.health_urls["decode0"]) if num_prefill else {}
+        proxy = deployment.cluster.process("proxy").pid
+        cpu_before, wall_before = (process_cpu_s(proxy), _own_cpu_s()), time.monotonic()
         summary = load(base, served, args, args.num_requests, args.output_len, seed=0)
+        wall = time.monotonic() - wall_before
+        busy = {"proxy": (process_cpu_s(proxy) - cpu_before[0]) / wall, "client": (_own_cpu_s() - cpu_before[1]) / wall}
         result = {"gpus": gpus, "output_throughput": summary["output_throughput"],
                   "ttft_ms": summary["ttft_ms"], "tpot_ms": summary["tpot_ms"], "num_failed": summary["num_failed"],
-                  "duration_s": summary["duration_s"], "texts": texts}
+                  "duration_s": summary["duration_s"], "cores_busy": busy, "texts": texts}
         if num_prefill:
             after = node_metrics(deployment.health_urls["decode0"])
             pulled = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after if k != "transport"}
@@ -157,7 +172,8 @@ def _line(name: str, r: dict) -> str:
     ttft, tpot = r["ttft_ms"], r["tpot_ms"]
     line = (f"{name:>9}: {r['output_throughput']:,.0f} output tok/s, TTFT p50 {ttft['p50']:.0f} ms "
             f"p99 {ttft['p99']:.0f} ms, TPOT p50 {tpot['p50']:.1f} ms p99 {tpot['p99']:.1f} ms, "
-            f"{r['num_failed']} failed")
+            f"{r['num_failed']} failed; cores busy: proxy {r['cores_busy']['proxy']:.2f}, "
+            f"client {r['cores_busy']['client']:.2f}")
     if "pulls" in r:
         p = r["pulls"]
         mean_ms = 1e3 * (p["mean_s"] or 0)

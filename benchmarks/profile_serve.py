@@ -33,6 +33,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchmarks.cpu_time import process_cpu_s  # noqa: E402
 from benchmarks.serve_throughput import scrape_counters  # noqa: E402
 from pdserve.bench import BenchConfig, DatasetConfig, EndpointConfig, LoadConfig, run_benchmark  # noqa: E402
 from pdserve.default_model import ensure_model  # noqa: E402
@@ -98,16 +99,16 @@ def profile_preset(preset: str, args: argparse.Namespace) -> dict:
         if not args.no_spy:
             spies = {name: _start_spy(proc.pid, out_dir / f"{name}.txt") for name, proc in deployment.cluster.procs}
         counters_before = scrape_counters(deployment.base_url)
-        cpu_before = {name: cpu_seconds(proc.pid) for name, proc in deployment.cluster.procs}
-        client_before = _own_cpu_seconds()
+        cpu_before = {name: process_cpu_s(proc.pid) for name, proc in deployment.cluster.procs}
+        client_before = _own_process_cpu_s()
         started = time.monotonic()
         bench = run_benchmark(config)
         elapsed_s = time.monotonic() - started
-        cpu_s = {name: cpu_seconds(proc.pid) - cpu_before[name] for name, proc in deployment.cluster.procs}
-        cpu_s["load generator"] = _own_cpu_seconds() - client_before
+        cpu_s = {name: process_cpu_s(proc.pid) - cpu_before[name] for name, proc in deployment.cluster.procs}
+        cpu_s["load generator"] = _own_process_cpu_s() - client_before
         local_prefills = scrape_counters(deployment.base_url)["local_prefills"] - counters_before["local_prefills"]
         if spies:  # their sampling runs on the same cores
-            cpu_s["py-spy"] = sum(cpu_seconds(spy.pid) for spy in spies.values())
+            cpu_s["py-spy"] = sum(process_cpu_s(spy.pid) for spy in spies.values())
         for spy in spies.values():
             spy.send_signal(signal.SIGINT)  # py-spy writes its samples when interrupted
             spy.wait(timeout=60)
@@ -124,14 +125,7 @@ def profile_preset(preset: str, args: argparse.Namespace) -> dict:
     return result
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of every thread of process pid so far (/proc/<pid>/stat)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
-
-
-def _own_cpu_seconds() -> float:
+def _own_process_cpu_s() -> float:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
 

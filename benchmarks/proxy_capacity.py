@@ -29,6 +29,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchmarks.cpu_time import process_cpu_s  # noqa: E402
 from pdserve.ports import free_port, wait_http_ok  # noqa: E402
 
 NODES = """
@@ -58,14 +59,8 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def cpu_s(pid: int) -> float:
-    """utime + stime of a process and its threads, in seconds."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def one_round(args: argparse.Namespace, base_url: str, vocab: int, pids: dict[str, int], out: Path) -> dict:
-    before = {name: cpu_s(pid) for name, pid in pids.items()}
+    before = {name: process_cpu_s(pid) for name, pid in pids.items()}
     argv = [str(REPO / ".venv" / "bin" / "pdserve"), "bench", "--base-url", base_url, "--num-requests",
             str(args.num_requests), "--input-len", str(args.input_len), "--output-len", str(args.output_len),
             "--ignore-eos", "--vocab-low", "10", "--vocab-high", str(vocab - 10), "--request-rate", "inf",
@@ -74,7 +69,7 @@ def one_round(args: argparse.Namespace, base_url: str, vocab: int, pids: dict[st
         client = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
         _, status, usage = os.wait4(client.pid, 0)  # NOTE: waits for it; its own CPU from its rusage
     client.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait for it again
-    after = {name: cpu_s(pid) for name, pid in pids.items()}
+    after = {name: process_cpu_s(pid) for name, pid in pids.items()}
     if client.returncode != 0 or not out.exists():
         raise RuntimeError(f"pdserve bench exited {client.returncode}: {out.with_suffix('.log').read_text()[-2000:]}")
     client_cpu = usage.ru_utime + usage.ru_stime

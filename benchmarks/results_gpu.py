@@ -115,17 +115,21 @@ def render_gpu_served(records: list[dict]) -> tuple[list[str], list]:
     rows = []
     for name, r in result["setups"].items():
         if "output_throughput" not in r:
-            rows.append([name, r.get("error", "")[:80], "", "", ""])
+            rows.append([name, r.get("error", "")[:80], "", "", "", ""])
             continue
         pulls = r.get("pulls") or {}
         ttft, tpot = r["ttft_ms"], r["tpot_ms"]
+        busy = r.get("cores_busy")  # NOTE: absent from records made before it was measured
         rows.append([name, num(r["output_throughput"], 0), f"{num(ttft['p50'], 0)} / {num(ttft['p99'], 0)}",
                      f"{num(tpot['p50'], 1)} / {num(tpot['p99'], 1)}",
                      f"{num(pulls.get('gb_s'), 1)} GB/s over {(pulls.get('transport') or {}).get('transport')}"
-                     if pulls else ""])
+                     if pulls else "",
+                     f"{busy['proxy']:.2f} / {busy['client']:.2f}" if busy else ""])
     lines = [f"{result['num_requests']} x {result['prompt_len']} -> {result['output_len']} tokens, all at once, "
-             f"{result['model']}:", ""]
-    lines += table(["setup", "output tok/s", "TTFT p50 / p99 (ms)", "TPOT p50 / p99 (ms)", "KV pulls"], rows)
+             f"{result['model']}; cores busy: the proxy's and the load generator's CPU over the run (near 1: "
+             "that process was the limit):", ""]
+    lines += table(["setup", "output tok/s", "TTFT p50 / p99 (ms)", "TPOT p50 / p99 (ms)", "KV pulls",
+                    "cores busy: proxy / client"], rows)
     if "pd_over_colocated" in result:
         lines += ["", f"1P+1D / colocated: {result['pd_over_colocated']:.2f}x; greedy outputs equal: "
                       f"{result['greedy_equal']}."]

@@ -46,6 +46,8 @@ def test_both_setups_serve_and_every_prompt_is_pulled(tiny_model_dir, tmp_path):
     assert pulls["count"] == 6 and pulls["bytes"] > 0 and pulls["fallbacks"] == 0, pulls
     assert pulls["transport"]["memory"] == "host" and pulls["transport"]["transport"], pulls
     assert result["greedy_equal"] is True and len(colocated["texts"]) == 16
+    for setup in (colocated, disaggregated):  # the proxy and the load generator worked during the load
+        assert 0 < setup["cores_busy"]["proxy"] < 2 and 0 < setup["cores_busy"]["client"] < 2, setup["cores_busy"]
 
 
 def test_sigterm_stops_the_servers_and_writes_what_it_has(tiny_model_dir, tmp_path):

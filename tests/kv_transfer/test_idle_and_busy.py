@@ -12,6 +12,7 @@ import msgspec
 import pytest
 import torch
 
+from benchmarks.cpu_time import process_cpu_s
 from kv_transfer.base import RemoteLease
 from kv_transfer.config import TransferConfig
 from kv_transfer.factory import create_connector
@@ -72,20 +73,15 @@ def _lease(hello: dict, request_id: str, block_ids: list[int]) -> RemoteLease:
     return RemoteLease(hello["engine_id"], hello["address"], block_ids, hello["generations"][request_id], 60.0)
 
 
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def test_idle_registered_agent_does_not_poll_a_core():
     proc, _ = start_holder("idle", "12")
     try:
         proc.stdin.write("go\n")
         proc.stdin.flush()
         time.sleep(1.0)  # past start-up work
-        before, start = cpu_seconds(proc.pid), time.monotonic()
+        before, start = process_cpu_s(proc.pid), time.monotonic()
         time.sleep(4.0)  # a busy poll would take ~4 s of CPU here
-        share = (cpu_seconds(proc.pid) - before) / (time.monotonic() - start)
+        share = (process_cpu_s(proc.pid) - before) / (time.monotonic() - start)
         print(f"\nidle NIXL process: {100 * share:.2f}% of one core over 4 s")
         # NOTE: measured at 2-5% on an idle 2-core machine (5.25% once in a clean-clone make
         # test); the bound separates "sleeps between looks" from a polling loop with room for a

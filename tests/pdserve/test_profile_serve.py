@@ -1,5 +1,6 @@
 """benchmarks/profile_serve.py's accounting, from numbers as a run gives them (no deployment
-needed): CPU seconds against the run's core-seconds, the tail, and a process's own CPU time."""
+needed): CPU seconds against the run's core-seconds, the tail, and a process's own CPU time
+(benchmarks/cpu_time.py, which it reads)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import time
 
 import pytest
 
+from benchmarks.cpu_time import process_cpu_s
 from pdserve.bench_client import RequestRecord
 
 
@@ -28,9 +30,9 @@ def test_the_tail_runs_from_the_last_first_token_to_the_last_token(profile_serve
     assert profile_serve.tail_seconds(records[2:]) is None
 
 
-def test_a_process_cpu_seconds_grow_with_the_work_it_does(profile_serve):
-    before = profile_serve.cpu_seconds(os.getpid())
+def test_a_process_cpu_seconds_grow_with_the_work_it_does():
+    before = process_cpu_s(os.getpid())
     deadline = time.process_time() + 0.2
     while time.process_time() < deadline:
         pass
-    assert profile_serve.cpu_seconds(os.getpid()) - before >= 0.1
+    assert process_cpu_s(os.getpid()) - before >= 0.1
