@@ -3,10 +3,11 @@ once per request, with the same interface; chat answers may be tool calls (proxy
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from abc import ABC, abstractmethod
+
+import msgspec
 
 from engine.protocol import TokenLogprob
 from proxy.choices import ChoiceState, Delta, SubRequest
@@ -17,8 +18,13 @@ from proxy.tool_calls import ToolCallStream, ToolPolicy
 SSE_DONE = "data: [DONE]\n\n"
 
 
+# NOTE: msgspec, not json.dumps: a tenth of the time, for every streamed chunk (benchmarks/proxy_capacity.py);
+# compact, non-ASCII kept as json.dumps(ensure_ascii=False) kept it.
+_ENCODER = msgspec.json.Encoder()
+
+
 def _sse(data: dict) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+    return f"data: {_ENCODER.encode(data).decode()}\n\n"
 
 
 def _fingerprint(states) -> dict:
