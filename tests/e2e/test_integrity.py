@@ -408,11 +408,11 @@ def test_a_gap_in_a_nodes_token_deltas_fails_the_request_explicitly():
     frame) raises NodeDied (a 502, or an SSE error event once streaming) instead of yielding a
     silently shorter answer."""
     from proxy.errors import NodeDied
-    from proxy.node_client import NodeClient
+    from proxy.node_client import MessageQueue, NodeClient
     from proxy.request_flow import _decode_steps
 
     async def run() -> list:
-        queue: asyncio.Queue = asyncio.Queue()
+        queue = MessageQueue()
         for idx in (1, 2, 4):  # token 3 never arrived
             queue.put_nowait(protocol.RequestDelta("r", [protocol.TokenLogprob(7)], idx))
         steps = []

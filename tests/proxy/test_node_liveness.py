@@ -4,13 +4,11 @@ reports, a draining node gets no new requests but keeps its running ones."""
 
 from __future__ import annotations
 
-import asyncio
-
 import msgspec
 
 from engine import protocol
 from proxy.errors import NodeDied
-from proxy.node_client import NodeClient, take_report
+from proxy.node_client import MessageQueue, NodeClient, take_report
 
 _REPORT = protocol.LoadReport(node_id="d", role=protocol.Role.DECODE, protocol_version=protocol.PROTOCOL_VERSION,
                               model_name="m", max_model_len=64, block_size=16, num_running=0, num_waiting=0,
@@ -25,7 +23,7 @@ def _report(**changes) -> protocol.LoadReport:
 def test_a_new_boot_id_fails_the_old_processes_requests():
     node = NodeClient("127.0.0.1:1", "decode", heartbeat_timeout_s=3.0)
     take_report(node, _report())
-    queue = node.queues["r1"] = asyncio.Queue()
+    queue = node.queues["r1"] = MessageQueue()
     take_report(node, _report(progress=2))
     assert queue.empty()
     take_report(node, _report(boot_id="b", progress=1))
