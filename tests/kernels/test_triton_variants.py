@@ -18,7 +18,12 @@ NUM_BLOCKS = 64
 
 
 def _compiled(kernel) -> int:
-    return sum(len(caches[0]) for caches in kernel.device_caches.values())
+    """The kernel's compiled variants: its per-device caches' first dict (the compiled kernels by
+    specialization key in Triton 3's device_caches entries; older ones keep a dict per device)."""
+    caches = getattr(kernel, "device_caches", None)
+    if caches is None:
+        return sum(len(cache) for cache in kernel.cache.values())
+    return sum(len(next(part for part in entry if isinstance(part, dict))) for entry in caches.values())
 
 
 @gpu
