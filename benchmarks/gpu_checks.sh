@@ -99,8 +99,10 @@ for step in $steps; do
                 tests/engine/test_tensor_parallel.py tests/e2e/test_tensor_parallel_disagg.py -k cuda -n 3 \
                 --dist loadfile "${pytest_args[@]}" --timeout=120 >"$out/tp_tests.log" 2>&1
             rc=$?; tail -15 "$out/tp_tests.log" ;;
-        served) left=$(limit 100)
-                run_for "$left" python3 benchmarks/gpu_served.py --budget-s $((left - 5)) --log-dir "$out/served_logs" \
+        # Prompts of 512 and 4,096 tokens, each at rate inf then Poisson near colocated's capacity.
+        served) left=$(limit 130)
+                run_for "$left" python3 benchmarks/gpu_served.py --prompt-lens 512 4096 --budget-s $((left - 5)) \
+                    --log-dir "$out/served_logs" \
                     2>&1 | tee "$out/gpu_served.log" | grep -v '^RESULT'
                 rc=${PIPESTATUS[0]} ;;
         stream) run_for "$(limit 60)" python3 benchmarks/kv_streaming.py --device cuda --dtype bfloat16 \
@@ -123,7 +125,7 @@ grep -hE "passed|failed" "$out"/engine_tests.log "$out"/tp_tests.log "$out"/kern
 grep -E "decode batch|prefill [0-9]|offline|transformers generate|graphs captured|skipped" "$out/gpu_engine.log" \
     >>"$summary" 2>/dev/null
 grep -E "GB/s|failed|timed out" "$out/kv_transfer_gpu.log" >>"$summary" 2>/dev/null
-grep -E "tok/s|colocated|failed|skipped" "$out/gpu_served.log" >>"$summary" 2>/dev/null
+grep -E "tok/s|colocated|failed|skipped|greedy" "$out/gpu_served.log" >>"$summary" 2>/dev/null
 grep -E "^\| [0-9]|streamed / whole" "$out/kv_streaming.log" >>"$summary" 2>/dev/null
 save
 cat "$summary"

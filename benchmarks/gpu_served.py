@@ -5,17 +5,21 @@
   colocated  --prefill 0 --decode 1
   1P+1D      --prefill 1 --decode 1, NIXL, every prompt prefilled on the prefill node
              (--local-prefill-min-wait-s -1), so every request's KV is pulled
-The load is `pdserve bench`'s: --num-requests prompts of --prompt-len random tokens ->
---output-len tokens (ignore_eos), streamed, all at once (rate inf). Reported per setup: output
-tokens/s, TTFT and TPOT p50/p99, failures; for 1P+1D also the decode node's pulls (count, bytes,
-mean seconds, GB/s = bytes / pull seconds), its KV fallbacks, and the transport UCX reported
-(pdserve_kv_transport_info). The proxy's and the load generator's CPU over the run are reported as
-shares of one core: either near 1 means the run measured that process, not the nodes (the
-proxy is one asyncio process: benchmarks/proxy_capacity.py). Greedy outputs of 16 prompts
-through both setups are compared.
-Ends with `RESULT {json}`; --budget-s bounds the whole run (a setup that would not fit is skipped).
+The load is `pdserve bench`'s: random-token prompts of each --prompt-lens length -> --output-len
+tokens (ignore_eos), streamed; --num-requests of the first length, fewer of longer ones (the same
+prompt tokens in all). Each length runs all at once (rate inf), then as Poisson arrivals at
+--poisson-fraction of the rate colocated sustained at rate inf (its output tok/s / output len), the
+same rate for both setups: where colocated's TPOT p99 grows past its p50 there, disaggregation
+should keep decode steps free of prefills. Reported per run: output tokens/s, TTFT and TPOT
+p50/p99, failures; for 1P+1D also the decode node's pulls (count, bytes, mean seconds, GB/s =
+bytes / pull seconds), its KV fallbacks, and the transport UCX reported
+(pdserve_kv_transport_info). The proxy's and the load generator's CPU over each run are reported as
+shares of one core: either near 1 means the run measured that process, not the nodes (the proxy is
+one asyncio process: benchmarks/proxy_capacity.py). Greedy outputs of 16 prompts through both
+setups are compared. Ends with `RESULT {json}`; --budget-s bounds the whole run (a setup or a run
+that would not fit is skipped).
 
-    python3 benchmarks/gpu_served.py [--model DIR] [--num-requests 256] [--budget-s 200]
+    python3 benchmarks/gpu_served.py [--model DIR] [--num-requests 256] [--prompt-lens 512 4096] [--budget-s 200]
 
 --device cpu with a small model checks the script without a GPU.
 """
@@ -23,6 +27,7 @@ Ends with `RESULT {json}`; --budget-s bounds the whole run (a setup that would n
 from __future__ import annotations
 
 import argparse
+import math
 import resource
 import signal
 import sys
@@ -50,9 +55,12 @@ def parse_args() -> argparse.Namespace:
                         help="made here (llama-1b, --dtype) when missing; gpu_engine.py makes the same one")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--num-requests", type=int, default=256)
-    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--num-requests", type=int, default=256,
+                        help="of the first prompt length; a longer one sends as many prompt tokens (at least 16)")
+    parser.add_argument("--prompt-lens", type=int, nargs="+", default=[512])
     parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--poisson-fraction", type=float, default=0.9,
+                        help="the Poisson runs' rate, as a fraction of colocated's at rate inf (0: none)")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--budget-s", type=float, default=200.0)
@@ -63,15 +71,24 @@ def parse_args() -> argparse.Namespace:
 def node_args(args: argparse.Namespace) -> list[str]:
     return ["--dtype", args.dtype, "--device", args.device, "--max-num-seqs", str(args.max_num_seqs),
             "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--transfer-backend", "nixl",
-            "--max-model-len", str(args.prompt_len + args.output_len + 64)]
+            "--max-model-len", str(max(args.prompt_lens) + args.output_len + 64)]
 
 
-def load(base_url: str, model: str, args: argparse.Namespace, num: int, output_len: int, seed: int) -> dict:
+def num_requests(args: argparse.Namespace, prompt_len: int) -> int:
+    """As many prompt tokens at each length as --num-requests of the first, at least 16 requests."""
+    return max(16, args.num_requests * args.prompt_lens[0] // prompt_len)
+
+
+def load(base_url: str, model: str, num: int, prompt_len: int, output_len: int, seed: int,
+         rate: float = math.inf) -> dict:
+    """pdserve bench's summary of num prompts (drawn from seed) at rate, sampled at temperature 1.
+    NOTE: not greedy: a random-weight model's greedy output often repeats a token with no text (a
+    special token), and a token without text sends no chunk: TTFT and TPOT would time other tokens."""
     vocab = 2000  # random token ids every tokenizer of ours decodes
-    config = BenchConfig(EndpointConfig(base_url=base_url, model=model),
-                         DatasetConfig(num_requests=num, input_len=args.prompt_len, output_len=output_len,
+    config = BenchConfig(EndpointConfig(base_url=base_url, model=model, temperature=1.0),
+                         DatasetConfig(num_requests=num, input_len=prompt_len, output_len=output_len,
                                        vocab_high=vocab, seed=seed),
-                         LoadConfig(show_progress=False))
+                         LoadConfig(request_rate=rate, seed=seed, show_progress=False))
     return run_benchmark(config).summary
 
 
@@ -108,7 +125,9 @@ def node_metrics(url: str) -> dict:
     return out
 
 
-def run_setup(name: str, args: argparse.Namespace, started: float) -> dict:
+def run_setup(name: str, args: argparse.Namespace, started: float, rates: dict[int, float]) -> dict:
+    """One setup's runs: each prompt length at rate inf, then at rates[prompt_len] requests/s
+    (Poisson; colocated, which runs first, fills rates in)."""
     num_prefill = SETUPS[name]
     model = Path(args.model)
     gpus = gpu_plan(num_prefill, 1, visible=visible_gpus() if args.device != "cpu" else [])
@@ -119,30 +138,55 @@ def run_setup(name: str, args: argparse.Namespace, started: float) -> dict:
     try:
         wait_healthy(deployment, max(30.0, args.budget_s - (time.monotonic() - started)))
         base, served = deployment.base_url, model.name
-        load(base, served, args, 8, 4, seed=1)  # warm-up: first-request costs out of the figures
+        load(base, served, 8, args.prompt_lens[0], 4, seed=1)  # warm-up: first-request costs out of the figures
         texts = greedy_texts(base, served)
-        before = node_metrics(deployment.health_urls["decode0"]) if num_prefill else {}
-        proxy = deployment.cluster.process("proxy").pid
-        cpu_before, wall_before = (process_cpu_s(proxy), _own_cpu_s()), time.monotonic()
-        summary = load(base, served, args, args.num_requests, args.output_len, seed=0)
-        wall = time.monotonic() - wall_before
-        busy = {"proxy": (process_cpu_s(proxy) - cpu_before[0]) / wall, "client": (_own_cpu_s() - cpu_before[1]) / wall}
-        result = {"gpus": gpus, "output_throughput": summary["output_throughput"],
-                  "ttft_ms": summary["ttft_ms"], "tpot_ms": summary["tpot_ms"], "num_failed": summary["num_failed"],
-                  "duration_s": summary["duration_s"], "cores_busy": busy, "texts": texts}
-        if num_prefill:
-            after = node_metrics(deployment.health_urls["decode0"])
-            pulled = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after if k != "transport"}
-            seconds = pulled.get("pdserve_node_kv_pull_seconds_sum", 0.0)
-            count = pulled.get("pdserve_node_kv_pull_seconds_count", 0.0)
-            num_bytes = pulled.get("pdserve_node_kv_pulled_bytes_total", 0.0)
-            result["pulls"] = {"count": count, "bytes": num_bytes, "mean_s": seconds / count if count else None,
-                               "gb_s": num_bytes / seconds / 1e9 if seconds else None,
-                               "fallbacks": pulled.get("pdserve_node_kv_pull_fallbacks_total", 0.0),
-                               "transport": after["transport"]}
-        return result
+        runs = []
+        for length_idx, prompt_len in enumerate(args.prompt_lens):
+            for phase in ("inf", "poisson"):
+                rate = math.inf if phase == "inf" else rates.get(prompt_len)
+                if rate is None:
+                    continue  # no Poisson runs asked for, or colocated did not measure this length
+                if runs and args.budget_s - (time.monotonic() - started) < 15:
+                    print(f"{name}: prompts of {prompt_len} at rate {rate:g}/s skipped: out of time", flush=True)
+                    continue
+                # NOTE: new prompts each run (a repeat is a prefix-cache hit, not a pull), the same in both setups
+                seed = 10 + 2 * length_idx + (phase == "poisson")
+                run = measure(deployment, served, args, prompt_len, rate, seed, has_pulls=bool(num_prefill))
+                runs.append(run)
+                print(_line(name, run), flush=True)
+                if name == "colocated" and phase == "inf" and args.poisson_fraction and run["output_throughput"]:
+                    rates[prompt_len] = args.poisson_fraction * run["output_throughput"] / args.output_len
+        return {"gpus": gpus, "texts": texts, "runs": runs}
     finally:
         deployment.stop()
+
+
+def measure(deployment, served: str, args: argparse.Namespace, prompt_len: int, rate: float, seed: int,
+            has_pulls: bool) -> dict:
+    """One load on a running setup: the bench's figures, the cores the proxy and the load generator
+    kept busy, and (has_pulls) the decode node's pulls meanwhile."""
+    before = node_metrics(deployment.health_urls["decode0"]) if has_pulls else {}
+    proxy = deployment.cluster.process("proxy").pid
+    cpu_before, wall_before = (process_cpu_s(proxy), _own_cpu_s()), time.monotonic()
+    summary = load(deployment.base_url, served, num_requests(args, prompt_len), prompt_len, args.output_len,
+                   seed=seed, rate=rate)
+    wall = time.monotonic() - wall_before
+    busy = {"proxy": (process_cpu_s(proxy) - cpu_before[0]) / wall, "client": (_own_cpu_s() - cpu_before[1]) / wall}
+    run = {"prompt_len": prompt_len, "rate_rps": None if rate == math.inf else rate,
+           "num_requests": num_requests(args, prompt_len), "output_throughput": summary["output_throughput"],
+           "ttft_ms": summary["ttft_ms"], "tpot_ms": summary["tpot_ms"], "num_failed": summary["num_failed"],
+           "duration_s": summary["duration_s"], "cores_busy": busy}
+    if has_pulls:
+        after = node_metrics(deployment.health_urls["decode0"])
+        pulled = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after if k != "transport"}
+        seconds = pulled.get("pdserve_node_kv_pull_seconds_sum", 0.0)
+        count = pulled.get("pdserve_node_kv_pull_seconds_count", 0.0)
+        num_bytes = pulled.get("pdserve_node_kv_pulled_bytes_total", 0.0)
+        run["pulls"] = {"count": count, "bytes": num_bytes, "mean_s": seconds / count if count else None,
+                        "gb_s": num_bytes / seconds / 1e9 if seconds else None,
+                        "fallbacks": pulled.get("pdserve_node_kv_pull_fallbacks_total", 0.0),
+                        "transport": after["transport"]}
+    return run
 
 
 def run_setups(args: argparse.Namespace, started: float, results: dict, phase: dict) -> None:
@@ -153,6 +197,7 @@ def run_setups(args: argparse.Namespace, started: float, results: dict, phase: d
         print(f"making llama-1b at {args.model}", flush=True)
         make_model(Path(args.model), "llama-1b", seed=0, show_progress=True, dtype=args.dtype,
                    device=args.device)
+    rates: dict[int, float] = {}  # Poisson rates by prompt length, from colocated's rate-inf runs
     for name in SETUPS:
         phase["now"] = name
         left = args.budget_s - (time.monotonic() - started)
@@ -160,17 +205,17 @@ def run_setups(args: argparse.Namespace, started: float, results: dict, phase: d
             print(f"{name}: skipped, {left:.0f} s left", flush=True)
             continue
         try:
-            results[name] = run_setup(name, args, started)
+            results[name] = run_setup(name, args, started, rates)
         except (RuntimeError, TimeoutError, httpx.HTTPError) as exc:
             results[name] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
             print(f"{name}: failed: {exc}", flush=True)
-            continue
-        print(_line(name, results[name]), flush=True)
 
 
 def _line(name: str, r: dict) -> str:
     ttft, tpot = r["ttft_ms"], r["tpot_ms"]
-    line = (f"{name:>9}: {r['output_throughput']:,.0f} output tok/s, TTFT p50 {ttft['p50']:.0f} ms "
+    rate = "rate inf" if r["rate_rps"] is None else f"Poisson {r['rate_rps']:.1f}/s"
+    line = (f"{name:>9}, {r['num_requests']} x {r['prompt_len']} at {rate}: {r['output_throughput']:,.0f} "
+            f"output tok/s, TTFT p50 {ttft['p50']:.0f} ms "
             f"p99 {ttft['p99']:.0f} ms, TPOT p50 {tpot['p50']:.1f} ms p99 {tpot['p99']:.1f} ms, "
             f"{r['num_failed']} failed; cores busy: proxy {r['cores_busy']['proxy']:.2f}, "
             f"client {r['cores_busy']['client']:.2f}")
@@ -202,16 +247,42 @@ def main() -> int:
     except Stopped as exc:
         results[phase["now"]] = {"error": str(exc)}
         print(f"{phase['now']}: {exc}", flush=True)
-    ok = {k: v for k, v in results.items() if "output_throughput" in v}
-    payload = {"device": args.device, "model": Path(args.model).name, "num_requests": args.num_requests,
-               "prompt_len": args.prompt_len, "output_len": args.output_len, "setups": results}
+    payload = {"device": args.device, "model": Path(args.model).name, "prompt_lens": args.prompt_lens,
+               "output_len": args.output_len, "poisson_fraction": args.poisson_fraction, "setups": results,
+               "comparisons": compare(results)}
+    for c in payload["comparisons"]:
+        print(_comparison_line(c), flush=True)
+    ok = {k: v for k, v in results.items() if v.get("runs")}
     if len(ok) == 2:
-        payload["pd_over_colocated"] = ok["1P+1D"]["output_throughput"] / ok["colocated"]["output_throughput"]
         payload["greedy_equal"] = ok["1P+1D"]["texts"] == ok["colocated"]["texts"]
-        print(f"1P+1D / colocated: {payload['pd_over_colocated']:.2f}x; greedy outputs equal: "
-              f"{payload['greedy_equal']}", flush=True)
+        print(f"greedy outputs equal: {payload['greedy_equal']}", flush=True)
     write_result("gpu_served", payload)
     return 0 if len(ok) == 2 else 1
+
+
+def compare(results: dict) -> list[dict]:
+    """1P+1D against colocated, run by run (same prompt length and rate): the throughput ratio, and
+    both TPOT p50/p99 (at the Poisson rate: colocated's p99 over 1.5x its p50 is where
+    disaggregation should help, and 1P+1D's p99 should be the lower)."""
+    runs = {name: {(r["prompt_len"], r["rate_rps"] is None): r for r in results.get(name, {}).get("runs", [])}
+            for name in SETUPS}
+    out = []
+    for key, colocated in runs["colocated"].items():
+        pd = runs["1P+1D"].get(key)
+        if pd is None:
+            continue
+        out.append({"prompt_len": key[0], "rate_rps": pd["rate_rps"],
+                    "pd_over_colocated": pd["output_throughput"] / colocated["output_throughput"],
+                    "tpot_ms": {"colocated": colocated["tpot_ms"], "1P+1D": pd["tpot_ms"]}})
+    return out
+
+
+def _comparison_line(c: dict) -> str:
+    rate = "rate inf" if c["rate_rps"] is None else f"Poisson {c['rate_rps']:.1f}/s"
+    tpot = c["tpot_ms"]
+    return (f"prompts of {c['prompt_len']} at {rate}: 1P+1D / colocated {c['pd_over_colocated']:.2f}x; TPOT p99 "
+            f"{tpot['1P+1D']['p99']:.1f} ms against {tpot['colocated']['p99']:.1f} ms (colocated p99/p50 "
+            f"{tpot['colocated']['p99'] / max(tpot['colocated']['p50'], 1e-9):.2f})")
 
 
 if __name__ == "__main__":

@@ -113,24 +113,32 @@ def render_gpu_served(records: list[dict]) -> tuple[list[str], list]:
     record = runs[-1]
     result = record["result"]
     rows = []
-    for name, r in result["setups"].items():
-        if "output_throughput" not in r:
-            rows.append([name, r.get("error", "")[:80], "", "", "", ""])
+    for name, setup in result["setups"].items():
+        if "runs" not in setup:
+            rows.append([name, setup.get("error", "")[:80], "", "", "", "", "", ""])
             continue
-        pulls = r.get("pulls") or {}
-        ttft, tpot = r["ttft_ms"], r["tpot_ms"]
-        busy = r.get("cores_busy")  # NOTE: absent from records made before it was measured
-        rows.append([name, num(r["output_throughput"], 0), f"{num(ttft['p50'], 0)} / {num(ttft['p99'], 0)}",
-                     f"{num(tpot['p50'], 1)} / {num(tpot['p99'], 1)}",
-                     f"{num(pulls.get('gb_s'), 1)} GB/s over {(pulls.get('transport') or {}).get('transport')}"
-                     if pulls else "",
-                     f"{busy['proxy']:.2f} / {busy['client']:.2f}" if busy else ""])
-    lines = [f"{result['num_requests']} x {result['prompt_len']} -> {result['output_len']} tokens, all at once, "
-             f"{result['model']}; cores busy: the proxy's and the load generator's CPU over the run (near 1: "
-             "that process was the limit):", ""]
-    lines += table(["setup", "output tok/s", "TTFT p50 / p99 (ms)", "TPOT p50 / p99 (ms)", "KV pulls",
-                    "cores busy: proxy / client"], rows)
-    if "pd_over_colocated" in result:
-        lines += ["", f"1P+1D / colocated: {result['pd_over_colocated']:.2f}x; greedy outputs equal: "
-                      f"{result['greedy_equal']}."]
+        for r in setup["runs"]:
+            pulls = r.get("pulls") or {}
+            ttft, tpot, busy = r["ttft_ms"], r["tpot_ms"], r["cores_busy"]
+            rows.append([name, f"{r['num_requests']} x {r['prompt_len']}",
+                         "inf" if r["rate_rps"] is None else f"Poisson {r['rate_rps']:.1f}/s",
+                         num(r["output_throughput"], 0), f"{num(ttft['p50'], 0)} / {num(ttft['p99'], 0)}",
+                         f"{num(tpot['p50'], 1)} / {num(tpot['p99'], 1)}",
+                         f"{num(pulls.get('gb_s'), 1)} GB/s over {(pulls.get('transport') or {}).get('transport')}"
+                         if pulls else "", f"{busy['proxy']:.2f} / {busy['client']:.2f}"])
+    lines = [f"{result['model']}, prompts -> {result['output_len']} tokens, all at once (rate inf), then Poisson at "
+             f"{result['poisson_fraction']:g}x colocated's rate-inf request rate; cores busy: the proxy's and the "
+             "load generator's CPU over the run (near 1: that process was the limit):", ""]
+    lines += table(["setup", "requests x prompt", "rate", "output tok/s", "TTFT p50 / p99 (ms)",
+                    "TPOT p50 / p99 (ms)", "KV pulls", "cores busy: proxy / client"], rows)
+    comparisons = [[str(c["prompt_len"]), "inf" if c["rate_rps"] is None else f"Poisson {c['rate_rps']:.1f}/s",
+                    f"**{c['pd_over_colocated']:.2f}x**",
+                    f"{num(c['tpot_ms']['colocated']['p99'], 1)} / {num(c['tpot_ms']['1P+1D']['p99'], 1)}",
+                    f"{c['tpot_ms']['colocated']['p99'] / max(c['tpot_ms']['colocated']['p50'], 1e-9):.2f}"]
+                   for c in result.get("comparisons", [])]
+    if comparisons:
+        lines += ["", *table(["prompt", "rate", "1P+1D / colocated tok/s", "TPOT p99 colocated / 1P+1D (ms)",
+                              "colocated TPOT p99 / p50"], comparisons)]
+    if "greedy_equal" in result:
+        lines += ["", f"Greedy outputs of 16 prompts through both setups equal: {result['greedy_equal']}."]
     return lines + ["", "- " + provenance(record)], []

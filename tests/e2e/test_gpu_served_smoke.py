@@ -1,5 +1,6 @@
 """benchmarks/gpu_served.py (the GPU check's served step) on the CPU with the tiny model: both
-setups serve, every measured prompt's KV is pulled (counted from the decode node's metrics, the
+setups serve each prompt length at rate inf, then as Poisson arrivals at the rate colocated set;
+every measured prompt's KV is pulled (counted from the decode node's metrics, the
 transport named), greedy outputs agree; and a SIGTERM (the step's timeout) stops it cleanly:
 its servers gone, its results so far written."""
 
@@ -13,14 +14,16 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import live_processes
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _command(model: Path, tmp_path: Path, num_requests: int, output_len: int) -> list[str]:
+def _command(model: Path, tmp_path: Path, num_requests: int, output_len: int, prompt_lens=("32",)) -> list[str]:
     return [sys.executable, "benchmarks/gpu_served.py", "--device", "cpu", "--dtype", "float32", "--model", str(model),
-            "--num-requests", str(num_requests), "--prompt-len", "32", "--output-len", str(output_len),
+            "--num-requests", str(num_requests), "--prompt-lens", *prompt_lens, "--output-len", str(output_len),
             "--max-num-seqs", "8", "--max-num-batched-tokens", "256", "--budget-s", "200",
             "--log-dir", str(tmp_path / "logs")]
 
@@ -34,20 +37,32 @@ def _processes_naming(text: str) -> list[int]:
     return [pid for pid, (_, cmdline) in live_processes().items() if text in cmdline]
 
 
-def test_both_setups_serve_and_every_prompt_is_pulled(tiny_model_dir, tmp_path):
+def test_both_setups_serve_each_length_at_rate_inf_then_poisson_and_every_prompt_is_pulled(tiny_model_dir, tmp_path):
     results = tmp_path / "results"
-    proc = subprocess.run(_command(tiny_model_dir, tmp_path, 6, 8), cwd=REPO, capture_output=True, text=True,
-                          timeout=240, env={**os.environ, "PDSERVE_RESULTS_DIR": str(results)})
+    proc = subprocess.run(_command(tiny_model_dir, tmp_path, 20, 8, prompt_lens=("32", "64")), cwd=REPO,
+                          capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "PDSERVE_RESULTS_DIR": str(results)})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     result = _result(results)
     colocated, disaggregated = result["setups"]["colocated"], result["setups"]["1P+1D"]
-    assert colocated["num_failed"] == disaggregated["num_failed"] == 0
-    pulls = disaggregated["pulls"]
-    assert pulls["count"] == 6 and pulls["bytes"] > 0 and pulls["fallbacks"] == 0, pulls
-    assert pulls["transport"]["memory"] == "host" and pulls["transport"]["transport"], pulls
+    runs = {name: [(r["num_requests"], r["prompt_len"], r["rate_rps"] is None) for r in setup["runs"]]
+            for name, setup in result["setups"].items()}
+    # the longer prompts send as many tokens (20 x 32 = 10 x 64), at least 16 requests
+    assert runs["colocated"] == runs["1P+1D"] == [(20, 32, True), (20, 32, False), (16, 64, True), (16, 64, False)]
+    poisson = [r["rate_rps"] for r in colocated["runs"] if r["rate_rps"] is not None]
+    assert poisson == [r["rate_rps"] for r in disaggregated["runs"] if r["rate_rps"] is not None]
+    assert poisson[0] == pytest.approx(0.9 * colocated["runs"][0]["output_throughput"] / 8)
+    for run in colocated["runs"] + disaggregated["runs"]:
+        assert run["num_failed"] == 0
+        assert 0 < run["cores_busy"]["proxy"] < 2 and 0 < run["cores_busy"]["client"] < 2, run["cores_busy"]
+    for run in disaggregated["runs"]:
+        pulls = run["pulls"]
+        assert pulls["count"] == run["num_requests"] and pulls["bytes"] > 0 and pulls["fallbacks"] == 0, pulls
+        assert pulls["transport"]["memory"] == "host" and pulls["transport"]["transport"], pulls
+    assert [(c["prompt_len"], c["rate_rps"] is None) for c in result["comparisons"]] == [
+        (32, True), (32, False), (64, True), (64, False)]
+    assert all(c["pd_over_colocated"] > 0 for c in result["comparisons"])
     assert result["greedy_equal"] is True and len(colocated["texts"]) == 16
-    for setup in (colocated, disaggregated):  # the proxy and the load generator worked during the load
-        assert 0 < setup["cores_busy"]["proxy"] < 2 and 0 < setup["cores_busy"]["client"] < 2, setup["cores_busy"]
 
 
 def test_sigterm_stops_the_servers_and_writes_what_it_has(tiny_model_dir, tmp_path):
