@@ -48,9 +48,11 @@ MODES = ("streamed", "whole")
 
 
 def one_request(url: str, model: str, prompt: list[int], output_len: int) -> dict:
-    """Stream one completion; the arrival time of each token (seconds from the send)."""
+    """Stream one completion; the arrival time of each token (seconds from the send).
+    NOTE: logprobs 0, so that every token sends its chunk: one without text sends none otherwise,
+    and a random-weight model's greedy output (the GPU check's llama-1b) is often such tokens."""
     body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True,
-            "stream": True}
+            "logprobs": 0, "stream": True}
     times = []
     started = time.perf_counter()
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as response:
@@ -59,8 +61,9 @@ def one_request(url: str, model: str, prompt: list[int], output_len: int) -> dic
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
-            if chunk.get("choices") and chunk["choices"][0].get("text") is not None:
-                times.append(time.perf_counter() - started)
+            if chunk.get("choices") and chunk["choices"][0].get("logprobs"):
+                now = time.perf_counter() - started
+                times += [now] * len(chunk["choices"][0]["logprobs"]["tokens"])  # tokens that came together
             fingerprint = chunk.get("system_fingerprint")
             if fingerprint and fingerprint != "pdserve-kv:pulled":
                 raise RuntimeError(f"the KV did not come by a pull: {fingerprint}")
