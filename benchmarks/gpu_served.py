@@ -92,15 +92,17 @@ def load(base_url: str, model: str, num: int, prompt_len: int, output_len: int, 
     return run_benchmark(config).summary
 
 
-def greedy_texts(base_url: str, model: str, num: int = 16) -> list[str]:
+def greedy_texts(base_url: str, model: str, num: int = 16) -> list[list[str]]:
+    """Each of num prompts' 16 greedy tokens, as their texts (logprobs' tokens: a random-weight
+    model's output is often tokens without text, which the answer's text would not show)."""
     texts = []
     for i in range(num):
         prompt = [(37 * i + 11 * j) % 1900 + 50 for j in range(8 + 3 * i)]
         response = httpx.post(base_url + "/v1/completions", timeout=120, json={
-            "model": model, "prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True})
+            "model": model, "prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True, "logprobs": 0})
         if response.status_code != 200:
             raise RuntimeError(f"greedy request {i}: {response.status_code} {response.text[:300]}")
-        texts.append(response.json()["choices"][0]["text"])
+        texts.append(response.json()["choices"][0]["logprobs"]["tokens"])
     return texts
 
 
