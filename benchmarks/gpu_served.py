@@ -127,22 +127,24 @@ def node_metrics(url: str) -> dict:
     return out
 
 
-def run_setup(name: str, args: argparse.Namespace, started: float, rates: dict[int, float]) -> dict:
-    """One setup's runs: each prompt length at rate inf, then at rates[prompt_len] requests/s
-    (Poisson; colocated, which runs first, fills rates in)."""
+def run_setup(name: str, args: argparse.Namespace, started: float, rates: dict[int, float], out: dict) -> None:
+    """One setup's runs into out (as they end: a run cut short keeps those before it): each prompt
+    length at rate inf, then at rates[prompt_len] requests/s (Poisson; colocated, which runs first,
+    fills rates in)."""
     num_prefill = SETUPS[name]
     model = Path(args.model)
     gpus = gpu_plan(num_prefill, 1, visible=visible_gpus() if args.device != "cpu" else [])
     proxy_args = ["--local-prefill-min-wait-s", "-1"] if num_prefill else []
     log_dir = Path(args.log_dir) / name.replace("+", "")
+    out.update(gpus=gpus, texts=None, runs=[])
     deployment = start_local(model, num_prefill=num_prefill, num_decode=1, node_args=node_args(args),
                              proxy_args=proxy_args, log_dir=log_dir, gpus=gpus)
     try:
         wait_healthy(deployment, max(30.0, args.budget_s - (time.monotonic() - started)))
         base, served = deployment.base_url, model.name
         load(base, served, 8, args.prompt_lens[0], 4, seed=1)  # warm-up: first-request costs out of the figures
-        texts = greedy_texts(base, served)
-        runs = []
+        out["texts"] = greedy_texts(base, served)
+        runs = out["runs"]
         for length_idx, prompt_len in enumerate(args.prompt_lens):
             for phase in ("inf", "poisson"):
                 rate = math.inf if phase == "inf" else rates.get(prompt_len)
@@ -158,7 +160,6 @@ def run_setup(name: str, args: argparse.Namespace, started: float, rates: dict[i
                 print(_line(name, run), flush=True)
                 if name == "colocated" and phase == "inf" and args.poisson_fraction and run["output_throughput"]:
                     rates[prompt_len] = args.poisson_fraction * run["output_throughput"] / args.output_len
-        return {"gpus": gpus, "texts": texts, "runs": runs}
     finally:
         deployment.stop()
 
@@ -206,10 +207,11 @@ def run_setups(args: argparse.Namespace, started: float, results: dict, phase: d
         if left < 40:
             print(f"{name}: skipped, {left:.0f} s left", flush=True)
             continue
+        results[name] = {}
         try:
-            results[name] = run_setup(name, args, started, rates)
+            run_setup(name, args, started, rates, results[name])
         except (RuntimeError, TimeoutError, httpx.HTTPError) as exc:
-            results[name] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+            results[name]["error"] = f"{type(exc).__name__}: {exc}"[:500]
             print(f"{name}: failed: {exc}", flush=True)
 
 
@@ -247,16 +249,16 @@ def main() -> int:
     try:
         run_setups(args, started, results, phase)
     except Stopped as exc:
-        results[phase["now"]] = {"error": str(exc)}
+        results.setdefault(phase["now"], {})["error"] = str(exc)  # the runs it finished stay
         print(f"{phase['now']}: {exc}", flush=True)
     payload = {"device": args.device, "model": Path(args.model).name, "prompt_lens": args.prompt_lens,
                "output_len": args.output_len, "poisson_fraction": args.poisson_fraction, "setups": results,
                "comparisons": compare(results)}
     for c in payload["comparisons"]:
         print(_comparison_line(c), flush=True)
-    ok = {k: v for k, v in results.items() if v.get("runs")}
-    if len(ok) == 2:
-        payload["greedy_equal"] = ok["1P+1D"]["texts"] == ok["colocated"]["texts"]
+    ok = {k: v for k, v in results.items() if v.get("runs") and "error" not in v}
+    if all(results.get(name, {}).get("texts") for name in SETUPS):
+        payload["greedy_equal"] = results["1P+1D"]["texts"] == results["colocated"]["texts"]
         print(f"greedy outputs equal: {payload['greedy_equal']}", flush=True)
     write_result("gpu_served", payload)
     return 0 if len(ok) == 2 else 1

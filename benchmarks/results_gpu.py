@@ -114,10 +114,7 @@ def render_gpu_served(records: list[dict]) -> tuple[list[str], list]:
     result = record["result"]
     rows = []
     for name, setup in result["setups"].items():
-        if "runs" not in setup:
-            rows.append([name, setup.get("error", "")[:80], "", "", "", "", "", ""])
-            continue
-        for r in setup["runs"]:
+        for r in setup.get("runs", []):
             pulls = r.get("pulls") or {}
             ttft, tpot, busy = r["ttft_ms"], r["tpot_ms"], r["cores_busy"]
             rows.append([name, f"{r['num_requests']} x {r['prompt_len']}",
@@ -126,6 +123,8 @@ def render_gpu_served(records: list[dict]) -> tuple[list[str], list]:
                          f"{num(tpot['p50'], 1)} / {num(tpot['p99'], 1)}",
                          f"{num(pulls.get('gb_s'), 1)} GB/s over {(pulls.get('transport') or {}).get('transport')}"
                          if pulls else "", f"{busy['proxy']:.2f} / {busy['client']:.2f}"])
+        if "error" in setup:  # after the runs it finished
+            rows.append([name, setup["error"][:80], "", "", "", "", "", ""])
     lines = [f"{result['model']}, prompts -> {result['output_len']} tokens, all at once (rate inf), then Poisson at "
              f"{result['poisson_fraction']:g}x colocated's rate-inf request rate; cores busy: the proxy's and the "
              "load generator's CPU over the run (near 1: that process was the limit):", ""]
