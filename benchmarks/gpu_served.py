@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import resource
 import signal
 import sys
 import time
@@ -39,7 +38,7 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.cpu_time import process_cpu_s  # noqa: E402
+from benchmarks.cpu_time import own_cpu_s, process_cpu_s  # noqa: E402
 from benchmarks.results_io import write_result  # noqa: E402
 from pdserve.bench import BenchConfig, DatasetConfig, EndpointConfig, LoadConfig, run_benchmark  # noqa: E402
 from pdserve.gpus import gpu_plan, visible_gpus  # noqa: E402
@@ -106,12 +105,6 @@ def greedy_texts(base_url: str, model: str, num: int = 16) -> list[list[str]]:
     return texts
 
 
-def _own_cpu_s() -> float:
-    """This process's CPU seconds (the load generator runs here)."""
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
 def node_metrics(url: str) -> dict:
     """The decode node's pull counters and transport from its /metrics."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -170,13 +163,13 @@ def measure(deployment, served: str, args: argparse.Namespace, prompt_len: int, 
     kept busy, and (has_pulls) the decode node's pulls meanwhile."""
     before = node_metrics(deployment.health_urls["decode0"]) if has_pulls else {}
     proxy = deployment.cluster.process("proxy").pid
-    cpu_before, wall_before = (process_cpu_s(proxy), _own_cpu_s()), time.monotonic()
-    summary = load(deployment.base_url, served, num_requests(args, prompt_len), prompt_len, args.output_len,
-                   seed=seed, rate=rate)
+    num = num_requests(args, prompt_len)
+    cpu_before, wall_before = (process_cpu_s(proxy), own_cpu_s()), time.monotonic()
+    summary = load(deployment.base_url, served, num, prompt_len, args.output_len, seed=seed, rate=rate)
     wall = time.monotonic() - wall_before
-    busy = {"proxy": (process_cpu_s(proxy) - cpu_before[0]) / wall, "client": (_own_cpu_s() - cpu_before[1]) / wall}
+    busy = {"proxy": (process_cpu_s(proxy) - cpu_before[0]) / wall, "client": (own_cpu_s() - cpu_before[1]) / wall}
     run = {"prompt_len": prompt_len, "rate_rps": None if rate == math.inf else rate,
-           "num_requests": num_requests(args, prompt_len), "output_throughput": summary["output_throughput"],
+           "num_requests": num, "output_throughput": summary["output_throughput"],
            "ttft_ms": summary["ttft_ms"], "tpot_ms": summary["tpot_ms"], "num_failed": summary["num_failed"],
            "duration_s": summary["duration_s"], "cores_busy": busy}
     if has_pulls:
@@ -217,8 +210,8 @@ def run_setups(args: argparse.Namespace, started: float, results: dict, phase: d
 
 def _line(name: str, r: dict) -> str:
     ttft, tpot = r["ttft_ms"], r["tpot_ms"]
-    rate = "rate inf" if r["rate_rps"] is None else f"Poisson {r['rate_rps']:.1f}/s"
-    line = (f"{name:>9}, {r['num_requests']} x {r['prompt_len']} at {rate}: {r['output_throughput']:,.0f} "
+    line = (f"{name:>9}, {r['num_requests']} x {r['prompt_len']} at {rate_label(r['rate_rps'])}: "
+            f"{r['output_throughput']:,.0f} "
             f"output tok/s, TTFT p50 {ttft['p50']:.0f} ms "
             f"p99 {ttft['p99']:.0f} ms, TPOT p50 {tpot['p50']:.1f} ms p99 {tpot['p99']:.1f} ms, "
             f"{r['num_failed']} failed; cores busy: proxy {r['cores_busy']['proxy']:.2f}, "
@@ -281,10 +274,15 @@ def compare(results: dict) -> list[dict]:
     return out
 
 
+def rate_label(rate_rps: float | None) -> str:
+    """A run's arrival rate as the lines and tables name it (None: all at once)."""
+    return "rate inf" if rate_rps is None else f"Poisson {rate_rps:.1f}/s"
+
+
 def _comparison_line(c: dict) -> str:
-    rate = "rate inf" if c["rate_rps"] is None else f"Poisson {c['rate_rps']:.1f}/s"
     tpot = c["tpot_ms"]
-    return (f"prompts of {c['prompt_len']} at {rate}: 1P+1D / colocated {c['pd_over_colocated']:.2f}x; TPOT p99 "
+    return (f"prompts of {c['prompt_len']} at {rate_label(c['rate_rps'])}: 1P+1D / colocated "
+            f"{c['pd_over_colocated']:.2f}x; TPOT p99 "
             f"{tpot['1P+1D']['p99']:.1f} ms against {tpot['colocated']['p99']:.1f} ms (colocated p99/p50 "
             f"{tpot['colocated']['p99'] / max(tpot['colocated']['p50'], 1e-9):.2f})")
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import collections
 import os
-import resource
 import signal
 import subprocess
 import sys
@@ -33,7 +32,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.cpu_time import process_cpu_s  # noqa: E402
+from benchmarks.cpu_time import own_cpu_s, process_cpu_s  # noqa: E402
 from benchmarks.serve_throughput import scrape_counters  # noqa: E402
 from pdserve.bench import BenchConfig, DatasetConfig, EndpointConfig, LoadConfig, run_benchmark  # noqa: E402
 from pdserve.default_model import ensure_model  # noqa: E402
@@ -100,12 +99,12 @@ def profile_preset(preset: str, args: argparse.Namespace) -> dict:
             spies = {name: _start_spy(proc.pid, out_dir / f"{name}.txt") for name, proc in deployment.cluster.procs}
         counters_before = scrape_counters(deployment.base_url)
         cpu_before = {name: process_cpu_s(proc.pid) for name, proc in deployment.cluster.procs}
-        client_before = _own_process_cpu_s()
+        client_before = own_cpu_s()
         started = time.monotonic()
         bench = run_benchmark(config)
         elapsed_s = time.monotonic() - started
         cpu_s = {name: process_cpu_s(proc.pid) - cpu_before[name] for name, proc in deployment.cluster.procs}
-        cpu_s["load generator"] = _own_process_cpu_s() - client_before
+        cpu_s["load generator"] = own_cpu_s() - client_before
         local_prefills = scrape_counters(deployment.base_url)["local_prefills"] - counters_before["local_prefills"]
         if spies:  # their sampling runs on the same cores
             cpu_s["py-spy"] = sum(process_cpu_s(spy.pid) for spy in spies.values())
@@ -123,11 +122,6 @@ def profile_preset(preset: str, args: argparse.Namespace) -> dict:
         result["processes"][name] = split_samples(out_dir / f"{name}.txt", parts, elapsed_s)
     print_result(result)
     return result
-
-
-def _own_process_cpu_s() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
 
 
 def accounting(cpu_s: dict[str, float], wall_s: float, num_cores: int) -> dict:

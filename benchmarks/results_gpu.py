@@ -106,6 +106,10 @@ def render_kv_transfer_gpu(records: list[dict]) -> tuple[list[str], list]:
     return table(["UCX settings", "READ", "time", "transport"], rows) + ["", "- " + provenance(record)], []
 
 
+def _rate(rate_rps: float | None) -> str:
+    return "inf" if rate_rps is None else f"Poisson {rate_rps:.1f}/s"
+
+
 def render_gpu_served(records: list[dict]) -> tuple[list[str], list]:
     runs = [r for r in records if r["result"].get("device") != "cpu"]
     if not runs:
@@ -118,7 +122,7 @@ def render_gpu_served(records: list[dict]) -> tuple[list[str], list]:
             pulls = r.get("pulls") or {}
             ttft, tpot, busy = r["ttft_ms"], r["tpot_ms"], r["cores_busy"]
             rows.append([name, f"{r['num_requests']} x {r['prompt_len']}",
-                         "inf" if r["rate_rps"] is None else f"Poisson {r['rate_rps']:.1f}/s",
+                         _rate(r["rate_rps"]),
                          num(r["output_throughput"], 0), f"{num(ttft['p50'], 0)} / {num(ttft['p99'], 0)}",
                          f"{num(tpot['p50'], 1)} / {num(tpot['p99'], 1)}",
                          f"{num(pulls.get('gb_s'), 1)} GB/s over {(pulls.get('transport') or {}).get('transport')}"
@@ -130,7 +134,7 @@ def render_gpu_served(records: list[dict]) -> tuple[list[str], list]:
              "load generator's CPU over the run (near 1: that process was the limit):", ""]
     lines += table(["setup", "requests x prompt", "rate", "output tok/s", "TTFT p50 / p99 (ms)",
                     "TPOT p50 / p99 (ms)", "KV pulls", "cores busy: proxy / client"], rows)
-    comparisons = [[str(c["prompt_len"]), "inf" if c["rate_rps"] is None else f"Poisson {c['rate_rps']:.1f}/s",
+    comparisons = [[str(c["prompt_len"]), _rate(c["rate_rps"]),
                     f"**{c['pd_over_colocated']:.2f}x**",
                     f"{num(c['tpot_ms']['colocated']['p99'], 1)} / {num(c['tpot_ms']['1P+1D']['p99'], 1)}",
                     f"{c['tpot_ms']['colocated']['p99'] / max(c['tpot_ms']['colocated']['p50'], 1e-9):.2f}"]

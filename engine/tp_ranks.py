@@ -394,18 +394,17 @@ def _watch_workers(ranks_ref: weakref.ref, processes: list[subprocess.Popen], st
     lost_at = None
     while not stop.wait(_WATCH_INTERVAL_S):
         lost = [(rank, p) for rank, p in enumerate(processes, start=1) if p.poll() is not None]
-        ranks = ranks_ref()  # NOTE: held only until the next wait, so the group can still be collected
+        ranks = ranks_ref()  # NOTE: no reference kept across waits: the group can still be collected
         if ranks is None:
             return
-        if not lost or ranks.is_broken:
+        is_broken = ranks.is_broken
+        del ranks
+        if not lost or is_broken:
             lost_at = None  # nothing lost, or a step ran into it: the engine ends on that error
-            del ranks
             continue
         lost_at = lost_at or time.monotonic()
         if time.monotonic() - lost_at < LOST_RANK_GRACE_S:
-            del ranks
             continue
-        del ranks
         what = ", ".join(f"rank {rank} (pid {p.pid}) exited with code {p.returncode}" for rank, p in lost)
         if not ends_process:  # NOTE: the next step raises (_check_alive); one waiting on it now stays
             logger.error("tensor-parallel %s; this engine cannot run another step", what)

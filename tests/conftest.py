@@ -188,6 +188,15 @@ def live_processes() -> dict[int, tuple[int, str]]:
     return processes
 
 
+def is_alive(pid: int) -> bool:
+    """Whether pid runs (exists, and not a zombie waiting to be reaped)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
 def assert_ledger_closed(num_open: int, num_unanswered: int, oldest_open: object = ()) -> None:
     """No request is open any more and none ended without an answer (proxy.ledger)."""
     assert num_unanswered == 0, f"{num_unanswered} requests ended without an answer"

@@ -30,7 +30,7 @@ from engine.tp_group import SHARE_GPU_VARIABLE
 from pdserve.cluster import Cluster
 from pdserve.launcher import Deployment, wait_healthy
 from pdserve.ports import free_port
-from tests.conftest import assert_every_request_answered
+from tests.conftest import assert_every_request_answered, is_alive
 from tests.e2e.conftest import KV_PATH_ONLY, NODE_ARGS, assert_kv_path_only, node_load, wait_blocks_free
 from tests.e2e.test_availability import MAX_TOKENS, _Streams
 from tests.e2e.test_pipeline import client_for, hf, hf_greedy, hf_greedy_ignoring_eos, model_name, random_prompts  # noqa: F401 - hf: fixture
@@ -139,11 +139,6 @@ def worker_pids(pid: int) -> list[int]:
     """The child processes of pid (a split node's worker ranks)."""
     children = Path(f"/proc/{pid}/task/{pid}/children")
     return [int(p) for p in children.read_text().split()] if children.exists() else []
-
-
-def is_alive(pid: int) -> bool:
-    stat = Path(f"/proc/{pid}/stat")
-    return stat.exists() and stat.read_text().rsplit(")", 1)[-1].split()[0] != "Z"
 
 
 def test_a_killed_rank_fails_its_node_and_its_streams_complete_on_the_other(split_nodes, hf):  # noqa: F811

@@ -20,7 +20,6 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -31,7 +30,7 @@ from engine.protocol import Role
 from engine.sampling_params import SamplingParams
 from engine.tp_group import TensorParallelError
 from engine.tp_shard import check_tensor_parallel, local_model_config, tp_shard
-from tests.conftest import REPO, _cached_model
+from tests.conftest import REPO, _cached_model, is_alive
 from tests.engine.test_correctness import run_to_completion, transformers_greedy
 from tests.kernels.conftest import ENGINE_DEVICES
 
@@ -242,20 +241,12 @@ def test_a_worker_whose_rank_0_is_gone_ends_although_it_is_busy():
         process.kill()
         process.wait()
         deadline = time.monotonic() + 60
-        while _alive(worker) and time.monotonic() < deadline:
+        while is_alive(worker) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not _alive(worker)
+        assert not is_alive(worker)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(worker, signal.SIGKILL)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state != "Z"
 
 
 def test_the_benchmark_times_both_sizes_and_records_their_ratio(tiny_model_dir, tmp_path, monkeypatch):
