@@ -197,6 +197,14 @@ def is_alive(pid: int) -> bool:
     return state != "Z"
 
 
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment for a Python child process of a test: the repo first on its PYTHONPATH, the
+    path the suite was given kept behind it (where a machine installs packages beside the image's,
+    as the GPU check does), then extra."""
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path, **extra}
+
+
 def assert_ledger_closed(num_open: int, num_unanswered: int, oldest_open: object = ()) -> None:
     """No request is open any more and none ended without an answer (proxy.ledger)."""
     assert num_unanswered == 0, f"{num_unanswered} requests ended without an answer"

@@ -66,7 +66,8 @@ def _decode_triton(query, kv_cache_layer, block_tables, seq_lens, scale, num_spl
     )
     _decode_reduce_kernel[(num_seqs, num_heads)](
         partial_acc, partial_max, partial_sum, out, out.stride(0), out.stride(1), num_splits,
-        BLOCK_SPLITS=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim, BLOCK_D=block_d,
+        # NOTE: as wide as the most splits a plan gives, whatever this step's count: one compile
+        BLOCK_SPLITS=triton.next_power_of_2(max(num_splits, _MAX_SPLITS)), HEAD_DIM=head_dim, BLOCK_D=block_d,
     )
     return out
 

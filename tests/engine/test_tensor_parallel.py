@@ -30,7 +30,7 @@ from engine.protocol import Role
 from engine.sampling_params import SamplingParams
 from engine.tp_group import TensorParallelError
 from engine.tp_shard import check_tensor_parallel, local_model_config, tp_shard
-from tests.conftest import REPO, _cached_model, is_alive
+from tests.conftest import REPO, _cached_model, child_env, is_alive
 from tests.engine.test_correctness import run_to_completion, transformers_greedy
 from tests.kernels.conftest import ENGINE_DEVICES
 
@@ -335,7 +335,7 @@ def test_a_cache_rank_0_allocates_is_the_memory_its_worker_opens(tiny_model_dir,
             torch.cuda.synchronize()
     """)
     subprocess.run([sys.executable, "-c", child], check=True, timeout=120, cwd=REPO,
-                   env=dict(os.environ, PYTHONPATH=str(REPO)))
+                   env=child_env())
     assert bool((cache[5] == 2.0).all()) and bool((cache[3] == 1.0).all()) and not bool(cache[4].any())
 
 

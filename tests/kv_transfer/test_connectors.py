@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import random
 import subprocess
 import sys
@@ -38,11 +37,10 @@ from kv_transfer.messages import (
     ReadConfirmed,
     RenewLeases,
 )
-from tests.conftest import dealer
+from tests.conftest import child_env, dealer
 from tests.kv_transfer.helpers import json_line, poll_until
 
 PEER = Path(__file__).with_name("peer.py")
-REPO = Path(__file__).resolve().parents[2]
 LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=16, block_size=16, dtype="float32", num_blocks=48,
                   model_fingerprint="abc", code_version="1")
 
@@ -53,8 +51,7 @@ class Holder:
     def __init__(self, backend: str, seed: int, layout: KVLayout = LAYOUT, port: int = 0,
                  secret: str | None = None, storage: str = "block",
                  head_ranges: list[tuple[int, int]] | None = None, device: str = "cpu") -> None:
-        env = {**os.environ, "PYTHONPATH": str(REPO), "PEER_STORAGE": storage, "PEER_DEVICE": device,
-               "PEER_HEAD_RANGES": json.dumps(head_ranges or [])}
+        env = child_env(PEER_STORAGE=storage, PEER_DEVICE=device, PEER_HEAD_RANGES=json.dumps(head_ranges or []))
         layout_json = msgspec.json.encode(layout).decode()
         argv = [sys.executable, str(PEER), backend, str(seed), layout_json, str(port), *([secret] if secret else [])]
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
@@ -210,7 +207,7 @@ def test_holder_refuses_a_foreign_hello_by_code_and_the_reader_raises_by_code(ho
 def test_killed_holder_fails_reads_within_timeout_and_blocks_come_back(backend, holders):
     holder = holders(backend, seed=3)
     warm = holder.lease("warm", [0])
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = child_env()
     reader_proc = subprocess.Popen(
         [sys.executable, str(PEER.with_name("reader.py")), backend, msgspec.json.encode(LAYOUT).decode(),
          holder.address, holder.engine_id, str(warm.generation)],

@@ -2,7 +2,6 @@
 percent of one, measured over 4 s), and a transfer completes promptly while both sides' loops are busy with
 (simulated) model steps that never call into NIXL."""
 
-import os
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ from kv_transfer.config import TransferConfig
 from kv_transfer.factory import create_connector
 from kv_transfer.layout import KVLayout
 from kv_transfer.lease import LeaseTable
+from tests.conftest import child_env
 from tests.kv_transfer.helpers import json_line
 
 # Alone on the machine (make test's serial part): a CPU share and a read's time are bounded here.
@@ -65,7 +65,7 @@ exit_now(0)
 def start_holder(mode: str, *args: str) -> tuple[subprocess.Popen, dict]:
     proc = subprocess.Popen([sys.executable, "-c", HOLDER, msgspec.json.encode(LAYOUT).decode(), mode, *args],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, start_new_session=True)
+                            cwd=REPO, env=child_env(), start_new_session=True)
     return proc, json_line(proc)
 
 
