@@ -61,7 +61,8 @@ def make_record(name: str, result: object) -> dict:
 
 def machine() -> dict:
     """CPU model, cores this process may use, the instruction-set flags the kernels care about,
-    and the GPU where torch is already loaded and sees one."""
+    and the GPU: torch's first device where torch is loaded and sees one, else nvidia-smi's (a
+    benchmark that only starts the processes on the GPU never loads torch)."""
     info = {"cpu": platform.processor() or platform.machine(), "cores": len(os.sched_getaffinity(0)),
             "cpu_flags": [], "gpu": None}
     try:
@@ -78,7 +79,20 @@ def machine() -> dict:
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
+    elif torch is None:
+        info["gpu"] = _nvidia_smi_gpu()
     return info
+
+
+def _nvidia_smi_gpu() -> str | None:
+    """The first GPU's name as nvidia-smi gives it; None where there is no nvidia-smi or no GPU."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    names = out.stdout.strip().splitlines() if out.returncode == 0 else []
+    return names[0].strip() if names else None
 
 
 def versions() -> dict:

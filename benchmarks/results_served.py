@@ -288,8 +288,18 @@ def render_ab_trees(records: list[dict]) -> tuple[list[str], list]:
 
 
 def render_kv_streaming(records: list[dict]) -> tuple[list[str], list]:
-    """The newest run: per prompt length, the pull streamed chunk by chunk against whole."""
-    record = records[-1]
+    """The newest run on each device (a GPU's first): per prompt length, the pull streamed chunk by
+    chunk against whole."""
+    newest = {record["result"].get("device", "cpu"): record for record in records}
+    lines, plots = [], []
+    for device in sorted(newest, key=lambda d: d == "cpu"):
+        more_lines, more_plots = _render_kv_streaming_run(newest[device])
+        lines += more_lines
+        plots += more_plots
+    return lines, plots
+
+
+def _render_kv_streaming_run(record: dict) -> tuple[list[str], list]:
     r = record["result"]
     rows = []
     for row in r["rows"]:
@@ -308,7 +318,8 @@ def render_kv_streaming(records: list[dict]) -> tuple[list[str], list]:
              "pull cost = the gap from the first token to the second minus TPOT:", ""]
     lines += table(["prompt tokens", "KV pull", "TTFT ms", "1st -> 2nd token ms", "TPOT ms", "pull cost ms"], rows)
     lines += ["", "- " + provenance(record), ""]
-    return with_plot(lines, "kv_streaming.png", "pull cost, streamed vs whole",
+    name = "kv_streaming.png" if device == "cpu" else f"kv_streaming_{device}.png"
+    return with_plot(lines, name, f"pull cost, streamed vs whole ({device})",
                      lambda path: plot_kv_streaming(r["rows"], path))
 
 

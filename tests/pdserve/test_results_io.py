@@ -43,3 +43,18 @@ def test_every_benchmark_script_writes_its_result_through_results_io():
     for script in sorted(set((ROOT / "benchmarks").glob("*.py")) - {ROOT / "benchmarks" / "results_io.py"}):
         text = script.read_text()
         assert 'print("RESULT ' not in text, f"{script.name} prints RESULT itself: use results_io.write_result"
+
+
+def test_a_process_without_torch_records_the_gpu_nvidia_smi_names(tmp_path, monkeypatch):
+    """gpu_served and kv_transfer_gpu only start the processes on the GPU: their records name the
+    GPU from nvidia-smi; without one (a CPU machine), none."""
+    results_io = _results_io()
+    monkeypatch.setitem(__import__("sys").modules, "torch", None)
+    smi = tmp_path / "bin" / "nvidia-smi"
+    smi.parent.mkdir()
+    smi.write_text("#!/bin/sh\n[ \"$1\" = --query-gpu=name ] && printf 'NVIDIA H200\\nNVIDIA H200\\n'\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", str(smi.parent))
+    assert results_io.machine()["gpu"] == "NVIDIA H200"
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert results_io.machine()["gpu"] is None
