@@ -154,6 +154,11 @@ class Requester:
             else:
                 socket.close(linger=0)
 
+    def start(self, address: str, message: SideMessage, timeout_s: float) -> Exchange:
+        """The request sent at once without waiting; its reply picked up by the Exchange on the
+        caller's thread (no thread of ours between the two)."""
+        return Exchange(self, address, message, timeout_s)
+
     def close(self) -> None:
         with self._lock:
             self._is_closed = True
@@ -182,6 +187,73 @@ class Requester:
                     to_close += self._idle.pop(next(iter(self._idle)))
         for stale in to_close:
             stale.close(linger=0)
+
+
+class Exchange:
+    """One request in flight from Requester.start: done() picks its reply up when there is one,
+    never waiting; reply() is the answer, or raises HandshakeFailed (no answer within its timeout,
+    a bad answer, a peer ZMQ cannot reach, cancelled). The socket goes back to the requester once
+    answered, and is closed otherwise. Used from one thread."""
+
+    def __init__(self, requester: Requester, address: str, message: SideMessage, timeout_s: float) -> None:
+        self._requester = requester
+        self._address = address
+        self._timeout_s = timeout_s
+        self._deadline = time.monotonic() + timeout_s
+        self._reply: SideMessage | None = None
+        self._error: HandshakeFailed | None = None
+        self._socket: zmq.Socket | None = None
+        try:
+            self._socket = requester._take(address)
+            # NOTE: never waits: a DEALER queues the message for its connection (see _exchange on
+            # one left without a peer: then nothing is queued and this fails at once).
+            self._socket.send(encode(message), flags=zmq.NOBLOCK)
+        except HandshakeFailed as exc:
+            self._end(exc)
+        except zmq.Again:
+            self._end(HandshakeFailed(f"no answer from KV side channel {address} (no connection took the request)"))
+        except zmq.ZMQError as exc:
+            self._end(HandshakeFailed(f"KV side channel {address} cannot be reached: {exc}"))
+
+    def done(self) -> bool:
+        if self._socket is None:
+            return True
+        try:
+            if self._socket.poll(0):
+                reply = decode(self._socket.recv(flags=zmq.NOBLOCK))
+                socket, self._socket = self._socket, None
+                self._requester._give_back(self._address, socket)
+                self._reply = reply
+                return True
+        except msgspec.DecodeError as exc:
+            self._end(HandshakeFailed(f"bad answer from KV side channel {self._address}: {exc}"))
+            return True
+        except zmq.ZMQError as exc:
+            self._end(HandshakeFailed(f"KV side channel {self._address} cannot be reached: {exc}"))
+            return True
+        if time.monotonic() >= self._deadline:
+            self._end(HandshakeFailed(f"no answer from KV side channel {self._address} within {self._timeout_s} s"))
+            return True
+        return False
+
+    def reply(self) -> SideMessage:
+        """The answer (once done()); raises HandshakeFailed where there is none."""
+        if self._error is not None:
+            raise self._error
+        if self._reply is None:
+            raise RuntimeError("Exchange.reply() before done()")
+        return self._reply
+
+    def cancel(self) -> None:
+        """Stop waiting: a late answer is never read (its socket is closed)."""
+        if self._socket is not None:
+            self._end(HandshakeFailed(f"the request to KV side channel {self._address} was cancelled"))
+
+    def _end(self, error: HandshakeFailed) -> None:
+        if self._socket is not None:
+            self._socket.close(linger=0)
+            self._socket = None
+        self._error = error
 
 
 def _dealer(address: str, keys: CurveKeys | None, linger_ms: int = 0, **options: int) -> zmq.Socket:

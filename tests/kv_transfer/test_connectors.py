@@ -481,3 +481,23 @@ def test_a_streamed_lease_that_ended_after_a_part_was_read_fails_its_last_read_a
         assert not result.is_ok and result.failure is FailureCode.LEASE_LOST, result
     finally:
         connector.close()
+
+
+@pytest.mark.parametrize("backend", ["nixl", "gloo"])
+def test_a_connector_lowers_the_thread_switch_interval_for_its_side_channel(backend):
+    """Its side channel's thread answers a peer (a confirmation, a renewal) within the interval
+    while the node's loop runs Python: 5 ms at the default, 0.5 ms after."""
+    from kv_transfer.side_channel_connector import THREAD_SWITCH_INTERVAL_S
+
+    before = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.005)
+        connector, _ = reader(backend)
+        connector.close()
+        assert sys.getswitchinterval() == pytest.approx(THREAD_SWITCH_INTERVAL_S) and THREAD_SWITCH_INTERVAL_S < 0.005
+        sys.setswitchinterval(0.0001)  # an interval already lower stays
+        connector, _ = reader(backend)
+        connector.close()
+        assert sys.getswitchinterval() == pytest.approx(0.0001)
+    finally:
+        sys.setswitchinterval(before)

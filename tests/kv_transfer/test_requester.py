@@ -158,3 +158,80 @@ def test_a_request_refused_by_a_secured_server_always_ends_within_its_timeout():
         assert len(outcomes) == 48 and all(o.startswith("no answer") for o in outcomes), outcomes
     finally:
         server.close()
+
+
+def _wait_done(exchange, within_s: float = 10.0) -> None:
+    deadline = time.monotonic() + within_s
+    while not exchange.done():
+        assert time.monotonic() < deadline, "the exchange never ended"
+        time.sleep(0.001)
+
+
+def test_a_started_exchange_is_answered_on_the_callers_thread_and_keeps_its_connection():
+    """Requester.start (a read's confirmation): sent at once, done() picks the answer up without
+    waiting (no thread between), and the connection goes back for the next request."""
+    release = threading.Event()
+
+    def held(message):
+        release.wait(5)
+        return _confirming(message)
+
+    server = SideChannelServer("127.0.0.1", 0, held)
+    requester = Requester()
+    try:
+        exchange = requester.start(server.address, ConfirmRead("holder", LeaseRef("a", 1)), timeout_s=5.0)
+        started = time.monotonic()
+        assert not exchange.done() and time.monotonic() - started < 1.0  # never waits for the answer
+        with pytest.raises(RuntimeError):
+            exchange.reply()
+        release.set()
+        _wait_done(exchange)
+        assert exchange.reply() == ReadConfirmed(LeaseRef("a", 1), True)
+        [kept] = requester._idle[server.address]
+        assert _confirm(requester, server.address, "b") == ReadConfirmed(LeaseRef("b", 1), True)
+        assert requester._idle[server.address] == [kept]
+    finally:
+        release.set()
+        requester.close()
+        server.close()
+
+
+def test_a_started_exchange_times_out_or_is_cancelled_and_its_late_answer_reaches_nobody():
+    calls = []
+
+    def slow(message):
+        calls.append(message.lease.request_id)
+        if message.lease.request_id != "third":
+            time.sleep(0.5)
+        return ReadConfirmed(message.lease, True)
+
+    server = SideChannelServer("127.0.0.1", 0, slow)
+    requester = Requester()
+    try:
+        timed_out = requester.start(server.address, ConfirmRead("holder", LeaseRef("first", 1)), timeout_s=0.1)
+        _wait_done(timed_out)
+        with pytest.raises(HandshakeFailed, match="no answer"):
+            timed_out.reply()
+        cancelled = requester.start(server.address, ConfirmRead("holder", LeaseRef("second", 1)), timeout_s=5.0)
+        cancelled.cancel()
+        assert cancelled.done()
+        with pytest.raises(HandshakeFailed, match="cancelled"):
+            cancelled.reply()
+        assert not requester._idle.get(server.address)  # neither connection kept
+        time.sleep(1.2)  # both late answers have come by now
+        assert _confirm(requester, server.address, "third") == ReadConfirmed(LeaseRef("third", 1), True)
+        assert calls in (["first", "second", "third"], ["first", "third"])  # a cancel may drop the unsent request
+    finally:
+        requester.close()
+        server.close()
+
+
+def test_a_started_exchange_to_an_unreachable_address_ends_at_once():
+    requester = Requester()
+    try:
+        exchange = requester.start("not an address", Ack(), timeout_s=5.0)
+        assert exchange.done()
+        with pytest.raises(HandshakeFailed, match="cannot be reached"):
+            exchange.reply()
+    finally:
+        requester.close()
