@@ -111,9 +111,12 @@ def start_holder(backend: str, host: str = "127.0.0.1", wrap=list, layout: KVLay
             return proc, json.loads(line)
 
 
-def read_once(connector, holder, request_id: str, remote: list[int], local: list[int]) -> float:
+def read_once(connector, holder, request_id: str, remote: list[int], local: list[int],
+              transfer_s: list[float] | None = None) -> float:
     """One pull, timed from posting the read to its confirmed result (the holder's lease is taken
-    first, outside the timing, as the prefill node takes it when the prompt finishes)."""
+    first, outside the timing, as the prefill node takes it when the prompt finishes). With
+    transfer_s, also appends the time to the transfer's end (the confirmation sent: a
+    SideChannelConnector's read then has one)."""
     proc, hello = holder
     proc.stdin.write(f"{request_id} {json.dumps(remote)}\n")
     proc.stdin.flush()
@@ -124,8 +127,12 @@ def read_once(connector, holder, request_id: str, remote: list[int], local: list
     lease = RemoteLease(hello["engine_id"], hello["address"], remote, generation, 600.0)
     start = time.perf_counter()
     connector.start_read(request_id, lease, local)
+    pending = getattr(connector, "_reads", {}).get(request_id)
     while True:
         results = connector.poll()
+        if transfer_s is not None and pending is not None and pending.confirmation is not None:
+            transfer_s.append(time.perf_counter() - start)
+            pending = None
         if results:
             if not results[0].is_ok:
                 raise RuntimeError(results[0].error)

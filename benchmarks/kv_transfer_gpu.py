@@ -4,10 +4,12 @@ GB/s and the transport UCX reports, under pdserve's UCX settings and under the s
 Each setting runs in fresh processes (UCX reads its settings when it loads): a holder process
 with a block-major bfloat16 cache of llama-1b's KV shape on the GPU (16 layers, 8 KV heads of 64:
 512 KiB a block of 16 tokens), and a reader process (this script with --reader) that pulls 256 MiB
-(512 blocks, scattered on the reader's side) --repeats times through the NixlConnector and reports the
-median GB/s and connector.transport, and checks that the blocks read are the holder's (it draws
-its cache from seed 0; the reader draws the same). A setting fails on wrong data, and pdserve's
-own where UCX fell back to TCP for GPU memory. Settings:
+(512 blocks, scattered on the reader's side: a descriptor each) --repeats times through the NixlConnector
+and reports the median GB/s (the read confirmed, as a node uses it) and the transfer's own time (until
+the confirmation is sent), the descriptors, connector.transport, and checks that the blocks read are
+the holder's (it draws its cache from seed 0; the reader draws the same). pdserve's setting also reads
+the same blocks into contiguous ones (merged into one descriptor): what the descriptor count costs.
+A setting fails on wrong data, and pdserve's own where UCX fell back to TCP for GPU memory. Settings:
   pdserve   the node's own choice (kv_transfer/ucx.py: lo, GET over cuda_ipc enabled)
   before    UCX_NET_DEVICES=lo alone, GET over cuda_ipc left to UCX (what nodes set before)
 Ends with `RESULT {json}`. --device cpu --blocks 16 checks the script on host memory.
@@ -41,6 +43,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--settings", default="pdserve,before")
     parser.add_argument("--reader", action="store_true", help="(internal) run one setting's reader")
+    parser.add_argument("--contiguous", action="store_true", help="(internal) also into contiguous blocks")
     parser.add_argument("--timeout-s", type=float, default=120.0, help="per setting")
     return parser.parse_args()
 
@@ -84,25 +87,41 @@ def reader(args: argparse.Namespace) -> int:
             cache = torch.zeros(shape, dtype=torch.bfloat16, device=args.device)
             connector = create_connector(TransferConfig(backend="nixl", host="127.0.0.1"), cache, layout, "reader")
             remote = list(range(args.blocks))
-            local = list(range(1, 2 * args.blocks, 2))
-            times = [read_once(connector, holder, f"r{i}", remote, local) for i in range(args.repeats + 1)][1:]
+            variants = {"scattered": list(range(1, 2 * args.blocks, 2))}
+            if args.contiguous:
+                variants["contiguous"] = list(range(args.blocks, 2 * args.blocks))
+            torch.manual_seed(0)  # the holder's cache (benchmarks/kv_transfer.py's HOLDER)
+            expected = torch.randn(shape, dtype=torch.bfloat16, device=args.device)[remote]
+            timed = {}
+            for name, local in variants.items():
+                transfer_s = []
+                times = [read_once(connector, holder, f"{name}{i}", remote, local, transfer_s)
+                         for i in range(args.repeats + 1)][1:]
+                # NOTE: checked before the next variant's reads overwrite some of these blocks
+                timed[name] = (times, transfer_s[1:], connector.num_descriptors_last_read,
+                               torch.equal(cache[local], expected))
             for _ in range(50):  # the report is read at most once a second after a read
                 if connector.transport is not None:
                     break
                 connector._report_checked_at = 0.0
                 connector._check_ucx_report()
                 time.sleep(0.05)
-            seconds = statistics.median(times)
             num_bytes = args.blocks * layout.block_numel * 2
             transport = connector.transport
-            torch.manual_seed(0)  # the holder's cache (benchmarks/kv_transfer.py's HOLDER)
-            expected = torch.randn(shape, dtype=torch.bfloat16, device=args.device)
-            is_equal = torch.equal(cache[local], expected[remote])
-            print(json.dumps({"gb_s": num_bytes / seconds / 1e9, "ms": 1e3 * seconds, "bytes": num_bytes,
-                              "equal": is_equal, "transport": transport.transport if transport else None,
-                              "method": transport.method if transport else None,
-                              "tcp_fallback": transport.is_tcp_fallback if transport else None,
-                              "env": {k: v for k, v in os.environ.items() if k.startswith("UCX_")}}), flush=True)
+            out = {}
+            for name, (times, transfer_s, descriptors, is_equal) in timed.items():
+                seconds = statistics.median(times)
+                out[name] = {"gb_s": num_bytes / seconds / 1e9, "ms": 1e3 * seconds,
+                             "transfer_ms": 1e3 * statistics.median(transfer_s) if transfer_s else None,
+                             "descriptors": descriptors, "equal": is_equal}
+            result = dict(out.pop("scattered"), bytes=num_bytes, transport=transport.transport if transport else None,
+                          method=transport.method if transport else None,
+                          tcp_fallback=transport.is_tcp_fallback if transport else None,
+                          env={k: v for k, v in os.environ.items() if k.startswith("UCX_")})
+            if "contiguous" in out:
+                result["contiguous"] = out["contiguous"]
+                result["equal"] = result["equal"] and out["contiguous"]["equal"]
+            print(json.dumps(result), flush=True)
         except BaseException:
             holder_log.seek(0)
             print(f"holder's log:\n{holder_log.read()[-2000:]}", file=sys.stderr, flush=True)
@@ -114,6 +133,10 @@ def reader(args: argparse.Namespace) -> int:
                 holder[0].kill()
                 holder[0].wait()
     return 0
+
+
+def _ms(value: float | None) -> str:
+    return "unmeasured" if value is None else f"{value:.2f} ms"
 
 
 def main() -> int:
@@ -132,7 +155,7 @@ def main() -> int:
         env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}
         env.update(SETTINGS[name])  # PYTHONPATH as given (the reader puts the repo first itself)
         argv = [sys.executable, __file__, "--reader", "--blocks", str(args.blocks), "--repeats", str(args.repeats),
-                "--device", args.device]
+                "--device", args.device, *(["--contiguous"] if name == "pdserve" else [])]
         try:
             proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=args.timeout_s, cwd=REPO)
         except subprocess.TimeoutExpired:
@@ -146,8 +169,13 @@ def main() -> int:
             continue
         results[name] = json.loads(lines[-1])
         r = results[name]
-        print(f"{name:>8}: {r['gb_s']:8.2f} GB/s ({r['ms']:.2f} ms for {r['bytes'] / 2**20:.0f} MiB) over "
-              f"{r['transport']} ({r['method']}){'' if r['equal'] else '; WRONG DATA read'}", flush=True)
+        print(f"{name:>8}: {r['gb_s']:8.2f} GB/s ({r['ms']:.2f} ms for {r['bytes'] / 2**20:.0f} MiB, the transfer "
+              f"{_ms(r['transfer_ms'])}, {r['descriptors']} descriptors) over {r['transport']} ({r['method']})"
+              f"{'' if r['equal'] else '; WRONG DATA read'}", flush=True)
+        if "contiguous" in r:
+            c = r["contiguous"]
+            print(f"{'':>8}  {c['gb_s']:8.2f} GB/s into contiguous blocks ({c['ms']:.2f} ms, the transfer "
+                  f"{_ms(c['transfer_ms'])}, {c['descriptors']} descriptors)", flush=True)
         if name == "pdserve" and r["tcp_fallback"] and args.device != "cpu":
             print("pdserve: UCX fell back to TCP for GPU memory (failed)", flush=True)
     from benchmarks.results_io import write_result

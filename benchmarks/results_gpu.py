@@ -100,10 +100,17 @@ def render_kv_transfer_gpu(records: list[dict]) -> tuple[list[str], list]:
     record = runs[-1]
     rows = []
     for name, r in record["result"]["settings"].items():
-        rows.append([name, num(r.get("gb_s"), 1, " GB/s"), num(r.get("ms"), 2, " ms"),
-                     f"{r.get('transport')} ({r.get('method')})"] if "gb_s" in r else
-                    [name, "", "", r.get("error", "")[:80]])
-    return table(["UCX settings", "READ", "time", "transport"], rows) + ["", "- " + provenance(record)], []
+        if "gb_s" not in r:
+            rows.append([name, "", "", "", "", "", r.get("error", "")[:80]])
+            continue
+        for blocks, run in (("scattered", r), ("contiguous", r.get("contiguous"))):
+            if run is not None:
+                rows.append([name, blocks, num(run.get("descriptors"), 0), num(run["gb_s"], 1, " GB/s"),
+                             num(run["ms"], 2, " ms"), num(run.get("transfer_ms"), 2, " ms"),
+                             f"{r.get('transport')} ({r.get('method')})"])
+    head = ["UCX settings", "reader's blocks", "descriptors", "READ (confirmed)", "time", "of it the transfer",
+            "transport"]
+    return table(head, rows) + ["", "- " + provenance(record)], []
 
 
 def _rate(rate_rps: float | None) -> str:

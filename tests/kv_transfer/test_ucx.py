@@ -150,6 +150,12 @@ def test_the_gpu_read_benchmark_runs_on_host_memory(tmp_path):
     for result in settings.values():
         assert result["gb_s"] > 0 and "/" in result["transport"] and result["equal"] is True, result
     assert settings["before"]["env"]["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] == "auto"
+    # a descriptor per scattered block; pdserve's setting also reads into contiguous blocks, merged into one
+    contiguous = settings["pdserve"].pop("contiguous")
+    assert contiguous["descriptors"] == 1 and contiguous["equal"] is True and "contiguous" not in settings["before"]
+    for result in (*settings.values(), contiguous):
+        assert 0 < result["transfer_ms"] <= result["ms"], result
+    assert all(result["descriptors"] == 8 for result in settings.values())
     assert len(set((site / "pids").read_text().split())) == 1 + 2 * 2  # this run, each setting's reader and holder
     # The docs' renderer takes such a record (CPU runs are left out there: taken as a GPU run here).
     from benchmarks import render_results
@@ -158,6 +164,7 @@ def test_the_gpu_read_benchmark_runs_on_host_memory(tmp_path):
     record["result"]["device"] = "cuda"
     block = render_results.render([record])[0]["kv_transfer_gpu"]
     assert all(f"{result['transport']}" in block for result in settings.values()) and "GB/s" in block, block
+    assert "| pdserve | contiguous | 1 |" in block, block
 
 
 def test_a_killed_processs_report_folder_is_removed_by_the_next_and_nothing_else(tmp_path):
