@@ -8,6 +8,9 @@ For each preset (llama-1b by default; llama-8b where time allows), in one proces
             copy bandwidth); with CUDA graphs and, for batches 1 and 64, eagerly (--enforce-eager).
   prefill   prompts of 512/2,048/8,192 tokens, 16,384 tokens in all, one step each: tokens/s and
             MFU (the step's matmul and attention FLOPs over the measured matmul rate).
+  profile   for batches 1 and 256 (graphs on), 8 decode steps under torch.profiler: the GPU's busy
+            time a step (its kernels' time summed) against the step's wall time, the kernels a
+            step runs and the costliest ones: where the step's time goes.
   offline   256 prompts x 512 random tokens -> 128 (ignore_eos): output tokens/s.
   hf        transformers generate (sdpa, one batch of 256) on the same work and GPU.
 Models are made on the device (pdserve make-model, random weights drawn on the GPU) into
@@ -23,6 +26,7 @@ this script; its figures mean nothing).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import random
@@ -44,6 +48,8 @@ from pdserve.make_model import make_model  # noqa: E402
 
 class Sizes:
     decode_batches = (1, 16, 64, 256)
+    profile_batches = (1, 256)
+    profile_steps = 8
     eager_batches = (1, 64)
     prefill_lengths = (512, 2048, 8192)
     prefill_tokens = 16384
@@ -56,6 +62,8 @@ class Sizes:
 
 class SmokeSizes(Sizes):
     decode_batches = (1, 3)
+    profile_batches = (3,)
+    profile_steps = 2
     eager_batches = (2,)
     prefill_lengths = (32, 64)
     prefill_tokens = 128
@@ -74,7 +82,7 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--presets", default="llama-1b")
     parser.add_argument("--models-dir", default=str(REPO / ".cache" / "models"))
-    parser.add_argument("--phases", default="decode,eager,prefill,offline,hf")
+    parser.add_argument("--phases", default="decode,eager,prefill,profile,offline,hf")
     parser.add_argument("--budget-s", type=float, default=330.0, help="the whole run, model creation included")
     parser.add_argument("--kv-cache-gb", type=float, default=24.0)
     parser.add_argument("--device", default="cuda")
@@ -142,10 +150,12 @@ def load(model_dir: Path, args, enforce_eager: bool = False) -> tuple[LLM, float
     return llm, time.perf_counter() - start
 
 
-def decode_steps(llm: LLM, batch: int, vocab: int) -> list[float]:
-    """Per-step seconds of TIMED_STEPS pure decode steps of `batch` sequences."""
+def decode_steps(llm: LLM, batch: int, vocab: int, num_steps: int | None = None, around=None) -> list[float]:
+    """Per-step seconds of num_steps (default TIMED_STEPS) pure decode steps of `batch` sequences;
+    around: a context manager the timed steps run inside (a profiler)."""
     engine = llm.engine
-    params = SamplingParams(max_tokens=S.timed_steps + 16, temperature=0.0, ignore_eos=True)
+    num_steps = num_steps or S.timed_steps
+    params = SamplingParams(max_tokens=num_steps + 16, temperature=0.0, ignore_eos=True)
     ids = [f"d{batch}-{i}" for i in range(batch)]
     for rid, prompt in zip(ids, prompts_of(batch, S.decode_prompt, vocab, batch)):
         engine.add_request(rid, prompt, params)
@@ -154,14 +164,50 @@ def decode_steps(llm: LLM, batch: int, vocab: int) -> list[float]:
     for _ in range(3):
         engine.step()
     times = []
-    for _ in range(S.timed_steps):
-        start = time.perf_counter()
-        outputs = engine.step()
-        times.append(time.perf_counter() - start)
-        assert len(outputs) == batch, f"{len(outputs)} outputs in a step of {batch} decodes"
+    with around if around is not None else contextlib.nullcontext():
+        for _ in range(num_steps):
+            start = time.perf_counter()
+            outputs = engine.step()
+            times.append(time.perf_counter() - start)
+            assert len(outputs) == batch, f"{len(outputs)} outputs in a step of {batch} decodes"
+        sync()
     for rid in ids:
         engine.abort(rid)
     return times
+
+
+def run_profile(llm: LLM, vocab: int) -> list[dict]:
+    """Where a decode step's time goes: its kernels' summed time (the GPU busy) against its wall
+    time, and the kernels costing most a step (on the CPU: the aten ops' own time instead)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    rows = []
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE != "cpu" else [])
+    for batch in S.profile_batches:
+        prof = profile(activities=activities)
+        times = decode_steps(llm, batch, vocab, S.profile_steps, around=prof)
+        steps = len(times)
+        per_kernel: dict[str, list[float]] = {}
+        for event in prof.events():
+            on_device = event.device_type == DeviceType.CUDA
+            if on_device or (DEVICE == "cpu" and event.name.startswith("aten::")):
+                us = event.time_range.elapsed_us() if on_device else event.self_cpu_time_total
+                per_kernel.setdefault(event.name, []).append(us)
+        busy_ms = sum(sum(v) for v in per_kernel.values()) / 1e3 / steps
+        top = sorted(per_kernel.items(), key=lambda kv: -sum(kv[1]))[:12]
+        step_ms = 1e3 * statistics.median(times)
+        row = {"batch": batch, "step_ms_median": step_ms, "busy_ms_per_step": busy_ms,
+               "kernels_per_step": sum(len(v) for v in per_kernel.values()) / steps,
+               "top": [{"name": name[:120], "us_per_step": sum(v) / steps, "calls_per_step": len(v) / steps}
+                       for name, v in top]}
+        rows.append(row)
+        print(f"  profile batch {batch:>3}: step {step_ms:.3f} ms (profiled), kernels busy {busy_ms:.3f} ms a step "
+              f"({100 * busy_ms / step_ms:.0f}%), {row['kernels_per_step']:.0f} kernels a step; costliest:", flush=True)
+        for kernel in row["top"]:
+            print(f"    {kernel['us_per_step']:8.1f} us x{kernel['calls_per_step']:5.1f}  {kernel['name'][:90]}",
+                  flush=True)
+    return rows
 
 
 def model_bytes(llm: LLM, model_dir: Path) -> dict:
@@ -288,6 +334,12 @@ def bench_preset(preset: str, args, clock: Clock, hw: dict) -> dict:
         result["decode"] = run_decode(llm, sizes, hw, vocab, S.decode_batches)
     if "prefill" in phases and clock.allows("prefill", 30):
         result["prefill"] = run_prefill(llm, sizes, hw, vocab)
+    if "profile" in phases and clock.allows("profile", 20):
+        try:
+            result["profile"] = run_profile(llm, vocab)
+        except Exception as exc:  # noqa: BLE001 - a profiler failure costs this phase only
+            print(f"  profile failed: {exc!r}", flush=True)
+            result["profile_error"] = repr(exc)[:300]
     if "offline" in phases and clock.allows("offline", 40 if big else 25):
         result["offline"] = run_offline(llm, vocab)
     del llm

@@ -29,6 +29,9 @@ def test_every_phase_runs_and_is_recorded(tiny_model_dir, tmp_path):
     for row in preset["decode"] + preset["decode_eager"]:
         assert row["bound_ms"] > 0 and row["step_ms_min"] <= row["step_ms_median"] <= row["step_ms_max"]
     assert preset["offline"]["output_tokens_per_s"] > 0 and preset["hf"]["output_tokens_per_s"] > 0
+    [profiled] = preset["profile"]  # on the CPU, the aten ops' own time stands in for the kernels
+    assert profiled["batch"] == 3 and profiled["busy_ms_per_step"] > 0 and profiled["kernels_per_step"] > 0
+    assert profiled["top"] and all(k["us_per_step"] > 0 and k["calls_per_step"] > 0 for k in profiled["top"])
     assert "RESULT {" in proc.stdout
     # The docs render such a record (smoke runs are left out there: taken as a real run here), and
     # plot it: the first GPU record must not meet a renderer that never ran.
