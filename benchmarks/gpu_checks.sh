@@ -80,7 +80,7 @@ for step in $steps; do
         # A test's own timeout under the step's: a hang shows its traceback instead of being cut off.
         engine) run_for "$(limit 120)" python3 -m pytest tests/engine/test_decode_graphs.py tests/engine/test_correctness.py \
                     tests/engine/test_bfloat16.py tests/engine/test_sampler.py tests/engine/test_warm_up.py \
-                    tests/kernels/test_triton_variants.py -k cuda \
+                    tests/kernels/test_triton_variants.py tests/kv_transfer/test_same_gpu_copy.py -k cuda \
                     "${pytest_args[@]}" --timeout=90 >"$out/engine_tests.log" 2>&1
                 rc=$?; tail -30 "$out/engine_tests.log" ;;
         # llama-1b took 33 s on an H200 (every phase); llama-8b after it, as far as the limit allows.

@@ -1,5 +1,6 @@
-"""KV reads of GPU memory between two processes over NIXL, as a decode node pulls from a prefill node:
-GB/s and the transport UCX reports, under pdserve's UCX settings and under the settings before them.
+"""KV reads of GPU memory between two processes on one GPU, as a decode node pulls from a prefill node
+there: GB/s and the transport, as nodes read (device copies over CUDA IPC), through UCX under the
+nodes' UCX settings, and under the UCX settings before them.
 
 Each setting runs in fresh processes (UCX reads its settings when it loads): a holder process
 with a block-major bfloat16 cache of llama-1b's KV shape on the GPU (16 layers, 8 KV heads of 64:
@@ -7,10 +8,13 @@ with a block-major bfloat16 cache of llama-1b's KV shape on the GPU (16 layers, 
 (512 blocks, scattered on the reader's side: a descriptor each) --repeats times through the NixlConnector
 and reports the median GB/s (the read confirmed, as a node uses it) and the transfer's own time (until
 the confirmation is sent), the descriptors, connector.transport, and checks that the blocks read are
-the holder's (it draws its cache from seed 0; the reader draws the same). pdserve's setting also reads
-the same blocks into contiguous ones (merged into one descriptor): what the descriptor count costs.
-A setting fails on wrong data, and pdserve's own where UCX fell back to TCP for GPU memory. Settings:
-  pdserve   the node's own choice (kv_transfer/ucx.py: lo, GET over cuda_ipc enabled)
+the holder's (it draws its cache from seed 0; the reader draws the same). The first two settings also
+read the same blocks into contiguous ones (one descriptor, one copy): what scattering costs. A setting
+fails on wrong data, and the first two where UCX fell back to TCP for GPU memory. Settings:
+  pdserve   the nodes' own choice: both caches on one GPU, so device copies over CUDA IPC
+            (kv_transfer/cuda_ipc.py); on host memory, as ucx
+  ucx       through UCX under the nodes' UCX settings (kv_transfer/ucx.py: lo, GET over cuda_ipc
+            enabled), as between two GPUs (--no-kv-same-gpu-copy)
   before    UCX_NET_DEVICES=lo alone, GET over cuda_ipc left to UCX (what nodes set before)
 Ends with `RESULT {json}`. --device cpu --blocks 16 checks the script on host memory.
 
@@ -33,7 +37,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # before benchmarks/: its kv_transfer.py is not the package
 
-SETTINGS = {"pdserve": {}, "before": {"UCX_NET_DEVICES": "lo", "UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "auto"}}
+SETTINGS = {"pdserve": {}, "ucx": {}, "before": {"UCX_NET_DEVICES": "lo", "UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "auto"}}
+SAME_GPU_COPY = {"pdserve"}  # the settings whose reader may copy from a holder on its GPU
 
 
 def parse_args() -> argparse.Namespace:
@@ -41,9 +46,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--blocks", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--settings", default="pdserve,before")
+    parser.add_argument("--settings", default="pdserve,ucx,before")
     parser.add_argument("--reader", action="store_true", help="(internal) run one setting's reader")
     parser.add_argument("--contiguous", action="store_true", help="(internal) also into contiguous blocks")
+    parser.add_argument("--same-gpu-copy", action="store_true", help="(internal) copies from a holder on this GPU")
     parser.add_argument("--timeout-s", type=float, default=120.0, help="per setting")
     return parser.parse_args()
 
@@ -85,7 +91,8 @@ def reader(args: argparse.Namespace) -> int:
             shape = (layout.num_blocks, layout.num_layers, 2, layout.block_size, layout.num_kv_heads,
                      layout.head_dim)
             cache = torch.zeros(shape, dtype=torch.bfloat16, device=args.device)
-            connector = create_connector(TransferConfig(backend="nixl", host="127.0.0.1"), cache, layout, "reader")
+            connector = create_connector(TransferConfig(backend="nixl", host="127.0.0.1",
+                                                        same_gpu_copy=args.same_gpu_copy), cache, layout, "reader")
             remote = list(range(args.blocks))
             variants = {"scattered": list(range(1, 2 * args.blocks, 2))}
             if args.contiguous:
@@ -117,6 +124,7 @@ def reader(args: argparse.Namespace) -> int:
             result = dict(out.pop("scattered"), bytes=num_bytes, transport=transport.transport if transport else None,
                           method=transport.method if transport else None,
                           tcp_fallback=transport.is_tcp_fallback if transport else None,
+                          same_gpu_reads=connector.num_same_gpu_reads,
                           env={k: v for k, v in os.environ.items() if k.startswith("UCX_")})
             if "contiguous" in out:
                 result["contiguous"] = out["contiguous"]
@@ -155,7 +163,8 @@ def main() -> int:
         env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}
         env.update(SETTINGS[name])  # PYTHONPATH as given (the reader puts the repo first itself)
         argv = [sys.executable, __file__, "--reader", "--blocks", str(args.blocks), "--repeats", str(args.repeats),
-                "--device", args.device, *(["--contiguous"] if name == "pdserve" else [])]
+                "--device", args.device, *(["--contiguous"] if name != "before" else []),
+                *(["--same-gpu-copy"] if name in SAME_GPU_COPY else [])]
         try:
             proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=args.timeout_s, cwd=REPO)
         except subprocess.TimeoutExpired:
@@ -176,13 +185,16 @@ def main() -> int:
             c = r["contiguous"]
             print(f"{'':>8}  {c['gb_s']:8.2f} GB/s into contiguous blocks ({c['ms']:.2f} ms, the transfer "
                   f"{_ms(c['transfer_ms'])}, {c['descriptors']} descriptors)", flush=True)
-        if name == "pdserve" and r["tcp_fallback"] and args.device != "cpu":
-            print("pdserve: UCX fell back to TCP for GPU memory (failed)", flush=True)
+        if name != "before" and r["tcp_fallback"] and args.device != "cpu":
+            print(f"{name}: UCX fell back to TCP for GPU memory (failed)", flush=True)
+        if name in SAME_GPU_COPY and args.device != "cpu" and not r["same_gpu_reads"]:
+            print(f"{name}: no read was a device copy (failed: see the reader's log)", flush=True)
     from benchmarks.results_io import write_result
 
     write_result("kv_transfer_gpu", {"device": args.device, "blocks": args.blocks, "settings": results})
     failed = [name for name, r in results.items() if "gb_s" not in r or not r["equal"]
-              or (name == "pdserve" and r["tcp_fallback"] and args.device != "cpu")]
+              or (name != "before" and r["tcp_fallback"] and args.device != "cpu")
+              or (name in SAME_GPU_COPY and args.device != "cpu" and not r["same_gpu_reads"])]
     return 1 if failed else 0
 
 

@@ -24,6 +24,9 @@ class TransferConfig:
     # The cluster's CURVE keys (engine.protocol.curve_keys): the side channel then talks only to
     # holders of the cluster secret. None: no secret, and host must be loopback.
     curve_keys: CurveKeys | None = field(default=None, repr=False)
+    # NIXL between two nodes on the same GPU: the blocks as device copies over CUDA IPC
+    # (kv_transfer.cuda_ipc) instead of through UCX.
+    same_gpu_copy: bool = True
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:

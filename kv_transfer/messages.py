@@ -50,13 +50,34 @@ class NixlShardInfo(msgspec.Struct, frozen=True, array_like=True):
     device_id: int
 
 
+class CudaIpcCache(msgspec.Struct, frozen=True):
+    """A holder's GPU cache as a process on the same GPU maps it (kv_transfer.cuda_ipc): torch's
+    CUDA IPC sharing of its memory, and the tensor's view of it."""
+
+    gpu_uuid: str
+    handle: bytes
+    size_bytes: int
+    offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes | None
+    event_sync_required: bool
+    shape: list[int]
+    stride: list[int]
+    storage_offset: int
+    dtype: str  # torch's name: "bfloat16", "float32", ...
+
+
 class NixlAgentInfo(msgspec.Struct, tag="nixl_agent_info", frozen=True):
-    """What a reader needs to READ a holder's cache: its agent and every rank's registered region."""
+    """What a reader needs to READ a holder's cache: its agent and every rank's registered region;
+    a cache on a GPU (one rank) is also offered over CUDA IPC, to a reader on the same GPU (an older
+    reader ignores the field)."""
 
     agent_metadata: bytes
     shards: list[NixlShardInfo]
     num_blocks: int
     mem_type: str  # NIXL's memory type: "DRAM" or "VRAM"
+    cuda_ipc: CudaIpcCache | None = None
 
 
 class GlooStoreInfo(msgspec.Struct, tag="gloo_store_info", frozen=True):

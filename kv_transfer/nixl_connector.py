@@ -42,6 +42,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kv_transfer import cuda_ipc
 from kv_transfer.base import FailureCode, ReadResult, RemoteLease, TransferState
 from kv_transfer.config import TransferConfig
 from kv_transfer.errors import TransferFailed
@@ -132,6 +133,12 @@ class NixlConnector(SideChannelConnector):
             self._check_ucx_report(force=True)  # UCX's reason into the log before the error goes up
             raise
         self.num_descriptors_last_read = 0
+        self.num_same_gpu_reads = 0  # reads carried out as device copies (kv_transfer.cuda_ipc)
+        self._copy_stream: torch.cuda.Stream | None = None
+        self._copies: list[cuda_ipc.CopyRead] = []  # launched, not seen done: each keeps its mapping open
+        self._last_read_copied = False
+        self._idle_checked_at = 0.0
+        self._offer = self._export_for_same_gpu(shards, config)  # NOTE: once, here: never on the side channel
         # request id -> per staged peer rank: (buffer, its segments, its registration, its first head)
         self._staged: dict[str, list[tuple[torch.Tensor, list[HeadSegment], object, int]]] = {}
         super().__init__(config, kv_cache, layout, engine_id)
@@ -175,7 +182,19 @@ class NixlConnector(SideChannelConnector):
         shards = [NixlShardInfo(r.base_address, r.block_stride, r.layer_stride, r.layer_bytes, r.kv_heads.start,
                                 r.kv_heads.stop, r.device_id) for r in self._regions]
         return NixlAgentInfo(agent_metadata=self._agent.get_agent_metadata(), shards=shards,
-                             num_blocks=self.layout.num_blocks, mem_type=self._mem_type)
+                             num_blocks=self.layout.num_blocks, mem_type=self._mem_type,
+                             cuda_ipc=self._offer)
+
+    @staticmethod
+    def _export_for_same_gpu(shards: list[CacheShard], config: TransferConfig) -> cuda_ipc.CudaIpcCache | None:
+        """The cache over CUDA IPC for readers on the same GPU: one rank's cache on a GPU only."""
+        if not config.same_gpu_copy or len(shards) != 1 or not shards[0].cache.is_cuda:
+            return None
+        try:
+            return cuda_ipc.export_cache(shards[0].cache)
+        except Exception as exc:  # noqa: BLE001 - torch's sharing refused (e.g. its allocator's mode): NIXL reads
+            logger.warning("KV cache not offered over CUDA IPC (readers on this GPU read through UCX): %s", exc)
+            return None
 
     def _connect_peer(self, peer: Peer) -> None:
         info: NixlAgentInfo = peer.backend_info
@@ -191,10 +210,30 @@ class NixlConnector(SideChannelConnector):
             held.update(r.kv_heads)
         if held != set(range(self.layout.num_kv_heads)):
             raise TransferFailed(f"NIXL peer's ranks hold KV heads {sorted(held)}, not all {self.layout.num_kv_heads}")
-        peer.handle = (self._agent.add_remote_agent(info.agent_metadata), info, remote)
+        peer.handle = (self._agent.add_remote_agent(info.agent_metadata), info, remote, self._same_gpu_cache(info))
+
+    def _same_gpu_cache(self, info: NixlAgentInfo) -> cuda_ipc.MappedCache | None:
+        """The peer's cache, mapped here, where it is on this cache's GPU (one rank each, the same
+        shape and dtype) and copies are allowed; else None (NIXL reads)."""
+        offer = info.cuda_ipc
+        if (offer is None or not self.config.same_gpu_copy or len(self.shards) != 1 or len(info.shards) != 1
+                or offer.shape[:1] != [info.num_blocks] or not cuda_ipc.is_same_gpu(offer, self.kv_cache)):
+            return None
+        mapped = cuda_ipc.MappedCache(offer, self.kv_cache.device)
+        try:
+            mapped.get()
+        except Exception as exc:  # noqa: BLE001 - the mapping failed: read through UCX instead
+            logger.warning("KV cache of a peer on this GPU could not be mapped over CUDA IPC (reading through "
+                           "UCX): %s", exc)
+            return None
+        logger.info("KV reads from a peer on this GPU: device copies over CUDA IPC")
+        return mapped
 
     def _start_transfer(self, read: PendingRead, peer: Peer) -> None:
-        agent_name, info, remote = peer.handle
+        agent_name, info, remote, same_gpu = peer.handle
+        if same_gpu is not None and self._start_copy(read, peer, same_gpu):
+            return
+        self._last_read_copied = False
         runs = self._runs(read, remote)
         lengths = runs.lengths
         try:
@@ -212,6 +251,30 @@ class NixlConnector(SideChannelConnector):
         if state is TransferState.FAILED:
             self._check_ucx_report(force=True)
             raise TransferFailed("NIXL READ failed to post")
+
+    def _start_copy(self, read: PendingRead, peer: Peer, same_gpu: cuda_ipc.MappedCache) -> bool:
+        """Start the read as device copies from the peer on this GPU; False where they could not
+        start (the peer's reads go through UCX from now on)."""
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(self.kv_cache.device)
+        try:
+            read.handle = cuda_ipc.CopyRead(self.kv_cache, same_gpu.get(), read.local_block_ids,
+                                            read.remote_block_ids, self._copy_stream)
+        except Exception as exc:  # noqa: BLE001 - torch raises its own types: UCX carries this read instead
+            try:
+                self._copy_stream.synchronize()  # NOTE: no copy it launched may still write the blocks
+            except Exception as sync_exc:  # noqa: BLE001 - the device is failing: the read fails as a transfer
+                raise TransferFailed(f"device copy from the peer on this GPU failed: {sync_exc}") from sync_exc
+            logger.warning("KV reads from the peer on this GPU at %s go through UCX from now on: a device copy "
+                           "could not start: %s", peer.address, exc)
+            peer.handle = (*peer.handle[:3], None)
+            read.handle = None
+            return False
+        self._copies.append(read.handle)
+        self.num_descriptors_last_read = len(cuda_ipc.runs(read.local_block_ids, read.remote_block_ids))
+        self.num_same_gpu_reads += 1
+        self._last_read_copied = True
+        return True
 
     def _runs(self, read: PendingRead, remote: list[ShardRegions]) -> ByteRuns:
         """The read's runs: straight into our ranks holding the heads the peer's rank holds, and
@@ -268,9 +331,20 @@ class NixlConnector(SideChannelConnector):
                 logger.warning("NIXL staging deregistration: %s", exc)
 
     def _poll_backend(self) -> list[ReadResult]:
+        self._copies = [copy for copy in self._copies if not copy.is_done()]
+        now = time.monotonic()
+        if now - self._idle_checked_at > 1.0:
+            self._idle_checked_at = now
+            for peer in list(self._peers.values()):
+                if peer.handle is not None and peer.handle[3] is not None:
+                    peer.handle[3].release_if_idle(now)
         results = []
         for read in list(self._reads.values()):
             if read.handle is None:
+                continue
+            if isinstance(read.handle, cuda_ipc.CopyRead):
+                if read.handle.is_done():
+                    self._transferred(read)
                 continue
             state, detail = self._state(read.handle)
             if state is TransferState.DONE:
@@ -284,8 +358,11 @@ class NixlConnector(SideChannelConnector):
 
     @property
     def transport(self) -> Transport | None:
-        """How UCX carries this connector's reads, from its protocol report (None until a read
-        completed, or where the operator set UCX's logging)."""
+        """How this connector's last read was carried: device copies from a peer on the same GPU
+        (kv_transfer.cuda_ipc), else what UCX reported for its reads (None until a read completed,
+        or where the operator set UCX's logging)."""
+        if self._last_read_copied:
+            return cuda_ipc.TRANSPORT
         return self._ucx_report.transport if self._ucx_report is not None else None
 
     def _check_ucx_report(self, force: bool = False) -> None:
@@ -315,6 +392,11 @@ class NixlConnector(SideChannelConnector):
     def _cancel(self, read: PendingRead) -> bool:
         # NOTE: a READ in flight writes into the local blocks: where the backend refuses to release
         # it because it is being carried out, the read waits (SideChannelConnector._set_aside).
+        if isinstance(read.handle, cuda_ipc.CopyRead):
+            if not read.handle.is_done():
+                return False
+            read.handle = None
+            return True
         try:
             self._agent.release_xfer_handle(read.handle)
         except Exception as exc:  # noqa: BLE001 - nixl raises its own types
@@ -326,7 +408,7 @@ class NixlConnector(SideChannelConnector):
         return True
 
     def _forget_peer(self, peer: Peer) -> None:
-        agent_name, _, _ = peer.handle
+        agent_name, _, _, _ = peer.handle  # NOTE: a mapped same-GPU cache goes with its last reference
         try:
             self._agent.remove_remote_agent(agent_name)
         except Exception as exc:  # noqa: BLE001 - the peer is gone; best effort
@@ -336,6 +418,8 @@ class NixlConnector(SideChannelConnector):
         self._is_stopping.set()
         self._wake.set()
         self._progress.join(timeout=2)
+        if self._copy_stream is not None:
+            self._copy_stream.synchronize()  # NOTE: before the mappings the copies read can close
         super().close()
         try:
             self._agent.deregister_memory(self._reg)

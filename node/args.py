@@ -114,6 +114,10 @@ def _add_transfer_arguments(parser: argparse.ArgumentParser) -> None:
                         help="KV side-channel port (0: pick one)")
     for name in ("handshake_timeout_s", "transfer_timeout_s", "lease_timeout_s"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=float, default=default_of(TransferConfig, name))
+    parser.add_argument("--kv-same-gpu-copy", action=argparse.BooleanOptionalAction,
+                        default=default_of(TransferConfig, "same_gpu_copy"),
+                        help="NIXL between nodes on the same GPU: read the blocks as device copies over CUDA IPC "
+                             "(--no-kv-same-gpu-copy: through UCX, as between GPUs)")
 
 
 @dataclass(frozen=True)
@@ -160,6 +164,6 @@ def node_configs_from_args(args: argparse.Namespace, role: Role) -> NodeConfigs:
         backend=args.transfer_backend, host=args.host, advertise_host=args.advertise_host,
         side_channel_port=args.kv_port,
         handshake_timeout_s=args.handshake_timeout_s, transfer_timeout_s=args.transfer_timeout_s,
-        lease_timeout_s=args.lease_timeout_s, curve_keys=keys,
+        lease_timeout_s=args.lease_timeout_s, curve_keys=keys, same_gpu_copy=args.kv_same_gpu_copy,
     )
     return NodeConfigs(engine, server, transfer)

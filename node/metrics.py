@@ -343,8 +343,9 @@ class _TransferCollector:
             yield from meter.collect()
         transport = getattr(connector, "transport", None)
         if transport is not None:
-            family = InfoMetricFamily("pdserve_kv_transport", "how this node's KV reads travel, as UCX reported it "
-                                      "(transport/device, method, memory kind)", labels=list(self._labels))
+            family = InfoMetricFamily("pdserve_kv_transport", "how this node's KV reads travel: device copies from a "
+                                      "node on the same GPU, else as UCX reported it (transport/device, method, "
+                                      "memory kind)", labels=list(self._labels))
             family.add_metric(list(self._labels.values()), {"transport": transport.transport,
                                                              "method": transport.method, "memory": transport.memory})
             yield family

@@ -1,0 +1,181 @@
+"""KV reads between two nodes on one GPU as device copies over CUDA IPC (kv_transfer.cuda_ipc):
+the copies' plan (runs of consecutive blocks, else a bounded gather and scatter) on the CPU, the
+offer in NIXL's handshake (an older reader's format still decodes), and, on a GPU, a holder
+process's blocks read by copies, equal, confirmed and released as NIXL's reads are; turned off,
+the same reads go through UCX."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import msgspec
+import pytest
+import torch
+
+from kv_transfer import cuda_ipc
+from kv_transfer.config import TransferConfig
+from kv_transfer.factory import create_connector
+from kv_transfer.messages import CudaIpcCache, NixlAgentInfo, NixlShardInfo
+from kv_transfer.side_channel_connector import Peer
+from tests.kernels.conftest import gpu, requires_cuda
+from tests.kv_transfer.helpers import poll_until
+from tests.kv_transfer.test_connectors import LAYOUT, holders  # noqa: F401 - holders: a fixture
+
+OFFER = CudaIpcCache(gpu_uuid="GPU-1", handle=b"h", size_bytes=4096, offset_bytes=0, ref_counter_handle=b"r",
+                     ref_counter_offset=0, event_handle=None, event_sync_required=False,
+                     shape=[48, 3, 2, 16, 2, 16], stride=[3072, 1024, 512, 32, 16, 1], storage_offset=0,
+                     dtype="float32")
+
+
+def test_runs_join_blocks_consecutive_on_both_sides():
+    assert cuda_ipc.runs([4, 5, 6, 9], [0, 1, 2, 3]) == [(4, 0, 3), (9, 3, 1)]
+    assert cuda_ipc.runs([1, 3, 5], [0, 1, 2]) == [(1, 0, 1), (3, 1, 1), (5, 2, 1)]
+    assert cuda_ipc.runs([2, 3], [7, 6]) == [(2, 7, 1), (3, 6, 1)]  # consecutive on one side only
+    assert cuda_ipc.runs([], []) == []
+
+
+@pytest.mark.parametrize("scattered", [False, True])
+def test_a_copy_read_puts_each_remote_block_into_its_local_block(scattered, monkeypatch):
+    """Few runs: a copy each; many: gathered and scattered through a staging buffer of a few
+    blocks (made small here, so that it takes several pieces)."""
+    remote = torch.randn(40, 3, 2, 4, 2, 8)
+    local = torch.zeros_like(remote)
+    monkeypatch.setattr(cuda_ipc, "_STAGING_BYTES", 3 * remote[0].numel() * remote.element_size())
+    rng = random.Random(0)
+    if scattered:
+        remote_ids, local_ids = rng.sample(range(40), 20), rng.sample(range(40), 20)
+    else:  # two runs
+        remote_ids, local_ids = [*range(5, 15), *range(30, 40)], [*range(10, 20), *range(22, 32)]
+    copied = []
+    monkeypatch.setattr(cuda_ipc, "_gather_scatter", lambda *a, f=cuda_ipc._gather_scatter: (copied.append(1), f(*a)))
+    read = cuda_ipc.CopyRead(local, remote, local_ids, remote_ids, stream=None)
+    assert read.is_done()
+    assert torch.equal(local[local_ids], remote[remote_ids])
+    untouched = sorted(set(range(40)) - set(local_ids))
+    assert not local[untouched].any()
+    assert bool(copied) == scattered and len(cuda_ipc.runs(local_ids, remote_ids)) == (20 if scattered else 2)
+
+
+def test_the_offer_rides_nixls_handshake_and_an_older_holders_info_decodes_without_it():
+    shard = NixlShardInfo(1, 2, 3, 4, 0, 2, 0)
+    info = NixlAgentInfo(agent_metadata=b"m", shards=[shard], num_blocks=48, mem_type="VRAM", cuda_ipc=OFFER)
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(info), type=NixlAgentInfo) == info
+
+    class OlderInfo(msgspec.Struct, tag="nixl_agent_info", frozen=True):
+        agent_metadata: bytes
+        shards: list[NixlShardInfo]
+        num_blocks: int
+        mem_type: str
+
+    older = msgspec.msgpack.encode(OlderInfo(b"m", [shard], 48, "VRAM"))
+    assert msgspec.msgpack.decode(older, type=NixlAgentInfo).cuda_ipc is None
+    # and an older reader, knowing no such field, reads the newer info as before
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(info), type=OlderInfo).num_blocks == 48
+
+
+def test_a_host_memory_cache_is_never_offered_nor_mapped():
+    connector = create_connector(TransferConfig(backend="nixl"), torch.zeros(48, 3, 2, 16, 2, 16), LAYOUT, "p")
+    try:
+        assert connector._offer is None
+        info = NixlAgentInfo(agent_metadata=b"m", shards=[NixlShardInfo(1, 2, 3, 4, 0, 2, 0)], num_blocks=48,
+                             mem_type="VRAM", cuda_ipc=OFFER)
+        assert connector._same_gpu_cache(info) is None
+        assert not cuda_ipc.is_same_gpu(OFFER, torch.zeros(1))
+    finally:
+        connector.close()
+
+
+def test_a_peers_mapping_is_let_go_when_idle_and_made_again_at_the_next_read(monkeypatch):
+    """A holder that went away must not keep its cache mapped (its GPU memory held) here."""
+    opened = []
+    monkeypatch.setattr(cuda_ipc, "open_cache", lambda offer, device: opened.append(offer) or torch.zeros(1))
+    mapped = cuda_ipc.MappedCache(OFFER, torch.device("cpu"))
+    assert not mapped.is_mapped
+    first = mapped.get()
+    assert mapped.get() is first and len(opened) == 1
+    mapped.release_if_idle(time.monotonic() + cuda_ipc.IDLE_RELEASE_S / 2)
+    assert mapped.is_mapped
+    mapped.release_if_idle(time.monotonic() + cuda_ipc.IDLE_RELEASE_S + 1)
+    assert not mapped.is_mapped
+    mapped.get()
+    assert mapped.is_mapped and len(opened) == 2
+    # a connector's poll lets its idle peers' mappings go
+    connector = create_connector(TransferConfig(backend="nixl"), torch.zeros(48, 3, 2, 16, 2, 16), LAYOUT, "p")
+    try:
+        connector._peers["holder"] = Peer("holder", "127.0.0.1:1", LAYOUT, None, handle=(None, None, None, mapped))
+        mapped._used_at -= cuda_ipc.IDLE_RELEASE_S + 1
+        assert connector.poll() == [] and not mapped.is_mapped
+    finally:
+        connector._peers.clear()
+        connector.close()
+
+
+def test_an_offer_whose_view_leaves_its_memory_is_not_taken():
+    assert not cuda_ipc.fits(OFFER, 4)  # 48 blocks of 3,072 floats in 4,096 bytes
+    big = msgspec.structs.replace(OFFER, size_bytes=48 * 3072 * 4)
+    assert cuda_ipc.fits(big, 4) and not cuda_ipc.fits(msgspec.structs.replace(big, storage_offset=1), 4)
+    assert not cuda_ipc.fits(msgspec.structs.replace(big, stride=[3072, 1024, 512, 32, 16, -1]), 4)
+    assert not cuda_ipc.fits(msgspec.structs.replace(big, shape=[48, 3, 2, 16, 2]), 4)
+
+
+class _Stream:
+    def synchronize(self) -> None:
+        pass
+
+
+def test_a_copy_that_cannot_start_leaves_the_read_and_the_peers_next_ones_to_ucx(holders, monkeypatch):  # noqa: F811
+    """CPU stand-ins: the peer taken as on this GPU, its copies failing at once (a staging
+    allocation the GPU refused): the read goes through UCX, whole and right, and so do the next."""
+    from tests.kv_transfer.test_connectors import reader
+
+    holder = holders("nixl", seed=6)
+    connector, cache = reader("nixl")
+    mapped = cuda_ipc.MappedCache(OFFER, torch.device("cpu"))
+    monkeypatch.setattr(cuda_ipc, "open_cache", lambda offer, device: torch.zeros(1))
+    monkeypatch.setattr(connector, "_same_gpu_cache", lambda info: mapped)
+
+    class Refused(cuda_ipc.CopyRead):
+        def __init__(self, *args) -> None:
+            raise torch.OutOfMemoryError("no room for the staging buffer")
+
+    monkeypatch.setattr(cuda_ipc, "CopyRead", Refused)
+    connector._copy_stream = _Stream()
+    try:
+        for request_id, remote, local in (("a", [3, 4], [10, 11]), ("b", [7], [20])):
+            connector.start_read(request_id, holder.lease(request_id, remote), local)
+            [result] = poll_until(connector, {request_id}, timeout_s=30).values()
+            assert result.is_ok, result.error
+            assert torch.equal(cache[local], holder.cache[remote])
+        [peer] = connector._peers.values()
+        assert peer.handle[3] is None and connector.num_same_gpu_reads == 0
+    finally:
+        connector.close()
+
+
+@gpu
+@requires_cuda
+@pytest.mark.parametrize("same_gpu_copy", [True, False])
+def test_on_cuda_reads_from_the_same_gpu_are_device_copies_equal_confirmed_and_released(same_gpu_copy, holders):  # noqa: F811
+    holder = holders("nixl", seed=5, device="cuda")
+    shape = (LAYOUT.num_blocks, LAYOUT.num_layers, 2, LAYOUT.block_size, LAYOUT.num_kv_heads, LAYOUT.head_dim)
+    cache = torch.full(shape, float("nan"), device="cuda")
+    connector = create_connector(TransferConfig(backend="nixl", same_gpu_copy=same_gpu_copy), cache, LAYOUT, "reader")
+    try:
+        rng = random.Random(2)
+        free = list(range(LAYOUT.num_blocks))
+        rng.shuffle(free)
+        plans = {"contiguous": (list(range(8)), list(range(20, 28)))}
+        for i in range(6):  # scattered, some over the run-by-run limit
+            n = rng.choice([1, 3, 20])
+            plans[f"r{i}"] = (rng.sample(range(LAYOUT.num_blocks), n), [free.pop() for _ in range(n)])
+        for request_id, (remote, local) in plans.items():
+            connector.start_read(request_id, holder.lease(request_id, remote), local)
+            [result] = poll_until(connector, {request_id}, timeout_s=30).values()
+            assert result.is_ok, result.error
+            assert torch.equal(cache[local].cpu(), holder.cache[remote]), request_id
+        assert holder.released(len(plans)) == set(plans)
+        assert connector.num_same_gpu_reads == (len(plans) if same_gpu_copy else 0)
+        assert (connector.transport == cuda_ipc.TRANSPORT) == same_gpu_copy
+    finally:
+        connector.close()
