@@ -105,15 +105,21 @@ def greedy_texts(base_url: str, model: str, num: int = 16) -> list[list[str]]:
     return texts
 
 
+# The decode node's counters a run reads the change of: its pulls, its steps and their decode batches.
+NODE_COUNTERS = ("pdserve_node_kv_pulled_bytes_total", "pdserve_node_kv_pull_seconds_sum",
+                 "pdserve_node_kv_pull_seconds_count", "pdserve_node_kv_pull_fallbacks_total",
+                 "pdserve_node_step_seconds_sum", "pdserve_node_step_seconds_count",
+                 "pdserve_node_decode_batch_size_sum", "pdserve_node_decode_batch_size_count")
+
+
 def node_metrics(url: str) -> dict:
-    """The decode node's pull counters and transport from its /metrics."""
+    """The decode node's NODE_COUNTERS and KV transport from its /metrics."""
     from prometheus_client.parser import text_string_to_metric_families
 
     out: dict = {"transport": None}
     for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
         for sample in family.samples:
-            if sample.name in ("pdserve_node_kv_pulled_bytes_total", "pdserve_node_kv_pull_seconds_sum",
-                               "pdserve_node_kv_pull_seconds_count", "pdserve_node_kv_pull_fallbacks_total"):
+            if sample.name in NODE_COUNTERS:
                 out[sample.name] = out.get(sample.name, 0.0) + sample.value
             elif sample.name == "pdserve_kv_transport_info":
                 out["transport"] = {k: v for k, v in sample.labels.items() if k in ("transport", "method", "memory")}
@@ -159,22 +165,30 @@ def run_setup(name: str, args: argparse.Namespace, started: float, rates: dict[i
 
 def measure(deployment, served: str, args: argparse.Namespace, prompt_len: int, rate: float, seed: int,
             has_pulls: bool) -> dict:
-    """One load on a running setup: the bench's figures, the cores the proxy and the load generator
-    kept busy, and (has_pulls) the decode node's pulls meanwhile."""
-    before = node_metrics(deployment.health_urls["decode0"]) if has_pulls else {}
-    proxy = deployment.cluster.process("proxy").pid
+    """One load on a running setup: the bench's figures, the cores the proxy, the load generator and
+    the decode node kept busy, the decode node's steps (how many, their mean time and decode batch)
+    and (has_pulls) its pulls meanwhile."""
+    before = node_metrics(deployment.health_urls["decode0"])
+    pids = {"proxy": deployment.cluster.process("proxy").pid, "decode": deployment.cluster.process("decode0").pid}
     num = num_requests(args, prompt_len)
-    cpu_before, wall_before = (process_cpu_s(proxy), own_cpu_s()), time.monotonic()
+    cpu_before, wall_before = ({k: process_cpu_s(pid) for k, pid in pids.items()}, own_cpu_s()), time.monotonic()
     summary = load(deployment.base_url, served, num, prompt_len, args.output_len, seed=seed, rate=rate)
     wall = time.monotonic() - wall_before
-    busy = {"proxy": (process_cpu_s(proxy) - cpu_before[0]) / wall, "client": (own_cpu_s() - cpu_before[1]) / wall}
+    busy = {k: (process_cpu_s(pid) - cpu_before[0][k]) / wall for k, pid in pids.items()}
+    busy["client"] = (own_cpu_s() - cpu_before[1]) / wall
+    after = node_metrics(deployment.health_urls["decode0"])
+    change = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in NODE_COUNTERS}
+    steps = change["pdserve_node_step_seconds_count"]
+    batches = change["pdserve_node_decode_batch_size_count"]
     run = {"prompt_len": prompt_len, "rate_rps": None if rate == math.inf else rate,
            "num_requests": num, "output_throughput": summary["output_throughput"],
            "ttft_ms": summary["ttft_ms"], "tpot_ms": summary["tpot_ms"], "num_failed": summary["num_failed"],
-           "duration_s": summary["duration_s"], "cores_busy": busy}
+           "duration_s": summary["duration_s"], "cores_busy": busy,
+           "decode_steps": {"count": steps,
+                            "mean_ms": 1e3 * change["pdserve_node_step_seconds_sum"] / steps if steps else None,
+                            "mean_batch": change["pdserve_node_decode_batch_size_sum"] / batches if batches else None}}
     if has_pulls:
-        after = node_metrics(deployment.health_urls["decode0"])
-        pulled = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after if k != "transport"}
+        pulled = change
         seconds = pulled.get("pdserve_node_kv_pull_seconds_sum", 0.0)
         count = pulled.get("pdserve_node_kv_pull_seconds_count", 0.0)
         num_bytes = pulled.get("pdserve_node_kv_pulled_bytes_total", 0.0)
@@ -215,7 +229,11 @@ def _line(name: str, r: dict) -> str:
             f"output tok/s, TTFT p50 {ttft['p50']:.0f} ms "
             f"p99 {ttft['p99']:.0f} ms, TPOT p50 {tpot['p50']:.1f} ms p99 {tpot['p99']:.1f} ms, "
             f"{r['num_failed']} failed; cores busy: proxy {r['cores_busy']['proxy']:.2f}, "
-            f"client {r['cores_busy']['client']:.2f}")
+            f"client {r['cores_busy']['client']:.2f}, decode node {r['cores_busy']['decode']:.2f}")
+    steps = r["decode_steps"]
+    if steps["count"]:
+        line += (f"; decode node: {steps['count']:.0f} steps, mean {steps['mean_ms']:.2f} ms, "
+                 f"mean decode batch {steps['mean_batch'] or 0:.0f}")
     if "pulls" in r:
         p = r["pulls"]
         mean_ms = 1e3 * (p["mean_s"] or 0)

@@ -117,6 +117,12 @@ def _rate(rate_rps: float | None) -> str:
     return "inf" if rate_rps is None else f"Poisson {rate_rps:.1f}/s"
 
 
+def _steps(steps: dict | None) -> str:
+    if not steps or not steps.get("count"):
+        return ""
+    return f"{num(steps['mean_ms'], 2)} / {num(steps['mean_batch'], 0)}"
+
+
 def render_gpu_served(records: list[dict]) -> tuple[list[str], list]:
     runs = [r for r in records if r["result"].get("device") != "cpu"]
     if not runs:
@@ -124,6 +130,8 @@ def render_gpu_served(records: list[dict]) -> tuple[list[str], list]:
     record = runs[-1]
     result = record["result"]
     rows = []
+    every_run = [r for setup in result["setups"].values() for r in setup.get("runs", [])]
+    busy_keys = [k for k in ("proxy", "client", "decode") if any(k in r["cores_busy"] for r in every_run)]
     for name, setup in result["setups"].items():
         for r in setup.get("runs", []):
             pulls = r.get("pulls") or {}
@@ -133,14 +141,17 @@ def render_gpu_served(records: list[dict]) -> tuple[list[str], list]:
                          num(r["output_throughput"], 0), f"{num(ttft['p50'], 0)} / {num(ttft['p99'], 0)}",
                          f"{num(tpot['p50'], 1)} / {num(tpot['p99'], 1)}",
                          f"{num(pulls.get('gb_s'), 1)} GB/s over {(pulls.get('transport') or {}).get('transport')}"
-                         if pulls else "", f"{busy['proxy']:.2f} / {busy['client']:.2f}"])
+                         if pulls else "", _steps(r.get("decode_steps")),
+                         " / ".join(f"{busy[k]:.2f}" if k in busy else "" for k in busy_keys)])
         if "error" in setup:  # after the runs it finished
-            rows.append([name, setup["error"][:80], "", "", "", "", "", ""])
+            rows.append([name, setup["error"][:80], "", "", "", "", "", "", ""])
     lines = [f"{result['model']}, prompts -> {result['output_len']} tokens, all at once (rate inf), then Poisson at "
-             f"{result['poisson_fraction']:g}x colocated's rate-inf request rate; cores busy: the proxy's and the "
-             "load generator's CPU over the run (near 1: that process was the limit):", ""]
+             f"{result['poisson_fraction']:g}x colocated's rate-inf request rate; the decode node's steps over the "
+             "run (mean time, mean decode batch); cores busy: the proxy's, the load generator's and the decode "
+             "node's CPU over the run (near 1: that process was the limit):", ""]
     lines += table(["setup", "requests x prompt", "rate", "output tok/s", "TTFT p50 / p99 (ms)",
-                    "TPOT p50 / p99 (ms)", "KV pulls", "cores busy: proxy / client"], rows)
+                    "TPOT p50 / p99 (ms)", "KV pulls", "decode steps: mean ms / batch",
+                    "cores busy: " + " / ".join(busy_keys)], rows)
     comparisons = [[str(c["prompt_len"]), _rate(c["rate_rps"]),
                     f"**{c['pd_over_colocated']:.2f}x**",
                     f"{num(c['tpot_ms']['colocated']['p99'], 1)} / {num(c['tpot_ms']['1P+1D']['p99'], 1)}",

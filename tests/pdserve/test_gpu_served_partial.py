@@ -22,7 +22,8 @@ class _Deployment:
 def _run(prompt_len: int, rate: float, tok_s: float) -> dict:
     return {"prompt_len": prompt_len, "rate_rps": None if rate == math.inf else rate, "num_requests": 4,
             "output_throughput": tok_s, "ttft_ms": {"p50": 1.0, "p99": 2.0}, "tpot_ms": {"p50": 1.0, "p99": 3.0},
-            "num_failed": 0, "duration_s": 1.0, "cores_busy": {"proxy": 0.5, "client": 0.2}}
+            "num_failed": 0, "duration_s": 1.0, "cores_busy": {"proxy": 0.5, "client": 0.2, "decode": 0.9},
+            "decode_steps": {"count": 10.0, "mean_ms": 3.0, "mean_batch": 4.0}}
 
 
 @pytest.fixture
