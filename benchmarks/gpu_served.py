@@ -27,6 +27,7 @@ that would not fit is skipped).
 from __future__ import annotations
 
 import argparse
+import collections
 import math
 import signal
 import sys
@@ -88,7 +89,9 @@ def load(base_url: str, model: str, num: int, prompt_len: int, output_len: int, 
                          DatasetConfig(num_requests=num, input_len=prompt_len, output_len=output_len,
                                        vocab_high=vocab, seed=seed),
                          LoadConfig(request_rate=rate, seed=seed, show_progress=False))
-    return run_benchmark(config).summary
+    result = run_benchmark(config)
+    errors = collections.Counter(r.error[:200] for r in result.records if not r.is_ok)
+    return {**result.summary, "errors": dict(errors.most_common(3))}
 
 
 def greedy_texts(base_url: str, model: str, num: int = 16) -> list[list[str]]:
@@ -183,7 +186,7 @@ def measure(deployment, served: str, args: argparse.Namespace, prompt_len: int, 
     run = {"prompt_len": prompt_len, "rate_rps": None if rate == math.inf else rate,
            "num_requests": num, "output_throughput": summary["output_throughput"],
            "ttft_ms": summary["ttft_ms"], "tpot_ms": summary["tpot_ms"], "num_failed": summary["num_failed"],
-           "duration_s": summary["duration_s"], "cores_busy": busy,
+           "errors": summary["errors"], "duration_s": summary["duration_s"], "cores_busy": busy,
            "decode_steps": {"count": steps,
                             "mean_ms": 1e3 * change["pdserve_node_step_seconds_sum"] / steps if steps else None,
                             "mean_batch": change["pdserve_node_decode_batch_size_sum"] / batches if batches else None}}
@@ -230,6 +233,8 @@ def _line(name: str, r: dict) -> str:
             f"p99 {ttft['p99']:.0f} ms, TPOT p50 {tpot['p50']:.1f} ms p99 {tpot['p99']:.1f} ms, "
             f"{r['num_failed']} failed; cores busy: proxy {r['cores_busy']['proxy']:.2f}, "
             f"client {r['cores_busy']['client']:.2f}, decode node {r['cores_busy']['decode']:.2f}")
+    if r.get("errors"):
+        line += f"; failures: {r['errors']}"
     steps = r["decode_steps"]
     if steps["count"]:
         line += (f"; decode node: {steps['count']:.0f} steps, mean {steps['mean_ms']:.2f} ms, "

@@ -166,6 +166,12 @@ class DecodeNode(NodeServer):
         return bool(self._admission or self._held or any(not p.is_streaming or p.part is not None
                                                          for p in self._pulls.values()))
 
+    def wake_sockets(self) -> list:
+        return self.connector.wake_sockets()
+
+    def is_copying(self) -> bool:
+        return self.connector.is_copying
+
     def poll_transfers(self) -> None:
         self._start_pulls()
         for result in self.connector.poll():

@@ -159,6 +159,17 @@ class KVConnector(ABC):
         """Side-channel messages refused (malformed, unauthenticated, unexpected); see RejectLog."""
         return 0
 
+    def wake_sockets(self) -> list:
+        """ZMQ sockets whose next message moves a read on (a confirmation's answer): a caller
+        waiting for work may wait on them too, and poll() when one is readable."""
+        return []
+
+    @property
+    def is_copying(self) -> bool:
+        """Whether a read's transfer is a copy under way that no message announces the end of and
+        that ends within microseconds (kv_transfer.cuda_ipc): the caller polls again at once."""
+        return False
+
     # ---- holder side (prefill node) -----------------------------------------------------------
 
     @abstractmethod

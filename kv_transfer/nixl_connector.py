@@ -357,6 +357,10 @@ class NixlConnector(SideChannelConnector):
         return results
 
     @property
+    def is_copying(self) -> bool:
+        return any(not copy.is_done() for copy in self._copies)
+
+    @property
     def transport(self) -> Transport | None:
         """How this connector's last read was carried: device copies from a peer on the same GPU
         (kv_transfer.cuda_ipc), else what UCX reported for its reads (None until a read completed,
@@ -366,10 +370,12 @@ class NixlConnector(SideChannelConnector):
         return self._ucx_report.transport if self._ucx_report is not None else None
 
     def _check_ucx_report(self, force: bool = False) -> None:
-        """Read UCX's report (at most once a second, unless force: after a failure): the transport,
-        once, and its warnings and errors. Called from the progress thread and the node's loop."""
+        """Read UCX's report (at most once a second, every 50 ms while the transport is not known
+        yet, unless force: after a failure): the transport, once, and its warnings and errors.
+        Called from the progress thread and the node's loop."""
         report, now = self._ucx_report, time.monotonic()
-        if report is None or (not force and now - self._report_checked_at < 1.0):
+        interval = 1.0 if report is not None and report.transport is not None else 0.05
+        if report is None or (not force and now - self._report_checked_at < interval):
             return
         self._report_checked_at = now
         known = report.transport

@@ -236,6 +236,11 @@ class Exchange:
             return True
         return False
 
+    @property
+    def socket(self) -> zmq.Socket | None:
+        """The socket the answer comes on, while it is awaited."""
+        return self._socket
+
     def reply(self) -> SideMessage:
         """The answer (once done()); raises HandshakeFailed where there is none."""
         if self._error is not None:

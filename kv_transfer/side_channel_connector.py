@@ -105,6 +105,11 @@ class Confirmation:
     def done(self) -> bool:
         return self._exchange.done()
 
+    @property
+    def socket(self):
+        """The socket the holder's answer comes on, while it is awaited (None after)."""
+        return self._exchange.socket
+
     def cancel(self) -> None:
         self._exchange.cancel()
 
@@ -190,6 +195,10 @@ class SideChannelConnector(KVConnector, ABC):
         results += self._poll_backend()
         results += self._finish_confirmations()
         return [r for r in results if r.request_id not in self._draining]  # theirs come once drained
+
+    def wake_sockets(self) -> list:
+        return [read.confirmation.socket for read in self._reads.values()
+                if isinstance(read.confirmation, Confirmation) and read.confirmation.socket is not None]
 
     def abort_read(self, request_id: str) -> bool:
         read = self._reads.pop(request_id, None)

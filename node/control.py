@@ -49,10 +49,17 @@ class ControlSocket:
         self._socket = socket
         self._lock = threading.Lock()
 
-    def poll(self, timeout_ms: int) -> bool:
-        """Whether a frame is waiting (blocks up to timeout_ms holding the lock: call from the loop)."""
+    def poll(self, timeout_ms: int, also: list[zmq.Socket] = ()) -> bool:
+        """Whether a frame is waiting (blocks up to timeout_ms holding the lock: call from the loop);
+        also: other sockets of the loop's whose message ends the wait as well."""
         with self._lock:  # NOTE: a ZMQ socket is not thread-safe, poll included
-            return bool(self._socket.poll(timeout_ms))
+            if not also:
+                return bool(self._socket.poll(timeout_ms))
+            poller = zmq.Poller()
+            poller.register(self._socket, zmq.POLLIN)
+            for socket in also:
+                poller.register(socket, zmq.POLLIN)
+            return self._socket in dict(poller.poll(timeout_ms))
 
     def receive(self, max_frames: int) -> list[tuple[bytes, bytes]]:
         """Up to max_frames waiting (identity, payload) frames, never blocking; frame sets of

@@ -162,7 +162,8 @@ class NodeServer:
             self.proxies.forgive(away)
         self.last_progress_at = now
         busy = self.engine.has_unfinished() or self.needs_polling() or len(self.grammar_gate) > 0
-        self._receive_all(timeout_ms=0 if self.engine.has_unfinished() else (_BUSY_POLL_MS if busy else _IDLE_POLL_MS))
+        self._receive_all(timeout_ms=0 if self.engine.has_unfinished() or self.is_copying()
+                          else (_BUSY_POLL_MS if busy else _IDLE_POLL_MS))
         self._admit_compiled()
         self.poll_transfers()
         self.metrics.poll_leases(self.has_request)
@@ -208,6 +209,16 @@ class NodeServer:
         """True while work beside the engine moves on without a message to wake the loop
         (transfers in flight): the loop then looks every _BUSY_POLL_MS."""
         return self.has_pending_work()
+
+    def wake_sockets(self) -> list:
+        """Sockets beside the control socket whose message ends the loop's wait (a KV read's
+        confirmation coming back)."""
+        return []
+
+    def is_copying(self) -> bool:
+        """Whether work beside the engine ends within microseconds with nothing to announce it (a
+        device copy of KV): the loop then looks again at once."""
+        return False
 
     def has_request(self, request_id: str) -> bool:
         """Whether request_id is in use here beyond the requests proxies own (a prefill lease)."""
@@ -322,7 +333,7 @@ class NodeServer:
     # ---- the loop's parts ---------------------------------------------------------------------
 
     def _receive_all(self, timeout_ms: int) -> None:
-        if not self.control.poll(timeout_ms):
+        if not self.control.poll(timeout_ms, self.wake_sockets() if timeout_ms else ()):
             return
         for identity, payload in self.control.receive(_MAX_FRAMES_PER_ITERATION):
             self._dispatch(identity, payload)

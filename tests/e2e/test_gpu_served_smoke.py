@@ -53,7 +53,7 @@ def test_both_setups_serve_each_length_at_rate_inf_then_poisson_and_every_prompt
     assert poisson == [r["rate_rps"] for r in disaggregated["runs"] if r["rate_rps"] is not None]
     assert poisson[0] == pytest.approx(0.9 * colocated["runs"][0]["output_throughput"] / 8)
     for run in colocated["runs"] + disaggregated["runs"]:
-        assert run["num_failed"] == 0
+        assert run["num_failed"] == 0, run["errors"]
         assert all(0 < run["cores_busy"][k] < 2 for k in ("proxy", "client", "decode")), run["cores_busy"]
         steps = run["decode_steps"]
         assert steps["count"] >= 8 and steps["mean_ms"] > 0 and 1 <= steps["mean_batch"] <= run["num_requests"], steps

@@ -1,4 +1,5 @@
-"""KV reads between two nodes on one GPU as device copies over CUDA IPC (kv_transfer.cuda_ipc):
+"""KV reads between two nodes on one GPU as device copies over CUDA IPC (kv_transfer.cuda_ipc), and
+the sockets a read under way wakes the node's loop on (a confirmation's answer):
 the copies' plan (runs of consecutive blocks, else a bounded gather and scatter) on the CPU, the
 offer in NIXL's handshake (an older reader's format still decodes), and, on a GPU, a holder
 process's blocks read by copies, equal, confirmed and released as NIXL's reads are; turned off,
@@ -179,3 +180,46 @@ def test_on_cuda_reads_from_the_same_gpu_are_device_copies_equal_confirmed_and_r
         assert (connector.transport == cuda_ipc.TRANSPORT) == same_gpu_copy
     finally:
         connector.close()
+
+
+def test_a_confirmation_awaited_is_a_socket_the_nodes_loop_waits_on():
+    """While the holder's answer is awaited, the reader's connector names its socket
+    (wake_sockets) and the node's control socket wait ends when it comes, not at its timeout;
+    once answered, no socket is named."""
+    import threading
+
+    from kv_transfer.base import RemoteLease
+    from kv_transfer.messages import ConfirmRead, LeaseRef, ReadConfirmed
+    from kv_transfer.side_channel import SideChannelServer
+    from kv_transfer.side_channel_connector import Confirmation, PendingRead
+    from node.control import ControlSocket
+
+    release = threading.Event()
+
+    def held(message):
+        release.wait(10)
+        return ReadConfirmed(message.lease, True)
+
+    server = SideChannelServer("127.0.0.1", 0, held)
+    control = ControlSocket("127.0.0.1", 0, None)
+    connector = create_connector(TransferConfig(backend="nixl"), torch.zeros(48, 3, 2, 16, 2, 16), LAYOUT, "d")
+    try:
+        ref = LeaseRef("r", 1)
+        exchange = connector._requester.start(server.address, ConfirmRead("holder", ref), timeout_s=20.0)
+        lease = RemoteLease("holder", server.address, [0], 1, 600.0)
+        read = PendingRead("r", lease, [0], confirmation=Confirmation(exchange, "r", server.address, ref))
+        connector._reads["r"] = read
+        [socket] = connector.wake_sockets()
+        assert socket is exchange.socket
+        threading.Timer(0.2, release.set).start()
+        started = time.monotonic()
+        assert control.poll(10_000, connector.wake_sockets()) is False  # the answer ended it, not a frame
+        assert time.monotonic() - started < 9.0
+        assert read.confirmation.done() and read.confirmation.result() is True
+        assert connector.wake_sockets() == []
+    finally:
+        release.set()
+        connector._reads.clear()
+        connector.close()
+        control.close()
+        server.close()

@@ -258,3 +258,17 @@ def test_read_after_the_lease_ended_and_its_blocks_were_reused_is_discarded(pair
     assert pair.deltas_of("a")[0].kv.label == "fallback:lease_lost"
     pair.prefill.handle_message(PROXY, protocol.ReleaseKV(["b"]))
     assert_nothing_held_once_released(pair)
+
+
+def test_the_loop_waits_on_the_connectors_wake_sockets_and_looks_again_at_once_while_it_copies(pair, monkeypatch):
+    """A pull's confirmation coming back ends the decode node's wait (not its next poll, ms later);
+    a device copy under way has it look again at once."""
+    waits = []
+    monkeypatch.setattr(pair.decode.control, "poll", lambda timeout_ms, also=(): waits.append((timeout_ms, also)))
+    socket = object()
+    monkeypatch.setattr(pair.decode.connector, "wake_sockets", lambda: [socket])
+    pair.decode.run_once()
+    assert waits[-1][0] > 0 and waits[-1][1] == [socket]
+    monkeypatch.setattr(type(pair.decode.connector), "is_copying", property(lambda _: True))
+    pair.decode.run_once()
+    assert waits[-1] == (0, ())
