@@ -211,11 +211,13 @@ def test_prefill_node_killed_while_its_kv_awaits_pulls_every_stream_completes(ti
         wait_http_ok(deployment.base_url + "/health", 120, lambda: _check_alive(deployment))
         _, tokenizer = hf
         prompts = random_prompts(6, [40, 70, 100], seed=1414)
-        want = [tokenizer.decode(hf_greedy(hf, p, 32)[0], skip_special_tokens=True) for p in prompts]
+        # NOTE: 96 tokens each keep the later requests' pulls queued long enough to be seen (and
+        # killed under): with 32, the six were sometimes all done between two looks
+        want = [tokenizer.decode(hf_greedy(hf, p, 96)[0], skip_special_tokens=True) for p in prompts]
         client = openai.OpenAI(base_url=deployment.base_url + "/v1", api_key="unused", max_retries=0, timeout=180)
         addresses = deployment.node_addresses
         with ThreadPoolExecutor(len(prompts)) as pool:
-            futures = [pool.submit(_stream_ids, client, p, 32) for p in prompts]
+            futures = [pool.submit(_stream_ids, client, p, 96) for p in prompts]
             holders = []
 
             def pulls_wait_on_a_holder() -> bool:
