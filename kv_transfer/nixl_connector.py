@@ -38,6 +38,7 @@ import os
 import threading
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -103,6 +104,16 @@ def interface_of(address: str) -> str | None:
         if any(a.address.split("%")[0] == address for a in addresses):
             return name
     return None
+
+
+class _NixlPeer(NamedTuple):
+    """A connected holder: its agent's name here, what it told us, its regions, and its cache mapped
+    for device copies where it is on our GPU (kv_transfer.cuda_ipc; None: NIXL reads)."""
+
+    agent_name: str
+    info: NixlAgentInfo
+    remote: list[ShardRegions]
+    same_gpu: cuda_ipc.MappedCache | None
 
 
 class NixlConnector(SideChannelConnector):
@@ -210,7 +221,8 @@ class NixlConnector(SideChannelConnector):
             held.update(r.kv_heads)
         if held != set(range(self.layout.num_kv_heads)):
             raise TransferFailed(f"NIXL peer's ranks hold KV heads {sorted(held)}, not all {self.layout.num_kv_heads}")
-        peer.handle = (self._agent.add_remote_agent(info.agent_metadata), info, remote, self._same_gpu_cache(info))
+        peer.handle = _NixlPeer(self._agent.add_remote_agent(info.agent_metadata), info, remote,
+                                self._same_gpu_cache(info))
 
     def _same_gpu_cache(self, info: NixlAgentInfo) -> cuda_ipc.MappedCache | None:
         """The peer's cache, mapped here, where it is on this cache's GPU (one rank each, the same
@@ -267,7 +279,7 @@ class NixlConnector(SideChannelConnector):
                 raise TransferFailed(f"device copy from the peer on this GPU failed: {sync_exc}") from sync_exc
             logger.warning("KV reads from the peer on this GPU at %s go through UCX from now on: a device copy "
                            "could not start: %s", peer.address, exc)
-            peer.handle = (*peer.handle[:3], None)
+            peer.handle = peer.handle._replace(same_gpu=None)
             read.handle = None
             return False
         self._copies.append(read.handle)
@@ -336,8 +348,8 @@ class NixlConnector(SideChannelConnector):
         if now - self._idle_checked_at > 1.0:
             self._idle_checked_at = now
             for peer in list(self._peers.values()):
-                if peer.handle is not None and peer.handle[3] is not None:
-                    peer.handle[3].release_if_idle(now)
+                if peer.handle is not None and peer.handle.same_gpu is not None:
+                    peer.handle.same_gpu.release_if_idle(now)
         results = []
         for read in list(self._reads.values()):
             if read.handle is None:
@@ -414,7 +426,7 @@ class NixlConnector(SideChannelConnector):
         return True
 
     def _forget_peer(self, peer: Peer) -> None:
-        agent_name, _, _, _ = peer.handle  # NOTE: a mapped same-GPU cache goes with its last reference
+        agent_name = peer.handle.agent_name  # NOTE: a mapped same-GPU cache goes with its last reference
         try:
             self._agent.remove_remote_agent(agent_name)
         except Exception as exc:  # noqa: BLE001 - the peer is gone; best effort

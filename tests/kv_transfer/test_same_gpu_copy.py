@@ -18,6 +18,7 @@ from kv_transfer import cuda_ipc
 from kv_transfer.config import TransferConfig
 from kv_transfer.factory import create_connector
 from kv_transfer.messages import CudaIpcCache, NixlAgentInfo, NixlShardInfo
+from kv_transfer.nixl_connector import _NixlPeer
 from kv_transfer.side_channel_connector import Peer
 from tests.kernels.conftest import gpu, requires_cuda
 from tests.kv_transfer.helpers import poll_until
@@ -104,7 +105,8 @@ def test_a_peers_mapping_is_let_go_when_idle_and_made_again_at_the_next_read(mon
     # a connector's poll lets its idle peers' mappings go
     connector = create_connector(TransferConfig(backend="nixl"), torch.zeros(48, 3, 2, 16, 2, 16), LAYOUT, "p")
     try:
-        connector._peers["holder"] = Peer("holder", "127.0.0.1:1", LAYOUT, None, handle=(None, None, None, mapped))
+        connector._peers["holder"] = Peer("holder", "127.0.0.1:1", LAYOUT, None,
+                                          handle=_NixlPeer("holder-agent", None, [], mapped))
         mapped._used_at -= cuda_ipc.IDLE_RELEASE_S + 1
         assert connector.poll() == [] and not mapped.is_mapped
     finally:
