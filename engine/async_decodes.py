@@ -4,10 +4,11 @@ places in its requests' outputs, and whether the step after it can be launched b
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 
 from engine.decode_graphs import DecodeGraphs, PendingTokens
 from engine.request import Request
-from engine.sampler import is_plain_greedy
+from engine.sampler import Sampler, samples_on_device
 from engine.scheduler import Scheduler, SchedulerOutput
 
 # An output token whose step is still running: its place in output_token_ids.
@@ -27,18 +28,20 @@ class InFlight:
 
 
 class AsyncDecodes:
-    """Launches pure decode steps of plain greedy requests on the static decode path (graphs)
-    and says when the next one may follow before the one in flight is read."""
+    """Launches pure decode steps of requests that sample on the device (greedy or random draws,
+    sampler.samples_on_device) on the static decode path (graphs) and says when the next one may
+    follow before the one in flight is read."""
 
-    def __init__(self, graphs: DecodeGraphs | None, scheduler: Scheduler, enabled: bool) -> None:
+    def __init__(self, graphs: DecodeGraphs | None, scheduler: Scheduler, sampler: Sampler, enabled: bool) -> None:
         self.graphs = graphs
         self.scheduler = scheduler
+        self.sampler = sampler
         self.enabled = enabled and graphs is not None
 
     def takes(self, scheduled: SchedulerOutput) -> bool:
         """Whether this scheduled step is launched without waiting for it."""
         return (self.enabled and self.graphs.takes(scheduled.decodes, len(scheduled.prefills))
-                and all(is_plain_greedy(r) for r in scheduled.decodes))
+                and all(samples_on_device(r) for r in scheduled.decodes))
 
     def launch(self, decodes: list[Request], previous: InFlight | None) -> InFlight:
         """Queue these decodes' step; then (nothing raises after) their progress moves on and a
@@ -48,7 +51,10 @@ class AsyncDecodes:
         if previous is not None:
             rows = {id(r): row for row, r in enumerate(previous.decodes)}
             fed = [rows[id(r)] for r in decodes]
-        pending = self.graphs.launch(decodes, fed, previous.pending if previous else None)
+        draw = None
+        if not all(r.params.is_greedy for r in decodes):
+            draw = partial(self.sampler.draw, requests=decodes)  # before the bookkeeping below: a seeded draw's index
+        pending = self.graphs.launch(decodes, fed, previous.pending if previous else None, draw)
         indices = []
         for request in decodes:
             request.num_computed_tokens += 1
@@ -66,6 +72,6 @@ class AsyncDecodes:
             return False  # it would admit a prompt
         for request in live:
             if (request.num_output_tokens >= request.params.max_tokens or request.num_tokens >= request.max_total_tokens
-                    or not is_plain_greedy(request)):
+                    or not samples_on_device(request)):
                 return False
         return all(scheduler.reserve_next_token(r) for r in live)

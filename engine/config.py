@@ -231,7 +231,8 @@ class EngineConfig:
     # buffers and padding without graphs, on any device: the CPU tests of that logic).
     decode_graphs: str = "auto"
     # While the GPU runs a decode step on the static buffers, queue the next one before reading
-    # this one's tokens (LLMEngine.step); pure decode steps of plain greedy requests only.
+    # this one's tokens (LLMEngine.step); pure decode steps of requests sampled on the device only
+    # (greedy or drawn: sampler.samples_on_device).
     async_scheduling: bool = True
     # Ranks the model is split over (engine.tp_ranks): one process each, one GPU each on CUDA.
     tensor_parallel_size: int = 1

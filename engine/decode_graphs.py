@@ -7,9 +7,10 @@ replays the whole forward (every layer, the final norm, the LM head and the gree
 padding row writes no KV (slot -1) and attends to nothing (length 0), so it touches no request's
 memory. Mixed steps run eagerly.
 
-launch() is the same step without waiting for it: its greedy tokens are copied to the host in the
-background (PendingTokens), and rows may take their input token from an earlier launch's tokens on
-the device, so the engine can queue step N+1 before it reads step N's tokens (async scheduling).
+launch() is the same step without waiting for it: its tokens (the greedy argmax, or a sampler's draw
+queued after the replay) are copied to the host in the background (PendingTokens), and rows may
+take their input token from an earlier launch's tokens on the device, so the engine can queue step
+N+1 before it reads step N's tokens (async scheduling).
 
 Without graphs (DecodeGraphs(capture=False), any device) the same buffers and padding run
 eagerly: the CPU tests check the bucket, padding and buffer logic against the plain path that way.
@@ -25,6 +26,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
@@ -62,8 +64,12 @@ class DecodeOutputs:
     tokens: torch.Tensor  # [bucket] int64, the argmax of each row
 
 
+# A launched step's tokens from its (logits [rows, vocab], greedy tokens [rows]), on the device.
+Draw = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
 class PendingTokens:
-    """The greedy tokens of a launched step, on their way to the host."""
+    """The tokens of a launched step, on their way to the host."""
 
     def __init__(self, device_tokens: torch.Tensor, host: torch.Tensor) -> None:
         self.device_tokens = device_tokens  # valid until the next launch's forward
@@ -193,18 +199,20 @@ class DecodeGraphs:
         return DecodeOutputs(out.logits[:num], out.tokens[:num])
 
     def launch(self, decodes: list[Request], fed: list[int] | None = None,
-               previous: PendingTokens | None = None) -> PendingTokens:
-        """Queue the step of these decodes and return its greedy tokens, pending. fed: for each
-        row, the row of `previous` (the launch just before this one) whose token is its input
-        (its own last token is not known yet); None: every input token is known."""
+               previous: PendingTokens | None = None, draw: Draw | None = None) -> PendingTokens:
+        """Queue the step of these decodes and return its tokens, pending. fed: for each row, the
+        row of `previous` (the launch just before this one) whose token is its input (its own last
+        token is not known yet); None: every input token is known. draw: the rows' tokens from
+        (logits, greedy tokens), queued on the device (Sampler.draw); None: the greedy tokens."""
         num = len(decodes)
         size = self._stage(decodes, fed)
         if fed is not None:
             self._ids[0, :num].copy_(previous.device_tokens.index_select(0, self._ids[3, :num]))
         out = self._replay(size)
+        tokens = out.tokens[:num] if draw is None else draw(out.logits[:num], out.tokens[:num])
         host = self._host_tokens[self._next_host][:num]
         self._next_host ^= 1
-        return PendingTokens(out.tokens[:num], host)
+        return PendingTokens(tokens, host)
 
     def _stage(self, decodes: list[Request], fed: list[int] | None = None) -> int:
         """Fill the buffers for these decodes (fed: launch()'s); returns their bucket."""

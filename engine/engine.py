@@ -118,7 +118,7 @@ class LLMEngine:
         self.max_total_tokens = min(model_cfg.max_model_len, num_blocks * self.block_size)
         self.checks = RequestChecks(model_cfg, self.max_total_tokens, self.grammars)
         # NOTE: a split model's workers do not hold the sampled tokens an async launch feeds on the device.
-        self.async_decodes = AsyncDecodes(self.runner.graphs, self.scheduler,
+        self.async_decodes = AsyncDecodes(self.runner.graphs, self.scheduler, self.sampler,
                                           config.async_scheduling and self.ranks is None)
         self._requests: dict[str, Request] = {}
         self._in_flight: InFlight | None = None
@@ -288,7 +288,8 @@ class LLMEngine:
         everything and ends it).
 
         Async scheduling (EngineConfig.async_scheduling, with the static decode path): a pure
-        decode step of plain greedy requests is launched without waiting for it; while it runs
+        decode step of requests that sample on the device (greedy or drawn: no logprobs, penalties,
+        logit_bias, grammar or pending min_tokens) is launched without waiting for it; while it runs
         and the same requests can only decode again, the next step is launched on its pending
         tokens before they are read. Each call still returns one step's tokens. A request that
         stops (a stop token or eos) is then known one step late: its extra step's token is dropped

@@ -64,6 +64,19 @@ class Sampler:
             token_ids[random_idx] = self._sample_random(logits[random_idx], chosen)
         return _with_logprobs(token_ids, raw_logprobs, requests)
 
+    def draw(self, logits: torch.Tensor, greedy_tokens: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """sample()'s tokens for requests that all sample on the device (samples_on_device), left
+        there (int64 [rows]) with no wait for the device: greedy rows take greedy_tokens (the argmax
+        of their logits), the others a draw made as sample() makes it (a seeded row draws the same)."""
+        random_rows = [i for i, r in enumerate(requests) if not r.params.is_greedy]
+        if not random_rows:
+            return greedy_tokens
+        if len(random_rows) == len(requests):
+            return self._sample_random(logits.float(), requests)
+        rows = _to_device(random_rows, torch.long, logits.device)
+        drawn = self._sample_random(logits.index_select(0, rows).float(), [requests[i] for i in random_rows])
+        return greedy_tokens.index_copy(0, rows, drawn)
+
     def tokens_of(self, token_ids: torch.Tensor, requests: list[Request]) -> list[TokenLogprob]:
         """sample's answer for plain greedy requests (is_plain_greedy) whose argmax is known."""
         return _with_logprobs(token_ids, None, requests)
@@ -187,18 +200,25 @@ class Sampler:
                 seed = request.params.seed * _SEED_STRIDE + request.num_output_tokens
                 self._row_generator.manual_seed(seed % (2**63))
                 rows[i].exponential_(generator=self._row_generator)
-            noise[seeded] = rows.to(device)  # one copy for all of them
+            # one copy for all of them, queued behind the step (no wait: see _to_device)
+            noise.index_copy_(0, _to_device(seeded, torch.long, device), _to_device(rows, torch.float32, device))
         return noise
 
 
-def is_plain_greedy(request: Request) -> bool:
-    """Greedy with nothing that edits or reports the logits: its token is the argmax of the
-    model's logits in their own dtype (exact: widening to float32 keeps their order), so a batch
-    of these needs no float32 copy of the logits (64 x 49,152 bfloat16: ~0.8 ms of a 55 ms step)."""
+def samples_on_device(request: Request) -> bool:
+    """Nothing edits or reports its logits (no logprobs, penalties, logit_bias, grammar or pending
+    min_tokens): its token is the argmax, or a draw, from the model's logits where they are, so a
+    step of these needs nothing from the host (async scheduling launches it unread, Sampler.draw)."""
     params = request.params
-    return (params.is_greedy and params.logprobs is None and not params.has_penalties
-            and not params.logit_bias and request.grammar is None
-            and request.num_output_tokens >= params.min_tokens)
+    return (params.logprobs is None and not params.has_penalties and not params.logit_bias
+            and request.grammar is None and request.num_output_tokens >= params.min_tokens)
+
+
+def is_plain_greedy(request: Request) -> bool:
+    """Greedy and samples_on_device: its token is the argmax of the model's logits in their own
+    dtype (exact: widening to float32 keeps their order), so a batch of these needs no float32 copy
+    of the logits (64 x 49,152 bfloat16: ~0.8 ms of a 55 ms step)."""
+    return request.params.is_greedy and samples_on_device(request)
 
 
 def _apply_logit_bias(logits: torch.Tensor, requests: list[Request]) -> None:
@@ -212,13 +232,22 @@ def _apply_logit_bias(logits: torch.Tensor, requests: list[Request]) -> None:
 
 def _row_settings(requests: list[Request], vocab_size: int, device: torch.device) -> _Rows:
     return _Rows(
-        temperature=torch.tensor([r.params.temperature for r in requests], device=device).unsqueeze(1),
-        top_k=torch.tensor([r.params.top_k if 0 < r.params.top_k < vocab_size else vocab_size for r in requests],
-                           device=device),
-        top_p=torch.tensor([r.params.top_p for r in requests], device=device),
-        min_p=(torch.tensor([r.params.min_p for r in requests], device=device)
+        temperature=_to_device([r.params.temperature for r in requests], torch.float32, device).unsqueeze(1),
+        top_k=_to_device([r.params.top_k if 0 < r.params.top_k < vocab_size else vocab_size for r in requests],
+                         torch.long, device),
+        top_p=_to_device([r.params.top_p for r in requests], torch.float32, device),
+        min_p=(_to_device([r.params.min_p for r in requests], torch.float32, device)
                if any(r.params.min_p > 0 for r in requests) else None),
     )
+
+
+def _to_device(values: list | torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """values on device without waiting for the device: a GPU gets them from pinned memory,
+    non-blocking (a plain torch.tensor(..., device=cuda) waits for the stream's queued work)."""
+    host = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _apply_min_p(probs: torch.Tensor, min_p: torch.Tensor | None) -> torch.Tensor:

@@ -84,8 +84,8 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                              "at start-up, one per batch-size bucket up to --max-num-seqs)")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                         default=default_of(EngineConfig, "async_scheduling"),
-                        help="queue the next decode step before reading this one's tokens (CUDA graphs, plain "
-                             "greedy decode batches)")
+                        help="queue the next decode step before reading this one's tokens (CUDA graphs; decode "
+                             "batches without logprobs, penalties, logit bias or grammars)")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int,
                         default=default_of(EngineConfig, "tensor_parallel_size"),
                         help="ranks the model is split over: one process each (one GPU each on CUDA); prefill and "

@@ -58,9 +58,9 @@ def launches(monkeypatch) -> list[bool]:
     fed = []
     real = DecodeGraphs.launch
 
-    def spy(self, decodes, feed=None, previous=None):
+    def spy(self, decodes, feed=None, previous=None, draw=None):
         fed.append(feed is not None)
-        return real(self, decodes, feed, previous)
+        return real(self, decodes, feed, previous, draw)
 
     monkeypatch.setattr(DecodeGraphs, "launch", spy)
     return fed
@@ -201,14 +201,26 @@ def _drive(engine, script, num_calls):
     return streams
 
 
-def test_one_step_late_stops_aborts_and_arrivals_give_the_synchronous_results(tiny_model_dir, launches):
+def _late_stop_params(i: int, kind: str, **fields) -> SamplingParams:
+    """greedy: every request greedy; drawn: seeded draws of every truncation, two greedy among them."""
+    if kind == "greedy" or i in (3, 6):
+        return SamplingParams(temperature=0.0, **fields)
+    truncation = (dict(), dict(top_k=12), dict(top_p=0.8), dict(min_p=0.05), dict(top_k=20, top_p=0.9))[i % 5]
+    return SamplingParams(temperature=0.9, seed=100 + i, **truncation, **fields)
+
+
+@pytest.mark.parametrize("kind", ["greedy", "drawn"])
+def test_one_step_late_stops_aborts_and_arrivals_give_the_synchronous_results(tiny_model_dir, launches, kind):
     """Stop tokens found one step late, max_tokens never overrun, aborts and new prompts between
     calls while a step is in flight: every request's tokens, indices and finish equal the
-    synchronous engine's, and every block comes back."""
+    synchronous engine's, and every block comes back. drawn: the launched steps' tokens are the
+    sampler's seeded draws on the device (a mixed batch: two rows greedy), as the synchronous
+    engine draws them."""
     vocab = ModelConfig.from_pretrained(tiny_model_dir).vocab_size
     prompts = make_prompts(vocab, seed=4)[:9]
-    reference = engine_for(tiny_model_dir, "off")
-    free_run = run_to_completion(reference, prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+    reference = engine_for(tiny_model_dir, "static", async_scheduling=False)
+    free_run = run_to_completion(reference, prompts[:4],
+                                 [_late_stop_params(i, kind, max_tokens=24, ignore_eos=True) for i in range(4)])
     # Requests 0-3 stop on a token of their own output (its first occurrence at step 5, 9, 14, 20).
     params = []
     for i in range(len(prompts)):
@@ -216,8 +228,8 @@ def test_one_step_late_stops_aborts_and_arrivals_give_the_synchronous_results(ti
         if i < 4:
             ids = [t.token_id for t in free_run[i]]
             stop = [next(t for k, t in enumerate(ids) if k >= (5, 9, 14, 20)[i] and t not in ids[:k])]
-        params.append(SamplingParams(max_tokens=(24, 24, 24, 24, 7, 11, 24, 24, 16)[i], temperature=0.0,
-                                     stop_token_ids=stop, ignore_eos=True))
+        params.append(_late_stop_params(i, kind, max_tokens=(24, 24, 24, 24, 7, 11, 24, 24, 16)[i],
+                                        stop_token_ids=stop, ignore_eos=True))
 
     def add(i):
         return lambda engine: engine.add_request(f"r{i}", prompts[i], params[i])

@@ -173,6 +173,40 @@ def test_every_kind_of_row_samples_where_the_logits_are(device):
     assert tokens[1].logprob == pytest.approx(on_cpu[1].logprob, abs=1e-5)
 
 
+@pytest.mark.parametrize("device", ENGINE_DEVICES)
+def test_a_draw_on_the_device_chooses_what_sample_chooses_and_never_waits_for_it(device):
+    """Sampler.draw (an async step's tokens, left on the device): greedy rows take the tokens given
+    (the graph's argmax), seeded rows draw what sample() draws, unseeded rows stay inside their
+    truncation; all-greedy hands the given tensor back. On CUDA nothing in it waits for the device
+    (torch's sync debug mode raises on a stream or device sync)."""
+    logits = random_logits(7, seed=12).to(torch.bfloat16).to(device)
+    batch = [req(SamplingParams(temperature=0.0)), req(SamplingParams(temperature=0.7, seed=5), outputs=[4, 9]),
+             req(SamplingParams(temperature=1.0, top_k=4, seed=6)), req(SamplingParams(temperature=0.0)),
+             req(SamplingParams(temperature=1.0, top_p=0.5, seed=7)),
+             req(SamplingParams(temperature=1.0, min_p=0.3, seed=8)), req(SamplingParams(temperature=1.0, top_k=3))]
+    greedy = torch.full((7,), 41, dtype=torch.long, device=device)  # not the argmax: the rows must take it
+    sampler = Sampler(VOCAB, eos_token_ids=(0,))
+    if device == "cuda":
+        sampler.draw(logits, greedy, batch)  # first use: pinned host blocks and the generator made
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        drawn = sampler.draw(logits, greedy, batch)
+        only_greedy = sampler.draw(logits[[0, 3]], greedy[:2], [batch[0], batch[3]])
+    finally:
+        if device == "cuda":
+            torch.cuda.set_sync_debug_mode("default")
+    assert only_greedy is not None and only_greedy.data_ptr() == greedy.data_ptr()
+    assert drawn.device.type == device and drawn.dtype == torch.long
+    chosen = drawn.tolist()
+    sampled = [t.token_id for t in Sampler(VOCAB, eos_token_ids=(0,)).sample(logits.cpu(), batch)]
+    assert chosen[0] == chosen[3] == 41
+    assert [chosen[i] for i in (1, 2, 4, 5)] == [sampled[i] for i in (1, 2, 4, 5)]
+    assert chosen[6] in logits[6].float().topk(3).indices.tolist()
+    all_drawn = sampler.draw(logits[[1, 2]], greedy[:2], [batch[1], batch[2]]).tolist()
+    assert all_drawn == [sampled[1], sampled[2]]
+
+
 @pytest.mark.parametrize(
     "bad", [dict(max_tokens=0), dict(temperature=-0.1), dict(top_p=0.0), dict(top_p=1.5),
             dict(top_k=-2), dict(min_p=1.5), dict(logprobs=21), dict(repetition_penalty=0.0)],
