@@ -1,10 +1,10 @@
 """Paged decode attention in Triton: one query token per sequence over its block table (GQA,
 split-K: each (sequence, KV head, split) program writes a partial softmax, a second kernel merges
-them). The split count is planned on the host from the batch and the table's width; each
-sequence's splits are cut from its own length in the kernel (at least min_tokens_per_split, on
-BLOCK_N boundaries), so a wide table (a CUDA graph's, as wide as max_model_len) with short
-sequences still spreads them over the splits. Shapes are checked by the backend interface
-(kernels/interface.py)."""
+them; with one split the program writes the output itself). The split count is planned on the
+host from the batch and the table's width; each sequence's splits are cut from its own length in
+the kernel (at least min_tokens_per_split, on BLOCK_N boundaries), so a wide table (a CUDA graph's,
+as wide as max_model_len) with short sequences still spreads them over the splits. Shapes are
+checked by the backend interface (kernels/interface.py)."""
 
 from __future__ import annotations
 
@@ -52,18 +52,27 @@ def _decode_triton(query, kv_cache_layer, block_tables, seq_lens, scale, num_spl
     # NOTE: the planned length is the block table's width, not max(seq_lens): no host sync.
     max_len = max(1, block_tables.shape[1] * block_size)
     num_splits, min_tokens_per_split = _plan_splits(num_seqs, num_kv_heads, max_len, query.device, num_splits)
-    partial_acc = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=query.device)
-    partial_max = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
-    partial_sum = torch.empty_like(partial_max)
+    single = num_splits == 1
+    # One split (a wide batch: the sequences alone fill the device) writes the output itself: no
+    # partials, no merge launch (16 fewer launches a step for a 16-layer model).
+    if single:  # NOTE: placeholders the kernel never touches (a real pointer: no null in a kernel's arguments)
+        partial_acc = partial_max = partial_sum = torch.empty(1, dtype=torch.float32, device=query.device)
+    else:
+        partial_acc = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=query.device)
+        partial_max = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
+        partial_sum = torch.empty_like(partial_max)
     block_d = triton.next_power_of_2(head_dim)
     _decode_attention_kernel[(num_seqs, num_kv_heads, num_splits)](
-        query, kv_cache_layer, block_tables, seq_lens, partial_acc, partial_max, partial_sum,
+        query, kv_cache_layer, block_tables, seq_lens, partial_acc, partial_max, partial_sum, out,
         scale * LOG2E, min_tokens_per_split,
         query.stride(0), query.stride(1), *kv_cache_layer.stride()[:4], block_tables.stride(0),
+        out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_GROUP=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
         DOT_FP32=dot_in_fp32(query), num_warps=4, num_stages=2,
     )
+    if single:
+        return out
     _decode_reduce_kernel[(num_seqs, num_heads)](
         partial_acc, partial_max, partial_sum, out, out.stride(0), out.stride(1), num_splits,
         # NOTE: as wide as the most splits a plan gives, whatever this step's count: one compile
@@ -78,16 +87,17 @@ if triton is not None:
     # for 1, multiples of 16 and the rest (a compile mid-serving stalls every request).
     @triton.jit(do_not_specialize=["stride_table_seq"])
     def _decode_attention_kernel(
-        query_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, acc_ptr, max_ptr, sum_ptr,
+        query_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, acc_ptr, max_ptr, sum_ptr, out_ptr,
         qk_scale, min_tokens_per_split,
         stride_query_seq, stride_query_head, stride_cache_block, stride_cache_kv, stride_cache_offset,
-        stride_cache_head, stride_table_seq,
+        stride_cache_head, stride_table_seq, stride_out_seq, stride_out_head,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr,
     ):
         """One (sequence, KV head, split): the GROUP query heads sharing that KV head against the
         split's tokens, BLOCK_N at a time, each token's block looked up in the block table.
-        Writes the split's running max and sum (base 2) and unnormalized accumulator."""
+        Writes the split's running max and sum (base 2) and unnormalized accumulator; with one
+        split, the normalized output itself (what the merge gives one split; 0 for no tokens)."""
         # NOTE: over 40 lines because the online softmax reads best as one loop body.
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -139,10 +149,17 @@ if triton is not None:
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
-        out_offs = (seq * GROUP * tl.num_programs(1) + heads).to(tl.int64) * num_splits + split
-        tl.store(max_ptr + out_offs, m_i, mask=mask_g)
-        tl.store(sum_ptr + out_offs, l_i, mask=mask_g)
-        tl.store(acc_ptr + out_offs[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=mask_g[:, None] & mask_d[None, :])
+        # NOTE: a branch on the grid, not a constexpr: one compiled kernel for one split and for several
+        if num_splits == 1:
+            result = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+            tl.store(out_ptr + seq.to(tl.int64) * stride_out_seq + heads[:, None] * stride_out_head + offs_d[None, :],
+                     result.to(out_ptr.dtype.element_ty), mask=mask_g[:, None] & mask_d[None, :])
+        else:
+            out_offs = (seq * GROUP * tl.num_programs(1) + heads).to(tl.int64) * num_splits + split
+            tl.store(max_ptr + out_offs, m_i, mask=mask_g)
+            tl.store(sum_ptr + out_offs, l_i, mask=mask_g)
+            tl.store(acc_ptr + out_offs[:, None] * HEAD_DIM + offs_d[None, :], acc,
+                     mask=mask_g[:, None] & mask_d[None, :])
 
     @triton.jit(do_not_specialize=["num_splits"])
     def _decode_reduce_kernel(acc_ptr, max_ptr, sum_ptr, out_ptr, stride_out_seq, stride_out_head, num_splits,

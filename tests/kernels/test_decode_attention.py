@@ -67,6 +67,28 @@ def test_decode_triton_split_counts_and_padded_tables_agree(num_splits):
     assert_close(got, want, torch.float32)
 
 
+def test_decode_triton_one_split_writes_the_output_without_the_merge_kernel(monkeypatch):
+    """With one split (forced, or planned for a batch wide enough to fill the device) the attention
+    program normalizes and writes the output itself: the merge kernel is not launched, and an
+    empty sequence (a padding row) still gets zeros."""
+    from kernels.triton import decode_attention as triton_decode
+
+    class NoMerge:
+        def __getitem__(self, grid):
+            raise AssertionError(f"the merge kernel was launched for one split (grid {grid})")
+
+    monkeypatch.setattr(triton_decode, "_decode_reduce_kernel", NoMerge())
+    seq_lens = [0, 5, 40, 17, 1]
+    query, kv_layer, table, lens = decode_case(6, 2, 32, torch.float32, 10, seq_lens=seq_lens, extra_cols=1)
+    want = decode_attention_ref(query, kv_layer, table, lens, 0.2)
+    got = decode_attention(query, kv_layer, table, lens, 0.2, force_triton=True, num_splits=1)
+    assert_close(got, want, torch.float32)
+    assert not got[0].any()
+    monkeypatch.setattr(triton_decode, "_num_sms", lambda device: 1)  # the plan: these rows fill the device
+    assert triton_decode._plan_splits(len(seq_lens), 2, table.shape[1] * kv_layer.shape[2], query.device, None)[0] == 1
+    assert_close(decode_attention(query, kv_layer, table, lens, 0.2, force_triton=True), want, torch.float32)
+
+
 def test_decode_triton_wide_table_splits_each_sequence_by_its_own_length(monkeypatch):
     """A table far wider than the sequences (a CUDA graph's is as wide as max_model_len): the
     split count is planned from the width, each sequence's splits from its own length; long
