@@ -11,7 +11,10 @@ For each preset (llama-1b by default; llama-8b where time allows), in one proces
   profile   for batches 1 and 256 (graphs on), 8 decode steps under torch.profiler: the GPU's busy
             time a step (its kernels' time summed) against the step's wall time, the kernels a
             step runs and the costliest ones: where the step's time goes.
-  offline   256 prompts x 512 random tokens -> 128 (ignore_eos): output tokens/s.
+  layouts   each projection at 1/16/64/256/2,048 rows as x @ W^T (the backend's form) and as
+            F.linear(x, W), in CUDA graphs: which form of a weight reads nearer the copy bandwidth.
+  offline   256 prompts x 512 random tokens -> 128 (ignore_eos): output tokens/s, greedy and drawn
+            at temperature 1; the seconds of the steps with prompt tokens and of the decode steps.
   hf        transformers generate (sdpa, one batch of 256) on the same work and GPU.
 Models are made on the device (pdserve make-model, random weights drawn on the GPU) into
 --models-dir unless there. --budget-s bounds the whole run: a phase that would not fit is skipped
@@ -33,6 +36,7 @@ import random
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -56,6 +60,7 @@ class Sizes:
     decode_prompt = 512
     timed_steps = 24
     offline = (256, 512, 128)  # prompts, prompt tokens, output tokens
+    layout_rows = (1, 16, 64, 256, 2048)
     hardware_elems = 1 << 30
     matmul_n = 8192
 
@@ -70,6 +75,7 @@ class SmokeSizes(Sizes):
     decode_prompt = 20
     timed_steps = 3
     offline = (6, 24, 5)
+    layout_rows = (1, 3)
     hardware_elems = 1 << 20
     matmul_n = 256
 
@@ -82,7 +88,7 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--presets", default="llama-1b")
     parser.add_argument("--models-dir", default=str(REPO / ".cache" / "models"))
-    parser.add_argument("--phases", default="decode,eager,prefill,profile,offline,hf")
+    parser.add_argument("--phases", default="decode,eager,prefill,profile,layouts,offline,hf")
     parser.add_argument("--budget-s", type=float, default=330.0, help="the whole run, model creation included")
     parser.add_argument("--kv-cache-gb", type=float, default=24.0)
     parser.add_argument("--device", default="cuda")
@@ -266,18 +272,97 @@ def run_prefill(llm: LLM, sizes: dict, hw: dict, vocab: int) -> list[dict]:
     return rows
 
 
-def run_offline(llm: LLM, vocab: int) -> dict:
+def run_offline(llm: LLM, vocab: int, temperature: float = 0.0) -> dict:
+    """The offline run's output tokens/s, and where its time went: each engine step's wall time,
+    summed over the steps that ran prompt tokens (prefill, mixed) and over pure decode steps.
+    temperature > 0: every token drawn (the sampler on the device) instead of the greedy argmax."""
     num, length, out_len = S.offline
-    params = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=out_len, temperature=temperature, ignore_eos=True)
     llm.generate(prompts_of(max(1, num // 8), length, vocab, 7), params, use_tqdm=False)  # warm
     prompts = prompts_of(num, length, vocab, 8)
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    seconds = time.perf_counter() - start
+    engine = llm.engine
+    steps: list[tuple[float, int]] = []  # (seconds, prompt tokens it scheduled)
+    real_step, real_schedule = engine.step, engine.scheduler.schedule
+    scheduled_tokens = [0]
+
+    def schedule():
+        out = real_schedule()
+        scheduled_tokens[0] += out.num_prefill_tokens
+        return out
+
+    def step():
+        scheduled_tokens[0] = 0
+        started = time.perf_counter()
+        outputs = real_step()
+        steps.append((time.perf_counter() - started, scheduled_tokens[0]))
+        return outputs
+
+    engine.step, engine.scheduler.schedule = step, schedule
+    try:
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+    finally:
+        del engine.step, engine.scheduler.schedule
     num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
-    print(f"  offline {num} x {length} -> {out_len}: {seconds:.2f} s, {num_out / seconds:,.0f} output tok/s",
+    prefill = [t for t, tokens in steps if tokens]
+    decode = [t for t, tokens in steps if not tokens]
+    row = {"seconds": seconds, "output_tokens_per_s": num_out / seconds, "temperature": temperature,
+           "prefill_steps": len(prefill), "prefill_steps_s": sum(prefill),
+           "decode_steps": len(decode), "decode_steps_s": sum(decode),
+           "decode_step_ms_median": 1e3 * statistics.median(decode) if decode else None}
+    print(f"  offline {num} x {length} -> {out_len} (temperature {temperature}): {seconds:.2f} s, "
+          f"{num_out / seconds:,.0f} output tok/s; {len(prefill)} steps with prompt tokens {sum(prefill):.3f} s, "
+          f"{len(decode)} decode steps {sum(decode):.3f} s, the rest {seconds - sum(prefill) - sum(decode):.3f} s",
           flush=True)
-    return {"seconds": seconds, "output_tokens_per_s": num_out / seconds}
+    return row
+
+
+def run_layouts(llm: LLM, hw: dict) -> list[dict]:
+    """Each projection of the model (QKV, O, gate/up, down, LM head) at a decode batch of 1, 16, 64
+    and 256 rows and a 2,048-token prefill, in the two forms a weight can take for torch's matmul:
+    x @ W^T with W^T stored contiguous (the backend's form) and F.linear(x, W) with W as the
+    checkpoint has it. Timed as 20 back-to-back calls captured in a CUDA graph (no launch gaps):
+    microseconds and the weight's bytes over that time against the copy bandwidth."""
+    cfg = llm.engine.config.model
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    shapes = {"qkv": (q + 2 * kv, cfg.hidden_size), "o": (cfg.hidden_size, q),
+              "gate_up": (2 * cfg.intermediate_size, cfg.hidden_size), "down": (cfg.hidden_size, cfg.intermediate_size),
+              "lm_head": (cfg.vocab_size, cfg.hidden_size)}
+    rows = []
+    for name, (out_features, in_features) in shapes.items():
+        weight = torch.randn(out_features, in_features, dtype=torch.bfloat16, device=DEVICE) * 0.02
+        weight_t = weight.t().contiguous()
+        for m in S.layout_rows:
+            x = torch.randn(m, in_features, dtype=torch.bfloat16, device=DEVICE)
+            times = {"wt": _timed_calls(partial(torch.matmul, x, weight_t)),
+                     "w": _timed_calls(partial(torch.nn.functional.linear, x, weight))}
+            nbytes = weight.numel() * weight.element_size()
+            row = {"proj": name, "rows": m, "us_wt": 1e6 * times["wt"], "us_w": 1e6 * times["w"],
+                   "of_copy_bw_wt": nbytes / times["wt"] / (hw["copy_bandwidth_gbs"] * 1e9),
+                   "of_copy_bw_w": nbytes / times["w"] / (hw["copy_bandwidth_gbs"] * 1e9)}
+            rows.append(row)
+            print(f"  layout {name:>7} x {m:>4} rows: W^T {row['us_wt']:8.1f} us "
+                  f"({100 * row['of_copy_bw_wt']:3.0f}% bw), W {row['us_w']:8.1f} us "
+                  f"({100 * row['of_copy_bw_w']:3.0f}% bw)", flush=True)
+    return rows
+
+
+def _timed_calls(fn, calls: int = 20) -> float:
+    """Seconds a call of fn: `calls` back to back in a CUDA graph, replayed (the CPU: a plain loop)."""
+    if DEVICE == "cpu":
+        return _timed(fn, calls)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return _timed(graph.replay, 5) / calls
 
 
 def run_hf(model_dir: Path, vocab: int) -> dict:
@@ -340,8 +425,12 @@ def bench_preset(preset: str, args, clock: Clock, hw: dict) -> dict:
         except Exception as exc:  # noqa: BLE001 - a profiler failure costs this phase only
             print(f"  profile failed: {exc!r}", flush=True)
             result["profile_error"] = repr(exc)[:300]
+    if "layouts" in phases and clock.allows("layouts", 10):
+        result["layouts"] = run_layouts(llm, hw)
     if "offline" in phases and clock.allows("offline", 40 if big else 25):
         result["offline"] = run_offline(llm, vocab)
+    if "offline" in phases and clock.allows("offline, sampled", 40 if big else 25):
+        result["offline_sampled"] = run_offline(llm, vocab, temperature=1.0)
     del llm
     free()
     if "eager" in phases and clock.allows("eager decode", 60 if big else 30):

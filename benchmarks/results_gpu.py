@@ -68,6 +68,26 @@ def render_gpu_engine(records: list[dict]) -> tuple[list[str], list]:
             hf = preset.get("hf", {}).get("output_tokens_per_s")
             lines += ["", f"**{name}** offline, 256 x 512 -> 128: {num(preset['offline']['output_tokens_per_s'], 0)} "
                           f"output tok/s; transformers generate (sdpa, batch 256): {num(hf, 0)} tok/s."]
+            runs_offline = [preset[key] for key in ("offline", "offline_sampled") if key in preset]
+            if any("decode_steps" in run for run in runs_offline):
+                lines += [""] + table(
+                    ["offline", "output tok/s", "steps with prompt tokens", "decode steps", "decode step (median)",
+                     "outside the steps"],
+                    [[f"temperature {run.get('temperature', 0.0):g}", num(run["output_tokens_per_s"], 0),
+                      f"{run['prefill_steps']}: {num(run['prefill_steps_s'], 3, ' s')}",
+                      f"{run['decode_steps']}: {num(run['decode_steps_s'], 3, ' s')}",
+                      num(run["decode_step_ms_median"], 3, " ms"),
+                      num(run["seconds"] - run["prefill_steps_s"] - run["decode_steps_s"], 3, " s")]
+                     for run in runs_offline if "decode_steps" in run])
+        if preset.get("layouts"):
+            lines += ["", f"**{name}** projections, x @ W^T (the backend's form) against F.linear(x, W), 20 calls in "
+                          "a CUDA graph (microseconds a call, the weight's bytes over it against the copy bandwidth):",
+                      ""]
+            lines += table(["projection", "rows", "W^T", "W"],
+                           [[row["proj"], str(row["rows"]),
+                             f"{num(row['us_wt'], 1)} us ({100 * row['of_copy_bw_wt']:.0f}%)",
+                             f"{num(row['us_w'], 1)} us ({100 * row['of_copy_bw_w']:.0f}%)"]
+                            for row in preset["layouts"]])
         figure = f"gpu_engine_{slug(name)}.png"
         lines += ["", f"![decode step vs bound]({IMG_LINK}/{figure})", ""]
         plots.append((figure, lambda path, preset=preset: plot_gpu_decode(preset, path)))

@@ -29,6 +29,13 @@ def test_every_phase_runs_and_is_recorded(tiny_model_dir, tmp_path):
     for row in preset["decode"] + preset["decode_eager"]:
         assert row["bound_ms"] > 0 and row["step_ms_min"] <= row["step_ms_median"] <= row["step_ms_max"]
     assert preset["offline"]["output_tokens_per_s"] > 0 and preset["hf"]["output_tokens_per_s"] > 0
+    for key, temperature in (("offline", 0.0), ("offline_sampled", 1.0)):
+        run = preset[key]
+        assert run["temperature"] == temperature and run["prefill_steps"] >= 1 and run["decode_steps"] >= 1
+        assert 0 < run["prefill_steps_s"] + run["decode_steps_s"] <= run["seconds"]
+    assert {(row["proj"], row["rows"]) for row in preset["layouts"]} == {
+        (proj, rows) for proj in ("qkv", "o", "gate_up", "down", "lm_head") for rows in (1, 3)}
+    assert all(row["us_wt"] > 0 and row["us_w"] > 0 for row in preset["layouts"])
     [profiled] = preset["profile"]  # on the CPU, the aten ops' own time stands in for the kernels
     assert profiled["batch"] == 3 and profiled["busy_ms_per_step"] > 0 and profiled["kernels_per_step"] > 0
     assert profiled["top"] and all(k["us_per_step"] > 0 and k["calls_per_step"] > 0 for k in profiled["top"])
@@ -39,6 +46,7 @@ def test_every_phase_runs_and_is_recorded(tiny_model_dir, tmp_path):
     record["result"]["smoke"] = False
     blocks, plots = render_results.render([record])
     assert "No results" not in blocks["gpu_engine"] and "**tiny**" in blocks["gpu_engine"], blocks["gpu_engine"]
+    assert "temperature 1" in blocks["gpu_engine"] and "| lm_head | 3 |" in blocks["gpu_engine"], blocks["gpu_engine"]
     for name, draw in plots:
         draw(tmp_path / name)
         assert (tmp_path / name).stat().st_size > 0
