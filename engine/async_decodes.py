@@ -45,12 +45,13 @@ class AsyncDecodes:
 
     def launch(self, decodes: list[Request], previous: InFlight | None) -> InFlight:
         """Queue these decodes' step; then (nothing raises after) their progress moves on and a
-        PENDING_TOKEN holds each one's place. With previous, every request's input is its
-        pending token from previous."""
+        PENDING_TOKEN holds each one's place. With previous, each request of previous takes its
+        input, its pending token, from previous on the device; one that joined since (decodes_again)
+        has its input on the host."""
         fed = None
         if previous is not None:
             rows = {id(r): row for row, r in enumerate(previous.decodes)}
-            fed = [rows[id(r)] for r in decodes]
+            fed = [rows.get(id(r), -1) for r in decodes]
         draw = None
         if not all(r.params.is_greedy for r in decodes):
             draw = partial(self.sampler.draw, requests=decodes)  # before the bookkeeping below: a seeded draw's index
@@ -62,16 +63,26 @@ class AsyncDecodes:
             request.output_token_ids.append(PENDING_TOKEN)
         return InFlight(decodes, indices, pending)
 
-    def decodes_again(self, live: list[Request]) -> bool:
-        """Whether the next schedule() could only be one more decode of exactly these requests,
-        none of which ends on a length limit in the step in flight; takes their next slots."""
+    def decodes_again(self, live: list[Request]) -> list[Request] | None:
+        """The next step's decodes, where the next schedule() could only be one more decode of
+        each running request: live (the step in flight's, none ending on a length limit in it),
+        then those that joined the running since (a decode node's pulled requests: their KV in
+        place, their next token the only one left to compute); takes their next slots. None where
+        schedule() could give anything else (a prompt to admit, a prefill chunk, a request that
+        does not sample on the device)."""
         scheduler = self.scheduler
-        if len(scheduler.running) != len(live) or {id(r) for r in scheduler.running} != {id(r) for r in live}:
-            return False
         if scheduler.waiting and len(scheduler.running) < scheduler.config.max_num_seqs:
-            return False  # it would admit a prompt
-        for request in live:
+            return None  # it would admit a prompt
+        live_ids = {id(r) for r in live}
+        joined = [r for r in scheduler.running if id(r) not in live_ids]
+        if len(live) + len(joined) != len(scheduler.running) or len(scheduler.running) > self.graphs.max_size:
+            return None  # one of live is not running any more (preempted), or the step would outgrow the graphs
+        for request in joined:
+            if request.num_computed_tokens != request.num_tokens - 1:
+                return None
+        for request in (*live, *joined):
             if (request.num_output_tokens >= request.params.max_tokens or request.num_tokens >= request.max_total_tokens
                     or not samples_on_device(request)):
-                return False
-        return all(scheduler.reserve_next_token(r) for r in live)
+                return None
+        decodes = [*live, *joined]
+        return decodes if all(scheduler.reserve_next_token(r) for r in decodes) else None

@@ -332,14 +332,16 @@ class LLMEngine:
             return self._run_one_by_one(scheduled)
 
     def _continue_and_read(self) -> list[StepOutput]:
-        """Launch the step after the one in flight where the same requests can only decode again,
-        then read the one in flight (its tokens, finishes)."""
+        """Launch the step after the one in flight where its requests, and any that joined the
+        running since with only their next token to compute, can only decode again; then read
+        the one in flight (its tokens, finishes)."""
         current = self._in_flight
         live = [r for r in current.decodes if not r.is_finished]
         self._in_flight = None
-        if live and self.async_decodes.decodes_again(live):
+        decodes = self.async_decodes.decodes_again(live) if live else None
+        if decodes:
             try:
-                self._in_flight = self.async_decodes.launch(live, current)
+                self._in_flight = self.async_decodes.launch(decodes, current)
                 self.num_steps += 1
             except Exception as exc:  # noqa: BLE001 - the next call schedules it the synchronous way
                 logger.warning("launching step %d failed (%s: %s)", self.num_steps + 1, type(exc).__name__, exc)

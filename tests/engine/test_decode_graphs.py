@@ -255,6 +255,64 @@ def test_one_step_late_stops_aborts_and_arrivals_give_the_synchronous_results(ti
         assert [index for index, _, _ in stream] == list(range(len(stream))), rid
 
 
+def test_requests_joining_with_their_kv_in_place_ride_the_next_launch(tiny_model_dir, monkeypatch):
+    """A decode node's pulled request joins the running with its KV in place and only its next
+    token to compute: the step after the one in flight takes it in, its input token staged from
+    the host beside the others' fed on the device, instead of the chain of launches stopping for
+    a synchronous step. Its tokens are those it gets alone (greedy, and a seeded draw), and every
+    stream equals the synchronous engine's."""
+    from engine.protocol import TokenLogprob
+
+    feeds = []
+    real = DecodeGraphs.launch
+
+    def spy(self, decodes, fed=None, previous=None, draw=None):
+        feeds.append(None if fed is None else list(fed))
+        return real(self, decodes, fed, previous, draw)
+
+    monkeypatch.setattr(DecodeGraphs, "launch", spy)
+    model = ModelConfig.from_pretrained(tiny_model_dir)
+    prompts = make_prompts(model.vocab_size, seed=6)
+    whole = [t for prompt in prompts for t in prompt]
+    sources = [whole[:32], whole[40:88]]  # whole blocks of 16: all of each prompt cached
+    join_params = [SamplingParams(max_tokens=18, temperature=0.0, ignore_eos=True),
+                   SamplingParams(max_tokens=18, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True)]
+    results = {}
+    for mode in ("sync", "async"):
+        engine = LLMEngine(EngineConfig(
+            model=model, cache=CacheConfig(block_size=16, num_blocks=96),
+            scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256), device="cpu",
+            decode_graphs="static", async_scheduling=mode == "async", enable_prefix_caching=True))
+        alone = run_to_completion(engine, sources, join_params, prefix="source")  # their prompts' blocks cached
+        for i in range(4):
+            engine.add_request(f"r{i}", prompts[2 + i], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+
+        def join(i, source, num_blocks=None, engine=engine, alone=alone):
+            """j{i}: source's request again, its first token given, its prompt's KV from the cache
+            (num_blocks: only its first blocks, the rest a prefill chunk: it waits for a synchronous step)."""
+            def add(_engine):
+                blocks = engine.acquire_cached_prefix(f"j{i}", sources[source], len(sources[source]) // 16)
+                assert len(blocks) * 16 == len(sources[source])
+                if num_blocks is not None:
+                    engine.free_blocks(blocks[num_blocks:])
+                    blocks = blocks[:num_blocks]
+                engine.add_prefilled_request(f"j{i}", sources[source], join_params[source],
+                                             TokenLogprob(alone[source][0].token_id), blocks, 16 * len(blocks))
+            return add
+
+        feeds.clear()
+        streams = _drive(engine, {8: join(0, 0), 13: join(1, 1), 19: join(2, 1, num_blocks=2)}, 200)
+        engine.check_leaks()
+        for i, source in enumerate((0, 1, 1)):
+            got = [t for _, ids, _ in streams[f"j{i}"] for t in ids]
+            assert got == [t.token_id for t in alone[source][1:]], (mode, i)
+        results[mode] = (streams, list(feeds))
+    assert results["async"][0] == results["sync"][0]
+    joined_launches = [fed for fed in results["async"][1] if fed is not None and -1 in fed]
+    assert len(joined_launches) == 2 and all(fed.count(-1) == 1 for fed in joined_launches), results["async"][1]
+    assert results["sync"][1] == []
+
+
 def test_an_outside_write_waits_for_a_launched_step_still_writing_to_its_blocks(tiny_model_dir, monkeypatch):
     """Async: a request that ends while a launched step computes its next token gives its blocks
     back at once, and that step still writes one KV slot in them. A writer outside the steps (a
