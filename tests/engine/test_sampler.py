@@ -186,13 +186,14 @@ def test_a_draw_on_the_device_chooses_what_sample_chooses_and_never_waits_for_it
              req(SamplingParams(temperature=1.0, min_p=0.3, seed=8)), req(SamplingParams(temperature=1.0, top_k=3))]
     greedy = torch.full((7,), 41, dtype=torch.long, device=device)  # not the argmax: the rows must take it
     sampler = Sampler(VOCAB, eos_token_ids=(0,))
+    greedy_logits = logits[[0, 3]]  # NOTE: indexing by a list copies the index to the device: not under the check
     if device == "cuda":
         sampler.draw(logits, greedy, batch)  # first use: pinned host blocks and the generator made
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
     try:
         drawn = sampler.draw(logits, greedy, batch)
-        only_greedy = sampler.draw(logits[[0, 3]], greedy[:2], [batch[0], batch[3]])
+        only_greedy = sampler.draw(greedy_logits, greedy[:2], [batch[0], batch[3]])
     finally:
         if device == "cuda":
             torch.cuda.set_sync_debug_mode("default")
