@@ -203,17 +203,41 @@ def run_profile(llm: LLM, vocab: int) -> list[dict]:
         busy_ms = sum(sum(v) for v in per_kernel.values()) / 1e3 / steps
         top = sorted(per_kernel.items(), key=lambda kv: -sum(kv[1]))[:12]
         step_ms = 1e3 * statistics.median(times)
+        categories: dict[str, list[float]] = {}
+        for name, v in per_kernel.items():
+            entry = categories.setdefault(kernel_category(name), [0.0, 0.0])
+            entry[0] += sum(v) / steps
+            entry[1] += len(v) / steps
         row = {"batch": batch, "step_ms_median": step_ms, "busy_ms_per_step": busy_ms,
                "kernels_per_step": sum(len(v) for v in per_kernel.values()) / steps,
+               "categories": {c: {"us_per_step": us, "calls_per_step": n}
+                              for c, (us, n) in sorted(categories.items(), key=lambda kv: -kv[1][0])},
                "top": [{"name": name[:120], "us_per_step": sum(v) / steps, "calls_per_step": len(v) / steps}
                        for name, v in top]}
         rows.append(row)
         print(f"  profile batch {batch:>3}: step {step_ms:.3f} ms (profiled), kernels busy {busy_ms:.3f} ms a step "
               f"({100 * busy_ms / step_ms:.0f}%), {row['kernels_per_step']:.0f} kernels a step; costliest:", flush=True)
+        print("    by kind: " + ", ".join(f"{c} {v['us_per_step']:.0f} us x{v['calls_per_step']:.0f}"
+                                         for c, v in row["categories"].items()), flush=True)
         for kernel in row["top"]:
             print(f"    {kernel['us_per_step']:8.1f} us x{kernel['calls_per_step']:5.1f}  {kernel['name'][:90]}",
                   flush=True)
     return rows
+
+
+# A kernel's kind, from the first of these its name holds (cuBLAS's GEMM kernels, the Triton
+# backend's kernels by their function names, torch's own).
+_KERNEL_KINDS = (("matmul", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "cublas", "splitk", "aten::mm", "aten::addmm",
+                             "linear")),
+                 ("attention", ("attention", "_decode_reduce")), ("norm", ("rms_norm",)),
+                 ("rotary+kv", ("rotary", "write_kv")), ("silu", ("silu",)),
+                 ("copy", ("copy", "memcpy", "memset", "index", "gather", "scatter", "cat")),
+                 ("sampling", ("argmax", "softmax", "exponential", "sort", "topk", "reduce")))
+
+
+def kernel_category(name: str) -> str:
+    lowered = name.lower()
+    return next((kind for kind, marks in _KERNEL_KINDS if any(mark in lowered for mark in marks)), "other")
 
 
 def model_bytes(llm: LLM, model_dir: Path) -> dict:

@@ -57,6 +57,15 @@ def render_gpu_engine(records: list[dict]) -> tuple[list[str], list]:
         lines += [f"**{name}** decode step (median; {len(graphs.get('sizes', []))} graphs captured in "
                   f"{num(graphs.get('capture_s'), 1)} s, {num(graphs.get('memory_mib'), 0)} MiB):", ""]
         lines += table(["batch", "CUDA graphs", "--enforce-eager", "bandwidth bound", "of bound"], rows)
+        if preset.get("profile"):
+            kinds = list(dict.fromkeys(kind for row in preset["profile"] for kind in row.get("categories", {})))
+            lines += ["", f"**{name}** where a decode step's time goes (torch.profiler, graphs on; each kind: "
+                          "its kernels' summed time a step, and how many):", ""]
+            lines += table(["batch", "step", "kernels busy", "kernels"] + kinds,
+                           [[str(row["batch"]), num(row["step_ms_median"], 3, " ms"),
+                             num(row["busy_ms_per_step"], 3, " ms"), num(row["kernels_per_step"], 0)]
+                            + [_kind_cell(row.get("categories", {}).get(kind)) for kind in kinds]
+                            for row in preset["profile"]])
         if preset.get("prefill"):
             first = preset["prefill"][0]
             lines += ["", f"**{name}** prefill (one step, {first['num_prompts'] * first['prompt_len']:,} tokens):", ""]
@@ -93,6 +102,10 @@ def render_gpu_engine(records: list[dict]) -> tuple[list[str], list]:
         plots.append((figure, lambda path, preset=preset: plot_gpu_decode(preset, path)))
     lines += ["- " + provenance(record), ""]
     return lines, plots
+
+
+def _kind_cell(kind: dict | None) -> str:
+    return "" if not kind else f"{num(kind['us_per_step'], 0)} us x{num(kind['calls_per_step'], 0)}"
 
 
 def plot_gpu_decode(preset: dict, path: Path) -> None:

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from benchmarks import render_results
 
 REPO = Path(__file__).resolve().parents[2]
@@ -39,6 +41,8 @@ def test_every_phase_runs_and_is_recorded(tiny_model_dir, tmp_path):
     [profiled] = preset["profile"]  # on the CPU, the aten ops' own time stands in for the kernels
     assert profiled["batch"] == 3 and profiled["busy_ms_per_step"] > 0 and profiled["kernels_per_step"] > 0
     assert profiled["top"] and all(k["us_per_step"] > 0 and k["calls_per_step"] > 0 for k in profiled["top"])
+    assert sum(c["us_per_step"] for c in profiled["categories"].values()) == pytest.approx(
+        profiled["busy_ms_per_step"] * 1e3)
     assert "RESULT {" in proc.stdout
     # The docs render such a record (smoke runs are left out there: taken as a real run here), and
     # plot it: the first GPU record must not meet a renderer that never ran.
@@ -46,7 +50,22 @@ def test_every_phase_runs_and_is_recorded(tiny_model_dir, tmp_path):
     record["result"]["smoke"] = False
     blocks, plots = render_results.render([record])
     assert "No results" not in blocks["gpu_engine"] and "**tiny**" in blocks["gpu_engine"], blocks["gpu_engine"]
+    assert "where a decode step's time goes" in blocks["gpu_engine"]
     assert "temperature 1" in blocks["gpu_engine"] and "| lm_head | 3 |" in blocks["gpu_engine"], blocks["gpu_engine"]
     for name, draw in plots:
         draw(tmp_path / name)
         assert (tmp_path / name).stat().st_size > 0
+
+
+def test_profiled_kernels_are_sorted_by_kind():
+    from benchmarks.gpu_engine import kernel_category
+
+    kinds = {"nvjet_tst_128x64_64x4_1x2_h_bz_coopA_NNT": "matmul", "sm90_xmma_gemm_bf16bf16_bf16f32": "matmul",
+             "void splitKreduce_kernel<32, 16, int, float>": "matmul", "_rms_norm_kernel": "norm",
+             "_decode_attention_kernel": "attention", "_decode_reduce_kernel": "attention",
+             "_prefill_attention_kernel": "attention", "_rotary_write_kv_kernel": "rotary+kv",
+             "_silu_and_mul_kernel": "silu", "Memcpy HtoD (Pinned -> Device)": "copy",
+             "void at::native::index_elementwise_kernel<128, 4>": "copy",
+             "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<c10::BFloat16, ArgMaxOps>>": "sampling",
+             "void something_else": "other"}
+    assert {name: kernel_category(name) for name in kinds} == kinds
