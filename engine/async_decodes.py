@@ -75,8 +75,12 @@ class AsyncDecodes:
             return None  # it would admit a prompt
         live_ids = {id(r) for r in live}
         joined = [r for r in scheduler.running if id(r) not in live_ids]
-        if len(live) + len(joined) != len(scheduler.running) or len(scheduler.running) > self.graphs.max_size:
-            return None  # one of live is not running any more (preempted), or the step would outgrow the graphs
+        if len(live) + len(joined) != len(scheduler.running):
+            return None  # one of live left the running (a bug elsewhere: nothing preempts between steps)
+        if len(scheduler.running) > min(self.graphs.max_size, scheduler.config.max_num_batched_tokens):
+            # the graphs' or the step's token budget (schedule() would decode only the first ones; those
+            # left out of the step in flight are "joined" here)
+            return None
         for request in joined:
             if request.num_computed_tokens != request.num_tokens - 1:
                 return None

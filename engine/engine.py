@@ -290,8 +290,9 @@ class LLMEngine:
         Async scheduling (EngineConfig.async_scheduling, with the static decode path): a pure
         decode step of requests that sample on the device (greedy or drawn: no logprobs, penalties,
         logit_bias, grammar or pending min_tokens) is launched without waiting for it; while it runs
-        and the same requests can only decode again, the next step is launched on its pending
-        tokens before they are read. Each call still returns one step's tokens. A request that
+        and its requests (and any that joined the running since with only their next token to
+        compute) can only decode again, the next step is launched on its pending tokens before
+        they are read. Each call still returns one step's tokens. A request that
         stops (a stop token or eos) is then known one step late: its extra step's token is dropped
         and its blocks are freed at once (the GPU's late write to them is ordered before any later
         step's; a writer outside the steps calls wait_for_late_writes first). Length limits are

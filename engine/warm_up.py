@@ -37,6 +37,9 @@ def warm_up(engine: LLMEngine, num_tokens: int | None = None, measure_warm: bool
     if not prompts:
         prompts = [[0]]
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    # Every other prompt of the first two runs draws its tokens (seeded, truncated): the sampler's
+    # device path and its pinned staging are set up here, not by the first sampled request served.
+    drawn = SamplingParams(max_tokens=2, temperature=1.0, top_p=0.9, seed=0, ignore_eos=True)
     is_cuda = torch.device(engine.config.device).type == "cuda"
     runs = [prompts, prompts]
     if is_cuda if measure_warm is None else measure_warm:
@@ -47,7 +50,7 @@ def warm_up(engine: LLMEngine, num_tokens: int | None = None, measure_warm: bool
             engine.prefill_rate = PrefillRate(engine.prefill_rate.min_tokens, engine.prefill_rate.weight)
             engine.forget_prefixes()
         for i, prompt in enumerate(batch):
-            engine.add_request(f"__warm_up_{run}_{i}__", prompt, params)
+            engine.add_request(f"__warm_up_{run}_{i}__", prompt, drawn if run < 2 and i % 2 else params)
         while engine.has_unfinished():
             for output in engine.step():
                 if output.finish_reason is FinishReason.PREFILLED:

@@ -53,8 +53,8 @@ def _decode_triton(query, kv_cache_layer, block_tables, seq_lens, scale, num_spl
     max_len = max(1, block_tables.shape[1] * block_size)
     num_splits, min_tokens_per_split = _plan_splits(num_seqs, num_kv_heads, max_len, query.device, num_splits)
     single = num_splits == 1
-    # One split (a wide batch: the sequences alone fill the device) writes the output itself: no
-    # partials, no merge launch (16 fewer launches a step for a 16-layer model).
+    # One split (a batch whose sequences alone fill the device, a table of at most one split's
+    # tokens, or a forced count) writes the output itself: no partials, no merge launch.
     if single:  # NOTE: placeholders the kernel never touches (a real pointer: no null in a kernel's arguments)
         partial_acc = partial_max = partial_sum = torch.empty(1, dtype=torch.float32, device=query.device)
     else:

@@ -29,11 +29,11 @@ def test_capture_sizes_cover_every_batch_with_little_padding():
 
 
 def engine_for(model_dir, mode, device="cpu", max_num_seqs=13, num_blocks=96, dtype="float32",
-               async_scheduling=True):
+               async_scheduling=True, max_num_batched_tokens=256):
     return LLMEngine(EngineConfig(
         model=ModelConfig.from_pretrained(model_dir, dtype=dtype),
         cache=CacheConfig(block_size=16, num_blocks=num_blocks),
-        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=256),
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
         device=device, decode_graphs=mode, async_scheduling=async_scheduling,
     ))
 
@@ -311,6 +311,39 @@ def test_requests_joining_with_their_kv_in_place_ride_the_next_launch(tiny_model
     joined_launches = [fed for fed in results["async"][1] if fed is not None and -1 in fed]
     assert len(joined_launches) == 2 and all(fed.count(-1) == 1 for fed in joined_launches), results["async"][1]
     assert results["sync"][1] == []
+
+
+def test_a_launch_never_decodes_more_requests_than_the_step_budget(tiny_model_dir, monkeypatch):
+    """More decode-ready running requests than max_num_batched_tokens: a scheduled step decodes the
+    first ones only, and the chained launch after it must not take the rest in as if they had
+    joined (here six requests join at once with their prompts' KV from the prefix cache)."""
+    from engine.protocol import TokenLogprob
+
+    sizes = []
+    real = DecodeGraphs.launch
+
+    def spy(self, decodes, fed=None, previous=None, draw=None):
+        sizes.append(len(decodes))
+        return real(self, decodes, fed, previous, draw)
+
+    monkeypatch.setattr(DecodeGraphs, "launch", spy)
+    model = ModelConfig.from_pretrained(tiny_model_dir)
+    engine = LLMEngine(EngineConfig(
+        model=model, cache=CacheConfig(block_size=16, num_blocks=96),
+        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=4), device="cpu",
+        decode_graphs="static", async_scheduling=True, enable_prefix_caching=True))
+    whole = [t for prompt in make_prompts(model.vocab_size, seed=7) for t in prompt]
+    sources = [whole[16 * i: 16 * (i + 1)] for i in range(6)]
+    firsts = run_to_completion(engine, sources, SamplingParams(max_tokens=1, temperature=0.0), prefix="source")
+    for i, source in enumerate(sources):
+        blocks = engine.acquire_cached_prefix(f"b{i}", source, 1)
+        engine.add_prefilled_request(f"b{i}", source, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+                                     TokenLogprob(firsts[i][0].token_id), blocks)
+    sizes.clear()
+    while engine.has_unfinished():
+        engine.step()
+    engine.check_leaks()
+    assert sizes and max(sizes) == 4, sizes
 
 
 def test_an_outside_write_waits_for_a_launched_step_still_writing_to_its_blocks(tiny_model_dir, monkeypatch):
