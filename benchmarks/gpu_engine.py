@@ -13,6 +13,8 @@ For each preset (llama-1b by default; llama-8b where time allows), in one proces
             step runs and the costliest ones: where the step's time goes.
   layouts   each projection at 1/16/64/256/2,048 rows as x @ W^T (the backend's form) and as
             F.linear(x, W), in CUDA graphs: which form of a weight reads nearer the copy bandwidth.
+  decode_w  the decode phase again with the Triton backend keeping its weights as stored (W, used
+            as F.linear uses it) instead of transposed: the two forms end to end.
   offline   256 prompts x 512 random tokens -> 128 (ignore_eos): output tokens/s, greedy and drawn
             at temperature 1; the seconds of the steps with prompt tokens and of the decode steps.
   hf        transformers generate (sdpa, one batch of 256) on the same work and GPU.
@@ -88,7 +90,7 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--presets", default="llama-1b")
     parser.add_argument("--models-dir", default=str(REPO / ".cache" / "models"))
-    parser.add_argument("--phases", default="decode,eager,prefill,profile,layouts,offline,hf")
+    parser.add_argument("--phases", default="decode,eager,prefill,profile,layouts,offline,decode_w,hf")
     parser.add_argument("--budget-s", type=float, default=330.0, help="the whole run, model creation included")
     parser.add_argument("--kv-cache-gb", type=float, default=24.0)
     parser.add_argument("--device", default="cuda")
@@ -146,14 +148,25 @@ def prompts_of(num: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(8, vocab) for _ in range(length)] for _ in range(num)]
 
 
-def load(model_dir: Path, args, enforce_eager: bool = False) -> tuple[LLM, float]:
+def load(model_dir: Path, args, enforce_eager: bool = False, weights_as_stored: bool = False) -> tuple[LLM, float]:
+    """weights_as_stored: the Triton backend keeps each projection's weight as the checkpoint has it
+    (W, F.linear's form) instead of transposed (W^T, its default), for this engine only."""
+    from kernels.triton.backend import TritonBackend
+
     start = time.perf_counter()
+    TritonBackend.store_transposed = not weights_as_stored
+    try:
+        return _load(model_dir, args, enforce_eager), time.perf_counter() - start
+    finally:
+        del TritonBackend.store_transposed  # back to the class's own (TorchProjections')
+
+
+def _load(model_dir: Path, args, enforce_eager: bool) -> LLM:
     graphs = "off" if enforce_eager else ("static" if DEVICE == "cpu" else "auto")
-    llm = LLM(str(model_dir), dtype="bfloat16", device=DEVICE, max_model_len=S.prefill_lengths[-1] + 256,
-              max_num_seqs=max(S.decode_batches), max_num_batched_tokens=S.prefill_tokens,
-              kv_cache_memory_bytes=int(args.kv_cache_gb * (1 << 30)), enable_prefix_caching=False,
-              decode_graphs=graphs)
-    return llm, time.perf_counter() - start
+    return LLM(str(model_dir), dtype="bfloat16", device=DEVICE, max_model_len=S.prefill_lengths[-1] + 256,
+               max_num_seqs=max(S.decode_batches), max_num_batched_tokens=S.prefill_tokens,
+               kv_cache_memory_bytes=int(args.kv_cache_gb * (1 << 30)), enable_prefix_caching=False,
+               decode_graphs=graphs)
 
 
 def decode_steps(llm: LLM, batch: int, vocab: int, num_steps: int | None = None, around=None) -> list[float]:
@@ -457,6 +470,12 @@ def bench_preset(preset: str, args, clock: Clock, hw: dict) -> dict:
         result["offline_sampled"] = run_offline(llm, vocab, temperature=1.0)
     del llm
     free()
+    if "decode_w" in phases and DEVICE != "cpu" and clock.allows("decode, weights as stored", 60 if big else 30):
+        llm, _ = load(model_dir, args, weights_as_stored=True)
+        print(f"{preset}, weights kept as stored (W, F.linear's form):", flush=True)
+        result["decode_w"] = run_decode(llm, sizes, hw, vocab, S.decode_batches)
+        del llm
+        free()
     if "eager" in phases and clock.allows("eager decode", 60 if big else 30):
         llm, _ = load(model_dir, args, enforce_eager=True)
         print(f"{preset}, --enforce-eager:", flush=True)

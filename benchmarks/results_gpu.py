@@ -50,13 +50,17 @@ def render_gpu_engine(records: list[dict]) -> tuple[list[str], list]:
             lines += [f"**{name}**: {preset.get('error', 'not run (time)')}", ""]
             continue
         eager = {row["batch"]: row for row in preset.get("decode_eager", [])}
+        stored = {row["batch"]: row for row in preset.get("decode_w", [])}
         rows = [[str(row["batch"]), num(row["step_ms_median"], 3, " ms"),
                  num(eager[row["batch"]]["step_ms_median"], 3, " ms") if row["batch"] in eager else "",
-                 num(row["bound_ms"], 3, " ms"), f"{100 * row['of_bound']:.0f}%"] for row in preset["decode"]]
+                 num(row["bound_ms"], 3, " ms"), f"{100 * row['of_bound']:.0f}%"]
+                + ([num(stored[row["batch"]]["step_ms_median"], 3, " ms") if row["batch"] in stored else ""]
+                   if stored else []) for row in preset["decode"]]
         graphs = preset.get("graphs", {})
         lines += [f"**{name}** decode step (median; {len(graphs.get('sizes', []))} graphs captured in "
                   f"{num(graphs.get('capture_s'), 1)} s, {num(graphs.get('memory_mib'), 0)} MiB):", ""]
-        lines += table(["batch", "CUDA graphs", "--enforce-eager", "bandwidth bound", "of bound"], rows)
+        lines += table(["batch", "CUDA graphs", "--enforce-eager", "bandwidth bound", "of bound"]
+                       + (["graphs, weights as stored (F.linear's form)"] if stored else []), rows)
         if preset.get("profile"):
             kinds = list(dict.fromkeys(kind for row in preset["profile"] for kind in row.get("categories", {})))
             lines += ["", f"**{name}** where a decode step's time goes (torch.profiler, graphs on; each kind: "

@@ -12,7 +12,8 @@ from kernels.reference import ops
 
 @dataclass(frozen=True)
 class TorchLinear:
-    """A projection for BLAS: W^T [in, out] (contiguous, or with copy=False a transposed view)."""
+    """A projection for BLAS: W^T [in, out], contiguous (stored transposed), or a transposed view of
+    W [out, in] contiguous (as the checkpoint has it, F.linear's form; and with copy=False)."""
 
     weight_t: torch.Tensor
     bias: torch.Tensor | None
@@ -20,12 +21,20 @@ class TorchLinear:
     out_features: int
 
 
-def prepare_torch_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, *, copy: bool = True) -> TorchLinear:
-    """weight [out, in] as W^T: contiguous (cuBLAS's and MKL's fastest form), or a view with copy=False."""
+def prepare_torch_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, *, copy: bool = True,
+                         transposed: bool = True) -> TorchLinear:
+    """weight [out, in] for x @ W^T: with copy, a copy of its own, stored transposed (W^T
+    contiguous: MKL's fastest form) or as it is (W contiguous, used through a transposed view:
+    cuBLAS's TN GEMM, as F.linear); without copy, a transposed view of weight itself."""
     if weight.dim() != 2 or (bias is not None and bias.shape != weight.shape[:1]):
         bias_shape = None if bias is None else tuple(bias.shape)
         raise ValueError(f"prepare_linear: weight {tuple(weight.shape)}, bias {bias_shape}")
-    weight_t = weight.t().contiguous() if copy else weight.t()
+    if not copy:
+        weight_t = weight.t()
+    elif transposed:
+        weight_t = weight.t().contiguous()
+    else:
+        weight_t = weight.clone(memory_format=torch.contiguous_format).t()  # its own storage: never a view of a shard
     return TorchLinear(weight_t, bias, weight.shape[1], weight.shape[0])
 
 
@@ -36,10 +45,13 @@ def torch_linear(x: torch.Tensor, w: TorchLinear) -> torch.Tensor:
 
 
 class TorchProjections:
-    """Projections on BLAS (W^T), for the backends whose matmuls are torch's (reference, Triton)."""
+    """Projections on BLAS (x @ W^T), for the backends whose matmuls are torch's (reference, Triton).
+    store_transposed: the form a weight is kept in (prepare_torch_linear)."""
+
+    store_transposed = True
 
     def prepare_linear(self, weight, bias=None, *, copy=True, small_batches=True, gate_up=False):
-        return prepare_torch_linear(weight, bias, copy=copy)
+        return prepare_torch_linear(weight, bias, copy=copy, transposed=self.store_transposed)
 
     def _linear(self, x, w):
         return torch_linear(x, w)

@@ -176,3 +176,26 @@ def test_each_kernel_copy_is_made_and_runs_where_the_backends_probe_says(backend
     elif gate_up.bf16 is not None and gate_up.packed is None:
         expected.append(kernels.bf16_entry)
     assert ran == expected
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_torch_projections_keep_a_weight_transposed_or_as_it_is_with_the_same_results(with_bias):
+    """The reference and Triton backends' projections (x @ W^T on torch's matmul) keep each weight
+    either transposed (W^T contiguous) or as the checkpoint has it (W contiguous, a transposed
+    view: cuBLAS's TN GEMM, as F.linear): the same products, each a copy of its own (a shard
+    sliced from a bigger tensor is not kept alive), or with copy=False a view of the weight."""
+    from kernels.reference.backend import prepare_torch_linear, torch_linear
+
+    full = torch.randn(96, 40, generator=torch.Generator().manual_seed(5))
+    shard = full[32:80]  # rows of a bigger tensor: contiguous, but a view
+    bias = torch.randn(48) if with_bias else None
+    x = torch.randn(7, 40)
+    want = x @ shard.t() + (bias if with_bias else 0)
+    for transposed in (True, False):
+        w = prepare_torch_linear(shard, bias, transposed=transposed)
+        assert (w.weight_t.is_contiguous() if transposed else w.weight_t.t().is_contiguous())
+        assert w.weight_t.untyped_storage().data_ptr() != full.untyped_storage().data_ptr()
+        torch.testing.assert_close(torch_linear(x, w), want, atol=1e-5, rtol=1e-5)
+    view = prepare_torch_linear(shard, bias, copy=False)
+    assert view.weight_t.data_ptr() == shard.data_ptr()
+    torch.testing.assert_close(torch_linear(x, view), want, atol=1e-5, rtol=1e-5)

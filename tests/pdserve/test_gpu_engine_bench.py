@@ -48,9 +48,11 @@ def test_every_phase_runs_and_is_recorded(tiny_model_dir, tmp_path):
     # plot it: the first GPU record must not meet a renderer that never ran.
     [record] = render_results.load(tmp_path)
     record["result"]["smoke"] = False
+    record["result"]["presets"][0]["decode_w"] = [{**row, "step_ms_median": 7.125} for row in preset["decode"]]
     blocks, plots = render_results.render([record])
     assert "No results" not in blocks["gpu_engine"] and "**tiny**" in blocks["gpu_engine"], blocks["gpu_engine"]
     assert "where a decode step's time goes" in blocks["gpu_engine"]
+    assert "weights as stored" in blocks["gpu_engine"] and "7.125 ms" in blocks["gpu_engine"]
     assert "temperature 1" in blocks["gpu_engine"] and "| lm_head | 3 |" in blocks["gpu_engine"], blocks["gpu_engine"]
     for name, draw in plots:
         draw(tmp_path / name)
