@@ -230,6 +230,10 @@ class EngineConfig:
     # that decode, none elsewhere), off (every step eager: --enforce-eager), or static (the same
     # buffers and padding without graphs, on any device: the CPU tests of that logic).
     decode_graphs: str = "auto"
+    # Steps with prompt tokens, up to this many tokens in all, as CUDA graph pieces between their
+    # attentions (engine.mixed_graphs); 0: eager. Follows decode_graphs: captured where it is auto
+    # (on CUDA), the same buffers run eagerly where it is static, none where it is off.
+    mixed_graph_tokens: int = 512
     # While the GPU runs a decode step on the static buffers, queue the next one before reading
     # this one's tokens (LLMEngine.step); pure decode steps of requests sampled on the device only
     # (greedy or drawn: sampler.samples_on_device).
@@ -247,6 +251,8 @@ class EngineConfig:
         if self.kernel_backend not in KERNEL_BACKENDS:
             raise ValueError(f"kernel_backend must be one of {', '.join(KERNEL_BACKENDS)}, got {self.kernel_backend!r}")
         check_tensor_parallel(self.model, self.tensor_parallel_size)
+        if self.mixed_graph_tokens < 0:
+            raise ValueError(f"mixed_graph_tokens must be >= 0, got {self.mixed_graph_tokens}")
         if self.decode_graphs not in DECODE_GRAPH_MODES:
             raise ValueError(f"decode_graphs must be one of {', '.join(DECODE_GRAPH_MODES)}, "
                              f"got {self.decode_graphs!r}")

@@ -19,6 +19,7 @@ from engine.decode_graphs import DecodeGraphs, capture_sizes
 from engine.errors import EngineBroken, device_failure, ends_the_engine
 from engine.grammar import Grammars
 from engine.host_memory import keep_freed_memory
+from engine.mixed_graphs import MixedGraphs, mixed_sizes
 from engine.protocol import Role, TokenLogprob, num_blocks_for
 from engine.request import FinishReason, Request
 from engine.request_checks import RequestChecks
@@ -111,7 +112,7 @@ class LLMEngine:
         self.block_pool = BlockPool(num_blocks)
         self.scheduler = Scheduler(config.scheduler, self.block_pool, self.block_size, config.enable_prefix_caching)
         self.runner = ModelRunner(self.model, self.kv_cache, self.block_size, config.device,
-                                  self._decode_graphs(self.config), self.ranks)
+                                  self._decode_graphs(self.config), self.ranks, self._mixed_graphs(self.config))
         self.sampler = Sampler(model_cfg.vocab_size, model_cfg.eos_token_ids, config.seed, self.backend.argmax)
         self.grammars = Grammars(model_cfg.model_dir, model_cfg.vocab_size, model_cfg.eos_token_ids)
         # A lone request must always fit, or it would preempt itself forever.
@@ -145,6 +146,23 @@ class LLMEngine:
                         len(report.sizes), ", ".join(map(str, report.sizes)), report.seconds,
                         report.memory_bytes / (1 << 20))
         return graphs
+
+    def _mixed_graphs(self, config: EngineConfig) -> MixedGraphs | None:
+        """The steps with prompt tokens as graph pieces (engine.mixed_graphs) this configuration asks
+        for, captured; None where it asks for none, and for a split model."""
+        mode = config.decode_graphs
+        on_cuda = torch.device(config.device).type == "cuda"
+        sizes = mixed_sizes(min(config.mixed_graph_tokens, config.scheduler.max_num_batched_tokens))
+        if not sizes or self.ranks is not None or mode == "off" or (mode == "auto" and not on_cuda):
+            return None
+        capture = mode == "auto" and self.backend.graph_capturable
+        mixed = MixedGraphs(self.model, self.kv_cache, sizes, capture=capture)
+        report = mixed.capture()
+        if mixed.use_graphs:
+            logger.info("mixed graphs: steps of up to %d tokens (%s) captured in %.1f s, %.0f MiB of device memory",
+                        report.sizes[-1], ", ".join(map(str, report.sizes)), report.seconds,
+                        report.memory_bytes / (1 << 20))
+        return mixed
 
     def kv_cache_shards(self) -> list[tuple[torch.Tensor, range]]:
         """Every rank's KV cache (rank 0's own first) with the model's KV heads it holds: what a KV

@@ -44,9 +44,10 @@ class LLM:
     dtype ("auto": engine.config.resolve_dtype) and max_model_len (ModelConfig.from_pretrained), block_size, num_blocks,
     kv_cache_memory_bytes and prefault (CacheConfig), max_num_seqs and max_num_batched_tokens
     (SchedulerConfig), device ("auto": CUDA when available), seed, enable_prefix_caching,
-    kernel_backend, decode_graphs, async_scheduling and tensor_parallel_size (EngineConfig). Raises TypeError
-    for an unknown option, ValueError for a bad value. close() (or a with block) stops a
-    tensor-parallel engine's worker ranks; they also stop when the LLM is collected or the process exits."""
+    kernel_backend, decode_graphs, mixed_graph_tokens, async_scheduling and tensor_parallel_size
+    (EngineConfig). Raises TypeError for an unknown option, ValueError for a bad value. close() (or a
+    with block) stops a tensor-parallel engine's worker ranks; they also stop when the LLM is
+    collected or the process exits."""
 
     def __init__(self, model: str, *, dtype: str | None = None, max_model_len: int | None = None,
                  device: str = "auto", **options) -> None:
@@ -58,7 +59,8 @@ class LLM:
             scheduler=SchedulerConfig(**_pick(options, SchedulerConfig)),
             device=device,
             **_pick(options, EngineConfig, only=("seed", "enable_prefix_caching", "kernel_backend",
-                                                  "decode_graphs", "async_scheduling", "tensor_parallel_size")),
+                                                  "decode_graphs", "mixed_graph_tokens", "async_scheduling",
+                                                  "tensor_parallel_size")),
         )
         if options:
             raise TypeError(f"LLM got unknown options: {', '.join(sorted(options))}")

@@ -64,6 +64,9 @@ class CausalLM:
         # A backend capability (the whole decode step's layers in one call), or None; it has no place
         # for the ranks' sums.
         self.fused_decode = None if tp else backend.fused_decode(weights.layers, shape, self.cos_sin_cache)
+        # Set while mixed graphs run a step (engine.mixed_graphs): each layer's attention is theirs,
+        # attention_cut(query, kv_cache_layer) -> its output.
+        self.attention_cut = None
 
     @property
     def has_greedy_head(self) -> bool:
@@ -123,11 +126,13 @@ class CausalLM:
             else:
                 normed, residual = ops.add_rms_norm(hidden, residual, layer.input_norm, eps)
             query = self._qkv_to_cache(layer, normed, meta, kv_layer)
-            if layer_idx == last and logits_indices is not None:
+            if self.attention_cut is not None:
+                attended = self.attention_cut(query, kv_layer)
+            elif layer_idx == last and logits_indices is not None:
                 attended = self._attend_logits_rows(query, meta, kv_layer, logits_indices)
                 residual = residual[logits_indices]
             else:
-                attended = self._paged_attention(query, meta, kv_layer)
+                attended = self.attend(query, meta, kv_layer)
             hidden = self._reduced(ops.linear(attended.reshape(attended.shape[0], self._q_size), layer.o))
             normed, residual = ops.add_rms_norm(hidden, residual, layer.post_norm, eps)
             hidden = self._reduced(ops.linear(ops.gate_up_silu(normed, layer.gate_up), layer.down))
@@ -155,16 +160,15 @@ class CausalLM:
         decode of its sequence up to its own position (meta's logits_*), or, where the logits
         rows are as many as the tokens, the step's own attention."""
         if meta.logits_seq_lens is None or logits_indices.shape[0] == query.shape[0]:
-            return self._paged_attention(query, meta, kv_cache_layer)[logits_indices]
+            return self.attend(query, meta, kv_cache_layer)[logits_indices]
         rows = query[logits_indices]
         if rows.shape[0] == 0:
             return rows
         return self.ops.decode_attention(rows, kv_cache_layer, meta.logits_block_tables, meta.logits_seq_lens,
                                          self.scale)
 
-    def _paged_attention(
-        self, query: torch.Tensor, meta: AttentionMetadata, kv_cache_layer: torch.Tensor
-    ) -> torch.Tensor:
+    def attend(self, query: torch.Tensor, meta: AttentionMetadata, kv_cache_layer: torch.Tensor) -> torch.Tensor:
+        """The step's attention for every query row (decodes first, then the prefill chunks)."""
         num_decodes = meta.num_decode_tokens
         parts = []
         if num_decodes:

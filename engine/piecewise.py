@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -36,12 +37,13 @@ class Pieces:
                     self.between[i]()
 
 
-def capture_pieces(step: Callable[[], object], group: TPGroup, pool, stream) -> tuple[Pieces, object]:
+def capture_pieces(step: Callable[[], object], hook: TPGroup | Any, pool, stream) -> tuple[Pieces, object]:
     """Capture step() (a forward on static buffers) as Pieces on the graph memory pool pool, from
     stream (a side stream: one for all of a model's captures, as the caching allocator reuses the
     pool's freed blocks only on the stream that took them); returns them and what step returned
-    (its static outputs). Nothing runs on the device here: a collective met during the capture is
-    recorded, not done."""
+    (its static outputs). hook: what cuts the step (a TPGroup at its collectives, the mixed graphs
+    at each attention), whose cut attribute is set for the capture. Nothing runs on the device here:
+    a collective or attention met during the capture is recorded, not done."""
     pieces = Pieces()
     stream.wait_stream(torch.cuda.current_stream())
     graph: torch.cuda.CUDAGraph | None = None
@@ -62,7 +64,7 @@ def capture_pieces(step: Callable[[], object], group: TPGroup, pool, stream) -> 
 
     with torch.cuda.stream(stream):
         begin()
-        group.cut = cut
+        hook.cut = cut
         try:
             out = step()
         except BaseException:
@@ -71,7 +73,7 @@ def capture_pieces(step: Callable[[], object], group: TPGroup, pool, stream) -> 
                     graph.capture_end()
             raise
         finally:
-            group.cut = None
+            hook.cut = None
         if graph is not None:
             graph.capture_end()
             pieces.graphs.append(graph)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.decode_graphs import DecodeGraphs
+from engine.mixed_graphs import MixedGraphs
 from engine.model import AttentionMetadata, CausalLM
 from engine.request import Request
 from engine.sampler import is_plain_greedy
@@ -58,13 +59,15 @@ class StepLogits:
 
 class ModelRunner:
     def __init__(self, model: CausalLM, kv_cache: torch.Tensor, block_size: int, device: str,
-                 graphs: DecodeGraphs | None = None, ranks: TPRanks | None = None) -> None:
+                 graphs: DecodeGraphs | None = None, ranks: TPRanks | None = None,
+                 mixed: MixedGraphs | None = None) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = device
         self.graphs = graphs  # pure decode steps run there when it takes them
         self.ranks = ranks  # a tensor-parallel engine's other ranks: each step is theirs too
+        self.mixed = mixed  # the other steps run there when it takes their tokens
 
     def execute(self, scheduled: SchedulerOutput) -> StepLogits:
         """Run one step; returns the logits of the requests that sample (those whose last
@@ -75,10 +78,16 @@ class ModelRunner:
         host = self._prepare_host(scheduled)
         greedy_rows = ([i for i, r in enumerate(host.sampled_requests) if is_plain_greedy(r)]
                        if self.model.has_greedy_head else [])
-        with self.ranks.step(host.input_ids, host.meta, host.logits_indices) if self.ranks else nullcontext():
+        if self.mixed is not None and self.mixed.takes(host.input_ids.shape[0]):
+            input_ids, positions, slots = host.input_ids, host.meta.positions, host.meta.slot_mapping
             batch = self._to_device(host)
-            hidden = self.model.forward(batch.input_ids, batch.meta, self.kv_cache, batch.logits_indices)
-            tokens, logits = self._head(hidden, greedy_rows)
+            every_row = self.mixed.run(input_ids, positions, slots, batch.meta)
+            tokens, logits = self._head(every_row.index_select(0, batch.logits_indices), greedy_rows)
+        else:
+            with self.ranks.step(host.input_ids, host.meta, host.logits_indices) if self.ranks else nullcontext():
+                batch = self._to_device(host)
+                hidden = self.model.forward(batch.input_ids, batch.meta, self.kv_cache, batch.logits_indices)
+                tokens, logits = self._head(hidden, greedy_rows)
         num_sampled = len(batch.sampled_requests) - len(greedy_rows)  # logits' rows of sampled requests
         offset = num_sampled
         for span in batch.prompt_spans:

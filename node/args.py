@@ -82,6 +82,9 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=False,
                         help="run every step eagerly: no CUDA graphs for decode steps (on CUDA they are captured "
                              "at start-up, one per batch-size bucket up to --max-num-seqs)")
+    parser.add_argument("--mixed-graph-tokens", type=int, default=default_of(EngineConfig, "mixed_graph_tokens"),
+                        help="steps with prompt tokens, up to this many tokens, run as CUDA graphs between their "
+                             "attentions (captured at start-up per token bucket; 0 or --enforce-eager: eagerly)")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                         default=default_of(EngineConfig, "async_scheduling"),
                         help="queue the next decode step before reading this one's tokens (CUDA graphs; decode "
@@ -148,6 +151,7 @@ def node_configs_from_args(args: argparse.Namespace, role: Role) -> NodeConfigs:
         kernel_backend=args.kernel_backend,
         decode_graphs="off" if args.enforce_eager else default_of(EngineConfig, "decode_graphs"),
         async_scheduling=args.async_scheduling,
+        mixed_graph_tokens=args.mixed_graph_tokens,
         tensor_parallel_size=args.tensor_parallel_size,
         lost_rank_ends_process=True,
     )

@@ -81,7 +81,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 _NODE_FLAGS = (("--dtype", str), ("--transfer-backend", str), ("--kv-cache-memory-gb", float), ("--num-blocks", int),
                ("--max-num-seqs", int), ("--max-num-batched-tokens", int), ("--kernel-backend", str),
                ("--device", str), ("--gpu-memory-utilization", float), ("--grammar-threads", int),
-               ("--grammar-compile-timeout-s", float), ("--max-model-len", int))
+               ("--grammar-compile-timeout-s", float), ("--max-model-len", int), ("--mixed-graph-tokens", int))
 
 
 _NODE_FLAG_HELP = {

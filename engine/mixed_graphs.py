@@ -1,0 +1,177 @@
+"""Steps with prompt tokens as CUDA graphs between their attentions (piecewise), one set per token bucket.
+
+An eager step launches every kernel from Python (on an H200, ~7 ms of host work a step for a
+16-layer model, where a 512-token prefill takes ~2 ms of GPU): a prefill of a few prompts, or a
+colocated node's step that mixes new prompts into its decodes, waits on the host. Here a step of n
+tokens (decodes and prefill chunks, any mix, n up to the largest bucket) runs the smallest bucket
+b >= n: its token ids, positions and slots are written into static buffers (rows n..b are padding:
+no KV written, slot -1), and everything but the attention is replayed from CUDA graphs captured at
+start-up, one piece per layer's stretch between two attentions. Each attention runs eagerly between
+two pieces on the step's own metadata (its sequences and block tables vary step to step) over the
+real rows, into the static tensor the next piece reads. Every layer runs all rows (the eager path's
+last layer runs the sampled rows alone); the LM head runs eagerly on the rows the step samples.
+
+Without graphs (MixedGraphs(capture=False), any device) the same buffers, padding and attention
+run eagerly: the CPU tests check them against the plain path that way. A split model (tensor
+parallelism) has no mixed graphs: its collectives cut its steps already (engine.piecewise).
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.model import AttentionMetadata, CausalLM
+from engine.piecewise import Pieces, capture_pieces
+
+logger = logging.getLogger(__name__)
+
+
+def mixed_sizes(max_tokens: int) -> tuple[int, ...]:
+    """The buckets: 32, 64, 128, 256, then steps of 256 up to and including max_tokens (a step pads
+    to at most twice its tokens below 256, to at most 255 more above)."""
+    if max_tokens < 1:
+        return ()
+    sizes = {s for s in (32, 64, 128, 256, *range(512, max_tokens, 256)) if s < max_tokens}
+    return tuple(sorted(sizes | {max_tokens}))
+
+
+@dataclass
+class MixedReport:
+    sizes: tuple[int, ...]
+    seconds: float
+    memory_bytes: int  # device memory the graphs took (0 without graphs)
+
+
+class MixedGraphs:
+    def __init__(self, model: CausalLM, kv_cache: torch.Tensor, sizes: tuple[int, ...], capture: bool) -> None:
+        if not sizes or list(sizes) != sorted(set(sizes)) or sizes[0] < 1:
+            raise ValueError(f"mixed graph sizes must be ascending and positive, got {sizes}")
+        if model.tp is not None:
+            raise ValueError("a split model's steps are cut at its collectives: no mixed graphs")
+        self.model = model
+        self.kv_cache = kv_cache
+        self.sizes = tuple(sizes)
+        self.use_graphs = capture
+        device = kv_cache.device
+        rows = self.sizes[-1]
+        # int64 [3, rows]: token ids, positions, slots; written whole each step from pinned staging
+        pin = device.type == "cuda"
+        self._ids = torch.zeros(3, rows, dtype=torch.long, device=device)
+        self._staging = [torch.zeros(3, rows, dtype=torch.long, pin_memory=pin) for _ in range(2)]
+        self._next_staging = 0
+        self._no_tables = torch.zeros(0, 1, dtype=torch.int32, device=device)
+        self._no_cu = torch.zeros(1, dtype=torch.int32, device=device)
+        self._no_lens = torch.zeros(0, dtype=torch.int32, device=device)
+        self._pieces: dict[int, Pieces] = {}
+        self._outputs: dict[int, torch.Tensor] = {}
+        # The step being run: its attention metadata (device tensors) and its number of real rows.
+        self._meta: AttentionMetadata | None = None
+        self._num_tokens = 0
+        # Set while a bucket is captured (engine.piecewise): cut(run, is_last) ends the graph so far.
+        self.cut = None
+        self.report = MixedReport(self.sizes, 0.0, 0)
+
+    @property
+    def max_size(self) -> int:
+        return self.sizes[-1]
+
+    def takes(self, num_tokens: int) -> bool:
+        return 0 < num_tokens <= self.max_size
+
+    def capture(self) -> MixedReport:
+        """Capture every bucket's pieces, largest first, on one memory pool (a no-op without graphs).
+        Each bucket runs eagerly twice first (on an empty step: padding rows only), so kernels are
+        compiled and libraries' workspaces allocated outside the capture."""
+        if not self.use_graphs:
+            return self.report
+        device = self.kv_cache.device
+        torch.cuda.synchronize(device)
+        free_before = torch.cuda.mem_get_info(device)[0]
+        started = time.perf_counter()
+        pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(device)
+        self._stage_padding_only()
+        for size in reversed(self.sizes):
+            for _ in range(2):
+                self._forward(size)
+            torch.cuda.synchronize(device)
+            self._pieces[size], self._outputs[size] = capture_pieces(lambda size=size: self._forward(size), self,
+                                                                     pool, stream)
+        torch.cuda.synchronize(device)
+        self.report = MixedReport(self.sizes, time.perf_counter() - started,
+                                  max(0, free_before - torch.cuda.mem_get_info(device)[0]))
+        return self.report
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+            meta: AttentionMetadata) -> torch.Tensor:
+        """The step's final hidden states (normed: the LM head's input) [num_tokens, hidden], every
+        row: input_ids, positions and slot_mapping of its tokens on the host, meta (its attention's:
+        sequences, tables) on the device. Valid until the next step."""
+        num = input_ids.shape[0]
+        size = bisect.bisect_left(self.sizes, num)
+        assert num > 0 and size < len(self.sizes), f"{num} tokens for mixed graphs of at most {self.max_size}"
+        size = self.sizes[size]
+        staging = self._staging[self._next_staging]
+        self._next_staging ^= 1
+        staging[0, :num] = input_ids
+        staging[1, :num] = positions
+        staging[2, :num] = slot_mapping
+        staging[:2, num:size] = 0
+        staging[2, num:size] = -1
+        self._ids[:, :size].copy_(staging[:, :size], non_blocking=True)
+        self._meta, self._num_tokens = meta, num
+        try:
+            if self.use_graphs:
+                self._pieces[size].replay()
+                out = self._outputs[size]
+            else:
+                out = self._forward(size)
+        finally:
+            self._meta = None
+        return out[:num]
+
+    def _stage_padding_only(self) -> None:
+        """Every row padding (the warm-up and capture runs): no KV written, nothing attended."""
+        self._ids.zero_()
+        self._ids[2].fill_(-1)
+        self._meta = AttentionMetadata(
+            positions=self._ids[1], slot_mapping=self._ids[2], num_decode_tokens=0,
+            decode_block_tables=self._no_tables, decode_seq_lens=self._no_lens,
+            prefill_block_tables=self._no_tables, prefill_cu_query_lens=self._no_cu,
+            prefill_seq_lens=self._no_lens)
+        self._num_tokens = 0
+
+    def _forward(self, size: int) -> torch.Tensor:
+        ids = self._ids
+        meta = AttentionMetadata(
+            positions=ids[1, :size], slot_mapping=ids[2, :size], num_decode_tokens=0,
+            decode_block_tables=self._no_tables, decode_seq_lens=self._no_lens,
+            prefill_block_tables=self._no_tables, prefill_cu_query_lens=self._no_cu,
+            prefill_seq_lens=self._no_lens)
+        self.model.attention_cut = self._attention_piece
+        try:
+            with torch.inference_mode():
+                return self.model.forward(ids[0, :size], meta, self.kv_cache, None)
+        finally:
+            self.model.attention_cut = None
+
+    def _attention_piece(self, query: torch.Tensor, kv_cache_layer: torch.Tensor) -> torch.Tensor:
+        """A layer's attention output [rows, heads, head_dim] in a tensor of its own: computed now,
+        or, while a bucket is captured, at each replay between the pieces around it."""
+        # NOTE: padding rows keep whatever is there: every op after it is row by row, and their rows are dropped
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+
+        def attend() -> None:
+            num = self._num_tokens
+            if num:
+                out[:num].copy_(self.model.attend(query[:num], self._meta, kv_cache_layer))
+
+        if self.cut is not None:
+            self.cut(attend, False)
+        else:
+            attend()
+        return out
