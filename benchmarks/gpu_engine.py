@@ -7,7 +7,8 @@ For each preset (llama-1b by default; llama-8b where time allows), in one proces
             then 24 timed steps), beside the bound (weights + the KV the step reads, over the
             copy bandwidth); with CUDA graphs and, for batches 1 and 64, eagerly (--enforce-eager).
   prefill   prompts of 512/2,048/8,192 tokens, 16,384 tokens in all, one step each: tokens/s and
-            MFU (the step's matmul and attention FLOPs over the measured matmul rate).
+            MFU (the step's matmul and attention FLOPs over the measured matmul rate); and one
+            prompt of 128 or 512 tokens alone, with its step's graph pieces and eagerly.
   profile   for batches 1 and 256 (graphs on), 8 decode steps under torch.profiler: the GPU's busy
             time a step (its kernels' time summed) against the step's wall time, the kernels a
             step runs and the costliest ones: where the step's time goes.
@@ -58,6 +59,7 @@ class Sizes:
     profile_steps = 8
     eager_batches = (1, 64)
     prefill_lengths = (512, 2048, 8192)
+    short_prefills = (128, 512)
     prefill_tokens = 16384
     decode_prompt = 512
     timed_steps = 24
@@ -73,6 +75,7 @@ class SmokeSizes(Sizes):
     profile_steps = 2
     eager_batches = (2,)
     prefill_lengths = (32, 64)
+    short_prefills = (16, 40)
     prefill_tokens = 128
     decode_prompt = 20
     timed_steps = 3
@@ -284,6 +287,26 @@ def run_decode(llm: LLM, sizes: dict, hw: dict, vocab: int, batches) -> list[dic
     return rows
 
 
+def run_short_prefills(llm: LLM, vocab: int) -> list[dict]:
+    """One prompt of each short length alone, one step (max_tokens 1): its wall time, the host's
+    launches against the GPU's work (mixed graphs where the engine has them, eager where not)."""
+    rows = []
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    for length in S.short_prefills:
+        times = []
+        for run in range(6):
+            prompt = prompts_of(1, length, vocab, 5000 + 10 * run + length)
+            sync()
+            start = time.perf_counter()
+            llm.generate(prompt, params, use_tqdm=False)
+            times.append(time.perf_counter() - start)
+        best = min(times[1:])
+        rows.append({"prompt_len": length, "ms": 1e3 * best, "ms_median": 1e3 * statistics.median(times[1:])})
+        print(f"  one {length}-token prompt alone: {1e3 * best:.2f} ms (median {rows[-1]['ms_median']:.2f})",
+              flush=True)
+    return rows
+
+
 def run_prefill(llm: LLM, sizes: dict, hw: dict, vocab: int) -> list[dict]:
     cfg = llm.engine.config.model
     rows = []
@@ -447,6 +470,12 @@ def bench_preset(preset: str, args, clock: Clock, hw: dict) -> dict:
     report = llm.engine.runner.graphs.report
     result["graphs"] = {"sizes": list(report.sizes), "capture_s": report.seconds,
                         "memory_mib": report.memory_bytes / 2**20}
+    mixed = llm.engine.runner.mixed
+    if mixed is not None:
+        result["mixed_graphs"] = {"sizes": list(mixed.report.sizes), "capture_s": mixed.report.seconds,
+                                  "memory_mib": mixed.report.memory_bytes / 2**20}
+        print(f"{preset}: mixed graphs for steps of up to {mixed.max_size} tokens captured in "
+              f"{mixed.report.seconds:.1f} s, {mixed.report.memory_bytes / 2**20:.0f} MiB", flush=True)
     print(f"{preset}: loaded in {result['load_s']:.1f} s; {len(report.sizes)} decode graphs captured in "
           f"{report.seconds:.1f} s, {report.memory_bytes / 2**20:.0f} MiB", flush=True)
     vocab = llm.engine.config.model.vocab_size
@@ -456,6 +485,7 @@ def bench_preset(preset: str, args, clock: Clock, hw: dict) -> dict:
         result["decode"] = run_decode(llm, sizes, hw, vocab, S.decode_batches)
     if "prefill" in phases and clock.allows("prefill", 30):
         result["prefill"] = run_prefill(llm, sizes, hw, vocab)
+        result["short_prefill"] = run_short_prefills(llm, vocab)
     if "profile" in phases and clock.allows("profile", 20):
         try:
             result["profile"] = run_profile(llm, vocab)
@@ -480,6 +510,8 @@ def bench_preset(preset: str, args, clock: Clock, hw: dict) -> dict:
         llm, _ = load(model_dir, args, enforce_eager=True)
         print(f"{preset}, --enforce-eager:", flush=True)
         result["decode_eager"] = run_decode(llm, sizes, hw, vocab, S.eager_batches)
+        if "prefill" in phases:
+            result["short_prefill_eager"] = run_short_prefills(llm, vocab)
         del llm
         free()
     if "hf" in phases and clock.allows("transformers", 60 if big else 30):

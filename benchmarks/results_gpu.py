@@ -61,6 +61,13 @@ def render_gpu_engine(records: list[dict]) -> tuple[list[str], list]:
                   f"{num(graphs.get('capture_s'), 1)} s, {num(graphs.get('memory_mib'), 0)} MiB):", ""]
         lines += table(["batch", "CUDA graphs", "--enforce-eager", "bandwidth bound", "of bound"]
                        + (["graphs, weights as stored (F.linear's form)"] if stored else []), rows)
+        if preset.get("short_prefill"):
+            eager_short = {row["prompt_len"]: row for row in preset.get("short_prefill_eager", [])}
+            lines += ["", f"**{name}** one prompt alone, one step (best of 5):", ""]
+            lines += table(["prompt", "graph pieces", "--enforce-eager"],
+                           [[f"{row['prompt_len']:,}", num(row["ms"], 2, " ms"),
+                             num(eager_short[row["prompt_len"]]["ms"], 2, " ms") if row["prompt_len"] in eager_short
+                             else ""] for row in preset["short_prefill"]])
         if preset.get("profile"):
             kinds = list(dict.fromkeys(kind for row in preset["profile"] for kind in row.get("categories", {})))
             lines += ["", f"**{name}** where a decode step's time goes (torch.profiler, graphs on; each kind: "

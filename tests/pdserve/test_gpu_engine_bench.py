@@ -26,8 +26,10 @@ def test_every_phase_runs_and_is_recorded(tiny_model_dir, tmp_path):
     [preset] = result["presets"]
     assert [row["batch"] for row in preset["decode"]] == [1, 3]
     assert [row["batch"] for row in preset["decode_eager"]] == [2]
-    assert preset["graphs"]["sizes"] == [1, 2, 3]
+    assert preset["graphs"]["sizes"] == [1, 2, 3] and preset["mixed_graphs"]["sizes"] == [32, 64, 128]
     assert [row["prompt_len"] for row in preset["prefill"]] == [32, 64]
+    for key in ("short_prefill", "short_prefill_eager"):
+        assert [row["prompt_len"] for row in preset[key]] == [16, 40] and all(row["ms"] > 0 for row in preset[key])
     for row in preset["decode"] + preset["decode_eager"]:
         assert row["bound_ms"] > 0 and row["step_ms_min"] <= row["step_ms_median"] <= row["step_ms_max"]
     assert preset["offline"]["output_tokens_per_s"] > 0 and preset["hf"]["output_tokens_per_s"] > 0
@@ -51,7 +53,7 @@ def test_every_phase_runs_and_is_recorded(tiny_model_dir, tmp_path):
     record["result"]["presets"][0]["decode_w"] = [{**row, "step_ms_median": 7.125} for row in preset["decode"]]
     blocks, plots = render_results.render([record])
     assert "No results" not in blocks["gpu_engine"] and "**tiny**" in blocks["gpu_engine"], blocks["gpu_engine"]
-    assert "where a decode step's time goes" in blocks["gpu_engine"]
+    assert "where a decode step's time goes" in blocks["gpu_engine"] and "one prompt alone" in blocks["gpu_engine"]
     assert "weights as stored" in blocks["gpu_engine"] and "7.125 ms" in blocks["gpu_engine"]
     assert "temperature 1" in blocks["gpu_engine"] and "| lm_head | 3 |" in blocks["gpu_engine"], blocks["gpu_engine"]
     for name, draw in plots:
