@@ -155,8 +155,11 @@ class LLMEngine:
         sizes = mixed_sizes(min(config.mixed_graph_tokens, config.scheduler.max_num_batched_tokens))
         if not sizes or self.ranks is not None or mode == "off" or (mode == "auto" and not on_cuda):
             return None
-        capture = mode == "auto" and self.backend.graph_capturable
-        mixed = MixedGraphs(self.model, self.kv_cache, sizes, capture=capture)
+        if mode == "auto" and not self.backend.graph_capturable:
+            logger.info("mixed graphs: the %s backend's steps cannot be captured; steps with prompt tokens run "
+                        "eagerly", self.backend.name)
+            return None
+        mixed = MixedGraphs(self.model, self.kv_cache, sizes, capture=mode == "auto")
         report = mixed.capture()
         if mixed.use_graphs:
             logger.info("mixed graphs: steps of up to %d tokens (%s) captured in %.1f s, %.0f MiB of device memory",

@@ -4,11 +4,13 @@ An eager step launches every kernel from Python (on an H200, ~7 ms of host work 
 16-layer model, where a 512-token prefill takes ~2 ms of GPU): a prefill of a few prompts, or a
 colocated node's step that mixes new prompts into its decodes, waits on the host. Here a step of n
 tokens (decodes and prefill chunks, any mix, n up to the largest bucket) runs the smallest bucket
-b >= n: its token ids, positions and slots are written into static buffers (rows n..b are padding:
+b >= n: its token ids, positions and slots are written into static buffers (rows n..b-1 are padding:
 no KV written, slot -1), and everything but the attention is replayed from CUDA graphs captured at
-start-up, one piece per layer's stretch between two attentions. Each attention runs eagerly between
-two pieces on the step's own metadata (its sequences and block tables vary step to step) over the
-real rows, into the static tensor the next piece reads. Every layer runs all rows (the eager path's
+start-up, one piece per layer's stretch between two attentions. Each piece ends by copying its
+rotated queries into one static buffer; each attention runs eagerly between two pieces on the
+step's own metadata (its sequences and block tables vary step to step) over the real rows, into a
+second static buffer the next piece reads. The two buffers serve every layer and bucket (all runs
+in order on one stream), so the graphs keep no per-layer activations alive. Every layer runs all rows (the eager path's
 last layer runs the sampled rows alone); the LM head runs eagerly on the rows the step samples.
 
 Without graphs (MixedGraphs(capture=False), any device) the same buffers, padding and attention
@@ -32,8 +34,8 @@ logger = logging.getLogger(__name__)
 
 
 def mixed_sizes(max_tokens: int) -> tuple[int, ...]:
-    """The buckets: 32, 64, 128, 256, then steps of 256 up to and including max_tokens (a step pads
-    to at most twice its tokens below 256, to at most 255 more above)."""
+    """The buckets: 32, 64, 128, 256, then steps of 256 up to and including max_tokens (a step of
+    n tokens pads to 32 rows at least, to under 2n between 32 and 256, and by at most 255 above)."""
     if max_tokens < 1:
         return ()
     sizes = {s for s in (32, 64, 128, 256, *range(512, max_tokens, 256)) if s < max_tokens}
@@ -59,11 +61,18 @@ class MixedGraphs:
         self.use_graphs = capture
         device = kv_cache.device
         rows = self.sizes[-1]
-        # int64 [3, rows]: token ids, positions, slots; written whole each step from pinned staging
+        # int64 [3, rows]: token ids, positions, slots; copied in whole each step from pinned staging
+        # (two: one may still be on its way while the next is filled; its event says when it is not)
         pin = device.type == "cuda"
         self._ids = torch.zeros(3, rows, dtype=torch.long, device=device)
         self._staging = [torch.zeros(3, rows, dtype=torch.long, pin_memory=pin) for _ in range(2)]
+        self._staged = [torch.cuda.Event() if pin else None for _ in range(2)]
         self._next_staging = 0
+        # The queries of the layer at hand and its attention output, for every layer and bucket.
+        cfg = model.config
+        shape = (rows, cfg.num_heads, cfg.head_dim)
+        self._query = torch.zeros(shape, dtype=cfg.dtype, device=device)
+        self._attended = torch.zeros(shape, dtype=cfg.dtype, device=device)
         self._no_tables = torch.zeros(0, 1, dtype=torch.int32, device=device)
         self._no_cu = torch.zeros(1, dtype=torch.int32, device=device)
         self._no_lens = torch.zeros(0, dtype=torch.int32, device=device)
@@ -86,7 +95,7 @@ class MixedGraphs:
     def capture(self) -> MixedReport:
         """Capture every bucket's pieces, largest first, on one memory pool (a no-op without graphs).
         Each bucket runs eagerly twice first (on an empty step: padding rows only), so kernels are
-        compiled and libraries' workspaces allocated outside the capture."""
+        compiled before the capture. The report's memory is what the capture and those runs kept."""
         if not self.use_graphs:
             return self.report
         device = self.kv_cache.device
@@ -102,6 +111,7 @@ class MixedGraphs:
             self._pieces[size], self._outputs[size] = capture_pieces(lambda size=size: self._forward(size), self,
                                                                      pool, stream)
         torch.cuda.synchronize(device)
+        self._meta, self._num_tokens = None, 0
         self.report = MixedReport(self.sizes, time.perf_counter() - started,
                                   max(0, free_before - torch.cuda.mem_get_info(device)[0]))
         return self.report
@@ -115,14 +125,19 @@ class MixedGraphs:
         size = bisect.bisect_left(self.sizes, num)
         assert num > 0 and size < len(self.sizes), f"{num} tokens for mixed graphs of at most {self.max_size}"
         size = self.sizes[size]
-        staging = self._staging[self._next_staging]
+        which = self._next_staging
         self._next_staging ^= 1
+        staging, staged = self._staging[which], self._staged[which]
+        if staged is not None:
+            staged.synchronize()  # its copy two steps ago is done (nothing else need have waited)
         staging[0, :num] = input_ids
         staging[1, :num] = positions
         staging[2, :num] = slot_mapping
         staging[:2, num:size] = 0
         staging[2, num:size] = -1
-        self._ids[:, :size].copy_(staging[:, :size], non_blocking=True)
+        self._ids.copy_(staging, non_blocking=True)  # NOTE: whole (24 bytes a row): a column slice is strided
+        if staged is not None:
+            staged.record()
         self._meta, self._num_tokens = meta, num
         try:
             if self.use_graphs:
@@ -160,18 +175,20 @@ class MixedGraphs:
             self.model.attention_cut = None
 
     def _attention_piece(self, query: torch.Tensor, kv_cache_layer: torch.Tensor) -> torch.Tensor:
-        """A layer's attention output [rows, heads, head_dim] in a tensor of its own: computed now,
-        or, while a bucket is captured, at each replay between the pieces around it."""
-        # NOTE: padding rows keep whatever is there: every op after it is row by row, and their rows are dropped
-        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        """A layer's attention output [rows, heads, head_dim] (the shared output buffer's rows):
+        computed now, or, while a bucket is captured, at each replay between the pieces around it.
+        Padding rows keep whatever is there: every op after it works row by row, and their rows are
+        dropped."""
+        rows = query.shape[0]
+        self._query[:rows].copy_(query)  # NOTE: the piece's last op: its qkv output is free after it
 
         def attend() -> None:
             num = self._num_tokens
             if num:
-                out[:num].copy_(self.model.attend(query[:num], self._meta, kv_cache_layer))
+                self._attended[:num].copy_(self.model.attend(self._query[:num], self._meta, kv_cache_layer))
 
         if self.cut is not None:
             self.cut(attend, False)
         else:
             attend()
-        return out
+        return self._attended[:rows]

@@ -79,7 +79,8 @@ class CausalLM:
     ) -> torch.Tensor:
         """Run the batch, writing its K/V into kv_cache; returns the final hidden states (normed,
         the LM head's input) [len(logits_indices), hidden] of the tokens at logits_indices (None:
-        of every token, in order)."""
+        of every token, in order; it must be None while attention_cut is set)."""
+        assert self.attention_cut is None or logits_indices is None, "mixed graphs run every row"
         hidden = self._embed(input_ids)
         fused = self.fused_decode
         if fused is not None and meta.num_decode_tokens == hidden.shape[0] and fused.takes(hidden, kv_cache):

@@ -80,7 +80,7 @@ class ModelRunner:
                        if self.model.has_greedy_head else [])
         if self.mixed is not None and self.mixed.takes(host.input_ids.shape[0]):
             input_ids, positions, slots = host.input_ids, host.meta.positions, host.meta.slot_mapping
-            batch = self._to_device(host)
+            batch = self._to_device(host, attention_only=True)
             every_row = self.mixed.run(input_ids, positions, slots, batch.meta)
             tokens, logits = self._head(every_row.index_select(0, batch.logits_indices), greedy_rows)
         else:
@@ -178,15 +178,19 @@ class ModelRunner:
         rows = [r.block_ids + [0] * (width - len(r.block_ids)) for r in requests]
         return torch.tensor(rows, dtype=torch.int32)
 
-    def _to_device(self, batch: BatchInputs) -> BatchInputs:
+    def _to_device(self, batch: BatchInputs, attention_only: bool = False) -> BatchInputs:
+        """The batch's tensors on the device; attention_only: what the attention and the row
+        selection read (mixed graphs stage the tokens, positions and slots themselves)."""
         if self.device == "cpu":
             return batch
         meta = batch.meta
-        for name in ("positions", "slot_mapping", "decode_block_tables", "decode_seq_lens",
-                     "prefill_block_tables", "prefill_cu_query_lens", "prefill_seq_lens",
-                     "logits_block_tables", "logits_seq_lens"):
+        names = ("decode_block_tables", "decode_seq_lens", "prefill_block_tables", "prefill_cu_query_lens",
+                 "prefill_seq_lens")
+        if not attention_only:
+            names += ("positions", "slot_mapping", "logits_block_tables", "logits_seq_lens")
+            batch.input_ids = batch.input_ids.to(self.device, non_blocking=True)
+        for name in names:
             setattr(meta, name, getattr(meta, name).to(self.device, non_blocking=True))
-        batch.input_ids = batch.input_ids.to(self.device, non_blocking=True)
         batch.logits_indices = batch.logits_indices.to(self.device, non_blocking=True)
         return batch
 

@@ -80,8 +80,9 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="compute backend: auto (Triton on CUDA, the compiled CPU kernels on the CPU), cpu, "
                              "triton, or reference (plain torch)")
     parser.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=False,
-                        help="run every step eagerly: no CUDA graphs for decode steps (on CUDA they are captured "
-                             "at start-up, one per batch-size bucket up to --max-num-seqs)")
+                        help="run every step eagerly: no CUDA graphs (on CUDA they are captured at start-up: "
+                             "decode steps per batch-size bucket up to --max-num-seqs, steps with prompt tokens per "
+                             "token bucket up to --mixed-graph-tokens)")
     parser.add_argument("--mixed-graph-tokens", type=int, default=default_of(EngineConfig, "mixed_graph_tokens"),
                         help="steps with prompt tokens, up to this many tokens, run as CUDA graphs between their "
                              "attentions (captured at start-up per token bucket; 0 or --enforce-eager: eagerly)")
