@@ -23,10 +23,10 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from dataclasses import dataclass
 
 import torch
 
+from engine.decode_graphs import CaptureReport
 from engine.model import AttentionMetadata, CausalLM
 from engine.piecewise import Pieces, capture_pieces
 
@@ -40,13 +40,6 @@ def mixed_sizes(max_tokens: int) -> tuple[int, ...]:
         return ()
     sizes = {s for s in (32, 64, 128, 256, *range(512, max_tokens, 256)) if s < max_tokens}
     return tuple(sorted(sizes | {max_tokens}))
-
-
-@dataclass
-class MixedReport:
-    sizes: tuple[int, ...]
-    seconds: float
-    memory_bytes: int  # device memory the graphs took (0 without graphs)
 
 
 class MixedGraphs:
@@ -83,7 +76,7 @@ class MixedGraphs:
         self._num_tokens = 0
         # Set while a bucket is captured (engine.piecewise): cut(run, is_last) ends the graph so far.
         self.cut = None
-        self.report = MixedReport(self.sizes, 0.0, 0)
+        self.report = CaptureReport(self.sizes, 0.0, 0)
 
     @property
     def max_size(self) -> int:
@@ -92,7 +85,7 @@ class MixedGraphs:
     def takes(self, num_tokens: int) -> bool:
         return 0 < num_tokens <= self.max_size
 
-    def capture(self) -> MixedReport:
+    def capture(self) -> CaptureReport:
         """Capture every bucket's pieces, largest first, on one memory pool (a no-op without graphs).
         Each bucket runs eagerly twice first (on an empty step: padding rows only), so kernels are
         compiled before the capture. The report's memory is what the capture and those runs kept."""
@@ -112,7 +105,7 @@ class MixedGraphs:
                                                                      pool, stream)
         torch.cuda.synchronize(device)
         self._meta, self._num_tokens = None, 0
-        self.report = MixedReport(self.sizes, time.perf_counter() - started,
+        self.report = CaptureReport(self.sizes, time.perf_counter() - started,
                                   max(0, free_before - torch.cuda.mem_get_info(device)[0]))
         return self.report
 
