@@ -99,6 +99,25 @@ class CaptureReport:
     memory_bytes: int  # device memory the graphs took (0 without graphs)
 
 
+def capture_buckets(sizes: tuple[int, ...], device: torch.device, run: Callable[[int], object],
+                    capture: Callable[[int, object, torch.cuda.Stream], None]) -> CaptureReport:
+    """Each bucket, largest first: run(size) eagerly twice (kernels compiled, libraries' workspaces
+    allocated before its capture), then capture(size, pool, stream) on one memory pool and one side
+    stream for all; the time it took and the device memory it kept."""
+    torch.cuda.synchronize(device)
+    free_before = torch.cuda.mem_get_info(device)[0]
+    started = time.perf_counter()
+    pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(device)
+    for size in reversed(sizes):
+        for _ in range(2):
+            run(size)
+        torch.cuda.synchronize(device)
+        capture(size, pool, stream)
+    torch.cuda.synchronize(device)
+    return CaptureReport(tuple(sizes), time.perf_counter() - started,
+                         max(0, free_before - torch.cuda.mem_get_info(device)[0]))
+
+
 class DecodeGraphs:
     def __init__(self, model: CausalLM, kv_cache: torch.Tensor, block_size: int, max_model_len: int,
                  sizes: tuple[int, ...], capture: bool, ranks=None) -> None:
@@ -168,29 +187,20 @@ class DecodeGraphs:
             self.ranks.send_graphs(self.sizes, self.use_graphs)
         if not self.use_graphs:
             return self.report
-        device = self.kv_cache.device
-        torch.cuda.synchronize(device)
-        free_before = torch.cuda.mem_get_info(device)[0]
-        started = time.perf_counter()
-        pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(device)
-        for size in reversed(self.sizes):
-            for _ in range(2):
-                self._forward(size)
-            torch.cuda.synchronize(device)
-            if self.model.tp is not None:
-                self._graphs[size], self._outputs[size] = capture_pieces(partial(self._forward, size), self.model.tp,
-                                                                         pool, stream)
-                continue
-            graph = torch.cuda.CUDAGraph()
-            # NOTE: stream, not torch's default capture stream: that one is made once per process, on
-            # the device current then, which is not this engine's where a process runs two GPUs.
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                self._outputs[size] = self._forward(size)
-            self._graphs[size] = graph
-        torch.cuda.synchronize(device)
-        self.report = CaptureReport(self.sizes, time.perf_counter() - started,
-                                    max(0, free_before - torch.cuda.mem_get_info(device)[0]))
+        self.report = capture_buckets(self.sizes, self.kv_cache.device, self._forward, self._capture)
         return self.report
+
+    def _capture(self, size: int, pool, stream) -> None:
+        if self.model.tp is not None:
+            self._graphs[size], self._outputs[size] = capture_pieces(partial(self._forward, size), self.model.tp,
+                                                                     pool, stream)
+            return
+        graph = torch.cuda.CUDAGraph()
+        # NOTE: stream, not torch's default capture stream: that one is made once per process, on
+        # the device current then, which is not this engine's where a process runs two GPUs.
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
+            self._outputs[size] = self._forward(size)
+        self._graphs[size] = graph
 
     def run(self, decodes: list[Request]) -> DecodeOutputs:
         """The step of these decodes (takes() said yes): outputs' first len(decodes) rows are theirs."""

@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import bisect
 import logging
-import time
+from functools import partial
 
 import torch
 
-from engine.decode_graphs import CaptureReport
+from engine.decode_graphs import CaptureReport, capture_buckets
 from engine.model import AttentionMetadata, CausalLM
 from engine.piecewise import Pieces, capture_pieces
 
@@ -91,23 +91,13 @@ class MixedGraphs:
         compiled before the capture. The report's memory is what the capture and those runs kept."""
         if not self.use_graphs:
             return self.report
-        device = self.kv_cache.device
-        torch.cuda.synchronize(device)
-        free_before = torch.cuda.mem_get_info(device)[0]
-        started = time.perf_counter()
-        pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(device)
         self._stage_padding_only()
-        for size in reversed(self.sizes):
-            for _ in range(2):
-                self._forward(size)
-            torch.cuda.synchronize(device)
-            self._pieces[size], self._outputs[size] = capture_pieces(lambda size=size: self._forward(size), self,
-                                                                     pool, stream)
-        torch.cuda.synchronize(device)
+        self.report = capture_buckets(self.sizes, self.kv_cache.device, self._forward, self._capture)
         self._meta, self._num_tokens = None, 0
-        self.report = CaptureReport(self.sizes, time.perf_counter() - started,
-                                  max(0, free_before - torch.cuda.mem_get_info(device)[0]))
         return self.report
+
+    def _capture(self, size: int, pool, stream) -> None:
+        self._pieces[size], self._outputs[size] = capture_pieces(partial(self._forward, size), self, pool, stream)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
             meta: AttentionMetadata) -> torch.Tensor:
