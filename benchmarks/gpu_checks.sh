@@ -78,7 +78,7 @@ for step in $steps; do
         bench) run_for "$(limit 150)" python3 benchmarks/kernels.py --iters 30 2>&1 | tee "$out/kernels_bench.log" | grep -v '^RESULT'
                rc=${PIPESTATUS[0]} ;;
         # A test's own timeout under the step's: a hang shows its traceback instead of being cut off.
-        engine) run_for "$(limit 120)" python3 -m pytest tests/engine/test_decode_graphs.py tests/engine/test_mixed_graphs.py \
+        engine) run_for "$(limit 150)" python3 -m pytest tests/engine/test_decode_graphs.py tests/engine/test_mixed_graphs.py \
                     tests/engine/test_correctness.py \
                     tests/engine/test_bfloat16.py tests/engine/test_sampler.py tests/engine/test_warm_up.py \
                     tests/kernels/test_triton_variants.py tests/kv_transfer/test_same_gpu_copy.py -k cuda \

@@ -56,9 +56,12 @@ def render_gpu_engine(records: list[dict]) -> tuple[list[str], list]:
                  num(row["bound_ms"], 3, " ms"), f"{100 * row['of_bound']:.0f}%"]
                 + ([num(stored[row["batch"]]["step_ms_median"], 3, " ms") if row["batch"] in stored else ""]
                    if stored else []) for row in preset["decode"]]
-        graphs = preset.get("graphs", {})
+        graphs, mixed = preset.get("graphs", {}), preset.get("mixed_graphs")
+        mixed_text = "" if not mixed else (
+            f"; steps with prompt tokens up to {mixed['sizes'][-1]} tokens as graph pieces, {len(mixed['sizes'])} "
+            f"buckets captured in {num(mixed['capture_s'], 1)} s, {num(mixed['memory_mib'], 0)} MiB")
         lines += [f"**{name}** decode step (median; {len(graphs.get('sizes', []))} graphs captured in "
-                  f"{num(graphs.get('capture_s'), 1)} s, {num(graphs.get('memory_mib'), 0)} MiB):", ""]
+                  f"{num(graphs.get('capture_s'), 1)} s, {num(graphs.get('memory_mib'), 0)} MiB{mixed_text}):", ""]
         lines += table(["batch", "CUDA graphs", "--enforce-eager", "bandwidth bound", "of bound"]
                        + (["graphs, weights as stored (F.linear's form)"] if stored else []), rows)
         if preset.get("short_prefill"):

@@ -5,7 +5,7 @@ token ids, positions, slot mapping, block tables and sequence lengths are writte
 buffers sized for the largest bucket, rows n..b are padding, and the graph captured for b
 replays the whole forward (every layer, the final norm, the LM head and the greedy argmax). A
 padding row writes no KV (slot -1) and attends to nothing (length 0), so it touches no request's
-memory. Mixed steps run eagerly.
+memory. Steps with prompt tokens run elsewhere: as graph pieces (engine.mixed_graphs) or eagerly.
 
 launch() is the same step without waiting for it: its tokens (the greedy argmax, or a sampler's draw
 queued after the replay) are copied to the host in the background (PendingTokens), and rows may

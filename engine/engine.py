@@ -153,14 +153,25 @@ class LLMEngine:
         mode = config.decode_graphs
         on_cuda = torch.device(config.device).type == "cuda"
         sizes = mixed_sizes(min(config.mixed_graph_tokens, config.scheduler.max_num_batched_tokens))
-        if not sizes or self.ranks is not None or mode == "off" or (mode == "auto" and not on_cuda):
+        if not sizes or mode == "off" or (mode == "auto" and not on_cuda):
+            return None
+        if self.ranks is not None:
+            logger.info("mixed graphs: none for a split model (its collectives cut its steps); steps with prompt "
+                        "tokens run eagerly")
             return None
         if mode == "auto" and not self.backend.graph_capturable:
             logger.info("mixed graphs: the %s backend's steps cannot be captured; steps with prompt tokens run "
                         "eagerly", self.backend.name)
             return None
         mixed = MixedGraphs(self.model, self.kv_cache, sizes, capture=mode == "auto")
-        report = mixed.capture()
+        try:
+            report = mixed.capture()
+        except Exception as exc:  # noqa: BLE001 - the node serves without them, eagerly, rather than not at all
+            if device_failure(exc):
+                raise
+            logger.warning("mixed graphs: capture failed (%s: %s); steps with prompt tokens run eagerly",
+                           type(exc).__name__, exc)
+            return None
         if mixed.use_graphs:
             logger.info("mixed graphs: steps of up to %d tokens (%s) captured in %.1f s, %.0f MiB of device memory",
                         report.sizes[-1], ", ".join(map(str, report.sizes)), report.seconds,

@@ -71,9 +71,9 @@ class MixedGraphs:
         self._no_lens = torch.zeros(0, dtype=torch.int32, device=device)
         self._pieces: dict[int, Pieces] = {}
         self._outputs: dict[int, torch.Tensor] = {}
-        # The step being run: its attention metadata (device tensors) and its number of real rows.
-        self._meta: AttentionMetadata | None = None
-        self._num_tokens = 0
+        # The step being run, as the captured attentions read it (not this object: a closure of
+        # _pieces holding it would keep the engine's model and cache alive until a cycle collection)
+        self._step = _Step(model, self._query, self._attended)
         # Set while a bucket is captured (engine.piecewise): cut(run, is_last) ends the graph so far.
         self.cut = None
         self.report = CaptureReport(self.sizes, 0.0, 0)
@@ -93,7 +93,7 @@ class MixedGraphs:
             return self.report
         self._stage_padding_only()
         self.report = capture_buckets(self.sizes, self.kv_cache.device, self._forward, self._capture)
-        self._meta, self._num_tokens = None, 0
+        self._step.meta, self._step.num_tokens = None, 0
         return self.report
 
     def _capture(self, size: int, pool, stream) -> None:
@@ -121,7 +121,7 @@ class MixedGraphs:
         self._ids.copy_(staging, non_blocking=True)  # NOTE: whole (24 bytes a row): a column slice is strided
         if staged is not None:
             staged.record()
-        self._meta, self._num_tokens = meta, num
+        self._step.meta, self._step.num_tokens = meta, num
         try:
             if self.use_graphs:
                 self._pieces[size].replay()
@@ -129,19 +129,19 @@ class MixedGraphs:
             else:
                 out = self._forward(size)
         finally:
-            self._meta = None
+            self._step.meta = None
         return out[:num]
 
     def _stage_padding_only(self) -> None:
         """Every row padding (the warm-up and capture runs): no KV written, nothing attended."""
         self._ids.zero_()
         self._ids[2].fill_(-1)
-        self._meta = AttentionMetadata(
+        self._step.num_tokens = 0
+        self._step.meta = AttentionMetadata(
             positions=self._ids[1], slot_mapping=self._ids[2], num_decode_tokens=0,
             decode_block_tables=self._no_tables, decode_seq_lens=self._no_lens,
             prefill_block_tables=self._no_tables, prefill_cu_query_lens=self._no_cu,
             prefill_seq_lens=self._no_lens)
-        self._num_tokens = 0
 
     def _forward(self, size: int) -> torch.Tensor:
         ids = self._ids
@@ -164,14 +164,26 @@ class MixedGraphs:
         dropped."""
         rows = query.shape[0]
         self._query[:rows].copy_(query)  # NOTE: the piece's last op: its qkv output is free after it
-
-        def attend() -> None:
-            num = self._num_tokens
-            if num:
-                self._attended[:num].copy_(self.model.attend(self._query[:num], self._meta, kv_cache_layer))
-
+        attend = partial(self._step.attend, kv_cache_layer)
         if self.cut is not None:
             self.cut(attend, False)
         else:
             attend()
         return self._attended[:rows]
+
+
+class _Step:
+    """The step mixed graphs run: its attention metadata (device tensors) and real rows, and what
+    each layer's attention reads and writes."""
+
+    def __init__(self, model: CausalLM, query: torch.Tensor, attended: torch.Tensor) -> None:
+        self.model = model
+        self.query = query
+        self.attended = attended
+        self.meta: AttentionMetadata | None = None
+        self.num_tokens = 0
+
+    def attend(self, kv_cache_layer: torch.Tensor) -> None:
+        num = self.num_tokens
+        if num:
+            self.attended[:num].copy_(self.model.attend(self.query[:num], self.meta, kv_cache_layer))

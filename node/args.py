@@ -85,7 +85,8 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                              "token bucket up to --mixed-graph-tokens)")
     parser.add_argument("--mixed-graph-tokens", type=int, default=default_of(EngineConfig, "mixed_graph_tokens"),
                         help="steps with prompt tokens, up to this many tokens, run as CUDA graphs between their "
-                             "attentions (captured at start-up per token bucket; 0 or --enforce-eager: eagerly)")
+                             "attentions (captured at start-up per token bucket; 0, --enforce-eager or a split model: "
+                             "eagerly)")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                         default=default_of(EngineConfig, "async_scheduling"),
                         help="queue the next decode step before reading this one's tokens (CUDA graphs; decode "

@@ -26,7 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "triton, or reference (plain torch)")
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto (CUDA when available)")
     parser.add_argument("--max-model-len", type=int, default=None, help="default: the checkpoint's")
-    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="no CUDA graphs (neither decode steps' nor the pieces of steps with prompt tokens)")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                         help="ranks the model is split over: one process each (one GPU each on CUDA)")
     parser.add_argument("--chat", action="store_true", help="wrap each prompt as a user message")

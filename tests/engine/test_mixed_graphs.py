@@ -136,3 +136,40 @@ def test_none_where_off_or_split(tiny_model_dir):
     assert engine_for(tiny_model_dir, "auto").runner.mixed is None  # on the CPU: no graphs of either kind
     with pytest.raises(ValueError, match="mixed_graph_tokens"):
         engine_for(tiny_model_dir, "static", mixed_graph_tokens=-1)
+
+
+def test_the_captured_attentions_do_not_keep_the_graphs_alive(tiny_model_dir):
+    """The pieces' attention closures (as a capture records them) must not point back at the
+    MixedGraphs holding them: a cycle would keep the dropped engine's model and KV cache (most of
+    a GPU) alive until a cycle collection happens to run."""
+    import gc
+    import weakref
+
+    engine = engine_for(tiny_model_dir, "static")
+    mixed = engine.runner.mixed
+    recorded = []
+    mixed.cut = lambda run, is_last, kept=recorded: kept.append(run)  # what capture_pieces' cut keeps
+    mixed._stage_padding_only()
+    mixed._forward(32)
+    mixed.cut = None
+    assert len(recorded) == ModelConfig.from_pretrained(tiny_model_dir).num_layers
+    mixed._pieces[32] = recorded
+    alive = weakref.ref(mixed)
+    gc.disable()
+    try:
+        del engine, mixed, recorded
+        assert alive() is None
+    finally:
+        gc.enable()
+
+
+def test_a_failed_capture_leaves_the_engine_eager(tiny_model_dir, monkeypatch, caplog):
+    def broken(self):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(MixedGraphs, "capture", broken)
+    engine = engine_for(tiny_model_dir, "static")
+    assert engine.runner.mixed is None and "capture failed" in caplog.text
+    [tokens] = run_to_completion(engine, make_prompts(ModelConfig.from_pretrained(tiny_model_dir).vocab_size)[3:4],
+                                 SamplingParams(max_tokens=4, temperature=0.0))
+    assert len(tokens) == 4

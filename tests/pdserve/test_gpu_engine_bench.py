@@ -54,6 +54,7 @@ def test_every_phase_runs_and_is_recorded(tiny_model_dir, tmp_path):
     blocks, plots = render_results.render([record])
     assert "No results" not in blocks["gpu_engine"] and "**tiny**" in blocks["gpu_engine"], blocks["gpu_engine"]
     assert "where a decode step's time goes" in blocks["gpu_engine"] and "one prompt alone" in blocks["gpu_engine"]
+    assert "as graph pieces, 3 buckets" in blocks["gpu_engine"]
     assert "weights as stored" in blocks["gpu_engine"] and "7.125 ms" in blocks["gpu_engine"]
     assert "temperature 1" in blocks["gpu_engine"] and "| lm_head | 3 |" in blocks["gpu_engine"], blocks["gpu_engine"]
     for name, draw in plots:
