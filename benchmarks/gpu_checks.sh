@@ -124,10 +124,10 @@ for step in $steps; do
     save
 done
 grep -hE "passed|failed" "$out"/engine_tests.log "$out"/tp_tests.log "$out"/kernel_tests.log 2>/dev/null | tail -4 >>"$summary"
-grep -E "decode batch|prefill [0-9]|offline|transformers generate|graphs captured|profile batch|skipped" "$out/gpu_engine.log" \
-    >>"$summary" 2>/dev/null
-grep -E "GB/s|failed|timed out" "$out/kv_transfer_gpu.log" >>"$summary" 2>/dev/null
-grep -E "tok/s|colocated|failed|skipped|greedy" "$out/gpu_served.log" >>"$summary" 2>/dev/null
-grep -E "^\| [0-9]|streamed / whole" "$out/kv_streaming.log" >>"$summary" 2>/dev/null
+grep -v '^RESULT' "$out/gpu_engine.log" 2>/dev/null | grep -E "decode batch|prefill [0-9]|offline|transformers generate|graphs|\
+profile batch|by kind|prompt alone|weights kept|x    1 rows|x  256 rows|skipped" >>"$summary"
+grep -v '^RESULT' "$out/kv_transfer_gpu.log" 2>/dev/null | grep -E "GB/s|failed|timed out" >>"$summary"
+grep -v '^RESULT' "$out/gpu_served.log" 2>/dev/null | grep -E "tok/s|colocated|failed|skipped|greedy" >>"$summary"
+grep -v '^RESULT' "$out/kv_streaming.log" 2>/dev/null | grep -E "^\| [0-9]|streamed / whole" >>"$summary"
 save
 cat "$summary"
