@@ -287,19 +287,26 @@ def run_decode(llm: LLM, sizes: dict, hw: dict, vocab: int, batches) -> list[dic
     return rows
 
 
+def prefill_times(llm: LLM, num: int, length: int, vocab: int, runs: int, seed: int) -> list[float]:
+    """Seconds of each of `runs` one-step prefills (max_tokens 1) of num fresh prompts of length
+    tokens; the first warms up: callers read times[1:]."""
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    times = []
+    for run in range(runs):
+        prompts = prompts_of(num, length, vocab, seed + 1000 * run)
+        sync()
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        times.append(time.perf_counter() - start)
+    return times
+
+
 def run_short_prefills(llm: LLM, vocab: int) -> list[dict]:
     """One prompt of each short length alone, one step (max_tokens 1): its wall time, the host's
     launches against the GPU's work (mixed graphs where the engine has them, eager where not)."""
     rows = []
-    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     for length in S.short_prefills:
-        times = []
-        for run in range(6):
-            prompt = prompts_of(1, length, vocab, 5000 + 10 * run + length)
-            sync()
-            start = time.perf_counter()
-            llm.generate(prompt, params, use_tqdm=False)
-            times.append(time.perf_counter() - start)
+        times = prefill_times(llm, 1, length, vocab, 6, 500 + length)
         best = min(times[1:])
         rows.append({"prompt_len": length, "ms": 1e3 * best, "ms_median": 1e3 * statistics.median(times[1:])})
         print(f"  one {length}-token prompt alone: {1e3 * best:.2f} ms (median {rows[-1]['ms_median']:.2f})",
@@ -312,15 +319,7 @@ def run_prefill(llm: LLM, sizes: dict, hw: dict, vocab: int) -> list[dict]:
     rows = []
     for length in S.prefill_lengths:
         num = S.prefill_tokens // length
-        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-        times = []
-        for run in range(3):
-            prompts = prompts_of(num, length, vocab, 1000 * run + length)
-            sync()
-            start = time.perf_counter()
-            llm.generate(prompts, params, use_tqdm=False)
-            times.append(time.perf_counter() - start)
-        best = min(times[1:])
+        best = min(prefill_times(llm, num, length, vocab, 3, length)[1:])
         flops = (2 * num * length * sizes["layer_params"]
                  + 2 * num * cfg.vocab_size * cfg.hidden_size  # the LM head, last token of each
                  + 2 * 2 * num * length * length / 2 * cfg.num_heads * cfg.head_dim * cfg.num_layers)

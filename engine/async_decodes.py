@@ -52,9 +52,8 @@ class AsyncDecodes:
         if previous is not None:
             rows = {id(r): row for row, r in enumerate(previous.decodes)}
             fed = [rows.get(id(r), -1) for r in decodes]
-        draw = None
-        if not all(r.params.is_greedy for r in decodes):
-            draw = partial(self.sampler.draw, requests=decodes)  # before the bookkeeping below: a seeded draw's index
+        # NOTE: draw runs inside launch, before the bookkeeping below: a seeded draw's index is the token's
+        draw = partial(self.sampler.draw, requests=decodes)
         pending = self.graphs.launch(decodes, fed, previous.pending if previous else None, draw)
         indices = []
         for request in decodes:

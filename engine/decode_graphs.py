@@ -213,15 +213,17 @@ class DecodeGraphs:
                previous: PendingTokens | None = None, draw: Draw | None = None) -> PendingTokens:
         """Queue the step of these decodes and return its tokens, pending. fed: for each row, the
         row of `previous` (the launch just before this one) whose token is its input (its own last
-        token is not known yet), or -1 where its input is known; None: every input is known. draw: the rows' tokens from
-        (logits, greedy tokens), queued on the device (Sampler.draw); None: the greedy tokens."""
+        token is not known yet), or -1 where its input is known; None: every input is known.
+        draw: the rows' tokens from (logits, greedy tokens), queued on the device (Sampler.draw);
+        None: the greedy tokens."""
         num = len(decodes)
         size = self._stage(decodes, fed)
         if fed is not None:
-            rows = self._ids[3, :num]
-            taken = previous.device_tokens.index_select(0, rows.clamp(min=0) if min(fed) < 0 else rows)
-            # A row fed -1 (a request that joined since previous) keeps its input token, staged from the host.
-            self._ids[0, :num].copy_(taken if min(fed) >= 0 else torch.where(rows >= 0, taken, self._ids[0, :num]))
+            rows, inputs = self._ids[3, :num], self._ids[0, :num]
+            if min(fed) >= 0:
+                inputs.copy_(previous.device_tokens.index_select(0, rows))
+            else:  # a row fed -1 (a request that joined since previous) keeps its input, staged from the host
+                inputs.copy_(torch.where(rows >= 0, previous.device_tokens.index_select(0, rows.clamp(min=0)), inputs))
         out = self._replay(size)
         tokens = out.tokens[:num] if draw is None else draw(out.logits[:num], out.tokens[:num])
         host = self._host_tokens[self._next_host][:num]

@@ -127,13 +127,18 @@ class LLMEngine:
         self.prefill_rate = PrefillRate()
         logger.info("engine ready: %s, %d blocks of %d tokens", model_cfg.name, num_blocks, self.block_size)
 
+    @staticmethod
+    def _static_steps(config: EngineConfig) -> bool:
+        """Whether steps run on static buffers (decode and mixed graphs): decode_graphs static, or
+        auto on CUDA (captured there)."""
+        mode = config.decode_graphs
+        return mode == "static" or (mode == "auto" and torch.device(config.device).type == "cuda")
+
     def _decode_graphs(self, config: EngineConfig) -> DecodeGraphs | None:
         """The static decode path (engine.decode_graphs) this configuration asks for, captured."""
-        mode = config.decode_graphs
-        on_cuda = torch.device(config.device).type == "cuda"
-        if config.role is Role.PREFILL or mode == "off" or (mode == "auto" and not on_cuda):
+        if config.role is Role.PREFILL or not self._static_steps(config):
             return None
-        capture = mode == "auto"
+        capture = config.decode_graphs == "auto"
         if capture and not self.backend.graph_capturable:
             logger.info("decode graphs: the %s backend's steps cannot be captured; static buffers, run eagerly",
                         self.backend.name)
@@ -150,20 +155,19 @@ class LLMEngine:
     def _mixed_graphs(self, config: EngineConfig) -> MixedGraphs | None:
         """The steps with prompt tokens as graph pieces (engine.mixed_graphs) this configuration asks
         for, captured; None where it asks for none, and for a split model."""
-        mode = config.decode_graphs
-        on_cuda = torch.device(config.device).type == "cuda"
         sizes = mixed_sizes(min(config.mixed_graph_tokens, config.scheduler.max_num_batched_tokens))
-        if not sizes or mode == "off" or (mode == "auto" and not on_cuda):
+        if not sizes or not self._static_steps(config):
             return None
+        capture = config.decode_graphs == "auto"
         if self.ranks is not None:
             logger.info("mixed graphs: none for a split model (its collectives cut its steps); steps with prompt "
                         "tokens run eagerly")
             return None
-        if mode == "auto" and not self.backend.graph_capturable:
+        if capture and not self.backend.graph_capturable:
             logger.info("mixed graphs: the %s backend's steps cannot be captured; steps with prompt tokens run "
                         "eagerly", self.backend.name)
             return None
-        mixed = MixedGraphs(self.model, self.kv_cache, sizes, capture=mode == "auto")
+        mixed = MixedGraphs(self.model, self.kv_cache, sizes, capture=capture)
         try:
             report = mixed.capture()
         except Exception as exc:  # noqa: BLE001 - the node serves without them, eagerly, rather than not at all

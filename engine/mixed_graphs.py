@@ -93,7 +93,6 @@ class MixedGraphs:
             return self.report
         self._stage_padding_only()
         self.report = capture_buckets(self.sizes, self.kv_cache.device, self._forward, self._capture)
-        self._step.meta, self._step.num_tokens = None, 0
         return self.report
 
     def _capture(self, size: int, pool, stream) -> None:
@@ -136,12 +135,7 @@ class MixedGraphs:
         """Every row padding (the warm-up and capture runs): no KV written, nothing attended."""
         self._ids.zero_()
         self._ids[2].fill_(-1)
-        self._step.num_tokens = 0
-        self._step.meta = AttentionMetadata(
-            positions=self._ids[1], slot_mapping=self._ids[2], num_decode_tokens=0,
-            decode_block_tables=self._no_tables, decode_seq_lens=self._no_lens,
-            prefill_block_tables=self._no_tables, prefill_cu_query_lens=self._no_cu,
-            prefill_seq_lens=self._no_lens)
+        self._step.meta, self._step.num_tokens = None, 0
 
     def _forward(self, size: int) -> torch.Tensor:
         ids = self._ids

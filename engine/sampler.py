@@ -52,22 +52,16 @@ class Sampler:
         logits = self._apply_penalties(logits, requests)
         logits = self._apply_bias_and_grammars(logits, requests)
         logits = self._mask_early_stops(logits, requests)
-        token_ids = torch.empty(len(requests), dtype=torch.long, device=logits.device)
-        greedy_idx = [i for i, r in enumerate(requests) if r.params.is_greedy]
-        random_idx = [i for i, r in enumerate(requests) if not r.params.is_greedy]
-        if len(greedy_idx) == len(requests):
-            token_ids = self._argmax(logits)  # no row gather: a copy of the whole logits
-        elif greedy_idx:
-            token_ids[greedy_idx] = self._argmax(logits[greedy_idx])
-        if random_idx:
-            chosen = [requests[i] for i in random_idx]
-            token_ids[random_idx] = self._sample_random(logits[random_idx], chosen)
-        return _with_logprobs(token_ids, raw_logprobs, requests)
+        # NOTE: the argmax of every row where any is greedy (no row gather: a copy of the whole logits)
+        greedy_tokens = self._argmax(logits) if any(r.params.is_greedy for r in requests) else None
+        return _with_logprobs(self.draw(logits, greedy_tokens, requests), raw_logprobs, requests)
 
-    def draw(self, logits: torch.Tensor, greedy_tokens: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        """sample()'s tokens for requests that all sample on the device (samples_on_device), left
-        there (int64 [rows]) with no wait for the device: greedy rows take greedy_tokens (the argmax
-        of their logits), the others a draw made as sample() makes it (a seeded row draws the same)."""
+    def draw(self, logits: torch.Tensor, greedy_tokens: torch.Tensor | None,
+             requests: list[Request]) -> torch.Tensor:
+        """The requests' tokens, left on the logits' device (int64 [rows]) with no wait for it:
+        greedy rows take greedy_tokens (the argmax of their logits; None where no row is greedy),
+        the others a draw from their logits. sample()'s choice once it has edited the logits; an
+        async step's (requests that sample on the device, samples_on_device) as they are."""
         random_rows = [i for i, r in enumerate(requests) if not r.params.is_greedy]
         if not random_rows:
             return greedy_tokens

@@ -109,11 +109,15 @@ def test_kept_connections_carry_curve_and_a_closed_requester_keeps_nothing():
         server.close()
 
 
-def test_an_unreachable_address_fails_as_before():
+def test_an_unreachable_address_fails_a_request_as_before_and_ends_a_started_exchange_at_once():
     requester = Requester()
     try:
         with pytest.raises(HandshakeFailed, match="cannot be reached"):
             requester.request("not an address", Ack(), timeout_s=0.5)
+        exchange = requester.start("not an address", Ack(), timeout_s=5.0)
+        assert exchange.done()
+        with pytest.raises(HandshakeFailed, match="cannot be reached"):
+            exchange.reply()
     finally:
         requester.close()
 
@@ -225,13 +229,3 @@ def test_a_started_exchange_times_out_or_is_cancelled_and_its_late_answer_reache
         requester.close()
         server.close()
 
-
-def test_a_started_exchange_to_an_unreachable_address_ends_at_once():
-    requester = Requester()
-    try:
-        exchange = requester.start("not an address", Ack(), timeout_s=5.0)
-        assert exchange.done()
-        with pytest.raises(HandshakeFailed, match="cannot be reached"):
-            exchange.reply()
-    finally:
-        requester.close()
