@@ -11,6 +11,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, PrivateAttr, field_validator, model_validator
 
 from engine.protocol import StructuredKind, StructuredOutput
+from proxy import limits
 from proxy.errors import ApiError, ChatTemplateError
 from proxy.field_policy import GENERATION, STRICT
 from proxy.schemas import GenerationRequest, Prompt, limit_field, sampling_field
@@ -100,8 +101,8 @@ def _parsed_tool_call(call: dict[str, Any]) -> dict[str, Any]:
     arguments = function.get("arguments")
     if isinstance(arguments, str) and arguments:
         try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError as exc:
+            arguments = limits.loads(arguments)
+        except ValueError as exc:
             raise ValueError(f"tool call {function['name']!r} arguments are not valid JSON: {exc}") from exc
     if not arguments:
         arguments = {}

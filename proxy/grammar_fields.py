@@ -11,6 +11,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, field_validator, model_validator
 
 from engine.protocol import StructuredKind, StructuredOutput
+from proxy import limits
 from proxy.errors import ApiError
 from proxy.field_policy import STRICT
 
@@ -59,7 +60,7 @@ def schema_object(schema: dict[str, Any] | str | None, field: str) -> dict[str, 
     raises ValueError naming field for anything else."""
     if isinstance(schema, str):
         try:
-            schema = json.loads(schema)
+            schema = limits.loads(schema)
         except ValueError:
             raise ValueError(f"{field} must be a JSON schema: an object, or its JSON text") from None
         if not isinstance(schema, dict):

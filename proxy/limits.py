@@ -9,6 +9,8 @@ import math
 import re
 from typing import Any
 
+import numpy as np
+
 from proxy.errors import ApiError
 
 # NOTE: deep enough for any real JSON schema or tool definition (they rarely pass 20); the
@@ -17,26 +19,29 @@ from proxy.errors import ApiError
 MAX_JSON_DEPTH = 64
 # \uD800-\uDFFF escapes: a lone one becomes a lone surrogate, which no tokenizer can encode.
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
-_CONTAINERS = (dict, list)
+# A JSON string, escapes included: its brackets are text, not nesting.
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_NOT_A_BRACKET = bytes(b for b in range(256) if b not in b"[]{}")
 
 
 def parse_json(raw: bytes) -> Any:
     """The body as JSON: strict UTF-8, nested at most MAX_JSON_DEPTH deep, numbers finite (no
     NaN or Infinity, as literals or overflowing), no lone surrogates (escapes \\uD800-\\uDFFF
-    not in a pair). Raises ApiError (400). Costs one pass over the parsed values only for bodies
-    with many brackets or surrogate escapes."""
+    not in a pair). Raises ApiError (400). Costs a pass over the bytes only for bodies with many
+    brackets, and one over the parsed values only for bodies with surrogate escapes."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ApiError(400, f"request body is not valid UTF-8: {exc}") from exc
+    # NOTE: before the parser, not after: the stdlib parser recurses once per level, and one
+    # that reaches the recursion limit runs whatever the garbage collector finalizes then at that
+    # depth too, where a finalizer's first call fails.
+    if too_deep(raw):
+        raise ApiError(400, f"request body is nested more than {MAX_JSON_DEPTH} levels deep")
     try:
         data = json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
-    except RecursionError as exc:  # NOTE: the C parser's own guard, well before the C stack is at risk
-        raise _too_deep() from exc
     except ValueError as exc:  # JSONDecodeError, a refused number, an integer of over 4,300 digits
         raise ApiError(400, f"request body is not valid JSON: {exc}") from exc
-    if text.count("[") + text.count("{") > MAX_JSON_DEPTH:
-        _check_depth(data)
     if _SURROGATE_ESCAPE.search(raw):
         _check_no_lone_surrogates(data)
     return data
@@ -53,21 +58,28 @@ def _finite_float(literal: str) -> float:
     return value
 
 
-def _too_deep() -> ApiError:
-    return ApiError(400, f"request body is nested more than {MAX_JSON_DEPTH} levels deep")
+def loads(text: str) -> Any:
+    """json.loads for JSON text found inside a request or a model's output (tool call arguments,
+    a schema given as text): a ValueError, before any parsing, for text nested more than
+    MAX_JSON_DEPTH deep, as for anything else that is not valid JSON."""
+    if too_deep(text.encode("utf-8", "surrogatepass")):
+        raise ValueError(f"JSON nested more than {MAX_JSON_DEPTH} levels deep")
+    return json.loads(text)
 
 
-def _check_depth(data: Any) -> None:
-    """Raises ApiError (400) if arrays and objects nest deeper than MAX_JSON_DEPTH; level by
-    level, so no recursion."""
-    level = [data] if isinstance(data, _CONTAINERS) else []
-    depth = 0
-    while level:
-        depth += 1
-        if depth > MAX_JSON_DEPTH:
-            raise _too_deep()
-        level = [child for item in level for child in (item.values() if isinstance(item, dict) else item)
-                 if isinstance(child, _CONTAINERS)]
+def too_deep(raw: bytes) -> bool:
+    """Whether arrays and objects in raw nest more than MAX_JSON_DEPTH deep (see _deepest)."""
+    return raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH and _deepest(raw) > MAX_JSON_DEPTH
+
+
+def _deepest(raw: bytes) -> int:
+    """How deep arrays and objects nest in the body, brackets inside strings left out; exact for
+    valid JSON. One pass in C over the bytes, no recursion."""
+    brackets = np.frombuffer(_STRING.sub(b"", raw).translate(None, _NOT_A_BRACKET), dtype=np.uint8)
+    if not brackets.size:
+        return 0
+    # "[" 0x5B and "{" 0x7B have bit 1 set, "]" 0x5D and "}" 0x7D do not: +1 opens, -1 closes.
+    return int(np.cumsum((brackets & 2).astype(np.int64) - 1).max())
 
 
 def _check_no_lone_surrogates(data: Any) -> None:

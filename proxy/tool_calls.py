@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.protocol import TokenLogprob
+from proxy import limits
 
 TOOL_CALL_TAG = "<tool_call>"
 TOOL_CALL_END_TAG = "</tool_call>"
@@ -121,8 +122,8 @@ class ToolPolicy:
 
     def _calls_in_json(self, text: str) -> list[ToolCall] | None:
         try:
-            value = json.loads(text)
-        except json.JSONDecodeError:
+            value = limits.loads(text)
+        except ValueError:
             return None
         items = value if isinstance(value, list) else [value]
         calls = [self._call(item) for item in items]

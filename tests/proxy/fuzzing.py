@@ -184,6 +184,11 @@ def hostile_bodies(model: str) -> list[tuple[str, str, bytes | str, str | None]]
         ("nested 100k deep, unclosed", "/v1/completions", b'{"model": "m", "prompt": ' + b"[" * 100_000),
         ("nested too deep in a schema", "/v1/completions", body(response_format={
             "type": "json_schema", "json_schema": {"name": "n", "schema": deep_schema}})),
+        ("guided_json text nested 100k deep", "/v1/completions", body(guided_json="[" * 100_000)),
+        ("tool call arguments nested 100k deep", "/v1/chat/completions", json.dumps({**chat, "messages": [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {
+                "name": "f", "arguments": '{"a":' * 100_000}}]}]})),
         ("NaN", "/v1/completions", body(temperature=0.5).replace("0.5", "NaN")),
         ("Infinity", "/v1/completions", body(top_p=0.5).replace("0.5", "Infinity")),
         ("-Infinity", "/v1/chat/completions",

@@ -10,8 +10,12 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+import proxy.limits
 from proxy.errors import ApiError
+from proxy.limits import MAX_JSON_DEPTH, parse_json
 from proxy.schemas import MAX_STOP_STRINGS
 from proxy.uploads import SMALL_BODY_BYTES, BodyReader, UploadLimits, UploadPace
 from tests.proxy.conftest import MODEL_NAME
@@ -80,6 +84,38 @@ def test_valid_surrogate_pair_and_shallow_nesting_are_accepted(proxy):
     schema = json.loads("{\"properties\": " * 10 + "{}" + "}" * 10)
     reply = _raw(proxy, _body(response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}))
     assert reply.status_code == 200, reply.text
+
+
+def _depth(value) -> int:
+    children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+    return 1 + max(map(_depth, children), default=0) if isinstance(value, (dict, list)) else 0
+
+
+_JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.text(alphabet='[]{}"\\ab\n'),
+                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text('[]{}"a'), inner, max_size=3),
+                     max_leaves=200)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_JSON)
+def test_nesting_is_measured_on_the_bytes_exactly_brackets_in_strings_left_out(value):
+    assert proxy.limits._deepest(json.dumps(value).encode()) == _depth(value)
+
+
+@pytest.mark.parametrize("raw", [b"[" * 100_000 + b"]" * 100_000, b'{"prompt": ' + b"[" * 100_000,
+                                 b'{"a":' * (MAX_JSON_DEPTH + 1) + b"1" + b"}" * (MAX_JSON_DEPTH + 1)])
+def test_a_body_nested_too_deep_is_refused_before_the_parser_recurses_into_it(monkeypatch, raw):
+    def parser(*args, **kwargs):
+        raise AssertionError("the JSON parser ran on a body nested too deep")
+    monkeypatch.setattr(proxy.limits.json, "loads", parser)
+    with pytest.raises(ApiError, match=f"nested more than {MAX_JSON_DEPTH} levels deep") as refused:
+        parse_json(raw)
+    assert refused.value.status == 400
+
+
+def test_a_body_exactly_at_the_depth_limit_with_brackets_in_strings_parses():
+    value = json.loads('{"a": ' * (MAX_JSON_DEPTH - 1) + '["[[[{{{\\"]]"]' + "}" * (MAX_JSON_DEPTH - 1))
+    assert parse_json(json.dumps(value).encode()) == value
 
 
 def test_body_over_the_limit_gets_413_by_content_length_without_being_read(start_proxy):

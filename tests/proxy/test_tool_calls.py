@@ -59,6 +59,8 @@ def test_valid_calls_are_parsed_plain_listed_or_tagged(text, want):
     f"<tool_call>{CALL}</tool_call> and then some text",
     "<tool_call>not json</tool_call>",
     f"[note] <tool_call>{CALL}</tool_call>",  # starts like JSON: read as JSON only
+    "[" * 100_000 + "]" * 100_000,  # a model's output nested past the parser's recursion limit
+    "<tool_call>" + '{"a":' * 100_000,
 ])
 def test_anything_but_valid_calls_is_content(text):
     assert calls_of(text) is None
