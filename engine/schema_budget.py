@@ -26,6 +26,9 @@ MAX_LENGTH_BOUND = 10_000
 # NOTE: 64 overlapping repetitions (a*a*..., (a|b)*(a|b)*...) took about 1 s to compile on a 49k
 # vocab, 32 about 0.2 s; everyday patterns have a handful.
 MAX_OPEN_REPEATS = 32
+# Groups inside groups: everyday patterns nest a few deep; the scan below and the grammar library
+# recurse once per level.
+MAX_GROUP_DEPTH = 64
 _LENGTH_KEYWORDS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
 
 
@@ -78,6 +81,8 @@ def check_pattern(pattern: str, where: str) -> int:
     is refused on its own (see the module)."""
     scan = _Scan(pattern)
     cost, _, is_nested = scan.alternatives()
+    if scan.is_too_deep:
+        raise SchemaTooCostly(f"{where} {pattern[:60]!r} nests groups more than {MAX_GROUP_DEPTH} deep")
     if scan.num_open_repeats > MAX_OPEN_REPEATS:
         raise SchemaTooCostly(f"{where} {pattern[:60]!r} has {scan.num_open_repeats} repetitions of open count "
                               f"(*, +, ?, {{n,}}); a grammar allows at most {MAX_OPEN_REPEATS}")
@@ -93,7 +98,8 @@ def check_pattern(pattern: str, where: str) -> int:
 def pattern_cost(pattern: str) -> tuple[int, bool]:
     """(atoms spelled out with bounded repetitions expanded, whether an unbounded repetition
     applies to something already unbounded). A pattern the scan cannot follow (unbalanced
-    parentheses) costs what it scanned: the grammar library refuses it on its own."""
+    parentheses) costs what it scanned: the grammar library refuses it on its own, as it does
+    groups nested more than MAX_GROUP_DEPTH deep, past which the scan does not go."""
     parser = _Scan(pattern)
     cost, _, nested = parser.alternatives()
     return cost, nested
@@ -109,6 +115,8 @@ class _Scan:
         self.text = text
         self.i = 0
         self.num_open_repeats = 0  # quantifiers *, +, ? and {n,} met so far
+        self.depth = 0  # groups open around the scan
+        self.is_too_deep = False  # a group nested past MAX_GROUP_DEPTH: the scan stopped there
 
     def alternatives(self) -> tuple[int, bool, bool]:
         """Branches up to a closing parenthesis or the end: loose when any branch is."""
@@ -139,13 +147,18 @@ class _Scan:
         text, i = self.text, self.i
         char = text[i]
         if char == "(":
+            if self.depth == MAX_GROUP_DEPTH:
+                self.is_too_deep, self.i = True, len(text)
+                return 0, False, False
             self.i = i + 1
             if text.startswith("?", self.i):  # (?:...), (?=...), (?<name>...): skip the group's flags
                 end = self.i + 1
                 while end < len(text) and text[end] not in ":=!>" and text[end] != ")":
                     end += 1
                 self.i = min(end + 1, len(text))
+            self.depth += 1
             result = self.alternatives()
+            self.depth -= 1
             if self.i < len(text) and text[self.i] == ")":
                 self.i += 1
             return result

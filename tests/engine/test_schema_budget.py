@@ -8,6 +8,7 @@ import pytest
 
 from engine.protocol import StructuredKind, StructuredOutput
 from engine.schema_budget import (
+    MAX_GROUP_DEPTH,
     MAX_LENGTH_BOUND,
     MAX_OPEN_REPEATS,
     MAX_PATTERN_COST,
@@ -46,6 +47,15 @@ def test_the_patterns_of_one_schema_are_budgeted_together():
     with pytest.raises(SchemaTooCostly, match=f"together spell out {(count + 1) * MAX_PATTERN_COST} characters"):
         check_schema({"type": "object", "properties": {f"p{i}": {"type": "string", "pattern": pattern}
                                                        for i in range(count + 1)}})
+
+
+@pytest.mark.parametrize("group", ["(", "(?:"])
+def test_groups_nested_past_the_limit_are_refused_without_recursing_into_them(group):
+    """Deeper than Python's recursion limit, closed or not: a 400, not a RecursionError (a 500)."""
+    assert check_pattern(group * MAX_GROUP_DEPTH + "a" + ")" * MAX_GROUP_DEPTH, "the regex") == 1
+    for pattern in (group * (MAX_GROUP_DEPTH + 1) + "a" + ")" * (MAX_GROUP_DEPTH + 1), group * 100_000):
+        with pytest.raises(SchemaTooCostly, match=f"nests groups more than {MAX_GROUP_DEPTH} deep"):
+            check_pattern(pattern, "the regex")
 
 
 @pytest.mark.parametrize("pattern", EVERYDAY)

@@ -185,6 +185,10 @@ def hostile_bodies(model: str) -> list[tuple[str, str, bytes | str, str | None]]
         ("nested too deep in a schema", "/v1/completions", body(response_format={
             "type": "json_schema", "json_schema": {"name": "n", "schema": deep_schema}})),
         ("guided_json text nested 100k deep", "/v1/completions", body(guided_json="[" * 100_000)),
+        ("guided_regex groups nested 5,000 deep", "/v1/completions", body(guided_regex="(" * 5000 + "a" + ")" * 5000)),
+        ("schema pattern groups nested 100k deep, unclosed", "/v1/chat/completions", json.dumps({
+            **chat, "response_format": {"type": "json_schema", "json_schema": {
+                "name": "n", "schema": {"type": "string", "pattern": "(" * 100_000}}}})),
         ("tool call arguments nested 100k deep", "/v1/chat/completions", json.dumps({**chat, "messages": [
             {"role": "user", "content": "hi"},
             {"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {
