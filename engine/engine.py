@@ -305,7 +305,9 @@ class LLMEngine:
 
     def wait_for_kv_writes(self) -> None:
         """Return once the KV writes of every step run so far are in memory (a GPU's run after the
-        step returned), so another process may read those blocks. A no-op on the CPU."""
+        step returned), so another process may read those blocks. A no-op on the CPU. A split
+        model's workers included: every step ends with a collective after its last KV write, even
+        one that samples nothing (engine.tp_group.TPGroup._meet), which rank 0's device waits for."""
         if self.config.device.startswith("cuda"):
             torch.cuda.synchronize(self.config.device)
 

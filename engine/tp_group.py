@@ -76,6 +76,9 @@ class TPGroup:
         return self._all_reduce(x, op)
 
     def _all_reduce(self, x: torch.Tensor, op: dist.ReduceOp) -> torch.Tensor:
+        if not x.numel():
+            self._meet(x.device)
+            return x
         if self.channel is not None and op == dist.ReduceOp.SUM and self.channel.fits(x):
             return self._through_channel(self.channel.all_reduce, x)
         options = dist.AllreduceOptions()
@@ -121,6 +124,9 @@ class TPGroup:
         return self._gather_vocab(padded)
 
     def _gather_vocab(self, padded: torch.Tensor) -> torch.Tensor | None:
+        if not padded.numel():  # a step that samples nothing (a prompt's chunk before its last)
+            self._meet(padded.device)
+            return padded.new_empty((0, self.vocab_size)) if self.rank == 0 else None
         if self.channel is not None and self.channel.fits(padded):
             gathered = self._through_channel(self.channel.gather, padded)
             return None if gathered is None else gathered[:, : self.vocab_size]
@@ -140,6 +146,14 @@ class TPGroup:
         self._wait(self.group.gather([parts], [padded], options))
         # NOTE: only the last rank's slice is short (tp_shard), so the padding all lies past vocab_size.
         return torch.cat(parts, dim=1)[:, : self.vocab_size]
+
+    def _meet(self, device: torch.device) -> None:
+        """A collective of nothing, as every rank's rows are none: one element summed instead.
+        NOTE: a collective orders each rank's earlier kernels before rank 0 goes on, which
+        engine.wait_for_kv_writes relies on (a worker's KV writes done once rank 0's device
+        synchronized). NCCL skips an empty collective, and gloo's host copy of an empty GPU tensor
+        waits for nothing, so an empty one would order nothing."""
+        self._all_reduce(torch.zeros(1, device=device), dist.ReduceOp.SUM)
 
     def _through_channel(self, collective, x: torch.Tensor):
         try:

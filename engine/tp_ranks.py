@@ -20,7 +20,7 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Client, Connection, Listener, wait
 from pathlib import Path
@@ -86,15 +86,21 @@ def rank_device(device: str, rank: int) -> str:
     return f"cuda:{(kind.index or 0) + (0 if ranks_share_gpu() else rank)}"
 
 
-def build_rank(config: EngineConfig, backend: Backend, group: TPGroup | None, allocate: bool = True) -> RankModel:
-    """Load this rank's shard (the whole model without a group), agree on the block count with the
-    other ranks (the smallest any rank's memory allows) and allocate the cache (unless not
-    allocate: then kv_cache is None, for the caller to set; see shares_caches)."""
+def build_rank(config: EngineConfig, backend: Backend, group: TPGroup | None, allocate: bool = True,
+               loaded: Callable[[], None] | None = None) -> RankModel:
+    """Load this rank's shard (the whole model without a group), call loaded(), agree on the block
+    count with the other ranks (the smallest any rank's memory allows) and allocate the cache
+    (unless not allocate: then kv_cache is None, for the caller to set; see shares_caches).
+    NOTE: loaded is where the ranks meet before their first collective: NCCL sets its communicator
+    up there and waits for every rank without a timeout, so a worker that failed to load must be
+    known before (rank 0: TPRanks._await("loaded"); a worker: it reports "loaded")."""
     shard = group.shard if group is not None else tp_shard(config.model, 0, 1)
     weights = load_weights(config.model, backend, decode_batches=config.role is not Role.PREFILL, shard=shard)
     local = local_model_config(config.model, shard)
     # NOTE: after the weights: a GPU's budget is what is left of the engine's share of it.
     num_blocks = num_cache_blocks(local, config.cache, config.device, shard.size)
+    if loaded is not None:
+        loaded()
     if group is not None:
         num_blocks = group.min_int(num_blocks)
     model = CausalLM(local, weights, backend, group)
@@ -151,7 +157,7 @@ class TPRanks:
             channel = _channel(channel_file, 0, size, tp_shm.SLOT_BYTES, alive)
             group = TPGroup(tp_shard(config.model, 0, size), config.model.vocab_size,
                             make_process_group(store, 0, size, config.device), channel)
-            built = build_rank(config, backend, group)
+            built = build_rank(config, backend, group, loaded=lambda: ranks._await("loaded"))
             if shares_caches(config):
                 ranks._await("sized")
                 ranks._give_worker_caches(config, built.num_blocks)
@@ -533,7 +539,8 @@ def _worker_main(address: str, rank: int) -> None:
         group = TPGroup(tp_shard(config.model, rank, size), config.model.vocab_size,
                         make_process_group(store, rank, size, config.device), channel)
         shared = shares_caches(config)
-        built = build_rank(config, select_backend(config.device, config.kernel_backend), group, allocate=not shared)
+        built = build_rank(config, select_backend(config.device, config.kernel_backend), group, allocate=not shared,
+                           loaded=lambda: pipe.send(("loaded", None)))
         if shared:
             pipe.send(("sized", built.num_blocks))
             handle = _cache_handle(pipe)

@@ -146,6 +146,67 @@ def test_sums_too_big_for_the_shared_memory_slots_go_over_gloo_and_agree(tiny_mo
     assert calls["channel"] > 0 and calls["gloo"] > 0, calls
 
 
+class _CountedGroup:
+    """A one-rank gloo group that counts the collectives it runs and the elements they carry."""
+
+    def __init__(self) -> None:
+        import datetime
+
+        import torch.distributed as dist
+
+        self.group = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, datetime.timedelta(seconds=10))
+        self.calls: list[tuple[str, int]] = []
+
+    def allreduce(self, tensors, options):
+        self.calls.append(("allreduce", tensors[0].numel()))
+        return self.group.allreduce(tensors, options)
+
+    def gather(self, outputs, inputs, options):
+        self.calls.append(("gather", inputs[0].numel()))
+        return self.group.gather(outputs, inputs, options)
+
+
+def test_collectives_of_nothing_still_meet(tiny_model_dir):
+    """A step that samples nothing (a prompt's chunk before its last) runs its last layer's sums and
+    the vocabulary gather on no rows; each still runs a collective (of one element), since NCCL
+    skips an empty one and nothing would then order a worker's last KV writes before rank 0's
+    synchronize (LLMEngine.wait_for_kv_writes)."""
+    from engine.tp_group import TPGroup
+
+    model = ModelConfig.from_pretrained(tiny_model_dir)
+    counted = _CountedGroup()
+    group = TPGroup(tp_shard(model, 0, 1), model.vocab_size, counted)
+    empty = torch.empty(0, model.hidden_size)
+    assert group.all_reduce(empty) is empty
+    logits = group.gather_vocab(torch.empty(0, model.vocab_size))
+    assert logits.shape == (0, model.vocab_size)
+    assert counted.calls == [("allreduce", 1), ("allreduce", 1)]
+    assert torch.equal(group.gather_vocab(torch.ones(2, model.vocab_size)), torch.ones(2, model.vocab_size))
+    assert counted.calls[-1] == ("gather", 2 * model.vocab_size)
+
+
+def test_a_rank_says_it_loaded_before_its_first_collective(tiny_model_dir):
+    """NCCL sets its communicator up at the first collective (the block count's minimum) and waits
+    there for every rank without a timeout: rank 0 must learn of a worker that failed to load
+    before it, so each rank reports (or, rank 0, waits for) "loaded" first."""
+    from engine.tp_ranks import build_rank
+    from kernels.select import select_backend
+
+    model = ModelConfig.from_pretrained(tiny_model_dir)
+    events = []
+
+    class Group:
+        shard = tp_shard(model, 0, 1)
+
+        def min_int(self, value):
+            events.append("min_int")
+            return value
+
+    config = EngineConfig(model=model, cache=CacheConfig(block_size=16, num_blocks=8))
+    built = build_rank(config, select_backend("cpu", "reference"), Group(), loaded=lambda: events.append("loaded"))
+    assert events == ["loaded", "min_int"] and built.num_blocks == 8
+
+
 def test_seeded_sampling_and_logprobs_are_those_of_one_rank(tiny_model_dir):
     prompts = make_prompts(ModelConfig.from_pretrained(tiny_model_dir).vocab_size, seed=3)[:8]
     params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, top_p=0.9, seed=100 + i, logprobs=2,
