@@ -125,9 +125,9 @@ for step in $steps; do
 done
 grep -hE "passed|failed" "$out"/engine_tests.log "$out"/tp_tests.log "$out"/kernel_tests.log 2>/dev/null | tail -4 >>"$summary"
 grep -v '^RESULT' "$out/gpu_engine.log" 2>/dev/null | grep -E "decode batch|prefill [0-9]|offline|transformers generate|graphs|\
-profile batch|by kind|prompt alone|weights kept|x    1 rows|x  256 rows|skipped" >>"$summary"
+profile batch|by kind|prompt alone|weights kept|enforce-eager|x    1 rows|x  256 rows|skipped|failed|stopped" >>"$summary"
 grep -v '^RESULT' "$out/kv_transfer_gpu.log" 2>/dev/null | grep -E "GB/s|failed|timed out" >>"$summary"
-grep -v '^RESULT' "$out/gpu_served.log" 2>/dev/null | grep -E "tok/s|colocated|failed|skipped|greedy" >>"$summary"
-grep -v '^RESULT' "$out/kv_streaming.log" 2>/dev/null | grep -E "^\| [0-9]|streamed / whole" >>"$summary"
+grep -v '^RESULT' "$out/gpu_served.log" 2>/dev/null | grep -E "tok/s|colocated|failed|skipped|greedy|stopped" >>"$summary"
+grep -v '^RESULT' "$out/kv_streaming.log" 2>/dev/null | grep -E "^\| [0-9]|streamed / whole|stopped|Error" >>"$summary"
 save
 cat "$summary"

@@ -48,6 +48,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks.results_io import write_result  # noqa: E402
+from benchmarks.stopping import Stopped, stop_on_sigterm  # noqa: E402
 from engine.llm import LLM  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from pdserve.make_model import make_model  # noqa: E402
@@ -381,8 +382,10 @@ def run_layouts(llm: LLM, hw: dict) -> list[dict]:
     """Each projection of the model (QKV, O, gate/up, down, LM head) at a decode batch of 1, 16, 64
     and 256 rows and a 2,048-token prefill, in the two forms a weight can take for torch's matmul:
     x @ W^T with W^T stored contiguous (the backend's form) and F.linear(x, W) with W as the
-    checkpoint has it. Timed as 20 back-to-back calls captured in a CUDA graph (no launch gaps):
-    microseconds and the weight's bytes over that time against the copy bandwidth."""
+    checkpoint has it. Timed as back-to-back calls captured in a CUDA graph (no launch gaps), each on
+    the next of enough copies of the weight that none is still in the L2 cache when its turn comes
+    again (as in a decode step, which reads each layer's weight once): microseconds and the weight's
+    bytes over that time against the copy bandwidth."""
     cfg = llm.engine.config.model
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     shapes = {"qkv": (q + 2 * kv, cfg.hidden_size), "o": (cfg.hidden_size, q),
@@ -391,12 +394,13 @@ def run_layouts(llm: LLM, hw: dict) -> list[dict]:
     rows = []
     for name, (out_features, in_features) in shapes.items():
         weight = torch.randn(out_features, in_features, dtype=torch.bfloat16, device=DEVICE) * 0.02
-        weight_t = weight.t().contiguous()
+        nbytes = weight.numel() * weight.element_size()
+        weights = [weight] + [weight.clone() for _ in range(_copies_past_l2(nbytes) - 1)]
+        weights_t = [w.t().contiguous() for w in weights]
         for m in S.layout_rows:
             x = torch.randn(m, in_features, dtype=torch.bfloat16, device=DEVICE)
-            times = {"wt": _timed_calls(partial(torch.matmul, x, weight_t)),
-                     "w": _timed_calls(partial(torch.nn.functional.linear, x, weight))}
-            nbytes = weight.numel() * weight.element_size()
+            times = {"wt": _timed_calls([partial(torch.matmul, x, w) for w in weights_t]),
+                     "w": _timed_calls([partial(torch.nn.functional.linear, x, w) for w in weights])}
             row = {"proj": name, "rows": m, "us_wt": 1e6 * times["wt"], "us_w": 1e6 * times["w"],
                    "of_copy_bw_wt": nbytes / times["wt"] / (hw["copy_bandwidth_gbs"] * 1e9),
                    "of_copy_bw_w": nbytes / times["w"] / (hw["copy_bandwidth_gbs"] * 1e9)}
@@ -404,23 +408,35 @@ def run_layouts(llm: LLM, hw: dict) -> list[dict]:
             print(f"  layout {name:>7} x {m:>4} rows: W^T {row['us_wt']:8.1f} us "
                   f"({100 * row['of_copy_bw_wt']:3.0f}% bw), W {row['us_w']:8.1f} us "
                   f"({100 * row['of_copy_bw_w']:3.0f}% bw)", flush=True)
+        del weights, weights_t, weight
     return rows
 
 
-def _timed_calls(fn, calls: int = 20) -> float:
-    """Seconds a call of fn: `calls` back to back in a CUDA graph, replayed (the CPU: a plain loop)."""
+def _copies_past_l2(nbytes: int) -> int:
+    """How many copies of an nbytes weight, read in turn, leave none in the L2 cache when its turn
+    comes again: the copies after it fill twice the cache (1 on the CPU, where the loop is plain)."""
     if DEVICE == "cpu":
-        return _timed(fn, calls)
+        return 1
+    l2_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
+    return 1 if nbytes >= 2 * l2_bytes else 1 + -(-2 * l2_bytes // nbytes)
+
+
+def _timed_calls(fns: list, calls: int = 20) -> float:
+    """Seconds a call: at least `calls` back to back, fns in turn, in a CUDA graph, replayed (the
+    CPU: a plain loop of the first)."""
+    if DEVICE == "cpu":
+        return _timed(fns[0], calls)
+    calls = max(calls, len(fns))
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        for _ in range(3):
+        for fn in fns[:3]:
             fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
+        for i in range(calls):
+            fns[i % len(fns)]()
     return _timed(graph.replay, 5) / calls
 
 
@@ -452,19 +468,32 @@ def free() -> None:
         torch.cuda.empty_cache()
 
 
-def bench_preset(preset: str, args, clock: Clock, hw: dict) -> dict:
+def _phase(result: dict, key: str, run) -> None:
+    """result[key] = run(); a phase that fails (out of memory included) costs that phase only:
+    result[key + "_error"] says why, and what it held is given back."""
+    try:
+        result[key] = run()
+        return
+    except Exception as exc:  # noqa: BLE001 - the other phases and the record go on
+        print(f"  {key} failed: {exc!r}", flush=True)
+        result[f"{key}_error"] = repr(exc)[:300]
+    free()  # NOTE: once the exception (its frames, their tensors) is gone
+
+
+def bench_preset(preset: str, args, clock: Clock, hw: dict, result: dict) -> None:
+    """preset's phases, each into result as it ends (what ended stays there if a later one fails
+    or SIGTERM comes)."""
     phases = set(args.phases.split(","))
     big = preset == "llama-8b"
-    result: dict = {"preset": preset}
     model_dir = Path(args.model) if args.model else Path(args.models_dir) / f"{preset}-bf16"
     if not (model_dir / "config.json").exists():
         if not clock.allows(f"{preset} (making the model)", 120 if big else 30):
-            return result
+            return
         start = time.perf_counter()
         make_model(model_dir, preset, seed=0, show_progress=True, dtype="bfloat16", device=DEVICE)
         result["make_model_s"] = time.perf_counter() - start
     if not clock.allows(f"{preset} (loading)", 90 if big else 40):
-        return result
+        return
     llm, result["load_s"] = load(model_dir, args)
     report = llm.engine.runner.graphs.report
     result["graphs"] = {"sizes": list(report.sizes), "capture_s": report.seconds,
@@ -481,42 +510,48 @@ def bench_preset(preset: str, args, clock: Clock, hw: dict) -> dict:
     sizes = model_bytes(llm, model_dir)
     result.update(sizes)
     if "decode" in phases and clock.allows("decode", 40):
-        result["decode"] = run_decode(llm, sizes, hw, vocab, S.decode_batches)
+        _phase(result, "decode", partial(run_decode, llm, sizes, hw, vocab, S.decode_batches))
     if "prefill" in phases and clock.allows("prefill", 30):
-        result["prefill"] = run_prefill(llm, sizes, hw, vocab)
-        result["short_prefill"] = run_short_prefills(llm, vocab)
+        _phase(result, "prefill", partial(run_prefill, llm, sizes, hw, vocab))
+        _phase(result, "short_prefill", partial(run_short_prefills, llm, vocab))
     if "profile" in phases and clock.allows("profile", 20):
-        try:
-            result["profile"] = run_profile(llm, vocab)
-        except Exception as exc:  # noqa: BLE001 - a profiler failure costs this phase only
-            print(f"  profile failed: {exc!r}", flush=True)
-            result["profile_error"] = repr(exc)[:300]
+        _phase(result, "profile", partial(run_profile, llm, vocab))
     if "layouts" in phases and clock.allows("layouts", 10):
-        result["layouts"] = run_layouts(llm, hw)
+        _phase(result, "layouts", partial(run_layouts, llm, hw))
     if "offline" in phases and clock.allows("offline", 40 if big else 25):
-        result["offline"] = run_offline(llm, vocab)
+        _phase(result, "offline", partial(run_offline, llm, vocab))
     if "offline" in phases and clock.allows("offline, sampled", 40 if big else 25):
-        result["offline_sampled"] = run_offline(llm, vocab, temperature=1.0)
-    del llm
+        _phase(result, "offline_sampled", partial(run_offline, llm, vocab, temperature=1.0))
+    del llm, mixed  # NOTE: mixed holds the model and the KV cache too
     free()
     if "decode_w" in phases and DEVICE != "cpu" and clock.allows("decode, weights as stored", 60 if big else 30):
-        llm, _ = load(model_dir, args, weights_as_stored=True)
-        print(f"{preset}, weights kept as stored (W, F.linear's form):", flush=True)
-        result["decode_w"] = run_decode(llm, sizes, hw, vocab, S.decode_batches)
-        del llm
-        free()
+        _phase(result, "decode_w", partial(_decode_of_another_load, model_dir, args, sizes, hw, vocab,
+                                           f"{preset}, weights kept as stored (W, F.linear's form):",
+                                           weights_as_stored=True))
     if "eager" in phases and clock.allows("eager decode", 60 if big else 30):
-        llm, _ = load(model_dir, args, enforce_eager=True)
-        print(f"{preset}, --enforce-eager:", flush=True)
-        result["decode_eager"] = run_decode(llm, sizes, hw, vocab, S.eager_batches)
-        if "prefill" in phases:
-            result["short_prefill_eager"] = run_short_prefills(llm, vocab)
+        _phase(result, "decode_eager", partial(_decode_of_another_load, model_dir, args, sizes, hw, vocab,
+                                               f"{preset}, --enforce-eager:", enforce_eager=True,
+                                               short_prefill_into=result if "prefill" in phases else None))
+    if "hf" in phases and clock.allows("transformers", 60 if big else 30):
+        _phase(result, "hf", partial(run_hf, model_dir, vocab))
+        free()
+
+
+def _decode_of_another_load(model_dir: Path, args, sizes: dict, hw: dict, vocab: int, heading: str,
+                            short_prefill_into: dict | None = None, **load_options) -> dict:
+    """The decode phase on the model loaded again with load_options (and the short prompts, into
+    short_prefill_into["short_prefill_eager"], where given); the engine is given back after."""
+    llm, _ = load(model_dir, args, **load_options)
+    try:
+        print(heading, flush=True)
+        decode = run_decode(llm, sizes, hw, vocab, S.eager_batches if load_options.get("enforce_eager")
+                            else S.decode_batches)
+        if short_prefill_into is not None:
+            short_prefill_into["short_prefill_eager"] = run_short_prefills(llm, vocab)
+        return decode
+    finally:
         del llm
         free()
-    if "hf" in phases and clock.allows("transformers", 60 if big else 30):
-        result["hf"] = run_hf(model_dir, vocab)
-        free()
-    return result
 
 
 def main() -> int:
@@ -526,6 +561,7 @@ def main() -> int:
     if DEVICE != "cpu" and not torch.cuda.is_available():
         print("gpu_engine: no CUDA GPU here (--device cpu --smoke checks the script)", file=sys.stderr)
         return 2
+    stop_on_sigterm()
     clock = Clock(args.budget_s)
     hw = measure_hardware()
     print(f"{hw['gpu']}: copy {hw['copy_bandwidth_gbs']:,.0f} GB/s, bf16 matmul {hw['bf16_matmul_tflops']:.0f} TFLOP/s",
@@ -536,13 +572,19 @@ def main() -> int:
     versions = {"torch": torch.__version__, "triton": triton.__version__, "transformers": transformers.__version__}
     payload = {"hardware": hw, "smoke": args.smoke, "versions": versions,
                "presets": []}
-    for preset in args.presets.split(","):
-        try:
-            payload["presets"].append(bench_preset(preset, args, clock, hw))
-        except torch.cuda.OutOfMemoryError as exc:
-            print(f"{preset}: out of GPU memory ({exc}); going on", flush=True)
-            payload["presets"].append({"preset": preset, "error": f"out of memory: {exc}"[:300]})
+    try:
+        for preset in args.presets.split(","):
+            result = {"preset": preset}
+            payload["presets"].append(result)
+            try:
+                bench_preset(preset, args, clock, hw, result)
+            except Exception as exc:  # noqa: BLE001 - making or loading the model: the next preset goes on
+                print(f"{preset}: failed ({exc!r}); going on", flush=True)
+                result["error"] = repr(exc)[:300]
             free()
+    except Stopped as exc:  # the step's timeout: the phases that ended are written
+        print(f"{exc}: writing what ended", flush=True)
+        payload["stopped"] = str(exc)
     payload["seconds"] = time.monotonic() - clock.start
     write_result("gpu_engine", payload)
     return 0 if all("decode" in p for p in payload["presets"][:1]) else 1

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import collections
 import math
-import signal
 import sys
 import time
 from pathlib import Path
@@ -41,6 +40,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.cpu_time import own_cpu_s, process_cpu_s  # noqa: E402
 from benchmarks.results_io import write_result  # noqa: E402
+from benchmarks.stopping import Stopped, stop_on_sigterm  # noqa: E402
 from pdserve.bench import BenchConfig, DatasetConfig, EndpointConfig, LoadConfig, run_benchmark  # noqa: E402
 from pdserve.gpus import gpu_plan, visible_gpus  # noqa: E402
 from pdserve.launcher import start_local, wait_healthy  # noqa: E402
@@ -247,19 +247,10 @@ def _line(name: str, r: dict) -> str:
     return line
 
 
-class Stopped(BaseException):  # noqa: N818 - not an error: no `except Exception` on the way may take it
-    """SIGTERM (the step's timeout): the running setup's servers are stopped, the results so far written."""
-
-
-def _stop(signum, _frame) -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: the cleanup that follows is not cut short
-    raise Stopped(f"stopped by signal {signum}")
-
-
 def main() -> int:
     args = parse_args()
     started = time.monotonic()
-    signal.signal(signal.SIGTERM, _stop)
+    stop_on_sigterm()
     results: dict = {}
     phase = {"now": "model"}
     try:

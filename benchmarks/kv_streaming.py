@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import signal
 import statistics
 import sys
 import time
@@ -37,6 +36,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.results_io import write_result  # noqa: E402
 from benchmarks.results_served import plot_kv_streaming  # noqa: E402
+from benchmarks.stopping import stop_on_sigterm  # noqa: E402
 from pdserve.default_model import ensure_model  # noqa: E402
 from pdserve.gpus import gpu_plan, visible_gpus  # noqa: E402
 from pdserve.launcher import start_local, wait_healthy  # noqa: E402
@@ -81,17 +81,8 @@ def node_counter(health_url: str, name: str) -> float:
                line.startswith(name + " "))
 
 
-class Stopped(BaseException):  # noqa: N818 - not an error: no `except Exception` on the way may take it
-    """SIGTERM (a step's timeout in benchmarks/gpu_checks.sh): the servers are stopped on the way out."""
-
-
-def _stop(signum, _frame) -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: the cleanup that follows is not cut short
-    raise Stopped(f"stopped by signal {signum}")
-
-
 def main() -> None:
-    signal.signal(signal.SIGTERM, _stop)
+    stop_on_sigterm()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model-preset", default="smollm2", help="the checkpoint, made into .cache/models/ if "
                         "missing (default: SmolLM2-135M, the default model; 8,192 tokens)")

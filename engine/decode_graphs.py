@@ -105,6 +105,9 @@ def capture_buckets(sizes: tuple[int, ...], device: torch.device, run: Callable[
     allocated before its capture), then capture(size, pool, stream) on one memory pool and one side
     stream for all; the time it took and the device memory it kept."""
     torch.cuda.synchronize(device)
+    # NOTE: capturing empties the allocator's cache (torch.cuda.graph), which would count what it
+    # held before (the load's temporaries) as freed by the graphs: emptied first, it is not.
+    torch.cuda.empty_cache()
     free_before = torch.cuda.mem_get_info(device)[0]
     started = time.perf_counter()
     pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(device)

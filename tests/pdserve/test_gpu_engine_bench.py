@@ -74,3 +74,38 @@ def test_profiled_kernels_are_sorted_by_kind():
              "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<c10::BFloat16, ArgMaxOps>>": "sampling",
              "void something_else": "other"}
     assert {name: kernel_category(name) for name in kinds} == kinds
+
+
+_FAILING_RUN = """
+import os, signal, sys
+sys.argv = sys.argv[:1] + sys.argv[2:]
+import benchmarks.gpu_engine as bench
+
+def prefill_fails(*args, **kwargs):
+    raise RuntimeError("a stand-in failure")
+
+def offline_stopped(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGTERM)  # the step's timeout, as gpu_checks.sh's timeout sends it
+
+bench.run_prefill = prefill_fails
+bench.run_offline = offline_stopped
+raise SystemExit(bench.main())
+"""
+
+
+def test_a_failed_phase_costs_itself_only_and_sigterm_writes_what_ended(tiny_model_dir, tmp_path):
+    """prefill raises: its error is recorded and the phases after it run; SIGTERM comes in the
+    offline phase: the record of what ended is written all the same."""
+    env = {**os.environ, "PDSERVE_RESULTS_DIR": str(tmp_path)}
+    proc = subprocess.run(
+        [sys.executable, "-c", _FAILING_RUN, "-", "--smoke", "--device", "cpu", "--model", str(tiny_model_dir),
+         "--presets", "tiny", "--kv-cache-gb", "0.1", "--phases", "decode,prefill,layouts,offline,eager"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert "prefill failed: RuntimeError('a stand-in failure')" in proc.stdout, proc.stdout[-3000:] + proc.stderr
+    [record_file] = tmp_path.glob("gpu_engine-*.json")
+    result = json.loads(record_file.read_text())["result"]
+    assert result["stopped"] == "stopped by signal 15"
+    [preset] = result["presets"]
+    assert "a stand-in failure" in preset["prefill_error"] and "prefill" not in preset
+    assert preset["decode"] and preset["short_prefill"] and preset["layouts"]  # before the failure and after it
+    assert "offline" not in preset and "decode_eager" not in preset  # the signal ended the run there
