@@ -105,6 +105,13 @@ def pattern_cost(pattern: str) -> tuple[int, bool]:
     return cost, nested
 
 
+def _count(digits: str) -> int:
+    """A repetition count; one of more than 9 digits is read as 10**9, past any budget (int() of
+    over 4,300 digits raises ValueError)."""
+    digits = digits.strip()
+    return int(digits) if len(digits) <= 9 else 10**9
+
+
 class _Scan:
     """A left-to-right scan of a regex. Each part gives (cost, is_loose, nested): is_loose when
     every element of it repeats without bound (so an unbounded repetition of it is ambiguous, as
@@ -196,8 +203,8 @@ class _Scan:
             inside = text[i + 1 : end] if end > 0 else ""
             low, _, high = inside.partition(",")
             if low.strip().isdigit() and (not high.strip() or high.strip().isdigit()):
-                low_n = int(low)
-                high_n = int(high) if high.strip() else (None if "," in inside else low_n)
+                low_n = _count(low)
+                high_n = _count(high) if high.strip() else (None if "," in inside else low_n)
                 bounds, self.i = (low_n, high_n), end + 1
         if bounds is None:
             return 1, 1
