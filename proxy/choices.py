@@ -123,7 +123,7 @@ class ChoiceState:
         Call once per token, in order: it advances text_offset."""
         if not self.wants_logprobs:
             return None
-        texts = [self.tokenizer.token_text(t.token_id) for t in tokens]
+        texts = [self._label(t.token_id) for t in tokens]
         offsets = []
         for token in tokens:
             offsets.append(self.text_offset)
@@ -132,7 +132,7 @@ class ChoiceState:
         return {
             "tokens": texts,
             "token_logprobs": [t.logprob for t in tokens],
-            "top_logprobs": [{self.tokenizer.token_text(i): lp for i, lp in t.top} for t in tokens],
+            "top_logprobs": [{self._label(i): lp for i, lp in t.top} for t in tokens],
             "text_offset": offsets,
         }
 
@@ -146,9 +146,9 @@ class ChoiceState:
             offsets.append(offset)
             offset += len(decoder.decode(self.tokenizer.token_bytes(entry.token_id)))
         return {
-            "tokens": [self.tokenizer.token_text(t.token_id) for t in entries],
+            "tokens": [self._label(t.token_id) for t in entries],
             "token_logprobs": [t.logprob for t in entries],
-            "top_logprobs": [None if t.logprob is None else {self.tokenizer.token_text(i): lp for i, lp in t.top}
+            "top_logprobs": [None if t.logprob is None else {self._label(i): lp for i, lp in t.top}
                              for t in entries],
             "text_offset": offsets,
         }
@@ -165,5 +165,12 @@ class ChoiceState:
         return entry
 
     def _chat_top(self, token_id: int, logprob: float | None) -> dict:
+        if self.text_options.tokens_as_ids:  # as vLLM: the bytes are the name's
+            label = self._label(token_id)
+            return {"token": label, "logprob": logprob, "bytes": list(label.encode())}
         return {"token": self.tokenizer.token_text(token_id), "logprob": logprob,
                 "bytes": list(self.tokenizer.token_bytes(token_id))}
+
+    def _label(self, token_id: int) -> str:
+        """A token as logprobs name it: its text, or "token_id:N" (return_tokens_as_token_ids)."""
+        return f"token_id:{token_id}" if self.text_options.tokens_as_ids else self.tokenizer.token_text(token_id)

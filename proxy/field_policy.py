@@ -46,7 +46,6 @@ REFUSED_FIELDS: dict[str, tuple[tuple[object, ...], str]] = {
     "bad_words": ((None, []), "banning words is not supported"),
     "logits_processors": ((None, []), "custom logits processors are not supported"),
     "prompt_logprobs": ((None,), "not supported: use echo with logprobs (completions)"),
-    "return_tokens_as_token_ids": ((None, False), "logprobs' tokens as token ids are not supported"),
     "return_token_ids": ((None, False), "returning token ids is not supported"),
     "cache_salt": ((None,), "a salted prefix cache is not supported: every request shares it"),
     "prompt_embeds": ((None,), "prompt embeddings are not supported: send text or token ids"),

@@ -106,11 +106,13 @@ class GenerationRequest(BaseModel):
     # string at the end of the text, and the grammar the output must follow (guided_json: a JSON
     # schema, as response_format json_schema; guided_regex: a regex the whole text matches;
     # guided_choice: the text is exactly one of these; guided_grammar: an EBNF grammar (GBNF,
-    # rule "root"); structured_outputs: see StructuredOutputsSpec). spaces_between_special_tokens
+    # rule "root"); structured_outputs: see StructuredOutputsSpec); return_tokens_as_token_ids:
+    # logprobs name each token "token_id:N" instead of its text. spaces_between_special_tokens
     # is accepted and changes nothing: vLLM applies it only to slow tokenizers, and every
     # tokenizer here is a fast one. vLLM's fields not honoured are refused by proxy.field_policy.
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    return_tokens_as_token_ids: bool = False
     spaces_between_special_tokens: bool = True
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = Field(default=None, min_length=1)
@@ -193,7 +195,8 @@ class GenerationRequest(BaseModel):
     @property
     def text_options(self) -> TextOptions:
         """How the choices' token ids become their text."""
-        return TextOptions(self.stop_strings, self.skip_special_tokens, self.include_stop_str_in_output)
+        return TextOptions(self.stop_strings, self.skip_special_tokens, self.include_stop_str_in_output,
+                           self.return_tokens_as_token_ids)
 
     @property
     def num_prompt_logprobs(self) -> int | None:

@@ -233,6 +233,7 @@ class TextOptions:
     stops: list[str]
     skip_special_tokens: bool = True  # special tokens (EOS, chat markers, ...) left out of the text
     include_stop_str_in_output: bool = False  # the text ends with the stop string that ended it
+    tokens_as_ids: bool = False  # logprobs name each token "token_id:N" (vLLM's return_tokens_as_token_ids)
 
 
 class IncrementalDetokenizer:

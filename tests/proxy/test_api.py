@@ -181,6 +181,32 @@ def test_chat_logprobs_with_top_logprobs(proxy):
     assert plain.choices[0].logprobs is None
 
 
+def test_return_tokens_as_token_ids_names_every_token_by_its_id(start_proxy, tokenizer):
+    """vLLM's return_tokens_as_token_ids: logprobs' tokens (chosen, alternatives, the echoed
+    prompt's) are "token_id:N", so tokens without text stay apart; the text and its offsets as
+    without it; in chat, bytes are the name's."""
+    script = tokenizer.encode("caf\u00e9 \U0001f680 ok").ids
+    proxy = start_proxy(node={"script": script})
+    prompt_ids = tokenizer.encode("hello world").ids
+    ask = dict(model=MODEL_NAME, prompt=prompt_ids, max_tokens=len(script), logprobs=2, echo=True)
+    named = proxy.client().completions.create(**ask, extra_body={"return_tokens_as_token_ids": True}).choices[0]
+    plain = proxy.client().completions.create(**ask).choices[0]
+    assert named.logprobs.tokens == [f"token_id:{i}" for i in prompt_ids + script]
+    assert all(key.startswith("token_id:") for top in named.logprobs.top_logprobs[1:] for key in top)
+    assert named.text == plain.text and named.logprobs.text_offset == plain.logprobs.text_offset
+    assert named.logprobs.tokens != plain.logprobs.tokens
+    streamed = [c.choices[0].logprobs for c in proxy.client().completions.create(
+        **{**ask, "echo": False}, stream=True, extra_body={"return_tokens_as_token_ids": True}) if c.choices]
+    assert [t for lp in streamed if lp for t in lp.tokens] == [f"token_id:{i}" for i in script]
+    chat = proxy.client().chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=len(script), logprobs=True,
+        top_logprobs=2, extra_body={"return_tokens_as_token_ids": True}).choices[0]
+    content = chat.logprobs.content
+    assert [entry.token for entry in content] == [f"token_id:{i}" for i in script]
+    assert all(entry.bytes == list(entry.token.encode()) for entry in content)
+    assert all(alt.token.startswith("token_id:") for entry in content for alt in entry.top_logprobs)
+
+
 def test_multibyte_characters_split_across_tokens_stream_whole(start_proxy, tokenizer):
     text = "caf\u00e9 \U0001f680 \u4f60\u597d"
     script = tokenizer.encode(text).ids

@@ -134,7 +134,6 @@ def test_strict_fields_is_a_proxy_flag(model_dir):
     (_CHAT, "bad_words", ["hello"]),
     ("/v1/completions", "logits_processors", ["my.Processor"]),
     ("/v1/completions", "prompt_logprobs", 1),
-    (_CHAT, "return_tokens_as_token_ids", True),
     ("/v1/completions", "return_token_ids", True),
     (_CHAT, "cache_salt", "s3cret"),
     ("/v1/completions", "prompt_embeds", "AAAA"),
