@@ -81,11 +81,14 @@ def num_requests(args: argparse.Namespace, prompt_len: int) -> int:
 
 def load(base_url: str, model: str, num: int, prompt_len: int, output_len: int, seed: int,
          rate: float = math.inf) -> dict:
-    """pdserve bench's summary of num prompts (drawn from seed) at rate, sampled at temperature 1.
-    NOTE: not greedy: a random-weight model's greedy output often repeats a token with no text (a
-    special token), and a token without text sends no chunk: TTFT and TPOT would time other tokens."""
+    """pdserve bench's summary of num prompts (drawn from seed) at rate, sampled at temperature 1
+    (drawn tokens: served steps as users' sampled requests run them), each token's logprob asked for.
+    NOTE: the logprob makes every token send a chunk: a random-weight model's output is mostly
+    tokens without text (llama-1b's tokenizer covers 2,048 of its 49,152 ids, and its logits are
+    peaked enough that temperature 1 draws nearly greedily), which send none without it, and TTFT
+    and TPOT would time other tokens."""
     vocab = 2000  # random token ids every tokenizer of ours decodes
-    config = BenchConfig(EndpointConfig(base_url=base_url, model=model, temperature=1.0),
+    config = BenchConfig(EndpointConfig(base_url=base_url, model=model, temperature=1.0, logprobs=0),
                          DatasetConfig(num_requests=num, input_len=prompt_len, output_len=output_len,
                                        vocab_high=vocab, seed=seed),
                          LoadConfig(request_rate=rate, seed=seed, show_progress=False))
@@ -94,18 +97,20 @@ def load(base_url: str, model: str, num: int, prompt_len: int, output_len: int, 
     return {**result.summary, "errors": dict(errors.most_common(3))}
 
 
-def greedy_texts(base_url: str, model: str, num: int = 16) -> list[list[str]]:
-    """Each of num prompts' 16 greedy tokens, as their texts (logprobs' tokens: a random-weight
-    model's output is often tokens without text, which the answer's text would not show)."""
-    texts = []
+def greedy_tokens(base_url: str, model: str, num: int = 16) -> list[list[str]]:
+    """Each of num prompts' 16 greedy tokens, as "token_id:N" (logprobs' tokens named by their ids,
+    return_tokens_as_token_ids: a random-weight model's output is mostly tokens without text, which
+    neither the answer's text nor the tokens' texts tell apart)."""
+    tokens = []
     for i in range(num):
         prompt = [(37 * i + 11 * j) % 1900 + 50 for j in range(8 + 3 * i)]
         response = httpx.post(base_url + "/v1/completions", timeout=120, json={
-            "model": model, "prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True, "logprobs": 0})
+            "model": model, "prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True, "logprobs": 0,
+            "return_tokens_as_token_ids": True})
         if response.status_code != 200:
             raise RuntimeError(f"greedy request {i}: {response.status_code} {response.text[:300]}")
-        texts.append(response.json()["choices"][0]["logprobs"]["tokens"])
-    return texts
+        tokens.append(response.json()["choices"][0]["logprobs"]["tokens"])
+    return tokens
 
 
 # The decode node's counters a run reads the change of: its pulls, its steps and their decode batches.
@@ -138,14 +143,14 @@ def run_setup(name: str, args: argparse.Namespace, started: float, rates: dict[i
     gpus = gpu_plan(num_prefill, 1, visible=visible_gpus() if args.device != "cpu" else [])
     proxy_args = ["--local-prefill-min-wait-s", "-1"] if num_prefill else []
     log_dir = Path(args.log_dir) / name.replace("+", "")
-    out.update(gpus=gpus, texts=None, runs=[])
+    out.update(gpus=gpus, tokens=None, runs=[])
     deployment = start_local(model, num_prefill=num_prefill, num_decode=1, node_args=node_args(args),
                              proxy_args=proxy_args, log_dir=log_dir, gpus=gpus)
     try:
         wait_healthy(deployment, max(30.0, args.budget_s - (time.monotonic() - started)))
         base, served = deployment.base_url, model.name
         load(base, served, 8, args.prompt_lens[0], 4, seed=1)  # warm-up: first-request costs out of the figures
-        out["texts"] = greedy_texts(base, served)
+        out["tokens"] = greedy_tokens(base, served)
         runs = out["runs"]
         for length_idx, prompt_len in enumerate(args.prompt_lens):
             for phase in ("inf", "poisson"):
@@ -264,8 +269,8 @@ def main() -> int:
     for c in payload["comparisons"]:
         print(_comparison_line(c), flush=True)
     ok = {k: v for k, v in results.items() if v.get("runs") and "error" not in v}
-    if all(results.get(name, {}).get("texts") for name in SETUPS):
-        payload["greedy_equal"] = results["1P+1D"]["texts"] == results["colocated"]["texts"]
+    if all(results.get(name, {}).get("tokens") for name in SETUPS):
+        payload["greedy_equal"] = results["1P+1D"]["tokens"] == results["colocated"]["tokens"]
         print(f"greedy outputs equal: {payload['greedy_equal']}", flush=True)
     write_result("gpu_served", payload)
     return 0 if len(ok) == 2 else 1

@@ -151,6 +151,9 @@ def _endpoint_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--stream", action=argparse.BooleanOptionalAction, default=default_of(d, "is_stream"),
                        help="stream the answers (without: TTFT = E2E, TPOT 0, no ITL)")
     group.add_argument("--temperature", type=float, default=default_of(d, "temperature"))
+    group.add_argument("--logprobs", type=int, default=default_of(d, "logprobs"), metavar="N",
+                       help="ask for N log probabilities a token: each token then comes in a chunk of its own, "
+                            "even one without text")
     group.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
     group.add_argument("--timeout-s", type=float, default=default_of(d, "timeout_s"), help="per request")
 
@@ -209,7 +212,8 @@ def _output_arguments(group: argparse._ArgumentGroup) -> None:
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     """The BenchConfig of parsed arguments; raises ValueError naming a bad value."""
     endpoint = EndpointConfig(base_url=args.base_url.rstrip("/"), model=args.model, endpoint=args.endpoint,
-                              is_stream=args.stream, temperature=args.temperature, api_key=args.api_key,
+                              is_stream=args.stream, temperature=args.temperature, logprobs=args.logprobs,
+                              api_key=args.api_key,
                               timeout_s=args.timeout_s)
     dataset = DatasetConfig(
         name=args.dataset, path=args.dataset_path, num_requests=args.num_requests, input_len=args.input_len,

@@ -68,9 +68,13 @@ def request_body(config: EndpointConfig, model: str, session: Session, turn_idx:
     if config.endpoint == "chat":
         body["messages"] = _chat_messages(session, turn_idx, answers)
         body["max_completion_tokens"] = turn.max_tokens
+        if config.logprobs is not None:
+            body["logprobs"], body["top_logprobs"] = True, config.logprobs
     else:
         body["prompt"] = _completion_prompt(session, turn_idx, answers)
         body["max_tokens"] = turn.max_tokens
+        if config.logprobs is not None:
+            body["logprobs"] = config.logprobs
     if config.is_stream:
         body["stream_options"] = {"include_usage": True}
     if is_ignore_eos:

@@ -20,6 +20,10 @@ class EndpointConfig:
     endpoint: str = "completions"  # completions: /v1/completions; chat: /v1/chat/completions
     is_stream: bool = True
     temperature: float = 0.0
+    # Log probabilities asked for each token (completions "logprobs", chat "top_logprobs"); None:
+    # none. Every token then arrives in a chunk of its own, even one without text (a random-weight
+    # model's special tokens), which otherwise sends none and shifts TTFT and ITL to later tokens.
+    logprobs: int | None = None
     api_key: str | None = None
     timeout_s: float = 600.0  # per request
 
@@ -28,6 +32,8 @@ class EndpointConfig:
             raise ValueError(f"endpoint must be one of {ENDPOINTS}, got {self.endpoint!r}")
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
 
 
 @dataclass(frozen=True)

@@ -64,8 +64,9 @@ def test_both_setups_serve_each_length_at_rate_inf_then_poisson_and_every_prompt
     assert [(c["prompt_len"], c["rate_rps"] is None) for c in result["comparisons"]] == [
         (32, True), (32, False), (64, True), (64, False)]
     assert all(c["pd_over_colocated"] > 0 for c in result["comparisons"])
-    assert result["greedy_equal"] is True and len(colocated["texts"]) == 16
-    assert all(len(tokens) == 16 for tokens in colocated["texts"])  # every token, with or without text
+    assert result["greedy_equal"] is True and len(colocated["tokens"]) == 16
+    assert all(len(tokens) == 16 and all(t.startswith("token_id:") for t in tokens)  # named by id, text or not
+               for tokens in colocated["tokens"])
 
 
 def test_sigterm_stops_the_servers_and_writes_what_it_has(tiny_model_dir, tmp_path):

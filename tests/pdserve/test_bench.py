@@ -4,6 +4,7 @@ whose own /metrics it must agree with."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import math
@@ -18,7 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, RedirectResponse, StreamingResponse
 
 from pdserve import bench_client, cli
-from pdserve.bench import prepare_datasets, run_benchmark
+from pdserve.bench import add_arguments, config_from_args, prepare_datasets, run_benchmark
 from pdserve.bench_client import RequestRecord
 from pdserve.bench_config import BenchConfig, DatasetConfig, EndpointConfig, LoadConfig, SloConfig
 from pdserve.bench_datasets import build_dataset, make_prompts
@@ -359,6 +360,22 @@ def test_jsonl_prompts_and_max_tokens_are_sent_as_written(fake_server, tmp_path)
     with pytest.raises(ValueError, match="token-id prompts need --endpoint completions"):
         run_benchmark(replace(_config(url, name="jsonl", path=str(path)), endpoint=EndpointConfig(
             base_url=url, model=MODEL, endpoint="chat")))
+
+
+@pytest.mark.parametrize(("endpoint", "asked"), [("completions", {"logprobs": 2}),
+                                                  ("chat", {"logprobs": True, "top_logprobs": 2})])
+def test_logprobs_are_asked_for_as_each_endpoint_names_them(fake_server, endpoint, asked):
+    """--logprobs N: every token then comes in a chunk of its own, even one without text."""
+    fake, url = fake_server(ttft_s=0.005, gap_s=0.002)
+    config = _config(url, endpoint, num_requests=2, output_len=4)
+    run_benchmark(replace(config, endpoint=replace(config.endpoint, logprobs=2)))
+    run_benchmark(config)
+    assert [{k: b[k] for k in ("logprobs", "top_logprobs") if k in b} for b in fake.bodies] == [asked] * 2 + [{}] * 2
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert config_from_args(parser.parse_args(["--logprobs", "0"])).endpoint.logprobs == 0
+    with pytest.raises(ValueError, match="logprobs must be >= 0"):
+        EndpointConfig(logprobs=-1)
 
 
 @pytest.mark.parametrize("has_tokenize, source", [(True, "/tokenize"), (False, "characters / 4")])

@@ -37,7 +37,7 @@ def fakes(monkeypatch, tmp_path):
     monkeypatch.setattr(gpu_served, "start_local", lambda *a, **k: _Deployment())
     monkeypatch.setattr(gpu_served, "wait_healthy", lambda *a: None)
     monkeypatch.setattr(gpu_served, "load", lambda *a, **k: {})
-    monkeypatch.setattr(gpu_served, "greedy_texts", lambda *a: [["a", "b"]])
+    monkeypatch.setattr(gpu_served, "greedy_tokens", lambda *a: [["token_id:1", "token_id:2"]])
     monkeypatch.setattr(gpu_served, "write_result", lambda name, payload: written.update(payload))
     return written, monkeypatch
 
