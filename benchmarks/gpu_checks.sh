@@ -7,9 +7,10 @@
 # benchmark's llama-1b), the KV pull streamed chunk by chunk against whole (benchmarks/kv_streaming.py,
 # same model, two nodes on the GPU), the kernel tests, then the Triton kernels' benchmark. STEPS picks
 # among engine, gpu_engine, kv, served, stream, tp, kernels and bench (default: engine kv gpu_engine
-# served stream tp, each with a short limit, so that a run on a GPU meets every area once; their
-# limits add up past TOTAL_S, their usual times do not). GPU_ENGINE_PRESETS (default llama-1b) are the
-# engine benchmark's models: llama-8b (making it takes ~2 minutes) fits a run of that step alone.
+# served tp stream, each with a short limit, so that a run on a GPU meets every area once; their
+# limits add up past TOTAL_S, their usual times do not; stream, last, needs about 60 s).
+# GPU_ENGINE_PRESETS (default llama-1b) are the engine benchmark's models: llama-8b (making it takes
+# ~2 minutes) fits a run of that step alone.
 # TOTAL_S (default 540) bounds the whole: each step's timeout is cut to what is left, and a step with
 # under 20 s left is skipped. PDSERVE_COMMIT names the commit in the results where the copy has no .git. Logs go to a scratch folder; OUT_DIR (default benchmarks/out/gpu) gets summary.txt as it
 # grows, and after each step results/*.json and all the logs as gpu_checks.tgz (a device call brings
@@ -20,7 +21,7 @@
 set -u
 dest=${1:-benchmarks/out/gpu}
 shift || true
-steps=${*:-engine kv gpu_engine served stream tp}
+steps=${*:-engine kv gpu_engine served tp stream}
 total=${TOTAL_S:-540}
 out=$(mktemp -d "${TMPDIR:-/tmp}/gpu_checks.XXXXXX")
 mkdir -p "$out/results" "$dest/results"
@@ -88,7 +89,7 @@ for step in $steps; do
                 rc=$?; tail -30 "$out/engine_tests.log" ;;
         # llama-1b took 33 s on an H200 with the phases of c0e8b24; profile, layouts, weights as stored
         # and the short prompts add about as much again.
-        gpu_engine) left=$(limit 130)
+        gpu_engine) left=$(limit 120)
                     run_for "$left" python3 benchmarks/gpu_engine.py --presets "${GPU_ENGINE_PRESETS:-llama-1b}" \
                         --budget-s $((left - 10)) \
                         2>&1 | tee "$out/gpu_engine.log" | grep -v '^RESULT'
@@ -101,12 +102,12 @@ for step in $steps; do
         # captured as graphs between its collectives, and split prefill and decode nodes served end
         # to end (their ranks sharing the one GPU: PDSERVE_TP_SHARE_GPU). One file per worker: the
         # end-to-end file's nodes are one module fixture.
-        tp) run_for "$(limit 150)" python3 -m pytest tests/kv_transfer/test_tensor_parallel_reads.py \
+        tp) run_for "$(limit 120)" python3 -m pytest tests/kv_transfer/test_tensor_parallel_reads.py \
                 tests/engine/test_tensor_parallel.py tests/e2e/test_tensor_parallel_disagg.py -k cuda -n 3 \
-                --dist loadfile "${pytest_args[@]}" --timeout=120 >"$out/tp_tests.log" 2>&1
+                --dist loadfile "${pytest_args[@]}" --timeout=100 >"$out/tp_tests.log" 2>&1
             rc=$?; tail -15 "$out/tp_tests.log" ;;
         # Prompts of 512 and 4,096 tokens, each at rate inf then Poisson near colocated's capacity.
-        served) left=$(limit 130)
+        served) left=$(limit 120)
                 run_for "$left" python3 benchmarks/gpu_served.py --prompt-lens 512 4096 --budget-s $((left - 5)) \
                     --log-dir "$out/served_logs" \
                     2>&1 | tee "$out/gpu_served.log" | grep -v '^RESULT'

@@ -546,8 +546,8 @@ def _decode_of_another_load(model_dir: Path, args, sizes: dict, hw: dict, vocab:
         print(heading, flush=True)
         decode = run_decode(llm, sizes, hw, vocab, S.eager_batches if load_options.get("enforce_eager")
                             else S.decode_batches)
-        if short_prefill_into is not None:
-            short_prefill_into["short_prefill_eager"] = run_short_prefills(llm, vocab)
+        if short_prefill_into is not None:  # its own phase: a failure there keeps the decode figures
+            _phase(short_prefill_into, "short_prefill_eager", partial(run_short_prefills, llm, vocab))
         return decode
     finally:
         del llm

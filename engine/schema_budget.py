@@ -202,7 +202,8 @@ class _Scan:
             end = text.find("}", i)
             inside = text[i + 1 : end] if end > 0 else ""
             low, _, high = inside.partition(",")
-            if low.strip().isdigit() and (not high.strip() or high.strip().isdigit()):
+            # NOTE: isdecimal, not isdigit: int() refuses digits such as "²", which isdigit takes
+            if low.strip().isdecimal() and (not high.strip() or high.strip().isdecimal()):
                 low_n = _count(low)
                 high_n = _count(high) if high.strip() else (None if "," in inside else low_n)
                 bounds, self.i = (low_n, high_n), end + 1

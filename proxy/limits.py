@@ -19,8 +19,10 @@ from proxy.errors import ApiError
 MAX_JSON_DEPTH = 64
 # \uD800-\uDFFF escapes: a lone one becomes a lone surrogate, which no tokenizer can encode.
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
-# A JSON string, escapes included: its brackets are text, not nesting.
-_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+# A JSON string, escapes included: its brackets are text, not nesting. NOTE: the closing quote is
+# optional, so a string that never closes takes the rest of the body in one match (the parser
+# nests no deeper past it); required, each later quote would scan to the end again (quadratic).
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"?', re.DOTALL)
 _NOT_A_BRACKET = bytes(b for b in range(256) if b not in b"[]{}")
 
 
@@ -79,7 +81,7 @@ def _deepest(raw: bytes) -> int:
     if not brackets.size:
         return 0
     # "[" 0x5B and "{" 0x7B have bit 1 set, "]" 0x5D and "}" 0x7D do not: +1 opens, -1 closes.
-    return int(np.cumsum((brackets & 2).astype(np.int64) - 1).max())
+    return int(np.cumsum((brackets & 2).astype(np.int8) - 1, dtype=np.int32).max())
 
 
 def _check_no_lone_surrogates(data: Any) -> None:

@@ -112,7 +112,7 @@ class GenerationRequest(BaseModel):
     # tokenizer here is a fast one. vLLM's fields not honoured are refused by proxy.field_policy.
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    return_tokens_as_token_ids: bool = False
+    return_tokens_as_token_ids: bool | None = None  # vLLM's default is null
     spaces_between_special_tokens: bool = True
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = Field(default=None, min_length=1)
@@ -196,7 +196,7 @@ class GenerationRequest(BaseModel):
     def text_options(self) -> TextOptions:
         """How the choices' token ids become their text."""
         return TextOptions(self.stop_strings, self.skip_special_tokens, self.include_stop_str_in_output,
-                           self.return_tokens_as_token_ids)
+                           bool(self.return_tokens_as_token_ids))
 
     @property
     def num_prompt_logprobs(self) -> int | None:

@@ -20,7 +20,8 @@ from engine.schema_budget import (
 )
 
 HOSTILE = ["(a|b){10007}", "^(a+)+$", "a{100000}", "[a-z]{1,200000}", "(a|b){5000}", "(a*b*)*", "(x{40}){60}",
-           "a{" + "9" * 5000 + "}", "a{1," + "9" * 5000 + "}"]  # counts past int()'s 4,300 digits
+           "a{" + "9" * 5000 + "}", "a{1," + "9" * 5000 + "}",  # counts past int()'s 4,300 digits
+           "a{²}+a+" * 40]  # "²" is no count: a literal brace, and too many open repetitions
 EVERYDAY = [r"^\d{4}-\d{2}-\d{2}$", r"^[A-Za-z0-9._%+-]+@[A-Za-z0-9.-]+\.[A-Za-z]{2,}$", r"([a-z]+\.)+[a-z]+",
             r"\d+(\.\d+)?", r"^(?:\+1)?[0-9]{10}$", "^[A-Z]{2}[0-9]{2}[A-Z0-9]{11,30}$", r"[\]\[(){}]+"]
 
@@ -48,6 +49,12 @@ def test_the_patterns_of_one_schema_are_budgeted_together():
     with pytest.raises(SchemaTooCostly, match=f"together spell out {(count + 1) * MAX_PATTERN_COST} characters"):
         check_schema({"type": "object", "properties": {f"p{i}": {"type": "string", "pattern": pattern}
                                                        for i in range(count + 1)}})
+
+
+def test_a_count_in_other_digits_is_no_count():
+    """'²' is a digit to str.isdigit but not to int(): a{²} is the literal text, not a repetition
+    (a ValueError out of the proxy's validation was a 500)."""
+    assert check_pattern("a{\u00b2}", "the regex") == 4 and check_pattern("a{1,\u00b2}", "the regex") == 6
 
 
 @pytest.mark.parametrize("group", ["(", "(?:"])

@@ -185,6 +185,8 @@ def hostile_bodies(model: str) -> list[tuple[str, str, bytes | str, str | None]]
         ("nested too deep in a schema", "/v1/completions", body(response_format={
             "type": "json_schema", "json_schema": {"name": "n", "schema": deep_schema}})),
         ("guided_json text nested 100k deep", "/v1/completions", body(guided_json="[" * 100_000)),
+        ("brackets then a string that never closes, of 120k escaped quotes", "/v1/completions",
+         b"[" * 70 + b'"' + b'\\"' * 120_000),
         ("guided_regex groups nested 5,000 deep", "/v1/completions", body(guided_regex="(" * 5000 + "a" + ")" * 5000)),
         ("regex repetition count of 5,000 digits", "/v1/completions", body(guided_regex="a{" + "9" * 5000 + "}")),
         ("schema pattern repetition bounds of 5,000 digits", "/v1/completions", body(response_format={

@@ -157,7 +157,7 @@ def test_vllm_defaults_that_ask_for_nothing_are_accepted_without_a_word(proxy, c
     caplog.set_level(logging.WARNING, logger="proxy.field_policy")
     defaults = {"use_beam_search": False, "truncate_prompt_tokens": None, "allowed_token_ids": None,
                 "bad_words": [], "logits_processors": None, "prompt_logprobs": None,
-                "return_tokens_as_token_ids": False, "cache_salt": None, "guided_regex": None,
+                "return_tokens_as_token_ids": None, "cache_salt": None, "guided_regex": None,
                 "guided_choice": None, "guided_grammar": None, "structural_tag": None, "best_of": 1}
     response = _post(proxy, "/v1/completions", {"prompt": "hi", "max_tokens": 1, **defaults})
     assert response.status_code == 200 and IGNORED_FIELDS_HEADER not in response.headers, response.text
