@@ -495,17 +495,13 @@ def bench_preset(preset: str, args, clock: Clock, hw: dict, result: dict) -> Non
     if not clock.allows(f"{preset} (loading)", 90 if big else 40):
         return
     llm, result["load_s"] = load(model_dir, args)
-    report = llm.engine.runner.graphs.report
-    result["graphs"] = {"sizes": list(report.sizes), "capture_s": report.seconds,
-                        "memory_mib": report.memory_bytes / 2**20}
-    mixed = llm.engine.runner.mixed
-    if mixed is not None:
-        result["mixed_graphs"] = {"sizes": list(mixed.report.sizes), "capture_s": mixed.report.seconds,
-                                  "memory_mib": mixed.report.memory_bytes / 2**20}
-        print(f"{preset}: mixed graphs for steps of up to {mixed.max_size} tokens captured in "
-              f"{mixed.report.seconds:.1f} s, {mixed.report.memory_bytes / 2**20:.0f} MiB", flush=True)
-    print(f"{preset}: loaded in {result['load_s']:.1f} s; {len(report.sizes)} decode graphs captured in "
-          f"{report.seconds:.1f} s, {report.memory_bytes / 2**20:.0f} MiB", flush=True)
+    graphs = result["graphs"] = _capture_record(llm.engine.runner.graphs.report)
+    if llm.engine.runner.mixed is not None:
+        mixed = result["mixed_graphs"] = _capture_record(llm.engine.runner.mixed.report)
+        print(f"{preset}: mixed graphs for steps of up to {mixed['sizes'][-1]} tokens captured in "
+              f"{mixed['capture_s']:.1f} s, {mixed['memory_mib']:.0f} MiB", flush=True)
+    print(f"{preset}: loaded in {result['load_s']:.1f} s; {len(graphs['sizes'])} decode graphs captured in "
+          f"{graphs['capture_s']:.1f} s, {graphs['memory_mib']:.0f} MiB", flush=True)
     vocab = llm.engine.config.model.vocab_size
     sizes = model_bytes(llm, model_dir)
     result.update(sizes)
@@ -522,30 +518,34 @@ def bench_preset(preset: str, args, clock: Clock, hw: dict, result: dict) -> Non
         _phase(result, "offline", partial(run_offline, llm, vocab))
     if "offline" in phases and clock.allows("offline, sampled", 40 if big else 25):
         _phase(result, "offline_sampled", partial(run_offline, llm, vocab, temperature=1.0))
-    del llm, mixed  # NOTE: mixed holds the model and the KV cache too
+    del llm
     free()
     if "decode_w" in phases and DEVICE != "cpu" and clock.allows("decode, weights as stored", 60 if big else 30):
         _phase(result, "decode_w", partial(_decode_of_another_load, model_dir, args, sizes, hw, vocab,
                                            f"{preset}, weights kept as stored (W, F.linear's form):",
-                                           weights_as_stored=True))
+                                           S.decode_batches, weights_as_stored=True))
     if "eager" in phases and clock.allows("eager decode", 60 if big else 30):
         _phase(result, "decode_eager", partial(_decode_of_another_load, model_dir, args, sizes, hw, vocab,
-                                               f"{preset}, --enforce-eager:", enforce_eager=True,
+                                               f"{preset}, --enforce-eager:", S.eager_batches, enforce_eager=True,
                                                short_prefill_into=result if "prefill" in phases else None))
     if "hf" in phases and clock.allows("transformers", 60 if big else 30):
         _phase(result, "hf", partial(run_hf, model_dir, vocab))
         free()
 
 
+def _capture_record(report) -> dict:
+    """A CaptureReport (decode or mixed graphs) as the record holds it."""
+    return {"sizes": list(report.sizes), "capture_s": report.seconds, "memory_mib": report.memory_bytes / 2**20}
+
+
 def _decode_of_another_load(model_dir: Path, args, sizes: dict, hw: dict, vocab: int, heading: str,
-                            short_prefill_into: dict | None = None, **load_options) -> dict:
-    """The decode phase on the model loaded again with load_options (and the short prompts, into
-    short_prefill_into["short_prefill_eager"], where given); the engine is given back after."""
+                            batches, short_prefill_into: dict | None = None, **load_options) -> dict:
+    """The decode phase (at batches) on the model loaded again with load_options (and the short
+    prompts, into short_prefill_into["short_prefill_eager"], where given); the engine is given back after."""
     llm, _ = load(model_dir, args, **load_options)
     try:
         print(heading, flush=True)
-        decode = run_decode(llm, sizes, hw, vocab, S.eager_batches if load_options.get("enforce_eager")
-                            else S.decode_batches)
+        decode = run_decode(llm, sizes, hw, vocab, batches)
         if short_prefill_into is not None:  # its own phase: a failure there keeps the decode figures
             _phase(short_prefill_into, "short_prefill_eager", partial(run_short_prefills, llm, vocab))
         return decode

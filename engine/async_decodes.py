@@ -80,12 +80,11 @@ class AsyncDecodes:
             # the graphs' or the step's token budget (schedule() would decode only the first ones; those
             # left out of the step in flight are "joined" here)
             return None
-        for request in joined:
-            if request.num_computed_tokens != request.num_tokens - 1:
-                return None
-        for request in (*live, *joined):
+        if any(r.num_computed_tokens != r.num_tokens - 1 for r in joined):
+            return None
+        decodes = [*live, *joined]
+        for request in decodes:
             if (request.num_output_tokens >= request.params.max_tokens or request.num_tokens >= request.max_total_tokens
                     or not samples_on_device(request)):
                 return None
-        decodes = [*live, *joined]
         return decodes if all(scheduler.reserve_next_token(r) for r in decodes) else None

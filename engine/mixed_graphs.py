@@ -20,13 +20,12 @@ parallelism) has no mixed graphs: its collectives cut its steps already (engine.
 
 from __future__ import annotations
 
-import bisect
 import logging
 from functools import partial
 
 import torch
 
-from engine.decode_graphs import CaptureReport, capture_buckets
+from engine.decode_graphs import CaptureReport, bucket_for, capture_buckets
 from engine.model import AttentionMetadata, CausalLM
 from engine.piecewise import Pieces, capture_pieces
 
@@ -61,11 +60,6 @@ class MixedGraphs:
         self._staging = [torch.zeros(3, rows, dtype=torch.long, pin_memory=pin) for _ in range(2)]
         self._staged = [torch.cuda.Event() if pin else None for _ in range(2)]
         self._next_staging = 0
-        # The queries of the layer at hand and its attention output, for every layer and bucket.
-        cfg = model.config
-        shape = (rows, cfg.num_heads, cfg.head_dim)
-        self._query = torch.zeros(shape, dtype=cfg.dtype, device=device)
-        self._attended = torch.zeros(shape, dtype=cfg.dtype, device=device)
         self._no_tables = torch.zeros(0, 1, dtype=torch.int32, device=device)
         self._no_cu = torch.zeros(1, dtype=torch.int32, device=device)
         self._no_lens = torch.zeros(0, dtype=torch.int32, device=device)
@@ -73,7 +67,7 @@ class MixedGraphs:
         self._outputs: dict[int, torch.Tensor] = {}
         # The step being run, as the captured attentions read it (not this object: a closure of
         # _pieces holding it would keep the engine's model and cache alive until a cycle collection)
-        self._step = _Step(model, self._query, self._attended)
+        self._step = _Step(model, rows, device)
         # Set while a bucket is captured (engine.piecewise): cut(run, is_last) ends the graph so far.
         self.cut = None
         self.report = CaptureReport(self.sizes, 0.0, 0)
@@ -98,23 +92,21 @@ class MixedGraphs:
     def _capture(self, size: int, pool, stream) -> None:
         self._pieces[size], self._outputs[size] = capture_pieces(partial(self._forward, size), self, pool, stream)
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-            meta: AttentionMetadata) -> torch.Tensor:
+    def run(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The step's final hidden states (normed: the LM head's input) [num_tokens, hidden], every
-        row: input_ids, positions and slot_mapping of its tokens on the host, meta (its attention's:
-        sequences, tables) on the device. Valid until the next step."""
+        row: input_ids and meta's positions and slot_mapping on the host (staged here), the rest of
+        meta (the attention's: sequences, tables) on the device. Valid until the next step."""
         num = input_ids.shape[0]
-        size = bisect.bisect_left(self.sizes, num)
-        assert num > 0 and size < len(self.sizes), f"{num} tokens for mixed graphs of at most {self.max_size}"
-        size = self.sizes[size]
+        size = bucket_for(num, self.sizes)
+        assert size is not None, f"{num} tokens for mixed graphs of at most {self.max_size}"
         which = self._next_staging
         self._next_staging ^= 1
         staging, staged = self._staging[which], self._staged[which]
         if staged is not None:
             staged.synchronize()  # its copy two steps ago is done (nothing else need have waited)
         staging[0, :num] = input_ids
-        staging[1, :num] = positions
-        staging[2, :num] = slot_mapping
+        staging[1, :num] = meta.positions
+        staging[2, :num] = meta.slot_mapping
         staging[:2, num:size] = 0
         staging[2, num:size] = -1
         self._ids.copy_(staging, non_blocking=True)  # NOTE: whole (24 bytes a row): a column slice is strided
@@ -156,24 +148,26 @@ class MixedGraphs:
         computed now, or, while a bucket is captured, at each replay between the pieces around it.
         Padding rows keep whatever is there: every op after it works row by row, and their rows are
         dropped."""
-        rows = query.shape[0]
-        self._query[:rows].copy_(query)  # NOTE: the piece's last op: its qkv output is free after it
-        attend = partial(self._step.attend, kv_cache_layer)
+        rows, step = query.shape[0], self._step
+        step.query[:rows].copy_(query)  # NOTE: the piece's last op: its qkv output is free after it
+        attend = partial(step.attend, kv_cache_layer)
         if self.cut is not None:
             self.cut(attend, False)
         else:
             attend()
-        return self._attended[:rows]
+        return step.attended[:rows]
 
 
 class _Step:
-    """The step mixed graphs run: its attention metadata (device tensors) and real rows, and what
-    each layer's attention reads and writes."""
+    """The step mixed graphs run: its attention metadata and real rows, and what each layer's
+    attention reads and writes: the queries of the layer at hand and its output, static buffers of
+    rows rows for every layer and bucket."""
 
-    def __init__(self, model: CausalLM, query: torch.Tensor, attended: torch.Tensor) -> None:
+    def __init__(self, model: CausalLM, rows: int, device: torch.device) -> None:
+        cfg = model.config
         self.model = model
-        self.query = query
-        self.attended = attended
+        self.query = torch.zeros((rows, cfg.num_heads, cfg.head_dim), dtype=cfg.dtype, device=device)
+        self.attended = torch.zeros_like(self.query)
         self.meta: AttentionMetadata | None = None
         self.num_tokens = 0
 

@@ -79,9 +79,8 @@ class ModelRunner:
         greedy_rows = ([i for i, r in enumerate(host.sampled_requests) if is_plain_greedy(r)]
                        if self.model.has_greedy_head else [])
         if self.mixed is not None and self.mixed.takes(host.input_ids.shape[0]):
-            input_ids, positions, slots = host.input_ids, host.meta.positions, host.meta.slot_mapping
-            batch = self._to_device(host, attention_only=True)
-            every_row = self.mixed.run(input_ids, positions, slots, batch.meta)
+            batch = self._to_device(host, attention_only=True)  # NOTE: input ids, positions, slots stay here
+            every_row = self.mixed.run(batch.input_ids, batch.meta)
             tokens, logits = self._head(every_row.index_select(0, batch.logits_indices), greedy_rows)
         else:
             with self.ranks.step(host.input_ids, host.meta, host.logits_indices) if self.ranks else nullcontext():

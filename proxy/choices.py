@@ -165,11 +165,10 @@ class ChoiceState:
         return entry
 
     def _chat_top(self, token_id: int, logprob: float | None) -> dict:
-        if self.text_options.tokens_as_ids:  # as vLLM: the bytes are the name's
-            label = self._label(token_id)
-            return {"token": label, "logprob": logprob, "bytes": list(label.encode())}
-        return {"token": self.tokenizer.token_text(token_id), "logprob": logprob,
-                "bytes": list(self.tokenizer.token_bytes(token_id))}
+        label = self._label(token_id)
+        # as vLLM: a token named by its id has the name's bytes
+        raw = label.encode() if self.text_options.tokens_as_ids else self.tokenizer.token_bytes(token_id)
+        return {"token": label, "logprob": logprob, "bytes": list(raw)}
 
     def _label(self, token_id: int) -> str:
         """A token as logprobs name it: its text, or "token_id:N" (return_tokens_as_token_ids)."""

@@ -64,14 +64,21 @@ def loads(text: str) -> Any:
     """json.loads for JSON text found inside a request or a model's output (tool call arguments,
     a schema given as text): a ValueError, before any parsing, for text nested more than
     MAX_JSON_DEPTH deep, as for anything else that is not valid JSON."""
-    if too_deep(text.encode("utf-8", "surrogatepass")):
+    if _many_brackets(text) and _deepest(text.encode("utf-8", "surrogatepass")) > MAX_JSON_DEPTH:
         raise ValueError(f"JSON nested more than {MAX_JSON_DEPTH} levels deep")
     return json.loads(text)
 
 
 def too_deep(raw: bytes) -> bool:
     """Whether arrays and objects in raw nest more than MAX_JSON_DEPTH deep (see _deepest)."""
-    return raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH and _deepest(raw) > MAX_JSON_DEPTH
+    return _many_brackets(raw) and _deepest(raw) > MAX_JSON_DEPTH
+
+
+def _many_brackets(text: str | bytes) -> bool:
+    """Whether text opens more than MAX_JSON_DEPTH arrays and objects (strings included): short of
+    that it cannot nest deeper, and nothing is scanned."""
+    opening = ("[", "{") if isinstance(text, str) else (b"[", b"{")
+    return text.count(opening[0]) + text.count(opening[1]) > MAX_JSON_DEPTH
 
 
 def _deepest(raw: bytes) -> int:

@@ -53,17 +53,18 @@ def graph_runs(monkeypatch) -> list[tuple[int, int]]:
 
 
 @pytest.fixture
-def launches(monkeypatch) -> list[bool]:
-    """Per launched (async) step: whether its inputs were fed from the step before it."""
-    fed = []
+def launched(monkeypatch) -> list[tuple[int, list[int] | None]]:
+    """Per launched (async) step: its decodes' count, and each one's row in the step before it
+    that fed its input (-1: staged from the host), or None when nothing fed it."""
+    calls = []
     real = DecodeGraphs.launch
 
     def spy(self, decodes, feed=None, previous=None, draw=None):
-        fed.append(feed is not None)
+        calls.append((len(decodes), None if feed is None else list(feed)))
         return real(self, decodes, feed, previous, draw)
 
     monkeypatch.setattr(DecodeGraphs, "launch", spy)
-    return fed
+    return calls
 
 
 def test_static_buffers_only_where_asked(tiny_model_dir):
@@ -85,7 +86,7 @@ def transformers_32(tiny_model_dir):
 @pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
 @pytest.mark.parametrize("device", ENGINE_DEVICES)
 def test_greedy_on_padded_buckets_equals_eager_and_transformers(tiny_model_dir, device, async_scheduling, graph_runs,
-                                                                launches, transformers_32):
+                                                                launched, transformers_32):
     """16 prompts through 13 slots with preemption: decode batches of many sizes, most padded;
     with async scheduling, runs of decode steps each launched before the one before is read."""
     mode = "auto" if device == "cuda" else "static"
@@ -103,10 +104,11 @@ def test_greedy_on_padded_buckets_equals_eager_and_transformers(tiny_model_dir, 
         assert [t.token_id for t in tokens] == [t.token_id for t in eager_tokens] == want_tokens[:lengths[i]], i
     padded = {(n, b) for n, b in graph_runs if n < b}
     assert len(padded) >= 3, graph_runs
+    fed = [feed is not None for _, feed in launched]
     if async_scheduling:
-        assert launches.count(True) >= 20 and launches.count(False) >= 3, launches
+        assert fed.count(True) >= 20 and fed.count(False) >= 3, fed
     else:
-        assert not launches
+        assert not fed
     assert engine.scheduler.num_preemptions >= 1
     engine.check_leaks()
 
@@ -210,7 +212,7 @@ def _late_stop_params(i: int, kind: str, **fields) -> SamplingParams:
 
 
 @pytest.mark.parametrize("kind", ["greedy", "drawn"])
-def test_one_step_late_stops_aborts_and_arrivals_give_the_synchronous_results(tiny_model_dir, launches, kind):
+def test_one_step_late_stops_aborts_and_arrivals_give_the_synchronous_results(tiny_model_dir, launched, kind):
     """Stop tokens found one step late, max_tokens never overrun, aborts and new prompts between
     calls while a step is in flight: every request's tokens, indices and finish equal the
     synchronous engine's, and every block comes back. drawn: the launched steps' tokens are the
@@ -248,14 +250,14 @@ def test_one_step_late_stops_aborts_and_arrivals_give_the_synchronous_results(ti
         results[mode] = _drive(engine, script, 200)
         engine.check_leaks()
     assert results["async"] == results["sync"]
-    assert launches.count(True) >= 20
+    assert sum(feed is not None for _, feed in launched) >= 20
     finishes = {rid: stream[-1][2] for rid, stream in results["sync"].items()}
     assert finishes["r1"] == "stop" and finishes["r4"] == "length" and finishes["r2"] is None
     for rid, stream in results["async"].items():
         assert [index for index, _, _ in stream] == list(range(len(stream))), rid
 
 
-def test_requests_joining_with_their_kv_in_place_ride_the_next_launch(tiny_model_dir, monkeypatch):
+def test_requests_joining_with_their_kv_in_place_ride_the_next_launch(tiny_model_dir, launched):
     """A decode node's pulled request joins the running with its KV in place and only its next
     token to compute: the step after the one in flight takes it in, its input token staged from
     the host beside the others' fed on the device, instead of the chain of launches stopping for
@@ -263,14 +265,6 @@ def test_requests_joining_with_their_kv_in_place_ride_the_next_launch(tiny_model
     stream equals the synchronous engine's."""
     from engine.protocol import TokenLogprob
 
-    feeds = []
-    real = DecodeGraphs.launch
-
-    def spy(self, decodes, fed=None, previous=None, draw=None):
-        feeds.append(None if fed is None else list(fed))
-        return real(self, decodes, fed, previous, draw)
-
-    monkeypatch.setattr(DecodeGraphs, "launch", spy)
     model = ModelConfig.from_pretrained(tiny_model_dir)
     prompts = make_prompts(model.vocab_size, seed=6)
     whole = [t for prompt in prompts for t in prompt]
@@ -279,10 +273,7 @@ def test_requests_joining_with_their_kv_in_place_ride_the_next_launch(tiny_model
                    SamplingParams(max_tokens=18, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True)]
     results = {}
     for mode in ("sync", "async"):
-        engine = LLMEngine(EngineConfig(
-            model=model, cache=CacheConfig(block_size=16, num_blocks=96),
-            scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256), device="cpu",
-            decode_graphs="static", async_scheduling=mode == "async", enable_prefix_caching=True))
+        engine = engine_for(tiny_model_dir, "static", max_num_seqs=8, async_scheduling=mode == "async")
         alone = run_to_completion(engine, sources, join_params, prefix="source")  # their prompts' blocks cached
         for i in range(4):
             engine.add_request(f"r{i}", prompts[2 + i], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
@@ -300,38 +291,27 @@ def test_requests_joining_with_their_kv_in_place_ride_the_next_launch(tiny_model
                                              TokenLogprob(alone[source][0].token_id), blocks, 16 * len(blocks))
             return add
 
-        feeds.clear()
+        launched.clear()
         streams = _drive(engine, {8: join(0, 0), 13: join(1, 1), 19: join(2, 1, num_blocks=2)}, 200)
         engine.check_leaks()
         for i, source in enumerate((0, 1, 1)):
             got = [t for _, ids, _ in streams[f"j{i}"] for t in ids]
             assert got == [t.token_id for t in alone[source][1:]], (mode, i)
-        results[mode] = (streams, list(feeds))
+        results[mode] = (streams, [feed for _, feed in launched])
     assert results["async"][0] == results["sync"][0]
     joined_launches = [fed for fed in results["async"][1] if fed is not None and -1 in fed]
     assert len(joined_launches) == 2 and all(fed.count(-1) == 1 for fed in joined_launches), results["async"][1]
     assert results["sync"][1] == []
 
 
-def test_a_launch_never_decodes_more_requests_than_the_step_budget(tiny_model_dir, monkeypatch):
+def test_a_launch_never_decodes_more_requests_than_the_step_budget(tiny_model_dir, launched):
     """More decode-ready running requests than max_num_batched_tokens: a scheduled step decodes the
     first ones only, and the chained launch after it must not take the rest in as if they had
     joined (here six requests join at once with their prompts' KV from the prefix cache)."""
     from engine.protocol import TokenLogprob
 
-    sizes = []
-    real = DecodeGraphs.launch
-
-    def spy(self, decodes, fed=None, previous=None, draw=None):
-        sizes.append(len(decodes))
-        return real(self, decodes, fed, previous, draw)
-
-    monkeypatch.setattr(DecodeGraphs, "launch", spy)
     model = ModelConfig.from_pretrained(tiny_model_dir)
-    engine = LLMEngine(EngineConfig(
-        model=model, cache=CacheConfig(block_size=16, num_blocks=96),
-        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=4), device="cpu",
-        decode_graphs="static", async_scheduling=True, enable_prefix_caching=True))
+    engine = engine_for(tiny_model_dir, "static", max_num_seqs=8, max_num_batched_tokens=4)
     whole = [t for prompt in make_prompts(model.vocab_size, seed=7) for t in prompt]
     sources = [whole[16 * i: 16 * (i + 1)] for i in range(6)]
     firsts = run_to_completion(engine, sources, SamplingParams(max_tokens=1, temperature=0.0), prefix="source")
@@ -339,10 +319,11 @@ def test_a_launch_never_decodes_more_requests_than_the_step_budget(tiny_model_di
         blocks = engine.acquire_cached_prefix(f"b{i}", source, 1)
         engine.add_prefilled_request(f"b{i}", source, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
                                      TokenLogprob(firsts[i][0].token_id), blocks)
-    sizes.clear()
+    launched.clear()
     while engine.has_unfinished():
         engine.step()
     engine.check_leaks()
+    sizes = [num for num, _ in launched]
     assert sizes and max(sizes) == 4, sizes
 
 

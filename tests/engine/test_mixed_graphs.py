@@ -43,10 +43,10 @@ def mixed_runs(monkeypatch) -> list[tuple[int, int, int]]:
     runs = []
     real = MixedGraphs.run
 
-    def spy(self, input_ids, positions, slot_mapping, meta):
+    def spy(self, input_ids, meta):
         num = input_ids.shape[0]
         runs.append((num, meta.num_decode_tokens, min(s for s in self.sizes if s >= num)))
-        return real(self, input_ids, positions, slot_mapping, meta)
+        return real(self, input_ids, meta)
 
     monkeypatch.setattr(MixedGraphs, "run", spy)
     return runs
