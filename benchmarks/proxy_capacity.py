@@ -78,8 +78,8 @@ def one_round(args: argparse.Namespace, base_url: str, vocab: int, pids: dict[st
     proxy_s = after["proxy"] - before["proxy"]
     return {"output_tok_s": round(result["output_throughput"], 1), "output_tokens": tokens,
             "completed": result["num_completed"], "failed": result["num_failed"],
-            "duration_s": round(result["duration_s"], 3), "proxy_cpu_s": round(proxy_s, 3),
-            "nodes_cpu_s": round(after["nodes"] - before["nodes"], 3), "client_cpu_s": round(client_cpu, 3),
+            "duration_s": round(result["duration_s"], 3), "proxy_cpu_s": round(proxy_s, 4),
+            "nodes_cpu_s": round(after["nodes"] - before["nodes"], 4), "client_cpu_s": round(client_cpu, 4),
             "proxy_us_per_token": round(1e6 * proxy_s / tokens, 1) if tokens else None}
 
 

@@ -5,6 +5,8 @@ needed): CPU seconds against the run's core-seconds, the tail, and a process's o
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -36,3 +38,21 @@ def test_a_process_cpu_seconds_grow_with_the_work_it_does():
     while time.process_time() < deadline:
         pass
     assert process_cpu_s(os.getpid()) - before >= 0.1
+
+
+def test_another_process_cpu_seconds_are_counted_below_a_clock_tick():
+    """A few milliseconds of work (a fake node's short run) read as such, not as 0 or 10 ms."""
+    burn = ("import sys, time\nprint(flush=True)\nsys.stdin.readline()\nend = time.process_time() + 0.003\n"
+            "while time.process_time() < end: pass\nprint(flush=True)\nsys.stdin.readline()\n")
+    child = subprocess.Popen([sys.executable, "-c", burn], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        child.stdout.readline()  # its start-up done
+        before = process_cpu_s(child.pid)
+        child.stdin.write("\n")
+        child.stdin.flush()
+        child.stdout.readline()
+        spent = process_cpu_s(child.pid) - before
+    finally:
+        child.kill()
+        child.wait(timeout=10)
+    assert 0.003 <= spent < 0.009
