@@ -245,7 +245,6 @@ class LLMEngine:
         if len(block_ids) != needed:
             raise ValueError(f"request {request_id}: {len(block_ids)} blocks for {num_computed} tokens, "
                              f"which need {needed}")
-        request.output_logprobs.append(first_token)
         request.block_ids = list(block_ids)
         request.num_computed_tokens = num_computed
         self._requests[request_id] = request
@@ -471,7 +470,6 @@ class LLMEngine:
             request.output_token_ids.append(token.token_id)
         output = StepOutput(request.request_id, [token], num_prompt_tokens=request.num_prompt_tokens,
                             first_token_idx=index)
-        request.output_logprobs.append(token)
         if request.needs_prompt_logprobs:
             assert len(request.prompt_logprobs) == request.num_prompt_tokens, (
                 f"request {request.request_id}: {len(request.prompt_logprobs)} prompt logprobs for "

@@ -135,9 +135,11 @@ def _token_bytes(token_ids: list[int]) -> bytes:
     return b"".join(t.to_bytes(4, "little", signed=False) for t in token_ids)
 
 
-class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
+class TokenLogprob(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """A sampled token, with its log-probability and the top-N alternatives as
-    (token_id, logprob) when the request asked for logprobs (logprob None otherwise)."""
+    (token_id, logprob) when the request asked for logprobs (logprob None otherwise).
+    Untracked by the cyclic collector (gc=False: it refers to nothing that refers back), as
+    there is one per token in every step's messages and every choice that keeps its logprobs."""
 
     token_id: int
     logprob: float | None = None

@@ -39,7 +39,6 @@ class Request:
     params: SamplingParams
     max_total_tokens: int  # prompt + output never exceeds this (max_model_len)
     output_token_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[TokenLogprob] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING

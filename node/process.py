@@ -24,6 +24,7 @@ from kv_transfer.ucx import exit_now
 from node.args import NodeConfigs, node_configs_from_args
 from node.core_lending import Borrower, Lender
 from node.server import NodeServer
+from pdserve.gc_policy import freeze_start_up_objects
 
 BuildServer = Callable[[LLMEngine, NodeConfigs], NodeServer]
 # Set by pdserve.standby: when it was handed this node (time.monotonic(), one clock for all processes).
@@ -63,8 +64,10 @@ def serve(args: argparse.Namespace, role: Role, build_server: BuildServer) -> in
     started = time.monotonic()
     warm_up(engine)  # NOTE: a full step, before the first report (routing sees a measured prefill rate)
     phases.append(("warm-up step", time.monotonic() - started))
-    logging.getLogger(__name__).info("%s node ready %.2f s after its process started: %s", role.value,
-                                     sum(s for _, s in phases), ", ".join(f"{n} {s:.2f} s" for n, s in phases))
+    num_frozen = freeze_start_up_objects()
+    logging.getLogger(__name__).info("%s node ready %.2f s after its process started: %s; %d start-up objects "
+                                     "frozen (no collection traverses them)", role.value, sum(s for _, s in phases),
+                                     ", ".join(f"{n} {s:.2f} s" for n, s in phases), num_frozen)
     server.run()
     engine.close()
     # NOTE: exit_now skips NIXL's and UCX's exit-time teardown (see there). A node that failed

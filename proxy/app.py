@@ -22,6 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
 from engine.protocol import curve_keys
+from pdserve.gc_policy import freeze_start_up_objects
 from proxy.admin import admin_router
 from proxy.admission import Admission, AdmissionLimits, Ticket
 from proxy.chat_schemas import ChatCompletionRequest, TokenizeChatRequest
@@ -71,6 +72,8 @@ def run(config: ProxyConfig, log_level: str = "info") -> None:
                                            # or JSON); the access line comes from proxy.log_context, with its id.
                                            log_config=None, access_log=False, **server_options(config)),
                             app.state.drain)
+    logging.getLogger(__name__).info("%d start-up objects frozen (no collection traverses them)",
+                                     freeze_start_up_objects())
     server.run()
 
 

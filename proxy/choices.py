@@ -80,6 +80,8 @@ class ChoiceState:
     stop_checker: StopChecker = field(init=False)
     text: str = ""
     num_tokens: int = 0
+    # Kept only where logprobs are asked for (a body's are made from them): a long stream's tokens would
+    # otherwise stay in memory, and in every full collection's traversal, until it ends.
     tokens: list[protocol.TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     prompt_logprobs: list[protocol.TokenLogprob] | None = None  # one per prompt token, when asked for
@@ -98,7 +100,8 @@ class ChoiceState:
         if self.finish_reason is not None:
             return Delta("", [], self.finish_reason)  # tokens past a stop string: dropped
         self.num_tokens += len(tokens)
-        self.tokens.extend(tokens)
+        if self.wants_logprobs:
+            self.tokens.extend(tokens)
         ids = [t.token_id for t in tokens]
         if finish_reason == "stop" and ids and not self.text_options.include_stop_str_in_output:
             # NOTE: as vLLM: the token that stopped the request (EOS, a stop_token_ids id) is not

@@ -4,6 +4,7 @@ models one core kept for the proxy and its clients when every node still gets on
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import httpx
@@ -90,7 +91,8 @@ def test_the_torch_free_dtype_choices_are_the_engines():
 
 def test_a_colocated_small_model_runs_beside_the_proxy(tiny_model_dir, tmp_path):
     """Live: the node of a colocated `tiny` deployment in bfloat16 (the dtype read from the node
-    flags) is pinned off the first core (on a machine of one core, to that core) and answers."""
+    flags) is pinned off the first core (on a machine of one core, to that core) and answers; the
+    node and the proxy froze their start-up objects."""
     all_cores = sorted(os.sched_getaffinity(0))
     expected = set(all_cores[1:]) or set(all_cores)
     deployment = launcher.start_local(tiny_model_dir, num_prefill=0, num_decode=1, log_dir=tmp_path,
@@ -104,6 +106,10 @@ def test_a_colocated_small_model_runs_beside_the_proxy(tiny_model_dir, tmp_path)
         assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 4
     finally:
         deployment.stop()
+    # start-up's objects frozen out of the collector's reach (pdserve.gc_policy), in both processes
+    for name in ("decode0", "proxy"):
+        frozen = re.findall(r"(\d+) start-up objects frozen", (tmp_path / f"{name}.log").read_text())
+        assert len(frozen) == 1 and int(frozen[0]) > 20_000, (name, frozen)
 
 
 def test_lending_pairs_prefill_node_i_with_decode_node_i_only_where_cores_are_their_own(tmp_path):
