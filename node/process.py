@@ -18,13 +18,13 @@ import torch
 
 from engine.cpu_quota import usable_cores
 from engine.engine import LLMEngine
+from engine.gc_policy import freeze_start_up_objects
 from engine.protocol import Role
 from engine.warm_up import warm_up
 from kv_transfer.ucx import exit_now
 from node.args import NodeConfigs, node_configs_from_args
 from node.core_lending import Borrower, Lender
 from node.server import NodeServer
-from pdserve.gc_policy import freeze_start_up_objects
 
 BuildServer = Callable[[LLMEngine, NodeConfigs], NodeServer]
 # Set by pdserve.standby: when it was handed this node (time.monotonic(), one clock for all processes).

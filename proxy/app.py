@@ -21,8 +21,8 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
+from engine.gc_policy import freeze_start_up_objects
 from engine.protocol import curve_keys
-from pdserve.gc_policy import freeze_start_up_objects
 from proxy.admin import admin_router
 from proxy.admission import Admission, AdmissionLimits, Ticket
 from proxy.chat_schemas import ChatCompletionRequest, TokenizeChatRequest

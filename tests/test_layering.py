@@ -15,8 +15,9 @@ ALLOWED = {
     "prefill_node": {"node", "engine", "kv_transfer"},
     "decode_node": {"node", "engine", "kv_transfer"},
     # NOTE: the torch-free modules of rules proxy and nodes share: messages and option ranges, the
-    # model directory check, the grammar budget.
-    "proxy": {"engine.protocol", "engine.sampling_rules", "engine.model_files", "engine.schema_budget"},
+    # model directory check, the grammar budget, the garbage collector's policy.
+    "proxy": {"engine.protocol", "engine.sampling_rules", "engine.model_files", "engine.schema_budget",
+              "engine.gc_policy"},
     # NOTE: the launcher starts nodes as processes (`pdserve prefill|decode`); it never imports
     # the node server, whose room is the nodes' alone.
     "pdserve": OURS - {"node"},

@@ -106,7 +106,7 @@ def test_a_colocated_small_model_runs_beside_the_proxy(tiny_model_dir, tmp_path)
         assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 4
     finally:
         deployment.stop()
-    # start-up's objects frozen out of the collector's reach (pdserve.gc_policy), in both processes
+    # start-up's objects frozen out of the collector's reach (engine.gc_policy), in both processes
     for name in ("decode0", "proxy"):
         frozen = re.findall(r"(\d+) start-up objects frozen", (tmp_path / f"{name}.log").read_text())
         assert len(frozen) == 1 and int(frozen[0]) > 20_000, (name, frozen)

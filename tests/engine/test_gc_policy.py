@@ -1,4 +1,4 @@
-"""pdserve.gc_policy: once start-up is frozen, a full collection traverses only what came after it.
+"""engine.gc_policy: once start-up is frozen, a full collection traverses only what came after it.
 Run in a process of its own (a frozen object that later ends in a cycle is never freed: not pytest's)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from tests.conftest import child_env
 _PROBE = """
 import gc, json
 import proxy.app  # the proxy's start-up imports (FastAPI, pydantic, tokenizers, ...)
-from pdserve.gc_policy import freeze_start_up_objects
+from engine.gc_policy import freeze_start_up_objects
 before = len(gc.get_objects())
 frozen = freeze_start_up_objects()
 print(json.dumps({"before": before, "frozen": frozen, "count": gc.get_freeze_count(),

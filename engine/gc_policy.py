@@ -6,7 +6,7 @@ every request. Start-up leaves hundreds of thousands of such objects (torch, tra
 model's Python side, the tokenizer) that live as long as the process: they are frozen once
 (gc.freeze), and the full collections that serving triggers traverse only what serving allocated.
 
-Standard library only: the proxy's `pdserve` command must not load torch.
+Standard library only: the proxy imports it, and stays torch-free.
 """
 
 from __future__ import annotations
