@@ -213,12 +213,7 @@ static void query_block(const problem *p, int64_t seq, int64_t head, int64_t qb,
 /* query: [tokens, heads, head_dim]; cache: one layer, [blocks, 2, block_size, kv_heads, head_dim]
  * strided; out like query. head_dim a multiple of 32 up to 128 (256 for the output), block_size a
  * multiple of 16. Returns PDS_OK, PDS_ERR_RANGE for tables or lengths out of range, PDS_ERR_MEMORY. */
-int amx_prefill_attention_bf16(const uint16_t *query, int64_t q_tok, int64_t q_head, const uint16_t *cache,
-                               int64_t s_block, int64_t s_kv, int64_t s_off, int64_t s_head, int64_t num_blocks,
-                               int64_t block_size, const int32_t *tables, int64_t table_stride, int64_t table_width,
-                               const int32_t *cu, const int32_t *lens, int64_t num_seqs, int64_t num_tokens,
-                               int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale, uint16_t *out,
-                               int64_t o_tok, int64_t o_head) {
+int amx_prefill_attention_bf16(PREFILL_PARAMS(uint16_t)) {
     prefill_plan plan;
     const int status = prefill_plan_make(&plan, tables, table_stride, table_width, cu, lens, num_seqs, num_tokens,
                                          num_blocks, block_size, num_heads, sizeof(scratch));

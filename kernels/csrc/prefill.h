@@ -10,6 +10,17 @@
 
 #include "pdserve_kernels.h"
 
+/* The parameter list of every prefill-attention entry point (pdserve_kernels.h declares each with
+ * its spans), on query, cache and out elements of type T; PREFILL_ARGS passes it on. */
+#define PREFILL_PARAMS(T)                                                                                          \
+    const T *query, int64_t q_tok, int64_t q_head, const T *cache, int64_t s_block, int64_t s_kv, int64_t s_off,   \
+        int64_t s_head, int64_t num_blocks, int64_t block_size, const int32_t *tables, int64_t table_stride,       \
+        int64_t table_width, const int32_t *cu, const int32_t *lens, int64_t num_seqs, int64_t num_tokens,         \
+        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale, T *out, int64_t o_tok, int64_t o_head
+#define PREFILL_ARGS                                                                                               \
+    query, q_tok, q_head, cache, s_block, s_kv, s_off, s_head, num_blocks, block_size, tables, table_stride,       \
+        table_width, cu, lens, num_seqs, num_tokens, num_heads, num_kv_heads, head_dim, scale, out, o_tok, o_head
+
 /* 0 when every sequence's chunk, length and blocks are in range; 1 otherwise. */
 static inline int check_chunks(const int32_t *tables, int64_t table_stride, int64_t table_width, const int32_t *cu,
                                const int32_t *lens, int64_t num_seqs, int64_t num_tokens, int64_t num_blocks,

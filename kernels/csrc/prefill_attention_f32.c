@@ -382,12 +382,7 @@ static void query_block(const problem *p, int64_t seq, int64_t head, int64_t nh,
     }
 }
 
-static int prefill_attention(int64_t elem, const void *query, int64_t q_tok, int64_t q_head, const void *cache,
-                             int64_t s_block, int64_t s_kv, int64_t s_off, int64_t s_head, int64_t num_blocks,
-                             int64_t block_size, const int32_t *tables, int64_t table_stride, int64_t table_width,
-                             const int32_t *cu, const int32_t *lens, int64_t num_seqs, int64_t num_tokens,
-                             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale, void *out,
-                             int64_t o_tok, int64_t o_head) {
+static int prefill_attention(int64_t elem, PREFILL_PARAMS(void)) {
     /* A unit is up to MAX_HEADS heads of one KV head's group, split evenly (4 heads: 2 + 2). */
     const int64_t group = num_heads / num_kv_heads, per_kv = (group + MAX_HEADS - 1) / MAX_HEADS;
     const int64_t unit_heads = (group + per_kv - 1) / per_kv, units = num_kv_heads * per_kv;
@@ -420,28 +415,10 @@ static int prefill_attention(int64_t elem, const void *query, int64_t q_tok, int
 /* query: [tokens, heads, head_dim] float32; cache: one layer, [blocks, 2, block_size, kv_heads,
  * head_dim] strided; out like query. head_dim a multiple of 16 up to 256, block_size a multiple
  * of 16. Returns PDS_OK, PDS_ERR_RANGE for tables or lengths out of range, or PDS_ERR_MEMORY. */
-int prefill_attention_f32(const float *query, int64_t q_tok, int64_t q_head, const float *cache, int64_t s_block,
-                          int64_t s_kv, int64_t s_off, int64_t s_head, int64_t num_blocks, int64_t block_size,
-                          const int32_t *tables, int64_t table_stride, int64_t table_width, const int32_t *cu,
-                          const int32_t *lens, int64_t num_seqs, int64_t num_tokens, int64_t num_heads,
-                          int64_t num_kv_heads, int64_t head_dim, float scale, float *out, int64_t o_tok,
-                          int64_t o_head) {
-    return prefill_attention(4, query, q_tok, q_head, cache, s_block, s_kv, s_off, s_head, num_blocks, block_size,
-                             tables, table_stride, table_width, cu, lens, num_seqs, num_tokens, num_heads,
-                             num_kv_heads, head_dim, scale, out, o_tok, o_head);
-}
+int prefill_attention_f32(PREFILL_PARAMS(float)) { return prefill_attention(4, PREFILL_ARGS); }
 
 /* The same on bfloat16 query, cache and out. */
-int prefill_attention_bf16(const uint16_t *query, int64_t q_tok, int64_t q_head, const uint16_t *cache,
-                           int64_t s_block, int64_t s_kv, int64_t s_off, int64_t s_head, int64_t num_blocks,
-                           int64_t block_size, const int32_t *tables, int64_t table_stride, int64_t table_width,
-                           const int32_t *cu, const int32_t *lens, int64_t num_seqs, int64_t num_tokens,
-                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale, uint16_t *out,
-                           int64_t o_tok, int64_t o_head) {
-    return prefill_attention(2, query, q_tok, q_head, cache, s_block, s_kv, s_off, s_head, num_blocks, block_size,
-                             tables, table_stride, table_width, cu, lens, num_seqs, num_tokens, num_heads,
-                             num_kv_heads, head_dim, scale, out, o_tok, o_head);
-}
+int prefill_attention_bf16(PREFILL_PARAMS(uint16_t)) { return prefill_attention(2, PREFILL_ARGS); }
 
 #else
 int prefill_attention_f32_ready(void) { return 0; }
