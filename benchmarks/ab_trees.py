@@ -25,7 +25,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.results_io import write_result  # noqa: E402
+from benchmarks.results_io import commit_of, write_result  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -113,8 +113,11 @@ def main(argv: list[str] | None = None) -> int:
                      "round_ratios": [round(r, 4) for r in rounds]})
         print(f"{rows[-1]['mode']}: A {medians['a']:.1f} tok/s, B {medians['b']:.1f} tok/s, "
               f"B/A {medians['b'] / medians['a']:.3f} (rounds {', '.join(f'{r:.3f}' for r in rounds)})")
+    commits = {side: commit_of(tree) for side, tree in trees.items()}
     write_result("ab_trees", {"preset": args.preset, "dtype": args.dtype, "tree_a": str(trees["a"]),
-                              "tree_b": str(trees["b"]), "rows": rows})
+                              "tree_b": str(trees["b"]), "rows": rows,
+                              **{f"tree_{side}_commit": commit + ("+" if dirty else "") if commit else None
+                                 for side, (commit, dirty) in commits.items()}})
     return 0
 
 

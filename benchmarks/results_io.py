@@ -46,7 +46,7 @@ def write_result(name: str, payload: object, *, results_dir: Path | str | None =
 
 def make_record(name: str, result: object) -> dict:
     """The file's content: the RESULT payload under "result", and where it was measured."""
-    commit, dirty = _commit()
+    commit, dirty = commit_of(REPO)
     return {
         "benchmark": name,
         "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
@@ -111,9 +111,11 @@ def _folder(results_dir: Path | str | None) -> Path | None:
     return RESULTS_DIR
 
 
-def _commit() -> tuple[str | None, bool | None]:
+def commit_of(tree: Path) -> tuple[str | None, bool | None]:
+    """tree's commit (short) and whether its tracked files differ from it; where tree has no .git,
+    $PDSERVE_COMMIT (else None) and None."""
     def git(*args: str) -> str:
-        return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, timeout=10,
+        return subprocess.run(["git", "-C", str(tree), *args], capture_output=True, text=True, timeout=10,
                               check=True).stdout.strip()
 
     try:

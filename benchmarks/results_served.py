@@ -278,13 +278,27 @@ def render_fuzz(records: list[dict]) -> tuple[list[str], list]:
 
 
 def render_ab_trees(records: list[dict]) -> tuple[list[str], list]:
-    record = records[-1]
-    result = record["result"]
-    rows = [[r["mode"], num(r["a_tok_s"]), num(r["b_tok_s"]), f"**{r['b_over_a']:.3f}**",
-             ", ".join(f"{x:.3f}" for x in r["round_ratios"])] for r in result["rows"]]
-    lines = [f"`{result['preset']}`, {result['dtype']}: tree A `{result['tree_a']}`, tree B `{result['tree_b']}`.", ""]
-    lines += table(["mode", "A tok/s", "B tok/s", "B / A", "each round's B / A"], rows)
-    return lines + ["", "- " + provenance(record), ""], []
+    """The newest run on each kind of CPU (its name and widest vector level: the kernels differ)."""
+    lines = []
+    for record in latest(records, _cpu_kind):
+        result = record["result"]
+        rows = [[r["mode"], num(r["a_tok_s"]), num(r["b_tok_s"]), f"**{r['b_over_a']:.3f}**",
+                 ", ".join(f"{x:.3f}" for x in r["round_ratios"])] for r in result["rows"]]
+        trees = [f"{side.upper()} `{result[f'tree_{side}']}`" + (f" (commit {result[f'tree_{side}_commit']})"
+                                                         if result.get(f"tree_{side}_commit") else "")
+                 for side in ("a", "b")]
+        lines += [f"**{_cpu_kind(record)}**: `{result['preset']}`, {result['dtype']}: tree {trees[0]}, "
+                  f"tree {trees[1]}.", ""]
+        lines += table(["mode", "A tok/s", "B tok/s", "B / A", "each round's B / A"], rows)
+        lines += ["", "- " + provenance(record), ""]
+    return lines, []
+
+
+def _cpu_kind(record: dict) -> str:
+    flags = set((record.get("machine") or {}).get("cpu_flags") or ())
+    level = ("AMX" if "amx_tile" in flags else "AVX-512" if "avx512f" in flags else "AVX2 only" if "avx2" in flags
+             else "no AVX2")
+    return f"{cpu(record)}, {level}"
 
 
 def render_kv_streaming(records: list[dict]) -> tuple[list[str], list]:

@@ -58,3 +58,43 @@ def test_a_process_without_torch_records_the_gpu_nvidia_smi_names(tmp_path, monk
     assert results_io.machine()["gpu"] == "NVIDIA H200"
     monkeypatch.setenv("PATH", str(tmp_path))
     assert results_io.machine()["gpu"] is None
+
+
+def test_commit_of_names_a_trees_commit_and_whether_its_tracked_files_changed(tmp_path, monkeypatch):
+    import subprocess
+    results_io = _results_io()
+    monkeypatch.delenv(results_io.COMMIT_ENV, raising=False)
+    assert results_io.commit_of(tmp_path) == (None, None)  # no .git, no $PDSERVE_COMMIT
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    (tmp_path / "f").write_text("1")
+    subprocess.run([*git, "add", "f"], check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "m"], check=True)
+    head = subprocess.run([*git, "rev-parse", "--short=7", "HEAD"], check=True, capture_output=True,
+                          text=True).stdout.strip()
+    assert results_io.commit_of(tmp_path) == (head, False)
+    (tmp_path / "f").write_text("2")
+    assert results_io.commit_of(tmp_path) == (head, True)
+
+
+def test_ab_trees_table_keeps_the_newest_run_of_each_kind_of_cpu():
+    import sys
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.results_served import render_ab_trees
+
+    def record(date: str, cpu: str, flags: list[str], ratio: float, **commits) -> dict:
+        rows = [{"mode": "offline", "a_tok_s": 10.0, "b_tok_s": 10.0 * ratio, "b_over_a": ratio,
+                 "round_ratios": [ratio]}]
+        return {"_file": f"ab_trees-{date}.json", "date": date, "commit": "abc1234",
+                "machine": {"cpu": cpu, "cores": 2, "cpu_flags": flags},
+                "result": {"preset": "small", "dtype": "float32", "tree_a": "/tmp/a", "tree_b": "/tmp/b", "rows": rows,
+                           **commits}}
+
+    lines, _ = render_ab_trees([record("1", "AMD EPYC", ["avx2"], 0.5), record("2", "Intel", ["avx2", "avx512f",
+                                "amx_tile"], 0.6), record("3", "AMD EPYC", ["avx2"], 0.7, tree_a_commit="581bf56"),
+                                record("4", "AMD EPYC", ["avx2", "avx512f"], 0.8)])
+    text = "\n".join(lines)
+    assert "**0.500**" not in text  # superseded on its kind of CPU
+    assert all(f"**{r:.3f}**" in text for r in (0.6, 0.7, 0.8))
+    assert "**AMD EPYC, AVX2 only**" in text and "**Intel, AMX**" in text and "**AMD EPYC, AVX-512**" in text
+    assert "tree A `/tmp/a` (commit 581bf56)" in text
