@@ -278,20 +278,24 @@ def render_fuzz(records: list[dict]) -> tuple[list[str], list]:
 
 
 def render_ab_trees(records: list[dict]) -> tuple[list[str], list]:
-    """The newest run on each kind of CPU (its name and widest vector level: the kernels differ)."""
+    """For each kind of CPU (its name and widest vector level: the kernels differ), the newest run
+    of each mode."""
+    cells = {(_cpu_kind(record), row["mode"]): (record, row) for record in records for row in record["result"]["rows"]}
     lines = []
-    for record in latest(records, _cpu_kind):
-        result = record["result"]
-        rows = [[r["mode"], num(r["a_tok_s"]), num(r["b_tok_s"]), f"**{r['b_over_a']:.3f}**",
-                 ", ".join(f"{x:.3f}" for x in r["round_ratios"])] for r in result["rows"]]
-        trees = [f"{side.upper()} `{result[f'tree_{side}']}`" + (f" (commit {result[f'tree_{side}_commit']})"
-                                                         if result.get(f"tree_{side}_commit") else "")
-                 for side in ("a", "b")]
-        lines += [f"**{_cpu_kind(record)}**: `{result['preset']}`, {result['dtype']}: tree {trees[0]}, "
-                  f"tree {trees[1]}.", ""]
-        lines += table(["mode", "A tok/s", "B tok/s", "B / A", "each round's B / A"], rows)
-        lines += ["", "- " + provenance(record), ""]
+    for kind in dict.fromkeys(k[0] for k in cells):
+        mine = [cell for key, cell in cells.items() if key[0] == kind]
+        rows = [[row["mode"], num(row["a_tok_s"]), num(row["b_tok_s"]), f"**{row['b_over_a']:.3f}**",
+                 ", ".join(f"{x:.3f}" for x in row["round_ratios"]), _trees(record["result"])] for record, row in mine]
+        lines += [f"**{kind}**", ""]
+        lines += table(["mode", "A tok/s", "B tok/s", "B / A", "each round's B / A", "trees A, B"], rows)
+        lines += [""] + ["- " + provenance(record) for record in {id(r): r for r, _ in mine}.values()] + [""]
     return lines, []
+
+
+def _trees(result: dict) -> str:
+    return ", ".join(f"`{result[f'tree_{side}']}`" + (f" ({result[f'tree_{side}_commit']})"
+                                                      if result.get(f"tree_{side}_commit") else "")
+                     for side in ("a", "b")) + f"; `{result['preset']}`, {result['dtype']}"
 
 
 def _cpu_kind(record: dict) -> str:

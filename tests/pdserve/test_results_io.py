@@ -97,4 +97,21 @@ def test_ab_trees_table_keeps_the_newest_run_of_each_kind_of_cpu():
     assert "**0.500**" not in text  # superseded on its kind of CPU
     assert all(f"**{r:.3f}**" in text for r in (0.6, 0.7, 0.8))
     assert "**AMD EPYC, AVX2 only**" in text and "**Intel, AMX**" in text and "**AMD EPYC, AVX-512**" in text
-    assert "tree A `/tmp/a` (commit 581bf56)" in text
+    assert "`/tmp/a` (581bf56), `/tmp/b`" in text
+
+
+def test_ab_trees_table_keeps_each_modes_newest_run():
+    import sys
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.results_served import render_ab_trees
+
+    def record(date: str, ratios: dict[str, float]) -> dict:
+        rows = [{"mode": mode, "a_tok_s": 10.0, "b_tok_s": 10.0 * r, "b_over_a": r, "round_ratios": [r]}
+                for mode, r in ratios.items()]
+        return {"_file": f"ab_trees-{date}.json", "date": date, "machine": {"cpu": "X", "cpu_flags": ["avx2"]},
+                "result": {"preset": "small", "dtype": "float32", "tree_a": "/a", "tree_b": "/b", "rows": rows}}
+
+    text = "\n".join(render_ab_trees([record("1", {"offline": 0.91, "served 1:1": 0.92}),
+                                      record("2", {"served 1:1": 0.93})])[0])
+    assert "**0.910**" in text and "**0.930**" in text and "**0.920**" not in text
+    assert "ab_trees-1.json" in text and "ab_trees-2.json" in text
