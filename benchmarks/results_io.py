@@ -47,6 +47,8 @@ def write_result(name: str, payload: object, *, results_dir: Path | str | None =
 def make_record(name: str, result: object) -> dict:
     """The file's content: the RESULT payload under "result", and where it was measured."""
     commit, dirty = commit_of(REPO)
+    if commit is None:
+        commit = os.environ.get(COMMIT_ENV) or None  # a copy without .git (a lent GPU machine's)
     return {
         "benchmark": name,
         "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
@@ -112,8 +114,8 @@ def _folder(results_dir: Path | str | None) -> Path | None:
 
 
 def commit_of(tree: Path) -> tuple[str | None, bool | None]:
-    """tree's commit (short) and whether its tracked files differ from it; where tree has no .git,
-    $PDSERVE_COMMIT (else None) and None."""
+    """tree's commit (short) and whether its tracked files differ from it; (None, None) where tree
+    is no git checkout."""
     def git(*args: str) -> str:
         return subprocess.run(["git", "-C", str(tree), *args], capture_output=True, text=True, timeout=10,
                               check=True).stdout.strip()
@@ -121,7 +123,7 @@ def commit_of(tree: Path) -> tuple[str | None, bool | None]:
     try:
         return git("rev-parse", "--short=7", "HEAD"), bool(git("status", "--porcelain", "--untracked-files=no"))
     except (OSError, subprocess.SubprocessError):
-        return os.environ.get(COMMIT_ENV) or None, None  # a copy without .git (a lent GPU machine's)
+        return None, None
 
 
 def _relative(path: str) -> str:

@@ -63,8 +63,8 @@ def test_a_process_without_torch_records_the_gpu_nvidia_smi_names(tmp_path, monk
 def test_commit_of_names_a_trees_commit_and_whether_its_tracked_files_changed(tmp_path, monkeypatch):
     import subprocess
     results_io = _results_io()
-    monkeypatch.delenv(results_io.COMMIT_ENV, raising=False)
-    assert results_io.commit_of(tmp_path) == (None, None)  # no .git, no $PDSERVE_COMMIT
+    monkeypatch.setenv(results_io.COMMIT_ENV, "1234567")  # this checkout's commit, not another tree's
+    assert results_io.commit_of(tmp_path) == (None, None)  # no .git
     git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
     subprocess.run([*git, "init", "-q"], check=True)
     (tmp_path / "f").write_text("1")
