@@ -24,6 +24,14 @@ def cpu(record: dict) -> str:
     return machine.get("gpu") or machine.get("cpu") or "unknown machine"
 
 
+def cpu_kind(record: dict) -> str:
+    """cpu(record) and the widest vector level its recorded flags (results_io.CPU_FLAGS) show."""
+    flags = set((record.get("machine") or {}).get("cpu_flags") or ())
+    level = ("AMX" if "amx_tile" in flags else "AVX-512" if "avx512f" in flags else "AVX2 only" if "avx2" in flags
+             else "no AVX2")
+    return f"{cpu(record)}, {level}"
+
+
 def slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
 

@@ -7,7 +7,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from benchmarks.results_format import IMG_LINK, cpu, latest, num, provenance, pyplot, rng, save, slug, table, with_plot
+from benchmarks.results_format import (
+    IMG_LINK,
+    cpu,
+    cpu_kind,
+    latest,
+    num,
+    provenance,
+    pyplot,
+    rng,
+    save,
+    slug,
+    table,
+    with_plot,
+)
 
 
 def render_vs_vllm(records: list[dict]) -> tuple[list[str], list]:
@@ -280,29 +293,26 @@ def render_fuzz(records: list[dict]) -> tuple[list[str], list]:
 def render_ab_trees(records: list[dict]) -> tuple[list[str], list]:
     """For each kind of CPU (its name and widest vector level: the kernels differ), the newest run
     of each mode."""
-    cells = {(_cpu_kind(record), row["mode"]): (record, row) for record in records for row in record["result"]["rows"]}
+    newest = {(cpu_kind(record), row["mode"]): (record, row) for record in records for row in record["result"]["rows"]}
+    by_kind: dict[str, list[tuple[dict, dict]]] = {}
+    for (kind, _), cell in newest.items():
+        by_kind.setdefault(kind, []).append(cell)
     lines = []
-    for kind in dict.fromkeys(k[0] for k in cells):
-        mine = [cell for key, cell in cells.items() if key[0] == kind]
+    for kind, cells in by_kind.items():
         rows = [[row["mode"], num(row["a_tok_s"]), num(row["b_tok_s"]), f"**{row['b_over_a']:.3f}**",
-                 ", ".join(f"{x:.3f}" for x in row["round_ratios"]), _trees(record["result"])] for record, row in mine]
+                 ", ".join(f"{x:.3f}" for x in row["round_ratios"]), _what_ran(record["result"])]
+                for record, row in cells]
         lines += [f"**{kind}**", ""]
         lines += table(["mode", "A tok/s", "B tok/s", "B / A", "each round's B / A", "trees A, B"], rows)
-        lines += [""] + ["- " + provenance(record) for record in {id(r): r for r, _ in mine}.values()] + [""]
+        lines += [""] + ["- " + provenance(record) for record in {id(r): r for r, _ in cells}.values()] + [""]
     return lines, []
 
 
-def _trees(result: dict) -> str:
+def _what_ran(result: dict) -> str:
+    """The two trees (with their commits where recorded), the preset and the dtype."""
     return ", ".join(f"`{result[f'tree_{side}']}`" + (f" ({result[f'tree_{side}_commit']})"
                                                       if result.get(f"tree_{side}_commit") else "")
                      for side in ("a", "b")) + f"; `{result['preset']}`, {result['dtype']}"
-
-
-def _cpu_kind(record: dict) -> str:
-    flags = set((record.get("machine") or {}).get("cpu_flags") or ())
-    level = ("AMX" if "amx_tile" in flags else "AVX-512" if "avx512f" in flags else "AVX2 only" if "avx2" in flags
-             else "no AVX2")
-    return f"{cpu(record)}, {level}"
 
 
 def render_kv_streaming(records: list[dict]) -> tuple[list[str], list]:

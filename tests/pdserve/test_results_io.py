@@ -6,6 +6,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,7 +63,6 @@ def test_a_process_without_torch_records_the_gpu_nvidia_smi_names(tmp_path, monk
 
 
 def test_commit_of_names_a_trees_commit_and_whether_its_tracked_files_changed(tmp_path, monkeypatch):
-    import subprocess
     results_io = _results_io()
     monkeypatch.setenv(results_io.COMMIT_ENV, "1234567")  # this checkout's commit, not another tree's
     assert results_io.commit_of(tmp_path) == (None, None)  # no .git
@@ -77,23 +78,29 @@ def test_commit_of_names_a_trees_commit_and_whether_its_tracked_files_changed(tm
     assert results_io.commit_of(tmp_path) == (head, True)
 
 
-def test_ab_trees_table_keeps_the_newest_run_of_each_kind_of_cpu():
-    import sys
+def _render_ab_trees(records: list[dict]) -> str:
     sys.path.insert(0, str(ROOT))
     from benchmarks.results_served import render_ab_trees
 
-    def record(date: str, cpu: str, flags: list[str], ratio: float, **commits) -> dict:
-        rows = [{"mode": "offline", "a_tok_s": 10.0, "b_tok_s": 10.0 * ratio, "b_over_a": ratio,
-                 "round_ratios": [ratio]}]
-        return {"_file": f"ab_trees-{date}.json", "date": date, "commit": "abc1234",
-                "machine": {"cpu": cpu, "cores": 2, "cpu_flags": flags},
-                "result": {"preset": "small", "dtype": "float32", "tree_a": "/tmp/a", "tree_b": "/tmp/b", "rows": rows,
-                           **commits}}
+    return "\n".join(render_ab_trees(records)[0])
 
-    lines, _ = render_ab_trees([record("1", "AMD EPYC", ["avx2"], 0.5), record("2", "Intel", ["avx2", "avx512f",
-                                "amx_tile"], 0.6), record("3", "AMD EPYC", ["avx2"], 0.7, tree_a_commit="581bf56"),
-                                record("4", "AMD EPYC", ["avx2", "avx512f"], 0.8)])
-    text = "\n".join(lines)
+
+def _ab_record(date: str, ratios: dict[str, float], cpu: str = "X", flags: tuple[str, ...] = ("avx2",),
+               **commits) -> dict:
+    """An ab_trees record of date with a row per mode: B / A = its ratio."""
+    rows = [{"mode": mode, "a_tok_s": 10.0, "b_tok_s": 10.0 * r, "b_over_a": r, "round_ratios": [r]}
+            for mode, r in ratios.items()]
+    return {"_file": f"ab_trees-{date}.json", "date": date, "machine": {"cpu": cpu, "cores": 2, "cpu_flags": flags},
+            "result": {"preset": "small", "dtype": "float32", "tree_a": "/tmp/a", "tree_b": "/tmp/b", "rows": rows,
+                       **commits}}
+
+
+def test_ab_trees_table_keeps_the_newest_run_of_each_kind_of_cpu():
+    text = _render_ab_trees([
+        _ab_record("1", {"offline": 0.5}, "AMD EPYC"),
+        _ab_record("2", {"offline": 0.6}, "Intel", ("avx2", "avx512f", "amx_tile")),
+        _ab_record("3", {"offline": 0.7}, "AMD EPYC", tree_a_commit="581bf56"),
+        _ab_record("4", {"offline": 0.8}, "AMD EPYC", ("avx2", "avx512f"))])
     assert "**0.500**" not in text  # superseded on its kind of CPU
     assert all(f"**{r:.3f}**" in text for r in (0.6, 0.7, 0.8))
     assert "**AMD EPYC, AVX2 only**" in text and "**Intel, AMX**" in text and "**AMD EPYC, AVX-512**" in text
@@ -101,17 +108,7 @@ def test_ab_trees_table_keeps_the_newest_run_of_each_kind_of_cpu():
 
 
 def test_ab_trees_table_keeps_each_modes_newest_run():
-    import sys
-    sys.path.insert(0, str(ROOT))
-    from benchmarks.results_served import render_ab_trees
-
-    def record(date: str, ratios: dict[str, float]) -> dict:
-        rows = [{"mode": mode, "a_tok_s": 10.0, "b_tok_s": 10.0 * r, "b_over_a": r, "round_ratios": [r]}
-                for mode, r in ratios.items()]
-        return {"_file": f"ab_trees-{date}.json", "date": date, "machine": {"cpu": "X", "cpu_flags": ["avx2"]},
-                "result": {"preset": "small", "dtype": "float32", "tree_a": "/a", "tree_b": "/b", "rows": rows}}
-
-    text = "\n".join(render_ab_trees([record("1", {"offline": 0.91, "served 1:1": 0.92}),
-                                      record("2", {"served 1:1": 0.93})])[0])
+    text = _render_ab_trees([_ab_record("1", {"offline": 0.91, "served 1:1": 0.92}),
+                             _ab_record("2", {"served 1:1": 0.93})])
     assert "**0.910**" in text and "**0.930**" in text and "**0.920**" not in text
     assert "ab_trees-1.json" in text and "ab_trees-2.json" in text
