@@ -66,6 +66,8 @@ fi
 if python3 -c "import fastapi, uvicorn, httptools, msgspec, zmq, pydantic, xgrammar, gguf, httpx, aiohttp, nixl, \
 openai, prometheus_client, xdist, pytest_timeout" >>"$out/env.log" 2>&1; then
     echo "== imports: ok" | tee -a "$summary"
+    # What pdserve itself sees: its GPUs (free memory, UUIDs), the NIXL build and plugins, RDMA ports.
+    timeout 60 python3 -m pdserve.cli env >>"$out/env.log" 2>&1 || echo "pdserve env failed: see env.log" | tee -a "$summary"
 else
     echo "== imports: FAILED" | tee -a "$summary"; tail -3 "$out/env.log" | tee -a "$summary"
     save; exit 1

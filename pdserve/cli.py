@@ -22,6 +22,7 @@ COMMANDS = [
     ("make-model", "pdserve.make_model", "write a checkpoint: the real SmolLM2 (--preset smollm2) or a random preset"),
     ("bench", "pdserve.bench", "drive an OpenAI endpoint and report latency/throughput"),
     ("tune", "pdserve.tune", "choose the P:D split and batch limits that maximize goodput under SLOs"),
+    ("env", "pdserve.env", "what this machine offers: versions, CPU kernel levels, backends, GPUs, NIXL, RDMA"),
 ]
 
 
@@ -31,7 +32,7 @@ SERVERS = ("up", "proxy", "prefill", "decode")  # print their effective settings
 MODEL_COMMANDS = ("prefill", "decode", "generate")
 
 
-def _version() -> str:
+def version() -> str:
     """The installed distribution's version, with the commit where a git checkout is at hand."""
     from importlib.metadata import PackageNotFoundError, version
     from pathlib import Path
@@ -64,7 +65,7 @@ def _show_every_default(parser: argparse.ArgumentParser) -> None:
 def _parser(chosen: str | None) -> tuple[argparse.ArgumentParser, object | None, argparse.ArgumentParser | None]:
     """The whole parser, and the chosen subcommand's module and subparser (None if none)."""
     parser = argparse.ArgumentParser(prog="pdserve", description="disaggregated prefill/decode LLM serving")
-    parser.add_argument("--version", action="version", version=f"pdserve {_version()}")
+    parser.add_argument("--version", action="version", version=f"pdserve {version()}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     module = chosen_parser = None
     for name, module_name, help_text in COMMANDS:

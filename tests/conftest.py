@@ -10,7 +10,6 @@ import contextlib
 import hashlib
 import logging
 import os
-import re
 import socket
 import sys
 import threading
@@ -56,19 +55,11 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 def pytest_terminal_summary(terminalreporter) -> None:
     """The machine the run was on, last in its output: a log then says which CPU (and which of the
     kernel levels) a pass or a failure was on."""
-    from kernels.cpu.native import available_levels
+    from kernels.cpu.native import available_levels, cpu_name
 
-    model = re.search(r"^model name\s*:\s*(.*)$", _read_text("/proc/cpuinfo"), flags=re.M)
     levels = ", ".join(level.name for level in available_levels()) or "none"
-    terminalreporter.write_line(f"machine: {model.group(1) if model else 'unknown CPU'}, {os.cpu_count()} cores; "
+    terminalreporter.write_line(f"machine: {cpu_name()}, {os.cpu_count()} cores; "
                                 f"kernel levels run: {levels}; torch {torch.__version__}")
-
-
-def _read_text(path: str) -> str:
-    try:
-        return Path(path).read_text()
-    except OSError:
-        return ""
 
 
 @pytest.hookimpl(trylast=True)

@@ -15,6 +15,7 @@ import ctypes
 import functools
 import importlib.machinery
 import logging
+import platform
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -137,14 +138,24 @@ def struct_type(name: str) -> type[ctypes.Structure]:
     return type(name, (ctypes.Structure,), {"_fields_": fields})
 
 
-def cpu_features() -> frozenset[str]:
-    """The CPU's feature flags as Linux names them (/proc/cpuinfo); empty where unreadable."""
+def _cpuinfo_field(name: str) -> str | None:
+    """The first value of a /proc/cpuinfo field; None where there is none or it is unreadable."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return frozenset()
-    match = re.search(r"^flags\s*:(.*)$", text, flags=re.M)
-    return frozenset(match.group(1).split()) if match else frozenset()
+        return None
+    match = re.search(rf"^{name}\s*:(.*)$", text, flags=re.M)
+    return match.group(1).strip() if match else None
+
+
+def cpu_features() -> frozenset[str]:
+    """The CPU's feature flags as Linux names them (/proc/cpuinfo); empty where unreadable."""
+    return frozenset((_cpuinfo_field("flags") or "").split())
+
+
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), or the machine's architecture where it gives none."""
+    return _cpuinfo_field("model name") or platform.machine() or "unknown CPU"
 
 
 def library_path(level: Level) -> Path | None:

@@ -36,7 +36,8 @@ def _run(tmp_path: Path, steps: list[str], total_s: int, failing: str = "") -> t
     proc = subprocess.run(["bash", "benchmarks/gpu_checks.sh", str(out), *steps], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=60)
     lines = [line for line in calls.read_text().splitlines()
-             if "pip install" not in line and "pip list" not in line and not line.startswith("-c")]
+             if "pip install" not in line and "pip list" not in line
+             and not line.startswith(("-c", "-m pdserve.cli env"))]
     return proc, lines, out
 
 
@@ -53,6 +54,8 @@ def test_every_step_runs_in_order_with_its_scripts_arguments_and_the_summary_is_
     assert "--log-dir" in calls[3] and "/served_logs" in calls[3]
     assert "tests/kernels -n 6" in calls[5] and "--deselect" in calls[5]  # the copy has no .git
     assert "== imports: ok" in summary  # the stand-in python3 imports everything
+    every_call = (tmp_path / "calls.log").read_text().splitlines()
+    assert every_call.index("-m pdserve.cli env ") < every_call.index(calls[0])  # what pdserve sees, before the steps
     assert "12 passed" in summary  # the test steps' counts
     # what comes back: the summary, results/ and the archive of everything
     assert sorted(p.name for p in out.iterdir()) == ["gpu_checks.tgz", "results", "summary.txt"]
