@@ -72,7 +72,8 @@ class PendingTokens:
     """The tokens of a launched step, on their way to the host."""
 
     def __init__(self, device_tokens: torch.Tensor, host: torch.Tensor) -> None:
-        # A graph's own argmax: valid until the next replay (a draw's: while referenced)
+        # A graph's own argmax: valid until the next replay of any bucket (they share one memory pool);
+        # a draw's: while referenced
         self.device_tokens = device_tokens
         self._host = host
         self._host.copy_(device_tokens, non_blocking=True)

@@ -11,7 +11,7 @@ from engine.decode_graphs import DecodeGraphs
 from engine.mixed_graphs import MixedGraphs
 from engine.model import AttentionMetadata, CausalLM
 from engine.request import Request
-from engine.sampler import is_plain_greedy
+from engine.sampler import is_plain_greedy, to_device
 from engine.scheduler import SchedulerOutput
 from engine.tp_ranks import TPRanks
 
@@ -106,8 +106,8 @@ class ModelRunner:
         if not greedy_rows:
             return StepLogits(out.logits, decodes, [])
         greedy = set(greedy_rows)
-        others = torch.tensor([i for i in range(len(decodes)) if i not in greedy], device=out.logits.device)
-        picked = torch.tensor(greedy_rows, device=out.tokens.device)
+        others = to_device([i for i in range(len(decodes)) if i not in greedy], torch.long, out.logits.device)
+        picked = to_device(greedy_rows, torch.long, out.tokens.device)
         return StepLogits(out.logits[others], decodes, [], greedy_rows, out.tokens[picked])
 
     def _head(self, hidden: torch.Tensor, greedy_rows: list[int]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -117,9 +117,11 @@ class ModelRunner:
             return None, self.model.logits(hidden)
         if len(greedy_rows) == hidden.shape[0]:
             return self.model.greedy_tokens(hidden), None
-        keep = torch.ones(hidden.shape[0], dtype=torch.bool)
-        keep[greedy_rows] = False
-        return self.model.greedy_tokens(hidden[greedy_rows]), self.model.logits(hidden[keep])
+        greedy = set(greedy_rows)
+        others = [i for i in range(hidden.shape[0]) if i not in greedy]
+        # Row indices, not a mask: a boolean mask on a GPU waits for the device to count its rows.
+        return (self.model.greedy_tokens(hidden[to_device(greedy_rows, torch.long, hidden.device)]),
+                self.model.logits(hidden[to_device(others, torch.long, hidden.device)]))
 
     def _prepare_host(self, scheduled: SchedulerOutput) -> BatchInputs:
         items = scheduled.scheduled()

@@ -67,7 +67,7 @@ class Sampler:
             return greedy_tokens
         if len(random_rows) == len(requests):
             return self._sample_random(logits.float(), requests)
-        rows = _to_device(random_rows, torch.long, logits.device)
+        rows = to_device(random_rows, torch.long, logits.device)
         drawn = self._sample_random(logits.index_select(0, rows).float(), [requests[i] for i in random_rows])
         return greedy_tokens.index_copy(0, rows, drawn)
 
@@ -194,8 +194,8 @@ class Sampler:
                 seed = request.params.seed * _SEED_STRIDE + request.num_output_tokens
                 self._row_generator.manual_seed(seed % (2**63))
                 rows[i].exponential_(generator=self._row_generator)
-            # one copy for all of them, queued behind the step (no wait: see _to_device)
-            noise.index_copy_(0, _to_device(seeded, torch.long, device), _to_device(rows, torch.float32, device))
+            # one copy for all of them, queued behind the step (no wait: see to_device)
+            noise.index_copy_(0, to_device(seeded, torch.long, device), to_device(rows, torch.float32, device))
         return noise
 
 
@@ -226,16 +226,16 @@ def _apply_logit_bias(logits: torch.Tensor, requests: list[Request]) -> None:
 
 def _row_settings(requests: list[Request], vocab_size: int, device: torch.device) -> _Rows:
     return _Rows(
-        temperature=_to_device([r.params.temperature for r in requests], torch.float32, device).unsqueeze(1),
-        top_k=_to_device([r.params.top_k if 0 < r.params.top_k < vocab_size else vocab_size for r in requests],
+        temperature=to_device([r.params.temperature for r in requests], torch.float32, device).unsqueeze(1),
+        top_k=to_device([r.params.top_k if 0 < r.params.top_k < vocab_size else vocab_size for r in requests],
                          torch.long, device),
-        top_p=_to_device([r.params.top_p for r in requests], torch.float32, device),
-        min_p=(_to_device([r.params.min_p for r in requests], torch.float32, device)
+        top_p=to_device([r.params.top_p for r in requests], torch.float32, device),
+        min_p=(to_device([r.params.min_p for r in requests], torch.float32, device)
                if any(r.params.min_p > 0 for r in requests) else None),
     )
 
 
-def _to_device(values: list | torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def to_device(values: list | torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """values on device without waiting for the device: a GPU gets them from pinned memory,
     non-blocking (a plain torch.tensor(..., device=cuda) waits for the stream's queued work)."""
     host = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)

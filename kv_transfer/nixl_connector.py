@@ -267,14 +267,15 @@ class NixlConnector(SideChannelConnector):
     def _start_copy(self, read: PendingRead, peer: Peer, same_gpu: cuda_ipc.MappedCache) -> bool:
         """Start the read as device copies from the peer on this GPU; False where they could not
         start (the peer's reads go through UCX from now on)."""
-        if self._copy_stream is None:
-            self._copy_stream = torch.cuda.Stream(self.kv_cache.device)
         try:
+            if self._copy_stream is None:
+                self._copy_stream = torch.cuda.Stream(self.kv_cache.device)
             read.handle = cuda_ipc.CopyRead(self.kv_cache, same_gpu.get(), read.local_block_ids,
                                             read.remote_block_ids, self._copy_stream)
         except Exception as exc:  # noqa: BLE001 - torch raises its own types: UCX carries this read instead
             try:
-                self._copy_stream.synchronize()  # NOTE: no copy it launched may still write the blocks
+                if self._copy_stream is not None:
+                    self._copy_stream.synchronize()  # NOTE: no copy it launched may still write the blocks
             except Exception as sync_exc:  # noqa: BLE001 - the device is failing: the read fails as a transfer
                 raise TransferFailed(f"device copy from the peer on this GPU failed: {sync_exc}") from sync_exc
             logger.warning("KV reads from the peer on this GPU at %s go through UCX from now on: a device copy "
@@ -437,7 +438,10 @@ class NixlConnector(SideChannelConnector):
         self._wake.set()
         self._progress.join(timeout=2)
         if self._copy_stream is not None:
-            self._copy_stream.synchronize()  # NOTE: before the mappings the copies read can close
+            try:
+                self._copy_stream.synchronize()  # NOTE: before the mappings the copies read can close
+            except Exception as exc:  # noqa: BLE001 - a failing device: the rest of the closing still runs
+                logger.warning("waiting for the device copies under way at close: %s", exc)
         super().close()
         try:
             self._agent.deregister_memory(self._reg)

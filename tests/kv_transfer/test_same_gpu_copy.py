@@ -127,9 +127,12 @@ class _Stream:
         pass
 
 
-def test_a_copy_that_cannot_start_leaves_the_read_and_the_peers_next_ones_to_ucx(holders, monkeypatch):  # noqa: F811
+@pytest.mark.parametrize("failing", ["copy", "stream"])
+def test_a_copy_that_cannot_start_leaves_the_read_and_the_peers_next_ones_to_ucx(failing, holders,  # noqa: F811
+                                                                                  monkeypatch):
     """CPU stand-ins: the peer taken as on this GPU, its copies failing at once (a staging
-    allocation the GPU refused): the read goes through UCX, whole and right, and so do the next."""
+    allocation the GPU refused, or the copy stream that could not be made): the read goes through
+    UCX, whole and right, and so do the next."""
     from tests.kv_transfer.test_connectors import reader
 
     holder = holders("nixl", seed=6)
@@ -142,8 +145,14 @@ def test_a_copy_that_cannot_start_leaves_the_read_and_the_peers_next_ones_to_ucx
         def __init__(self, *args) -> None:
             raise torch.OutOfMemoryError("no room for the staging buffer")
 
-    monkeypatch.setattr(cuda_ipc, "CopyRead", Refused)
-    connector._copy_stream = _Stream()
+    if failing == "copy":
+        monkeypatch.setattr(cuda_ipc, "CopyRead", Refused)
+        connector._copy_stream = _Stream()
+    else:
+        def no_stream(*args, **kwargs):
+            raise RuntimeError("CUDA error: out of memory")
+
+        monkeypatch.setattr(torch.cuda, "Stream", no_stream)
     try:
         for request_id, remote, local in (("a", [3, 4], [10, 11]), ("b", [7], [20])):
             connector.start_read(request_id, holder.lease(request_id, remote), local)
@@ -156,6 +165,29 @@ def test_a_copy_that_cannot_start_leaves_the_read_and_the_peers_next_ones_to_ucx
         connector.close()
 
 
+def _read_plans(num_blocks: int, seed: int = 2) -> dict[str, tuple[list[int], list[int]]]:
+    """The CUDA test's reads, in order, as (remote ids, local ids): two runs of 8, then six scattered
+    reads of 1, 3 or 20 blocks. Each read's local blocks are distinct; reads run one at a time, each
+    checked before the next, so one read may write where an earlier one did."""
+    rng = random.Random(seed)
+    plans = {"contiguous": (list(range(8)), list(range(20, 28)))}
+    for i in range(6):
+        n = rng.choice([1, 3, 20])
+        plans[f"r{i}"] = (rng.sample(range(num_blocks), n), rng.sample(range(num_blocks), n))
+    return plans
+
+
+def test_the_cuda_tests_reads_fit_the_cache_and_take_both_kinds_of_copy():
+    """Run here, not only on a GPU: the plans must be buildable (they once drew more local blocks
+    than the cache has, and the CUDA test failed before its first read)."""
+    plans = _read_plans(LAYOUT.num_blocks)
+    for remote, local in plans.values():
+        assert len(remote) == len(local) == len(set(local))
+        assert set(remote) | set(local) <= set(range(LAYOUT.num_blocks))
+    kinds = {len(cuda_ipc.runs(local, remote)) > cuda_ipc._MAX_RUN_COPIES for remote, local in plans.values()}
+    assert kinds == {False, True}  # copies run by run, and gathered and scattered
+
+
 @gpu
 @requires_cuda
 @pytest.mark.parametrize("same_gpu_copy", [True, False])
@@ -165,13 +197,7 @@ def test_on_cuda_reads_from_the_same_gpu_are_device_copies_equal_confirmed_and_r
     cache = torch.full(shape, float("nan"), device="cuda")
     connector = create_connector(TransferConfig(backend="nixl", same_gpu_copy=same_gpu_copy), cache, LAYOUT, "reader")
     try:
-        rng = random.Random(2)
-        free = list(range(LAYOUT.num_blocks))
-        rng.shuffle(free)
-        plans = {"contiguous": (list(range(8)), list(range(20, 28)))}
-        for i in range(6):  # scattered, some over the run-by-run limit
-            n = rng.choice([1, 3, 20])
-            plans[f"r{i}"] = (rng.sample(range(LAYOUT.num_blocks), n), [free.pop() for _ in range(n)])
+        plans = _read_plans(LAYOUT.num_blocks)
         for request_id, (remote, local) in plans.items():
             connector.start_read(request_id, holder.lease(request_id, remote), local)
             [result] = poll_until(connector, {request_id}, timeout_s=30).values()
