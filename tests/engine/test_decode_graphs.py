@@ -13,7 +13,7 @@ from engine.decode_graphs import DecodeGraphs, PendingTokens, bucket_for, captur
 from engine.engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from tests.engine.test_correctness import MAX_TOKENS, make_prompts, run_to_completion, transformers_greedy
-from tests.kernels.conftest import ENGINE_DEVICES
+from tests.kernels.conftest import ENGINE_DEVICES, gpu, requires_cuda
 
 
 def test_capture_sizes_cover_every_batch_with_little_padding():
@@ -419,3 +419,34 @@ def test_a_step_whose_staging_failed_leaves_no_row_thinking_its_table_was_sent(t
     graphs._stage(decodes)
     for row, request in enumerate(decodes):
         assert graphs._tables[row, : len(request.block_ids)].tolist() == request.block_ids, row
+
+
+@gpu
+@requires_cuda
+def test_on_cuda_a_launch_never_waits_for_the_device(tiny_model_dir, monkeypatch):
+    """DecodeGraphs.launch, the async step (staging, the previous step's tokens fed on the device,
+    the replay, a draw for sampled rows), under torch's sync debug mode: nothing in it waits for the
+    device. The workload runs twice on one engine, the second time under the check, so that first
+    uses (a bucket's pinned blocks, the generator) are not taken for per-step work; both runs agree."""
+    engine = engine_for(tiny_model_dir, "auto", "cuda", async_scheduling=True)
+    prompts = make_prompts(ModelConfig.from_pretrained(tiny_model_dir).vocab_size)[:8]
+    params = [SamplingParams(max_tokens=12 + i, temperature=0.0) for i in range(6)]
+    params += [SamplingParams(max_tokens=14, temperature=0.8, seed=3),
+               SamplingParams(max_tokens=15, temperature=1.0, top_k=5, seed=4)]
+    first = run_to_completion(engine, prompts, params)
+    checked = []
+    real = DecodeGraphs.launch
+
+    def launch_checked(self, *args, **kwargs):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return real(self, *args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            checked.append(args[1] is not None)  # fed by the step before
+
+    monkeypatch.setattr(DecodeGraphs, "launch", launch_checked)
+    second = run_to_completion(engine, prompts, params, prefix="again")
+    assert [[t.token_id for t in tokens] for tokens in second] == [[t.token_id for t in tokens] for tokens in first]
+    assert len(checked) >= 10 and checked.count(True) >= 5, checked
+    engine.check_leaks()
