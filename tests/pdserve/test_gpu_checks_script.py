@@ -107,3 +107,16 @@ def test_a_step_without_time_left_is_skipped(tmp_path):
     summary = (out / "summary.txt").read_text()
     assert "== kv: skipped" in summary and "== served: skipped" in summary
     assert calls == []  # nothing but the set-up ran
+
+
+def test_the_stream_step_alone_makes_its_model_first(tmp_path):
+    """The stream step reads the llama-1b model gpu_engine and served make: run alone (a rerun of
+    that step), it makes the model first, where it is missing."""
+    proc, calls, _ = _run(tmp_path, ["stream"], total_s=200)
+    assert proc.returncode == 0, proc.stderr
+    *make, stream = calls
+    if not (REPO / ".cache" / "models" / "llama-1b-bf16" / "config.json").exists():
+        [make] = make
+        assert make.startswith("-m pdserve.cli make-model .cache/models/llama-1b-bf16 --preset llama-1b")
+        assert "--dtype bfloat16 --device cuda" in make
+    assert "benchmarks/kv_streaming.py" in stream and "--model-dir .cache/models/llama-1b-bf16" in stream
