@@ -231,14 +231,17 @@ def joined_runs(runs: list[ByteRuns]) -> ByteRuns:
 
 
 def _merged_runs(parts: list) -> ByteRuns:
+    """The parts' runs, adjacent ones merged within a part (one pair of ranks): never across two,
+    whose caches are registered apart even where one ends in memory where the next begins."""
     local = np.concatenate([p[0] for p in parts])
     remote = np.concatenate([p[2] for p in parts])
     local_dev = np.concatenate([np.full(len(p[0]), p[1], dtype=np.int64) for p in parts])
     remote_dev = np.concatenate([np.full(len(p[0]), p[3], dtype=np.int64) for p in parts])
     lengths = np.concatenate([np.full(len(p[0]), p[4], dtype=np.int64) for p in parts])
+    part = np.concatenate([np.full(len(p[0]), i, dtype=np.int64) for i, p in enumerate(parts)])
     breaks = np.ones(len(local), dtype=bool)
     breaks[1:] = ((local[1:] != local[:-1] + lengths[:-1]) | (remote[1:] != remote[:-1] + lengths[:-1])
-                  | (local_dev[1:] != local_dev[:-1]) | (remote_dev[1:] != remote_dev[:-1]))
+                  | (part[1:] != part[:-1]))
     starts = np.flatnonzero(breaks)
     return ByteRuns(local[starts], local_dev[starts], remote[starts], remote_dev[starts],
                     np.add.reduceat(lengths, starts))

@@ -5,6 +5,7 @@ descriptors of a one-rank read, a part of a rank's heads takes one per token and
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import msgspec
@@ -101,6 +102,26 @@ def test_head_segments_read_each_head_from_the_first_peer_rank_holding_it():
 
 def _regions(ranges, storage):
     return [ShardRegions.of(s) for s in reader_shards(ranges, storage)]
+
+
+def test_runs_never_merge_across_two_ranks_caches_lying_end_to_end():
+    """Two ranks' caches one right after the other in memory (as an allocator may place them on one
+    GPU), on both sides: a read of every block takes a run per rank, not one spanning both caches,
+    which no registration holds."""
+    blocks = list(range(LAYOUT.num_blocks))
+
+    def end_to_end(regions):
+        first, second = regions
+        return [first, dataclasses.replace(second, base_address=first.base_address + LAYOUT.num_blocks
+                                           * first.block_stride)]
+
+    local = end_to_end(_regions([(0, 2), (2, 4)], "block"))
+    remote = end_to_end(_regions([(0, 2), (2, 4)], "block"))
+    runs = byte_runs(local, remote, blocks, blocks, LAYOUT, 4)
+    assert len(runs.lengths) == 2
+    for regions, addresses in ((local, runs.local_addresses), (remote, runs.remote_addresses)):
+        for region, address, length in zip(regions, addresses, runs.lengths):
+            assert address == region.base_address and length == LAYOUT.num_blocks * region.block_stride
 
 
 @pytest.mark.parametrize("storage", ["block", "layer"])
