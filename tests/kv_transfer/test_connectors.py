@@ -10,6 +10,7 @@ import json
 import random
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -54,7 +55,9 @@ class Holder:
         env = child_env(PEER_STORAGE=storage, PEER_DEVICE=device, PEER_HEAD_RANGES=json.dumps(head_ranges or []))
         layout_json = msgspec.json.encode(layout).decode()
         argv = [sys.executable, str(PEER), backend, str(seed), layout_json, str(port), *([secret] if secret else [])]
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+        # its tail in the error where the holder ends or stalls; closed by kill()
+        self._stderr = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr,
                                      text=True, env=env, start_new_session=True)
         hello = self._read_line(timeout_s=60)
         self.address, self.engine_id = hello["address"], hello["engine_id"]
@@ -69,8 +72,12 @@ class Holder:
             if line.startswith("{"):
                 return json.loads(line)
             if self.proc.poll() is not None:
-                raise RuntimeError(f"holder exited with {self.proc.returncode}")
-        raise TimeoutError("holder did not start")
+                raise RuntimeError(f"holder exited with {self.proc.returncode}; its stderr ends:\n{self.stderr_tail()}")
+        raise TimeoutError(f"holder did not answer; its stderr ends:\n{self.stderr_tail()}")
+
+    def stderr_tail(self, chars: int = 3000) -> str:
+        self._stderr.seek(0)
+        return self._stderr.read()[-chars:]
 
     def lease(self, request_id: str, block_ids: list[int]) -> RemoteLease:
         """Hold block_ids for request_id on the holder (as a prefill node does); the handle's lease."""
@@ -105,6 +112,7 @@ class Holder:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait()
+        self._stderr.close()
 
 
 @pytest.fixture
