@@ -34,6 +34,22 @@ limit() { local left=$((total - SECONDS)); echo $(( $1 < left ? $1 : (left > 1 ?
 # timeout, then SIGKILL 45 s after its SIGTERM (a step's cleanup stops the servers it started: up to 10 s for
 # each of the proxy, the prefill nodes and the decode nodes).
 run_for() { timeout -k 45 "$@"; }
+# Every process a step starts carries this mark in its environment. The servers a step starts run in
+# sessions of their own (pdserve/cluster.py), so a step's timeout does not reach them: what a step
+# leaves is ended before the next one starts, by the mark (no other process is touched).
+export PDSERVE_GPU_CHECK_RUN="$$-$RANDOM$RANDOM"
+sweep() {
+    local pid left=()
+    for pid in $(pgrep -d ' ' .); do
+        [ "$pid" = "$$" ] || [ "$pid" = "$BASHPID" ] && continue
+        tr '\0' '\n' <"/proc/$pid/environ" 2>/dev/null | grep -qx "PDSERVE_GPU_CHECK_RUN=$PDSERVE_GPU_CHECK_RUN" \
+            && left+=("$pid")
+    done
+    if [ ${#left[@]} -gt 0 ]; then
+        kill -9 "${left[@]}" 2>/dev/null
+        echo "== $1: ended ${#left[@]} processes it left running" | tee -a "$summary"
+    fi
+}
 # What a cut-off call still brings back: the results and the logs so far.
 save() {
     cp "$out"/results/*.json "$dest/results/" 2>/dev/null
@@ -131,6 +147,7 @@ for step in $steps; do
         *) echo "unknown step $step"; rc=2 ;;
     esac
     echo "== $step: exit $rc, $((SECONDS - start)) s" | tee -a "$summary"
+    sweep "$step"
     save
 done
 grep -hE "passed|failed" "$out"/engine_tests.log "$out"/tp_tests.log "$out"/kernel_tests.log 2>/dev/null | tail -4 >>"$summary"

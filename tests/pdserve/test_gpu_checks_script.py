@@ -23,16 +23,20 @@ def _stand_in(bin_dir: Path, name: str, body: str) -> None:
     path.chmod(path.stat().st_mode | stat.S_IXUSR)
 
 
-def _run(tmp_path: Path, steps: list[str], total_s: int, failing: str = "") -> tuple[subprocess.CompletedProcess,
-                                                                                     list[str], Path]:
+def _run(tmp_path: Path, steps: list[str], total_s: int, failing: str = "",
+         leaving: str = "") -> tuple[subprocess.CompletedProcess, list[str], Path]:
     bin_dir, out, calls = tmp_path / "bin", tmp_path / "out", tmp_path / "calls.log"
     bin_dir.mkdir()
-    # python3: log the arguments (one line a call); the script named in FAIL_ON exits 3, everything else 0.
+    # python3: log the arguments (one line a call); the script named in FAIL_ON exits 3, everything else 0;
+    # the one named in LEAVE_ON leaves a process running in a session of its own (as a step's servers run).
     _stand_in(bin_dir, "python3", f'{{ echo "$*" | tr "\\n" " "; echo; }} >> {calls}\n'
                                   f'case "$*" in *"$FAIL_ON"*) [ -n "$FAIL_ON" ] && exit 3;; esac\n'
+                                  f'case "$*" in *"$LEAVE_ON"*) [ -n "$LEAVE_ON" ] && {{ setsid sleep 300 '
+                                  f'</dev/null >/dev/null 2>&1 & echo $! >> {tmp_path}/left.pids; }};; esac\n'
                                   'echo "12 passed in 1.0s"\n')
     _stand_in(bin_dir, "nvidia-smi", 'echo "GPU 0: stand-in"\n')
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "TOTAL_S": str(total_s), "FAIL_ON": failing}
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "TOTAL_S": str(total_s), "FAIL_ON": failing,
+           "LEAVE_ON": leaving}
     proc = subprocess.run(["bash", "benchmarks/gpu_checks.sh", str(out), *steps], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=60)
     lines = [line for line in calls.read_text().splitlines()
@@ -120,3 +124,27 @@ def test_the_stream_step_alone_makes_its_model_first(tmp_path):
         assert make.startswith("-m pdserve.cli make-model .cache/models/llama-1b-bf16 --preset llama-1b")
         assert "--dtype bfloat16 --device cuda" in make
     assert "benchmarks/kv_streaming.py" in stream and "--model-dir .cache/models/llama-1b-bf16" in stream
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_what_a_step_leaves_running_is_ended_before_the_next_and_nothing_else(tmp_path):
+    bystander = subprocess.Popen(["sleep", "300"], start_new_session=True)  # not the run's: left alone
+    try:
+        proc, calls, out = _run(tmp_path, ["served", "kv"], total_s=200, leaving="gpu_served.py")
+        assert proc.returncode == 0, proc.stderr
+        [left] = [int(pid) for pid in (tmp_path / "left.pids").read_text().split()]
+        assert not _running(left)
+        assert _running(bystander.pid)
+        summary = (out / "summary.txt").read_text().splitlines()
+        assert [line for line in summary if "ended" in line] == ["== served: ended 1 processes it left running"]
+        assert summary.index("== served: ended 1 processes it left running") < next(
+            i for i, line in enumerate(summary) if line.startswith("== kv: exit"))
+    finally:
+        bystander.kill()
+        bystander.wait()
