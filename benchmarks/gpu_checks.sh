@@ -41,7 +41,7 @@ export PDSERVE_GPU_CHECK_RUN="$$-$RANDOM$RANDOM"
 sweep() {
     local pid left=()
     for pid in $(pgrep -d ' ' .); do
-        [ "$pid" = "$$" ] || [ "$pid" = "$BASHPID" ] && continue
+        [ "$pid" = "$$" ] && continue
         tr '\0' '\n' <"/proc/$pid/environ" 2>/dev/null | grep -qx "PDSERVE_GPU_CHECK_RUN=$PDSERVE_GPU_CHECK_RUN" \
             && left+=("$pid")
     done

@@ -105,9 +105,7 @@ class ModelRunner:
             return StepLogits(None, decodes, [], greedy_rows, out.tokens)
         if not greedy_rows:
             return StepLogits(out.logits, decodes, [])
-        greedy = set(greedy_rows)
-        others = to_device([i for i in range(len(decodes)) if i not in greedy], torch.long, out.logits.device)
-        picked = to_device(greedy_rows, torch.long, out.tokens.device)
+        picked, others = _split_rows(greedy_rows, len(decodes), out.logits.device)
         return StepLogits(out.logits[others], decodes, [], greedy_rows, out.tokens[picked])
 
     def _head(self, hidden: torch.Tensor, greedy_rows: list[int]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -117,11 +115,8 @@ class ModelRunner:
             return None, self.model.logits(hidden)
         if len(greedy_rows) == hidden.shape[0]:
             return self.model.greedy_tokens(hidden), None
-        greedy = set(greedy_rows)
-        others = [i for i in range(hidden.shape[0]) if i not in greedy]
-        # Row indices, not a mask: a boolean mask on a GPU waits for the device to count its rows.
-        return (self.model.greedy_tokens(hidden[to_device(greedy_rows, torch.long, hidden.device)]),
-                self.model.logits(hidden[to_device(others, torch.long, hidden.device)]))
+        picked, others = _split_rows(greedy_rows, hidden.shape[0], hidden.device)
+        return self.model.greedy_tokens(hidden[picked]), self.model.logits(hidden[others])
 
     def _prepare_host(self, scheduled: SchedulerOutput) -> BatchInputs:
         items = scheduled.scheduled()
@@ -214,3 +209,11 @@ def _prompt_spans(
         spans.append(PromptSpan(request, first, end - first))
         indices.extend(range(cu_lens[idx] + first - start, cu_lens[idx] + end - start))
     return spans, indices
+
+
+def _split_rows(greedy_rows: list[int], num_rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(greedy_rows, the other rows in order) as index tensors on device, sent without waiting for it:
+    indices, not a mask (a boolean mask on a GPU waits for the device to count its rows)."""
+    greedy = set(greedy_rows)
+    others = [i for i in range(num_rows) if i not in greedy]
+    return to_device(greedy_rows, torch.long, device), to_device(others, torch.long, device)

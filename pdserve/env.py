@@ -37,9 +37,9 @@ def collect() -> dict:
     from pdserve.cli import version
 
     features = native.cpu_features()
-    runs = [level.name for level in native.available_levels()]
     levels = [{"name": level.name, "built": native.library_path(level) is not None,
                "missing_features": sorted(level.cpu_features - features)} for level in LEVELS]
+    runs = [level["name"] for level in levels if level["built"] and not level["missing_features"]]
     auto = resolve_device("auto")
     return {
         "pdserve": version(),
@@ -152,9 +152,9 @@ def render(report: dict) -> str:
         lines.append(f"GPUs: {gpus}")
     elif not gpus:
         lines.append("GPUs: none visible to torch" + ("" if report["torch_cuda"] else " (a CPU-only torch)"))
-    for gpu in gpus if isinstance(gpus, list) else []:
-        lines.append(f"GPU {gpu['index']}: {gpu['name']}, {gpu['memory_gib']} GiB ({gpu['free_gib']} free), "
-                     f"compute {gpu['compute_capability']}, {gpu['uuid']}")
+    else:
+        lines += [f"GPU {gpu['index']}: {gpu['name']}, {gpu['memory_gib']} GiB ({gpu['free_gib']} free), "
+                  f"compute {gpu['compute_capability']}, {gpu['uuid']}" for gpu in gpus]
     if report["cuda_visible_devices"] is not None:
         lines.append(f"CUDA_VISIBLE_DEVICES={report['cuda_visible_devices']}")
     nixl = report["nixl"]
