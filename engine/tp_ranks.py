@@ -58,6 +58,11 @@ _WATCH_INTERVAL_S = 0.5
 # within this ends a node's process (EngineConfig.lost_rank_ends_process). With gloo a step fails
 # at once; NCCL would wait for its watchdog (COLLECTIVE_TIMEOUT_S).
 LOST_RANK_GRACE_S = 5.0
+# The same while the group starts, from the first collective on (NCCL sets its communicator up there
+# and waits for every rank without a timeout), for every engine: rank 0 meets a lost worker within
+# a second wherever it waits for the workers, so only a wait it cannot leave lasts this long. It
+# covers rank 0 allocating its own cache meanwhile, so a worker's start error is raised, not cut short.
+START_LOST_RANK_GRACE_S = 30.0
 
 # A step message: an int64 header, then every int tensor of the step flattened (see _pack_step).
 _OP_STEP, _OP_STOP = 1, 2
@@ -93,7 +98,8 @@ def build_rank(config: EngineConfig, backend: Backend, group: TPGroup | None, al
     (unless not allocate: then kv_cache is None, for the caller to set; see shares_caches).
     NOTE: loaded is where the ranks meet before their first collective: NCCL sets its communicator
     up there and waits for every rank without a timeout, so a worker that failed to load must be
-    known before (rank 0: TPRanks._await("loaded"); a worker: it reports "loaded")."""
+    known before (rank 0: TPRanks._await("loaded"), then a thread watching for one lost in the
+    collective; a worker: it reports "loaded")."""
     shard = group.shard if group is not None else tp_shard(config.model, 0, 1)
     weights = load_weights(config.model, backend, decode_batches=config.role is not Role.PREFILL, shard=shard)
     local = local_model_config(config.model, shard)
@@ -126,12 +132,15 @@ class TPRanks:
         self.worker_caches: list[tuple[torch.Tensor, range]] = []
         self._shared_files = shared_files  # removed at the latest when the workers stop
         self._watch_stop = threading.Event()  # set before the workers are stopped
+        self.starting = True  # until start() returns (_watch_workers)
         self._finalizer = weakref.finalize(self, _stop_workers, processes, pipes, shared_files, self._watch_stop)
 
     def watch(self, ends_process: bool) -> None:
         """Watch the workers from a thread of this process: one lost and not met by a step within
         LOST_RANK_GRACE_S is logged; with ends_process, it ends this process (exit 1), its other
-        workers killed first."""
+        workers killed first. While starting, one lost and not met within START_LOST_RANK_GRACE_S
+        ends this process whatever ends_process says: rank 0 is then stuck where nothing else
+        would end it."""
         threading.Thread(target=_watch_workers, args=(weakref.ref(self), self._processes, self._watch_stop,
                                                       ends_process), name="tp-watch", daemon=True).start()
 
@@ -151,13 +160,18 @@ class TPRanks:
         channel_file = _channel_file(config)
         processes, pipes = _spawn_workers(config, store.port, threads, channel_file)
         ranks = cls(processes, pipes, store, list(filter(None, [channel_file])))
+
+        def loaded() -> None:
+            ranks._await("loaded")
+            ranks.watch(config.lost_rank_ends_process)  # NOTE: before the first collective (build_rank)
+
         try:
             ranks._await("joining")
             alive = lambda: all(p.poll() is None for p in processes)  # noqa: E731 - the channel's check
             channel = _channel(channel_file, 0, size, tp_shm.SLOT_BYTES, alive)
             group = TPGroup(tp_shard(config.model, 0, size), config.model.vocab_size,
                             make_process_group(store, 0, size, config.device), channel)
-            built = build_rank(config, backend, group, loaded=lambda: ranks._await("loaded"))
+            built = build_rank(config, backend, group, loaded=loaded)
             if shares_caches(config):
                 ranks._await("sized")
                 ranks._give_worker_caches(config, built.num_blocks)
@@ -172,7 +186,7 @@ class TPRanks:
         except BaseException:
             ranks.close()
             raise
-        ranks.watch(config.lost_rank_ends_process)
+        ranks.starting = False
         logger.info("tensor parallel: %d ranks (pids %s), %d threads each", size,
                     ", ".join(str(p.pid) for p in processes), threads)
         return ranks, built
@@ -403,21 +417,26 @@ def _watch_workers(ranks_ref: weakref.ref, processes: list[subprocess.Popen], st
         ranks = ranks_ref()  # NOTE: no reference kept across waits: the group can still be collected
         if ranks is None:
             return
-        is_broken = ranks.is_broken
+        is_broken, starting = ranks.is_broken, ranks.starting
         del ranks
         if not lost or is_broken:
             lost_at = None  # nothing lost, or a step ran into it: the engine ends on that error
             continue
         lost_at = lost_at or time.monotonic()
-        if time.monotonic() - lost_at < LOST_RANK_GRACE_S:
+        grace = START_LOST_RANK_GRACE_S if starting else LOST_RANK_GRACE_S
+        if time.monotonic() - lost_at < grace:
             continue
         what = ", ".join(f"rank {rank} (pid {p.pid}) exited with code {p.returncode}" for rank, p in lost)
-        if not ends_process:  # NOTE: the next step raises (_check_alive); one waiting on it now stays
+        if starting:
+            logger.critical("tensor-parallel %s while the group was starting, and rank 0 did not get back to it "
+                            "within %.0f s (its first collective may be waiting for it): ending this process, "
+                            "its other ranks too", what, grace)
+        elif not ends_process:  # NOTE: the next step raises (_check_alive); one waiting on it now stays
             logger.error("tensor-parallel %s; this engine cannot run another step", what)
             return
-        logger.critical("tensor-parallel %s, and no step of rank 0 failed on it within %.0f s (a collective "
-                        "may be waiting for it): ending this node's process, its other ranks too",
-                        what, LOST_RANK_GRACE_S)
+        else:
+            logger.critical("tensor-parallel %s, and no step of rank 0 failed on it within %.0f s (a collective "
+                            "may be waiting for it): ending this node's process, its other ranks too", what, grace)
         for process in processes:
             with contextlib.suppress(OSError):
                 process.kill()
@@ -548,6 +567,9 @@ def _worker_main(address: str, rank: int) -> None:
                 return  # rank 0 stopped the group while starting
             built.kv_cache = _import_cache(handle, config, rank, built.num_blocks)
     except Exception as exc:  # noqa: BLE001 - process edge: report it to rank 0, then end
+        # NOTE: on stderr too: a rank 0 stuck in a collective ends without reading the pipe (_watch_workers)
+        sys.stderr.write(f"tensor-parallel rank {rank} failed to start: {type(exc).__name__}: {exc}\n")
+        sys.stderr.flush()
         pipe.send(("error", f"{type(exc).__name__}: {exc}"))
         return
     pipe.send(("ready", built.num_blocks))

@@ -283,6 +283,42 @@ def test_a_nodes_engine_whose_worker_is_lost_while_nothing_steps_ends_its_proces
     assert f"rank 1 (pid {worker}) exited with code -9" in err and "ending this node's process" in err
 
 
+@pytest.mark.parametrize("ends_process", [False, True])
+def test_a_worker_lost_while_rank_0_waits_in_its_first_collective_ends_the_process(tiny_model_dir, ends_process):
+    """NCCL's first collective (the block count's minimum) waits for every rank without a timeout:
+    a worker lost there ends rank 0's process within the start's grace, for a node's engine and an
+    offline one alike, instead of leaving it waiting. Here rank 0's first collective never returns."""
+    child = textwrap.dedent(f"""
+        import os, signal, time
+        import engine.tp_ranks as tp_ranks
+        from engine.tp_group import TPGroup
+        from tests.engine.test_tensor_parallel import make_engine
+        tp_ranks.START_LOST_RANK_GRACE_S = 2.0
+        spawned = []
+        spawn = tp_ranks._spawn_workers
+        tp_ranks._spawn_workers = lambda *a: spawned.append(spawn(*a)) or spawned[-1]
+
+        def min_int(self, value):  # a collective waiting for a rank that is gone
+            [worker] = spawned[0][0]
+            print(worker.pid, flush=True)
+            os.kill(worker.pid, signal.SIGKILL)
+            time.sleep(300)
+
+        TPGroup.min_int = min_int
+        make_engine({str(tiny_model_dir)!r}, 2, lost_rank_ends_process={ends_process})
+    """)
+    process = subprocess.Popen([sys.executable, "-c", child], cwd=REPO, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        worker = int(process.stdout.readline())
+        _, err = process.communicate(timeout=60)
+    finally:
+        process.kill()
+        process.wait()
+    assert process.returncode == 1
+    assert f"rank 1 (pid {worker}) exited with code -9 while the group was starting" in err
+
+
 def test_a_worker_whose_rank_0_is_gone_ends_although_it_is_busy():
     """engine.tp_ranks._watch_parent: a worker stuck in a step (a collective waiting for rank 0) ends when
     rank 0's process does."""
