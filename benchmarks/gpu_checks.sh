@@ -5,8 +5,9 @@
 # memory between two processes over NIXL (benchmarks/kv_transfer_gpu.py: GB/s and UCX's transport),
 # 1P+1D against colocated served through the proxy (benchmarks/gpu_served.py, on the engine
 # benchmark's llama-1b), the KV pull streamed chunk by chunk against whole (benchmarks/kv_streaming.py,
-# same model, two nodes on the GPU), the kernel tests, then the Triton kernels' benchmark. STEPS picks
-# among engine, gpu_engine, kv, served, stream, tp, kernels and bench (default: engine kv gpu_engine
+# same model, two nodes on the GPU), the kernel tests, the Triton kernels' benchmark, and the engine's
+# host side per decode step on this machine's CPU (benchmarks/host_ceiling.py). STEPS picks
+# among engine, gpu_engine, kv, served, stream, tp, kernels, bench and host (default: engine kv gpu_engine
 # served tp stream, each with a short limit, so that a run on a GPU meets every area once; their
 # limits add up past TOTAL_S, their usual times do not; stream, last, needs about 60 s).
 # GPU_ENGINE_PRESETS (default llama-1b) are the engine benchmark's models: llama-8b (making it takes
@@ -144,6 +145,12 @@ for step in $steps; do
                      --deselect tests/kernels/test_native.py::test_no_build_uses_march_native \
                      >"$out/kernel_tests.log" 2>&1
                  rc=$?; grep -E "^(FAILED|ERROR)" "$out/kernel_tests.log" | head -40; tail -22 "$out/kernel_tests.log" ;;
+        # The engine's host side per decode step with the device's work free, on this machine's CPU
+        # (benchmarks/host_ceiling.py: beside the newest gpu_engine record's step; the CPU kernels
+        # are not built here, and only the prompts' prefill would use them).
+        host) run_for "$(limit 90)" python3 benchmarks/host_ceiling.py --kernel-backend reference 2>&1 \
+                  | tee "$out/host_ceiling.log" | grep -v '^RESULT'
+              rc=${PIPESTATUS[0]} ;;
         *) echo "unknown step $step"; rc=2 ;;
     esac
     echo "== $step: exit $rc, $((SECONDS - start)) s" | tee -a "$summary"
@@ -156,5 +163,6 @@ profile batch|by kind|prompt alone|weights kept|enforce-eager|x    1 rows|x  256
 grep -v '^RESULT' "$out/kv_transfer_gpu.log" 2>/dev/null | grep -E "GB/s|failed|timed out" >>"$summary"
 grep -v '^RESULT' "$out/gpu_served.log" 2>/dev/null | grep -E "tok/s|colocated|failed|skipped|greedy|stopped" >>"$summary"
 grep -v '^RESULT' "$out/kv_streaming.log" 2>/dev/null | grep -E "^\| [0-9]|streamed / whole|stopped|Error" >>"$summary"
+grep -v '^RESULT' "$out/host_ceiling.log" 2>/dev/null | grep -E "prefix caching|batch|Error" >>"$summary"
 save
 cat "$summary"

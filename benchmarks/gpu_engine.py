@@ -173,14 +173,17 @@ def _load(model_dir: Path, args, enforce_eager: bool) -> LLM:
                decode_graphs=graphs)
 
 
-def decode_steps(llm: LLM, batch: int, vocab: int, num_steps: int | None = None, around=None) -> list[float]:
-    """Per-step seconds of num_steps (default TIMED_STEPS) pure decode steps of `batch` sequences;
-    around: a context manager the timed steps run inside (a profiler)."""
+def decode_steps(llm: LLM, batch: int, vocab: int, num_steps: int | None = None, around=None,
+                 prompt_len: int | None = None, max_tokens: int | None = None) -> list[float]:
+    """Per-step seconds of num_steps (default TIMED_STEPS) pure decode steps of `batch` sequences
+    of prompt_len (default S.decode_prompt) random tokens; around: a context manager the timed
+    steps run inside (a profiler); max_tokens: each sequence's (default num_steps + 16), enough for
+    those that decode while the last prompts are prefilled to decode on through the timed steps."""
     engine = llm.engine
     num_steps = num_steps or S.timed_steps
-    params = SamplingParams(max_tokens=num_steps + 16, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens or num_steps + 16, temperature=0.0, ignore_eos=True)
     ids = [f"d{batch}-{i}" for i in range(batch)]
-    for rid, prompt in zip(ids, prompts_of(batch, S.decode_prompt, vocab, batch)):
+    for rid, prompt in zip(ids, prompts_of(batch, prompt_len or S.decode_prompt, vocab, batch)):
         engine.add_request(rid, prompt, params)
     while engine.scheduler.waiting or any(r.num_output_tokens == 0 for r in engine.scheduler.running):
         engine.step()
@@ -193,7 +196,8 @@ def decode_steps(llm: LLM, batch: int, vocab: int, num_steps: int | None = None,
             outputs = engine.step()
             times.append(time.perf_counter() - start)
             assert len(outputs) == batch, f"{len(outputs)} outputs in a step of {batch} decodes"
-        sync()
+        if engine.kv_cache.is_cuda:  # NOTE: the engine's device, not DEVICE: host_ceiling runs it on the CPU
+            torch.cuda.synchronize(engine.kv_cache.device)
     for rid in ids:
         engine.abort(rid)
     return times

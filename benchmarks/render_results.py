@@ -54,6 +54,7 @@ RENDERERS: dict[str, Callable[[list[dict]], tuple[list[str], list]]] = {
     "overload": results_served.render_overload,
     "proxy_capacity": results_served.render_proxy_capacity,
     "core_lending": results_served.render_core_lending, "kv_streaming": results_served.render_kv_streaming,
+    "host_ceiling": results_cpu.render_host_ceiling,
 }
 
 

@@ -1,5 +1,6 @@
 """Renderers for docs/benchmarks.md's engine benchmarks on CPU: the compiled kernels, KV transfer,
-the offline engine, decode latency and tensor parallelism (whose section also holds its GPU runs).
+the offline engine, decode latency, the host's share of a decode step and tensor parallelism (whose
+section also holds its GPU runs).
 """
 
 from __future__ import annotations
@@ -147,6 +148,25 @@ def render_decode_latency(records: list[dict]) -> tuple[list[str], list]:
                  num(r["tpot_ms"], 2, " ms"), num(r.get("tok_s"))] for r in result["rows"]]
         lines += [f"`{result['preset']}`, {result['dtype']}, {result['threads']} thread(s):", ""]
         lines += table(["sequences", "TPOT", "tok/s"], rows) + ["", "- " + provenance(record), ""]
+    return lines, []
+
+
+def render_host_ceiling(records: list[dict]) -> tuple[list[str], list]:
+    current = latest(records, lambda r: (cpu(r), r["result"]["preset"]))
+    lines = []
+    for record in current:
+        result = record["result"]
+        gpu = result.get("gpu_record")
+        rows = [["on" if r["prefix_caching"] else "off", r["batch"], num(r["step_ms_median"], 3, " ms"),
+                 num(r["us_per_sequence"], 1, " us"), num(r["ceiling_tok_s"], 0)]
+                + ([num(r.get("gpu_step_ms"), 3, " ms"), num(r.get("host_over_gpu"), 2, "x")] if gpu else [])
+                for r in result["rows"]]
+        beside = (f"; the GPU's step: {gpu['preset']} on {gpu['gpu']} with CUDA graphs at {gpu['commit']} "
+                  "(`gpu_engine`)") if gpu else ""
+        lines += [f"{result['prompt_len']}-token prompts, median of {result['steps']} steps{beside}:", ""]
+        lines += table(["prefix caching", "batch", "host a step", "a sequence", "tok/s at most"]
+                       + (["GPU step", "host / GPU"] if gpu else []), rows)
+        lines += ["", "- " + provenance(record), ""]
     return lines, []
 
 

@@ -14,7 +14,7 @@ import tarfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-STEPS = ["engine", "gpu_engine", "kv", "served", "kernels", "bench"]
+STEPS = ["engine", "gpu_engine", "kv", "served", "kernels", "bench", "host"]
 
 
 def _stand_in(bin_dir: Path, name: str, body: str) -> None:
@@ -53,10 +53,12 @@ def test_every_step_runs_in_order_with_its_scripts_arguments_and_the_summary_is_
     assert exits == [[step + ":", "exit", "3," if step == "kv" else "0,"] for step in STEPS]
     scripts = [next(word for word in call.split() if word.endswith(".py") or word == "pytest") for call in calls]
     assert scripts == ["pytest", "benchmarks/gpu_engine.py", "benchmarks/kv_transfer_gpu.py",
-                       "benchmarks/gpu_served.py", "setup.py", "pytest", "benchmarks/kernels.py"]
+                       "benchmarks/gpu_served.py", "setup.py", "pytest", "benchmarks/kernels.py",
+                       "benchmarks/host_ceiling.py"]
     assert "--presets llama-1b --budget-s 110" in calls[1]  # the step's 120 s, less 10
     assert "--log-dir" in calls[3] and "/served_logs" in calls[3]
     assert "tests/kernels -n 6" in calls[5] and "--deselect" in calls[5]  # the copy has no .git
+    assert "--kernel-backend reference" in calls[7]  # the CPU kernels are not built on the device
     assert "== imports: ok" in summary  # the stand-in python3 imports everything
     every_call = (tmp_path / "calls.log").read_text().splitlines()
     assert every_call.index("-m pdserve.cli env ") < every_call.index(calls[0])  # what pdserve sees, before the steps
