@@ -33,8 +33,10 @@ sys.path.insert(0, str(REPO))
 from benchmarks import gpu_engine  # noqa: E402
 from benchmarks.offline_throughput import model_dir_for  # noqa: E402
 from benchmarks.results_io import RESULTS_DIR, write_result  # noqa: E402
+from engine.config import CacheConfig  # noqa: E402
 from engine.decode_graphs import DecodeOutputs  # noqa: E402
 from engine.llm import LLM  # noqa: E402
+from engine.protocol import default_of, num_blocks_for  # noqa: E402
 
 # A step's token budget (the prompts' prefill).
 BUDGET = 8192
@@ -86,15 +88,12 @@ def host_steps(llm: LLM, batch: int, prompt_len: int, num_steps: int) -> list[fl
 
 def newest_gpu_steps(folder: Path = RESULTS_DIR) -> dict | None:
     """The newest gpu_engine record's decode steps: {"gpu", "commit", "preset", "step_ms": {batch: ms}}."""
-    newest = None
-    for path in sorted(folder.glob("gpu_engine-*.json")):
-        record = json.loads(path.read_text())
-        for preset in record.get("result", {}).get("presets", []):
-            if preset.get("decode") and (newest is None or record["date"] >= newest[0]["date"]):
-                newest = (record, preset)
-    if newest is None:
+    runs = [(record["date"], i, record, preset)
+            for record in (json.loads(path.read_text()) for path in folder.glob("gpu_engine-*.json"))
+            for i, preset in enumerate(record.get("result", {}).get("presets", [])) if preset.get("decode")]
+    if not runs:
         return None
-    record, preset = newest
+    *_, record, preset = max(runs, key=lambda run: run[:2])  # the newest record's last preset with decode steps
     return {"gpu": record["result"]["hardware"]["gpu"], "commit": record["commit"], "preset": preset["preset"],
             "step_ms": {str(row["batch"]): row["step_ms_median"] for row in preset["decode"]}}
 
@@ -118,7 +117,8 @@ def measure(args: argparse.Namespace, batches: list[int], caching: bool, gpu: di
     longest = args.prompt_len + max_tokens(max(batches), args.prompt_len, args.steps)
     llm = LLM(str(model_dir_for(args.preset)), device="cpu", dtype="float32", decode_graphs="static",
               max_model_len=longest, max_num_seqs=max(batches), max_num_batched_tokens=max(BUDGET, args.prompt_len),
-              num_blocks=max(batches) * (longest // 16 + 2), enable_prefix_caching=caching,
+              num_blocks=max(batches) * (num_blocks_for(longest, default_of(CacheConfig, "block_size")) + 1),
+              enable_prefix_caching=caching,
               kernel_backend=args.kernel_backend)
     calls = free_forward(llm.engine.runner.graphs)
     rows = []
