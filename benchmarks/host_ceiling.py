@@ -87,10 +87,12 @@ def host_steps(llm: LLM, batch: int, prompt_len: int, num_steps: int) -> list[fl
 
 
 def newest_gpu_steps(folder: Path = RESULTS_DIR) -> dict | None:
-    """The newest gpu_engine record's decode steps: {"gpu", "commit", "preset", "step_ms": {batch: ms}}."""
+    """The newest gpu_engine record's decode steps (a smoke run's are none): {"gpu", "commit", "preset",
+    "step_ms": {batch: ms}}."""
     runs = [(record["date"], i, record, preset)
             for record in (json.loads(path.read_text()) for path in folder.glob("gpu_engine-*.json"))
-            for i, preset in enumerate(record.get("result", {}).get("presets", [])) if preset.get("decode")]
+            if not record["result"].get("smoke")  # gpu_engine --smoke: the script checked at toy sizes, no GPU
+            for i, preset in enumerate(record["result"].get("presets", [])) if preset.get("decode")]
     if not runs:
         return None
     *_, record, preset = max(runs, key=lambda run: run[:2])  # the newest record's last preset with decode steps

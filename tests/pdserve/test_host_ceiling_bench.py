@@ -12,18 +12,19 @@ from engine.model import CausalLM
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _gpu_record(folder: Path, date: str, commit: str, step_ms: float) -> None:
+def _gpu_record(folder: Path, date: str, commit: str, step_ms: float, smoke: bool = False) -> None:
     record = {"benchmark": "gpu_engine", "date": date, "commit": commit,
-              "result": {"hardware": {"gpu": "NVIDIA H200"},
+              "result": {"hardware": {"gpu": "NVIDIA H200"}, "smoke": smoke,
                          "presets": [{"preset": "llama-1b", "decode": [{"batch": 1, "step_ms_median": step_ms}]},
                                      {"preset": "llama-8b", "error": "not run"}]}}
     (folder / f"gpu_engine-{date}-{commit}.json").write_text(json.dumps(record))
 
 
-def test_the_newest_gpu_record_with_decode_steps_is_the_one_beside(tmp_path):
+def test_the_newest_gpu_record_with_decode_steps_is_the_one_beside_and_a_smoke_run_never(tmp_path):
     assert host_ceiling.newest_gpu_steps(tmp_path) is None
     _gpu_record(tmp_path, "2026-12-01T00:00:00Z", "aaaaaaa", 2.0)
     _gpu_record(tmp_path, "2026-12-02T00:00:00Z", "bbbbbbb", 1.0)
+    _gpu_record(tmp_path, "2026-12-03T00:00:00Z", "ccccccc", 9.0, smoke=True)  # a toy run on the CPU: not a GPU's
     assert host_ceiling.newest_gpu_steps(tmp_path) == {"gpu": "NVIDIA H200", "commit": "bbbbbbb",
                                                        "preset": "llama-1b", "step_ms": {"1": 1.0}}
 
