@@ -13,9 +13,13 @@ For each preset (llama-1b by default; llama-8b where time allows), in one proces
             time a step (its kernels' time summed) against the step's wall time, the kernels a
             step runs and the costliest ones: where the step's time goes.
   layouts   each projection at 1/16/64/256/2,048 rows as x @ W^T (the backend's form) and as
-            F.linear(x, W), in CUDA graphs: which form of a weight reads nearer the copy bandwidth.
+            F.linear(x, W), and at up to 16 rows on the Triton small-batch kernel (both forms), in
+            CUDA graphs: which form of a weight and which kernel read nearer the copy bandwidth.
   decode_w  the decode phase again with the Triton backend keeping its weights as stored (W, used
             as F.linear uses it) instead of transposed: the two forms end to end.
+  decode_fused  batches 1 and 16 again on the Triton backend's fused small-batch layers
+            (PDSERVE_TRITON_FUSED_DECODE=1, weights as stored): against decode_w, whether they
+            should be the default.
   offline   256 prompts x 512 random tokens -> 128 (ignore_eos): output tokens/s, greedy and drawn
             at temperature 1; the seconds of the steps with prompt tokens and of the decode steps.
   hf        transformers generate (sdpa, one batch of 256) on the same work and GPU.
@@ -35,6 +39,7 @@ import argparse
 import contextlib
 import gc
 import json
+import os
 import random
 import statistics
 import sys
@@ -51,6 +56,7 @@ from benchmarks.results_io import write_result  # noqa: E402
 from benchmarks.stopping import Stopped, stop_on_sigterm  # noqa: E402
 from engine.llm import LLM  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
+from kernels.triton.small_linear import SMALL_ROWS, small_linear  # noqa: E402
 from pdserve.make_model import make_model  # noqa: E402
 
 
@@ -59,6 +65,7 @@ class Sizes:
     profile_batches = (1, 256)
     profile_steps = 8
     eager_batches = (1, 64)
+    fused_batches = (1, 16)
     prefill_lengths = (512, 2048, 8192)
     short_prefills = (128, 512)
     prefill_tokens = 16384
@@ -75,6 +82,7 @@ class SmokeSizes(Sizes):
     profile_batches = (3,)
     profile_steps = 2
     eager_batches = (2,)
+    fused_batches = (1, 3)
     prefill_lengths = (32, 64)
     short_prefills = (16, 40)
     prefill_tokens = 128
@@ -94,7 +102,7 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--presets", default="llama-1b")
     parser.add_argument("--models-dir", default=str(REPO / ".cache" / "models"))
-    parser.add_argument("--phases", default="decode,eager,prefill,profile,layouts,offline,decode_w,hf")
+    parser.add_argument("--phases", default="decode,eager,prefill,profile,layouts,offline,decode_w,decode_fused,hf")
     parser.add_argument("--budget-s", type=float, default=330.0, help="the whole run, model creation included")
     parser.add_argument("--kv-cache-gb", type=float, default=24.0)
     parser.add_argument("--device", default="cuda")
@@ -152,17 +160,25 @@ def prompts_of(num: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(8, vocab) for _ in range(length)] for _ in range(num)]
 
 
-def load(model_dir: Path, args, enforce_eager: bool = False, weights_as_stored: bool = False) -> tuple[LLM, float]:
+def load(model_dir: Path, args, enforce_eager: bool = False, weights_as_stored: bool = False,
+         fused_decode: bool = False) -> tuple[LLM, float]:
     """weights_as_stored: the Triton backend keeps each projection's weight as the checkpoint has it
-    (W, F.linear's form) instead of transposed (W^T, its default), for this engine only."""
-    from kernels.triton.backend import TritonBackend
+    (W, F.linear's form) instead of transposed (W^T, its default), for this engine only; fused_decode:
+    its small decode batches run the fused layers (PDSERVE_TRITON_FUSED_DECODE=1 while it loads)."""
+    from kernels.triton.backend import FUSED_DECODE_ENV, TritonBackend
 
     start = time.perf_counter()
     TritonBackend.store_transposed = not weights_as_stored
+    before = os.environ.get(FUSED_DECODE_ENV)
+    os.environ[FUSED_DECODE_ENV] = "1" if fused_decode else "0"
     try:
         return _load(model_dir, args, enforce_eager), time.perf_counter() - start
     finally:
         del TritonBackend.store_transposed  # back to the class's own (TorchProjections')
+        if before is None:
+            del os.environ[FUSED_DECODE_ENV]
+        else:
+            os.environ[FUSED_DECODE_ENV] = before
 
 
 def _load(model_dir: Path, args, enforce_eager: bool) -> LLM:
@@ -405,13 +421,17 @@ def run_layouts(llm: LLM, hw: dict) -> list[dict]:
             x = torch.randn(m, in_features, dtype=torch.bfloat16, device=DEVICE)
             times = {"wt": _timed_calls([partial(torch.matmul, x, w) for w in weights_t]),
                      "w": _timed_calls([partial(torch.nn.functional.linear, x, w) for w in weights])}
-            row = {"proj": name, "rows": m, "us_wt": 1e6 * times["wt"], "us_w": 1e6 * times["w"],
-                   "of_copy_bw_wt": nbytes / times["wt"] / (hw["copy_bandwidth_gbs"] * 1e9),
-                   "of_copy_bw_w": nbytes / times["w"] / (hw["copy_bandwidth_gbs"] * 1e9)}
+            if m <= SMALL_ROWS and DEVICE != "cpu":  # the Triton small-batch kernel, on W^T and on W
+                times["small_wt"] = _timed_calls([partial(small_linear, x, w) for w in weights_t])
+                times["small_w"] = _timed_calls([partial(small_linear, x, w.t()) for w in weights])
+            row = {"proj": name, "rows": m}
+            for form, seconds in times.items():
+                row[f"us_{form}"] = 1e6 * seconds
+                row[f"of_copy_bw_{form}"] = nbytes / seconds / (hw["copy_bandwidth_gbs"] * 1e9)
             rows.append(row)
-            print(f"  layout {name:>7} x {m:>4} rows: W^T {row['us_wt']:8.1f} us "
-                  f"({100 * row['of_copy_bw_wt']:3.0f}% bw), W {row['us_w']:8.1f} us "
-                  f"({100 * row['of_copy_bw_w']:3.0f}% bw)", flush=True)
+            print(f"  layout {name:>7} x {m:>4} rows: " + ", ".join(
+                f"{form} {row[f'us_{form}']:8.1f} us ({100 * row[f'of_copy_bw_{form}']:3.0f}% bw)" for form in times),
+                flush=True)
         del weights, weights_t, weight
     return rows
 
@@ -526,6 +546,10 @@ def bench_preset(preset: str, args, clock: Clock, hw: dict, result: dict) -> Non
         _phase(result, "decode_w", partial(_decode_of_another_load, model_dir, args, sizes, hw, vocab,
                                            f"{preset}, weights kept as stored (W, F.linear's form):",
                                            S.decode_batches, weights_as_stored=True))
+    if "decode_fused" in phases and DEVICE != "cpu" and clock.allows("decode, fused layers", 45 if big else 30):
+        _phase(result, "decode_fused", partial(_decode_of_another_load, model_dir, args, sizes, hw, vocab,
+                                               f"{preset}, fused small-batch layers (weights as stored):",
+                                               S.fused_batches, weights_as_stored=True, fused_decode=True))
     if "eager" in phases and clock.allows("eager decode", 60 if big else 30):
         _phase(result, "decode_eager", partial(_decode_of_another_load, model_dir, args, sizes, hw, vocab,
                                                f"{preset}, --enforce-eager:", S.eager_batches, enforce_eager=True,
@@ -560,6 +584,8 @@ def _decode_of_another_load(model_dir: Path, args, sizes: dict, hw: dict, vocab:
     prompts, into short_prefill_into["short_prefill_eager"], where given); the engine is given back after."""
     llm, _ = load(model_dir, args, **load_options)
     try:
+        if load_options.get("fused_decode") and llm.engine.model.fused_decode is None:
+            raise RuntimeError("the fused small-batch layers were not built for this model")
         print(heading, flush=True)
         decode = run_decode(llm, sizes, hw, vocab, batches)
         if short_prefill_into is not None:  # its own phase: a failure there keeps the decode figures

@@ -51,11 +51,12 @@ def render_gpu_engine(records: list[dict]) -> tuple[list[str], list]:
             continue
         eager = {row["batch"]: row for row in preset.get("decode_eager", [])}
         stored = {row["batch"]: row for row in preset.get("decode_w", [])}
+        fused = {row["batch"]: row for row in preset.get("decode_fused", [])}
         rows = [[str(row["batch"]), num(row["step_ms_median"], 3, " ms"),
                  num(eager[row["batch"]]["step_ms_median"], 3, " ms") if row["batch"] in eager else "",
                  num(row["bound_ms"], 3, " ms"), f"{100 * row['of_bound']:.0f}%"]
-                + ([num(stored[row["batch"]]["step_ms_median"], 3, " ms") if row["batch"] in stored else ""]
-                   if stored else []) for row in preset["decode"]]
+                + [_step_cell(other, row["batch"]) for other in (stored, fused) if other]
+                for row in preset["decode"]]
         graphs, mixed = preset.get("graphs", {}), preset.get("mixed_graphs")
         mixed_text = "" if not mixed else (
             f"; steps with prompt tokens up to {mixed['sizes'][-1]} tokens as graph pieces, {len(mixed['sizes'])} "
@@ -63,7 +64,8 @@ def render_gpu_engine(records: list[dict]) -> tuple[list[str], list]:
         lines += [f"**{name}** decode step (median; {len(graphs.get('sizes', []))} graphs captured in "
                   f"{num(graphs.get('capture_s'), 1)} s, {num(graphs.get('memory_mib'), 0)} MiB{mixed_text}):", ""]
         lines += table(["batch", "CUDA graphs", "--enforce-eager", "bandwidth bound", "of bound"]
-                       + (["graphs, weights as stored (F.linear's form)"] if stored else []), rows)
+                       + (["graphs, weights as stored (F.linear's form)"] if stored else [])
+                       + (["graphs, fused small-batch layers (W as stored)"] if fused else []), rows)
         if preset.get("short_prefill"):
             eager_short = {row["prompt_len"]: row for row in preset.get("short_prefill_eager", [])}
             lines += ["", f"**{name}** one prompt alone, one step (best of 5):", ""]
@@ -103,19 +105,28 @@ def render_gpu_engine(records: list[dict]) -> tuple[list[str], list]:
                       num(run["seconds"] - run["prefill_steps_s"] - run["decode_steps_s"], 3, " s")]
                      for run in runs_offline if "decode_steps" in run])
         if preset.get("layouts"):
-            lines += ["", f"**{name}** projections, x @ W^T (the backend's form) against F.linear(x, W), 20 calls in "
-                          "a CUDA graph (microseconds a call, the weight's bytes over it against the copy bandwidth):",
-                      ""]
-            lines += table(["projection", "rows", "W^T", "W"],
-                           [[row["proj"], str(row["rows"]),
-                             f"{num(row['us_wt'], 1)} us ({100 * row['of_copy_bw_wt']:.0f}%)",
-                             f"{num(row['us_w'], 1)} us ({100 * row['of_copy_bw_w']:.0f}%)"]
+            forms = [("wt", "W^T"), ("w", "W")]
+            small = any("us_small_w" in row for row in preset["layouts"])
+            if small:
+                forms += [("small_wt", "Triton small-batch, W^T"), ("small_w", "Triton small-batch, W")]
+            lines += ["", f"**{name}** projections, x @ W^T (the backend's form) against F.linear(x, W)"
+                          + (" and the Triton small-batch kernel on either form" if small else "")
+                          + ", 20 calls in a CUDA graph (microseconds a call, the weight's bytes over it against "
+                          "the copy bandwidth):", ""]
+            lines += table(["projection", "rows"] + [title for _, title in forms],
+                           [[row["proj"], str(row["rows"])]
+                            + [f"{num(row[f'us_{form}'], 1)} us ({100 * row[f'of_copy_bw_{form}']:.0f}%)"
+                               if f"us_{form}" in row else "" for form, _ in forms]
                             for row in preset["layouts"]])
         figure = f"gpu_engine_{slug(name)}.png"
         lines += ["", f"![decode step vs bound]({IMG_LINK}/{figure})", ""]
         plots.append((figure, lambda path, preset=preset: plot_gpu_decode(preset, path)))
     lines += ["- " + provenance(record), ""]
     return lines, plots
+
+
+def _step_cell(rows: dict, batch: int) -> str:
+    return num(rows[batch]["step_ms_median"], 3, " ms") if batch in rows else ""
 
 
 def _kind_cell(kind: dict | None) -> str:

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import os
+
 from kernels.interface import Backend
 from kernels.reference.backend import TorchProjections
 from kernels.triton import elementwise
 from kernels.triton.common import triton
 from kernels.triton.decode_attention import decode_attention
+from kernels.triton.decode_layers import SmallBatchLayers
 from kernels.triton.prefill_attention import prefill_attention
+
+FUSED_DECODE_ENV = "PDSERVE_TRITON_FUSED_DECODE"
 
 
 def available() -> bool:
@@ -22,6 +27,17 @@ class TritonBackend(TorchProjections, Backend):
         if triton is None:
             raise RuntimeError("the triton backend needs the triton package, which is not installed")
         super().__init__(device)
+
+    def describe(self) -> str:
+        fused = f", fused small-batch decode ({FUSED_DECODE_ENV}=1)" if _fused_decode_on() else ""
+        return f"{self.name} on {self.device}{fused}"
+
+    def fused_decode(self, layers, shape, cos_sin_cache):
+        """Decode batches of at most small_linear.SMALL_ROWS sequences on the fused layers
+        (kernels/triton/decode_layers.py: six launches a layer instead of ten, the projections on
+        Triton instead of cuBLAS) where FUSED_DECODE_ENV is 1. Off by default until a GPU run shows
+        it faster (gpu_engine's decode_fused phase times it beside the default)."""
+        return SmallBatchLayers.create(layers, shape, cos_sin_cache) if _fused_decode_on() else None
 
     def _silu_and_mul(self, x):
         return elementwise.silu_and_mul(x)
@@ -44,3 +60,7 @@ class TritonBackend(TorchProjections, Backend):
 
     def _argmax(self, x):
         return x.argmax(dim=-1)
+
+
+def _fused_decode_on() -> bool:
+    return os.environ.get(FUSED_DECODE_ENV, "0") == "1"

@@ -450,3 +450,43 @@ def test_on_cuda_a_launch_never_waits_for_the_device(tiny_model_dir, monkeypatch
     assert [[t.token_id for t in tokens] for tokens in second] == [[t.token_id for t in tokens] for tokens in first]
     assert len(checked) >= 10 and checked.count(True) >= 5, checked
     engine.check_leaks()
+
+
+@gpu
+@requires_cuda
+@pytest.mark.parametrize("model_fixture, dtype", [("tiny_model_dir", "bfloat16"), ("qwen2_tiny_model_dir", "float32")])
+def test_on_cuda_the_fused_small_batch_layers_decode_as_the_layer_loop(model_fixture, dtype, request, monkeypatch,
+                                                                       graph_runs):
+    """The Triton backend's fused small-batch layers (PDSERVE_TRITON_FUSED_DECODE=1), captured in the
+    decode graphs: greedy tokens equal to the same engine run eagerly (the same kernels, so in every
+    dtype), and in float32 equal to the layer loop's (cuBLAS projections) for 16 prompts in padded
+    buckets with preemption."""
+    from kernels.triton.backend import FUSED_DECODE_ENV
+    from kernels.triton.decode_layers import SmallBatchLayers
+
+    model_dir = request.getfixturevalue(model_fixture)
+    prompts = make_prompts(ModelConfig.from_pretrained(model_dir).vocab_size)
+    lengths = [4 + (7 * i) % 29 for i in range(len(prompts))]
+    params = [SamplingParams(max_tokens=n, temperature=0.0) for n in lengths]
+    looped = run_to_completion(engine_for(model_dir, "off", "cuda", dtype=dtype), prompts, params)
+    fused_rows, real = [], SmallBatchLayers.run
+
+    def spy(self, hidden, *args):
+        fused_rows.append(hidden.shape[0])
+        return real(self, hidden, *args)
+
+    monkeypatch.setattr(SmallBatchLayers, "run", spy)
+    monkeypatch.setenv(FUSED_DECODE_ENV, "1")
+    eager = engine_for(model_dir, "off", "cuda", dtype=dtype)
+    assert eager.model.fused_decode is not None
+    want = run_to_completion(eager, prompts, params)
+    assert fused_rows, "no eager decode step ran on the fused layers"
+    engine = engine_for(model_dir, "auto", "cuda", dtype=dtype)
+    assert engine.model.fused_decode is not None and engine.runner.graphs.use_graphs
+    got = run_to_completion(engine, prompts, params)
+    tokens = [[[t.token_id for t in run] for run in outputs] for outputs in (looped, want, got)]
+    assert tokens[2] == tokens[1]
+    if dtype == "float32":
+        assert tokens[1] == tokens[0]
+    assert len({(n, b) for n, b in graph_runs if n < b}) >= 3, graph_runs
+    engine.check_leaks()

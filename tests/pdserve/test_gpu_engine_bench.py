@@ -53,11 +53,17 @@ def test_every_phase_runs_and_is_recorded(tiny_model_dir, tmp_path):
     [record] = render_results.load(tmp_path)
     record["result"]["smoke"] = False
     record["result"]["presets"][0]["decode_w"] = [{**row, "step_ms_median": 7.125} for row in preset["decode"]]
+    # the GPU-only parts: the fused small-batch layers' decode phase, the Triton kernel's layout columns
+    record["result"]["presets"][0]["decode_fused"] = [{**preset["decode"][0], "step_ms_median": 6.375}]
+    record["result"]["presets"][0]["layouts"][0].update(us_small_wt=2.5, of_copy_bw_wt=0.5, us_small_w=1.75,
+                                                        of_copy_bw_small_w=0.75, of_copy_bw_small_wt=0.25)
     blocks, plots = render_results.render([record])
     assert "No results" not in blocks["gpu_engine"] and "**tiny**" in blocks["gpu_engine"], blocks["gpu_engine"]
     assert "where a decode step's time goes" in blocks["gpu_engine"] and "one prompt alone" in blocks["gpu_engine"]
     assert "as graph pieces, 3 buckets" in blocks["gpu_engine"]
     assert "weights as stored" in blocks["gpu_engine"] and "7.125 ms" in blocks["gpu_engine"]
+    assert "fused small-batch layers" in blocks["gpu_engine"] and "6.375 ms" in blocks["gpu_engine"]
+    assert "| 2.5 us (25%) | 1.8 us (75%) |" in blocks["gpu_engine"], blocks["gpu_engine"]
     assert "temperature 1" in blocks["gpu_engine"] and "| lm_head | 3 |" in blocks["gpu_engine"], blocks["gpu_engine"]
     for name, draw in plots:
         draw(tmp_path / name)
@@ -71,7 +77,7 @@ def test_profiled_kernels_are_sorted_by_kind():
              "void splitKreduce_kernel<32, 16, int, float>": "matmul", "_rms_norm_kernel": "norm",
              "_decode_attention_kernel": "attention", "_decode_reduce_kernel": "attention",
              "_prefill_attention_kernel": "attention", "_rotary_write_kv_kernel": "rotary+kv",
-             "_silu_and_mul_kernel": "silu", "Memcpy HtoD (Pinned -> Device)": "copy",
+             "_silu_and_mul_kernel": "silu", "_small_linear_kernel": "matmul", "Memcpy HtoD (Pinned -> Device)": "copy",
              "void at::native::index_elementwise_kernel<128, 4>": "copy",
              "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<c10::BFloat16, ArgMaxOps>>": "sampling",
              "void something_else": "other"}

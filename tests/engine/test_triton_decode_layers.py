@@ -1,0 +1,111 @@
+"""The Triton backend's fused small-batch decode layers (kernels/triton/decode_layers.py) against the
+layer loop they replace, on the same Triton kernels interpreted on the CPU (TRITON_INTERPRET=1): the
+layers' output, the residual stream and the K/V written, on a Llama-shaped model and a Qwen2-shaped
+one (projection biases), in float32 (the interpreter rounds to bfloat16 otherwise than a GPU: the
+bfloat16 roundings are the kernel tests', tests/kernels/test_small_linear.py); greedy decoding
+through an engine equal with and without them; and the switch that turns them on
+(PDSERVE_TRITON_FUSED_DECODE). On CUDA the same comparison runs through the engine with CUDA
+graphs (test_decode_graphs.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.llm import LLM
+from engine.model import AttentionMetadata
+from engine.sampling_params import SamplingParams
+from kernels.interface import LayerShape
+from kernels.triton.backend import FUSED_DECODE_ENV, TritonBackend
+from kernels.triton.decode_layers import SmallBatchLayers
+from kernels.triton.small_linear import SMALL_ROWS
+
+NUM_BLOCKS = 64
+
+
+def _llm(model_dir, dtype: str) -> LLM:
+    # the reference backend keeps W^T as the Triton backend does (TorchProjections)
+    return LLM(str(model_dir), dtype=dtype, device="cpu", kernel_backend="reference", enable_prefix_caching=False,
+               num_blocks=NUM_BLOCKS)
+
+
+def _shape(model) -> LayerShape:
+    c = model.config
+    return LayerShape(hidden=c.hidden_size, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+                      intermediate=c.intermediate_size, eps=c.rms_norm_eps, scale=model.scale)
+
+
+def _decode_batch(model, block_size: int):
+    """Three sequences at positions 4, 9 and 20, each on blocks of its own, one token each."""
+    positions = torch.tensor([4, 9, 20])
+    tables = torch.tensor([[5, 6], [7, 8], [9, 10]], dtype=torch.int32)
+    slots = tables[torch.arange(3), positions // block_size].long() * block_size + positions % block_size
+    lens = (positions + 1).to(torch.int32)
+    hidden = model.weights.embed_tokens[torch.tensor([10, 300, 1999])]
+    return hidden, positions, slots, tables, lens
+
+
+@pytest.mark.parametrize("model_fixture", ["tiny_model_dir", "qwen2_tiny_model_dir"])
+def test_fused_layers_equal_the_triton_layer_loop(model_fixture, request):
+    llm = _llm(request.getfixturevalue(model_fixture), "float32")
+    model, cache = llm.engine.model, llm.engine.kv_cache
+    model.ops = TritonBackend("cpu")  # the loop on the same (interpreted) kernels
+    fused = SmallBatchLayers.create(model.weights.layers, _shape(model), model.cos_sin_cache)
+    assert fused is not None
+    hidden, positions, slots, tables, lens = _decode_batch(model, cache.shape[3])
+    assert fused.takes(hidden, cache)
+    generator = torch.Generator().manual_seed(0)
+    cache.copy_(torch.randn(cache.shape, generator=generator).to(cache.dtype))  # earlier tokens' K/V
+    looped_cache = cache.clone()
+    out, residual = fused.run(hidden.clone(), positions, slots, tables, lens, cache)
+    empty = torch.zeros(0, dtype=torch.int32)
+    meta = AttentionMetadata(positions=positions, slot_mapping=slots, num_decode_tokens=3, decode_block_tables=tables,
+                             decode_seq_lens=lens, prefill_block_tables=torch.zeros(0, 2, dtype=torch.int32),
+                             prefill_cu_query_lens=torch.zeros(1, dtype=torch.int32), prefill_seq_lens=empty)
+    looped_out, looped_residual = model._layers(hidden.clone(), meta, looped_cache, None)
+    torch.testing.assert_close(out, looped_out, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(residual, looped_residual, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(cache, looped_cache, atol=1e-4, rtol=1e-4)
+    llm.close()
+
+
+def test_greedy_decoding_on_the_fused_layers_equals_the_loop(tiny_model_dir):
+    llm = _llm(tiny_model_dir, "float32")
+    model = llm.engine.model
+    fused = SmallBatchLayers.create(model.weights.layers, _shape(model), model.cos_sin_cache)
+    rows, real = [], fused.run
+
+    def spy(hidden, *args):
+        rows.append(hidden.shape[0])
+        return real(hidden, *args)
+
+    fused.run = spy
+    prompts = [[5, 6, 7, 8, 9] * 3, list(range(20, 60))]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    looped = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    model.fused_decode = fused
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert rows and all(0 < n <= len(prompts) for n in rows), "no decode step ran on the fused layers"
+    assert got == looped
+    llm.engine.check_leaks()
+    llm.close()
+
+
+def test_the_fused_layers_are_off_unless_turned_on_and_take_only_what_they_can(tiny_model_dir, monkeypatch):
+    llm = _llm(tiny_model_dir, "float32")
+    model, cache = llm.engine.model, llm.engine.kv_cache
+    backend, layers, shape = TritonBackend("cpu"), model.weights.layers, _shape(model)
+    monkeypatch.delenv(FUSED_DECODE_ENV, raising=False)
+    assert backend.fused_decode(layers, shape, model.cos_sin_cache) is None
+    assert "fused" not in backend.describe()
+    monkeypatch.setenv(FUSED_DECODE_ENV, "1")
+    fused = backend.fused_decode(layers, shape, model.cos_sin_cache)
+    assert isinstance(fused, SmallBatchLayers) and "fused small-batch decode" in backend.describe()
+    width = model.config.hidden_size
+    assert fused.takes(torch.zeros(SMALL_ROWS, width), cache)
+    assert not fused.takes(torch.zeros(SMALL_ROWS + 1, width), cache)
+    assert not fused.takes(torch.zeros(1, width, dtype=torch.bfloat16), cache)
+    # weights in another dtype than the rotary cache's (the model's), or in a form small_linear cannot read
+    assert SmallBatchLayers.create(layers, shape, model.cos_sin_cache.to(torch.bfloat16)) is None
+    assert SmallBatchLayers.create([], shape, model.cos_sin_cache) is None
+    llm.close()

@@ -1,0 +1,55 @@
+"""The Triton small-batch projection kernel (kernels/triton/small_linear.py) compiled for a GPU
+without one: every variant the fused decode layers launch, in each dtype, through Triton's own
+compiler and ptxas to a Hopper (sm_90) and an Ampere (sm_80) binary, each within the 99 KiB of
+shared memory the smallest of those GPUs give a program. The interpreter (the other kernel tests)
+checks what the kernel computes; this checks that a GPU can build and launch it."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+# Run without TRITON_INTERPRET (the kernels are then compiled, not interpreted), in a cache of the test's own.
+COMPILE = r"""
+import json, sys, torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kernels.triton.small_linear import _small_linear_kernel, launch_config
+
+TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}
+VARIANTS = [  # (NORM, HAS_RESIDUAL, GATED, HAS_BIAS): O and down; QKV (first layer; Qwen2's bias); gate/up
+    (False, False, False, False), (True, False, False, True), (True, True, False, False), (True, True, True, False)]
+out = []
+for capability in (90, 80):
+    for dtype, ptr in TYPES.items():
+        config = launch_config(dtype, 8192)
+        options = {"num_warps": config.pop("num_warps"), "num_stages": config.pop("num_stages")}
+        for norm, residual, gated, bias in VARIANTS:
+            signature = {name: ptr for name in ("x_ptr", "res_ptr", "norm_ptr", "w_ptr", "bias_ptr", "out_ptr",
+                                                "new_res_ptr")}
+            signature |= {"M": "i32", "N": "i32", "K": "i32", "eps": "fp32", "stride_wk": "i32", "stride_wn": "i32"}
+            constants = {"NORM": norm, "HAS_RESIDUAL": residual, "GATED": gated, "HAS_BIAS": bias,
+                         "DOT_FP32": dtype == torch.float32, **config}
+            signature |= {name: "constexpr" for name in constants}
+            kernel = triton.compile(ASTSource(fn=_small_linear_kernel, signature=signature, constexprs=constants),
+                                    target=GPUTarget("cuda", capability, 32), options=options)
+            out.append({"sm": capability, "dtype": str(dtype), "variant": [norm, residual, gated, bias],
+                        "shared": kernel.metadata.shared, "cubin": len(kernel.asm["cubin"])})
+print(json.dumps(out))
+"""
+
+
+def test_every_fused_variant_compiles_for_hopper_and_ampere_within_their_shared_memory(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env |= {"TRITON_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(REPO), "TRITON_DEFAULT_FP_FUSION": "1"}
+    proc = subprocess.run([sys.executable, "-c", COMPILE], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    kernels = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(kernels) == 2 * 3 * 4
+    for kernel in kernels:
+        assert kernel["cubin"] > 0, kernel
+        assert 0 < kernel["shared"] <= 99 * 1024, kernel
