@@ -108,8 +108,8 @@ for step in $steps; do
                     "${pytest_args[@]}" --timeout=90 >"$out/engine_tests.log" 2>&1
                 rc=$?; tail -30 "$out/engine_tests.log" ;;
         # llama-1b took 33 s on an H200 with the phases of c0e8b24; profile, layouts, weights as stored
-        # and the short prompts add about as much again.
-        gpu_engine) left=$(limit 120)
+        # and the short prompts add about as much again, the fused layers and the attention tunings ~30 s.
+        gpu_engine) left=$(limit 150)
                     run_for "$left" python3 benchmarks/gpu_engine.py --presets "${GPU_ENGINE_PRESETS:-llama-1b}" \
                         --budget-s $((left - 10)) \
                         2>&1 | tee "$out/gpu_engine.log" | grep -v '^RESULT'
@@ -160,7 +160,8 @@ for step in $steps; do
 done
 grep -hE "passed|failed" "$out"/engine_tests.log "$out"/tp_tests.log "$out"/kernel_tests.log 2>/dev/null | tail -4 >>"$summary"
 grep -v '^RESULT' "$out/gpu_engine.log" 2>/dev/null | grep -E "decode batch|prefill [0-9]|offline|transformers generate|graphs|\
-profile batch|by kind|prompt alone|weights kept|enforce-eager|x    1 rows|x  256 rows|skipped|failed|stopped" >>"$summary"
+profile batch|by kind|prompt alone|weights kept|fused small-batch|attention batch|enforce-eager|x    1 rows|x  256 rows|\
+skipped|failed|stopped" >>"$summary"
 grep -v '^RESULT' "$out/kv_transfer_gpu.log" 2>/dev/null | grep -E "GB/s|failed|timed out" >>"$summary"
 grep -v '^RESULT' "$out/gpu_served.log" 2>/dev/null | grep -E "tok/s|colocated|failed|skipped|greedy|stopped" >>"$summary"
 grep -v '^RESULT' "$out/kv_streaming.log" 2>/dev/null | grep -E "^\| [0-9]|streamed / whole|stopped|Error" >>"$summary"

@@ -20,6 +20,9 @@ For each preset (llama-1b by default; llama-8b where time allows), in one proces
   decode_fused  batches 1 and 16 again on the Triton backend's fused small-batch layers
             (PDSERVE_TRITON_FUSED_DECODE=1, weights as stored): against decode_w, whether they
             should be the default.
+  attention the decode attention kernel alone at batches 1/64/256 (the decode phase's context, a
+            block table as wide as the graphs', on the engine's cache), with the backend's tuning and
+            others (token tile, warps, stages, the fewest tokens a split gets): which to keep.
   offline   256 prompts x 512 random tokens -> 128 (ignore_eos): output tokens/s, greedy and drawn
             at temperature 1; the seconds of the steps with prompt tokens and of the decode steps.
   hf        transformers generate (sdpa, one batch of 256) on the same work and GPU.
@@ -37,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import json
 import os
@@ -56,6 +60,7 @@ from benchmarks.results_io import write_result  # noqa: E402
 from benchmarks.stopping import Stopped, stop_on_sigterm  # noqa: E402
 from engine.llm import LLM  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
+from kernels.triton.decode_attention import DEFAULT_TUNING, Tuning, decode_attention  # noqa: E402
 from kernels.triton.small_linear import SMALL_ROWS, small_linear  # noqa: E402
 from pdserve.make_model import make_model  # noqa: E402
 
@@ -66,6 +71,7 @@ class Sizes:
     profile_steps = 8
     eager_batches = (1, 64)
     fused_batches = (1, 16)
+    attention_batches = (1, 64, 256)
     prefill_lengths = (512, 2048, 8192)
     short_prefills = (128, 512)
     prefill_tokens = 16384
@@ -83,6 +89,7 @@ class SmokeSizes(Sizes):
     profile_steps = 2
     eager_batches = (2,)
     fused_batches = (1, 3)
+    attention_batches = (1, 3)
     prefill_lengths = (32, 64)
     short_prefills = (16, 40)
     prefill_tokens = 128
@@ -102,7 +109,8 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--presets", default="llama-1b")
     parser.add_argument("--models-dir", default=str(REPO / ".cache" / "models"))
-    parser.add_argument("--phases", default="decode,eager,prefill,profile,layouts,offline,decode_w,decode_fused,hf")
+    parser.add_argument("--phases",
+                        default="decode,eager,prefill,profile,layouts,offline,decode_w,decode_fused,attention,hf")
     parser.add_argument("--budget-s", type=float, default=330.0, help="the whole run, model creation included")
     parser.add_argument("--kv-cache-gb", type=float, default=24.0)
     parser.add_argument("--device", default="cuda")
@@ -436,6 +444,49 @@ def run_layouts(llm: LLM, hw: dict) -> list[dict]:
     return rows
 
 
+# The decode attention kernel's tunings the attention phase times: the backend's first, then deeper
+# pipelines, wider and narrower token tiles, and splits of fewer tokens (more programs for few sequences).
+ATTENTION_TUNINGS = (DEFAULT_TUNING, Tuning(num_stages=3), Tuning(num_stages=4), Tuning(block_n=128, num_warps=8),
+                     Tuning(block_n=128, num_warps=8, num_stages=3), Tuning(block_n=32, num_stages=3),
+                     Tuning(min_tokens_per_split=128), Tuning(min_tokens_per_split=64))
+
+
+def run_attention(llm: LLM, hw: dict) -> list[dict]:
+    """The Triton decode attention kernel alone, at the decode phase's context and the model's heads,
+    reading the engine's own cache (its layers' stride) through a block table as wide as the decode
+    graphs' (max_model_len), each sequence on blocks of its own: microseconds a call (in a CUDA
+    graph) and the KV it reads over the copy bandwidth, for each of ATTENTION_TUNINGS."""
+    engine = llm.engine
+    cfg, block_size, cache = engine.config.model, engine.block_size, engine.kv_cache
+    context = S.decode_prompt + 8
+    blocks = -(-context // block_size)
+    width = -(-cfg.max_model_len // block_size)
+    kv_bytes = context * 2 * cfg.num_kv_heads * cfg.head_dim * cfg.dtype.itemsize
+    rows = []
+    for batch in S.attention_batches:
+        if batch * blocks > cache.shape[0]:
+            continue
+        table = torch.zeros(batch, width, dtype=torch.int32, device=cache.device)
+        table[:, :blocks] = torch.randperm(cache.shape[0], device=cache.device)[:batch * blocks].view(batch, blocks)
+        lens = torch.full((batch,), context, dtype=torch.int32, device=cache.device)
+        query = torch.randn(batch, cfg.num_heads, cfg.head_dim, dtype=cfg.dtype, device=cache.device)
+        layers = [cache[:, layer] for layer in range(cache.shape[1])]  # one after another, as a step reads them
+        for tuning in ATTENTION_TUNINGS:
+            seconds = _timed_calls([partial(decode_attention, query, layer, table, lens, cfg.head_dim ** -0.5,
+                                            tuning=tuning) for layer in layers])
+            row = {"batch": batch, "tuning": dataclasses.asdict(tuning), "default": tuning == DEFAULT_TUNING,
+                   "us": 1e6 * seconds, "of_copy_bw": batch * kv_bytes / seconds / (hw["copy_bandwidth_gbs"] * 1e9)}
+            rows.append(row)
+            print(f"  attention batch {batch:>3} {_tuning_text(tuning):<44} {row['us']:8.1f} us "
+                  f"({100 * row['of_copy_bw']:3.0f}% bw){' (default)' if row['default'] else ''}", flush=True)
+    return rows
+
+
+def _tuning_text(tuning: Tuning) -> str:
+    return (f"tile {tuning.block_n}, {tuning.num_warps} warps, {tuning.num_stages} stages, "
+            f"splits >= {tuning.min_tokens_per_split}")
+
+
 def _copies_past_l2(nbytes: int) -> int:
     """How many copies of an nbytes weight, read in turn, leave none in the L2 cache when its turn
     comes again: the copies after it fill twice the cache (1 on the CPU, where the loop is plain)."""
@@ -540,6 +591,8 @@ def bench_preset(preset: str, args, clock: Clock, hw: dict, result: dict) -> Non
         _phase(result, "offline", partial(run_offline, llm, vocab))
     if "offline" in phases and clock.allows("offline, sampled", 40 if big else 25):
         _phase(result, "offline_sampled", partial(run_offline, llm, vocab, temperature=1.0))
+    if "attention" in phases and DEVICE != "cpu" and clock.allows("attention tunings", 20):
+        _phase(result, "attention", partial(run_attention, llm, hw))
     del llm
     free()
     if "decode_w" in phases and DEVICE != "cpu" and clock.allows("decode, weights as stored", 60 if big else 30):

@@ -118,11 +118,26 @@ def render_gpu_engine(records: list[dict]) -> tuple[list[str], list]:
                             + [f"{num(row[f'us_{form}'], 1)} us ({100 * row[f'of_copy_bw_{form}']:.0f}%)"
                                if f"us_{form}" in row else "" for form, _ in forms]
                             for row in preset["layouts"]])
+        if preset.get("attention"):
+            lines += ["", f"**{name}** the decode attention kernel alone, at the decode steps' context, by tuning "
+                          "(microseconds a call in a CUDA graph, the KV read over it against the copy bandwidth; "
+                          "the first row is the backend's):", ""]
+            lines += _attention_table(preset["attention"])
         figure = f"gpu_engine_{slug(name)}.png"
         lines += ["", f"![decode step vs bound]({IMG_LINK}/{figure})", ""]
         plots.append((figure, lambda path, preset=preset: plot_gpu_decode(preset, path)))
     lines += ["- " + provenance(record), ""]
     return lines, plots
+
+
+def _attention_table(rows: list[dict]) -> list[str]:
+    batches = list(dict.fromkeys(row["batch"] for row in rows))
+    tunings = list(dict.fromkeys(tuple(row["tuning"].items()) for row in rows))
+    cells = {(row["batch"], tuple(row["tuning"].items())): row for row in rows}
+    return table(["token tile, warps, stages, split >= tokens"] + [f"batch {b}" for b in batches],
+                 [[", ".join(str(value) for _, value in tuning)]
+                  + [f"{num(cells[b, tuning]['us'], 1)} us ({100 * cells[b, tuning]['of_copy_bw']:.0f}%)"
+                     if (b, tuning) in cells else "" for b in batches] for tuning in tunings])
 
 
 def _step_cell(rows: dict, batch: int) -> str:

@@ -8,6 +8,8 @@ checked by the backend interface (kernels/interface.py)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kernels.triton.common import LOG2E, cdiv, dot_in_fp32, tl, triton
@@ -18,10 +20,25 @@ _MIN_TOKENS_PER_SPLIT = 256
 _MAX_SPLITS = 32
 
 
-def decode_attention(query, kv_cache_layer, block_tables, seq_lens, scale, num_splits: int | None = None):
+@dataclass(frozen=True)
+class Tuning:
+    """The attention kernel's tile of tokens, its warps and pipeline stages, and the fewest tokens a
+    split-K partition gets (the defaults are the backend's; gpu_engine's attention phase times others)."""
+
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+    min_tokens_per_split: int = _MIN_TOKENS_PER_SPLIT
+
+
+DEFAULT_TUNING = Tuning()
+
+
+def decode_attention(query, kv_cache_layer, block_tables, seq_lens, scale, num_splits: int | None = None,
+                     tuning: Tuning = DEFAULT_TUNING):
     """As Backend.decode_attention; num_splits fixes the split-K partition count instead of
     sizing it to the device. seq_lens must not exceed the block table's width."""
-    return _decode_triton(query, kv_cache_layer, block_tables, seq_lens, scale, num_splits)
+    return _decode_triton(query, kv_cache_layer, block_tables, seq_lens, scale, num_splits, tuning)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -31,27 +48,28 @@ def _num_sms(device: torch.device) -> int:
 
 
 def _plan_splits(num_seqs: int, num_kv_heads: int, max_len: int, device: torch.device,
-                 num_splits: int | None) -> tuple[int, int]:
+                 num_splits: int | None, min_tokens: int = _MIN_TOKENS_PER_SPLIT) -> tuple[int, int]:
     """(num_splits, min_tokens_per_split): enough programs to fill the device a few times over,
-    no more than the longest possible sequence gives splits of _MIN_TOKENS_PER_SPLIT tokens; a
-    forced num_splits (tests) splits down to one token."""
+    no more than the longest possible sequence gives splits of min_tokens tokens; a forced
+    num_splits (tests) splits down to one token."""
     if num_splits is not None:
         return max(1, num_splits), 1
     wanted = cdiv(4 * _num_sms(device), max(1, num_seqs * num_kv_heads))
-    return max(1, min(_MAX_SPLITS, wanted, cdiv(max_len, _MIN_TOKENS_PER_SPLIT))), _MIN_TOKENS_PER_SPLIT
+    return max(1, min(_MAX_SPLITS, wanted, cdiv(max_len, min_tokens))), min_tokens
 
 
-def _decode_triton(query, kv_cache_layer, block_tables, seq_lens, scale, num_splits):
+def _decode_triton(query, kv_cache_layer, block_tables, seq_lens, scale, num_splits, tuning: Tuning):
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = kv_cache_layer.shape[2], kv_cache_layer.shape[3]
     group = num_heads // num_kv_heads
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if num_seqs == 0:
         return out
-    block_n = 64 if query.is_cuda else 32
+    block_n = tuning.block_n if query.is_cuda else 32
     # NOTE: the planned length is the block table's width, not max(seq_lens): no host sync.
     max_len = max(1, block_tables.shape[1] * block_size)
-    num_splits, min_tokens_per_split = _plan_splits(num_seqs, num_kv_heads, max_len, query.device, num_splits)
+    num_splits, min_tokens_per_split = _plan_splits(num_seqs, num_kv_heads, max_len, query.device, num_splits,
+                                                    tuning.min_tokens_per_split)
     single = num_splits == 1
     # One split (a batch whose sequences alone fill the device, a table of at most one split's
     # tokens, or a forced count) writes the output itself: no partials, no merge launch.
@@ -69,7 +87,7 @@ def _decode_triton(query, kv_cache_layer, block_tables, seq_lens, scale, num_spl
         out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_GROUP=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
-        DOT_FP32=dot_in_fp32(query), num_warps=4, num_stages=2,
+        DOT_FP32=dot_in_fp32(query), num_warps=tuning.num_warps, num_stages=tuning.num_stages,
     )
     if single:
         return out

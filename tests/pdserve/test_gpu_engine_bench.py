@@ -55,6 +55,11 @@ def test_every_phase_runs_and_is_recorded(tiny_model_dir, tmp_path):
     record["result"]["presets"][0]["decode_w"] = [{**row, "step_ms_median": 7.125} for row in preset["decode"]]
     # the GPU-only parts: the fused small-batch layers' decode phase, the Triton kernel's layout columns
     record["result"]["presets"][0]["decode_fused"] = [{**preset["decode"][0], "step_ms_median": 6.375}]
+    tunings = [{"block_n": 64, "num_warps": 4, "num_stages": 2, "min_tokens_per_split": 256},
+               {"block_n": 128, "num_warps": 8, "num_stages": 3, "min_tokens_per_split": 256}]
+    record["result"]["presets"][0]["attention"] = [
+        {"batch": b, "tuning": t, "default": i == 0, "us": 10.0 * b + i, "of_copy_bw": 0.5}
+        for b in (1, 256) for i, t in enumerate(tunings)]
     record["result"]["presets"][0]["layouts"][0].update(us_small_wt=2.5, of_copy_bw_wt=0.5, us_small_w=1.75,
                                                         of_copy_bw_small_w=0.75, of_copy_bw_small_wt=0.25)
     blocks, plots = render_results.render([record])
@@ -62,6 +67,7 @@ def test_every_phase_runs_and_is_recorded(tiny_model_dir, tmp_path):
     assert "where a decode step's time goes" in blocks["gpu_engine"] and "one prompt alone" in blocks["gpu_engine"]
     assert "as graph pieces, 3 buckets" in blocks["gpu_engine"]
     assert "weights as stored" in blocks["gpu_engine"] and "7.125 ms" in blocks["gpu_engine"]
+    assert "| 128, 8, 3, 256 | 11.0 us (50%) | 2,561.0 us (50%) |" in blocks["gpu_engine"], blocks["gpu_engine"]
     assert "fused small-batch layers" in blocks["gpu_engine"] and "6.375 ms" in blocks["gpu_engine"]
     assert "| 2.5 us (25%) | 1.8 us (75%) |" in blocks["gpu_engine"], blocks["gpu_engine"]
     assert "temperature 1" in blocks["gpu_engine"] and "| lm_head | 3 |" in blocks["gpu_engine"], blocks["gpu_engine"]
@@ -117,3 +123,37 @@ def test_a_failed_phase_costs_itself_only_and_sigterm_writes_what_ended(tiny_mod
     assert "a stand-in failure" in preset["prefill_error"] and "prefill" not in preset
     assert preset["decode"] and preset["short_prefill"] and preset["layouts"]  # before the failure and after it
     assert "offline" not in preset and "decode_eager" not in preset  # the signal ended the run there
+
+
+def test_the_attention_phase_reads_the_engines_cache_through_a_graph_wide_table(tiny_model_dir, monkeypatch):
+    """run_attention (GPU only in the script) on the CPU, its kernel interpreted and its timer a single
+    call: a row per batch and tuning, each call given the batch's sequences on blocks of their own."""
+    from benchmarks import gpu_engine
+    from engine.llm import LLM
+    from kernels.triton import decode_attention as triton_decode
+
+    monkeypatch.setattr(gpu_engine, "S", gpu_engine.SmokeSizes)
+    tunings = (triton_decode.DEFAULT_TUNING, triton_decode.Tuning(min_tokens_per_split=64))
+    monkeypatch.setattr(gpu_engine, "ATTENTION_TUNINGS", tunings)
+    calls = []
+
+    def once(fns, calls_=20):
+        out = fns[0]()
+        calls.append((fns[0].args, fns[0].keywords["tuning"], len(fns), out))
+        return 1e-6
+
+    monkeypatch.setattr(gpu_engine, "_timed_calls", once)
+    llm = LLM(str(tiny_model_dir), device="cpu", dtype="bfloat16", kernel_backend="reference", max_model_len=256,
+              num_blocks=64, enable_prefix_caching=False)
+    rows = gpu_engine.run_attention(llm, {"copy_bandwidth_gbs": 100.0})
+    cfg = llm.engine.config.model
+    assert [(row["batch"], row["default"]) for row in rows] == [(1, True), (1, False), (3, True), (3, False)]
+    assert all(row["us"] == 1.0 and row["of_copy_bw"] > 0 for row in rows)
+    for (query, layer, table, lens, _), _, num_layers, out in calls:
+        assert num_layers == cfg.num_layers and layer.shape[0] == llm.engine.kv_cache.shape[0]
+        assert table.shape[1] == 256 // llm.engine.block_size  # as wide as the decode graphs' tables
+        blocks = table[:, : -(-int(lens[0]) // llm.engine.block_size)]
+        assert blocks.unique().numel() == blocks.numel()  # each sequence on blocks of its own
+        assert out.shape == query.shape
+    assert {tuning for _, tuning, _, _ in calls} == set(tunings)
+    llm.close()
