@@ -1,8 +1,11 @@
 """The Triton small-batch projection kernel (kernels/triton/small_linear.py) compiled for a GPU
-without one: every variant the fused decode layers launch, in each dtype, through Triton's own
-compiler and ptxas to a Hopper (sm_90) and an Ampere (sm_80) binary, each within the 99 KiB of
-shared memory the smallest of those GPUs give a program. The interpreter (the other kernel tests)
-checks what the kernel computes; this checks that a GPU can build and launch it."""
+without one: every variant the fused decode layers launch, in each dtype and on both weight forms,
+through Triton's own compiler and ptxas to a Hopper (sm_90) and an Ampere (sm_80) binary, specialized
+as Triton's launcher specializes a real launch (16-byte aligned tensors, sizes and strides divisible
+by 16, the unit stride a constant). Each must stream its weight through shared memory with
+asynchronous copies (a pipelined loop: without it the kernel waits on every load) and keep within
+the 99 KiB of shared memory the smallest of those GPUs give a program. The interpreter (the other
+kernel tests) checks what the kernel computes; this checks that a GPU can build and launch it."""
 
 import json
 import os
@@ -14,42 +17,47 @@ REPO = Path(__file__).resolve().parents[2]
 
 # Run without TRITON_INTERPRET (the kernels are then compiled, not interpreted), in a cache of the test's own.
 COMPILE = r"""
-import json, sys, torch, triton
+import json, torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kernels.triton.small_linear import _small_linear_kernel, launch_config
 
 TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}
-VARIANTS = [  # (NORM, HAS_RESIDUAL, GATED, HAS_BIAS): O and down; QKV (first layer; Qwen2's bias); gate/up
+POINTERS = ("x_ptr", "res_ptr", "norm_ptr", "w_ptr", "bias_ptr", "out_ptr", "new_res_ptr")
+FLAGS = ("NORM", "HAS_RESIDUAL", "GATED", "HAS_BIAS")
+VARIANTS = [  # O and down; QKV (the first layer's, with Qwen2's bias); QKV of the other layers; gate/up
     (False, False, False, False), (True, False, False, True), (True, True, False, False), (True, True, True, False)]
 out = []
 for capability in (90, 80):
-    for dtype, ptr in TYPES.items():
-        config = launch_config(dtype, 8192)
-        options = {"num_warps": config.pop("num_warps"), "num_stages": config.pop("num_stages")}
-        for norm, residual, gated, bias in VARIANTS:
-            signature = {name: ptr for name in ("x_ptr", "res_ptr", "norm_ptr", "w_ptr", "bias_ptr", "out_ptr",
-                                                "new_res_ptr")}
-            signature |= {"M": "i32", "N": "i32", "K": "i32", "eps": "fp32", "stride_wk": "i32", "stride_wn": "i32"}
-            constants = {"NORM": norm, "HAS_RESIDUAL": residual, "GATED": gated, "HAS_BIAS": bias,
-                         "DOT_FP32": dtype == torch.float32, **config}
-            signature |= {name: "constexpr" for name in constants}
-            kernel = triton.compile(ASTSource(fn=_small_linear_kernel, signature=signature, constexprs=constants),
-                                    target=GPUTarget("cuda", capability, 32), options=options)
-            out.append({"sm": capability, "dtype": str(dtype), "variant": [norm, residual, gated, bias],
-                        "shared": kernel.metadata.shared, "cubin": len(kernel.asm["cubin"])})
+    for dtype, pointer in TYPES.items():
+        for flags in VARIANTS:
+            for unit, other in (("stride_wk", "stride_wn"), ("stride_wn", "stride_wk")):  # W, then W^T
+                config = launch_config(dtype, 8192)
+                options = {"num_warps": config.pop("num_warps"), "num_stages": config.pop("num_stages")}
+                signature = {name: pointer for name in POINTERS} | {"M": "i32", "N": "i32", "K": "i32", "eps": "fp32"}
+                signature |= {"stride_wk": "i32", "stride_wn": "i32"}
+                constants = dict(zip(FLAGS, flags)) | {"DOT_FP32": dtype == torch.float32, unit: 1} | config
+                signature |= {name: "constexpr" for name in constants}
+                names = list(signature)
+                divisible = {(names.index(name),): [["tt.divisibility", 16]] for name in (*POINTERS, "N", "K", other)}
+                kernel = triton.compile(ASTSource(_small_linear_kernel, signature, constants, divisible),
+                                        target=GPUTarget("cuda", capability, 32), options=options)
+                out.append({"sm": capability, "dtype": str(dtype), "flags": flags, "unit_stride": unit,
+                            "shared": kernel.metadata.shared, "cubin": len(kernel.asm["cubin"]),
+                            "async_copies": kernel.asm["ptx"].count("cp.async")})
 print(json.dumps(out))
 """
 
 
-def test_every_fused_variant_compiles_for_hopper_and_ampere_within_their_shared_memory(tmp_path):
+def test_every_fused_variant_compiles_for_hopper_and_ampere_pipelined_within_their_shared_memory(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env |= {"TRITON_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(REPO), "TRITON_DEFAULT_FP_FUSION": "1"}
     proc = subprocess.run([sys.executable, "-c", COMPILE], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=600)
+                          timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     kernels = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(kernels) == 2 * 3 * 4
+    assert len(kernels) == 2 * 3 * 4 * 2
     for kernel in kernels:
         assert kernel["cubin"] > 0, kernel
+        assert kernel["async_copies"] > 0, kernel
         assert 0 < kernel["shared"] <= 99 * 1024, kernel
