@@ -61,7 +61,7 @@ from benchmarks.stopping import Stopped, stop_on_sigterm  # noqa: E402
 from engine.llm import LLM  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from kernels.triton.decode_attention import DEFAULT_TUNING, Tuning, decode_attention  # noqa: E402
-from kernels.triton.small_linear import SMALL_ROWS, small_linear  # noqa: E402
+from kernels.triton.small_linear import SMALL_ROWS, SmallTuning, small_linear  # noqa: E402
 from pdserve.make_model import make_model  # noqa: E402
 
 
@@ -436,6 +436,12 @@ def run_layouts(llm: LLM, hw: dict) -> list[dict]:
             for form, seconds in times.items():
                 row[f"us_{form}"] = 1e6 * seconds
                 row[f"of_copy_bw_{form}"] = nbytes / seconds / (hw["copy_bandwidth_gbs"] * 1e9)
+            if m == 1 and DEVICE != "cpu":  # the kernel's other tunings, on W
+                row["small_tunings"] = []
+                for tuning in SMALL_TUNINGS:
+                    seconds = _timed_calls([partial(small_linear, x, w.t(), tuning=tuning) for w in weights])
+                    row["small_tunings"].append({"tuning": dataclasses.asdict(tuning), "us": 1e6 * seconds,
+                                                 "of_copy_bw": nbytes / seconds / (hw["copy_bandwidth_gbs"] * 1e9)})
             rows.append(row)
             print(f"  layout {name:>7} x {m:>4} rows: " + ", ".join(
                 f"{form} {row[f'us_{form}']:8.1f} us ({100 * row[f'of_copy_bw_{form}']:3.0f}% bw)" for form in times),
@@ -443,6 +449,11 @@ def run_layouts(llm: LLM, hw: dict) -> list[dict]:
         del weights, weights_t, weight
     return rows
 
+
+# The small-batch projection kernel's tunings the layouts phase times at one row (besides its default):
+# wider K tiles, deeper pipelines, more warps.
+SMALL_TUNINGS = (SmallTuning(tile_bytes=1024, num_stages=2), SmallTuning(num_stages=4),
+                 SmallTuning(tile_bytes=256, num_stages=4), SmallTuning(num_warps=8))
 
 # The decode attention kernel's tunings the attention phase times: the backend's first, then deeper
 # pipelines, wider and narrower token tiles, and splits of fewer tokens (more programs for few sequences).

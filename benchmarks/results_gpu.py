@@ -118,6 +118,14 @@ def render_gpu_engine(records: list[dict]) -> tuple[list[str], list]:
                             + [f"{num(row[f'us_{form}'], 1)} us ({100 * row[f'of_copy_bw_{form}']:.0f}%)"
                                if f"us_{form}" in row else "" for form, _ in forms]
                             for row in preset["layouts"]])
+        tuned = [row for row in preset.get("layouts", []) if row.get("small_tunings")]
+        if tuned:
+            lines += ["", f"**{name}** the Triton small-batch kernel at one row on W, by tuning (K tile bytes, "
+                          "warps, stages; its default beside cuBLAS above):", ""]
+            tunings = [row["tuning"] for row in tuned[0]["small_tunings"]]
+            lines += table(["projection"] + [", ".join(str(v) for v in t.values()) for t in tunings],
+                           [[row["proj"]] + [f"{num(cell['us'], 1)} us ({100 * cell['of_copy_bw']:.0f}%)"
+                                             for cell in row["small_tunings"]] for row in tuned])
         if preset.get("attention"):
             lines += ["", f"**{name}** the decode attention kernel alone, at the decode steps' context, by tuning "
                           "(microseconds a call in a CUDA graph, the KV read over it against the copy bandwidth; "

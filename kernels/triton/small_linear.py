@@ -15,6 +15,8 @@ under TRITON_INTERPRET=1 (tests).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kernels.triton.common import dot_in_fp32, tl, triton
@@ -25,18 +27,32 @@ SMALL_ROWS = 16
 _BLOCK_N = 16
 
 
-def launch_config(dtype: torch.dtype, k: int) -> dict:
-    """The tiles and launch options for inputs of dtype and k columns: a K tile of 512 bytes a row
-    (256 half-precision or 128 float32 values), three stages deep, so that a gated float32 projection
-    keeps under the 99 KiB of shared memory the smallest GPUs give a program."""
-    block_k = 256 if dtype.itemsize <= 2 else 128
-    return {"BLOCK_M": SMALL_ROWS, "BLOCK_N": _BLOCK_N, "BLOCK_K": min(block_k, max(16, triton.next_power_of_2(k))),
-            "num_warps": 4, "num_stages": 3}
+@dataclass(frozen=True)
+class SmallTuning:
+    """A K tile of tile_bytes a row (512: 256 half-precision or 128 float32 values), its warps and
+    pipeline stages. The default keeps a gated float32 program under the 99 KiB of shared memory the
+    smallest GPUs give one (tests/kernels/test_triton_compiles.py); gpu_engine's layouts phase times
+    others."""
+
+    tile_bytes: int = 512
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+DEFAULT_SMALL_TUNING = SmallTuning()
+
+
+def launch_config(dtype: torch.dtype, k: int, tuning: SmallTuning = DEFAULT_SMALL_TUNING) -> dict:
+    """The tiles and launch options for inputs of dtype and k columns."""
+    block_k = min(tuning.tile_bytes // dtype.itemsize, max(16, triton.next_power_of_2(k)))
+    return {"BLOCK_M": SMALL_ROWS, "BLOCK_N": _BLOCK_N, "BLOCK_K": block_k, "num_warps": tuning.num_warps,
+            "num_stages": tuning.num_stages}
 
 
 def small_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None = None, *,
                  residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
-                 eps: float = 0.0, gated: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 eps: float = 0.0, gated: bool = False,
+                 tuning: SmallTuning = DEFAULT_SMALL_TUNING) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(y, the new residual stream) for x [rows, K] and weight_t [K, out] (W^T, contiguous or a
     transposed view of a contiguous W).
 
@@ -72,7 +88,7 @@ def small_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | N
         weight_t, bias if bias is not None else placeholder, out, new_residual,
         rows, width, k, eps, weight_t.stride(0), weight_t.stride(1),
         NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None, GATED=gated, HAS_BIAS=bias is not None,
-        DOT_FP32=dot_in_fp32(x), **launch_config(x.dtype, k),
+        DOT_FP32=dot_in_fp32(x), **launch_config(x.dtype, k, tuning),
     )
     return out, (new_residual if norm_weight is not None else None)
 

@@ -60,14 +60,17 @@ def test_every_phase_runs_and_is_recorded(tiny_model_dir, tmp_path):
     record["result"]["presets"][0]["attention"] = [
         {"batch": b, "tuning": t, "default": i == 0, "us": 10.0 * b + i, "of_copy_bw": 0.5}
         for b in (1, 256) for i, t in enumerate(tunings)]
-    record["result"]["presets"][0]["layouts"][0].update(us_small_wt=2.5, of_copy_bw_wt=0.5, us_small_w=1.75,
-                                                        of_copy_bw_small_w=0.75, of_copy_bw_small_wt=0.25)
+    record["result"]["presets"][0]["layouts"][0].update(
+        us_small_wt=2.5, of_copy_bw_wt=0.5, us_small_w=1.75, of_copy_bw_small_w=0.75, of_copy_bw_small_wt=0.25,
+        small_tunings=[{"tuning": {"tile_bytes": 1024, "num_warps": 4, "num_stages": 2}, "us": 3.25,
+                        "of_copy_bw": 0.625}])
     blocks, plots = render_results.render([record])
     assert "No results" not in blocks["gpu_engine"] and "**tiny**" in blocks["gpu_engine"], blocks["gpu_engine"]
     assert "where a decode step's time goes" in blocks["gpu_engine"] and "one prompt alone" in blocks["gpu_engine"]
     assert "as graph pieces, 3 buckets" in blocks["gpu_engine"]
     assert "weights as stored" in blocks["gpu_engine"] and "7.125 ms" in blocks["gpu_engine"]
     assert "| 128, 8, 3, 256 | 11.0 us (50%) | 2,561.0 us (50%) |" in blocks["gpu_engine"], blocks["gpu_engine"]
+    assert "| 1024, 4, 2 |" in blocks["gpu_engine"] and "| qkv | 3.2 us (62%) |" in blocks["gpu_engine"]
     assert "fused small-batch layers" in blocks["gpu_engine"] and "6.375 ms" in blocks["gpu_engine"]
     assert "| 2.5 us (25%) | 1.8 us (75%) |" in blocks["gpu_engine"], blocks["gpu_engine"]
     assert "temperature 1" in blocks["gpu_engine"] and "| lm_head | 3 |" in blocks["gpu_engine"], blocks["gpu_engine"]
