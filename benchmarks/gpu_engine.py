@@ -429,14 +429,14 @@ def run_layouts(llm: LLM, hw: dict) -> list[dict]:
             x = torch.randn(m, in_features, dtype=torch.bfloat16, device=DEVICE)
             times = {"wt": _timed_calls([partial(torch.matmul, x, w) for w in weights_t]),
                      "w": _timed_calls([partial(torch.nn.functional.linear, x, w) for w in weights])}
-            if m <= SMALL_ROWS and DEVICE != "cpu":  # the Triton small-batch kernel, on W^T and on W
+            if m <= SMALL_ROWS and _triton_runs():  # the Triton small-batch kernel, on W^T and on W
                 times["small_wt"] = _timed_calls([partial(small_linear, x, w) for w in weights_t])
                 times["small_w"] = _timed_calls([partial(small_linear, x, w.t()) for w in weights])
             row = {"proj": name, "rows": m}
             for form, seconds in times.items():
                 row[f"us_{form}"] = 1e6 * seconds
                 row[f"of_copy_bw_{form}"] = nbytes / seconds / (hw["copy_bandwidth_gbs"] * 1e9)
-            if m == 1 and DEVICE != "cpu":  # the kernel's other tunings, on W
+            if m == 1 and _triton_runs():  # the kernel's other tunings, on W
                 row["small_tunings"] = []
                 for tuning in SMALL_TUNINGS:
                     seconds = _timed_calls([partial(small_linear, x, w.t(), tuning=tuning) for w in weights])
@@ -496,6 +496,11 @@ def run_attention(llm: LLM, hw: dict) -> list[dict]:
 def _tuning_text(tuning: Tuning) -> str:
     return (f"tile {tuning.block_n}, {tuning.num_warps} warps, {tuning.num_stages} stages, "
             f"splits >= {tuning.min_tokens_per_split}")
+
+
+def _triton_runs() -> bool:
+    """Whether the Triton kernels run here: on the GPU, or interpreted on the CPU (the tests')."""
+    return DEVICE != "cpu" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _copies_past_l2(nbytes: int) -> int:

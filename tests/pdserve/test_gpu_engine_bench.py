@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from benchmarks import render_results
 
@@ -160,3 +161,41 @@ def test_the_attention_phase_reads_the_engines_cache_through_a_graph_wide_table(
         assert out.shape == query.shape
     assert {tuning for _, tuning, _, _ in calls} == set(tunings)
     llm.close()
+
+
+def test_the_layouts_phase_times_the_small_batch_kernel_on_both_forms_and_its_tunings(tiny_model_dir, monkeypatch):
+    """run_layouts' Triton columns (GPU only in the script) on the CPU, the kernel interpreted and the
+    timer a single call: each projection's kernel output equals x @ W^T on either form, at up to
+    SMALL_ROWS rows, and at one row under every tuning."""
+    from benchmarks import gpu_engine
+    from engine.llm import LLM
+    from kernels.triton.small_linear import DEFAULT_SMALL_TUNING, SmallTuning
+
+    monkeypatch.setattr(gpu_engine, "S", gpu_engine.SmokeSizes)
+    monkeypatch.setattr(gpu_engine, "DEVICE", "cpu")
+    monkeypatch.setattr(gpu_engine, "SMALL_TUNINGS", (SmallTuning(tile_bytes=256, num_stages=2),))
+    checked = []
+
+    def once(fns, calls_=20):
+        fn = fns[0]
+        out = fn()
+        if fn.func is gpu_engine.small_linear:
+            x, weight_t = fn.args
+            torch.testing.assert_close(out[0].float(), (x @ weight_t).float(), atol=0.05, rtol=0.05)
+            checked.append((x.shape[0], weight_t.is_contiguous(), fn.keywords.get("tuning", DEFAULT_SMALL_TUNING)))
+        return 1e-6
+
+    monkeypatch.setattr(gpu_engine, "_timed_calls", once)
+    llm = LLM(str(tiny_model_dir), device="cpu", dtype="bfloat16", kernel_backend="reference", num_blocks=16,
+              enable_prefix_caching=False)
+    rows = gpu_engine.run_layouts(llm, {"copy_bandwidth_gbs": 100.0})
+    llm.close()
+    assert [(row["proj"], row["rows"]) for row in rows] == [
+        (proj, m) for proj in ("qkv", "o", "gate_up", "down", "lm_head") for m in (1, 3)]
+    assert all(row["us_small_w"] > 0 and row["us_small_wt"] > 0 for row in rows)
+    assert all(len(row["small_tunings"]) == 1 for row in rows if row["rows"] == 1)
+    assert not any("small_tunings" in row for row in rows if row["rows"] != 1)
+    tuned = SmallTuning(tile_bytes=256, num_stages=2)
+    assert sorted(set(checked), key=str) == sorted({(1, True, DEFAULT_SMALL_TUNING), (1, False, DEFAULT_SMALL_TUNING),
+                                                   (3, True, DEFAULT_SMALL_TUNING), (3, False, DEFAULT_SMALL_TUNING),
+                                                   (1, False, tuned)}, key=str)
