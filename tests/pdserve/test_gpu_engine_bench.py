@@ -173,6 +173,7 @@ def test_the_layouts_phase_times_the_small_batch_kernel_on_both_forms_and_its_tu
 
     monkeypatch.setattr(gpu_engine, "S", gpu_engine.SmokeSizes)
     monkeypatch.setattr(gpu_engine, "DEVICE", "cpu")
+    monkeypatch.setattr(gpu_engine, "TRITON_ON_CPU", True)  # conftest set TRITON_INTERPRET=1
     monkeypatch.setattr(gpu_engine, "SMALL_TUNINGS", (SmallTuning(tile_bytes=256, num_stages=2),))
     checked = []
 
