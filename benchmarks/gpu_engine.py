@@ -657,8 +657,9 @@ def _decode_of_another_load(model_dir: Path, args, sizes: dict, hw: dict, vocab:
     prompts, into short_prefill_into["short_prefill_eager"], where given); the engine is given back after."""
     llm, _ = load(model_dir, args, **load_options)
     try:
-        if load_options.get("fused_decode") and llm.engine.model.fused_decode is None:
-            raise RuntimeError("the fused small-batch layers were not built for this model")
+        fused = llm.engine.model.fused_decode
+        if load_options.get("fused_decode") and (fused is None or not fused.rotary_in_qkv):
+            raise RuntimeError("the fused small-batch layers (rotary inside the QKV projection) were not built")
         print(heading, flush=True)
         decode = run_decode(llm, sizes, hw, vocab, batches)
         if short_prefill_into is not None:  # its own phase: a failure there keeps the decode figures

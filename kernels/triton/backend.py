@@ -34,7 +34,7 @@ class TritonBackend(TorchProjections, Backend):
 
     def fused_decode(self, layers, shape, cos_sin_cache):
         """Decode batches of at most small_linear.SMALL_ROWS sequences on the fused layers
-        (kernels/triton/decode_layers.py: six launches a layer instead of ten, the projections on
+        (kernels/triton/decode_layers.py: five or six launches a layer instead of ten, the projections on
         Triton instead of cuBLAS) where FUSED_DECODE_ENV is 1. Off by default until a GPU run shows
         it faster (gpu_engine's decode_fused phase times it beside the default)."""
         return SmallBatchLayers.create(layers, shape, cos_sin_cache) if _fused_decode_on() else None

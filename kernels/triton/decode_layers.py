@@ -1,7 +1,9 @@
-"""The Triton backend's fused decode capability: a small decode batch's layers in six launches a layer
-(seven where the attention splits) instead of the layer loop's ten. The residual add and RMSNorm run
-inside the QKV and the gate/up projections, SiLU(gate) * up inside the latter (kernels/triton/
-small_linear.py); rotary with the KV write, and the attention, are the loop's own kernels."""
+"""The Triton backend's fused decode capability: a small decode batch's layers in five launches a layer
+(six where the attention splits) instead of the layer loop's ten. The residual add and RMSNorm run
+inside the QKV and the gate/up projections, SiLU(gate) * up inside the latter, and rotary with the
+KV write inside the QKV projection where the weights are kept as stored (kernels/triton/
+small_linear.py; transposed, the loop's rotary kernel runs after it: six launches); the attention is
+the loop's own kernel."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from kernels.interface import LayerShape
 from kernels.reference.backend import TorchLinear
 from kernels.triton.decode_attention import decode_attention
 from kernels.triton.elementwise import rotary_and_write_kv
-from kernels.triton.small_linear import SMALL_ROWS, small_linear
+from kernels.triton.small_linear import SMALL_ROWS, qkv_rotary_fits, small_linear, small_qkv_rotary
 
 
 class SmallBatchLayers:
@@ -25,6 +27,8 @@ class SmallBatchLayers:
         self.dtype = cos_sin_cache.dtype
         self._q_size = shape.num_heads * shape.head_dim
         self._kv_size = shape.num_kv_heads * shape.head_dim
+        # rotary and the KV write inside the QKV projection (every layer's weight kept as stored)
+        self.rotary_in_qkv = all(qkv_rotary_fits(layer.qkv.weight_t, shape.head_dim) for layer in layers)
 
     @classmethod
     def create(cls, layers: list, shape: LayerShape, cos_sin_cache: torch.Tensor) -> SmallBatchLayers | None:
@@ -52,13 +56,19 @@ class SmallBatchLayers:
         residual = None
         for layer_idx, layer in enumerate(self._layers):
             kv_layer = kv_cache[:, layer_idx]
-            qkv, residual = small_linear(hidden, layer.qkv.weight_t, layer.qkv.bias, residual=residual,
-                                         norm_weight=layer.input_norm, eps=d.eps)
-            query, key, value = qkv.split([self._q_size, self._kv_size, self._kv_size], dim=-1)
-            query = query.reshape(rows, d.num_heads, d.head_dim)
-            rotary_and_write_kv(query, key.reshape(rows, d.num_kv_heads, d.head_dim),
-                                value.reshape(rows, d.num_kv_heads, d.head_dim), positions, self._cos_sin, kv_layer,
-                                slot_mapping)
+            if self.rotary_in_qkv:
+                query, residual = small_qkv_rotary(
+                    hidden, layer.qkv.weight_t, layer.qkv.bias, residual=residual, norm_weight=layer.input_norm,
+                    eps=d.eps, positions=positions, cos_sin_cache=self._cos_sin, kv_cache_layer=kv_layer,
+                    slot_mapping=slot_mapping, num_heads=d.num_heads, num_kv_heads=d.num_kv_heads)
+            else:
+                qkv, residual = small_linear(hidden, layer.qkv.weight_t, layer.qkv.bias, residual=residual,
+                                             norm_weight=layer.input_norm, eps=d.eps)
+                query, key, value = qkv.split([self._q_size, self._kv_size, self._kv_size], dim=-1)
+                query = query.reshape(rows, d.num_heads, d.head_dim)
+                rotary_and_write_kv(query, key.reshape(rows, d.num_kv_heads, d.head_dim),
+                                    value.reshape(rows, d.num_kv_heads, d.head_dim), positions, self._cos_sin,
+                                    kv_layer, slot_mapping)
             attended = decode_attention(query, kv_layer, block_tables, seq_lens, d.scale)
             hidden, _ = small_linear(attended.reshape(rows, self._q_size), layer.o.weight_t, layer.o.bias)
             act, residual = small_linear(hidden, layer.gate_up.weight_t, layer.gate_up.bias, residual=residual,

@@ -93,6 +93,54 @@ def small_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | N
     return out, (new_residual if norm_weight is not None else None)
 
 
+def qkv_rotary_fits(weight_t: torch.Tensor, head_dim: int) -> bool:
+    """Whether small_qkv_rotary takes this QKV projection: W kept as stored (W^T a transposed view of a
+    contiguous W, so each output column the kernel gathers is one contiguous row of W) and heads of a
+    multiple of 16 values (eight rotary pairs a program)."""
+    return weight_t.stride(0) == 1 and head_dim % 16 == 0
+
+
+def small_qkv_rotary(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None, *,
+                     residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, positions: torch.Tensor,
+                     cos_sin_cache: torch.Tensor, kv_cache_layer: torch.Tensor, slot_mapping: torch.Tensor,
+                     num_heads: int, num_kv_heads: int,
+                     tuning: SmallTuning = DEFAULT_SMALL_TUNING) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decoder layer's QKV step for a few rows in one launch: the residual add and RMSNorm, the QKV
+    projection (weight_t [K, (num_heads + 2 num_kv_heads) head_dim], qkv_rotary_fits), rotary (neox
+    style) on the query and key heads, and the key and value heads written into kv_cache_layer
+    [num_blocks, 2, block_size, num_kv_heads, head_dim] at slot_mapping (-1: not written). Returns
+    (the rotated query [rows, num_heads, head_dim], the new residual stream), as small_linear then
+    rotary_and_write_kv leave them. Raises ValueError on shapes that do not fit."""
+    rows, k = x.shape
+    head_dim = cos_sin_cache.shape[-1]
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    if not 0 < rows <= SMALL_ROWS or weight_t.shape != (k, width) or not qkv_rotary_fits(weight_t, head_dim):
+        raise ValueError(f"small_qkv_rotary: x {tuple(x.shape)}, W^T {tuple(weight_t.shape)} (strides "
+                         f"{weight_t.stride()}) for {num_heads} + 2 x {num_kv_heads} heads of {head_dim}")
+    if (kv_cache_layer.shape[3:] != (num_kv_heads, head_dim) or positions.shape != (rows,)
+            or slot_mapping.shape != (rows,) or norm_weight.shape != (k,)
+            or (bias is not None and bias.shape != (width,))
+            or (residual is not None and residual.shape != x.shape) or cos_sin_cache.stride(-1) != 1):
+        raise ValueError(f"small_qkv_rotary: cache {tuple(kv_cache_layer.shape)}, positions {tuple(positions.shape)}, "
+                         f"slots {tuple(slot_mapping.shape)} for {rows} rows of {k}")
+    x = x.contiguous()
+    query = torch.empty(rows, num_heads, head_dim, dtype=x.dtype, device=x.device)
+    new_residual = x
+    if residual is not None:
+        residual = residual.contiguous()
+        new_residual = torch.empty_like(x)
+    config = launch_config(x.dtype, k, tuning)
+    del config["BLOCK_N"]
+    _qkv_rotary_kernel[((num_heads + 2 * num_kv_heads) * head_dim // 16,)](
+        x, residual if residual is not None else x, norm_weight, weight_t, bias if bias is not None else x, query,
+        new_residual, positions, cos_sin_cache, kv_cache_layer, slot_mapping,
+        rows, k, eps, weight_t.stride(0), weight_t.stride(1), cos_sin_cache.stride(0), *kv_cache_layer.stride()[:4],
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=kv_cache_layer.shape[2],
+        HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, DOT_FP32=dot_in_fp32(x), **config,
+    )
+    return query, new_residual
+
+
 if triton is not None:
 
     @triton.jit
@@ -107,31 +155,28 @@ if triton is not None:
         return x
 
     @triton.jit
-    def _small_linear_kernel(x_ptr, res_ptr, norm_ptr, w_ptr, bias_ptr, out_ptr, new_res_ptr,
-                             M, N, K, eps, stride_wk, stride_wn,
-                             NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr,
-                             HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr):
-        """BLOCK_N output columns (with GATED: of the gate and of the up half each) for every row."""
-        pid = tl.program_id(0)
-        offs_m = tl.arange(0, BLOCK_M)
-        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_m = offs_m < M
-        mask_n = offs_n < N
-        rstd = tl.zeros([BLOCK_M], tl.float32)
-        if NORM:
-            # The rows' RMS over all of K first (the first program writes the residual sum on the way).
-            squares = tl.zeros([BLOCK_M], tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                offs_k = k0 + tl.arange(0, BLOCK_K)
-                mask = mask_m[:, None] & (offs_k < K)[None, :]
-                x = _row_sum(x_ptr, res_ptr, offs_m, offs_k, mask, K, HAS_RESIDUAL)
-                if HAS_RESIDUAL:  # noqa: SIM102 - a constexpr test, then a runtime one (no `and` of the two in Triton)
-                    if pid == 0:
-                        tl.store(new_res_ptr + offs_m[:, None] * K + offs_k[None, :], x, mask=mask)
-                xf = x.to(tl.float32)
-                squares += tl.sum(xf * xf, axis=1)
-            rstd = tl.where(mask_m, tl.rsqrt(squares / K + eps), 0.0)  # NOTE: the padding rows' 0, not inf
+    def _rms_scale(x_ptr, res_ptr, new_res_ptr, offs_m, mask_m, K, eps, write_residual,
+                   HAS_RESIDUAL: tl.constexpr, BLOCK_K: tl.constexpr):
+        """The rows' 1 / RMS over all of K (0 for the padding rows); with a residual, the sum is
+        written as the new residual where write_residual (one program of the grid)."""
+        squares = tl.zeros([offs_m.shape[0]], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mask = mask_m[:, None] & (offs_k < K)[None, :]
+            x = _row_sum(x_ptr, res_ptr, offs_m, offs_k, mask, K, HAS_RESIDUAL)
+            if HAS_RESIDUAL:  # noqa: SIM102 - a constexpr test, then a runtime one (no `and` of the two in Triton)
+                if write_residual:
+                    tl.store(new_res_ptr + offs_m[:, None] * K + offs_k[None, :], x, mask=mask)
+            xf = x.to(tl.float32)
+            squares += tl.sum(xf * xf, axis=1)
+        return tl.where(mask_m, tl.rsqrt(squares / K + eps), 0.0)  # NOTE: the padding rows' 0, not inf
+
+    @triton.jit
+    def _project(x_ptr, res_ptr, norm_ptr, w_ptr, offs_m, mask_m, offs_n, mask_n, rstd, K, stride_wk, stride_wn,
+                 up_offset, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr):
+        """(x's rows, normed where NORM, times W^T's columns offs_n; with GATED also times the columns
+        up_offset further), float32 [BLOCK_M, BLOCK_N] each."""
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -153,11 +198,30 @@ if triton is not None:
                 xd = x
                 acc += tl.dot(xd, w)
             if GATED:
-                w_up = tl.load(w_ptrs + N * stride_wn, mask=w_mask, other=0.0)
+                w_up = tl.load(w_ptrs + up_offset * stride_wn, mask=w_mask, other=0.0)
                 if DOT_FP32:
                     acc_up += tl.dot(xd, w_up.to(tl.float32), input_precision="ieee")
                 else:
                     acc_up += tl.dot(xd, w_up)
+        return acc, acc_up
+
+    @triton.jit
+    def _small_linear_kernel(x_ptr, res_ptr, norm_ptr, w_ptr, bias_ptr, out_ptr, new_res_ptr,
+                             M, N, K, eps, stride_wk, stride_wn,
+                             NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr,
+                             HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr):
+        """BLOCK_N output columns (with GATED: of the gate and of the up half each) for every row."""
+        pid = tl.program_id(0)
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_m = offs_m < M
+        mask_n = offs_n < N
+        rstd = tl.zeros([BLOCK_M], tl.float32)
+        if NORM:
+            rstd = _rms_scale(x_ptr, res_ptr, new_res_ptr, offs_m, mask_m, K, eps, pid == 0, HAS_RESIDUAL, BLOCK_K)
+        acc, acc_up = _project(x_ptr, res_ptr, norm_ptr, w_ptr, offs_m, mask_m, offs_n, mask_n, rstd, K, stride_wk,
+                               stride_wn, N, NORM, HAS_RESIDUAL, GATED, BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
             if GATED:
@@ -172,3 +236,57 @@ if triton is not None:
             result = acc
         tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], result.to(out_dtype),
                  mask=mask_m[:, None] & mask_n[None, :])
+
+    @triton.jit
+    def _qkv_rotary_kernel(x_ptr, res_ptr, norm_ptr, w_ptr, bias_ptr, q_ptr, new_res_ptr, positions_ptr, cos_sin_ptr,
+                           cache_ptr, slot_ptr, M, K, eps, stride_wk, stride_wn, stride_cos_sin,
+                           stride_cache_block, stride_cache_kv, stride_cache_offset, stride_cache_head,
+                           NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                           BLOCK_SIZE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr):
+        """Eight rotary pairs of one head (query, key or value): its columns j and j + HEAD_DIM / 2 for
+        eight j, projected from the normed rows, then as rotary_and_write_kv leaves them: a query
+        head rotated into q, a key head rotated and a value head as it is written to the cache at
+        each row's slot (-1: not written)."""
+        HALF: tl.constexpr = HEAD_DIM // 2
+        pid = tl.program_id(0)
+        head = pid // (HALF // 8)
+        first = (pid % (HALF // 8)) * 8
+        lane = tl.arange(0, 16)
+        offs_n = head * HEAD_DIM + tl.where(lane < 8, first + lane, HALF + first + lane - 8)
+        offs_m = tl.arange(0, BLOCK_M)
+        mask_m = offs_m < M
+        mask_n = offs_n < (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM
+        rstd = _rms_scale(x_ptr, res_ptr, new_res_ptr, offs_m, mask_m, K, eps, pid == 0, HAS_RESIDUAL, BLOCK_K)
+        acc, _ = _project(x_ptr, res_ptr, norm_ptr, w_ptr, offs_m, mask_m, offs_n, mask_n, rstd, K, stride_wk,
+                          stride_wn, 0, True, HAS_RESIDUAL, False, BLOCK_M, 16, BLOCK_K, DOT_FP32)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n).to(tl.float32)[None, :]
+        dtype = q_ptr.dtype.element_ty
+        # the projection rounded as the unfused QKV output is, then split into the pairs' two halves
+        x1, x2 = tl.split(tl.permute(tl.reshape(acc.to(dtype), [BLOCK_M, 2, 8]), (0, 2, 1)))
+        offs_j = first + tl.arange(0, 8)
+        if head < NUM_HEADS + NUM_KV_HEADS:
+            # As _rotate_head: the halves in float32 against the position's cos and sin, rounded once.
+            pos = tl.load(positions_ptr + offs_m, mask=mask_m, other=0)
+            angles = cos_sin_ptr + pos[:, None] * stride_cos_sin + offs_j[None, :]
+            cos = tl.load(angles, mask=mask_m[:, None], other=0.0).to(tl.float32)
+            sin = tl.load(angles + HALF, mask=mask_m[:, None], other=0.0).to(tl.float32)
+            x1f = x1.to(tl.float32)
+            x2f = x2.to(tl.float32)
+            x1 = (x1f * cos - x2f * sin).to(dtype)
+            x2 = (x2f * cos + x1f * sin).to(dtype)
+        if head < NUM_HEADS:
+            q = q_ptr + offs_m[:, None] * (NUM_HEADS * HEAD_DIM) + head * HEAD_DIM + offs_j[None, :]
+            tl.store(q, x1, mask=mask_m[:, None])
+            tl.store(q + HALF, x2, mask=mask_m[:, None])
+        else:
+            is_value = head >= NUM_HEADS + NUM_KV_HEADS
+            kv_head = head - NUM_HEADS - tl.where(is_value, NUM_KV_HEADS, 0)
+            slot = tl.load(slot_ptr + offs_m, mask=mask_m, other=-1)
+            written = mask_m & (slot >= 0)
+            slot = tl.where(written, slot, 0)
+            dst = (cache_ptr + (slot // BLOCK_SIZE) * stride_cache_block + (slot % BLOCK_SIZE) * stride_cache_offset
+                   + kv_head * stride_cache_head + tl.where(is_value, stride_cache_kv, 0))
+            tl.store(dst[:, None] + offs_j[None, :], x1, mask=written[:, None])
+            tl.store(dst[:, None] + HALF + offs_j[None, :], x2, mask=written[:, None])

@@ -454,16 +454,19 @@ def test_on_cuda_a_launch_never_waits_for_the_device(tiny_model_dir, monkeypatch
 
 @gpu
 @requires_cuda
-@pytest.mark.parametrize("model_fixture, dtype", [("tiny_model_dir", "bfloat16"), ("qwen2_tiny_model_dir", "float32")])
-def test_on_cuda_the_fused_small_batch_layers_decode_as_the_layer_loop(model_fixture, dtype, request, monkeypatch,
-                                                                       graph_runs):
+@pytest.mark.parametrize("model_fixture, dtype, transposed", [("tiny_model_dir", "bfloat16", True),
+                                                              ("qwen2_tiny_model_dir", "float32", False)])
+def test_on_cuda_the_fused_small_batch_layers_decode_as_the_layer_loop(model_fixture, dtype, transposed, request,
+                                                                       monkeypatch, graph_runs):
     """The Triton backend's fused small-batch layers (PDSERVE_TRITON_FUSED_DECODE=1), captured in the
     decode graphs: greedy tokens equal to the same engine run eagerly (the same kernels, so in every
     dtype), and in float32 equal to the layer loop's (cuBLAS projections) for 16 prompts in padded
-    buckets with preemption."""
-    from kernels.triton.backend import FUSED_DECODE_ENV
+    buckets with preemption; the weights transposed (the backend's default) and as stored (rotary
+    and the KV write inside the QKV projection)."""
+    from kernels.triton.backend import FUSED_DECODE_ENV, TritonBackend
     from kernels.triton.decode_layers import SmallBatchLayers
 
+    monkeypatch.setattr(TritonBackend, "store_transposed", transposed)
     model_dir = request.getfixturevalue(model_fixture)
     prompts = make_prompts(ModelConfig.from_pretrained(model_dir).vocab_size)
     lengths = [4 + (7 * i) % 29 for i in range(len(prompts))]
@@ -478,7 +481,7 @@ def test_on_cuda_the_fused_small_batch_layers_decode_as_the_layer_loop(model_fix
     monkeypatch.setattr(SmallBatchLayers, "run", spy)
     monkeypatch.setenv(FUSED_DECODE_ENV, "1")
     eager = engine_for(model_dir, "off", "cuda", dtype=dtype)
-    assert eager.model.fused_decode is not None
+    assert eager.model.fused_decode is not None and eager.model.fused_decode.rotary_in_qkv == (not transposed)
     want = run_to_completion(eager, prompts, params)
     assert fused_rows, "no eager decode step ran on the fused layers"
     engine = engine_for(model_dir, "auto", "cuda", dtype=dtype)

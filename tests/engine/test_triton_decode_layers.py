@@ -1,7 +1,8 @@
 """The Triton backend's fused small-batch decode layers (kernels/triton/decode_layers.py) against the
 layer loop they replace, on the same Triton kernels interpreted on the CPU (TRITON_INTERPRET=1): the
 layers' output, the residual stream and the K/V written, on a Llama-shaped model and a Qwen2-shaped
-one (projection biases), in float32 (the interpreter rounds to bfloat16 otherwise than a GPU: the
+one (projection biases), with the weights transposed and as stored (rotary inside the QKV
+projection), in float32 (the interpreter rounds to bfloat16 otherwise than a GPU: the
 bfloat16 roundings are the kernel tests', tests/kernels/test_small_linear.py); greedy decoding
 through an engine equal with and without them; and the switch that turns them on
 (PDSERVE_TRITON_FUSED_DECODE). On CUDA the same comparison runs through the engine with CUDA
@@ -16,6 +17,7 @@ from engine.llm import LLM
 from engine.model import AttentionMetadata
 from engine.sampling_params import SamplingParams
 from kernels.interface import LayerShape
+from kernels.reference.backend import ReferenceBackend
 from kernels.triton.backend import FUSED_DECODE_ENV, TritonBackend
 from kernels.triton.decode_layers import SmallBatchLayers
 from kernels.triton.small_linear import SMALL_ROWS
@@ -23,10 +25,15 @@ from kernels.triton.small_linear import SMALL_ROWS
 NUM_BLOCKS = 64
 
 
-def _llm(model_dir, dtype: str) -> LLM:
-    # the reference backend keeps W^T as the Triton backend does (TorchProjections)
-    return LLM(str(model_dir), dtype=dtype, device="cpu", kernel_backend="reference", enable_prefix_caching=False,
-               num_blocks=NUM_BLOCKS)
+def _llm(model_dir, dtype: str, transposed: bool = True) -> LLM:
+    """The reference backend keeps its weights as the Triton backend does (TorchProjections): W^T by
+    default, else as stored (where the fused layers run rotary inside the QKV projection)."""
+    ReferenceBackend.store_transposed = transposed
+    try:
+        return LLM(str(model_dir), dtype=dtype, device="cpu", kernel_backend="reference", enable_prefix_caching=False,
+                   num_blocks=NUM_BLOCKS)
+    finally:
+        del ReferenceBackend.store_transposed
 
 
 def _shape(model) -> LayerShape:
@@ -45,13 +52,14 @@ def _decode_batch(model, block_size: int):
     return hidden, positions, slots, tables, lens
 
 
+@pytest.mark.parametrize("transposed", [True, False], ids=["W^T", "W"])
 @pytest.mark.parametrize("model_fixture", ["tiny_model_dir", "qwen2_tiny_model_dir"])
-def test_fused_layers_equal_the_triton_layer_loop(model_fixture, request):
-    llm = _llm(request.getfixturevalue(model_fixture), "float32")
+def test_fused_layers_equal_the_triton_layer_loop(model_fixture, transposed, request):
+    llm = _llm(request.getfixturevalue(model_fixture), "float32", transposed)
     model, cache = llm.engine.model, llm.engine.kv_cache
     model.ops = TritonBackend("cpu")  # the loop on the same (interpreted) kernels
     fused = SmallBatchLayers.create(model.weights.layers, _shape(model), model.cos_sin_cache)
-    assert fused is not None
+    assert fused is not None and fused.rotary_in_qkv == (not transposed)
     hidden, positions, slots, tables, lens = _decode_batch(model, cache.shape[3])
     assert fused.takes(hidden, cache)
     generator = torch.Generator().manual_seed(0)
@@ -70,9 +78,10 @@ def test_fused_layers_equal_the_triton_layer_loop(model_fixture, request):
 
 
 def test_greedy_decoding_on_the_fused_layers_equals_the_loop(tiny_model_dir):
-    llm = _llm(tiny_model_dir, "float32")
+    llm = _llm(tiny_model_dir, "float32", transposed=False)  # all five fused launches, rotary in QKV
     model = llm.engine.model
     fused = SmallBatchLayers.create(model.weights.layers, _shape(model), model.cos_sin_cache)
+    assert fused.rotary_in_qkv
     rows, real = [], fused.run
 
     def spy(hidden, *args):

@@ -1,14 +1,15 @@
 """The Triton small-batch projections (kernels/triton/small_linear.py) against the unfused ops they
-replace (the reference projection, RMSNorm with the residual add, SiLU-and-mul), for every variant (plain,
-bias, the norm with and without a residual, gated), W kept either way, rows from 1 to SMALL_ROWS,
-widths that are not multiples of the tiles; under TRITON_INTERPRET=1 on CPU, on CUDA when present."""
+replace (the reference projection, RMSNorm with the residual add, SiLU-and-mul, rotary with the KV
+write), for every variant (plain, bias, the norm with and without a residual, gated, QKV with rotary),
+W kept either way, rows from 1 to SMALL_ROWS, widths that are not multiples of the tiles; under
+TRITON_INTERPRET=1 on CPU, on CUDA when present."""
 
 import pytest
 import torch
 
 from kernels.reference import ops
 from kernels.triton import elementwise
-from kernels.triton.small_linear import SMALL_ROWS, small_linear
+from kernels.triton.small_linear import SMALL_ROWS, qkv_rotary_fits, small_linear, small_qkv_rotary
 from tests.kernels.conftest import DEVICE, DTYPES, assert_close, randn
 
 ROWS = [1, 3, SMALL_ROWS]
@@ -126,3 +127,53 @@ def test_small_linear_names_what_does_not_fit(case, message):
         kwargs["residual"] = randn(*x.shape)
     with pytest.raises(ValueError, match=message):
         small_linear(x, weight_t, **kwargs)
+
+
+@pytest.mark.parametrize("with_residual, with_bias", [(False, False), (True, True)], ids=["first-layer", "qwen2"])
+@pytest.mark.parametrize("heads", [(4, 2, 64), (8, 1, 32), (6, 2, 128)], ids=["gqa2-d64", "gqa8-d32", "gqa3-d128"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_small_qkv_rotary_is_the_projection_then_rotary_and_the_kv_write(dtype, heads, with_residual, with_bias):
+    """The same bits as small_linear then rotary_and_write_kv: each output column is the same sum in
+    the same order, rotated and rounded as the rotary kernel does; a slot of -1 writes nothing."""
+    num_heads, num_kv_heads, head_dim = heads
+    rows, k, block_size, num_blocks = 5, 96, 16, 12
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    x, norm = randn(rows, k, dtype=dtype), randn(k, dtype=dtype, seed=4)
+    residual = randn(rows, k, dtype=dtype, seed=2) if with_residual else None
+    bias = randn(width, dtype=dtype, seed=5) if with_bias else None
+    _, weight_t = _weight(k, width, dtype, False, seed=1)
+    cos_sin = ops.rotary_cos_sin_cache(head_dim, 256, 10000.0, None, torch.float32).to(dtype=dtype, device=x.device)
+    positions = torch.tensor([3, 17, 0, 99, 250], device=x.device)
+    slots = torch.tensor([5, 40, -1, 100, 191], device=x.device)
+    cache = randn(num_blocks, 2, block_size, num_kv_heads, head_dim, dtype=dtype, seed=6)
+    expected_cache = cache.clone()
+    query, new_residual = small_qkv_rotary(x, weight_t, bias, residual=residual, norm_weight=norm, eps=1e-5,
+                                           positions=positions, cos_sin_cache=cos_sin, kv_cache_layer=cache,
+                                           slot_mapping=slots, num_heads=num_heads, num_kv_heads=num_kv_heads)
+    qkv, expected_residual = small_linear(x, weight_t, bias, residual=residual, norm_weight=norm, eps=1e-5)
+    q, key, value = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    expected_query = q.reshape(rows, num_heads, head_dim)
+    elementwise.rotary_and_write_kv(expected_query, key.reshape(rows, num_kv_heads, head_dim),
+                                    value.reshape(rows, num_kv_heads, head_dim), positions, cos_sin, expected_cache,
+                                    slots)
+    assert torch.equal(query, expected_query)
+    assert torch.equal(cache, expected_cache)
+    assert torch.equal(new_residual, expected_residual)
+    assert not torch.equal(cache, randn(num_blocks, 2, block_size, num_kv_heads, head_dim, dtype=dtype, seed=6))
+
+
+def test_small_qkv_rotary_takes_only_weights_as_stored_and_heads_of_16():
+    x, norm = randn(2, 96), randn(96)
+    weight, weight_t = _weight(96, (2 + 2) * 64, torch.float32, False, seed=1)
+    assert qkv_rotary_fits(weight_t, 64) and not qkv_rotary_fits(weight.t().contiguous(), 64)
+    assert not qkv_rotary_fits(weight_t, 24)
+    args = dict(residual=None, norm_weight=norm, eps=1e-5, positions=torch.tensor([1, 2], device=x.device),
+                cos_sin_cache=randn(32, 64), kv_cache_layer=randn(4, 2, 16, 1, 64),
+                slot_mapping=torch.tensor([1, 2], device=x.device), num_heads=2, num_kv_heads=1)
+    small_qkv_rotary(x, weight_t, None, **args)
+    with pytest.raises(ValueError, match="small_qkv_rotary"):
+        small_qkv_rotary(x, weight.t().contiguous(), None, **args)  # W^T stored: columns are not rows of W
+    with pytest.raises(ValueError, match="small_qkv_rotary"):
+        small_qkv_rotary(x, weight_t, None, **(args | {"num_kv_heads": 2}))
+    with pytest.raises(ValueError, match="small_qkv_rotary"):
+        small_qkv_rotary(x, weight_t, None, **(args | {"slot_mapping": torch.tensor([1], device=x.device)}))

@@ -1,5 +1,6 @@
-"""The Triton small-batch projection kernel (kernels/triton/small_linear.py) compiled for a GPU
-without one: every variant the fused decode layers launch, in each dtype and on both weight forms,
+"""The Triton small-batch projection kernels (kernels/triton/small_linear.py) compiled for a GPU
+without one: every variant the fused decode layers launch, in each dtype and on both weight forms
+(the QKV projection with rotary and the KV write: on W as stored, for heads of 64 and 128),
 through Triton's own compiler and ptxas to a Hopper (sm_90) and an Ampere (sm_80) binary, specialized
 as Triton's launcher specializes a real launch (16-byte aligned tensors, sizes and strides divisible
 by 16, the unit stride a constant). Each must stream its weight through shared memory with
@@ -20,7 +21,7 @@ COMPILE = r"""
 import json, torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kernels.triton.small_linear import _small_linear_kernel, launch_config
+from kernels.triton.small_linear import _qkv_rotary_kernel, _small_linear_kernel, launch_config
 
 TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}
 POINTERS = ("x_ptr", "res_ptr", "norm_ptr", "w_ptr", "bias_ptr", "out_ptr", "new_res_ptr")
@@ -45,6 +46,35 @@ for capability in (90, 80):
                 out.append({"sm": capability, "dtype": str(dtype), "flags": flags, "unit_stride": unit,
                             "shared": kernel.metadata.shared, "cubin": len(kernel.asm["cubin"]),
                             "async_copies": kernel.asm["ptx"].count("cp.async")})
+# The QKV projection with rotary and the KV write (W as stored: its unit stride along K), for heads of 64
+# and 128 values, without and with a residual (the first layer's, the others'), with Qwen2's bias.
+ROTARY_POINTERS = ("x_ptr", "res_ptr", "norm_ptr", "w_ptr", "bias_ptr", "q_ptr", "new_res_ptr", "positions_ptr",
+                   "cos_sin_ptr", "cache_ptr", "slot_ptr")
+for capability in (90, 80):
+    for dtype in (torch.bfloat16, torch.float32):
+        for head_dim in (64, 128):
+            for residual, bias in ((False, True), (True, False)):
+                config = launch_config(dtype, 8192)
+                options = {"num_warps": config.pop("num_warps"), "num_stages": config.pop("num_stages")}
+                del config["BLOCK_N"]
+                types = {"positions_ptr": "*i64", "slot_ptr": "*i64"}
+                signature = {name: types.get(name, TYPES[dtype]) for name in ROTARY_POINTERS}
+                signature |= {"M": "i32", "K": "i32", "eps": "fp32", "stride_wk": "i32", "stride_wn": "i32",
+                              "stride_cos_sin": "i32", "stride_cache_block": "i32", "stride_cache_kv": "i32",
+                              "stride_cache_offset": "i32", "stride_cache_head": "i32"}
+                constants = {"NUM_HEADS": 32, "NUM_KV_HEADS": 8, "HEAD_DIM": head_dim, "BLOCK_SIZE": 16,
+                             "HAS_RESIDUAL": residual, "HAS_BIAS": bias, "DOT_FP32": dtype == torch.float32,
+                             "stride_wk": 1} | config
+                signature |= {name: "constexpr" for name in constants}
+                names = list(signature)
+                divisible = {(names.index(name),): [["tt.divisibility", 16]]
+                             for name in (*ROTARY_POINTERS, "K", "stride_wn", "stride_cos_sin", "stride_cache_block",
+                                          "stride_cache_kv", "stride_cache_offset", "stride_cache_head")}
+                kernel = triton.compile(ASTSource(_qkv_rotary_kernel, signature, constants, divisible),
+                                        target=GPUTarget("cuda", capability, 32), options=options)
+                out.append({"sm": capability, "dtype": str(dtype), "flags": ["qkv_rotary", head_dim, residual, bias],
+                            "unit_stride": "stride_wk", "shared": kernel.metadata.shared,
+                            "cubin": len(kernel.asm["cubin"]), "async_copies": kernel.asm["ptx"].count("cp.async")})
 print(json.dumps(out))
 """
 
@@ -56,7 +86,7 @@ def test_every_fused_variant_compiles_for_hopper_and_ampere_pipelined_within_the
                           timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     kernels = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(kernels) == 2 * 3 * 4 * 2
+    assert len(kernels) == 2 * 3 * 4 * 2 + 2 * 2 * 2 * 2
     for kernel in kernels:
         assert kernel["cubin"] > 0, kernel
         assert kernel["async_copies"] > 0, kernel
