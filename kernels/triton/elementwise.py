@@ -9,6 +9,9 @@ import torch
 
 from kernels.triton.common import tl, triton
 
+# The most heads one rotary-and-write program takes (a token's query and KV heads, in groups of this).
+_ROTARY_HEADS = 16
+
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     num_tokens, width = x.shape
@@ -52,17 +55,19 @@ def apply_rotary(query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor
 def rotary_and_write_kv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor,
                         cos_sin_cache: torch.Tensor, kv_cache_layer: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Rotate query and key in place and write key and value at slot_mapping (-1: no write), in one
-    launch: a program per (token, query head) and per (token, KV head)."""
+    launch: a program per token and group of up to 16 of its heads (query heads, then KV heads), so
+    that a program moves a few KiB instead of one head's 128 bytes."""
     num_tokens, num_heads, head_dim = query.shape
     if num_tokens == 0:
         return
     num_kv_heads = key.shape[1]
-    _rotary_write_kv_kernel[(num_tokens, num_heads + num_kv_heads)](
+    block_h = min(_ROTARY_HEADS, triton.next_power_of_2(num_heads + num_kv_heads))
+    _rotary_write_kv_kernel[(num_tokens, triton.cdiv(num_heads + num_kv_heads, block_h))](
         query, key, value, positions, cos_sin_cache, kv_cache_layer, slot_mapping,
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         cos_sin_cache.stride(0), *kv_cache_layer.stride()[:4],
-        NUM_HEADS=num_heads, BLOCK_SIZE=kv_cache_layer.shape[2], HALF=head_dim // 2,
-        BLOCK=triton.next_power_of_2(head_dim // 2),
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, BLOCK_SIZE=kv_cache_layer.shape[2], HALF=head_dim // 2,
+        BLOCK=triton.next_power_of_2(head_dim // 2), BLOCK_H=block_h,
     )
 
 
@@ -141,33 +146,42 @@ if triton is not None:
                                 stride_q_token, stride_q_head, stride_k_token, stride_k_head,
                                 stride_v_token, stride_v_head, stride_table_pos,
                                 stride_cache_block, stride_cache_kv, stride_cache_offset, stride_cache_head,
-                                NUM_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, HALF: tl.constexpr,
-                                BLOCK: tl.constexpr):
-        """One (token, head): heads below NUM_HEADS are query heads, rotated in place; the rest are
-        KV heads: the key head rotated in place, then it and the value head written to the slot."""
+                                NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                                HALF: tl.constexpr, BLOCK: tl.constexpr, BLOCK_H: tl.constexpr):
+        """One token's heads [BLOCK_H * g, BLOCK_H * (g + 1)): those below NUM_HEADS are query heads,
+        rotated in place; the next NUM_KV_HEADS are KV heads: the key head rotated in place (as
+        _rotate_head does), then it and the value head written to the token's slot."""
         token = tl.program_id(0).to(tl.int64)
-        head = tl.program_id(1)
+        heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         offs = tl.arange(0, BLOCK)
-        mask = offs < HALF
-        is_query = head < NUM_HEADS
-        kv_head = head - NUM_HEADS
-        if is_query:
-            base = q_ptr + token * stride_q_token + head * stride_q_head
-        else:
-            base = k_ptr + token * stride_k_token + kv_head * stride_k_head
-        r1, r2 = _rotate_head(base, cache_sin_cos_ptr, positions_ptr, token, stride_table_pos, offs, mask, HALF)
-        if not is_query:
-            slot = tl.load(slot_ptr + token)
-            if slot >= 0:
-                dst = (cache_ptr + (slot // BLOCK_SIZE) * stride_cache_block + (slot % BLOCK_SIZE) * stride_cache_offset
-                       + kv_head * stride_cache_head)
-                tl.store(dst + offs, r1, mask=mask)
-                tl.store(dst + HALF + offs, r2, mask=mask)
-                v_base = v_ptr + token * stride_v_token + kv_head * stride_v_head
-                v1 = tl.load(v_base + offs, mask=mask, other=0.0)
-                v2 = tl.load(v_base + HALF + offs, mask=mask, other=0.0)
-                tl.store(dst + stride_cache_kv + offs, v1, mask=mask)
-                tl.store(dst + stride_cache_kv + HALF + offs, v2, mask=mask)
+        mask_d = offs < HALF
+        is_query = heads < NUM_HEADS
+        is_key = (heads >= NUM_HEADS) & (heads < NUM_HEADS + NUM_KV_HEADS)
+        kv_heads = tl.where(is_key, heads - NUM_HEADS, 0)
+        rows = tl.where(is_query[:, None], q_ptr + token * stride_q_token + heads[:, None] * stride_q_head,
+                        k_ptr + token * stride_k_token + kv_heads[:, None] * stride_k_head)
+        mask = (is_query | is_key)[:, None] & mask_d[None, :]
+        pos = tl.load(positions_ptr + token)
+        cos = tl.load(cache_sin_cos_ptr + pos * stride_table_pos + offs, mask=mask_d, other=0.0).to(tl.float32)
+        sin = tl.load(cache_sin_cos_ptr + pos * stride_table_pos + HALF + offs, mask=mask_d, other=0.0).to(tl.float32)
+        x1 = tl.load(rows + offs[None, :], mask=mask, other=0.0)
+        x2 = tl.load(rows + HALF + offs[None, :], mask=mask, other=0.0)
+        x1f = x1.to(tl.float32)
+        x2f = x2.to(tl.float32)
+        r1 = (x1f * cos[None, :] - x2f * sin[None, :]).to(x1.dtype)
+        r2 = (x2f * cos[None, :] + x1f * sin[None, :]).to(x1.dtype)
+        tl.store(rows + offs[None, :], r1, mask=mask)
+        tl.store(rows + HALF + offs[None, :], r2, mask=mask)
+        slot = tl.load(slot_ptr + token)
+        if slot >= 0:
+            key_mask = is_key[:, None] & mask_d[None, :]
+            dst = (cache_ptr + (slot // BLOCK_SIZE) * stride_cache_block + (slot % BLOCK_SIZE) * stride_cache_offset
+                   + kv_heads[:, None] * stride_cache_head + offs[None, :])
+            tl.store(dst, r1, mask=key_mask)
+            tl.store(dst + HALF, r2, mask=key_mask)
+            v_rows = v_ptr + token * stride_v_token + kv_heads[:, None] * stride_v_head + offs[None, :]
+            tl.store(dst + stride_cache_kv, tl.load(v_rows, mask=key_mask, other=0.0), mask=key_mask)
+            tl.store(dst + stride_cache_kv + HALF, tl.load(v_rows + HALF, mask=key_mask, other=0.0), mask=key_mask)
 
     @triton.jit
     def _write_kv_kernel(key_ptr, value_ptr, cache_ptr, slot_ptr,

@@ -6,7 +6,8 @@ as Triton's launcher specializes a real launch (16-byte aligned tensors, sizes a
 by 16, the unit stride a constant). Each must stream its weight through shared memory with
 asynchronous copies (a pipelined loop: without it the kernel waits on every load) and keep within
 the 99 KiB of shared memory the smallest of those GPUs give a program. The interpreter (the other
-kernel tests) checks what the kernel computes; this checks that a GPU can build and launch it."""
+kernel tests) checks what the kernel computes; this checks that a GPU can build and launch it. The
+layer loop's rotary-and-write kernel (heads in groups) is compiled alongside, its loads vectorized."""
 
 import json
 import os
@@ -75,6 +76,29 @@ for capability in (90, 80):
                 out.append({"sm": capability, "dtype": str(dtype), "flags": ["qkv_rotary", head_dim, residual, bias],
                             "unit_stride": "stride_wk", "shared": kernel.metadata.shared,
                             "cubin": len(kernel.asm["cubin"]), "async_copies": kernel.asm["ptx"].count("cp.async")})
+# Rotary with the KV write (kernels/triton/elementwise.py, the layer loop's): 32 query and 8 KV heads in
+# groups of 16, heads of 64 and 128.
+from kernels.triton.elementwise import _rotary_write_kv_kernel
+for capability in (90, 80):
+    for dtype in (torch.bfloat16, torch.float32):
+        for head_dim in (64, 128):
+            pointers = ("q_ptr", "k_ptr", "v_ptr", "positions_ptr", "cache_sin_cos_ptr", "cache_ptr", "slot_ptr")
+            types = {"positions_ptr": "*i64", "slot_ptr": "*i64"}
+            signature = {name: types.get(name, TYPES[dtype]) for name in pointers}
+            strides = ("stride_q_token", "stride_q_head", "stride_k_token", "stride_k_head", "stride_v_token",
+                       "stride_v_head", "stride_table_pos", "stride_cache_block", "stride_cache_kv",
+                       "stride_cache_offset", "stride_cache_head")
+            signature |= {name: "i32" for name in strides}
+            constants = {"NUM_HEADS": 32, "NUM_KV_HEADS": 8, "BLOCK_SIZE": 16, "HALF": head_dim // 2,
+                         "BLOCK": head_dim // 2, "BLOCK_H": 16}
+            signature |= {name: "constexpr" for name in constants}
+            names = list(signature)
+            divisible = {(names.index(name),): [["tt.divisibility", 16]] for name in (*pointers, *strides)}
+            kernel = triton.compile(ASTSource(_rotary_write_kv_kernel, signature, constants, divisible),
+                                    target=GPUTarget("cuda", capability, 32), options={"num_warps": 4})
+            out.append({"sm": capability, "dtype": str(dtype), "flags": ["rotary_write_kv", head_dim],
+                        "shared": kernel.metadata.shared, "cubin": len(kernel.asm["cubin"]),
+                        "vector_loads": kernel.asm["ptx"].count("ld.global.v")})
 print(json.dumps(out))
 """
 
@@ -86,8 +110,13 @@ def test_every_fused_variant_compiles_for_hopper_and_ampere_pipelined_within_the
                           timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     kernels = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(kernels) == 2 * 3 * 4 * 2 + 2 * 2 * 2 * 2
-    for kernel in kernels:
+    projections = [kernel for kernel in kernels if kernel["flags"][0] != "rotary_write_kv"]
+    assert len(projections) == 2 * 3 * 4 * 2 + 2 * 2 * 2 * 2
+    for kernel in projections:
         assert kernel["cubin"] > 0, kernel
         assert kernel["async_copies"] > 0, kernel
         assert 0 < kernel["shared"] <= 99 * 1024, kernel
+    rotary = [kernel for kernel in kernels if kernel["flags"][0] == "rotary_write_kv"]
+    assert len(rotary) == 2 * 2 * 2
+    for kernel in rotary:  # a row-wise kernel: little shared memory (layout scratch), loads several values wide
+        assert kernel["cubin"] > 0 and kernel["shared"] <= 16 * 1024 and kernel["vector_loads"] > 0, kernel

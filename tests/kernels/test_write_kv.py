@@ -80,3 +80,31 @@ def test_compiled_cpu_write_refuses_a_slot_outside_the_cache():
     with pytest.raises(ValueError, match="slot"):
         write_kv(key, value, cache[:, 0], torch.tensor([1, cache.shape[0] * BLOCK_SIZE]))
     assert torch.equal(cache, before)  # nothing written
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_and_write_in_groups_of_heads_equal_the_reference(dtype):
+    """The Triton rotary-and-write kernel takes a token's heads 16 at a time: with 32 query heads and
+    8 KV heads (Llama-3's 1B and 8B) a token's heads span three programs, the last half empty; each
+    query and key head rotated as the reference does, keys and values written, slot -1 skipped, from
+    strided views of a fused QKV output."""
+    from kernels.reference.backend import ReferenceBackend
+    from kernels.reference.ops import rotary_cos_sin_cache
+    from kernels.triton.backend import TritonBackend
+
+    heads, kv_heads, head_dim, tokens = 32, 8, 32, 3
+    qkv = randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype, seed=4)
+    cos_sin = rotary_cos_sin_cache(head_dim, 64, 10000.0, None, torch.float32).to(dtype=dtype, device=DEVICE)
+    positions, slots = torch.tensor([0, 9, 63], device=DEVICE), torch.tensor([17, -1, 40], device=DEVICE)
+    results = []
+    for backend in (TritonBackend(DEVICE), ReferenceBackend(DEVICE)):
+        fused, cache = qkv.clone(), make_cache(kv_heads, head_dim, dtype)
+        q, k, v = fused.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+        q, k, v = q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim), v.view(tokens, kv_heads, head_dim)
+        backend.rotary_and_write_kv(q, k, v, positions, cos_sin, cache[:, 1], slots)
+        results.append((fused, cache))
+    (got_qkv, got_cache), (want_qkv, want_cache) = results
+    atol = 0 if dtype == torch.float32 else 2e-2  # NOTE: the interpreter truncates to bfloat16, torch rounds
+    torch.testing.assert_close(got_qkv, want_qkv, atol=atol, rtol=atol)
+    torch.testing.assert_close(got_cache, want_cache, atol=atol, rtol=atol)
+    assert torch.equal(got_cache[:, 0], make_cache(kv_heads, head_dim, dtype)[:, 0])  # other layers untouched
