@@ -100,7 +100,7 @@ def test_rotary_and_write_in_groups_of_heads_equal_the_reference(dtype):
     for backend in (TritonBackend(DEVICE), ReferenceBackend(DEVICE)):
         fused, cache = qkv.clone(), make_cache(kv_heads, head_dim, dtype)
         q, k, v = fused.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
-        q, k, v = q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim), v.view(tokens, kv_heads, head_dim)
+        q, k, v = (part.view(tokens, -1, head_dim) for part in (q, k, v))
         backend.rotary_and_write_kv(q, k, v, positions, cos_sin, cache[:, 1], slots)
         results.append((fused, cache))
     (got_qkv, got_cache), (want_qkv, want_cache) = results
