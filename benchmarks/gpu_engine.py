@@ -271,9 +271,9 @@ def run_profile(llm: LLM, vocab: int) -> list[dict]:
 
 
 # A kernel's kind, from the first of these its name holds (cuBLAS's GEMM kernels, the Triton
-# backend's kernels by their function names, torch's own).
+# backend's kernels by their function names, torch's own; the fused QKV-with-rotary projection is a matmul).
 _KERNEL_KINDS = (("matmul", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "cublas", "splitk", "aten::mm", "aten::addmm",
-                             "linear")),
+                             "linear", "_qkv_rotary")),
                  ("attention", ("attention", "_decode_reduce")), ("norm", ("rms_norm",)),
                  ("rotary+kv", ("rotary", "write_kv")), ("silu", ("silu",)),
                  ("copy", ("copy", "memcpy", "memset", "index", "gather", "scatter", "cat")),
@@ -476,6 +476,7 @@ def run_attention(llm: LLM, hw: dict) -> list[dict]:
     rows = []
     for batch in S.attention_batches:
         if batch * blocks > cache.shape[0]:
+            print(f"  attention batch {batch}: skipped, the cache has {cache.shape[0]} blocks", flush=True)
             continue
         table = torch.zeros(batch, width, dtype=torch.int32, device=cache.device)
         table[:, :blocks] = torch.randperm(cache.shape[0], device=cache.device)[:batch * blocks].view(batch, blocks)

@@ -62,7 +62,7 @@ def test_every_phase_runs_and_is_recorded(tiny_model_dir, tmp_path):
         {"batch": b, "tuning": t, "default": i == 0, "us": 10.0 * b + i, "of_copy_bw": 0.5}
         for b in (1, 256) for i, t in enumerate(tunings)]
     record["result"]["presets"][0]["layouts"][0].update(
-        us_small_wt=2.5, of_copy_bw_wt=0.5, us_small_w=1.75, of_copy_bw_small_w=0.75, of_copy_bw_small_wt=0.25,
+        us_small_wt=2.5, us_small_w=1.75, of_copy_bw_small_w=0.75, of_copy_bw_small_wt=0.25,
         small_tunings=[{"tuning": {"tile_bytes": 1024, "num_warps": 4, "num_stages": 2}, "us": 3.25,
                         "of_copy_bw": 0.625}])
     blocks, plots = render_results.render([record])
@@ -87,7 +87,8 @@ def test_profiled_kernels_are_sorted_by_kind():
              "void splitKreduce_kernel<32, 16, int, float>": "matmul", "_rms_norm_kernel": "norm",
              "_decode_attention_kernel": "attention", "_decode_reduce_kernel": "attention",
              "_prefill_attention_kernel": "attention", "_rotary_write_kv_kernel": "rotary+kv",
-             "_silu_and_mul_kernel": "silu", "_small_linear_kernel": "matmul", "Memcpy HtoD (Pinned -> Device)": "copy",
+             "_silu_and_mul_kernel": "silu", "_small_linear_kernel": "matmul", "_qkv_rotary_kernel": "matmul",
+             "Memcpy HtoD (Pinned -> Device)": "copy",
              "void at::native::index_elementwise_kernel<128, 4>": "copy",
              "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<c10::BFloat16, ArgMaxOps>>": "sampling",
              "void something_else": "other"}
