@@ -50,6 +50,7 @@ import sys
 import time
 from functools import partial
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -177,16 +178,11 @@ def load(model_dir: Path, args, enforce_eager: bool = False, weights_as_stored: 
 
     start = time.perf_counter()
     TritonBackend.store_transposed = not weights_as_stored
-    before = os.environ.get(FUSED_DECODE_ENV)
-    os.environ[FUSED_DECODE_ENV] = "1" if fused_decode else "0"
     try:
-        return _load(model_dir, args, enforce_eager), time.perf_counter() - start
+        with mock.patch.dict(os.environ, {FUSED_DECODE_ENV: "1" if fused_decode else "0"}):
+            return _load(model_dir, args, enforce_eager), time.perf_counter() - start
     finally:
         del TritonBackend.store_transposed  # back to the class's own (TorchProjections')
-        if before is None:
-            del os.environ[FUSED_DECODE_ENV]
-        else:
-            os.environ[FUSED_DECODE_ENV] = before
 
 
 def _load(model_dir: Path, args, enforce_eager: bool) -> LLM:

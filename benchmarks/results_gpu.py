@@ -52,8 +52,7 @@ def render_gpu_engine(records: list[dict]) -> tuple[list[str], list]:
         eager = {row["batch"]: row for row in preset.get("decode_eager", [])}
         stored = {row["batch"]: row for row in preset.get("decode_w", [])}
         fused = {row["batch"]: row for row in preset.get("decode_fused", [])}
-        rows = [[str(row["batch"]), num(row["step_ms_median"], 3, " ms"),
-                 num(eager[row["batch"]]["step_ms_median"], 3, " ms") if row["batch"] in eager else "",
+        rows = [[str(row["batch"]), num(row["step_ms_median"], 3, " ms"), _step_cell(eager, row["batch"]),
                  num(row["bound_ms"], 3, " ms"), f"{100 * row['of_bound']:.0f}%"]
                 + [_step_cell(other, row["batch"]) for other in (stored, fused) if other]
                 for row in preset["decode"]]

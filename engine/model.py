@@ -58,12 +58,12 @@ class CausalLM:
         ).to(device=backend.device, dtype=config.dtype)
         self._q_size = config.num_heads * config.head_dim
         self._kv_size = config.num_kv_heads * config.head_dim
-        shape = LayerShape(hidden=config.hidden_size, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
-                           head_dim=config.head_dim, intermediate=config.intermediate_size, eps=config.rms_norm_eps,
-                           scale=self.scale)
+        self.layer_shape = LayerShape(hidden=config.hidden_size, num_heads=config.num_heads,
+                                      num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+                                      intermediate=config.intermediate_size, eps=config.rms_norm_eps, scale=self.scale)
         # A backend capability (the whole decode step's layers in one call), or None; it has no place
         # for the ranks' sums.
-        self.fused_decode = None if tp else backend.fused_decode(weights.layers, shape, self.cos_sin_cache)
+        self.fused_decode = None if tp else backend.fused_decode(weights.layers, self.layer_shape, self.cos_sin_cache)
         # Set while mixed graphs run a step (engine.mixed_graphs): each layer's attention is theirs,
         # attention_cut(query, kv_cache_layer) -> its output.
         self.attention_cut = None

@@ -30,7 +30,7 @@ class TritonBackend(TorchProjections, Backend):
 
     def describe(self) -> str:
         fused = f", fused small-batch decode ({FUSED_DECODE_ENV}=1)" if _fused_decode_on() else ""
-        return f"{self.name} on {self.device}{fused}"
+        return super().describe() + fused
 
     def fused_decode(self, layers, shape, cos_sin_cache):
         """Decode batches of at most small_linear.SMALL_ROWS sequences on the fused layers

@@ -129,17 +129,33 @@ if triton is not None:
     def _rotate_head(base, cache_ptr, positions_ptr, token, stride_cache_pos, offs, mask, HALF: tl.constexpr):
         """Rotate the head at base in place by its token's position; returns its two rotated halves."""
         pos = tl.load(positions_ptr + token)
-        cos = tl.load(cache_ptr + pos * stride_cache_pos + offs, mask=mask, other=0.0).to(tl.float32)
-        sin = tl.load(cache_ptr + pos * stride_cache_pos + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+        cos, sin = _cos_sin(cache_ptr + pos * stride_cache_pos + offs, mask, HALF)
         x1 = tl.load(base + offs, mask=mask, other=0.0)
         x2 = tl.load(base + HALF + offs, mask=mask, other=0.0)
-        x1f = x1.to(tl.float32)
-        x2f = x2.to(tl.float32)
-        r1 = (x1f * cos - x2f * sin).to(x1.dtype)
-        r2 = (x2f * cos + x1f * sin).to(x1.dtype)
+        r1, r2 = _rotated(x1, x2, cos, sin)
         tl.store(base + offs, r1, mask=mask)
         tl.store(base + HALF + offs, r2, mask=mask)
         return r1, r2
+
+    @triton.jit
+    def _cos_sin(angles, mask, HALF: tl.constexpr):
+        """The cos entries at angles (a row of the cos/sin cache: cos, then sin HALF further), and the
+        sin entries, in float32."""
+        cos = tl.load(angles, mask=mask, other=0.0).to(tl.float32)
+        sin = tl.load(angles + HALF, mask=mask, other=0.0).to(tl.float32)
+        return cos, sin
+
+    @triton.jit
+    def _rotated(x1, x2, cos, sin):
+        """A head's halves rotated (neox style): in float32, each rounded once to x1's dtype."""
+        x1f = x1.to(tl.float32)
+        x2f = x2.to(tl.float32)
+        return (x1f * cos - x2f * sin).to(x1.dtype), (x2f * cos + x1f * sin).to(x1.dtype)
+
+    @triton.jit
+    def _slot_address(cache_ptr, slot, stride_cache_block, stride_cache_offset, BLOCK_SIZE: tl.constexpr):
+        """Where a token's KV goes in a layer's paged cache: its slot's block, then its offset there."""
+        return cache_ptr + (slot // BLOCK_SIZE) * stride_cache_block + (slot % BLOCK_SIZE) * stride_cache_offset
 
     @triton.jit
     def _rotary_write_kv_kernel(q_ptr, k_ptr, v_ptr, positions_ptr, cache_sin_cos_ptr, cache_ptr, slot_ptr,
@@ -162,20 +178,16 @@ if triton is not None:
                         k_ptr + token * stride_k_token + kv_heads[:, None] * stride_k_head)
         mask = (is_query | is_key)[:, None] & mask_d[None, :]
         pos = tl.load(positions_ptr + token)
-        cos = tl.load(cache_sin_cos_ptr + pos * stride_table_pos + offs, mask=mask_d, other=0.0).to(tl.float32)
-        sin = tl.load(cache_sin_cos_ptr + pos * stride_table_pos + HALF + offs, mask=mask_d, other=0.0).to(tl.float32)
+        cos, sin = _cos_sin(cache_sin_cos_ptr + pos * stride_table_pos + offs, mask_d, HALF)
         x1 = tl.load(rows + offs[None, :], mask=mask, other=0.0)
         x2 = tl.load(rows + HALF + offs[None, :], mask=mask, other=0.0)
-        x1f = x1.to(tl.float32)
-        x2f = x2.to(tl.float32)
-        r1 = (x1f * cos[None, :] - x2f * sin[None, :]).to(x1.dtype)
-        r2 = (x2f * cos[None, :] + x1f * sin[None, :]).to(x1.dtype)
+        r1, r2 = _rotated(x1, x2, cos[None, :], sin[None, :])
         tl.store(rows + offs[None, :], r1, mask=mask)
         tl.store(rows + HALF + offs[None, :], r2, mask=mask)
         slot = tl.load(slot_ptr + token)
         if slot >= 0:
             key_mask = is_key[:, None] & mask_d[None, :]
-            dst = (cache_ptr + (slot // BLOCK_SIZE) * stride_cache_block + (slot % BLOCK_SIZE) * stride_cache_offset
+            dst = (_slot_address(cache_ptr, slot, stride_cache_block, stride_cache_offset, BLOCK_SIZE)
                    + kv_heads[:, None] * stride_cache_head + offs[None, :])
             tl.store(dst, r1, mask=key_mask)
             tl.store(dst + HALF, r2, mask=key_mask)
@@ -194,9 +206,7 @@ if triton is not None:
         if slot >= 0:
             offs_d = tl.arange(0, BLOCK_D)
             mask_d = offs_d < HEAD_DIM
-            block = slot // BLOCK_SIZE
-            offset = slot % BLOCK_SIZE
-            dst = (cache_ptr + block * stride_cache_block + offset * stride_cache_offset
+            dst = (_slot_address(cache_ptr, slot, stride_cache_block, stride_cache_offset, BLOCK_SIZE)
                    + head * stride_cache_head + offs_d)
             k = tl.load(key_ptr + token * stride_key_token + head * stride_key_head + offs_d, mask=mask_d)
             v = tl.load(value_ptr + token * stride_value_token + head * stride_value_head + offs_d, mask=mask_d)

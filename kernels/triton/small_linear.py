@@ -75,19 +75,15 @@ def small_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | N
         raise ValueError(f"small_linear: residual {tuple(residual.shape)} needs a norm and x's shape {tuple(x.shape)}")
     if weight_t.stride(0) != 1 and weight_t.stride(1) != 1:
         raise ValueError("small_linear: W^T must be contiguous along one of its dimensions")
-    x = x.contiguous()
+    has_residual = residual is not None
+    x, residual, new_residual = _rows_and_residual(x, residual)
     width = out_features // 2 if gated else out_features
     out = torch.empty(rows, width, dtype=x.dtype, device=x.device)
-    new_residual = x
-    if residual is not None:
-        residual = residual.contiguous()
-        new_residual = torch.empty_like(x)
-    placeholder = x  # NOTE: a real pointer for the arguments a variant never reads
     _small_linear_kernel[(triton.cdiv(width, _BLOCK_N),)](
-        x, residual if residual is not None else placeholder, norm_weight if norm_weight is not None else placeholder,
-        weight_t, bias if bias is not None else placeholder, out, new_residual,
+        x, residual, norm_weight if norm_weight is not None else x, weight_t, bias if bias is not None else x, out,
+        new_residual,
         rows, width, k, eps, weight_t.stride(0), weight_t.stride(1),
-        NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None, GATED=gated, HAS_BIAS=bias is not None,
+        NORM=norm_weight is not None, HAS_RESIDUAL=has_residual, GATED=gated, HAS_BIAS=bias is not None,
         DOT_FP32=dot_in_fp32(x), **launch_config(x.dtype, k, tuning),
     )
     return out, (new_residual if norm_weight is not None else None)
@@ -123,25 +119,33 @@ def small_qkv_rotary(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor
             or (residual is not None and residual.shape != x.shape) or cos_sin_cache.stride(-1) != 1):
         raise ValueError(f"small_qkv_rotary: cache {tuple(kv_cache_layer.shape)}, positions {tuple(positions.shape)}, "
                          f"slots {tuple(slot_mapping.shape)} for {rows} rows of {k}")
-    x = x.contiguous()
+    has_residual = residual is not None
+    x, residual, new_residual = _rows_and_residual(x, residual)
     query = torch.empty(rows, num_heads, head_dim, dtype=x.dtype, device=x.device)
-    new_residual = x
-    if residual is not None:
-        residual = residual.contiguous()
-        new_residual = torch.empty_like(x)
     config = launch_config(x.dtype, k, tuning)
     del config["BLOCK_N"]
     _qkv_rotary_kernel[((num_heads + 2 * num_kv_heads) * head_dim // 16,)](
-        x, residual if residual is not None else x, norm_weight, weight_t, bias if bias is not None else x, query,
+        x, residual, norm_weight, weight_t, bias if bias is not None else x, query,
         new_residual, positions, cos_sin_cache, kv_cache_layer, slot_mapping,
         rows, k, eps, weight_t.stride(0), weight_t.stride(1), cos_sin_cache.stride(0), *kv_cache_layer.stride()[:4],
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=kv_cache_layer.shape[2],
-        HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, DOT_FP32=dot_in_fp32(x), **config,
+        HAS_RESIDUAL=has_residual, HAS_BIAS=bias is not None, DOT_FP32=dot_in_fp32(x), **config,
     )
     return query, new_residual
 
 
+def _rows_and_residual(x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """(x contiguous, the residual to read, the new residual stream): with a residual, it contiguous and
+    a fresh buffer its sum with x goes to; without, x stands for both (the kernel reads no residual,
+    NOTE: a real pointer, there is no null in a kernel's arguments; x is the layer loop's residual)."""
+    x = x.contiguous()
+    if residual is None:
+        return x, x, x
+    return x, residual.contiguous(), torch.empty_like(x)
+
+
 if triton is not None:
+    from kernels.triton.elementwise import _cos_sin, _rotated, _slot_address
 
     @triton.jit
     def _row_sum(x_ptr, res_ptr, offs_m, offs_k, mask, K, HAS_RESIDUAL: tl.constexpr):
@@ -266,16 +270,10 @@ if triton is not None:
         # the projection rounded as the unfused QKV output is, then split into the pairs' two halves
         x1, x2 = tl.split(tl.permute(tl.reshape(acc.to(dtype), [BLOCK_M, 2, 8]), (0, 2, 1)))
         offs_j = first + tl.arange(0, 8)
-        if head < NUM_HEADS + NUM_KV_HEADS:
-            # As _rotate_head: the halves in float32 against the position's cos and sin, rounded once.
+        if head < NUM_HEADS + NUM_KV_HEADS:  # a query or key head: rotated as the rotary kernels do
             pos = tl.load(positions_ptr + offs_m, mask=mask_m, other=0)
-            angles = cos_sin_ptr + pos[:, None] * stride_cos_sin + offs_j[None, :]
-            cos = tl.load(angles, mask=mask_m[:, None], other=0.0).to(tl.float32)
-            sin = tl.load(angles + HALF, mask=mask_m[:, None], other=0.0).to(tl.float32)
-            x1f = x1.to(tl.float32)
-            x2f = x2.to(tl.float32)
-            x1 = (x1f * cos - x2f * sin).to(dtype)
-            x2 = (x2f * cos + x1f * sin).to(dtype)
+            cos, sin = _cos_sin(cos_sin_ptr + pos[:, None] * stride_cos_sin + offs_j[None, :], mask_m[:, None], HALF)
+            x1, x2 = _rotated(x1, x2, cos, sin)
         if head < NUM_HEADS:
             q = q_ptr + offs_m[:, None] * (NUM_HEADS * HEAD_DIM) + head * HEAD_DIM + offs_j[None, :]
             tl.store(q, x1, mask=mask_m[:, None])
@@ -286,7 +284,7 @@ if triton is not None:
             slot = tl.load(slot_ptr + offs_m, mask=mask_m, other=-1)
             written = mask_m & (slot >= 0)
             slot = tl.where(written, slot, 0)
-            dst = (cache_ptr + (slot // BLOCK_SIZE) * stride_cache_block + (slot % BLOCK_SIZE) * stride_cache_offset
+            dst = (_slot_address(cache_ptr, slot, stride_cache_block, stride_cache_offset, BLOCK_SIZE)
                    + kv_head * stride_cache_head + tl.where(is_value, stride_cache_kv, 0))
             tl.store(dst[:, None] + offs_j[None, :], x1, mask=written[:, None])
             tl.store(dst[:, None] + HALF + offs_j[None, :], x2, mask=written[:, None])

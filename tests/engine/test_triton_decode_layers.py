@@ -16,7 +16,6 @@ import torch
 from engine.llm import LLM
 from engine.model import AttentionMetadata
 from engine.sampling_params import SamplingParams
-from kernels.interface import LayerShape
 from kernels.reference.backend import ReferenceBackend
 from kernels.triton.backend import FUSED_DECODE_ENV, TritonBackend
 from kernels.triton.decode_layers import SmallBatchLayers
@@ -36,12 +35,6 @@ def _llm(model_dir, dtype: str, transposed: bool = True) -> LLM:
         del ReferenceBackend.store_transposed
 
 
-def _shape(model) -> LayerShape:
-    c = model.config
-    return LayerShape(hidden=c.hidden_size, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-                      intermediate=c.intermediate_size, eps=c.rms_norm_eps, scale=model.scale)
-
-
 def _decode_batch(model, block_size: int):
     """Three sequences at positions 4, 9 and 20, each on blocks of its own, one token each."""
     positions = torch.tensor([4, 9, 20])
@@ -58,7 +51,7 @@ def test_fused_layers_equal_the_triton_layer_loop(model_fixture, transposed, req
     llm = _llm(request.getfixturevalue(model_fixture), "float32", transposed)
     model, cache = llm.engine.model, llm.engine.kv_cache
     model.ops = TritonBackend("cpu")  # the loop on the same (interpreted) kernels
-    fused = SmallBatchLayers.create(model.weights.layers, _shape(model), model.cos_sin_cache)
+    fused = SmallBatchLayers.create(model.weights.layers, model.layer_shape, model.cos_sin_cache)
     assert fused is not None and fused.rotary_in_qkv == (not transposed)
     hidden, positions, slots, tables, lens = _decode_batch(model, cache.shape[3])
     assert fused.takes(hidden, cache)
@@ -80,7 +73,7 @@ def test_fused_layers_equal_the_triton_layer_loop(model_fixture, transposed, req
 def test_greedy_decoding_on_the_fused_layers_equals_the_loop(tiny_model_dir):
     llm = _llm(tiny_model_dir, "float32", transposed=False)  # all five fused launches, rotary in QKV
     model = llm.engine.model
-    fused = SmallBatchLayers.create(model.weights.layers, _shape(model), model.cos_sin_cache)
+    fused = SmallBatchLayers.create(model.weights.layers, model.layer_shape, model.cos_sin_cache)
     assert fused.rotary_in_qkv
     rows, real = [], fused.run
 
@@ -103,7 +96,7 @@ def test_greedy_decoding_on_the_fused_layers_equals_the_loop(tiny_model_dir):
 def test_the_fused_layers_are_off_unless_turned_on_and_take_only_what_they_can(tiny_model_dir, monkeypatch):
     llm = _llm(tiny_model_dir, "float32")
     model, cache = llm.engine.model, llm.engine.kv_cache
-    backend, layers, shape = TritonBackend("cpu"), model.weights.layers, _shape(model)
+    backend, layers, shape = TritonBackend("cpu"), model.weights.layers, model.layer_shape
     monkeypatch.delenv(FUSED_DECODE_ENV, raising=False)
     assert backend.fused_decode(layers, shape, model.cos_sin_cache) is None
     assert "fused" not in backend.describe()

@@ -22,9 +22,30 @@ COMPILE = r"""
 import json, torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from kernels.triton.elementwise import _rotary_write_kv_kernel
 from kernels.triton.small_linear import _qkv_rotary_kernel, _small_linear_kernel, launch_config
 
 TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}
+
+
+def build(kernel, capability, arguments, constants, divisible, options):
+    # arguments: the runtime ones, name -> type; divisible: those a launch specializes as divisible by
+    # 16 (tensors on their 16-byte alignment, sizes and strides), by their places in the kernel's arguments
+    signature = dict(arguments) | {name: "constexpr" for name in constants}
+    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in divisible}
+    compiled = triton.compile(ASTSource(kernel, signature, constants, attrs), target=GPUTarget("cuda", capability, 32),
+                              options=options)
+    ptx = compiled.asm["ptx"]
+    return {"sm": capability, "shared": compiled.metadata.shared, "cubin": len(compiled.asm["cubin"]),
+            "async_copies": ptx.count("cp.async"), "vector_loads": ptx.count("ld.global.v")}
+
+
+def tiles(dtype):
+    # the projections' tiles and launch options, as small_linear launches them
+    config = launch_config(dtype, 8192)
+    return config, {"num_warps": config.pop("num_warps"), "num_stages": config.pop("num_stages")}
+
+
 POINTERS = ("x_ptr", "res_ptr", "norm_ptr", "w_ptr", "bias_ptr", "out_ptr", "new_res_ptr")
 FLAGS = ("NORM", "HAS_RESIDUAL", "GATED", "HAS_BIAS")
 VARIANTS = [  # O and down; QKV (the first layer's, with Qwen2's bias); QKV of the other layers; gate/up
@@ -34,71 +55,51 @@ for capability in (90, 80):
     for dtype, pointer in TYPES.items():
         for flags in VARIANTS:
             for unit, other in (("stride_wk", "stride_wn"), ("stride_wn", "stride_wk")):  # W, then W^T
-                config = launch_config(dtype, 8192)
-                options = {"num_warps": config.pop("num_warps"), "num_stages": config.pop("num_stages")}
-                signature = {name: pointer for name in POINTERS} | {"M": "i32", "N": "i32", "K": "i32", "eps": "fp32"}
-                signature |= {"stride_wk": "i32", "stride_wn": "i32"}
+                config, options = tiles(dtype)
+                arguments = {name: pointer for name in POINTERS} | {"M": "i32", "N": "i32", "K": "i32", "eps": "fp32",
+                                                                    other: "i32"}
                 constants = dict(zip(FLAGS, flags)) | {"DOT_FP32": dtype == torch.float32, unit: 1} | config
-                signature |= {name: "constexpr" for name in constants}
-                names = list(signature)
-                divisible = {(names.index(name),): [["tt.divisibility", 16]] for name in (*POINTERS, "N", "K", other)}
-                kernel = triton.compile(ASTSource(_small_linear_kernel, signature, constants, divisible),
-                                        target=GPUTarget("cuda", capability, 32), options=options)
-                out.append({"sm": capability, "dtype": str(dtype), "flags": flags, "unit_stride": unit,
-                            "shared": kernel.metadata.shared, "cubin": len(kernel.asm["cubin"]),
-                            "async_copies": kernel.asm["ptx"].count("cp.async")})
+                record = build(_small_linear_kernel, capability, arguments, constants, (*POINTERS, "N", "K", other),
+                               options)
+                out.append(record | {"dtype": str(dtype), "flags": flags, "unit_stride": unit})
 # The QKV projection with rotary and the KV write (W as stored: its unit stride along K), for heads of 64
 # and 128 values, without and with a residual (the first layer's, the others'), with Qwen2's bias.
 ROTARY_POINTERS = ("x_ptr", "res_ptr", "norm_ptr", "w_ptr", "bias_ptr", "q_ptr", "new_res_ptr", "positions_ptr",
                    "cos_sin_ptr", "cache_ptr", "slot_ptr")
+ROTARY_STRIDES = ("stride_wn", "stride_cos_sin", "stride_cache_block", "stride_cache_kv", "stride_cache_offset",
+                  "stride_cache_head")
+INDICES = {"positions_ptr": "*i64", "slot_ptr": "*i64"}
 for capability in (90, 80):
     for dtype in (torch.bfloat16, torch.float32):
         for head_dim in (64, 128):
             for residual, bias in ((False, True), (True, False)):
-                config = launch_config(dtype, 8192)
-                options = {"num_warps": config.pop("num_warps"), "num_stages": config.pop("num_stages")}
+                config, options = tiles(dtype)
                 del config["BLOCK_N"]
-                types = {"positions_ptr": "*i64", "slot_ptr": "*i64"}
-                signature = {name: types.get(name, TYPES[dtype]) for name in ROTARY_POINTERS}
-                signature |= {"M": "i32", "K": "i32", "eps": "fp32", "stride_wk": "i32", "stride_wn": "i32",
-                              "stride_cos_sin": "i32", "stride_cache_block": "i32", "stride_cache_kv": "i32",
-                              "stride_cache_offset": "i32", "stride_cache_head": "i32"}
+                arguments = {name: INDICES.get(name, TYPES[dtype]) for name in ROTARY_POINTERS}
+                arguments |= {"M": "i32", "K": "i32", "eps": "fp32"} | {name: "i32" for name in ROTARY_STRIDES}
                 constants = {"NUM_HEADS": 32, "NUM_KV_HEADS": 8, "HEAD_DIM": head_dim, "BLOCK_SIZE": 16,
                              "HAS_RESIDUAL": residual, "HAS_BIAS": bias, "DOT_FP32": dtype == torch.float32,
                              "stride_wk": 1} | config
-                signature |= {name: "constexpr" for name in constants}
-                names = list(signature)
-                divisible = {(names.index(name),): [["tt.divisibility", 16]]
-                             for name in (*ROTARY_POINTERS, "K", "stride_wn", "stride_cos_sin", "stride_cache_block",
-                                          "stride_cache_kv", "stride_cache_offset", "stride_cache_head")}
-                kernel = triton.compile(ASTSource(_qkv_rotary_kernel, signature, constants, divisible),
-                                        target=GPUTarget("cuda", capability, 32), options=options)
-                out.append({"sm": capability, "dtype": str(dtype), "flags": ["qkv_rotary", head_dim, residual, bias],
-                            "unit_stride": "stride_wk", "shared": kernel.metadata.shared,
-                            "cubin": len(kernel.asm["cubin"]), "async_copies": kernel.asm["ptx"].count("cp.async")})
+                record = build(_qkv_rotary_kernel, capability, arguments, constants,
+                               (*ROTARY_POINTERS, "K", *ROTARY_STRIDES), options)
+                out.append(record | {"dtype": str(dtype), "flags": ["qkv_rotary", head_dim, residual, bias],
+                                     "unit_stride": "stride_wk"})
 # Rotary with the KV write (kernels/triton/elementwise.py, the layer loop's): 32 query and 8 KV heads in
 # groups of 16, heads of 64 and 128.
-from kernels.triton.elementwise import _rotary_write_kv_kernel
+WRITE_POINTERS = ("q_ptr", "k_ptr", "v_ptr", "positions_ptr", "cache_sin_cos_ptr", "cache_ptr", "slot_ptr")
+WRITE_STRIDES = ("stride_q_token", "stride_q_head", "stride_k_token", "stride_k_head", "stride_v_token",
+                 "stride_v_head", "stride_table_pos", "stride_cache_block", "stride_cache_kv", "stride_cache_offset",
+                 "stride_cache_head")
 for capability in (90, 80):
     for dtype in (torch.bfloat16, torch.float32):
         for head_dim in (64, 128):
-            pointers = ("q_ptr", "k_ptr", "v_ptr", "positions_ptr", "cache_sin_cos_ptr", "cache_ptr", "slot_ptr")
-            types = {"positions_ptr": "*i64", "slot_ptr": "*i64"}
-            signature = {name: types.get(name, TYPES[dtype]) for name in pointers}
-            strides = ("stride_q_token", "stride_q_head", "stride_k_token", "stride_k_head", "stride_v_token",
-                       "stride_v_head", "stride_table_pos", "stride_cache_block", "stride_cache_kv",
-                       "stride_cache_offset", "stride_cache_head")
-            signature |= {name: "i32" for name in strides}
+            arguments = {name: INDICES.get(name, TYPES[dtype]) for name in WRITE_POINTERS}
+            arguments |= {name: "i32" for name in WRITE_STRIDES}
             constants = {"NUM_HEADS": 32, "NUM_KV_HEADS": 8, "BLOCK_SIZE": 16, "HALF": head_dim // 2,
                          "BLOCK": head_dim // 2, "BLOCK_H": 16}
-            signature |= {name: "constexpr" for name in constants}
-            names = list(signature)
-            divisible = {(names.index(name),): [["tt.divisibility", 16]] for name in (*pointers, *strides)}
-            kernel = triton.compile(ASTSource(_rotary_write_kv_kernel, signature, constants, divisible),
-                                    target=GPUTarget("cuda", capability, 32), options={"num_warps": 4})
-            out.append({"sm": capability, "dtype": str(dtype), "flags": ["rotary_write_kv", head_dim],
-                        "shared": kernel.metadata.shared, "cubin": len(kernel.asm["cubin"]),
-                        "vector_loads": kernel.asm["ptx"].count("ld.global.v")})
+            record = build(_rotary_write_kv_kernel, capability, arguments, constants, (*WRITE_POINTERS, *WRITE_STRIDES),
+                           {"num_warps": 4})
+            out.append(record | {"dtype": str(dtype), "flags": ["rotary_write_kv", head_dim]})
 print(json.dumps(out))
 """
 
