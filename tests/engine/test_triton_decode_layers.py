@@ -20,6 +20,7 @@ from kernels.reference.backend import ReferenceBackend
 from kernels.triton.backend import FUSED_DECODE_ENV, TritonBackend
 from kernels.triton.decode_layers import SmallBatchLayers
 from kernels.triton.small_linear import SMALL_ROWS
+from tests.pdserve.real_model import cached_smollm2
 
 NUM_BLOCKS = 64
 
@@ -49,9 +50,29 @@ def _decode_batch(model, block_size: int):
 @pytest.mark.parametrize("model_fixture", ["tiny_model_dir", "qwen2_tiny_model_dir"])
 def test_fused_layers_equal_the_triton_layer_loop(model_fixture, transposed, request):
     llm = _llm(request.getfixturevalue(model_fixture), "float32", transposed)
+    _assert_fused_equal_the_loop(llm, transposed, num_layers=None)
+    llm.close()
+
+
+def test_fused_layers_equal_the_loop_on_smollm2s_first_layers(monkeypatch):
+    """The real SmolLM2's weights and shape: 9 query heads over 3 KV heads (a group of three), head_dim
+    64, hidden 576, MLP 1,536; its first two layers (all thirty interpreted would take minutes)."""
+    llm = _llm(cached_smollm2(), "float32", transposed=False)
+    config = llm.engine.model.config
+    assert (config.num_heads, config.num_kv_heads, config.hidden_size, config.intermediate_size) == (9, 3, 576, 1536)
+    _assert_fused_equal_the_loop(llm, False, num_layers=2, monkeypatch=monkeypatch)
+    llm.close()
+
+
+def _assert_fused_equal_the_loop(llm: LLM, transposed: bool, num_layers: int | None, monkeypatch=None) -> None:
+    """The fused layers (the model's first num_layers, or all) against the layer loop over the same
+    layers on the same interpreted Triton kernels: output, residual and every K/V written."""
     model, cache = llm.engine.model, llm.engine.kv_cache
     model.ops = TritonBackend("cpu")  # the loop on the same (interpreted) kernels
-    fused = SmallBatchLayers.create(model.weights.layers, model.layer_shape, model.cos_sin_cache)
+    layers = model.weights.layers[:num_layers]
+    if num_layers is not None:
+        monkeypatch.setattr(model.weights, "layers", layers)
+    fused = SmallBatchLayers.create(layers, model.layer_shape, model.cos_sin_cache)
     assert fused is not None and fused.rotary_in_qkv == (not transposed)
     hidden, positions, slots, tables, lens = _decode_batch(model, cache.shape[3])
     assert fused.takes(hidden, cache)
@@ -67,7 +88,6 @@ def test_fused_layers_equal_the_triton_layer_loop(model_fixture, transposed, req
     torch.testing.assert_close(out, looped_out, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(residual, looped_residual, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(cache, looped_cache, atol=1e-4, rtol=1e-4)
-    llm.close()
 
 
 def test_greedy_decoding_on_the_fused_layers_equals_the_loop(tiny_model_dir):
