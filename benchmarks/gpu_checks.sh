@@ -103,7 +103,7 @@ for step in $steps; do
         engine) run_for "$(limit 150)" python3 -m pytest tests/engine/test_decode_graphs.py tests/engine/test_mixed_graphs.py \
                     tests/engine/test_correctness.py \
                     tests/engine/test_bfloat16.py tests/engine/test_sampler.py tests/engine/test_warm_up.py \
-                    tests/kernels/test_triton_variants.py tests/kv_transfer/test_same_gpu_copy.py \
+                    tests/kernels/test_triton_variants.py tests/kv_transfer/test_device_copy.py \
                     tests/kernels/test_small_linear.py -k "cuda or (small_linear and bfloat16)" \
                     "${pytest_args[@]}" --timeout=90 >"$out/engine_tests.log" 2>&1
                 rc=$?; tail -30 "$out/engine_tests.log" ;;

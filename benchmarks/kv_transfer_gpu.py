@@ -14,7 +14,7 @@ fails on wrong data, and the first two where UCX fell back to TCP for GPU memory
   pdserve   the nodes' own choice: both caches on one GPU, so device copies over CUDA IPC
             (kv_transfer/cuda_ipc.py); on host memory, as ucx
   ucx       through UCX under the nodes' UCX settings (kv_transfer/ucx.py: lo, GET over cuda_ipc
-            enabled), as between two GPUs (--no-kv-same-gpu-copy)
+            enabled), as nodes with --kv-device-copy off read
   before    UCX_NET_DEVICES=lo alone, GET over cuda_ipc left to UCX (what nodes set before)
 Ends with `RESULT {json}`. --device cpu --blocks 16 checks the script on host memory.
 
@@ -38,7 +38,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # before benchmarks/: its kv_transfer.py is not the package
 
 SETTINGS = {"pdserve": {}, "ucx": {}, "before": {"UCX_NET_DEVICES": "lo", "UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "auto"}}
-SAME_GPU_COPY = {"pdserve"}  # the settings whose reader may copy from a holder on its GPU
+DEVICE_COPY = {"pdserve"}  # the settings whose reader copies from a holder on its host (--kv-device-copy auto)
 
 
 def parse_args() -> argparse.Namespace:
@@ -49,7 +49,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--settings", default="pdserve,ucx,before")
     parser.add_argument("--reader", action="store_true", help="(internal) run one setting's reader")
     parser.add_argument("--contiguous", action="store_true", help="(internal) also into contiguous blocks")
-    parser.add_argument("--same-gpu-copy", action="store_true", help="(internal) copies from a holder on this GPU")
+    parser.add_argument("--device-copy", action="store_true", help="(internal) copies from a holder on this host")
     parser.add_argument("--timeout-s", type=float, default=120.0, help="per setting")
     return parser.parse_args()
 
@@ -92,7 +92,8 @@ def reader(args: argparse.Namespace) -> int:
                      layout.head_dim)
             cache = torch.zeros(shape, dtype=torch.bfloat16, device=args.device)
             connector = create_connector(TransferConfig(backend="nixl", host="127.0.0.1",
-                                                        same_gpu_copy=args.same_gpu_copy), cache, layout, "reader")
+                                                        device_copy="auto" if args.device_copy else "off"),
+                                         cache, layout, "reader")
             remote = list(range(args.blocks))
             variants = {"scattered": list(range(1, 2 * args.blocks, 2))}
             if args.contiguous:
@@ -124,7 +125,7 @@ def reader(args: argparse.Namespace) -> int:
             result = dict(out.pop("scattered"), bytes=num_bytes, transport=transport.transport if transport else None,
                           method=transport.method if transport else None,
                           tcp_fallback=transport.is_tcp_fallback if transport else None,
-                          same_gpu_reads=connector.num_same_gpu_reads,
+                          device_copy_reads=connector.num_device_copy_reads,
                           env={k: v for k, v in os.environ.items() if k.startswith("UCX_")})
             if "contiguous" in out:
                 result["contiguous"] = out["contiguous"]
@@ -164,7 +165,7 @@ def main() -> int:
         env.update(SETTINGS[name])  # PYTHONPATH as given (the reader puts the repo first itself)
         argv = [sys.executable, __file__, "--reader", "--blocks", str(args.blocks), "--repeats", str(args.repeats),
                 "--device", args.device, *(["--contiguous"] if name != "before" else []),
-                *(["--same-gpu-copy"] if name in SAME_GPU_COPY else [])]
+                *(["--device-copy"] if name in DEVICE_COPY else [])]
         try:
             proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=args.timeout_s, cwd=REPO)
         except subprocess.TimeoutExpired:
@@ -187,14 +188,14 @@ def main() -> int:
                   f"{_ms(c['transfer_ms'])}, {c['descriptors']} descriptors)", flush=True)
         if name != "before" and r["tcp_fallback"] and args.device != "cpu":
             print(f"{name}: UCX fell back to TCP for GPU memory (failed)", flush=True)
-        if name in SAME_GPU_COPY and args.device != "cpu" and not r["same_gpu_reads"]:
+        if name in DEVICE_COPY and args.device != "cpu" and not r["device_copy_reads"]:
             print(f"{name}: no read was a device copy (failed: see the reader's log)", flush=True)
     from benchmarks.results_io import write_result
 
     write_result("kv_transfer_gpu", {"device": args.device, "blocks": args.blocks, "settings": results})
     failed = [name for name, r in results.items() if "gb_s" not in r or not r["equal"]
               or (name != "before" and r["tcp_fallback"] and args.device != "cpu")
-              or (name in SAME_GPU_COPY and args.device != "cpu" and not r["same_gpu_reads"])]
+              or (name in DEVICE_COPY and args.device != "cpu" and not r["device_copy_reads"])]
     return 1 if failed else 0
 
 

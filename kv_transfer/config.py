@@ -8,6 +8,8 @@ from kv_transfer.security import CurveKeys, check_bind_host, is_wildcard
 
 # "fake": kv_transfer.fake.FakeConnector, in-process, for node tests.
 BACKENDS = ("nixl", "gloo", "fake")
+# TransferConfig.device_copy: from a peer on this GPU or another GPU of this host, on this GPU only, never.
+DEVICE_COPY_MODES = ("auto", "same-gpu", "off")
 
 
 @dataclass(frozen=True)
@@ -24,13 +26,17 @@ class TransferConfig:
     # The cluster's CURVE keys (engine.protocol.curve_keys): the side channel then talks only to
     # holders of the cluster secret. None: no secret, and host must be loopback.
     curve_keys: CurveKeys | None = field(default=None, repr=False)
-    # NIXL between two nodes on the same GPU: the blocks as device copies over CUDA IPC
-    # (kv_transfer.cuda_ipc) instead of through UCX.
-    same_gpu_copy: bool = True
+    # NIXL between two nodes of one host with their caches on GPUs: the blocks as device copies over
+    # CUDA IPC (kv_transfer.cuda_ipc) instead of through UCX. "auto": from a peer on this GPU, or on
+    # another GPU of this host once a probe copied from there reads back equal; "same-gpu": from a
+    # peer on this GPU only; "off": every read through UCX.
+    device_copy: str = "auto"
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.device_copy not in DEVICE_COPY_MODES:
+            raise ValueError(f"device_copy must be one of {DEVICE_COPY_MODES}, got {self.device_copy!r}")
         if not self.host:
             raise ValueError(f"host must be set, got {self.host!r}")
         if not 0 <= self.side_channel_port < 65536:

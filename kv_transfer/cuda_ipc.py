@@ -1,10 +1,15 @@
-"""KV reads between two processes on the same GPU, as device copies: the holder offers its cache
-over CUDA IPC (torch's own sharing of CUDA memory between processes) in its NIXL handshake reply,
-and a reader whose cache is on that very GPU (the same device UUID) maps it once and reads a
-request's blocks with copy kernels on a stream of its own, at the GPU's copy rate. NIXL carries
-every other read (other GPUs, other hosts, host memory, split caches). The lease rules are the
-NIXL path's: the copy is one more way to transfer, and a read is used only once the holder
-confirmed its lease (kv_transfer.side_channel_connector).
+"""KV reads between two processes of one host with their caches on GPUs, as device copies: the
+holder offers its cache over CUDA IPC (torch's own sharing of CUDA memory between processes) in its
+NIXL handshake reply, and a reader on the same host maps it once and reads a request's blocks with
+copy kernels on a stream of its own: at the GPU's copy rate from a cache on its own GPU (the same
+device UUID), over NVLink or PCIe peer-to-peer from another GPU. CUDA opens the memory of a GPU this
+process does not see (another CUDA_VISIBLE_DEVICES), so one GPU per node still copies. A cache on
+another GPU is used only once a probe (a tensor of known bytes the holder offers beside its cache)
+copied from there reads back equal: peer-to-peer copies a platform gets wrong are never trusted
+blindly. NIXL carries every other read (other hosts, host memory, split caches), and any read
+whose mapping or copy cannot start. The lease rules are the NIXL path's: the copy is one more way to
+transfer, and a read is used only once the holder confirmed its lease
+(kv_transfer.side_channel_connector).
 
 A copy cannot be stopped once launched: a read aborted meanwhile waits for its event
 (CopyRead.is_done), as a NIXL READ that cannot be released does. A peer's cache stays mapped
@@ -15,8 +20,11 @@ went away does not keep its memory held here; the next read maps it again.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
+import os
 import time
+from pathlib import Path
 
 import torch
 
@@ -25,7 +33,11 @@ from kv_transfer.ucx import Transport
 
 logger = logging.getLogger(__name__)
 
-TRANSPORT = Transport(transport="cuda_ipc/same-gpu", method="device copy", memory="cuda")
+SAME_GPU, PEER_GPU = "same-gpu", "peer-gpu"  # where a peer's cache is, seen from the reader's
+TRANSPORTS = {route: Transport(transport=f"cuda_ipc/{route}", method="device copy", memory="cuda")
+              for route in (SAME_GPU, PEER_GPU)}
+# The probe: int32 values of a fixed pattern, 1 MiB.
+PROBE_NUMEL = 1 << 18
 # NOTE: a read of many scattered blocks is gathered into a staging buffer of at most this many
 # bytes at a time, then scattered into the reader's blocks: two kernels per piece instead of one
 # copy per run of blocks.
@@ -40,8 +52,25 @@ def gpu_uuid(device: torch.device) -> str:
     return str(torch.cuda.get_device_properties(device).uuid)
 
 
+@functools.cache
+def host_id() -> str:
+    """This host as CUDA IPC sees it: the kernel's boot id and this process's PID namespace (CUDA
+    IPC fails between PID namespaces, e.g. containers that do not share one). "": unknown."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        return f"{boot}/pid:{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return ""
+
+
+def probe_pattern(device: torch.device) -> torch.Tensor:
+    """The probe's bytes, the same wherever made: PROBE_NUMEL int32 of a multiplicative hash."""
+    values = torch.arange(PROBE_NUMEL, dtype=torch.int64, device=device)
+    return values.mul_(2654435761).remainder_(2**31 - 1).to(torch.int32)
+
+
 def export_cache(cache: torch.Tensor) -> CudaIpcCache:
-    """What a reader on the same GPU maps cache from (open_cache): torch's CUDA IPC reduction of
+    """What a reader on the same host maps cache from (open_cache): torch's CUDA IPC reduction of
     the tensor, as plain fields (nothing pickled crosses the side channel)."""
     from torch.multiprocessing.reductions import reduce_tensor
 
@@ -52,12 +81,12 @@ def export_cache(cache: torch.Tensor) -> CudaIpcCache:
                         offset_bytes=storage_offset_bytes, ref_counter_handle=ref_counter_handle,
                         ref_counter_offset=ref_counter_offset, event_handle=event_handle,
                         event_sync_required=event_sync_required, shape=list(size), stride=list(stride),
-                        storage_offset=offset, dtype=str(dtype).removeprefix("torch."))
+                        storage_offset=offset, dtype=str(dtype).removeprefix("torch."), host_id=host_id())
 
 
 def open_cache(info: CudaIpcCache, device: torch.device) -> torch.Tensor:
-    """The holder's cache mapped into this process on device (the GPU info names: the caller
-    checked the UUID)."""
+    """The holder's tensor mapped into this process, addressed from device (its memory on the GPU
+    info names: this one, or a peer reached over NVLink or PCIe)."""
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     dtype = getattr(torch, info.dtype)
@@ -67,20 +96,31 @@ def open_cache(info: CudaIpcCache, device: torch.device) -> torch.Tensor:
                                info.event_handle, False)  # NOTE: no wait on the export's event: leases order writes
 
 
-class MappedCache:
-    """A peer's cache on this GPU (its offer), mapped at the first get() and again after a
-    release; released by release_if_idle once unused for IDLE_RELEASE_S (a copy in flight keeps
-    its own reference)."""
+class ProbeMismatch(RuntimeError):
+    """A probe copied from a peer's GPU read back other bytes than it holds."""
 
-    def __init__(self, offer: CudaIpcCache, device: torch.device) -> None:
+
+class MappedCache:
+    """A peer's cache on this host (its offer), reached by route, mapped at the first get() and
+    again after a release; released by release_if_idle once unused for IDLE_RELEASE_S (a copy in
+    flight keeps its own reference). With a probe offer, the first get() copies the probe from the
+    peer's GPU and compares it with probe_pattern before mapping the cache (ProbeMismatch: unequal)."""
+
+    def __init__(self, offer: CudaIpcCache, device: torch.device, route: str,
+                 probe: CudaIpcCache | None = None) -> None:
         self.offer = offer
+        self.route = route
         self._device = device
+        self._probe = probe
         self._cache: torch.Tensor | None = None
         self._used_at = 0.0
 
     def get(self) -> torch.Tensor:
         """The mapped cache; raises what torch raises where the mapping fails (the holder gone)."""
         if self._cache is None:
+            if self._probe is not None:
+                check_probe(open_cache(self._probe, self._device))
+                self._probe = None  # checked: this pair of GPUs copies right
             self._cache = open_cache(self.offer, self._device)
         self._used_at = time.monotonic()
         return self._cache
@@ -94,14 +134,36 @@ class MappedCache:
             self._cache = None
 
 
-def is_same_gpu(info: CudaIpcCache, cache: torch.Tensor) -> bool:
-    """Whether the holder's cache (info) sits on the GPU this cache does, with the same shape past
-    the block dimension and the same dtype, its view inside the memory it shares: then its blocks
-    copy straight into ours."""
-    if not cache.is_cuda:
-        return False
-    return (info.gpu_uuid == gpu_uuid(cache.device) and list(cache.shape[1:]) == info.shape[1:]
-            and str(cache.dtype).removeprefix("torch.") == info.dtype and fits(info, cache.element_size()))
+def check_probe(remote: torch.Tensor) -> None:
+    """Copy a peer's probe here and compare it with the pattern it holds (one synchronizing look, once
+    per peer); raises ProbeMismatch where any byte differs."""
+    copied = remote.clone()  # NOTE: a device copy, as reads make them (not a comparison reading the peer)
+    expected = probe_pattern(copied.device)
+    if copied.shape != expected.shape or not torch.equal(copied, expected):
+        raise ProbeMismatch("a probe copied from the peer's GPU read back other bytes than it holds: device "
+                            "copies from there are not used")
+
+
+def is_probe(offer: CudaIpcCache) -> bool:
+    """Whether offer is a probe as probe_pattern makes one, its view inside the memory it shares."""
+    return offer.shape == [PROBE_NUMEL] and offer.dtype == "int32" and fits(offer, 4)
+
+
+def route(offer: CudaIpcCache, cache: torch.Tensor, mode: str) -> str | None:
+    """How this cache's blocks can be copied from the holder's (offer) under mode
+    (TransferConfig.device_copy): SAME_GPU, PEER_GPU (another GPU of this host) or None (through
+    UCX). The caches must agree past the block dimension, in shape and dtype, and the offer's view
+    stay inside the memory it shares."""
+    if mode == "off" or not cache.is_cuda:
+        return None
+    if (list(cache.shape[1:]) != offer.shape[1:] or str(cache.dtype).removeprefix("torch.") != offer.dtype
+            or not fits(offer, cache.element_size())):
+        return None
+    if offer.gpu_uuid == gpu_uuid(cache.device):
+        return SAME_GPU
+    if mode == "auto" and offer.host_id and offer.host_id == host_id():
+        return PEER_GPU
+    return None
 
 
 def fits(info: CudaIpcCache, element_size: int) -> bool:

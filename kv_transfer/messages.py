@@ -51,8 +51,9 @@ class NixlShardInfo(msgspec.Struct, frozen=True, array_like=True):
 
 
 class CudaIpcCache(msgspec.Struct, frozen=True):
-    """A holder's GPU cache as a process on the same GPU maps it (kv_transfer.cuda_ipc): torch's
-    CUDA IPC sharing of its memory, and the tensor's view of it."""
+    """A holder's GPU tensor (its cache, or the probe a reader on another GPU checks first) as a
+    process on the same host maps it (kv_transfer.cuda_ipc): torch's CUDA IPC sharing of its memory,
+    and the tensor's view of it."""
 
     gpu_uuid: str
     handle: bytes
@@ -66,18 +67,21 @@ class CudaIpcCache(msgspec.Struct, frozen=True):
     stride: list[int]
     storage_offset: int
     dtype: str  # torch's name: "bfloat16", "float32", ...
+    host_id: str = ""  # kv_transfer.cuda_ipc.host_id() ("": an older holder's, which offers to its GPU only)
 
 
 class NixlAgentInfo(msgspec.Struct, tag="nixl_agent_info", frozen=True):
     """What a reader needs to READ a holder's cache: its agent and every rank's registered region;
-    a cache on a GPU (one rank) is also offered over CUDA IPC, to a reader on the same GPU (an older
-    reader ignores the field)."""
+    a cache on a GPU (one rank) is also offered over CUDA IPC to readers on the same host, with a
+    probe tensor of known bytes a reader on another GPU copies first (an older reader ignores the
+    fields)."""
 
     agent_metadata: bytes
     shards: list[NixlShardInfo]
     num_blocks: int
     mem_type: str  # NIXL's memory type: "DRAM" or "VRAM"
     cuda_ipc: CudaIpcCache | None = None
+    cuda_ipc_probe: CudaIpcCache | None = None
 
 
 class GlooStoreInfo(msgspec.Struct, tag="gloo_store_info", frozen=True):

@@ -78,6 +78,7 @@ logger = logging.getLogger(__name__)
 _PROGRESS_INTERVAL_S = 0.005
 # NOTE: far below the ~3 s without progress that failed a READ over TCP (above).
 _IDLE_PROGRESS_INTERVAL_S = 0.1
+_ROUTE_WORDS = {cuda_ipc.SAME_GPU: "on this GPU", cuda_ipc.PEER_GPU: "on another GPU of this host"}
 
 
 def set_ucx_defaults(host: str, on_gpu: bool = False) -> Path | None:
@@ -108,12 +109,13 @@ def interface_of(address: str) -> str | None:
 
 class _NixlPeer(NamedTuple):
     """A connected holder: its agent's name here, what it told us, its regions, and its cache mapped
-    for device copies where it is on our GPU (kv_transfer.cuda_ipc; None: NIXL reads)."""
+    for device copies where it is on our GPU or another of this host (kv_transfer.cuda_ipc; None:
+    NIXL reads)."""
 
     agent_name: str
     info: NixlAgentInfo
     remote: list[ShardRegions]
-    same_gpu: cuda_ipc.MappedCache | None
+    device_copy: cuda_ipc.MappedCache | None
 
 
 class NixlConnector(SideChannelConnector):
@@ -144,12 +146,13 @@ class NixlConnector(SideChannelConnector):
             self._check_ucx_report(force=True)  # UCX's reason into the log before the error goes up
             raise
         self.num_descriptors_last_read = 0
-        self.num_same_gpu_reads = 0  # reads carried out as device copies (kv_transfer.cuda_ipc)
+        self.num_device_copy_reads = 0  # reads carried out as device copies (kv_transfer.cuda_ipc)
         self._copy_stream: torch.cuda.Stream | None = None
         self._copies: list[cuda_ipc.CopyRead] = []  # launched, not seen done: each keeps its mapping open
-        self._last_read_copied = False
+        self._last_copy_route: str | None = None  # the last read's, where it was copied
         self._idle_checked_at = 0.0
-        self._offer = self._export_for_same_gpu(shards, config)  # NOTE: once, here: never on the side channel
+        # NOTE: once, here: never on the side channel. The probe tensor lives as long as this connector.
+        self._probe, self._offer, self._probe_offer = self._export_for_device_copies(shards, config)
         # request id -> per staged peer rank: (buffer, its segments, its registration, its first head)
         self._staged: dict[str, list[tuple[torch.Tensor, list[HeadSegment], object, int]]] = {}
         super().__init__(config, kv_cache, layout, engine_id)
@@ -194,18 +197,21 @@ class NixlConnector(SideChannelConnector):
                                 r.kv_heads.stop, r.device_id) for r in self._regions]
         return NixlAgentInfo(agent_metadata=self._agent.get_agent_metadata(), shards=shards,
                              num_blocks=self.layout.num_blocks, mem_type=self._mem_type,
-                             cuda_ipc=self._offer)
+                             cuda_ipc=self._offer, cuda_ipc_probe=self._probe_offer)
 
     @staticmethod
-    def _export_for_same_gpu(shards: list[CacheShard], config: TransferConfig) -> cuda_ipc.CudaIpcCache | None:
-        """The cache over CUDA IPC for readers on the same GPU: one rank's cache on a GPU only."""
-        if not config.same_gpu_copy or len(shards) != 1 or not shards[0].cache.is_cuda:
-            return None
+    def _export_for_device_copies(shards: list[CacheShard], config: TransferConfig) -> tuple:
+        """(the probe tensor, the cache's offer, the probe's offer) over CUDA IPC for readers on this
+        host: one rank's cache on a GPU only (else Nones)."""
+        if config.device_copy == "off" or len(shards) != 1 or not shards[0].cache.is_cuda:
+            return None, None, None
+        cache = shards[0].cache
         try:
-            return cuda_ipc.export_cache(shards[0].cache)
+            probe = cuda_ipc.probe_pattern(cache.device)
+            return probe, cuda_ipc.export_cache(cache), cuda_ipc.export_cache(probe)
         except Exception as exc:  # noqa: BLE001 - torch's sharing refused (e.g. its allocator's mode): NIXL reads
-            logger.warning("KV cache not offered over CUDA IPC (readers on this GPU read through UCX): %s", exc)
-            return None
+            logger.warning("KV cache not offered over CUDA IPC (readers on this host read through UCX): %s", exc)
+            return None, None, None
 
     def _connect_peer(self, peer: Peer) -> None:
         info: NixlAgentInfo = peer.backend_info
@@ -222,30 +228,37 @@ class NixlConnector(SideChannelConnector):
         if held != set(range(self.layout.num_kv_heads)):
             raise TransferFailed(f"NIXL peer's ranks hold KV heads {sorted(held)}, not all {self.layout.num_kv_heads}")
         peer.handle = _NixlPeer(self._agent.add_remote_agent(info.agent_metadata), info, remote,
-                                self._same_gpu_cache(info))
+                                self._device_copy_cache(info))
 
-    def _same_gpu_cache(self, info: NixlAgentInfo) -> cuda_ipc.MappedCache | None:
-        """The peer's cache, mapped here, where it is on this cache's GPU (one rank each, the same
-        shape and dtype) and copies are allowed; else None (NIXL reads)."""
+    def _device_copy_cache(self, info: NixlAgentInfo) -> cuda_ipc.MappedCache | None:
+        """The peer's cache, mapped here, where it is on this cache's GPU or (its probe copied from
+        there equal) on another GPU of this host, one rank each, the same shape and dtype, and
+        copies are allowed (TransferConfig.device_copy); else None (NIXL reads)."""
         offer = info.cuda_ipc
-        if (offer is None or not self.config.same_gpu_copy or len(self.shards) != 1 or len(info.shards) != 1
-                or offer.shape[:1] != [info.num_blocks] or not cuda_ipc.is_same_gpu(offer, self.kv_cache)):
+        if (offer is None or len(self.shards) != 1 or len(info.shards) != 1
+                or offer.shape[:1] != [info.num_blocks]):
             return None
-        mapped = cuda_ipc.MappedCache(offer, self.kv_cache.device)
+        route = cuda_ipc.route(offer, self.kv_cache, self.config.device_copy)
+        probe = info.cuda_ipc_probe if info.cuda_ipc_probe is not None and cuda_ipc.is_probe(info.cuda_ipc_probe) \
+            else None
+        if route is None or (route == cuda_ipc.PEER_GPU and probe is None):
+            return None
+        where = _ROUTE_WORDS[route]
+        mapped = cuda_ipc.MappedCache(offer, self.kv_cache.device, route, probe)
         try:
             mapped.get()
-        except Exception as exc:  # noqa: BLE001 - the mapping failed: read through UCX instead
-            logger.warning("KV cache of a peer on this GPU could not be mapped over CUDA IPC (reading through "
-                           "UCX): %s", exc)
+        except Exception as exc:  # noqa: BLE001 - the mapping or the probe failed: read through UCX instead
+            logger.warning("KV cache of a peer %s not used for device copies over CUDA IPC (reading through "
+                           "UCX): %s", where, exc)
             return None
-        logger.info("KV reads from a peer on this GPU: device copies over CUDA IPC")
+        logger.info("KV reads from a peer %s: device copies over CUDA IPC", where)
         return mapped
 
     def _start_transfer(self, read: PendingRead, peer: Peer) -> None:
-        agent_name, info, remote, same_gpu = peer.handle
-        if same_gpu is not None and self._start_copy(read, peer, same_gpu):
+        agent_name, info, remote, device_copy = peer.handle
+        if device_copy is not None and self._start_copy(read, peer, device_copy):
             return
-        self._last_read_copied = False
+        self._last_copy_route = None
         runs = self._runs(read, remote)
         lengths = runs.lengths
         try:
@@ -264,29 +277,30 @@ class NixlConnector(SideChannelConnector):
             self._check_ucx_report(force=True)
             raise TransferFailed("NIXL READ failed to post")
 
-    def _start_copy(self, read: PendingRead, peer: Peer, same_gpu: cuda_ipc.MappedCache) -> bool:
-        """Start the read as device copies from the peer on this GPU; False where they could not
+    def _start_copy(self, read: PendingRead, peer: Peer, mapped: cuda_ipc.MappedCache) -> bool:
+        """Start the read as device copies from the peer's mapped cache; False where they could not
         start (the peer's reads go through UCX from now on)."""
+        where = _ROUTE_WORDS[mapped.route]
         try:
             if self._copy_stream is None:
                 self._copy_stream = torch.cuda.Stream(self.kv_cache.device)
-            read.handle = cuda_ipc.CopyRead(self.kv_cache, same_gpu.get(), read.local_block_ids,
+            read.handle = cuda_ipc.CopyRead(self.kv_cache, mapped.get(), read.local_block_ids,
                                             read.remote_block_ids, self._copy_stream)
         except Exception as exc:  # noqa: BLE001 - torch raises its own types: UCX carries this read instead
             try:
                 if self._copy_stream is not None:
                     self._copy_stream.synchronize()  # NOTE: no copy it launched may still write the blocks
             except Exception as sync_exc:  # noqa: BLE001 - the device is failing: the read fails as a transfer
-                raise TransferFailed(f"device copy from the peer on this GPU failed: {sync_exc}") from sync_exc
-            logger.warning("KV reads from the peer on this GPU at %s go through UCX from now on: a device copy "
-                           "could not start: %s", peer.address, exc)
-            peer.handle = peer.handle._replace(same_gpu=None)
+                raise TransferFailed(f"device copy from the peer {where} failed: {sync_exc}") from sync_exc
+            logger.warning("KV reads from the peer %s at %s go through UCX from now on: a device copy could not "
+                           "start: %s", where, peer.address, exc)
+            peer.handle = peer.handle._replace(device_copy=None)
             read.handle = None
             return False
         self._copies.append(read.handle)
         self.num_descriptors_last_read = len(cuda_ipc.runs(read.local_block_ids, read.remote_block_ids))
-        self.num_same_gpu_reads += 1
-        self._last_read_copied = True
+        self.num_device_copy_reads += 1
+        self._last_copy_route = mapped.route
         return True
 
     def _runs(self, read: PendingRead, remote: list[ShardRegions]) -> ByteRuns:
@@ -349,8 +363,8 @@ class NixlConnector(SideChannelConnector):
         if now - self._idle_checked_at > 1.0:
             self._idle_checked_at = now
             for peer in list(self._peers.values()):
-                if peer.handle is not None and peer.handle.same_gpu is not None:
-                    peer.handle.same_gpu.release_if_idle(now)
+                if peer.handle is not None and peer.handle.device_copy is not None:
+                    peer.handle.device_copy.release_if_idle(now)
         results = []
         for read in list(self._reads.values()):
             if read.handle is None:
@@ -375,11 +389,11 @@ class NixlConnector(SideChannelConnector):
 
     @property
     def transport(self) -> Transport | None:
-        """How this connector's last read was carried: device copies from a peer on the same GPU
-        (kv_transfer.cuda_ipc), else what UCX reported for its reads (None until a read completed,
-        or where the operator set UCX's logging)."""
-        if self._last_read_copied:
-            return cuda_ipc.TRANSPORT
+        """How this connector's last read was carried: device copies from a peer on this GPU or
+        another of this host (kv_transfer.cuda_ipc), else what UCX reported for its reads (None until
+        a read completed, or where the operator set UCX's logging)."""
+        if self._last_copy_route is not None:
+            return cuda_ipc.TRANSPORTS[self._last_copy_route]
         return self._ucx_report.transport if self._ucx_report is not None else None
 
     def _check_ucx_report(self, force: bool = False) -> None:
@@ -427,7 +441,7 @@ class NixlConnector(SideChannelConnector):
         return True
 
     def _forget_peer(self, peer: Peer) -> None:
-        agent_name = peer.handle.agent_name  # NOTE: a mapped same-GPU cache goes with its last reference
+        agent_name = peer.handle.agent_name  # NOTE: a mapped cache goes with its last reference
         try:
             self._agent.remove_remote_agent(agent_name)
         except Exception as exc:  # noqa: BLE001 - the peer is gone; best effort

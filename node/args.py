@@ -17,7 +17,7 @@ from engine.config import (
 )
 from engine.model_files import check_model_dir
 from engine.protocol import DTYPE_CHOICES, Role, curve_keys, default_of
-from kv_transfer.config import BACKENDS, TransferConfig
+from kv_transfer.config import BACKENDS, DEVICE_COPY_MODES, TransferConfig
 from kv_transfer.security import is_wildcard
 from node.config import ServerConfig
 
@@ -119,10 +119,11 @@ def _add_transfer_arguments(parser: argparse.ArgumentParser) -> None:
                         help="KV side-channel port (0: pick one)")
     for name in ("handshake_timeout_s", "transfer_timeout_s", "lease_timeout_s"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=float, default=default_of(TransferConfig, name))
-    parser.add_argument("--kv-same-gpu-copy", action=argparse.BooleanOptionalAction,
-                        default=default_of(TransferConfig, "same_gpu_copy"),
-                        help="NIXL between nodes on the same GPU: read the blocks as device copies over CUDA IPC "
-                             "(--no-kv-same-gpu-copy: through UCX, as between GPUs)")
+    parser.add_argument("--kv-device-copy", default=default_of(TransferConfig, "device_copy"),
+                        choices=DEVICE_COPY_MODES,
+                        help="NIXL between nodes of one host, caches on GPUs: read the blocks as device copies over "
+                             "CUDA IPC from a peer on this GPU or, once a probe copied from its GPU reads back equal, "
+                             "on another GPU of this host (auto); from this GPU only (same-gpu); never (off: UCX)")
 
 
 @dataclass(frozen=True)
@@ -170,6 +171,6 @@ def node_configs_from_args(args: argparse.Namespace, role: Role) -> NodeConfigs:
         backend=args.transfer_backend, host=args.host, advertise_host=args.advertise_host,
         side_channel_port=args.kv_port,
         handshake_timeout_s=args.handshake_timeout_s, transfer_timeout_s=args.transfer_timeout_s,
-        lease_timeout_s=args.lease_timeout_s, curve_keys=keys, same_gpu_copy=args.kv_same_gpu_copy,
+        lease_timeout_s=args.lease_timeout_s, curve_keys=keys, device_copy=args.kv_device_copy,
     )
     return NodeConfigs(engine, server, transfer)

@@ -1,9 +1,11 @@
-"""KV reads between two nodes on one GPU as device copies over CUDA IPC (kv_transfer.cuda_ipc), and
-the sockets a read under way wakes the node's loop on (a confirmation's answer):
-the copies' plan (runs of consecutive blocks, else a bounded gather and scatter) on the CPU, the
-offer in NIXL's handshake (an older reader's format still decodes), and, on a GPU, a holder
-process's blocks read by copies, equal, confirmed and released as NIXL's reads are; turned off,
-the same reads go through UCX."""
+"""KV reads between two nodes of one host with their caches on GPUs as device copies over CUDA IPC
+(kv_transfer.cuda_ipc), and the sockets a read under way wakes the node's loop on (a confirmation's
+answer): the copies' plan (runs of consecutive blocks, else a bounded gather and scatter), the
+route to a peer's cache (its GPU, another GPU of this host, or UCX) and the probe a peer on another
+GPU must pass, on the CPU; the offer in NIXL's handshake (an older reader's format still decodes);
+and, on a GPU, a holder process's blocks read by copies, equal, confirmed and released as NIXL's
+reads are, also along the other-GPU route (its probe checked); turned off, the same reads go through
+UCX."""
 
 from __future__ import annotations
 
@@ -79,11 +81,100 @@ def test_the_offer_rides_nixls_handshake_and_an_older_holders_info_decodes_witho
 def test_a_host_memory_cache_is_never_offered_nor_mapped():
     connector = create_connector(TransferConfig(backend="nixl"), torch.zeros(48, 3, 2, 16, 2, 16), LAYOUT, "p")
     try:
-        assert connector._offer is None
+        assert connector._offer is None and connector._probe_offer is None
         info = NixlAgentInfo(agent_metadata=b"m", shards=[NixlShardInfo(1, 2, 3, 4, 0, 2, 0)], num_blocks=48,
                              mem_type="VRAM", cuda_ipc=OFFER)
-        assert connector._same_gpu_cache(info) is None
-        assert not cuda_ipc.is_same_gpu(OFFER, torch.zeros(1))
+        assert connector._device_copy_cache(info) is None
+        assert cuda_ipc.route(OFFER, torch.zeros(1), "auto") is None
+    finally:
+        connector.close()
+
+
+class _GpuCache:
+    """A stand-in for a CUDA cache as route() reads one: on GPU "GPU-1", OFFER's shape and dtype."""
+
+    is_cuda = True
+    shape = tuple(OFFER.shape)
+    dtype = torch.float32
+    device = torch.device("cuda", 0)
+
+    @staticmethod
+    def element_size() -> int:
+        return 4
+
+
+def test_a_peers_cache_is_copied_from_this_gpu_or_another_of_this_host_as_the_mode_allows(monkeypatch):
+    monkeypatch.setattr(cuda_ipc, "gpu_uuid", lambda device: "GPU-1")
+    offer = msgspec.structs.replace(OFFER, size_bytes=48 * 3072 * 4, host_id=cuda_ipc.host_id())
+    other_gpu = msgspec.structs.replace(offer, gpu_uuid="GPU-2")
+    assert cuda_ipc.host_id()  # this host's boot id and PID namespace, on Linux
+    for mode, same, peer in (("auto", "same-gpu", "peer-gpu"), ("same-gpu", "same-gpu", None), ("off", None, None)):
+        assert cuda_ipc.route(offer, _GpuCache(), mode) == same, mode
+        assert cuda_ipc.route(other_gpu, _GpuCache(), mode) == peer, mode
+    # another host (or PID namespace), an older holder that names none, another shape or dtype: UCX
+    assert cuda_ipc.route(msgspec.structs.replace(other_gpu, host_id="elsewhere"), _GpuCache(), "auto") is None
+    assert cuda_ipc.route(msgspec.structs.replace(other_gpu, host_id=""), _GpuCache(), "auto") is None
+    assert cuda_ipc.route(msgspec.structs.replace(offer, shape=[48, 3, 2, 16, 2, 8]), _GpuCache(), "auto") is None
+    assert cuda_ipc.route(msgspec.structs.replace(offer, dtype="bfloat16"), _GpuCache(), "auto") is None
+    assert cuda_ipc.route(OFFER, _GpuCache(), "auto") is None  # its view leaves the memory it shares
+
+
+def test_the_probe_is_the_same_bytes_wherever_made_and_one_byte_off_fails_it():
+    pattern = cuda_ipc.probe_pattern(torch.device("cpu"))
+    assert pattern.dtype == torch.int32 and pattern.numel() * 4 == 1 << 20
+    assert torch.equal(pattern, cuda_ipc.probe_pattern(torch.device("cpu"))) and pattern.unique().numel() > 1000
+    cuda_ipc.check_probe(pattern.clone())
+    wrong = pattern.clone()
+    wrong[12345] ^= 1 << 8
+    with pytest.raises(cuda_ipc.ProbeMismatch, match="other bytes"):
+        cuda_ipc.check_probe(wrong)
+    with pytest.raises(cuda_ipc.ProbeMismatch):
+        cuda_ipc.check_probe(pattern[:-1].clone())
+
+
+PROBE = msgspec.structs.replace(OFFER, handle=b"probe", shape=[cuda_ipc.PROBE_NUMEL], stride=[1], dtype="int32",
+                               size_bytes=4 * cuda_ipc.PROBE_NUMEL)
+
+
+def _opened(probe: torch.Tensor, opened: list):
+    """open_cache's stand-in: the probe offer maps probe, the cache offer a small tensor."""
+    return lambda offer, device: opened.append(offer.handle) or (probe if offer.handle == b"probe" else torch.zeros(1))
+
+
+def test_a_peer_on_another_gpu_is_copied_from_only_once_its_probe_reads_back_equal(monkeypatch):
+    opened = []
+    monkeypatch.setattr(cuda_ipc, "open_cache", _opened(cuda_ipc.probe_pattern(torch.device("cpu")), opened))
+    mapped = cuda_ipc.MappedCache(OFFER, torch.device("cpu"), cuda_ipc.PEER_GPU, PROBE)
+    mapped.get()
+    assert opened == [b"probe", b"h"]
+    mapped.release_if_idle(time.monotonic() + cuda_ipc.IDLE_RELEASE_S + 1)
+    mapped.get()  # mapped again; the pair of GPUs was checked once
+    assert opened == [b"probe", b"h", b"h"]
+    wrong = cuda_ipc.probe_pattern(torch.device("cpu"))
+    wrong[0] += 1
+    monkeypatch.setattr(cuda_ipc, "open_cache", _opened(wrong, opened := []))
+    refused = cuda_ipc.MappedCache(OFFER, torch.device("cpu"), cuda_ipc.PEER_GPU, PROBE)
+    with pytest.raises(cuda_ipc.ProbeMismatch):
+        refused.get()
+    assert opened == [b"probe"] and not refused.is_mapped  # the cache itself never mapped
+
+
+@pytest.mark.parametrize("probe", ["equal", "unequal", "none", "past-its-memory"])
+def test_a_connector_takes_a_peer_on_another_gpu_only_with_a_probe_that_passes(probe, monkeypatch):
+    """A probe offer whose view leaves the memory it shares is no probe: never mapped."""
+    connector = create_connector(TransferConfig(backend="nixl"), torch.zeros(48, 3, 2, 16, 2, 16), LAYOUT, "p")
+    pattern = cuda_ipc.probe_pattern(torch.device("cpu"))
+    if probe == "unequal":
+        pattern[-1] = 0
+    monkeypatch.setattr(cuda_ipc, "open_cache", _opened(pattern, []))
+    monkeypatch.setattr(cuda_ipc, "route", lambda offer, cache, mode: cuda_ipc.PEER_GPU)
+    try:
+        offered = {"none": None, "past-its-memory": msgspec.structs.replace(PROBE, size_bytes=4)}.get(probe, PROBE)
+        info = NixlAgentInfo(agent_metadata=b"m", shards=[NixlShardInfo(1, 2, 3, 4, 0, 2, 0)], num_blocks=48,
+                             mem_type="VRAM", cuda_ipc=OFFER, cuda_ipc_probe=offered)
+        mapped = connector._device_copy_cache(info)
+        assert (mapped is not None) == (probe == "equal")
+        assert mapped is None or (mapped.route == cuda_ipc.PEER_GPU and mapped.is_mapped)
     finally:
         connector.close()
 
@@ -92,7 +183,7 @@ def test_a_peers_mapping_is_let_go_when_idle_and_made_again_at_the_next_read(mon
     """A holder that went away must not keep its cache mapped (its GPU memory held) here."""
     opened = []
     monkeypatch.setattr(cuda_ipc, "open_cache", lambda offer, device: opened.append(offer) or torch.zeros(1))
-    mapped = cuda_ipc.MappedCache(OFFER, torch.device("cpu"))
+    mapped = cuda_ipc.MappedCache(OFFER, torch.device("cpu"), cuda_ipc.SAME_GPU)
     assert not mapped.is_mapped
     first = mapped.get()
     assert mapped.get() is first and len(opened) == 1
@@ -137,9 +228,9 @@ def test_a_copy_that_cannot_start_leaves_the_read_and_the_peers_next_ones_to_ucx
 
     holder = holders("nixl", seed=6)
     connector, cache = reader("nixl")
-    mapped = cuda_ipc.MappedCache(OFFER, torch.device("cpu"))
+    mapped = cuda_ipc.MappedCache(OFFER, torch.device("cpu"), cuda_ipc.SAME_GPU)
     monkeypatch.setattr(cuda_ipc, "open_cache", lambda offer, device: torch.zeros(1))
-    monkeypatch.setattr(connector, "_same_gpu_cache", lambda info: mapped)
+    monkeypatch.setattr(connector, "_device_copy_cache", lambda info: mapped)
 
     class Refused(cuda_ipc.CopyRead):
         def __init__(self, *args) -> None:
@@ -160,7 +251,7 @@ def test_a_copy_that_cannot_start_leaves_the_read_and_the_peers_next_ones_to_ucx
             assert result.is_ok, result.error
             assert torch.equal(cache[local], holder.cache[remote])
         [peer] = connector._peers.values()
-        assert peer.handle[3] is None and connector.num_same_gpu_reads == 0
+        assert peer.handle.device_copy is None and connector.num_device_copy_reads == 0
     finally:
         connector.close()
 
@@ -190,12 +281,20 @@ def test_the_cuda_tests_reads_fit_the_cache_and_take_both_kinds_of_copy():
 
 @gpu
 @requires_cuda
-@pytest.mark.parametrize("same_gpu_copy", [True, False])
-def test_on_cuda_reads_from_the_same_gpu_are_device_copies_equal_confirmed_and_released(same_gpu_copy, holders):  # noqa: F811
+@pytest.mark.parametrize("route", ["same-gpu", "peer-gpu", "off"])
+def test_on_cuda_reads_from_this_host_are_device_copies_equal_confirmed_and_released(route, holders,  # noqa: F811
+                                                                                     monkeypatch):
+    """peer-gpu: the holder's GPU taken for another (this process names its own otherwise), so the
+    reads go the way they would from another GPU of this host: its probe checked, its cache mapped."""
     holder = holders("nixl", seed=5, device="cuda")
     shape = (LAYOUT.num_blocks, LAYOUT.num_layers, 2, LAYOUT.block_size, LAYOUT.num_kv_heads, LAYOUT.head_dim)
     cache = torch.full(shape, float("nan"), device="cuda")
-    connector = create_connector(TransferConfig(backend="nixl", same_gpu_copy=same_gpu_copy), cache, LAYOUT, "reader")
+    if route == "peer-gpu":
+        monkeypatch.setattr(cuda_ipc, "gpu_uuid", lambda device: "GPU-of-another-name")
+    checked = []
+    monkeypatch.setattr(cuda_ipc, "check_probe", lambda remote, f=cuda_ipc.check_probe: (checked.append(1), f(remote)))
+    mode = "off" if route == "off" else "auto"
+    connector = create_connector(TransferConfig(backend="nixl", device_copy=mode), cache, LAYOUT, "reader")
     try:
         plans = _read_plans(LAYOUT.num_blocks)
         for request_id, (remote, local) in plans.items():
@@ -204,8 +303,10 @@ def test_on_cuda_reads_from_the_same_gpu_are_device_copies_equal_confirmed_and_r
             assert result.is_ok, result.error
             assert torch.equal(cache[local].cpu(), holder.cache[remote]), request_id
         assert holder.released(len(plans)) == set(plans)
-        assert connector.num_same_gpu_reads == (len(plans) if same_gpu_copy else 0)
-        assert (connector.transport == cuda_ipc.TRANSPORT) == same_gpu_copy
+        assert connector.num_device_copy_reads == (0 if route == "off" else len(plans))
+        assert connector.transport == cuda_ipc.TRANSPORTS.get(route, connector.transport)
+        assert route == "off" or connector.transport.transport == f"cuda_ipc/{route}"
+        assert len(checked) == (0 if route == "off" else 1)  # the probe, once, on either route
     finally:
         connector.close()
 
@@ -251,3 +352,8 @@ def test_a_confirmation_awaited_is_a_socket_the_nodes_loop_waits_on():
         connector.close()
         control.close()
         server.close()
+
+
+def test_an_unknown_device_copy_mode_is_refused_naming_the_modes():
+    with pytest.raises(ValueError, match=r"device_copy must be one of \('auto', 'same-gpu', 'off'\), got 'peer'"):
+        TransferConfig(backend="nixl", device_copy="peer")
