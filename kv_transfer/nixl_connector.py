@@ -239,8 +239,9 @@ class NixlConnector(SideChannelConnector):
                 or offer.shape[:1] != [info.num_blocks]):
             return None
         route = cuda_ipc.route(offer, self.kv_cache, self.config.device_copy)
-        probe = info.cuda_ipc_probe if info.cuda_ipc_probe is not None and cuda_ipc.is_probe(info.cuda_ipc_probe) \
-            else None
+        probe = info.cuda_ipc_probe
+        if probe is not None and not cuda_ipc.is_probe(probe):
+            probe = None  # NOTE: a view past its memory is never mapped: it would read what is not the probe's
         if route is None or (route == cuda_ipc.PEER_GPU and probe is None):
             return None
         where = _ROUTE_WORDS[route]

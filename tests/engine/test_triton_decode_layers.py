@@ -1,7 +1,8 @@
 """The Triton backend's fused small-batch decode layers (kernels/triton/decode_layers.py) against the
 layer loop they replace, on the same Triton kernels interpreted on the CPU (TRITON_INTERPRET=1): the
-layers' output, the residual stream and the K/V written, on a Llama-shaped model and a Qwen2-shaped
-one (projection biases), with the weights transposed and as stored (rotary inside the QKV
+layers' output, the residual stream and the K/V written, on a Llama-shaped model, a Qwen2-shaped
+one (projection biases) and the real SmolLM2's first two layers (9 query heads over 3 KV heads),
+with the weights transposed and as stored (rotary inside the QKV
 projection), in float32 (the interpreter rounds to bfloat16 otherwise than a GPU: the
 bfloat16 roundings are the kernel tests', tests/kernels/test_small_linear.py); greedy decoding
 through an engine equal with and without them; and the switch that turns them on
