@@ -36,8 +36,9 @@ logger = logging.getLogger(__name__)
 SAME_GPU, PEER_GPU = "same-gpu", "peer-gpu"  # where a peer's cache is, seen from the reader's
 TRANSPORTS = {route: Transport(transport=f"cuda_ipc/{route}", method="device copy", memory="cuda")
               for route in (SAME_GPU, PEER_GPU)}
-# The probe: int32 values of a fixed pattern, 1 MiB.
+# The probe: int32 values of a fixed pattern, 1 MiB; checked whole and as rows of _PROBE_ROW gathered.
 PROBE_NUMEL = 1 << 18
+_PROBE_ROW = 256
 # NOTE: a read of many scattered blocks is gathered into a staging buffer of at most this many
 # bytes at a time, then scattered into the reader's blocks: two kernels per piece instead of one
 # copy per run of blocks.
@@ -64,9 +65,13 @@ def host_id() -> str:
 
 
 def probe_pattern(device: torch.device) -> torch.Tensor:
-    """The probe's bytes, the same wherever made: PROBE_NUMEL int32 of a multiplicative hash."""
+    """The probe's bytes, the same wherever made: PROBE_NUMEL int32 of a multiplicative hash (on a GPU,
+    written before this returns: a peer may read it as soon as it is offered)."""
     values = torch.arange(PROBE_NUMEL, dtype=torch.int64, device=device)
-    return values.mul_(2654435761).remainder_(2**31 - 1).to(torch.int32)
+    probe = values.mul_(2654435761).remainder_(2**31 - 1).to(torch.int32)
+    if probe.is_cuda:
+        torch.cuda.current_stream(device).synchronize()
+    return probe
 
 
 def export_cache(cache: torch.Tensor) -> CudaIpcCache:
@@ -135,18 +140,26 @@ class MappedCache:
 
 
 def check_probe(remote: torch.Tensor) -> None:
-    """Copy a peer's probe here and compare it with the pattern it holds (one synchronizing look, once
-    per peer); raises ProbeMismatch where any byte differs."""
-    copied = remote.clone()  # NOTE: a device copy, as reads make them (not a comparison reading the peer)
-    expected = probe_pattern(copied.device)
-    if copied.shape != expected.shape or not torch.equal(copied, expected):
+    """Copy a peer's probe here both ways reads copy (a copy of contiguous memory, as a read of few
+    runs; an index_select kernel loading through the mapping, as the gather of a scattered read) and
+    compare each with the pattern it holds (synchronizing, once per peer); raises ProbeMismatch where
+    any byte differs."""
+    expected = probe_pattern(remote.device)
+    if remote.shape != expected.shape:
+        raise ProbeMismatch(f"the peer's probe has shape {tuple(remote.shape)}, not {tuple(expected.shape)}")
+    rows = expected.view(-1, _PROBE_ROW)
+    order = torch.randperm(rows.shape[0], generator=torch.Generator().manual_seed(0)).to(remote.device)
+    copied, gathered = remote.clone(), remote.view(-1, _PROBE_ROW).index_select(0, order)
+    if not (torch.equal(copied, expected) and torch.equal(gathered, rows.index_select(0, order))):
         raise ProbeMismatch("a probe copied from the peer's GPU read back other bytes than it holds: device "
                             "copies from there are not used")
 
 
-def is_probe(offer: CudaIpcCache) -> bool:
-    """Whether offer is a probe as probe_pattern makes one, its view inside the memory it shares."""
-    return offer.shape == [PROBE_NUMEL] and offer.dtype == "int32" and fits(offer, 4)
+def is_probe(offer: CudaIpcCache, cache_offer: CudaIpcCache) -> bool:
+    """Whether offer is a probe as probe_pattern makes one, on the GPU and host of cache_offer, its
+    view inside the memory it shares."""
+    return (offer.shape == [PROBE_NUMEL] and offer.dtype == "int32" and fits(offer, 4)
+            and offer.gpu_uuid == cache_offer.gpu_uuid and offer.host_id == cache_offer.host_id)
 
 
 def route(offer: CudaIpcCache, cache: torch.Tensor, mode: str) -> str | None:

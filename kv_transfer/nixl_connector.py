@@ -151,7 +151,9 @@ class NixlConnector(SideChannelConnector):
         self._copies: list[cuda_ipc.CopyRead] = []  # launched, not seen done: each keeps its mapping open
         self._last_copy_route: str | None = None  # the last read's, where it was copied
         self._idle_checked_at = 0.0
-        # NOTE: once, here: never on the side channel. The probe tensor lives as long as this connector.
+        # NOTE: once, here: never on the side channel. The cache and the probe must outlive every reader's
+        # mapping: torch's IPC reference count is set once per export and every reader's release takes one
+        # off, so it does not hold the memory for readers (the probe lives as long as this connector).
         self._probe, self._offer, self._probe_offer = self._export_for_device_copies(shards, config)
         # request id -> per staged peer rank: (buffer, its segments, its registration, its first head)
         self._staged: dict[str, list[tuple[torch.Tensor, list[HeadSegment], object, int]]] = {}
@@ -240,7 +242,7 @@ class NixlConnector(SideChannelConnector):
             return None
         route = cuda_ipc.route(offer, self.kv_cache, self.config.device_copy)
         probe = info.cuda_ipc_probe
-        if probe is not None and not cuda_ipc.is_probe(probe):
+        if probe is not None and not cuda_ipc.is_probe(probe, offer):
             probe = None  # NOTE: a view past its memory is never mapped: it would read what is not the probe's
         if route is None or (route == cuda_ipc.PEER_GPU and probe is None):
             return None

@@ -128,8 +128,29 @@ def test_the_probe_is_the_same_bytes_wherever_made_and_one_byte_off_fails_it():
     wrong[12345] ^= 1 << 8
     with pytest.raises(cuda_ipc.ProbeMismatch, match="other bytes"):
         cuda_ipc.check_probe(wrong)
-    with pytest.raises(cuda_ipc.ProbeMismatch):
+    with pytest.raises(cuda_ipc.ProbeMismatch, match="shape"):
         cuda_ipc.check_probe(pattern[:-1].clone())
+
+
+class _Mapped:
+    """A mapped probe whose whole copy is right but whose rows gathered by a kernel are not (a
+    platform where copy engines cross between GPUs and kernels' loads do not)."""
+
+    def __init__(self, pattern: torch.Tensor) -> None:
+        self._pattern, self.shape, self.device = pattern, pattern.shape, pattern.device
+
+    def clone(self) -> torch.Tensor:
+        return self._pattern.clone()
+
+    def view(self, *shape):
+        wrong = self._pattern.clone()
+        wrong[-1] += 1
+        return wrong.view(*shape)
+
+
+def test_the_probe_is_also_gathered_by_a_kernel_as_scattered_reads_are():
+    with pytest.raises(cuda_ipc.ProbeMismatch, match="other bytes"):
+        cuda_ipc.check_probe(_Mapped(cuda_ipc.probe_pattern(torch.device("cpu"))))
 
 
 PROBE = msgspec.structs.replace(OFFER, handle=b"probe", shape=[cuda_ipc.PROBE_NUMEL], stride=[1], dtype="int32",
@@ -159,9 +180,10 @@ def test_a_peer_on_another_gpu_is_copied_from_only_once_its_probe_reads_back_equ
     assert opened == [b"probe"] and not refused.is_mapped  # the cache itself never mapped
 
 
-@pytest.mark.parametrize("probe", ["equal", "unequal", "none", "past-its-memory"])
+@pytest.mark.parametrize("probe", ["equal", "unequal", "none", "past-its-memory", "on-another-gpu"])
 def test_a_connector_takes_a_peer_on_another_gpu_only_with_a_probe_that_passes(probe, monkeypatch):
-    """A probe offer whose view leaves the memory it shares is no probe: never mapped."""
+    """A probe offer whose view leaves the memory it shares, or that is not on the cache's GPU, is no
+    probe: never mapped."""
     connector = create_connector(TransferConfig(backend="nixl"), torch.zeros(48, 3, 2, 16, 2, 16), LAYOUT, "p")
     pattern = cuda_ipc.probe_pattern(torch.device("cpu"))
     if probe == "unequal":
@@ -169,7 +191,8 @@ def test_a_connector_takes_a_peer_on_another_gpu_only_with_a_probe_that_passes(p
     monkeypatch.setattr(cuda_ipc, "open_cache", _opened(pattern, []))
     monkeypatch.setattr(cuda_ipc, "route", lambda offer, cache, mode: cuda_ipc.PEER_GPU)
     try:
-        offered = {"none": None, "past-its-memory": msgspec.structs.replace(PROBE, size_bytes=4)}.get(probe, PROBE)
+        offered = {"none": None, "past-its-memory": msgspec.structs.replace(PROBE, size_bytes=4),
+                   "on-another-gpu": msgspec.structs.replace(PROBE, gpu_uuid="GPU-9")}.get(probe, PROBE)
         info = NixlAgentInfo(agent_metadata=b"m", shards=[NixlShardInfo(1, 2, 3, 4, 0, 2, 0)], num_blocks=48,
                              mem_type="VRAM", cuda_ipc=OFFER, cuda_ipc_probe=offered)
         mapped = connector._device_copy_cache(info)
