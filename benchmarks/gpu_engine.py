@@ -172,17 +172,16 @@ def prompts_of(num: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 def load(model_dir: Path, args, enforce_eager: bool = False, weights_as_stored: bool = False,
          fused_decode: bool = False) -> tuple[LLM, float]:
     """weights_as_stored: the Triton backend keeps each projection's weight as the checkpoint has it
-    (W, F.linear's form) instead of transposed (W^T, its default), for this engine only; fused_decode:
-    its small decode batches run the fused layers (PDSERVE_TRITON_FUSED_DECODE=1 while it loads)."""
-    from kernels.triton.backend import FUSED_DECODE_ENV, TritonBackend
+    (W, F.linear's form) instead of transposed (W^T, its default); fused_decode: its small decode
+    batches run the fused layers. Both for this engine only, by the switches a server takes
+    (PDSERVE_TRITON_WEIGHTS=as-stored, PDSERVE_TRITON_FUSED_DECODE=1, set while it loads)."""
+    from kernels.triton.backend import FUSED_DECODE_ENV, WEIGHTS_ENV
 
     start = time.perf_counter()
-    TritonBackend.store_transposed = not weights_as_stored
-    try:
-        with mock.patch.dict(os.environ, {FUSED_DECODE_ENV: "1" if fused_decode else "0"}):
-            return _load(model_dir, args, enforce_eager), time.perf_counter() - start
-    finally:
-        del TritonBackend.store_transposed  # back to the class's own (TorchProjections')
+    switches = {WEIGHTS_ENV: "as-stored" if weights_as_stored else "transposed",
+                FUSED_DECODE_ENV: "1" if fused_decode else "0"}
+    with mock.patch.dict(os.environ, switches):
+        return _load(model_dir, args, enforce_eager), time.perf_counter() - start
 
 
 def _load(model_dir: Path, args, enforce_eager: bool) -> LLM:
@@ -416,6 +415,8 @@ def run_layouts(llm: LLM, hw: dict) -> list[dict]:
               "gate_up": (2 * cfg.intermediate_size, cfg.hidden_size), "down": (cfg.hidden_size, cfg.intermediate_size),
               "lm_head": (cfg.vocab_size, cfg.hidden_size)}
     rows = []
+    small_rows = [m for m in S.layout_rows if m <= SMALL_ROWS]
+    tuned_rows = {small_rows[0], small_rows[-1]} if small_rows else set()  # one row, and the most it takes
     for name, (out_features, in_features) in shapes.items():
         weight = torch.randn(out_features, in_features, dtype=torch.bfloat16, device=DEVICE) * 0.02
         nbytes = weight.numel() * weight.element_size()
@@ -432,7 +433,7 @@ def run_layouts(llm: LLM, hw: dict) -> list[dict]:
             for form, seconds in times.items():
                 row[f"us_{form}"] = 1e6 * seconds
                 row[f"of_copy_bw_{form}"] = nbytes / seconds / (hw["copy_bandwidth_gbs"] * 1e9)
-            if m == 1 and _triton_runs():  # the kernel's other tunings, on W
+            if m in tuned_rows and _triton_runs():  # the kernel's other tunings, on W
                 row["small_tunings"] = []
                 for tuning in SMALL_TUNINGS:
                     seconds = _timed_calls([partial(small_linear, x, w.t(), tuning=tuning) for w in weights])
@@ -446,10 +447,12 @@ def run_layouts(llm: LLM, hw: dict) -> list[dict]:
     return rows
 
 
-# The small-batch projection kernel's tunings the layouts phase times at one row (besides its default):
-# wider K tiles, deeper pipelines, more warps.
+# The small-batch projection kernel's tunings the layouts phase times at one row and at the most rows
+# (besides its default): wider K tiles, deeper pipelines, more warps, programs of more columns (each reads
+# every row over all of K: at 16 rows, 16 columns a program read the rows far more often than the weight).
 SMALL_TUNINGS = (SmallTuning(tile_bytes=1024, num_stages=2), SmallTuning(num_stages=4),
-                 SmallTuning(tile_bytes=256, num_stages=4), SmallTuning(num_warps=8))
+                 SmallTuning(tile_bytes=256, num_stages=4), SmallTuning(num_warps=8), SmallTuning(block_n=32),
+                 SmallTuning(tile_bytes=256, block_n=64))
 
 # The decode attention kernel's tunings the attention phase times: the backend's first, then deeper
 # pipelines, wider and narrower token tiles, and splits of fewer tokens (more programs for few sequences).

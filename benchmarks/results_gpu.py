@@ -119,12 +119,13 @@ def render_gpu_engine(records: list[dict]) -> tuple[list[str], list]:
                             for row in preset["layouts"]])
         tuned = [row for row in preset.get("layouts", []) if row.get("small_tunings")]
         if tuned:
-            lines += ["", f"**{name}** the Triton small-batch kernel at one row on W, by tuning (K tile bytes, "
-                          "warps, stages; its default beside cuBLAS above):", ""]
+            lines += ["", f"**{name}** the Triton small-batch kernel on W, by tuning (K tile bytes, warps, stages"
+                          "[, columns a program: 16 where not given]; its default beside cuBLAS above):", ""]
             tunings = [row["tuning"] for row in tuned[0]["small_tunings"]]
-            lines += table(["projection"] + [", ".join(str(v) for v in t.values()) for t in tunings],
-                           [[row["proj"]] + [f"{num(cell['us'], 1)} us ({100 * cell['of_copy_bw']:.0f}%)"
-                                             for cell in row["small_tunings"]] for row in tuned])
+            lines += table(["projection", "rows"] + [", ".join(str(v) for v in t.values()) for t in tunings],
+                           [[row["proj"], str(row["rows"])]
+                            + [f"{num(cell['us'], 1)} us ({100 * cell['of_copy_bw']:.0f}%)"
+                               for cell in row["small_tunings"]] for row in tuned])
         if preset.get("attention"):
             lines += ["", f"**{name}** the decode attention kernel alone, at the decode steps' context, by tuning "
                           "(microseconds a call in a CUDA graph, the KV read over it against the copy bandwidth; "

@@ -83,7 +83,9 @@ class CausalLM:
         assert self.attention_cut is None or logits_indices is None, "mixed graphs run every row"
         hidden = self._embed(input_ids)
         fused = self.fused_decode
-        if fused is not None and meta.num_decode_tokens == hidden.shape[0] and fused.takes(hidden, kv_cache):
+        # NOTE: the fused layers give every row: a decode batch samples each of its rows, in order
+        if (fused is not None and meta.num_decode_tokens == hidden.shape[0] and fused.takes(hidden, kv_cache)
+                and (logits_indices is None or logits_indices.shape[0] == hidden.shape[0])):
             hidden, residual = fused.run(hidden, meta.positions, meta.slot_mapping, meta.decode_block_tables,
                                          meta.decode_seq_lens, kv_cache)
         else:

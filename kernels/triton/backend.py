@@ -1,4 +1,5 @@
-"""The Triton backend: every op a Triton kernel, projections on cuBLAS (W^T), for CUDA GPUs."""
+"""The Triton backend: every op a Triton kernel, projections on cuBLAS (W^T, or W as stored where
+PDSERVE_TRITON_WEIGHTS=as-stored), for CUDA GPUs."""
 
 from __future__ import annotations
 
@@ -13,6 +14,10 @@ from kernels.triton.decode_layers import SmallBatchLayers
 from kernels.triton.prefill_attention import prefill_attention
 
 FUSED_DECODE_ENV = "PDSERVE_TRITON_FUSED_DECODE"
+# The form each projection's weight is kept in: "transposed" (W^T, the default) or "as-stored" (W as the
+# checkpoint has it, F.linear's form; the fused decode layers then run rotary inside the QKV projection).
+WEIGHTS_ENV = "PDSERVE_TRITON_WEIGHTS"
+WEIGHT_FORMS = ("transposed", "as-stored")
 
 
 def available() -> bool:
@@ -27,10 +32,12 @@ class TritonBackend(TorchProjections, Backend):
         if triton is None:
             raise RuntimeError("the triton backend needs the triton package, which is not installed")
         super().__init__(device)
+        self.store_transposed = _weight_form() == "transposed"
 
     def describe(self) -> str:
+        form = "" if self.store_transposed else f", weights as stored ({WEIGHTS_ENV}=as-stored)"
         fused = f", fused small-batch decode ({FUSED_DECODE_ENV}=1)" if _fused_decode_on() else ""
-        return super().describe() + fused
+        return super().describe() + form + fused
 
     def fused_decode(self, layers, shape, cos_sin_cache):
         """Decode batches of at most small_linear.SMALL_ROWS sequences on the fused layers
@@ -64,3 +71,10 @@ class TritonBackend(TorchProjections, Backend):
 
 def _fused_decode_on() -> bool:
     return os.environ.get(FUSED_DECODE_ENV, "0") == "1"
+
+
+def _weight_form() -> str:
+    form = os.environ.get(WEIGHTS_ENV, WEIGHT_FORMS[0])
+    if form not in WEIGHT_FORMS:
+        raise ValueError(f"{WEIGHTS_ENV} must be one of {', '.join(WEIGHT_FORMS)}, got {form!r}")
+    return form

@@ -83,4 +83,4 @@ def _fits(projection, dtype: torch.dtype) -> bool:
         return False
     weight_t = projection.weight_t
     return (weight_t.dtype == dtype and (weight_t.stride(0) == 1 or weight_t.stride(1) == 1)
-            and (projection.bias is None or projection.bias.dtype == dtype))
+            and (projection.bias is None or (projection.bias.dtype == dtype and projection.bias.is_contiguous())))

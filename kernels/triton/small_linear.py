@@ -3,7 +3,7 @@
 y = f(x) @ W^T for x of at most SMALL_ROWS rows, where f may be the residual add and RMSNorm that
 come before a projection in a decoder layer (one launch instead of two), and the output may be a
 gated MLP's silu(gate) * up (one launch instead of two). Each program computes BLOCK_N output
-columns for every row over the whole of K, so the sums are in one fixed order (no split-K partials,
+columns (16 by default) for every row over the whole of K, so the sums are in one fixed order (no split-K partials,
 no atomics: the same bits on every run). W may be kept either way (W [out, in] contiguous as the
 checkpoint has it, or W^T [in, out] contiguous): the kernel reads it through its strides.
 
@@ -24,19 +24,20 @@ from kernels.triton.common import dot_in_fp32, tl, triton
 # The most rows these kernels take: one compiled kernel per variant (the rows are masked in a tile of
 # this height, the smallest a tensor-core dot takes).
 SMALL_ROWS = 16
-_BLOCK_N = 16
 
 
 @dataclass(frozen=True)
 class SmallTuning:
-    """A K tile of tile_bytes a row (512: 256 half-precision or 128 float32 values), its warps and
-    pipeline stages. The default keeps a gated float32 program under the 99 KiB of shared memory the
-    smallest GPUs give one (tests/kernels/test_triton_compiles.py); gpu_engine's layouts phase times
-    others."""
+    """A K tile of tile_bytes a row (512: 256 half-precision or 128 float32 values), the output columns
+    a program computes (block_n: small_linear's; small_qkv_rotary's are always 16, eight rotary
+    pairs), its warps and pipeline stages. The default keeps a gated float32 program under the 99 KiB
+    of shared memory the smallest GPUs give one (tests/kernels/test_triton_compiles.py); gpu_engine's
+    layouts phase times others: wider programs read the rows (from L2) fewer times over."""
 
     tile_bytes: int = 512
     num_warps: int = 4
     num_stages: int = 3
+    block_n: int = 16
 
 
 DEFAULT_SMALL_TUNING = SmallTuning()
@@ -45,7 +46,7 @@ DEFAULT_SMALL_TUNING = SmallTuning()
 def launch_config(dtype: torch.dtype, k: int, tuning: SmallTuning = DEFAULT_SMALL_TUNING) -> dict:
     """The tiles and launch options for inputs of dtype and k columns."""
     block_k = min(tuning.tile_bytes // dtype.itemsize, max(16, triton.next_power_of_2(k)))
-    return {"BLOCK_M": SMALL_ROWS, "BLOCK_N": _BLOCK_N, "BLOCK_K": block_k, "num_warps": tuning.num_warps,
+    return {"BLOCK_M": SMALL_ROWS, "BLOCK_N": tuning.block_n, "BLOCK_K": block_k, "num_warps": tuning.num_warps,
             "num_stages": tuning.num_stages}
 
 
@@ -67,10 +68,12 @@ def small_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | N
     out_features = weight_t.shape[1]
     if gated and out_features % 2:
         raise ValueError(f"small_linear: a gated projection needs an even width, got {out_features}")
-    if bias is not None and bias.shape != (out_features,):
-        raise ValueError(f"small_linear: bias {tuple(bias.shape)} for {out_features} outputs")
-    if norm_weight is not None and norm_weight.shape != (k,):
-        raise ValueError(f"small_linear: norm weight {tuple(norm_weight.shape)} for {k} inputs")
+    if bias is not None and (bias.shape != (out_features,) or bias.stride(0) != 1):
+        raise ValueError(f"small_linear: bias {tuple(bias.shape)} (stride {bias.stride()}) for {out_features} "
+                         "outputs, contiguous")
+    if norm_weight is not None and (norm_weight.shape != (k,) or norm_weight.stride(0) != 1):
+        raise ValueError(f"small_linear: norm weight {tuple(norm_weight.shape)} (stride {norm_weight.stride()}) "
+                         f"for {k} inputs, contiguous")
     if residual is not None and (norm_weight is None or residual.shape != x.shape):
         raise ValueError(f"small_linear: residual {tuple(residual.shape)} needs a norm and x's shape {tuple(x.shape)}")
     if weight_t.stride(0) != 1 and weight_t.stride(1) != 1:
@@ -79,12 +82,13 @@ def small_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | N
     x, residual, new_residual = _rows_and_residual(x, residual)
     width = out_features // 2 if gated else out_features
     out = torch.empty(rows, width, dtype=x.dtype, device=x.device)
-    _small_linear_kernel[(triton.cdiv(width, _BLOCK_N),)](
+    config = launch_config(x.dtype, k, tuning)
+    _small_linear_kernel[(triton.cdiv(width, config["BLOCK_N"]),)](
         x, residual, norm_weight if norm_weight is not None else x, weight_t, bias if bias is not None else x, out,
         new_residual,
         rows, width, k, eps, weight_t.stride(0), weight_t.stride(1),
         NORM=norm_weight is not None, HAS_RESIDUAL=has_residual, GATED=gated, HAS_BIAS=bias is not None,
-        DOT_FP32=dot_in_fp32(x), **launch_config(x.dtype, k, tuning),
+        DOT_FP32=dot_in_fp32(x), **config,
     )
     return out, (new_residual if norm_weight is not None else None)
 
@@ -113,12 +117,17 @@ def small_qkv_rotary(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor
     if not 0 < rows <= SMALL_ROWS or weight_t.shape != (k, width) or not qkv_rotary_fits(weight_t, head_dim):
         raise ValueError(f"small_qkv_rotary: x {tuple(x.shape)}, W^T {tuple(weight_t.shape)} (strides "
                          f"{weight_t.stride()}) for {num_heads} + 2 x {num_kv_heads} heads of {head_dim}")
+    # NOTE: the kernel reads positions, slots, the norm weight and the bias at unit stride, and a slot
+    # (int64) times the cache's block stride must not wrap.
     if (kv_cache_layer.shape[3:] != (num_kv_heads, head_dim) or positions.shape != (rows,)
             or slot_mapping.shape != (rows,) or norm_weight.shape != (k,)
-            or (bias is not None and bias.shape != (width,))
-            or (residual is not None and residual.shape != x.shape) or cos_sin_cache.stride(-1) != 1):
+            or (bias is not None and (bias.shape != (width,) or bias.stride(0) != 1))
+            or (residual is not None and residual.shape != x.shape) or cos_sin_cache.stride(-1) != 1
+            or positions.stride(0) != 1 or slot_mapping.stride(0) != 1 or slot_mapping.dtype != torch.int64
+            or norm_weight.stride(0) != 1):
         raise ValueError(f"small_qkv_rotary: cache {tuple(kv_cache_layer.shape)}, positions {tuple(positions.shape)}, "
-                         f"slots {tuple(slot_mapping.shape)} for {rows} rows of {k}")
+                         f"slots {tuple(slot_mapping.shape)} ({slot_mapping.dtype}) for {rows} rows of {k}: "
+                         "positions and int64 slots, the norm weight and the bias contiguous")
     has_residual = residual is not None
     x, residual, new_residual = _rows_and_residual(x, residual)
     query = torch.empty(rows, num_heads, head_dim, dtype=x.dtype, device=x.device)

@@ -463,10 +463,10 @@ def test_on_cuda_the_fused_small_batch_layers_decode_as_the_layer_loop(model_fix
     dtype), and in float32 equal to the layer loop's (cuBLAS projections) for 16 prompts in padded
     buckets with preemption; the weights transposed (the backend's default) and as stored (rotary
     and the KV write inside the QKV projection)."""
-    from kernels.triton.backend import FUSED_DECODE_ENV, TritonBackend
+    from kernels.triton.backend import FUSED_DECODE_ENV, WEIGHTS_ENV
     from kernels.triton.decode_layers import SmallBatchLayers
 
-    monkeypatch.setattr(TritonBackend, "store_transposed", transposed)
+    monkeypatch.setenv(WEIGHTS_ENV, "transposed" if transposed else "as-stored")
     model_dir = request.getfixturevalue(model_fixture)
     prompts = make_prompts(ModelConfig.from_pretrained(model_dir).vocab_size)
     lengths = [4 + (7 * i) % 29 for i in range(len(prompts))]

@@ -14,11 +14,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+import engine.engine as engine_module
 from engine.llm import LLM
 from engine.model import AttentionMetadata
 from engine.sampling_params import SamplingParams
 from kernels.reference.backend import ReferenceBackend
-from kernels.triton.backend import FUSED_DECODE_ENV, TritonBackend
+from kernels.triton.backend import FUSED_DECODE_ENV, WEIGHTS_ENV, TritonBackend
 from kernels.triton.decode_layers import SmallBatchLayers
 from kernels.triton.small_linear import SMALL_ROWS
 from tests.pdserve.real_model import cached_smollm2
@@ -132,3 +133,24 @@ def test_the_fused_layers_are_off_unless_turned_on_and_take_only_what_they_can(t
     assert SmallBatchLayers.create(layers, shape, model.cos_sin_cache.to(torch.bfloat16)) is None
     assert SmallBatchLayers.create([], shape, model.cos_sin_cache) is None
     llm.close()
+
+
+def test_the_weight_form_is_a_switch_a_server_takes_and_a_wrong_one_is_named(tiny_model_dir, monkeypatch):
+    """PDSERVE_TRITON_WEIGHTS: what gpu_engine's decode_w and decode_fused phases time is what a node
+    started with it runs (the five-launch fused layers need the weights as stored)."""
+    monkeypatch.delenv(WEIGHTS_ENV, raising=False)
+    assert TritonBackend("cpu").store_transposed
+    monkeypatch.setenv(WEIGHTS_ENV, "as-stored")
+    backend = TritonBackend("cpu")
+    assert not backend.store_transposed and "weights as stored" in backend.describe()
+    weight = torch.randn(96, 64)
+    assert backend.prepare_linear(weight).weight_t.stride() == (1, 64)  # W's memory, read as W^T
+    monkeypatch.setenv(FUSED_DECODE_ENV, "1")
+    # an engine on the Triton backend as a GPU node builds it (interpreted here: the name is CUDA's alone)
+    monkeypatch.setattr(engine_module, "select_backend", lambda device, name: TritonBackend(device))
+    llm = LLM(str(tiny_model_dir), dtype="float32", device="cpu", enable_prefix_caching=False, num_blocks=NUM_BLOCKS)
+    assert llm.engine.model.fused_decode is not None and llm.engine.model.fused_decode.rotary_in_qkv
+    llm.close()
+    monkeypatch.setenv(WEIGHTS_ENV, "W")
+    with pytest.raises(ValueError, match="PDSERVE_TRITON_WEIGHTS must be one of transposed, as-stored, got 'W'"):
+        TritonBackend("cpu")

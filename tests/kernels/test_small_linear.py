@@ -113,16 +113,19 @@ def test_small_linear_is_the_same_bits_every_run():
     (dict(bias=79), "bias"),
     (dict(norm=95), "norm weight"),
     (dict(residual=True), "needs a norm"),
+    (dict(bias=160, strided=True), "bias .* contiguous"),
+    (dict(norm=192, strided=True), "norm weight .* contiguous"),
 ])
 def test_small_linear_names_what_does_not_fit(case, message):
     k, n = 96, case.get("n", 80)
     x = randn(case.get("rows", 2), k)
     weight_t = randn(case.get("k_weight", k), n)
     kwargs = {"gated": case.get("gated", False)}
+    step = 2 if case.get("strided") else 1  # every other value of twice as many: the right shape, not contiguous
     if "bias" in case:
-        kwargs["bias"] = randn(case["bias"])
+        kwargs["bias"] = randn(case["bias"])[::step]
     if "norm" in case:
-        kwargs["norm_weight"] = randn(case["norm"])
+        kwargs["norm_weight"] = randn(case["norm"])[::step]
     if "residual" in case:
         kwargs["residual"] = randn(*x.shape)
     with pytest.raises(ValueError, match=message):
@@ -177,3 +180,12 @@ def test_small_qkv_rotary_takes_only_weights_as_stored_and_heads_of_16():
         small_qkv_rotary(x, weight_t, None, **(args | {"num_kv_heads": 2}))
     with pytest.raises(ValueError, match="small_qkv_rotary"):
         small_qkv_rotary(x, weight_t, None, **(args | {"slot_mapping": torch.tensor([1], device=x.device)}))
+    # read at unit stride, and a slot times the cache's block stride in int64
+    int32_slots = torch.tensor([1, 2], dtype=torch.int32, device=x.device)
+    every_other = torch.tensor([1, 0, 2, 0], device=x.device)[::2]
+    for bad in ({"slot_mapping": int32_slots}, {"slot_mapping": every_other}, {"positions": every_other},
+                {"norm_weight": randn(192)[::2]}):
+        with pytest.raises(ValueError, match="contiguous"):
+            small_qkv_rotary(x, weight_t, None, **(args | bad))
+    with pytest.raises(ValueError, match="contiguous"):
+        small_qkv_rotary(x, weight_t, randn(2 * 4 * 64)[::2], **args)
