@@ -114,7 +114,7 @@ for step in $steps; do
                         --budget-s $((left - 10)) \
                         2>&1 | tee "$out/gpu_engine.log" | grep -v '^RESULT'
                     rc=${PIPESTATUS[0]} ;;
-        kv) run_for "$(limit 80)" python3 benchmarks/kv_transfer_gpu.py --timeout-s 25 2>&1 \
+        kv) run_for "$(limit 120)" python3 benchmarks/kv_transfer_gpu.py --timeout-s 25 2>&1 \
                 | tee "$out/kv_transfer_gpu.log" | grep -v '^RESULT'
             rc=${PIPESTATUS[0]} ;;
         # Split models on the GPU: reads between caches split over ranks (NIXL and gloo), a worker

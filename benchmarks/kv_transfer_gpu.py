@@ -8,13 +8,16 @@ with a block-major bfloat16 cache of llama-1b's KV shape on the GPU (16 layers, 
 (512 blocks, scattered on the reader's side: a descriptor each) --repeats times through the NixlConnector
 and reports the median GB/s (the read confirmed, as a node uses it) and the transfer's own time (until
 the confirmation is sent), the descriptors, connector.transport, and checks that the blocks read are
-the holder's (it draws its cache from seed 0; the reader draws the same). The first two settings also
-read the same blocks into contiguous ones (one descriptor, one copy): what scattering costs. A setting
-fails on wrong data, and the first two where UCX fell back to TCP for GPU memory. Settings:
+the holder's (it draws its cache from seed 0; the reader draws the same). Every setting but before also
+reads the same blocks into contiguous ones (one descriptor, one copy): what scattering costs. A setting
+fails on wrong data, and every one but before where UCX fell back to TCP for GPU memory. Settings:
   pdserve   the nodes' own choice: both caches on one GPU, so device copies over CUDA IPC
             (kv_transfer/cuda_ipc.py); on host memory, as ucx
   ucx       through UCX under the nodes' UCX settings (kv_transfer/ucx.py: lo, GET over cuda_ipc
             enabled), as nodes with --kv-device-copy off read
+  ucx-poll  as ucx, with UCX's cuda_ipc transport reaping up to 256 finished copies a progress call
+            (UCX_CUDA_IPC_MAX_POLL; 16 by default)
+  ucx-streams  as ucx, with up to 64 CUDA streams per device for its copies (UCX_CUDA_IPC_MAX_STREAMS)
   before    UCX_NET_DEVICES=lo alone, GET over cuda_ipc left to UCX (what nodes set before)
 Ends with `RESULT {json}`. --device cpu --blocks 16 checks the script on host memory.
 
@@ -37,7 +40,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # before benchmarks/: its kv_transfer.py is not the package
 
-SETTINGS = {"pdserve": {}, "ucx": {}, "before": {"UCX_NET_DEVICES": "lo", "UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "auto"}}
+# NOTE: ucx-poll and ucx-streams: whether UCX's own knobs lift its cuda_ipc READ of 512 KiB descriptors
+# (8-12 GB/s on an H200 at c0e8b24) toward a copy's rate, as NIXL alone must between GPUs it cannot map.
+SETTINGS = {"pdserve": {}, "ucx": {}, "ucx-poll": {"UCX_CUDA_IPC_MAX_POLL": "256"},
+            "ucx-streams": {"UCX_CUDA_IPC_MAX_STREAMS": "64"},
+            "before": {"UCX_NET_DEVICES": "lo", "UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "auto"}}
 DEVICE_COPY = {"pdserve"}  # the settings whose reader copies from a holder on its host (--kv-device-copy auto)
 
 
@@ -46,7 +53,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--blocks", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--settings", default="pdserve,ucx,before")
+    parser.add_argument("--settings", default=",".join(SETTINGS))
     parser.add_argument("--reader", action="store_true", help="(internal) run one setting's reader")
     parser.add_argument("--contiguous", action="store_true", help="(internal) also into contiguous blocks")
     parser.add_argument("--device-copy", action="store_true", help="(internal) copies from a holder on this host")

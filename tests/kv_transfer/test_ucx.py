@@ -146,18 +146,20 @@ def test_the_gpu_read_benchmark_runs_on_host_memory(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     [record] = tmp_path.glob("kv_transfer_gpu-*.json")
     settings = json.loads(record.read_text())["result"]["settings"]
-    assert set(settings) == {"pdserve", "ucx", "before"}
+    assert set(settings) == {"pdserve", "ucx", "ucx-poll", "ucx-streams", "before"}
     for result in settings.values():
         assert result["gb_s"] > 0 and "/" in result["transport"] and result["equal"] is True, result
     assert settings["before"]["env"]["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] == "auto"
+    assert settings["ucx-poll"]["env"]["UCX_CUDA_IPC_MAX_POLL"] == "256"
+    assert settings["ucx-streams"]["env"]["UCX_CUDA_IPC_MAX_STREAMS"] == "64"
     # a descriptor per scattered block; the nodes' settings also read into contiguous blocks, merged into one
-    contiguous = [settings[name].pop("contiguous") for name in ("pdserve", "ucx")]
+    contiguous = [settings[name].pop("contiguous") for name in ("pdserve", "ucx", "ucx-poll", "ucx-streams")]
     assert all(c["descriptors"] == 1 and c["equal"] is True for c in contiguous)
     assert "contiguous" not in settings["before"]
     for result in (*settings.values(), *contiguous):
         assert 0 < result["transfer_ms"] <= result["ms"], result
     assert all(result["descriptors"] == 8 for result in settings.values())
-    assert len(set((site / "pids").read_text().split())) == 1 + 3 * 2  # this run, each setting's reader and holder
+    assert len(set((site / "pids").read_text().split())) == 1 + 5 * 2  # this run, each setting's reader and holder
     # The docs' renderer takes such a record (CPU runs are left out there: taken as a GPU run here).
     from benchmarks import render_results
 
