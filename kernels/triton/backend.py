@@ -12,8 +12,12 @@ from kernels.triton.common import triton
 from kernels.triton.decode_attention import decode_attention
 from kernels.triton.decode_layers import SmallBatchLayers
 from kernels.triton.prefill_attention import prefill_attention
+from kernels.triton.small_linear import SMALL_ROWS
 
 FUSED_DECODE_ENV = "PDSERVE_TRITON_FUSED_DECODE"
+# The largest decode batch the fused layers take (1 to small_linear.SMALL_ROWS, the default); larger
+# batches run the layer loop.
+FUSED_MAX_ROWS_ENV = "PDSERVE_TRITON_FUSED_DECODE_MAX_ROWS"
 # The form each projection's weight is kept in: "transposed" (W^T, the default) or "as-stored" (W as the
 # checkpoint has it, F.linear's form; the fused decode layers then run rotary inside the QKV projection).
 WEIGHTS_ENV = "PDSERVE_TRITON_WEIGHTS"
@@ -36,7 +40,8 @@ class TritonBackend(TorchProjections, Backend):
 
     def describe(self) -> str:
         form = "" if self.store_transposed else f", weights as stored ({WEIGHTS_ENV}=as-stored)"
-        fused = f", fused small-batch decode ({FUSED_DECODE_ENV}=1)" if _fused_decode_on() else ""
+        fused = (f", fused small-batch decode up to {_fused_max_rows()} rows ({FUSED_DECODE_ENV}=1)"
+                 if _fused_decode_on() else "")
         return super().describe() + form + fused
 
     def fused_decode(self, layers, shape, cos_sin_cache):
@@ -44,7 +49,9 @@ class TritonBackend(TorchProjections, Backend):
         (kernels/triton/decode_layers.py: five or six launches a layer instead of ten, the projections on
         Triton instead of cuBLAS) where FUSED_DECODE_ENV is 1. Off by default until a GPU run shows
         it faster (gpu_engine's decode_fused phase times it beside the default)."""
-        return SmallBatchLayers.create(layers, shape, cos_sin_cache) if _fused_decode_on() else None
+        if not _fused_decode_on():
+            return None
+        return SmallBatchLayers.create(layers, shape, cos_sin_cache, max_rows=_fused_max_rows())
 
     def _silu_and_mul(self, x):
         return elementwise.silu_and_mul(x)
@@ -71,6 +78,13 @@ class TritonBackend(TorchProjections, Backend):
 
 def _fused_decode_on() -> bool:
     return os.environ.get(FUSED_DECODE_ENV, "0") == "1"
+
+
+def _fused_max_rows() -> int:
+    value = os.environ.get(FUSED_MAX_ROWS_ENV, str(SMALL_ROWS))
+    if not value.isdigit() or not 1 <= int(value) <= SMALL_ROWS:
+        raise ValueError(f"{FUSED_MAX_ROWS_ENV} must be a whole number from 1 to {SMALL_ROWS}, got {value!r}")
+    return int(value)
 
 
 def _weight_form() -> str:

@@ -17,11 +17,14 @@ from kernels.triton.small_linear import SMALL_ROWS, qkv_rotary_fits, small_linea
 
 
 class SmallBatchLayers:
-    """The fused layer loop for one model's prepared layers, for decode batches of at most SMALL_ROWS
-    sequences. Build it with create(): None where the layers' forms or dtypes do not allow it."""
+    """The fused layer loop for one model's prepared layers, for decode batches of at most max_rows
+    (at most SMALL_ROWS) sequences. Build it with create(): None where the layers' forms or dtypes do
+    not allow it."""
 
-    def __init__(self, layers: list, shape: LayerShape, cos_sin_cache: torch.Tensor) -> None:
+    def __init__(self, layers: list, shape: LayerShape, cos_sin_cache: torch.Tensor,
+                 max_rows: int = SMALL_ROWS) -> None:
         self._layers = layers
+        self.max_rows = max_rows
         self._shape = shape
         self._cos_sin = cos_sin_cache
         self.dtype = cos_sin_cache.dtype
@@ -31,7 +34,8 @@ class SmallBatchLayers:
         self.rotary_in_qkv = all(qkv_rotary_fits(layer.qkv.weight_t, shape.head_dim) for layer in layers)
 
     @classmethod
-    def create(cls, layers: list, shape: LayerShape, cos_sin_cache: torch.Tensor) -> SmallBatchLayers | None:
+    def create(cls, layers: list, shape: LayerShape, cos_sin_cache: torch.Tensor,
+               max_rows: int = SMALL_ROWS) -> SmallBatchLayers | None:
         dtype = cos_sin_cache.dtype
         projections = [p for layer in layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         if not layers or not all(_fits(p, dtype) for p in projections):
@@ -39,11 +43,11 @@ class SmallBatchLayers:
         norms = [n for layer in layers for n in (layer.input_norm, layer.post_norm)]
         if not all(n.dtype == dtype and n.is_contiguous() for n in norms) or shape.num_heads % shape.num_kv_heads:
             return None
-        return cls(layers, shape, cos_sin_cache)
+        return cls(layers, shape, cos_sin_cache, max_rows)
 
     def takes(self, hidden: torch.Tensor, kv_cache: torch.Tensor) -> bool:
         """Whether this decode-only batch can run here."""
-        return 0 < hidden.shape[0] <= SMALL_ROWS and hidden.dtype == self.dtype and kv_cache.dtype == self.dtype
+        return 0 < hidden.shape[0] <= self.max_rows and hidden.dtype == self.dtype and kv_cache.dtype == self.dtype
 
     def run(self, hidden: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
             block_tables: torch.Tensor, seq_lens: torch.Tensor,

@@ -19,7 +19,7 @@ from engine.llm import LLM
 from engine.model import AttentionMetadata
 from engine.sampling_params import SamplingParams
 from kernels.reference.backend import ReferenceBackend
-from kernels.triton.backend import FUSED_DECODE_ENV, WEIGHTS_ENV, TritonBackend
+from kernels.triton.backend import FUSED_DECODE_ENV, FUSED_MAX_ROWS_ENV, WEIGHTS_ENV, TritonBackend
 from kernels.triton.decode_layers import SmallBatchLayers
 from kernels.triton.small_linear import SMALL_ROWS
 from tests.pdserve.real_model import cached_smollm2
@@ -129,6 +129,14 @@ def test_the_fused_layers_are_off_unless_turned_on_and_take_only_what_they_can(t
     assert fused.takes(torch.zeros(SMALL_ROWS, width), cache)
     assert not fused.takes(torch.zeros(SMALL_ROWS + 1, width), cache)
     assert not fused.takes(torch.zeros(1, width, dtype=torch.bfloat16), cache)
+    # a smaller largest batch: larger ones run the layer loop; a value outside 1..16 is refused naming it
+    monkeypatch.setenv(FUSED_MAX_ROWS_ENV, "4")
+    fused = backend.fused_decode(layers, shape, model.cos_sin_cache)
+    assert fused.takes(torch.zeros(4, width), cache) and not fused.takes(torch.zeros(5, width), cache)
+    assert "up to 4 rows" in backend.describe()
+    monkeypatch.setenv(FUSED_MAX_ROWS_ENV, "17")
+    with pytest.raises(ValueError, match="PDSERVE_TRITON_FUSED_DECODE_MAX_ROWS must be a whole number from 1 to 16"):
+        backend.fused_decode(layers, shape, model.cos_sin_cache)
     # weights in another dtype than the rotary cache's (the model's), or in a form small_linear cannot read
     assert SmallBatchLayers.create(layers, shape, model.cos_sin_cache.to(torch.bfloat16)) is None
     assert SmallBatchLayers.create([], shape, model.cos_sin_cache) is None
