@@ -13,13 +13,15 @@ For each preset (llama-1b by default; llama-8b where time allows), in one proces
             time a step (its kernels' time summed) against the step's wall time, the kernels a
             step runs and the costliest ones: where the step's time goes.
   layouts   each projection at 1/16/64/256/2,048 rows as x @ W^T (the backend's form) and as
-            F.linear(x, W), and at up to 16 rows on the Triton small-batch kernel (both forms), in
-            CUDA graphs: which form of a weight and which kernel read nearer the copy bandwidth.
-  decode_w  the decode phase again with the Triton backend keeping its weights as stored (W, used
-            as F.linear uses it) instead of transposed: the two forms end to end.
+            F.linear(x, W), and at up to 16 rows on the Triton small-batch kernel (both forms; on W
+            at 1 and 16 rows under other tunings too), in CUDA graphs: which form of a weight and
+            which kernel read nearer the copy bandwidth.
+  decode_w  the decode phase again with the Triton backend keeping its weights as stored
+            (PDSERVE_TRITON_WEIGHTS=as-stored: W, used as F.linear uses it) instead of transposed:
+            the two forms end to end.
   decode_fused  batches 1 and 16 again on the Triton backend's fused small-batch layers
             (PDSERVE_TRITON_FUSED_DECODE=1, weights as stored): against decode_w, whether they
-            should be the default.
+            should be the default (PDSERVE_TRITON_FUSED_DECODE_MAX_ROWS keeps them to small batches).
   attention the decode attention kernel alone at batches 1/64/256 (the decode phase's context, a
             block table as wide as the graphs', on the engine's cache), with the backend's tuning and
             others (token tile, warps, stages, the fewest tokens a split gets): which to keep.

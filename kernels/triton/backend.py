@@ -45,10 +45,10 @@ class TritonBackend(TorchProjections, Backend):
         return super().describe() + form + fused
 
     def fused_decode(self, layers, shape, cos_sin_cache):
-        """Decode batches of at most small_linear.SMALL_ROWS sequences on the fused layers
-        (kernels/triton/decode_layers.py: five or six launches a layer instead of ten, the projections on
-        Triton instead of cuBLAS) where FUSED_DECODE_ENV is 1. Off by default until a GPU run shows
-        it faster (gpu_engine's decode_fused phase times it beside the default)."""
+        """Decode batches of at most FUSED_MAX_ROWS_ENV (default small_linear.SMALL_ROWS) sequences on the
+        fused layers (kernels/triton/decode_layers.py: five or six launches a layer instead of ten, the
+        projections on Triton instead of cuBLAS) where FUSED_DECODE_ENV is 1. Off by default until a GPU
+        run shows it faster (gpu_engine's decode_fused phase times it beside the default)."""
         if not _fused_decode_on():
             return None
         return SmallBatchLayers.create(layers, shape, cos_sin_cache, max_rows=_fused_max_rows())

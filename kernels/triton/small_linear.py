@@ -3,9 +3,10 @@
 y = f(x) @ W^T for x of at most SMALL_ROWS rows, where f may be the residual add and RMSNorm that
 come before a projection in a decoder layer (one launch instead of two), and the output may be a
 gated MLP's silu(gate) * up (one launch instead of two). Each program computes BLOCK_N output
-columns (16 by default) for every row over the whole of K, so the sums are in one fixed order (no split-K partials,
-no atomics: the same bits on every run). W may be kept either way (W [out, in] contiguous as the
-checkpoint has it, or W^T [in, out] contiguous): the kernel reads it through its strides.
+columns (16 by default) for every row over the whole of K, so the sums are in one fixed order (no
+split-K partials, no atomics: the same bits on every run). W may be kept either way (W [out, in]
+contiguous as the checkpoint has it, or W^T [in, out] contiguous): the kernel reads it through its
+strides.
 
 Rounding follows the unfused ops (kernels/triton/elementwise.py): the residual sum and the normed
 row are rounded to the model's dtype before the projection, the projection's output is rounded
