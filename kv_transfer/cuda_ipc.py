@@ -6,10 +6,12 @@ device UUID), over NVLink or PCIe peer-to-peer from another GPU. CUDA opens the 
 process does not see (another CUDA_VISIBLE_DEVICES), so one GPU per node still copies. A cache on
 another GPU is used only once a probe (a tensor of known bytes the holder offers beside its cache)
 copied from there reads back equal: peer-to-peer copies a platform gets wrong are never trusted
-blindly. NIXL carries every other read (other hosts, host memory, split caches), and any read
-whose mapping or copy cannot start. The lease rules are the NIXL path's: the copy is one more way to
-transfer, and a read is used only once the holder confirmed its lease
-(kv_transfer.side_channel_connector).
+blindly. Between tensor-parallel nodes each of the holder's rank caches is offered, and each of the
+reader's ranks copies its heads from the holder's ranks that hold them (kv_transfer.shards'
+head segments), on a stream of that rank's device. NIXL carries every other read (other hosts,
+host memory), and any read whose mappings or copies cannot start. The lease rules are the NIXL
+path's: the copy is one more way to transfer, and a read is used only once the holder confirmed
+its lease (kv_transfer.side_channel_connector).
 
 A copy cannot be stopped once launched: a read aborted meanwhile waits for its event
 (CopyRead.is_done), as a NIXL READ that cannot be released does. A peer's cache stays mapped
@@ -163,14 +165,15 @@ def is_probe(offer: CudaIpcCache, cache_offer: CudaIpcCache) -> bool:
 
 
 def route(offer: CudaIpcCache, cache: torch.Tensor, mode: str) -> str | None:
-    """How this cache's blocks can be copied from the holder's (offer) under mode
-    (TransferConfig.device_copy): SAME_GPU, PEER_GPU (another GPU of this host) or None (through
-    UCX). The caches must agree past the block dimension, in shape and dtype, and the offer's view
-    stay inside the memory it shares."""
-    if mode == "off" or not cache.is_cuda:
+    """How this cache's blocks can be copied from the holder's (offer; either one a tensor-parallel
+    rank's) under mode (TransferConfig.device_copy): SAME_GPU, PEER_GPU (another GPU of this host) or
+    None (through UCX). The caches [blocks, layers, 2, block_size, heads, head_dim] must agree in all
+    but the blocks and the heads they hold, and in dtype, and the offer's view stay inside the memory
+    it shares."""
+    if mode == "off" or not cache.is_cuda or len(offer.shape) != 6 or len(cache.shape) != 6:
         return None
-    if (list(cache.shape[1:]) != offer.shape[1:] or str(cache.dtype).removeprefix("torch.") != offer.dtype
-            or not fits(offer, cache.element_size())):
+    if (list(cache.shape[1:4]) != offer.shape[1:4] or cache.shape[5] != offer.shape[5]
+            or str(cache.dtype).removeprefix("torch.") != offer.dtype or not fits(offer, cache.element_size())):
         return None
     if offer.gpu_uuid == gpu_uuid(cache.device):
         return SAME_GPU
@@ -199,36 +202,65 @@ def runs(local_ids: list[int], remote_ids: list[int]) -> list[tuple[int, int, in
     return out
 
 
-class CopyRead:
-    """A read's copies, launched on stream: local[local_ids] = remote[remote_ids], run by run
-    where there are few runs, else gathered and scattered through a bounded staging buffer.
-    is_done() says whether they have all run (never waits)."""
+class PeerCopies:
+    """How a peer's blocks are copied here: for each run of heads (kv_transfer.shards.HeadSegment:
+    one, all heads, between two caches of one rank each), the peer rank's cache mapped on the device
+    of our rank that takes them (mapped, by (peer rank, our device))."""
 
-    def __init__(self, local: torch.Tensor, remote: torch.Tensor, local_ids: list[int], remote_ids: list[int],
-                 stream: torch.cuda.Stream | None) -> None:
-        self._remote = remote  # NOTE: kept until done: the mapping must outlive the copy
-        self._event = None
-        if stream is not None:
-            # NOTE: after what this process queued before: a step still in flight may write blocks
-            # the scheduler has since handed to this read (a request that finished a step late)
-            stream.wait_stream(torch.cuda.current_stream(local.device))
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            pieces = runs(local_ids, remote_ids)
-            if len(pieces) <= _MAX_RUN_COPIES:
-                for start_local, start_remote, length in pieces:
-                    local[start_local:start_local + length].copy_(remote[start_remote:start_remote + length],
-                                                                  non_blocking=True)
-            else:
-                _gather_scatter(local, remote, local_ids, remote_ids)
-            if local.is_cuda:
-                self._event = torch.cuda.Event()
-                self._event.record()
+    def __init__(self, segments: list, mapped: dict[tuple[int, torch.device], MappedCache]) -> None:
+        self.segments = segments
+        self.mapped = mapped
+
+    @property
+    def route(self) -> str:
+        """PEER_GPU where any of the peer's caches is on another GPU than the one it is copied to."""
+        return PEER_GPU if any(m.route == PEER_GPU for m in self.mapped.values()) else SAME_GPU
+
+    def release_if_idle(self, now: float) -> None:
+        for mapped in self.mapped.values():
+            mapped.release_if_idle(now)
+
+
+class CopyRead:
+    """A read's copies: for each piece (our view, the peer's view: a cache's heads, or all of it),
+    ours[local_ids] = theirs[remote_ids], run by run where there are few runs, else gathered and
+    scattered through a bounded staging buffer, on the stream streams gives our view's device (none:
+    the current one). is_done() says whether they have all run (never waits)."""
+
+    def __init__(self, pieces: list[tuple[torch.Tensor, torch.Tensor]], local_ids: list[int], remote_ids: list[int],
+                 streams: dict[torch.device, torch.cuda.Stream] | None) -> None:
+        self._remote = [theirs for _, theirs in pieces]  # NOTE: kept until done: the mappings must outlive the copies
+        self._events = []
+        streams = streams or {}
+        for device in dict.fromkeys(ours.device for ours, _ in pieces):
+            stream = streams.get(device)
+            if stream is not None:
+                # NOTE: after what this process queued before: a step still in flight may write blocks
+                # the scheduler has since handed to this read (a request that finished a step late)
+                stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                for ours, theirs in pieces:
+                    if ours.device == device:
+                        _copy_blocks(ours, theirs, local_ids, remote_ids)
+                if device.type == "cuda":
+                    event = torch.cuda.Event()
+                    event.record()
+                    self._events.append(event)
 
     def is_done(self) -> bool:
-        if self._event is None or self._event.query():
+        if all(event.query() for event in self._events):
             self._remote = None
             return True
         return False
+
+
+def _copy_blocks(ours: torch.Tensor, theirs: torch.Tensor, local_ids: list[int], remote_ids: list[int]) -> None:
+    pieces = runs(local_ids, remote_ids)
+    if len(pieces) <= _MAX_RUN_COPIES:
+        for start_local, start_remote, length in pieces:
+            ours[start_local:start_local + length].copy_(theirs[start_remote:start_remote + length], non_blocking=True)
+    else:
+        _gather_scatter(ours, theirs, local_ids, remote_ids)
 
 
 def _gather_scatter(local: torch.Tensor, remote: torch.Tensor, local_ids: list[int], remote_ids: list[int]) -> None:

@@ -72,16 +72,18 @@ class CudaIpcCache(msgspec.Struct, frozen=True):
 
 class NixlAgentInfo(msgspec.Struct, tag="nixl_agent_info", frozen=True):
     """What a reader needs to READ a holder's cache: its agent and every rank's registered region;
-    a cache on a GPU (one rank) is also offered over CUDA IPC to readers on the same host, with a
-    probe tensor of known bytes a reader on another GPU copies first (an older reader ignores the
-    fields)."""
+    caches on GPUs are also offered over CUDA IPC to readers on the same host, with a probe tensor of
+    known bytes on each of their GPUs that a reader on another GPU copies first (an older reader
+    ignores the fields)."""
 
     agent_metadata: bytes
     shards: list[NixlShardInfo]
     num_blocks: int
     mem_type: str  # NIXL's memory type: "DRAM" or "VRAM"
-    cuda_ipc: CudaIpcCache | None = None
+    cuda_ipc: CudaIpcCache | None = None  # a cache of one rank (an older reader takes only this)
     cuda_ipc_probe: CudaIpcCache | None = None
+    cuda_ipc_shards: list[CudaIpcCache] = []  # every rank's cache, in the order of shards
+    cuda_ipc_probes: list[CudaIpcCache] = []  # a probe on each GPU the caches are on
 
 
 class GlooStoreInfo(msgspec.Struct, tag="gloo_store_info", frozen=True):

@@ -58,6 +58,8 @@ from kv_transfer.shards import (
     as_shards,
     byte_runs,
     check_shards,
+    head_ranges,
+    head_segments,
     joined_runs,
     plan_read,
     wait_for_writes,
@@ -108,14 +110,14 @@ def interface_of(address: str) -> str | None:
 
 
 class _NixlPeer(NamedTuple):
-    """A connected holder: its agent's name here, what it told us, its regions, and its cache mapped
-    for device copies where it is on our GPU or another of this host (kv_transfer.cuda_ipc; None:
+    """A connected holder: its agent's name here, what it told us, its regions, and its caches mapped
+    for device copies where they are on our GPUs or others of this host (kv_transfer.cuda_ipc; None:
     NIXL reads)."""
 
     agent_name: str
     info: NixlAgentInfo
     remote: list[ShardRegions]
-    device_copy: cuda_ipc.MappedCache | None
+    device_copy: cuda_ipc.PeerCopies | None
 
 
 class NixlConnector(SideChannelConnector):
@@ -147,14 +149,14 @@ class NixlConnector(SideChannelConnector):
             raise
         self.num_descriptors_last_read = 0
         self.num_device_copy_reads = 0  # reads carried out as device copies (kv_transfer.cuda_ipc)
-        self._copy_stream: torch.cuda.Stream | None = None
+        self._copy_streams: dict[torch.device, torch.cuda.Stream] = {}  # one per device our ranks' caches are on
         self._copies: list[cuda_ipc.CopyRead] = []  # launched, not seen done: each keeps its mapping open
         self._last_copy_route: str | None = None  # the last read's, where it was copied
         self._idle_checked_at = 0.0
-        # NOTE: once, here: never on the side channel. The cache and the probe must outlive every reader's
+        # NOTE: once, here: never on the side channel. The caches and the probes must outlive every reader's
         # mapping: torch's IPC reference count is set once per export and every reader's release takes one
-        # off, so it does not hold the memory for readers (the probe lives as long as this connector).
-        self._probe, self._offer, self._probe_offer = self._export_for_device_copies(shards, config)
+        # off, so it does not hold the memory for readers (the probes live as long as this connector).
+        self._probes, self._offers, self._probe_offers = self._export_for_device_copies(shards, config)
         # request id -> per staged peer rank: (buffer, its segments, its registration, its first head)
         self._staged: dict[str, list[tuple[torch.Tensor, list[HeadSegment], object, int]]] = {}
         super().__init__(config, kv_cache, layout, engine_id)
@@ -199,21 +201,23 @@ class NixlConnector(SideChannelConnector):
                                 r.kv_heads.stop, r.device_id) for r in self._regions]
         return NixlAgentInfo(agent_metadata=self._agent.get_agent_metadata(), shards=shards,
                              num_blocks=self.layout.num_blocks, mem_type=self._mem_type,
-                             cuda_ipc=self._offer, cuda_ipc_probe=self._probe_offer)
+                             cuda_ipc=self._offers[0] if len(self._offers) == 1 else None,
+                             cuda_ipc_probe=self._probe_offers[0] if len(self._offers) == 1 else None,
+                             cuda_ipc_shards=self._offers, cuda_ipc_probes=self._probe_offers)
 
     @staticmethod
-    def _export_for_device_copies(shards: list[CacheShard], config: TransferConfig) -> tuple:
-        """(the probe tensor, the cache's offer, the probe's offer) over CUDA IPC for readers on this
-        host: one rank's cache on a GPU only (else Nones)."""
-        if config.device_copy == "off" or len(shards) != 1 or not shards[0].cache.is_cuda:
-            return None, None, None
-        cache = shards[0].cache
+    def _export_for_device_copies(shards: list[CacheShard], config: TransferConfig) -> tuple[list, list, list]:
+        """(the probe tensors, each rank's cache's offer, the probes' offers: one per GPU the caches are
+        on) over CUDA IPC for readers on this host; empty lists where the caches are not all on GPUs."""
+        if config.device_copy == "off" or not all(shard.cache.is_cuda for shard in shards):
+            return [], [], []
         try:
-            probe = cuda_ipc.probe_pattern(cache.device)
-            return probe, cuda_ipc.export_cache(cache), cuda_ipc.export_cache(probe)
+            probes = [cuda_ipc.probe_pattern(device) for device in dict.fromkeys(s.cache.device for s in shards)]
+            return (probes, [cuda_ipc.export_cache(shard.cache) for shard in shards],
+                    [cuda_ipc.export_cache(probe) for probe in probes])
         except Exception as exc:  # noqa: BLE001 - torch's sharing refused (e.g. its allocator's mode): NIXL reads
             logger.warning("KV cache not offered over CUDA IPC (readers on this host read through UCX): %s", exc)
-            return None, None, None
+            return [], [], []
 
     def _connect_peer(self, peer: Peer) -> None:
         info: NixlAgentInfo = peer.backend_info
@@ -230,32 +234,42 @@ class NixlConnector(SideChannelConnector):
         if held != set(range(self.layout.num_kv_heads)):
             raise TransferFailed(f"NIXL peer's ranks hold KV heads {sorted(held)}, not all {self.layout.num_kv_heads}")
         peer.handle = _NixlPeer(self._agent.add_remote_agent(info.agent_metadata), info, remote,
-                                self._device_copy_cache(info))
+                                self._device_copies(info))
 
-    def _device_copy_cache(self, info: NixlAgentInfo) -> cuda_ipc.MappedCache | None:
-        """The peer's cache, mapped here, where it is on this cache's GPU or (its probe copied from
-        there equal) on another GPU of this host, one rank each, the same shape and dtype, and
-        copies are allowed (TransferConfig.device_copy); else None (NIXL reads)."""
-        offer = info.cuda_ipc
-        if (offer is None or len(self.shards) != 1 or len(info.shards) != 1
-                or offer.shape[:1] != [info.num_blocks]):
+    def _device_copies(self, info: NixlAgentInfo) -> cuda_ipc.PeerCopies | None:
+        """The peer's caches mapped here, each on the device of our rank that takes its heads, where
+        every such pair is on one GPU or (its probe copied from there equal) on two GPUs of this host,
+        the caches alike but for the heads they hold, and copies are allowed
+        (TransferConfig.device_copy); else None (NIXL reads)."""
+        offers = info.cuda_ipc_shards or ([info.cuda_ipc] if info.cuda_ipc is not None else [])
+        if len(offers) != len(info.shards) or any(
+                offer.shape[:1] != [info.num_blocks] or offer.shape[4:5] != [s.kv_head_stop - s.kv_head_start]
+                for offer, s in zip(offers, info.shards)):
             return None
-        route = cuda_ipc.route(offer, self.kv_cache, self.config.device_copy)
-        probe = info.cuda_ipc_probe
-        if probe is not None and not cuda_ipc.is_probe(probe, offer):
-            probe = None  # NOTE: a view past its memory is never mapped: it would read what is not the probe's
-        if route is None or (route == cuda_ipc.PEER_GPU and probe is None):
-            return None
-        where = _ROUTE_WORDS[route]
-        mapped = cuda_ipc.MappedCache(offer, self.kv_cache.device, route, probe)
-        try:
-            mapped.get()
-        except Exception as exc:  # noqa: BLE001 - the mapping or the probe failed: read through UCX instead
-            logger.warning("KV cache of a peer %s not used for device copies over CUDA IPC (reading through "
-                           "UCX): %s", where, exc)
-            return None
-        logger.info("KV reads from a peer %s: device copies over CUDA IPC", where)
-        return mapped
+        probes = info.cuda_ipc_probes or ([info.cuda_ipc_probe] if info.cuda_ipc_probe is not None else [])
+        segments = head_segments(head_ranges(self.shards), [(s.kv_head_start, s.kv_head_stop) for s in info.shards])
+        mapped: dict[tuple[int, torch.device], cuda_ipc.MappedCache] = {}
+        for segment in segments:
+            cache = self.shards[segment.local_rank].cache
+            key = (segment.remote_rank, cache.device)
+            if key in mapped:
+                continue
+            offer = offers[segment.remote_rank]
+            route = cuda_ipc.route(offer, cache, self.config.device_copy)
+            # NOTE: a view past its memory is never mapped: it would read what is not the probe's
+            probe = next((p for p in probes if cuda_ipc.is_probe(p, offer)), None)
+            if route is None or (route == cuda_ipc.PEER_GPU and probe is None):
+                return None
+            mapped[key] = cuda_ipc.MappedCache(offer, cache.device, route, probe)
+            try:
+                mapped[key].get()
+            except Exception as exc:  # noqa: BLE001 - the mapping or the probe failed: read through UCX instead
+                logger.warning("KV cache of a peer %s not used for device copies over CUDA IPC (reading through "
+                               "UCX): %s", _ROUTE_WORDS[route], exc)
+                return None
+        copies = cuda_ipc.PeerCopies(segments, mapped)
+        logger.info("KV reads from a peer %s: device copies over CUDA IPC", _ROUTE_WORDS[copies.route])
+        return copies
 
     def _start_transfer(self, read: PendingRead, peer: Peer) -> None:
         agent_name, info, remote, device_copy = peer.handle
@@ -280,19 +294,26 @@ class NixlConnector(SideChannelConnector):
             self._check_ucx_report(force=True)
             raise TransferFailed("NIXL READ failed to post")
 
-    def _start_copy(self, read: PendingRead, peer: Peer, mapped: cuda_ipc.MappedCache) -> bool:
-        """Start the read as device copies from the peer's mapped cache; False where they could not
-        start (the peer's reads go through UCX from now on)."""
-        where = _ROUTE_WORDS[mapped.route]
+    def _start_copy(self, read: PendingRead, peer: Peer, copies: cuda_ipc.PeerCopies) -> bool:
+        """Start the read as device copies from the peer's mapped caches, each run of heads into our
+        rank holding it; False where they could not start (the peer's reads go through UCX from now on)."""
+        where = _ROUTE_WORDS[copies.route]
+        info = peer.handle.info
         try:
-            if self._copy_stream is None:
-                self._copy_stream = torch.cuda.Stream(self.kv_cache.device)
-            read.handle = cuda_ipc.CopyRead(self.kv_cache, mapped.get(), read.local_block_ids,
-                                            read.remote_block_ids, self._copy_stream)
+            pieces = []
+            for segment in copies.segments:
+                shard = self.shards[segment.local_rank]
+                ours, theirs = shard.kv_heads.start, info.shards[segment.remote_rank].kv_head_start
+                if shard.cache.is_cuda and shard.cache.device not in self._copy_streams:
+                    self._copy_streams[shard.cache.device] = torch.cuda.Stream(shard.cache.device)
+                remote = copies.mapped[segment.remote_rank, shard.cache.device].get()
+                pieces.append((shard.cache[:, :, :, :, segment.start - ours:segment.stop - ours],
+                               remote[:, :, :, :, segment.start - theirs:segment.stop - theirs]))
+            read.handle = cuda_ipc.CopyRead(pieces, read.local_block_ids, read.remote_block_ids, self._copy_streams)
         except Exception as exc:  # noqa: BLE001 - torch raises its own types: UCX carries this read instead
             try:
-                if self._copy_stream is not None:
-                    self._copy_stream.synchronize()  # NOTE: no copy it launched may still write the blocks
+                for stream in self._copy_streams.values():
+                    stream.synchronize()  # NOTE: no copy it launched may still write the blocks
             except Exception as sync_exc:  # noqa: BLE001 - the device is failing: the read fails as a transfer
                 raise TransferFailed(f"device copy from the peer {where} failed: {sync_exc}") from sync_exc
             logger.warning("KV reads from the peer %s at %s go through UCX from now on: a device copy could not "
@@ -303,7 +324,7 @@ class NixlConnector(SideChannelConnector):
         self._copies.append(read.handle)
         self.num_descriptors_last_read = len(cuda_ipc.runs(read.local_block_ids, read.remote_block_ids))
         self.num_device_copy_reads += 1
-        self._last_copy_route = mapped.route
+        self._last_copy_route = copies.route
         return True
 
     def _runs(self, read: PendingRead, remote: list[ShardRegions]) -> ByteRuns:
@@ -454,9 +475,9 @@ class NixlConnector(SideChannelConnector):
         self._is_stopping.set()
         self._wake.set()
         self._progress.join(timeout=2)
-        if self._copy_stream is not None:
+        for stream in self._copy_streams.values():
             try:
-                self._copy_stream.synchronize()  # NOTE: before the mappings the copies read can close
+                stream.synchronize()  # NOTE: before the mappings the copies read can close
             except Exception as exc:  # noqa: BLE001 - a failing device: the rest of the closing still runs
                 logger.warning("waiting for the device copies under way at close: %s", exc)
         super().close()

@@ -21,6 +21,7 @@ from kv_transfer.config import TransferConfig
 from kv_transfer.factory import create_connector
 from kv_transfer.messages import CudaIpcCache, NixlAgentInfo, NixlShardInfo
 from kv_transfer.nixl_connector import _NixlPeer
+from kv_transfer.shards import HeadSegment
 from kv_transfer.side_channel_connector import Peer
 from tests.kernels.conftest import gpu, requires_cuda
 from tests.kv_transfer.helpers import poll_until
@@ -53,7 +54,7 @@ def test_a_copy_read_puts_each_remote_block_into_its_local_block(scattered, monk
         remote_ids, local_ids = [*range(5, 15), *range(30, 40)], [*range(10, 20), *range(22, 32)]
     copied = []
     monkeypatch.setattr(cuda_ipc, "_gather_scatter", lambda *a, f=cuda_ipc._gather_scatter: (copied.append(1), f(*a)))
-    read = cuda_ipc.CopyRead(local, remote, local_ids, remote_ids, stream=None)
+    read = cuda_ipc.CopyRead([(local, remote)], local_ids, remote_ids, streams=None)
     assert read.is_done()
     assert torch.equal(local[local_ids], remote[remote_ids])
     untouched = sorted(set(range(40)) - set(local_ids))
@@ -81,10 +82,10 @@ def test_the_offer_rides_nixls_handshake_and_an_older_holders_info_decodes_witho
 def test_a_host_memory_cache_is_never_offered_nor_mapped():
     connector = create_connector(TransferConfig(backend="nixl"), torch.zeros(48, 3, 2, 16, 2, 16), LAYOUT, "p")
     try:
-        assert connector._offer is None and connector._probe_offer is None
+        assert connector._offers == [] and connector._probe_offers == []
         info = NixlAgentInfo(agent_metadata=b"m", shards=[NixlShardInfo(1, 2, 3, 4, 0, 2, 0)], num_blocks=48,
                              mem_type="VRAM", cuda_ipc=OFFER)
-        assert connector._device_copy_cache(info) is None
+        assert connector._device_copies(info) is None
         assert cuda_ipc.route(OFFER, torch.zeros(1), "auto") is None
     finally:
         connector.close()
@@ -117,6 +118,10 @@ def test_a_peers_cache_is_copied_from_this_gpu_or_another_of_this_host_as_the_mo
     assert cuda_ipc.route(msgspec.structs.replace(offer, shape=[48, 3, 2, 16, 2, 8]), _GpuCache(), "auto") is None
     assert cuda_ipc.route(msgspec.structs.replace(offer, dtype="bfloat16"), _GpuCache(), "auto") is None
     assert cuda_ipc.route(OFFER, _GpuCache(), "auto") is None  # its view leaves the memory it shares
+    # a rank's cache of other heads than ours (tensor parallelism): copied head by head
+    one_head = msgspec.structs.replace(offer, shape=[48, 3, 2, 16, 1, 16], stride=[1536, 512, 256, 16, 16, 1],
+                                       size_bytes=48 * 1536 * 4)
+    assert cuda_ipc.route(one_head, _GpuCache(), "auto") == "same-gpu"
 
 
 def test_the_probe_is_the_same_bytes_wherever_made_and_one_byte_off_fails_it():
@@ -195,9 +200,10 @@ def test_a_connector_takes_a_peer_on_another_gpu_only_with_a_probe_that_passes(p
                    "on-another-gpu": msgspec.structs.replace(PROBE, gpu_uuid="GPU-9")}.get(probe, PROBE)
         info = NixlAgentInfo(agent_metadata=b"m", shards=[NixlShardInfo(1, 2, 3, 4, 0, 2, 0)], num_blocks=48,
                              mem_type="VRAM", cuda_ipc=OFFER, cuda_ipc_probe=offered)
-        mapped = connector._device_copy_cache(info)
-        assert (mapped is not None) == (probe == "equal")
-        assert mapped is None or (mapped.route == cuda_ipc.PEER_GPU and mapped.is_mapped)
+        copies = connector._device_copies(info)  # an older holder's info: one cache, one probe
+        assert (copies is not None) == (probe == "equal")
+        assert copies is None or copies.route == cuda_ipc.PEER_GPU
+        assert copies is None or all(mapped.is_mapped for mapped in copies.mapped.values())
     finally:
         connector.close()
 
@@ -220,12 +226,17 @@ def test_a_peers_mapping_is_let_go_when_idle_and_made_again_at_the_next_read(mon
     connector = create_connector(TransferConfig(backend="nixl"), torch.zeros(48, 3, 2, 16, 2, 16), LAYOUT, "p")
     try:
         connector._peers["holder"] = Peer("holder", "127.0.0.1:1", LAYOUT, None,
-                                          handle=_NixlPeer("holder-agent", None, [], mapped))
+                                          handle=_NixlPeer("holder-agent", None, [], _copies(mapped)))
         mapped._used_at -= cuda_ipc.IDLE_RELEASE_S + 1
         assert connector.poll() == [] and not mapped.is_mapped
     finally:
         connector._peers.clear()
         connector.close()
+
+
+def _copies(mapped: cuda_ipc.MappedCache) -> cuda_ipc.PeerCopies:
+    """One cache of all LAYOUT's heads mapped for one of ours on the CPU."""
+    return cuda_ipc.PeerCopies([HeadSegment(0, 0, 0, LAYOUT.num_kv_heads)], {(0, torch.device("cpu")): mapped})
 
 
 def test_an_offer_whose_view_leaves_its_memory_is_not_taken():
@@ -253,7 +264,7 @@ def test_a_copy_that_cannot_start_leaves_the_read_and_the_peers_next_ones_to_ucx
     connector, cache = reader("nixl")
     mapped = cuda_ipc.MappedCache(OFFER, torch.device("cpu"), cuda_ipc.SAME_GPU)
     monkeypatch.setattr(cuda_ipc, "open_cache", lambda offer, device: torch.zeros(1))
-    monkeypatch.setattr(connector, "_device_copy_cache", lambda info: mapped)
+    monkeypatch.setattr(connector, "_device_copies", lambda info: _copies(mapped))
 
     class Refused(cuda_ipc.CopyRead):
         def __init__(self, *args) -> None:

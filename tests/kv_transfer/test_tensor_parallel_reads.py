@@ -136,3 +136,50 @@ def test_equal_splits_merge_like_one_rank_and_a_part_of_a_rank_costs_a_run_per_t
     assert len(split.lengths) == 2 * len(blocks) * LAYOUT.num_layers * 2 * LAYOUT.block_size
     whole = len(blocks) * LAYOUT.block_numel * 4
     assert one.lengths.sum() == equal.lengths.sum() == split.lengths.sum() == whole
+
+
+@pytest.mark.parametrize(("holder_ranges", "reader_ranges"), [split[:2] for split in SPLITS])
+def test_device_copies_give_every_reader_rank_its_own_heads(holder_ranges, reader_ranges, holders, monkeypatch):
+    """The holder's rank caches offered over CUDA IPC (kv_transfer.cuda_ipc) and copied head run by
+    head run into the reader's ranks, on the CPU: a mapping of a holder rank's cache stands in as that
+    rank's heads of the holder's blocks, the route as one GPU. Each read is a device copy, confirmed
+    with the live holder as a NIXL read is, and every reader rank gets exactly its own heads."""
+    from kv_transfer import cuda_ipc
+    from kv_transfer.messages import CudaIpcCache
+
+    holder = holders("nixl", seed=4, storage="block", head_ranges=holder_ranges)
+    shards = reader_shards(reader_ranges, "block")
+    layout = msgspec.structs.replace(LAYOUT, kv_head_ranges=reader_ranges)
+    connector = create_connector(TransferConfig(backend="nixl"), shards, layout, "reader")
+    ranks = {f"rank{i}".encode(): holder.cache[..., start:stop, :].contiguous()
+             for i, (start, stop) in enumerate(holder_ranges)}
+    offers = [CudaIpcCache(gpu_uuid="GPU-1", handle=name, size_bytes=cache.numel() * 4, offset_bytes=0,
+                           ref_counter_handle=b"r", ref_counter_offset=0, event_handle=None,
+                           event_sync_required=False, shape=list(cache.shape), stride=list(cache.stride()),
+                           storage_offset=0, dtype="float32") for name, cache in ranks.items()]
+    monkeypatch.setattr(cuda_ipc, "open_cache", lambda offer, device: ranks[offer.handle])
+    monkeypatch.setattr(cuda_ipc, "route", lambda offer, cache, mode: cuda_ipc.SAME_GPU)
+    real = connector._device_copies  # NOTE: a holder on the CPU offers none: here, what one on a GPU would
+    monkeypatch.setattr(connector, "_device_copies",
+                        lambda info: real(msgspec.structs.replace(info, cuda_ipc_shards=offers)))
+    try:
+        rng = random.Random(2)
+        free = list(range(LAYOUT.num_blocks))
+        rng.shuffle(free)
+        plans = {}
+        for i, n in enumerate([1, 3, 20]):  # the last gathered and scattered (more than 16 runs)
+            remote, local = rng.sample(range(LAYOUT.num_blocks), n), [free.pop() for _ in range(n)]
+            plans[f"r{i}"] = (remote, local)
+            connector.start_read(f"r{i}", holder.lease(f"r{i}", remote), local)
+            results = poll_until(connector, {f"r{i}"}, timeout_s=30)
+            assert all(r.is_ok for r in results.values()), [r.error for r in results.values()]
+        assert connector.num_device_copy_reads == len(plans)
+        for request_id, (remote, local) in plans.items():
+            for shard in shards:
+                heads = shard.kv_heads
+                assert torch.equal(shard.cache[local], holder.cache[remote][..., heads.start : heads.stop, :]), \
+                    (request_id, heads)
+        untouched = sorted(set(range(LAYOUT.num_blocks)) - {b for _, local in plans.values() for b in local})
+        assert all(shard.cache[untouched].isnan().all() for shard in shards)
+    finally:
+        connector.close()
