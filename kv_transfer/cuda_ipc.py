@@ -202,6 +202,18 @@ def runs(local_ids: list[int], remote_ids: list[int]) -> list[tuple[int, int, in
     return out
 
 
+def mapping_devices(segments: list, local_devices: list[torch.device]) -> dict[int, torch.device] | None:
+    """The device each peer rank's cache is mapped on: that of our ranks its heads go to (segments:
+    kv_transfer.shards.HeadSegment; local_devices: each of our ranks' cache's); None where a peer rank
+    feeds ranks of ours on two devices (torch and CUDA map a handle once in a process)."""
+    devices: dict[int, torch.device] = {}
+    for segment in segments:
+        device = local_devices[segment.local_rank]
+        if devices.setdefault(segment.remote_rank, device) != device:
+            return None
+    return devices
+
+
 class PeerCopies:
     """How a peer's blocks are copied here: for each run of heads (kv_transfer.shards.HeadSegment:
     one, all heads, between two caches of one rank each), the peer rank's cache mapped on the device
@@ -225,10 +237,11 @@ class CopyRead:
     """A read's copies: for each piece (our view, the peer's view: a cache's heads, or all of it),
     ours[local_ids] = theirs[remote_ids], run by run where there are few runs, else gathered and
     scattered through a bounded staging buffer, on the stream streams gives our view's device (none:
-    the current one). is_done() says whether they have all run (never waits)."""
+    the current one), each after what this process queued before on its device and on after's.
+    is_done() says whether they have all run (never waits)."""
 
     def __init__(self, pieces: list[tuple[torch.Tensor, torch.Tensor]], local_ids: list[int], remote_ids: list[int],
-                 streams: dict[torch.device, torch.cuda.Stream] | None) -> None:
+                 streams: dict[torch.device, torch.cuda.Stream] | None, after: torch.device | None = None) -> None:
         self._remote = [theirs for _, theirs in pieces]  # NOTE: kept until done: the mappings must outlive the copies
         self._events = []
         streams = streams or {}
@@ -238,6 +251,8 @@ class CopyRead:
                 # NOTE: after what this process queued before: a step still in flight may write blocks
                 # the scheduler has since handed to this read (a request that finished a step late)
                 stream.wait_stream(torch.cuda.current_stream(device))
+                if after is not None and after.type == "cuda" and after != device:
+                    stream.wait_stream(torch.cuda.current_stream(after))
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 for ours, theirs in pieces:
                     if ours.device == device:

@@ -237,10 +237,11 @@ class NixlConnector(SideChannelConnector):
                                 self._device_copies(info))
 
     def _device_copies(self, info: NixlAgentInfo) -> cuda_ipc.PeerCopies | None:
-        """The peer's caches mapped here, each on the device of our rank that takes its heads, where
+        """The peer's caches mapped here, each on the device of our ranks that take its heads, where
         every such pair is on one GPU or (its probe copied from there equal) on two GPUs of this host,
-        the caches alike but for the heads they hold, and copies are allowed
-        (TransferConfig.device_copy); else None (NIXL reads)."""
+        the caches alike but for the heads they hold, no peer rank feeds ranks of ours on two devices
+        (a process maps a handle once), and copies are allowed (TransferConfig.device_copy); else None
+        (NIXL reads)."""
         offers = info.cuda_ipc_shards or ([info.cuda_ipc] if info.cuda_ipc is not None else [])
         if len(offers) != len(info.shards) or any(
                 offer.shape[:1] != [info.num_blocks] or offer.shape[4:5] != [s.kv_head_stop - s.kv_head_start]
@@ -248,6 +249,9 @@ class NixlConnector(SideChannelConnector):
             return None
         probes = info.cuda_ipc_probes or ([info.cuda_ipc_probe] if info.cuda_ipc_probe is not None else [])
         segments = head_segments(head_ranges(self.shards), [(s.kv_head_start, s.kv_head_stop) for s in info.shards])
+        devices = cuda_ipc.mapping_devices(segments, [shard.cache.device for shard in self.shards])
+        if devices is None:
+            return None
         mapped: dict[tuple[int, torch.device], cuda_ipc.MappedCache] = {}
         for segment in segments:
             cache = self.shards[segment.local_rank].cache
@@ -309,7 +313,10 @@ class NixlConnector(SideChannelConnector):
                 remote = copies.mapped[segment.remote_rank, shard.cache.device].get()
                 pieces.append((shard.cache[:, :, :, :, segment.start - ours:segment.stop - ours],
                                remote[:, :, :, :, segment.start - theirs:segment.stop - theirs]))
-            read.handle = cuda_ipc.CopyRead(pieces, read.local_block_ids, read.remote_block_ids, self._copy_streams)
+            # NOTE: after rank 0's device too: a worker rank's writes of a step are ordered only through the
+            # collective rank 0 waits on there (engine.wait_for_kv_writes), not on its own device here
+            read.handle = cuda_ipc.CopyRead(pieces, read.local_block_ids, read.remote_block_ids, self._copy_streams,
+                                            after=self.kv_cache.device)
         except Exception as exc:  # noqa: BLE001 - torch raises its own types: UCX carries this read instead
             try:
                 for stream in self._copy_streams.values():

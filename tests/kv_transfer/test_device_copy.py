@@ -391,3 +391,16 @@ def test_a_confirmation_awaited_is_a_socket_the_nodes_loop_waits_on():
 def test_an_unknown_device_copy_mode_is_refused_naming_the_modes():
     with pytest.raises(ValueError, match=r"device_copy must be one of \('auto', 'same-gpu', 'off'\), got 'peer'"):
         TransferConfig(backend="nixl", device_copy="peer")
+
+
+def test_a_peer_rank_feeding_our_ranks_on_two_devices_is_left_to_ucx():
+    """A process maps a peer's handle once (torch keeps one mapping per handle, CUDA opens it once):
+    each peer rank's cache is mapped on the one device of our ranks its heads go to, or none is."""
+    a, b = torch.device("cuda", 0), torch.device("cuda", 1)
+    one_to_two = [HeadSegment(0, 0, 0, 2), HeadSegment(1, 0, 2, 4)]  # 1P + 1D(TP=2)
+    assert cuda_ipc.mapping_devices(one_to_two, [a, a]) == {0: a}  # the ranks share a GPU
+    assert cuda_ipc.mapping_devices(one_to_two, [a, b]) is None
+    equal = [HeadSegment(0, 0, 0, 2), HeadSegment(1, 1, 2, 4)]  # TP=2 on both sides
+    assert cuda_ipc.mapping_devices(equal, [a, b]) == {0: a, 1: b}
+    two_to_one = [HeadSegment(0, 0, 0, 2), HeadSegment(0, 1, 2, 4)]
+    assert cuda_ipc.mapping_devices(two_to_one, [b]) == {0: b, 1: b}
